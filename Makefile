@@ -1,0 +1,30 @@
+# The README's two commands:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# This machine has a local CPU build of torch 2.13.0; a looser spec would pull a
+# multi-GB CUDA build.  pyproject.toml states the real compatible range for users.
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= nvfp4,dashboard,wandb,test
+
+.PHONY: setup demo test bench clean
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
+	touch $@
+
+demo: setup
+	$(BIN)/triage-monitor demo --out runs/demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

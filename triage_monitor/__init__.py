@@ -1,0 +1,13 @@
+"""triage-monitor: learner–sampler mismatch monitoring and TRIAGE loss weights for low-precision LLM RL.
+
+Data flows one way: hooks → :class:`TokenBatch` → :class:`MismatchMonitor`
+(metrics, Parquet records, alerts) and :class:`TriageController` (per-token
+loss weights); offline, :mod:`triage_monitor.analysis` reads the run directory.
+See SPEC.md for every term.
+"""
+
+__version__ = "0.1.0"
+
+from .batch import InvalidTokenError, TokenBatch  # noqa: E402
+
+__all__ = ["TokenBatch", "InvalidTokenError", "__version__"]

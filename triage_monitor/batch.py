@@ -1,0 +1,502 @@
+"""TokenBatch: one step's valid tokens in the canonical flat layout.
+
+Every framework lays its per-token tensors out differently (SPEC.md §7):
+padded ``(B, T)`` with a loss mask, packed 1-D with ``cu_seqlens``, or a list
+of 1-D per-sample tensors.  :class:`TokenBatch` turns each of them into one
+flat layout that metrics, records and the controller share:
+
+* ``N`` valid (masked-in) tokens, ordered by sample then position;
+* ``S`` responses (samples), ordered by ``sample_id``;
+* per token: ``learner_logp``, ``sampler_logp``, ``advantage`` (float, nats
+  for the log-probs), ``sample_index`` (int64 in ``[0, S)``) and ``position``
+  (zero-based index inside the response *before* masking, SPEC.md §2);
+* per sample: ``sample_id``, ``group_id`` (int64) and ``num_valid`` (n_i).
+
+The batch remembers where each flat token came from, so per-token results
+(Gate weights, ...) can be scattered back to the caller's layout with
+:meth:`TokenBatch.scatter`.
+
+Validation follows SPEC.md §8: shapes, dtypes and devices are checked with
+errors naming the argument and the shapes; invalid values (non-finite or
+positive log-probs, padding sentinels, non-finite advantages) either raise a
+:class:`InvalidTokenError` naming the field, the sample, the position and the
+value (``on_invalid="raise"``, the default) or are quarantined
+(``on_invalid="quarantine"``): excluded from the flat tokens, counted in
+:attr:`TokenBatch.quarantine` and kept visible in
+:attr:`TokenBatch.quarantined` for the records.  Nothing is silently
+neutralised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+Tensor = torch.Tensor
+
+#: A log-probability above this is impossible (log p <= 0); the slack allows
+#: for bf16 rounding of log p = 0.
+POSITIVE_LOGP_TOLERANCE = 1e-3
+#: |log p| at or above this is read as a padding sentinel (-1e10, -9999, ...),
+#: not as a real log-probability.  float32 log-softmax of a real vocabulary
+#: cannot go below about -104 (log of the smallest normal float).
+SENTINEL_ABS_LOGP = 1e3
+
+INVALID_REASONS = (
+    "nonfinite_learner_logp",
+    "nonfinite_sampler_logp",
+    "positive_learner_logp",
+    "positive_sampler_logp",
+    "sentinel_learner_logp",
+    "sentinel_sampler_logp",
+    "nonfinite_advantage",
+)
+
+
+class InvalidTokenError(ValueError):
+    """A valid (masked-in) token carries an impossible value (SPEC.md §8).
+
+    Attributes: ``field`` (argument name), ``sample`` (caller's row / sample
+    index), ``position`` (token position inside the response), ``value``
+    (the offending float) and ``reason`` (one of :data:`INVALID_REASONS`).
+    """
+
+    def __init__(self, field: str, sample: int, position: int, value: float, reason: str, count: int):
+        self.field, self.sample, self.position, self.value, self.reason, self.count = (
+            field, sample, position, value, reason, count)
+        super().__init__(
+            f"{field}[sample={sample}, position={position}] = {value!r}: {reason.replace('_', ' ')} "
+            f"({count} such token(s) in this batch; pass on_invalid='quarantine' to exclude and count them)")
+
+
+@dataclass
+class TokenBatch:
+    """One step's valid tokens, flat (see module docstring).
+
+    Attributes (N valid tokens, S samples):
+        learner_logp: ``(N,)`` float, nats.  Keeps the caller's dtype and
+            autograd graph, so the controller's Repair term can back-propagate.
+        sampler_logp: ``(N,)`` float, nats, detached.
+        advantage: ``(N,)`` float, detached (per-sample advantages broadcast).
+        sample_index: ``(N,)`` int64 in ``[0, S)``.
+        position: ``(N,)`` int64, position inside the response before masking.
+        sample_id: ``(S,)`` int64, unique within the step, ascending.
+        group_id: ``(S,)`` int64 (prompt / GRPO group); ``-1`` when unknown.
+        num_valid: ``(S,)`` int64, valid tokens per sample (n_i); can be 0.
+        quarantine: counts of quarantined tokens per reason.
+        quarantined: ``dict`` of flat tensors (sample_id, position,
+            learner_logp, sampler_logp, advantage, reason code) of the
+            quarantined tokens, for the records.
+    """
+
+    learner_logp: Tensor
+    sampler_logp: Tensor
+    advantage: Tensor
+    sample_index: Tensor
+    position: Tensor
+    sample_id: Tensor
+    group_id: Tensor
+    num_valid: Tensor
+    quarantine: dict = field(default_factory=dict)
+    quarantined: Optional[dict] = None
+    # where each flat token sits in the caller's flattened layout
+    _source_index: Optional[Tensor] = None
+    _layout: tuple = ("flat",)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_tokens(self) -> int:
+        """N, the number of valid tokens."""
+        return int(self.learner_logp.shape[0])
+
+    @property
+    def num_samples(self) -> int:
+        """S, the number of responses."""
+        return int(self.sample_id.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.learner_logp.device
+
+    @property
+    def delta(self) -> Tensor:
+        """``(N,)`` float32, detached: δ = learner_logp − sampler_logp (nats, SPEC.md §2)."""
+        return self.learner_logp.detach().float() - self.sampler_logp.float()
+
+    def detach(self) -> "TokenBatch":
+        """A copy whose ``learner_logp`` carries no autograd graph."""
+        out = TokenBatch(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        out.learner_logp = self.learner_logp.detach()
+        return out
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "TokenBatch":
+        """Move every tensor (not the scatter map's meaning) to ``device``."""
+        kw = {}
+        for k in self.__dataclass_fields__:
+            v = getattr(self, k)
+            kw[k] = v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
+        return TokenBatch(**kw)
+
+    # ---------------------------------------------------------------- scatter
+    def scatter(self, values: Tensor, fill: float = 0.0) -> Union[Tensor, list]:
+        """Scatter per-token ``values`` ``(N,)`` back to the caller's layout.
+
+        Returns a ``(B, T)`` tensor for :meth:`from_padded`, an ``(N_total,)``
+        tensor for :meth:`from_packed`, a list of 1-D tensors for
+        :meth:`from_list`, and ``values`` itself for :meth:`from_flat`.
+        Positions that held no valid token get ``fill``.  Differentiable.
+
+        Raises:
+            ValueError: ``values`` is not of shape ``(N,)``.
+        """
+        if values.shape != (self.num_tokens,):
+            raise ValueError(f"scatter: values has shape {tuple(values.shape)}, expected ({self.num_tokens},)")
+        kind = self._layout[0]
+        if kind == "flat":
+            return values
+        total = self._layout[1]
+        out = torch.full((total,), fill, dtype=values.dtype, device=values.device)
+        out = out.index_put((self._source_index.to(values.device),), values)
+        if kind == "padded":
+            return out.view(self._layout[2])
+        if kind == "packed":
+            return out
+        lengths = self._layout[2]
+        return list(torch.split(out, lengths))
+
+    # ----------------------------------------------------------- constructors
+    @classmethod
+    def from_padded(
+        cls,
+        learner_logp: Tensor,
+        sampler_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        sample_ids: Optional[Tensor] = None,
+        group_ids: Optional[Tensor] = None,
+        positions: Optional[Tensor] = None,
+        on_invalid: str = "raise",
+    ) -> "TokenBatch":
+        """Build from padded ``(B, T)`` tensors (verl, TRL, OpenRLHF, SkyRL, NeMo RL).
+
+        Args:
+            learner_logp, sampler_logp: ``(B, T)`` float log-probs (nats).
+            advantages: ``(B, T)`` per token or ``(B,)`` per sample (GRPO).
+            mask: ``(B, T)`` bool or 0/1 loss mask (1 = token carries loss).
+                Padded positions must be masked out; their values are never read.
+            sample_ids, group_ids: optional ``(B,)`` int ids (default: row index, -1).
+            positions: optional ``(B, T)`` int positions; default is the column
+                index, right for right-padded response tensors.  Pass positions
+                for left-padded layouts.
+            on_invalid: ``"raise"`` or ``"quarantine"`` (see module docstring).
+
+        Raises:
+            ValueError: shapes, dtypes or devices disagree (the message names
+                the argument and the shapes); InvalidTokenError on bad values.
+        """
+        _check_float("learner_logp", learner_logp)
+        _check_float("sampler_logp", sampler_logp)
+        if learner_logp.dim() != 2:
+            raise ValueError(f"learner_logp must be (B, T), got shape {tuple(learner_logp.shape)}")
+        B, T = learner_logp.shape
+        _check_shape("sampler_logp", sampler_logp, (B, T), "learner_logp")
+        mask = _check_mask("mask", mask, (B, T), "learner_logp")
+        _check_same_device(learner_logp, sampler_logp=sampler_logp, advantages=advantages, mask=mask)
+        if positions is None:
+            positions = torch.arange(T, device=learner_logp.device).expand(B, T)
+        else:
+            _check_shape("positions", positions, (B, T), "learner_logp")
+        adv = _broadcast_advantages(advantages, B, T)
+        rows = torch.arange(B, device=learner_logp.device).unsqueeze(1).expand(B, T)
+        flat_mask = mask.reshape(-1)
+        source = torch.nonzero(flat_mask, as_tuple=False).squeeze(1)
+        return cls._build(
+            learner_logp.reshape(-1)[source], sampler_logp.reshape(-1)[source], adv.reshape(-1)[source],
+            rows.reshape(-1)[source], positions.reshape(-1)[source].long(), B,
+            sample_ids, group_ids, on_invalid, source, ("padded", B * T, (B, T)))
+
+    @classmethod
+    def from_packed(
+        cls,
+        learner_logp: Tensor,
+        sampler_logp: Tensor,
+        advantages: Tensor,
+        cu_seqlens: Tensor,
+        mask: Optional[Tensor] = None,
+        *,
+        sample_ids: Optional[Tensor] = None,
+        group_ids: Optional[Tensor] = None,
+        on_invalid: str = "raise",
+    ) -> "TokenBatch":
+        """Build from packed 1-D tensors with ``cu_seqlens`` (varlen / remove-padding layouts).
+
+        Args:
+            learner_logp, sampler_logp: ``(N_total,)`` float log-probs (nats).
+            advantages: ``(N_total,)`` per token or ``(S,)`` per sample.
+            cu_seqlens: ``(S + 1,)`` int cumulative lengths, starting at 0 and
+                ending at ``N_total``; position = index − ``cu_seqlens[s]``.
+            mask: optional ``(N_total,)`` loss mask (default: all tokens valid).
+
+        Raises:
+            ValueError: malformed ``cu_seqlens`` or shapes; InvalidTokenError.
+        """
+        _check_float("learner_logp", learner_logp)
+        _check_float("sampler_logp", sampler_logp)
+        if learner_logp.dim() != 1:
+            raise ValueError(f"learner_logp must be 1-D packed (N_total,), got shape {tuple(learner_logp.shape)}")
+        n_total = learner_logp.shape[0]
+        _check_shape("sampler_logp", sampler_logp, (n_total,), "learner_logp")
+        cu = torch.as_tensor(cu_seqlens, device=learner_logp.device).long()
+        if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != n_total or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to N_total={n_total}, got {cu.tolist()[:8]}...")
+        S = cu.numel() - 1
+        lengths = cu[1:] - cu[:-1]
+        rows = torch.repeat_interleave(torch.arange(S, device=cu.device), lengths)
+        pos = torch.arange(n_total, device=cu.device) - cu[:-1][rows]
+        if mask is None:
+            mask = torch.ones(n_total, dtype=torch.bool, device=learner_logp.device)
+        mask = _check_mask("mask", mask, (n_total,), "learner_logp")
+        _check_same_device(learner_logp, sampler_logp=sampler_logp, advantages=advantages, mask=mask)
+        adv = torch.as_tensor(advantages)
+        if adv.shape == (S,) and S != n_total:
+            adv = adv[rows]
+        elif adv.shape != (n_total,):
+            raise ValueError(f"advantages must be ({n_total},) per token or ({S},) per sample, got {tuple(adv.shape)}")
+        source = torch.nonzero(mask, as_tuple=False).squeeze(1)
+        return cls._build(
+            learner_logp[source], sampler_logp[source], adv[source], rows[source], pos[source], S,
+            sample_ids, group_ids, on_invalid, source, ("packed", n_total))
+
+    @classmethod
+    def from_list(
+        cls,
+        learner_logp: Sequence[Tensor],
+        sampler_logp: Sequence[Tensor],
+        advantages: Union[Sequence[Tensor], Sequence[float], Tensor],
+        masks: Optional[Sequence[Tensor]] = None,
+        *,
+        sample_ids: Optional[Tensor] = None,
+        group_ids: Optional[Tensor] = None,
+        on_invalid: str = "raise",
+    ) -> "TokenBatch":
+        """Build from lists of 1-D per-sample tensors (slime, prime-rl).
+
+        Args:
+            learner_logp, sampler_logp: ``S`` tensors of shape ``(L_i,)``.
+            advantages: ``S`` tensors ``(L_i,)``, or ``S`` scalars / ``(S,)`` tensor.
+            masks: optional ``S`` loss masks ``(L_i,)``.
+
+        Raises:
+            ValueError: list lengths or per-sample shapes disagree; InvalidTokenError.
+        """
+        S = len(learner_logp)
+        if len(sampler_logp) != S:
+            raise ValueError(f"sampler_logp has {len(sampler_logp)} samples, learner_logp has {S}")
+        lengths = [int(t.shape[0]) for t in learner_logp]
+        for i, (a, b) in enumerate(zip(learner_logp, sampler_logp)):
+            if a.dim() != 1 or b.shape != a.shape:
+                raise ValueError(f"sample {i}: learner_logp shape {tuple(a.shape)} and sampler_logp shape "
+                                 f"{tuple(b.shape)} must be equal and 1-D")
+        if isinstance(advantages, Tensor) and advantages.dim() == 1 and advantages.shape[0] == S:
+            adv_list = [advantages[i].expand(lengths[i]) for i in range(S)]
+        elif len(advantages) == S:
+            adv_list = []
+            for i, a in enumerate(advantages):
+                a = torch.as_tensor(a, dtype=torch.float32)
+                if a.dim() == 0:
+                    a = a.expand(lengths[i])
+                if a.shape != (lengths[i],):
+                    raise ValueError(f"advantages[{i}] has shape {tuple(a.shape)}, expected ({lengths[i]},) or a scalar")
+                adv_list.append(a)
+        else:
+            raise ValueError(f"advantages must hold {S} entries, got {len(advantages)}")
+        if masks is not None:
+            if len(masks) != S:
+                raise ValueError(f"masks has {len(masks)} samples, learner_logp has {S}")
+            for i, m in enumerate(masks):
+                if tuple(m.shape) != (lengths[i],):
+                    raise ValueError(f"masks[{i}] has shape {tuple(m.shape)}, expected ({lengths[i]},)")
+            mask = torch.cat([torch.as_tensor(m) for m in masks]) if S else torch.zeros(0, dtype=torch.bool)
+        else:
+            mask = None
+        dev = learner_logp[0].device if S else torch.device("cpu")
+        cu = torch.tensor([0] + lengths, device=dev).cumsum(0)
+        cat = (lambda ts: torch.cat(list(ts)) if S else torch.zeros(0))
+        batch = cls.from_packed(cat(learner_logp), cat(sampler_logp), cat(adv_list).to(dev), cu,
+                                None if mask is None else mask.to(dev),
+                                sample_ids=sample_ids, group_ids=group_ids, on_invalid=on_invalid)
+        batch._layout = ("list", batch._layout[1], lengths)
+        return batch
+
+    @classmethod
+    def from_flat(
+        cls,
+        learner_logp: Tensor,
+        sampler_logp: Tensor,
+        advantage: Tensor,
+        sample_id: Tensor,
+        position: Tensor,
+        *,
+        group_id: Optional[Tensor] = None,
+        on_invalid: str = "raise",
+    ) -> "TokenBatch":
+        """Build from flat token rows, as stored in the Parquet records.
+
+        Args: all ``(N,)``: log-probs (nats), advantage, ``sample_id`` (int64)
+        and ``position`` (int64) per token; ``group_id`` per token or None.
+        Rows may come in any order; the batch sorts them by (sample_id, position).
+
+        Raises:
+            ValueError: shapes disagree or a (sample_id, position) pair repeats.
+        """
+        n = learner_logp.shape[0]
+        for name, t in (("sampler_logp", sampler_logp), ("advantage", advantage), ("sample_id", sample_id),
+                        ("position", position)):
+            _check_shape(name, t, (n,), "learner_logp")
+        sid = sample_id.long()
+        pos = position.long()
+        uniq, inverse = torch.unique(sid, sorted=True, return_inverse=True)
+        key = inverse * (int(pos.max()) + 1 if n else 1) + pos
+        order = torch.argsort(key, stable=True)
+        if n > 1 and bool((key[order][1:] == key[order][:-1]).any()):
+            raise ValueError("from_flat: a (sample_id, position) pair occurs twice")
+        gid = None
+        if group_id is not None:
+            g = torch.full((uniq.numel(),), -1, dtype=torch.long)
+            g[inverse] = group_id.long()
+            gid = g
+        return cls._build(learner_logp[order], sampler_logp[order], advantage[order], inverse[order], pos[order],
+                          uniq.numel(), uniq, gid, on_invalid, None, ("flat",), presorted=True)
+
+    # ------------------------------------------------------------------ core
+    @classmethod
+    def _build(cls, learner, sampler, adv, rows, pos, num_rows, sample_ids, group_ids, on_invalid, source, layout,
+               presorted: bool = False) -> "TokenBatch":
+        if on_invalid not in ("raise", "quarantine"):
+            raise ValueError(f"on_invalid must be 'raise' or 'quarantine', got {on_invalid!r}")
+        dev = learner.device
+        sampler = sampler.detach()
+        adv = adv.detach().to(dev)
+        if not torch.is_floating_point(adv):
+            adv = adv.float()
+        ids = (torch.arange(num_rows, device=dev) if sample_ids is None
+               else torch.as_tensor(sample_ids, device=dev).long().reshape(-1))
+        if ids.shape != (num_rows,):
+            raise ValueError(f"sample_ids must have shape ({num_rows},), got {tuple(ids.shape)}")
+        gids = (torch.full((num_rows,), -1, dtype=torch.long, device=dev) if group_ids is None
+                else torch.as_tensor(group_ids, device=dev).long().reshape(-1))
+        if gids.shape != (num_rows,):
+            raise ValueError(f"group_ids must have shape ({num_rows},), got {tuple(gids.shape)}")
+
+        # --- value validation (SPEC.md §8) ---
+        codes = invalid_codes(learner.detach(), sampler, adv)
+        bad = codes >= 0
+        counts = {}
+        quarantined = None
+        if bool(bad.any()):
+            for c, name in enumerate(INVALID_REASONS):
+                n = int((codes == c).sum())
+                if n:
+                    counts[name] = n
+            first = int(torch.nonzero(bad)[0])
+            reason = INVALID_REASONS[int(codes[first])]
+            if on_invalid == "raise":
+                fld = {"learner": "learner_logp", "sampler": "sampler_logp", "advantage": "advantages"}[
+                    reason.split("_")[1] if "logp" in reason else "advantage"]
+                val = {"learner_logp": learner, "sampler_logp": sampler, "advantages": adv}[fld][first]
+                raise InvalidTokenError(fld, int(rows[first]), int(pos[first]), float(val), reason, int(bad.sum()))
+            quarantined = {
+                "sample_id": ids[rows[bad]].cpu(), "position": pos[bad].cpu(),
+                "learner_logp": learner.detach()[bad].float().cpu(), "sampler_logp": sampler[bad].float().cpu(),
+                "advantage": adv[bad].float().cpu(), "reason": codes[bad].cpu(),
+            }
+            keep = ~bad
+            learner, sampler, adv, rows, pos = learner[keep], sampler[keep], adv[keep], rows[keep], pos[keep]
+            if source is not None:
+                source = source[keep]
+
+        # --- canonical order: samples by sample_id ascending ---
+        if num_rows > 1 and not presorted:
+            if torch.unique(ids).numel() != num_rows:
+                raise ValueError(f"sample_ids must be unique within a step, got {ids.tolist()[:16]}")
+            if bool((ids[1:] < ids[:-1]).any()):
+                perm = torch.argsort(ids, stable=True)
+                rank = torch.empty_like(perm)
+                rank[perm] = torch.arange(num_rows, device=dev)
+                ids, gids = ids[perm], gids[perm]
+                rows = rank[rows]
+                order = torch.argsort(rows * (int(pos.max()) + 1 if pos.numel() else 1) + pos, stable=True)
+                learner, sampler, adv, rows, pos = learner[order], sampler[order], adv[order], rows[order], pos[order]
+                if source is not None:
+                    source = source[order]
+        num_valid = torch.bincount(rows, minlength=num_rows) if rows.numel() else torch.zeros(
+            num_rows, dtype=torch.long, device=dev)
+        return cls(learner_logp=learner, sampler_logp=sampler, advantage=adv, sample_index=rows.long(),
+                   position=pos.long(), sample_id=ids, group_id=gids, num_valid=num_valid, quarantine=counts,
+                   quarantined=quarantined, _source_index=source, _layout=layout)
+
+
+# ---------------------------------------------------------------- validation
+def invalid_codes(learner: Tensor, sampler: Tensor, adv: Tensor) -> Tensor:
+    """Per-token invalid-reason code ``(N,)`` int64: index into :data:`INVALID_REASONS`, or −1 if valid.
+
+    The first matching reason wins, in the order of :data:`INVALID_REASONS`.
+    """
+    codes = torch.full(learner.shape, -1, dtype=torch.long, device=learner.device)
+    checks = (
+        ~torch.isfinite(learner), ~torch.isfinite(sampler),
+        learner > POSITIVE_LOGP_TOLERANCE, sampler > POSITIVE_LOGP_TOLERANCE,
+        torch.isfinite(learner) & (learner.abs() >= SENTINEL_ABS_LOGP),
+        torch.isfinite(sampler) & (sampler.abs() >= SENTINEL_ABS_LOGP),
+        ~torch.isfinite(adv),
+    )
+    for c in reversed(range(len(checks))):
+        codes = torch.where(checks[c], torch.full_like(codes, c), codes)
+    return codes
+
+
+def _check_float(name: str, t) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not torch.is_floating_point(t):
+        raise TypeError(f"{name} must be a floating-point tensor of log-probs (nats), got dtype {t.dtype}")
+
+
+def _check_shape(name: str, t, shape: tuple, ref: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, but {ref} has shape {tuple(shape)}")
+
+
+def _check_mask(name: str, mask, shape: tuple, ref: str) -> Tensor:
+    _check_shape(name, mask, shape, ref)
+    if mask.dtype == torch.bool:
+        return mask
+    if torch.is_floating_point(mask) or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+            raise ValueError(f"{name} must be boolean-like (0/1), found {float(mask[idx])} at index {idx}")
+        return mask != 0
+    raise TypeError(f"{name} must be bool or 0/1 numeric, got dtype {mask.dtype}")
+
+
+def _check_same_device(ref: Tensor, **others) -> None:
+    for name, t in others.items():
+        if isinstance(t, Tensor) and t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device}, but learner_logp is on {ref.device}")
+
+
+def _broadcast_advantages(advantages, B: int, T: int) -> Tensor:
+    adv = torch.as_tensor(advantages)
+    if adv.shape == (B, T):
+        return adv
+    if adv.shape == (B,):
+        return adv.unsqueeze(1).expand(B, T)
+    if adv.shape == (B, 1):
+        return adv.expand(B, T)
+    raise ValueError(f"advantages must be ({B}, {T}) per token or ({B},) per sample, got {tuple(adv.shape)}")
