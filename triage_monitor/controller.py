@@ -1,0 +1,517 @@
+"""The TRIAGE controller: Gate weights, bounded Repair, TIS and loss normalisation (SPEC.md §4).
+
+One call per (micro-)batch::
+
+    ctrl = TriageController(TriageConfig())
+    out = ctrl(batch, step=step)                       # batch: TokenBatch (flat, N valid tokens)
+    pg = ppo_clip_loss(batch.learner_logp, old_logp, batch.advantage)
+    loss = weighted_policy_loss(pg, out.token_weights, batch) + out.repair_loss
+
+The controller changes the loss only.  All segment reductions go through
+:mod:`triage_monitor.segments` (no Python loop over segments or responses).
+
+Decisions that SPEC.md leaves open (documented here and in the docstrings):
+
+* **Valid repair segments** (SPEC.md §4.3 "Σφ / number of valid repair
+  segments"): the *in-scope* segments, i.e. the repair segments (≥ 1 valid
+  token) that can carry gradient: mean advantage > 0 for scopes
+  ``adv_positive`` and ``q2``, every segment for ``whole``.  Both Σφ and the
+  count run over these segments, so out-of-scope segments (whose φ would be a
+  constant) neither add to the loss value nor dilute the pull-up.  Source:
+  SPEC.md §4.3 ("only segments whose mean advantage is > 0 carry gradient")
+  read together with the task brief ("e.g. the in-scope ones").
+* **per_response** normalisation averages over responses with ≥ 1 valid token;
+  a response whose weight sum Σ_t w is 0 (all tokens gated or masked to 0)
+  contributes 0 to the numerator and still counts in the denominator, so
+  zeroing a whole response shrinks the step instead of inflating the others.
+* **Distributed** (``group`` given): numerator and denominator are all-reduced
+  (sum).  The returned value is the global loss on every rank, but the
+  gradient flows only through this rank's tokens: it is the gradient of the
+  global loss w.r.t. the local tokens.  A data-parallel wrapper that *averages*
+  gradients over W ranks (DDP/FSDP) then divides by W; multiply the loss by W
+  if you want the exact global gradient (verl does the same for its
+  ``global_token`` mode).
+* **Calibration** (SPEC.md §4.4): during the reference window the fixed
+  thresholds are used; calibrated ones apply from the first step after it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .batch import TokenBatch
+from .corrections import tis_weights as _tis_weights
+from .segments import Segments, segment_tokens
+
+Tensor = torch.Tensor
+
+GATE_SCOPES = ("q3", "whole")
+REPAIR_SCOPES = ("adv_positive", "q2", "whole")
+NORMALIZATIONS = ("per_response", "global_token")
+STATE_VERSION = 1
+
+
+# ------------------------------------------------------------------ config
+@dataclass
+class CalibrationConfig:
+    """Calibrated Gate thresholds from a reference window (SPEC.md §4.4).
+
+    Over the first ``window`` distinct steps the controller collects (a
+    deterministic, evenly strided subsample of at most ``max_values_per_step``
+    per step of) the gate-segment mean δ and the token δ; at the first later
+    step it sets ``neg_threshold`` / ``severe_threshold`` to the
+    ``neg_quantile`` / ``severe_quantile`` of the segment means and
+    ``delta_bad`` to the ``bad_quantile`` of the token δ (nats).  With a
+    process group the three values are averaged across ranks.  All micro-batch
+    calls of a step in the window contribute; a step number seen again (a
+    resumed job repeating steps) contributes again.
+    """
+
+    window: int = 25
+    neg_quantile: float = 0.05
+    severe_quantile: float = 0.01
+    bad_quantile: float = 0.001
+    max_values_per_step: int = 65536
+
+    def __post_init__(self):
+        if int(self.window) <= 0:
+            raise ValueError(f"CalibrationConfig.window must be a positive number of steps, got {self.window}")
+        if not (0.0 < self.severe_quantile < self.neg_quantile < 1.0):
+            raise ValueError("CalibrationConfig needs 0 < severe_quantile < neg_quantile < 1, got "
+                             f"severe_quantile={self.severe_quantile}, neg_quantile={self.neg_quantile}")
+        if not (0.0 < self.bad_quantile < 1.0):
+            raise ValueError(f"CalibrationConfig.bad_quantile must be in (0, 1), got {self.bad_quantile}")
+        if int(self.max_values_per_step) <= 0:
+            raise ValueError(f"CalibrationConfig.max_values_per_step must be > 0, got {self.max_values_per_step}")
+
+
+@dataclass
+class TriageConfig:
+    """TRIAGE settings; defaults are the published configuration (SPEC.md §4).
+
+    Gate (§4.1): ``gate_width`` W_gate tokens; ``neg_threshold`` / ``severe_threshold``
+    (nats, on the segment mean δ) with weights ``neg_weight`` / ``severe_weight``;
+    tail: ``k`` = #tokens with δ < ``delta_bad`` and tail weight
+    ``1 − (1 − tail_floor)·min(k / tail_count, 1)``; ``gate_scope`` ``"q3"`` | ``"whole"``.
+    Repair (§4.3): ``repair_width`` W_rep, ``repair_tau`` τ, ``repair_beta`` β,
+    ``repair_coef``, ``repair_scope`` ``"adv_positive"`` | ``"q2"`` | ``"whole"``,
+    ``repair_start_step`` (repair is 0 for ``step < repair_start_step``).
+    ``normalization`` (§4.2) is the default for :func:`weighted_policy_loss` users;
+    ``tis_clip`` = (lo, hi) for TIS (§4.5); ``calibration`` = None, a
+    :class:`CalibrationConfig` or a dict of its fields (§4.4).
+
+    Raises:
+        ValueError: on construction, naming the field and value, if
+            ``0 < severe_weight <= neg_weight <= 1``, ``severe_threshold < neg_threshold``,
+            positive widths / ``tail_count``, ``0 <= tail_floor <= 1``, ``repair_beta > 0``,
+            ``repair_coef >= 0``, ``repair_start_step >= 0``, ``0 <= lo < hi`` or a known
+            scope / normalisation does not hold.
+    """
+
+    gate: bool = True
+    repair: bool = True
+    tis: bool = True
+    gate_width: int = 64
+    gate_scope: str = "q3"
+    neg_threshold: float = -0.5
+    severe_threshold: float = -1.5
+    neg_weight: float = 0.3
+    severe_weight: float = 0.1
+    delta_bad: float = -6.0
+    tail_count: int = 2
+    tail_floor: float = 0.1
+    repair_width: int = 128
+    repair_tau: float = -0.03
+    repair_beta: float = math.sqrt(5e-4)
+    repair_coef: float = 0.015
+    repair_scope: str = "adv_positive"
+    repair_start_step: int = 0
+    normalization: str = "per_response"
+    tis_clip: Tuple[float, float] = (0.0, 2.0)
+    calibration: Optional[CalibrationConfig] = None
+
+    def __post_init__(self):
+        def bad(name, need):
+            raise ValueError(f"TriageConfig.{name} = {getattr(self, name)!r}: {need}")
+
+        for name in ("gate_width", "repair_width", "tail_count"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                bad(name, "must be a positive integer")
+        if not (0.0 < self.severe_weight <= self.neg_weight <= 1.0):
+            raise ValueError("TriageConfig needs 0 < severe_weight <= neg_weight <= 1, got "
+                             f"severe_weight={self.severe_weight}, neg_weight={self.neg_weight}")
+        for name in ("neg_threshold", "severe_threshold", "delta_bad", "repair_tau"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, "must be finite (nats)")
+        if not self.severe_threshold < self.neg_threshold:
+            raise ValueError("TriageConfig needs severe_threshold < neg_threshold, got "
+                             f"severe_threshold={self.severe_threshold}, neg_threshold={self.neg_threshold}")
+        if not (0.0 <= self.tail_floor <= 1.0):
+            bad("tail_floor", "must be in [0, 1]")
+        if not (self.repair_beta > 0 and math.isfinite(self.repair_beta)):
+            bad("repair_beta", "must be > 0")
+        if not (self.repair_coef >= 0 and math.isfinite(self.repair_coef)):
+            bad("repair_coef", "must be >= 0")
+        if not (isinstance(self.repair_start_step, int) and self.repair_start_step >= 0):
+            bad("repair_start_step", "must be an integer >= 0")
+        if self.gate_scope not in GATE_SCOPES:
+            bad("gate_scope", f"must be one of {GATE_SCOPES}")
+        if self.repair_scope not in REPAIR_SCOPES:
+            bad("repair_scope", f"must be one of {REPAIR_SCOPES}")
+        if self.normalization not in NORMALIZATIONS:
+            bad("normalization", f"must be one of {NORMALIZATIONS}")
+        try:
+            lo, hi = (float(x) for x in self.tis_clip)
+        except (TypeError, ValueError):
+            bad("tis_clip", "must be a pair (lo, hi) of floats")
+        if not (0.0 <= lo < hi):
+            bad("tis_clip", "needs 0 <= lo < hi")
+        self.tis_clip = (lo, hi)
+        if isinstance(self.calibration, dict):
+            self.calibration = CalibrationConfig(**self.calibration)
+        elif self.calibration is not None and not isinstance(self.calibration, CalibrationConfig):
+            bad("calibration", "must be None, a CalibrationConfig or a dict of its fields")
+
+
+# ------------------------------------------------------------------ output
+@dataclass
+class TriageOutput:
+    """Result of one controller call (N valid tokens of the batch).
+
+    Attributes:
+        gate_weights: ``(N,)`` float32, detached; 1.0 where the gate is off or not eligible.
+        tis_weights: ``(N,)`` float32, detached; ``clamp(exp(old_logp − sampler_logp), lo, hi)``
+            (ones when ``tis=False``).
+        token_weights: ``(N,)`` float32, detached; ``gate_weights · tis_weights``.
+        repair_loss: 0-dim float32, differentiable w.r.t. ``batch.learner_logp``.
+        stats: floats ``gate_weight_mean``, ``gate_downweighted_frac``, ``repair_loss``,
+            ``repair_active_frac``, ``tis_clip_frac`` (NaN for a ratio over zero tokens).
+    """
+
+    gate_weights: Tensor
+    tis_weights: Tensor
+    token_weights: Tensor
+    repair_loss: Tensor
+    stats: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------- functions
+def gate_segment_weights(delta: Tensor, advantage: Tensor, seg: Segments, neg_threshold: float,
+                         severe_threshold: float, delta_bad: float, neg_weight: float, severe_weight: float,
+                         tail_count: int, tail_floor: float) -> Tensor:
+    """Gate weight per segment ``(K,)`` float32 (SPEC.md §4.1).
+
+    Over each segment's valid tokens: ``seg_adv`` = mean A, ``seg_delta`` = mean δ,
+    ``k`` = #(δ < ``delta_bad``).  Mean tier = ``severe_weight`` if seg_delta < severe_threshold,
+    else ``neg_weight`` if seg_delta < neg_threshold, else 1; tail =
+    ``1 − (1 − tail_floor)·min(k / tail_count, 1)``; weight = min(tier, tail) where
+    seg_adv < 0, else 1.  ``delta`` (nats) and ``advantage`` are ``(N,)``.
+    """
+    delta = delta.float()
+    seg_adv = seg.mean(advantage.float())
+    seg_delta = seg.mean(delta)
+    k = seg.sum((delta < delta_bad).float())
+    one = torch.ones_like(seg_delta)
+    tier = torch.where(seg_delta < severe_threshold, one * severe_weight,
+                       torch.where(seg_delta < neg_threshold, one * neg_weight, one))
+    tail = 1.0 - (1.0 - tail_floor) * (k / tail_count).clamp(max=1.0)
+    return torch.where(seg_adv < 0, torch.minimum(tier, tail), one)
+
+
+def pseudo_huber(q: Tensor, beta: float) -> Tensor:
+    """``φ(q) = β²(sqrt(1 + (q/β)²) − 1)`` (SPEC.md §4.3); ``|dφ/dq| = |q|/sqrt(1+(q/β)²) < β``."""
+    return beta * beta * (torch.sqrt(1.0 + (q / beta) ** 2) - 1.0)
+
+
+def repair_terms(learner_logp: Tensor, sampler_logp: Tensor, advantage: Tensor, seg: Segments, tau: float,
+                 beta: float, scope: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """Per-segment Repair penalty (SPEC.md §4.3).
+
+    ``d_S`` = mean over the segment's valid tokens of δ = learner_logp − sampler_logp with the
+    **live** ``learner_logp`` for in-scope tokens and a detached copy for the others
+    (``x.detach() + m·(x − x.detach())``: same value, gradient only through ``m = 1``);
+    ``q = max(τ − d_S, 0)``; ``φ = pseudo_huber(q, β)``.
+
+    Token scope ``m``: ``whole`` every token; ``adv_positive`` tokens of segments with mean
+    advantage > 0; ``q2`` the δ < 0 tokens (δ detached) of those segments.
+
+    Returns:
+        ``(phi (K,) float32 differentiable, in_scope (K,) bool, q (K,) float32 detached)``;
+        ``in_scope`` marks the valid repair segments (see module docstring).
+    """
+    live = learner_logp.float() - sampler_logp.detach().float()
+    det = live.detach()
+    if scope == "whole":
+        in_scope = torch.ones(seg.num_segments, dtype=torch.bool, device=live.device)
+        tok = torch.ones_like(det, dtype=torch.bool)
+    else:
+        in_scope = seg.mean(advantage.detach().float()) > 0
+        tok = seg.broadcast(in_scope)
+        if scope == "q2":
+            tok = tok & (det < 0)
+    d_tok = det + tok.to(det.dtype) * (live - det)
+    d_seg = seg.mean(d_tok)
+    q = (tau - d_seg).clamp(min=0.0)
+    return pseudo_huber(q, beta), in_scope, q.detach()
+
+
+def _all_reduce_sum(t: Tensor, group) -> Tensor:
+    import torch.distributed as dist
+    t = t.detach().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _global_ratio(num: Tensor, den: Tensor, group, den_given: bool) -> Tensor:
+    """``num / den`` with ``num`` (and ``den`` unless given) summed over ``group``; 0 where den == 0.
+
+    The value is global; the gradient flows through the local ``num`` only.
+    """
+    if group is not None:
+        red = _all_reduce_sum(torch.stack([num.detach(), den.detach().to(num.dtype)]), group)
+        num = num + (red[0] - num.detach())
+        if not den_given:
+            den = red[1]
+    den = den.to(num.dtype)
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), num * 0.0)
+
+
+def policy_loss_denominator(token_weights: Tensor, batch: TokenBatch, normalization: str = "per_response",
+                            group=None) -> Tensor:
+    """The denominator :func:`weighted_policy_loss` uses for ``batch``, 0-dim float32.
+
+    ``per_response``: number of responses with ≥ 1 valid token; ``global_token``: Σ_t w_t.
+    Summed over ``group`` when given.  For gradient accumulation, call it on the whole
+    update (or sum it over the micro-batches) and pass it as ``global_denominator`` to every
+    micro-batch call: the micro-batch losses then add up to the full-batch loss.
+
+    Raises:
+        ValueError: unknown ``normalization`` or ``token_weights`` not ``(N,)``.
+    """
+    _check_loss_args(token_weights, token_weights, batch, normalization)
+    if normalization == "per_response":
+        den = (batch.num_valid > 0).sum().float()
+    else:
+        den = token_weights.detach().float().sum()
+    return _all_reduce_sum(den, group) if group is not None else den
+
+
+def weighted_policy_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch,
+                         normalization: str = "per_response", group=None,
+                         global_denominator: Optional[Union[Tensor, float]] = None) -> Tensor:
+    """Normalised weighted policy loss, 0-dim float32 (SPEC.md §4.2).
+
+    * ``per_response`` (the paper's form): ``(1/R) Σ_s [Σ_{t∈s} w_t ℓ_t / Σ_{t∈s} w_t]``,
+      R = responses with ≥ 1 valid token; a response with Σ w = 0 contributes 0.
+    * ``global_token`` (released code's form): ``Σ_t w_t ℓ_t / Σ_t w_t``; 0 if Σ w = 0.
+
+    With ``group`` the numerator and denominator are all-reduced (sum) across ranks (see the
+    module docstring for what that means for gradients).  ``global_denominator`` (from
+    :func:`policy_loss_denominator` over the whole update) replaces the local denominator so
+    that micro-batch losses sum to the full-batch loss; it is used as given (not reduced again).
+
+    Args:
+        per_token_loss: ``(N,)`` differentiable (e.g. :func:`~triage_monitor.corrections.ppo_clip_loss`).
+        token_weights: ``(N,)`` detached weights (``TriageOutput.token_weights``).
+        batch: the TokenBatch the tokens belong to (for ``sample_index``).
+
+    Raises:
+        ValueError: shapes are not ``(N,)`` or ``normalization`` unknown.
+    """
+    _check_loss_args(per_token_loss, token_weights, batch, normalization)
+    w = token_weights.detach().float()
+    wl = w * per_token_loss.float()
+    if normalization == "per_response":
+        S = batch.num_samples
+        idx = batch.sample_index
+        num_s = torch.zeros(S, dtype=wl.dtype, device=wl.device).index_add(0, idx, wl)
+        den_s = torch.zeros(S, dtype=w.dtype, device=w.device).index_add(0, idx, w)
+        per_resp = torch.where(den_s > 0, num_s / torch.where(den_s > 0, den_s, torch.ones_like(den_s)), num_s * 0.0)
+        num = per_resp.sum()
+        den = (batch.num_valid > 0).sum().to(num.device, num.dtype)
+    else:
+        num = wl.sum()
+        den = w.sum()
+    if global_denominator is not None:
+        den = torch.as_tensor(global_denominator, dtype=num.dtype, device=num.device)
+    return _global_ratio(num, den, group, den_given=global_denominator is not None)
+
+
+def _check_loss_args(per_token_loss, token_weights, batch, normalization):
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    n = batch.num_tokens
+    for name, t in (("per_token_loss", per_token_loss), ("token_weights", token_weights)):
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({n},) = the batch's valid tokens")
+
+
+def _strided(values: Tensor, cap: int) -> Tensor:
+    values = values.detach().float().reshape(-1)
+    if values.numel() > cap:
+        values = values[torch.linspace(0, values.numel() - 1, cap, device=values.device).round().long()]
+    return values.cpu()
+
+
+# -------------------------------------------------------------- controller
+class TriageController:
+    """Per-token TRIAGE weights and the Repair loss for one (micro-)batch (SPEC.md §4).
+
+    Args:
+        config: :class:`TriageConfig` (default: the published configuration).
+        group: optional ``torch.distributed`` process group; the Repair sums and the
+            calibration thresholds are reduced over it.
+    """
+
+    def __init__(self, config: Optional[TriageConfig] = None, group=None):
+        self.config = config or TriageConfig()
+        self.group = group
+        self.calls = 0
+        self.last_step: Optional[int] = None
+        self.thresholds: Optional[dict] = None     # calibrated {neg_threshold, severe_threshold, delta_bad}
+        self._calib_steps: list = []
+        self._calib_seg: list = []
+        self._calib_tok: list = []
+
+    # ------------------------------------------------------------ thresholds
+    def effective_thresholds(self) -> dict:
+        """``{neg_threshold, severe_threshold, delta_bad}`` in use now (calibrated or fixed), nats."""
+        c = self.config
+        return dict(self.thresholds) if self.thresholds else dict(
+            neg_threshold=c.neg_threshold, severe_threshold=c.severe_threshold, delta_bad=c.delta_bad)
+
+    def _calibrate(self, step: int, delta: Tensor, seg: Segments) -> None:
+        cal = self.config.calibration
+        if cal is None or self.thresholds is not None:
+            return
+        if step not in self._calib_steps and len(self._calib_steps) >= cal.window:
+            seg_vals = torch.cat(self._calib_seg)
+            tok_vals = torch.cat(self._calib_tok)
+            th = torch.stack([torch.quantile(seg_vals, cal.neg_quantile),
+                              torch.quantile(seg_vals, cal.severe_quantile),
+                              torch.quantile(tok_vals, cal.bad_quantile)]).to(delta.device)
+            if self.group is not None:
+                import torch.distributed as dist
+                th = _all_reduce_sum(th, self.group) / dist.get_world_size(self.group)
+            neg, sev, bad = (float(x) for x in th.tolist())
+            self.thresholds = dict(neg_threshold=neg, severe_threshold=min(sev, neg), delta_bad=bad)
+            self._calib_seg, self._calib_tok = [], []
+            return
+        if step not in self._calib_steps:
+            self._calib_steps.append(step)
+        self._calib_seg.append(_strided(seg.mean(delta), cal.max_values_per_step))
+        self._calib_tok.append(_strided(delta, cal.max_values_per_step))
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, batch: TokenBatch, step: int, old_logp: Optional[Tensor] = None) -> TriageOutput:
+        """Compute the weights and the Repair loss for ``batch`` at optimizer step ``step``.
+
+        Args:
+            batch: TokenBatch (N valid tokens); ``learner_logp`` may carry grad (Repair).
+            step: optimizer update index (SPEC.md §2).
+            old_logp: ``(N,)`` learner log-probs at rollout time for TIS (nats, detached);
+                default ``batch.learner_logp.detach()``.
+
+        Returns:
+            :class:`TriageOutput`.
+
+        Raises:
+            ValueError: ``old_logp`` is not ``(N,)``.
+        """
+        c = self.config
+        n = batch.num_tokens
+        dev = batch.device
+        delta = batch.delta
+        ones = torch.ones(n, dtype=torch.float32, device=dev)
+
+        gate = ones
+        if c.gate:
+            seg = segment_tokens(batch.sample_index, batch.position, c.gate_width)
+            self._calibrate(int(step), delta, seg)
+            th = self.effective_thresholds()
+            w_seg = gate_segment_weights(delta, batch.advantage, seg, th["neg_threshold"], th["severe_threshold"],
+                                         th["delta_bad"], c.neg_weight, c.severe_weight, c.tail_count, c.tail_floor)
+            gate = seg.broadcast(w_seg)
+            if c.gate_scope == "q3":
+                gate = torch.where(delta < 0, gate, ones)
+
+        tis, clip_frac = ones, torch.zeros((), device=dev)
+        if c.tis:
+            old = batch.learner_logp.detach() if old_logp is None else old_logp.detach()
+            if tuple(old.shape) != (n,):
+                raise ValueError(f"old_logp has shape {tuple(old.shape)}, expected ({n},)")
+            lo, hi = c.tis_clip
+            tis = _tis_weights(old, batch.sampler_logp, lo, hi)
+            raw = torch.exp(old.float() - batch.sampler_logp.float())
+            clip_frac = ((raw < lo) | (raw > hi)).float().mean() if n else torch.full((), float("nan"), device=dev)
+
+        repair = torch.zeros((), dtype=torch.float32, device=dev)
+        if batch.learner_logp.requires_grad:
+            repair = repair + batch.learner_logp.float().sum() * 0.0
+        active = torch.zeros((), device=dev)
+        if c.repair and step >= c.repair_start_step:
+            rseg = segment_tokens(batch.sample_index, batch.position, c.repair_width)
+            phi, in_scope, q = repair_terms(batch.learner_logp, batch.sampler_logp, batch.advantage, rseg,
+                                            c.repair_tau, c.repair_beta, c.repair_scope)
+            m = in_scope.float()
+            num = (phi * m).sum()
+            den = m.sum()
+            n_active = ((q > 0).float() * m).sum()
+            if self.group is not None:
+                red = _all_reduce_sum(torch.stack([num.detach(), den, n_active]), self.group)
+                num, den, n_active = num + (red[0] - num.detach()), red[1], red[2]
+            repair = repair + c.repair_coef * num / den.clamp(min=1.0)
+            active = n_active / den.clamp(min=1.0)
+
+        token_weights = gate * tis
+        nan = torch.full((), float("nan"), device=dev)
+        stats_t = torch.stack([
+            gate.mean() if n else nan,
+            (gate < 1).float().mean() if n else nan,
+            repair.detach().float(), active.float(), clip_frac.float()])
+        names = ("gate_weight_mean", "gate_downweighted_frac", "repair_loss", "repair_active_frac", "tis_clip_frac")
+        stats = dict(zip(names, (float(x) for x in stats_t.tolist())))
+        self.calls += 1
+        self.last_step = int(step)
+        return TriageOutput(gate_weights=gate.detach(), tis_weights=tis.detach(), token_weights=token_weights.detach(),
+                            repair_loss=repair, stats=stats)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Calibration and counters (plain Python values and CPU tensors; ``torch.save``-able)."""
+        return {
+            "version": STATE_VERSION,
+            "config": asdict(self.config),
+            "calls": self.calls,
+            "last_step": self.last_step,
+            "thresholds": dict(self.thresholds) if self.thresholds else None,
+            "calib_steps": list(self._calib_steps),
+            "calib_seg": torch.cat(self._calib_seg) if self._calib_seg else torch.zeros(0),
+            "calib_tok": torch.cat(self._calib_tok) if self._calib_tok else torch.zeros(0),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output; the config stays this controller's own.
+
+        Raises:
+            ValueError: unknown state version.
+        """
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"TriageController state version {state.get('version')!r} is not {STATE_VERSION}")
+        self.calls = int(state["calls"])
+        self.last_step = state["last_step"]
+        self.thresholds = dict(state["thresholds"]) if state["thresholds"] else None
+        self._calib_steps = list(state["calib_steps"])
+        self._calib_seg = [state["calib_seg"].clone()] if state["calib_seg"].numel() else []
+        self._calib_tok = [state["calib_tok"].clone()] if state["calib_tok"].numel() else []
+
+
+__all__ = [
+    "TriageConfig", "CalibrationConfig", "TriageController", "TriageOutput", "weighted_policy_loss",
+    "policy_loss_denominator", "gate_segment_weights", "repair_terms", "pseudo_huber",
+]

@@ -1,0 +1,255 @@
+"""Baseline off-policy corrections the TRIAGE controller sits beside (SPEC.md §4.5).
+
+Pure tensor functions in the style of verl's ``core_algos.py``: every input is
+a flat per-token tensor ``(N,)`` (the :class:`~triage_monitor.batch.TokenBatch`
+layout), log-probs in nats, outputs are detached weights ``(N,)`` float32
+(or a per-token loss for :func:`ppo_clip_loss`).  Each is registered by name::
+
+    fn = get_correction("tis"); w = fn(old_logp, sampler_logp)
+
+Naming: ``old_logp`` is the learner's log-prob at rollout time (verl
+``old_log_probs``), ``sampler_logp`` the rollout engine's (verl
+``rollout_log_probs``); the *rollout ratio* is ``exp(old_logp − sampler_logp)``.
+
+Per-sequence corrections take ``seq`` = a TokenBatch, or a tuple
+``(sample_index (N,) int64, num_samples)``; every sequence is reduced over its
+valid tokens only (the flat layout holds nothing else).
+
+Framework defaults (as documented by the frameworks; each option is configurable):
+
+* PPO clip: symmetric ε = 0.2 (PPO paper, verl ``clip_ratio``); DAPO
+  "clip-higher" [1 − 0.2, 1 + 0.28] is the default here because SPEC.md §5
+  (published TRIAGE runs) uses it.
+* TIS: clamp(ratio, 0, C), C = 2 (SPEC.md §4.5, the published runs; verl
+  ``rollout_is_threshold`` default 2.0, truncation only from above).
+* IcePop: ratio kept inside [0.5, 2], zero outside (SPEC.md §4.5; the Ring/
+  IcePop paper used [0.5, 5]).
+* MIS / geometric sequence masking: band [1/1.001, 1.001] on the geometric
+  mean ratio (verl ``rollout_rs: geometric``, typical threshold 1.0002–1.001,
+  lower bound defaults to 1/upper).
+* Sequence IS, product form: min(Π_t ratio_t, 2) (verl ``rollout_is: sequence``,
+  threshold 2.0, log-ratio sum safety-bounded to ±20 before exp).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .batch import TokenBatch
+
+Tensor = torch.Tensor
+SeqSpec = Union[TokenBatch, Tuple[Tensor, int]]
+
+#: |log ratio| bound before exp, as verl/SkyRL do (exp(±20) ≈ 5e8 / 2e-9).
+LOG_RATIO_BOUND = 20.0
+
+_REGISTRY: Dict[str, Callable] = {}
+
+
+def register_correction(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered to a different function.
+    """
+    def deco(fn: Callable) -> Callable:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"correction {name!r} is already registered ({_REGISTRY[name].__qualname__})")
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def get_correction(name: str) -> Callable:
+    """The function registered under ``name``.
+
+    Raises:
+        KeyError: unknown name (the message lists the known ones).
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown correction {name!r}; known: {list_corrections()}") from None
+
+
+def list_corrections() -> List[str]:
+    """Sorted names of all registered corrections."""
+    return sorted(_REGISTRY)
+
+
+# ------------------------------------------------------------------ helpers
+def _log_ratio(old_logp: Tensor, sampler_logp: Tensor) -> Tensor:
+    if old_logp.shape != sampler_logp.shape:
+        raise ValueError(f"old_logp has shape {tuple(old_logp.shape)}, sampler_logp has shape "
+                         f"{tuple(sampler_logp.shape)}; they must match")
+    return old_logp.detach().float() - sampler_logp.detach().float()
+
+
+def _check_band(name: str, low: float, high: float) -> None:
+    if not (0.0 <= low < high):
+        raise ValueError(f"{name}: need 0 <= low < high, got low={low}, high={high}")
+
+
+def _seq_index(seq: SeqSpec, n: int, device: torch.device) -> Tuple[Tensor, int]:
+    if isinstance(seq, TokenBatch):
+        idx, s = seq.sample_index, seq.num_samples
+    else:
+        idx, s = seq
+        idx = torch.as_tensor(idx)
+    if idx.shape != (n,):
+        raise ValueError(f"sample_index has shape {tuple(idx.shape)}, expected ({n},)")
+    return idx.to(device).long(), int(s)
+
+
+def sequence_log_ratio_sum(log_ratio: Tensor, seq: SeqSpec) -> Tuple[Tensor, Tensor]:
+    """Per-sequence ``(sum_t log_ratio_t, n_valid)``, both ``(S,)`` (float32, int64)."""
+    idx, s = _seq_index(seq, log_ratio.shape[0], log_ratio.device)
+    total = torch.zeros(s, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, idx, log_ratio)
+    count = torch.bincount(idx, minlength=s) if idx.numel() else torch.zeros(s, dtype=torch.long,
+                                                                             device=log_ratio.device)
+    return total, count
+
+
+# --------------------------------------------------------------- per token
+@register_correction("ppo_clip")
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: float = 0.2,
+                  clip_high: float = 0.28, dual_clip: Optional[float] = None) -> Tensor:
+    """Per-token PPO clipped surrogate loss, ``(N,)`` float32, differentiable w.r.t. ``logp``.
+
+    ``r = exp(logp − old_logp)``;
+    ``loss = −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)`` (Schulman et al. 2017, with
+    DAPO's asymmetric "clip-higher"; default [0.8, 1.28] as in SPEC.md §5).  With
+    ``dual_clip = c > 1`` (Ye et al. 2020, verl ``clip_ratio_c`` = 3.0) tokens with A < 0 use
+    ``min(loss, −c·A)``.  Reduce with
+    :func:`triage_monitor.controller.weighted_policy_loss`.
+
+    Args: ``logp`` (live, nats), ``old_logp`` (nats), ``advantage``: all ``(N,)``.
+
+    Raises:
+        ValueError: shapes differ, or clip values negative, or ``dual_clip`` ≤ 1.
+    """
+    if not (logp.shape == old_logp.shape == advantage.shape):
+        raise ValueError(f"ppo_clip_loss: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and "
+                         f"advantage {tuple(advantage.shape)} must have the same shape")
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"ppo_clip_loss: clip_low={clip_low}, clip_high={clip_high} must be >= 0")
+    adv = advantage.detach().float()
+    ratio = torch.exp((logp.float() - old_logp.detach().float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    loss = -torch.min(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"ppo_clip_loss: dual_clip must be > 1, got {dual_clip}")
+        loss = torch.where(adv < 0, torch.min(loss, -dual_clip * adv), loss)
+    return loss
+
+
+@register_correction("tis")
+def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: float = 2.0) -> Tensor:
+    """Truncated importance sampling weight ``(N,)`` float32, detached (SPEC.md §4.5).
+
+    ``w = clamp(exp(old_logp − sampler_logp), low, high)``, default [0, 2] (published runs;
+    verl's default truncates at 2.0 from above).  ``exp`` of a large gap gives ``inf`` → ``high``.
+
+    Raises:
+        ValueError: shapes differ or not ``0 <= low < high``.
+    """
+    _check_band("tis_weights", low, high)
+    return torch.exp(_log_ratio(old_logp, sampler_logp)).clamp(low, high)
+
+
+@register_correction("icepop")
+def icepop_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.5, high: float = 2.0,
+                   keep_ratio: bool = True) -> Tensor:
+    """IcePop token masking ``(N,)`` float32, detached (SPEC.md §4.5; Ring-1T/IcePop).
+
+    ``r = exp(old_logp − sampler_logp)``; ``w = r`` (``keep_ratio=True``, IcePop's
+    ``M(r) = r·1[low ≤ r ≤ high]``) or ``1`` (``keep_ratio=False``, a pure mask) inside the
+    closed band ``[low, high]``, and ``0`` outside.  Default band [0.5, 2] (SPEC.md §4.5).
+
+    Raises:
+        ValueError: shapes differ or not ``0 <= low < high``.
+    """
+    _check_band("icepop_weights", low, high)
+    ratio = torch.exp(_log_ratio(old_logp, sampler_logp))
+    inside = (ratio >= low) & (ratio <= high)
+    kept = ratio if keep_ratio else torch.ones_like(ratio)
+    return torch.where(inside, kept, torch.zeros_like(ratio))
+
+
+# ------------------------------------------------------------ per sequence
+def geometric_mean_ratio(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec) -> Tensor:
+    """``(S,)`` float32: ``exp(mean_t (old_logp − sampler_logp))`` over each sequence's valid tokens.
+
+    A sequence with no valid token gets 1.0 (log-mean 0).  The log-mean is bounded to ±20.
+    """
+    total, count = sequence_log_ratio_sum(_log_ratio(old_logp, sampler_logp), seq)
+    mean = total / count.clamp(min=1).to(total.dtype)
+    return torch.exp(mean.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
+@register_correction("mis")
+def mis_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: float = 1.001,
+                low: Optional[float] = None) -> Tensor:
+    """MIS / geometric sequence masking ``(N,)`` float32 in {0, 1}, detached (SPEC.md §4.5).
+
+    ``g_s = exp(mean_{t∈s}(old_logp − sampler_logp))`` (geometric-mean ratio of sequence s);
+    every token of s gets ``1`` if ``low ≤ g_s ≤ high`` else ``0`` (the sequence is dropped).
+    Default ``high = 1.001``, ``low = 1/high`` (verl ``rollout_rs: geometric``; its docs give
+    typical thresholds 1.0002–1.001 and a reciprocal lower bound).
+
+    Raises:
+        ValueError: shapes differ or not ``0 <= low < high``.
+    """
+    low = 1.0 / high if low is None else low
+    _check_band("mis_weights", low, high)
+    g = geometric_mean_ratio(old_logp, sampler_logp, seq)
+    keep = ((g >= low) & (g <= high)).float()
+    idx, _ = _seq_index(seq, old_logp.shape[0], old_logp.device)
+    return keep[idx]
+
+
+@register_correction("seq_is_product")
+def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
+                                high: float = 2.0) -> Tensor:
+    """Sequence IS, **product form**, ``(N,)`` float32, detached (SPEC.md §4.5).
+
+    ``w_s = min(exp(clamp(Σ_{t∈s}(old_logp − sampler_logp), −20, 20)), high)`` = truncated
+    ``Π_t r_t``, broadcast to every token of s.  Default ``high = 2`` (verl
+    ``rollout_is: sequence``, ``rollout_is_threshold`` 2.0).  Grows with length: a 1000-token
+    response with a mean log-ratio of 0.001 already has Π r = e ≈ 2.72.
+
+    Raises:
+        ValueError: shapes differ or ``high`` ≤ 0.
+    """
+    _check_band("sequence_is_product_weights", 0.0, high)
+    total, _ = sequence_log_ratio_sum(_log_ratio(old_logp, sampler_logp), seq)
+    w = torch.exp(total.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).clamp(max=high)
+    idx, _ = _seq_index(seq, old_logp.shape[0], old_logp.device)
+    return w[idx]
+
+
+@register_correction("seq_is_geometric")
+def sequence_is_geometric_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
+                                  high: float = 2.0) -> Tensor:
+    """Sequence IS, **geometric form**, ``(N,)`` float32, detached (SPEC.md §4.5; GSPO-style).
+
+    ``w_s = min(exp(mean_{t∈s}(old_logp − sampler_logp)), high)`` = truncated
+    ``(Π_t r_t)^(1/n_s)``, broadcast to every token of s.  Unlike the product form it does
+    not grow with length.  Default ``high = 2``.
+
+    Raises:
+        ValueError: shapes differ or ``high`` ≤ 0.
+    """
+    _check_band("sequence_is_geometric_weights", 0.0, high)
+    w = geometric_mean_ratio(old_logp, sampler_logp, seq).clamp(max=high)
+    idx, _ = _seq_index(seq, old_logp.shape[0], old_logp.device)
+    return w[idx]
+
+
+__all__ = [
+    "register_correction", "get_correction", "list_corrections", "ppo_clip_loss", "tis_weights",
+    "icepop_weights", "geometric_mean_ratio", "mis_weights", "sequence_is_product_weights",
+    "sequence_is_geometric_weights", "sequence_log_ratio_sum", "LOG_RATIO_BOUND",
+]
