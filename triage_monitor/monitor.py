@@ -1,0 +1,297 @@
+"""MismatchMonitor: the one object a training loop calls once per step.
+
+    mon = MismatchMonitor("runs/exp1", MonitorConfig(), manifest={"framework": "verl"})
+    for step, data in enumerate(loader):
+        batch = TokenBatch.from_padded(learner_logp, sampler_logp, advantages, response_mask)
+        metrics = mon.log_step(step, batch, extra={"reward": reward_mean})
+    mon.close()
+
+Per step it computes the SPEC.md §3 metrics (per step and over the trailing
+window, keys ``name`` and ``window/name``), queues the valid tokens and the
+metric row for the background Parquet writer (the caller only pays for a
+host copy), and feeds the optional loggers (W&B, ...) and alert engine.
+
+Monitoring I/O and sinks never raise into the training loop: failures are
+counted, reported once and skipped.  Invalid training data does raise
+(:class:`~triage_monitor.batch.InvalidTokenError`) unless the batch was built
+with ``on_invalid="quarantine"``; quarantined tokens are counted in the step's
+metrics (``quarantined_count``, ``nonfinite_count``, ...) and written to the
+``quarantine/`` table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from . import __version__
+from .batch import INVALID_REASONS, TokenBatch
+from .metrics import MetricConfig, MetricTracker
+from .records import (MANIFEST, SCHEMA_VERSION, TOKEN_SCHEMA, ParquetSink, new_attempt_id, read_manifest,
+                      write_json_atomic)
+
+log = logging.getLogger("triage_monitor")
+
+#: Step-level counters taken from TokenBatch.quarantine (SPEC.md §8), always present in the metrics.
+QUARANTINE_METRICS = {
+    "nonfinite_count": ("nonfinite_learner_logp", "nonfinite_sampler_logp"),
+    "positive_logp_count": ("positive_learner_logp", "positive_sampler_logp"),
+    "sentinel_logp_count": ("sentinel_learner_logp", "sentinel_sampler_logp"),
+    "nonfinite_advantage_count": ("nonfinite_advantage",),
+}
+
+
+@dataclass
+class MonitorConfig:
+    """Settings of :class:`MismatchMonitor`.
+
+    Attributes:
+        metrics: thresholds of SPEC.md §3 (:class:`~triage_monitor.metrics.MetricConfig`).
+        window: trailing window in steps (SPEC.md §3: 25 updates, inclusive).
+        calibration_steps: τ_tail reference window, the first N steps (SPEC.md §3.3).
+        tau_tail: explicit τ_tail in nats; None calibrates it.
+        record_tokens: write the token rows (False keeps only step metrics).
+        max_queue_bytes: bound of the writer's queue.
+        backpressure: "block" (wait for the disk) or "drop" (drop and count rows) when the queue is full.
+        metrics_device: device for the metric state; None = the batch's device.
+    """
+
+    metrics: MetricConfig = field(default_factory=MetricConfig)
+    window: int = 25
+    calibration_steps: int = 25
+    tau_tail: Optional[float] = None
+    record_tokens: bool = True
+    max_queue_bytes: int = 256 << 20
+    backpressure: str = "block"
+    metrics_device: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MonitorConfig":
+        d = dict(d)
+        d["metrics"] = MetricConfig(**d.get("metrics", {}))
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+class MismatchMonitor:
+    """Records per-token log-probs and computes direction-aware metrics each step.
+
+    Args:
+        run_dir: the run directory (created; an existing run is resumed as a
+            new attempt, its manifest kept and the attempt appended).
+        config: :class:`MonitorConfig`.
+        manifest: free-form facts stored in ``run.json`` (model, recipes,
+            correction, framework, user config ...).  Must be JSON-serialisable.
+        loggers: objects with ``log_metrics(step, metrics)`` and ``close()`` (e.g. W&B).
+        alerts: an engine with ``observe(step, metrics) -> list`` of alerts
+            (each with ``to_row() -> dict``) and ``close()``.
+        rank: this process's rank (default: torch.distributed rank, else 0).
+        group: torch.distributed process group for global metrics (default:
+            the world group when torch.distributed is initialised).
+    """
+
+    def __init__(self, run_dir, config: Optional[MonitorConfig] = None, *, manifest: Optional[dict] = None,
+                 loggers: Sequence = (), alerts=None, rank: Optional[int] = None, group=None):
+        import torch.distributed as dist
+
+        self.run_dir = Path(run_dir)
+        self.config = config or MonitorConfig()
+        dist_on = dist.is_available() and dist.is_initialized()
+        self.rank = int(rank if rank is not None else (dist.get_rank() if dist_on else 0))
+        self.world_size = dist.get_world_size() if dist_on else 1
+        self.group = group
+        self.attempt = new_attempt_id()
+        self.loggers = list(loggers)
+        self.alerts = alerts
+        self._failed_sinks: set = set()
+        self.tracker = MetricTracker(self.config.metrics, self.config.window, self.config.tau_tail,
+                                     self.config.calibration_steps, self.config.metrics_device)
+        self.steps_logged = 0
+        self._write_manifest(manifest or {})
+        self.sink = ParquetSink(self.run_dir, self.attempt, self.config.max_queue_bytes, self.config.backpressure)
+
+    # ---------------------------------------------------------------- manifest
+    def _write_manifest(self, extra: dict) -> None:
+        path = self.run_dir / MANIFEST
+        attempt = {"attempt": self.attempt, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   "host": socket.gethostname(), "pid": os.getpid(), "world_size": self.world_size}
+        try:
+            old = read_manifest(self.run_dir) if path.exists() else None
+        except (OSError, json.JSONDecodeError):
+            old = None
+        if self.rank != 0:
+            return
+        if old:
+            old.setdefault("attempts", []).append(attempt)
+            old.setdefault("info", {}).update(extra)
+            old["status"] = "running"
+            self.manifest = old
+        else:
+            self.manifest = {
+                "schema_version": SCHEMA_VERSION, "tool": "triage-monitor", "tool_version": __version__,
+                "created": attempt["started"], "monitor_config": self.config.to_dict(),
+                "segment_width": self.config.metrics.segment_width,
+                "small_gap_threshold": self.config.metrics.small_gap_threshold,
+                "tau_tail": self.config.tau_tail, "window": self.config.window,
+                "calibration_steps": self.config.calibration_steps,
+                "python": platform.python_version(), "torch": torch.__version__,
+                "attempts": [attempt], "status": "running", "info": extra,
+            }
+        try:
+            write_json_atomic(self.manifest, path)
+        except OSError as exc:
+            log.warning("triage-monitor could not write %s (%s); monitoring continues", path, exc)
+
+    # ---------------------------------------------------------------- per step
+    def log_step(self, step: int, batch: TokenBatch, extra: Optional[dict] = None,
+                 token_extras: Optional[dict] = None) -> dict:
+        """Compute, record and report one step.
+
+        Args:
+            step: optimizer update index (int).  A repeated step (resumed job)
+                replaces the earlier one in the trailing window and, on disk,
+                is kept under the newer attempt.
+            batch: the step's :class:`TokenBatch` (learner_logp may carry grad; it is detached here).
+            extra: scalars from the training loop (reward, accuracy,
+                controller stats ...), recorded and returned as given.
+            token_extras: optional per-token ``(N,)`` tensors (e.g. ``gate_weight``)
+                stored as extra float32 token columns.
+
+        Returns:
+            dict name → float: the step metrics, ``window/<name>`` trailing-window
+            metrics, the quarantine counters and ``extra``.
+
+        Raises:
+            TypeError: ``step`` is not an int or ``batch`` not a TokenBatch.
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise TypeError(f"step must be an int, got {step!r}")
+        if not isinstance(batch, TokenBatch):
+            raise TypeError(f"batch must be a TokenBatch, got {type(batch).__name__}")
+        step = int(step)
+        batch = batch.detach()
+        group = self.group if self.world_size > 1 else None
+        step_res, win_res = self.tracker.step(step, batch, group=group)
+        metrics = {"step": step}
+        metrics.update(step_res.values)
+        q = batch.quarantine
+        for name, reasons in QUARANTINE_METRICS.items():
+            metrics[name] = float(sum(q.get(r, 0) for r in reasons))
+        metrics["quarantined_count"] = float(sum(q.values()))
+        metrics["tau_tail_frozen"] = float(self.tracker.tau_frozen)
+        metrics.update({f"window/{k}": v for k, v in win_res.values.items()})
+        for k, v in (extra or {}).items():
+            metrics[k] = _to_float(k, v)
+        reasons = {**step_res.nan_reasons, **{f"window/{k}": r for k, r in win_res.nan_reasons.items()}}
+        self._record(step, batch, metrics, reasons, token_extras)
+        self._report(step, metrics)
+        self.steps_logged += 1
+        return metrics
+
+    def _record(self, step, batch: TokenBatch, metrics: dict, reasons: dict, token_extras) -> None:
+        if self.config.record_tokens and batch.num_tokens:
+            cols = {
+                "sample_id": batch.sample_id[batch.sample_index].cpu().numpy(),
+                "group_id": batch.group_id[batch.sample_index].cpu().numpy(),
+                "position": batch.position.cpu().numpy().astype(np.int32),
+                "learner_logp": batch.learner_logp.float().cpu().numpy(),
+                "sampler_logp": batch.sampler_logp.float().cpu().numpy(),
+                "advantage": batch.advantage.float().cpu().numpy(),
+                "attempt": np.full(batch.num_tokens, self.attempt, dtype=np.int64),
+            }
+            schema = TOKEN_SCHEMA
+            for k, v in (token_extras or {}).items():
+                cols[k] = torch.as_tensor(v).detach().float().cpu().numpy().reshape(-1)
+                if cols[k].shape[0] != batch.num_tokens:
+                    raise ValueError(f"token_extras[{k!r}] has {cols[k].shape[0]} values, batch has {batch.num_tokens}")
+                schema = schema.append(pa.field(k, pa.float32()))
+            self.sink.submit("tokens", step, self.rank, cols, schema)
+        if batch.quarantined is not None:
+            qd = {k: v.numpy() for k, v in batch.quarantined.items()}
+            qd["reason"] = np.array([INVALID_REASONS[int(c)] for c in qd["reason"]])
+            qd["attempt"] = np.full(len(qd["position"]), self.attempt, dtype=np.int64)
+            self.sink.submit("quarantine", step, self.rank, qd)
+        row = {k: (float(v) if k != "step" else None) for k, v in metrics.items() if k != "step"}
+        row["attempt"] = self.attempt
+        row["wall_time"] = time.time()
+        row["nan_reasons"] = json.dumps(reasons)
+        row["writer_dropped_rows"] = float(self.sink.dropped_rows)
+        self.sink.submit("steps", step, self.rank, [row])
+
+    def _report(self, step: int, metrics: dict) -> None:
+        for lg in self.loggers:
+            self._guard(lg, "log_metrics", step, metrics)
+        if self.alerts is not None:
+            fired = self._guard(self.alerts, "observe", step, metrics) or []
+            rows = []
+            for a in fired:
+                row = a.to_row() if hasattr(a, "to_row") else dict(a)
+                row["attempt"] = self.attempt
+                rows.append(row)
+            if rows:
+                self.sink.submit("alerts", step, self.rank, rows)
+
+    def _guard(self, obj, method: str, *args):
+        key = (id(obj), method)
+        if key in self._failed_sinks:
+            return None
+        try:
+            return getattr(obj, method)(*args)
+        except Exception as exc:  # a failing sink is reported once and skipped
+            self._failed_sinks.add(key)
+            log.warning("triage-monitor: %s.%s failed (%s: %s); it is skipped from now on",
+                        type(obj).__name__, method, type(exc).__name__, exc)
+            return None
+
+    # ----------------------------------------------------------------- closing
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Wait until every queued record is on disk."""
+        self.sink.flush(timeout)
+
+    def close(self) -> None:
+        """Drain the writer, close loggers and alerts, mark the manifest finished."""
+        self.sink.close()
+        for obj in [*self.loggers, self.alerts]:
+            if obj is not None and hasattr(obj, "close"):
+                self._guard(obj, "close")
+        if self.rank == 0:
+            self.manifest["status"] = "finished"
+            self.manifest["steps_logged"] = self.steps_logged
+            self.manifest["tau_tail_calibrated"] = self.tracker.tau_tail
+            self.manifest["writer"] = {"written_rows": self.sink.written_rows, "dropped_rows": self.sink.dropped_rows,
+                                       "last_error": self.sink.last_error}
+            try:
+                write_json_atomic(self.manifest, self.run_dir / MANIFEST)
+            except OSError as exc:
+                log.warning("triage-monitor could not update the manifest (%s)", exc)
+
+    def __enter__(self) -> "MismatchMonitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _to_float(name: str, v) -> float:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"extra[{name!r}] must be a scalar, got a tensor of shape {tuple(v.shape)}")
+        v = v.item()
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"extra[{name!r}] must be a number, got {v!r}") from None
