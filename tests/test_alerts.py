@@ -1,0 +1,366 @@
+"""Alert rules: hysteresis, cooldown, clearing, calibration, rewind; live == replay; defaults on
+synthetic trajectories shaped like the SPEC.md reference values; rule files; the CLI."""
+
+import json
+import logging
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from triage_monitor.alerts import (Alert, AlertEngine, CallbackSink, LoggingSink, Rule, alerts_cli,
+                                   default_rules, load_rules, replay)
+
+
+def run(rule_or_rules, values, steps=None, metric=None):
+    """Feed ``values`` (one per step) for the rule's metric; return the fired steps per rule."""
+    rules = [rule_or_rules] if isinstance(rule_or_rules, Rule) else rule_or_rules
+    eng = AlertEngine(rules)
+    steps = range(len(values)) if steps is None else steps
+    for s, v in zip(steps, values):
+        eng.observe(s, {metric or rules[0].metric: v})
+    return [a.step for a in eng.fired]
+
+
+def test_hysteresis_needs_hold_consecutive_steps():
+    r = Rule("r", "window/x", "above", 1.0, hold=3)
+    # streaks: 1,2,reset,1,2,3 -> fire at 6; 7 stays active; 8 clears; 9 starts a new streak
+    assert run(r, [0, 2, 2, 0, 2, 2, 2, 2, 0, 2]) == [6]
+
+
+def test_cooldown_delays_refiring_until_it_has_passed():
+    r = Rule("r", "window/x", "above", 1.0, hold=1, cooldown=5)
+    # fire at 0; 2 and 4 hold but are within 5 steps of 0; 5 holds and 5-0 >= 5 -> fire; 7 is within 5 of 5
+    assert run(r, [2, 0, 2, 0, 2, 2, 0, 2]) == [0, 5]
+
+
+def test_clearing_rearms_and_nan_does_not_clear():
+    r = Rule("r", "window/x", "below", 0.0)
+    assert run(r, [-1, -1, 1, -1]) == [0, 3]          # clears at 2, fires again at 3
+    assert run(r, [-1, math.nan, -1, None]) == [0]    # NaN / missing: not evaluated, stays active
+    eng = AlertEngine([r])
+    eng.observe(0, {"window/x": -1})
+    assert eng.active == ["r"]
+    eng.observe(1, {"window/x": 1})
+    assert eng.active == []
+
+
+def test_calibration_window_uses_median_of_first_n_steps():
+    r = Rule("r", "window/x", "excess", 0.5, baseline_steps=4)
+    # steps 100..103 calibrate (no alert even at 3.0); median baseline 1.0 (the mean, 1.5, would not fire)
+    assert run(r, [1, 1, 3, 1, 1.6, 1.4, 1.7], steps=range(100, 107)) == [104, 106]
+    assert run(Rule("r", "window/x", "excess", 0.5, baseline=1.5), [1, 1, 3, 1, 1.6]) == [2]
+    rel = Rule("r", "window/x", "deficit", 0.25, baseline_steps=2, relative=True)
+    assert run(rel, [2, 2, 1.6, 1.4]) == [3]          # (2-1.6)/2 = 0.2 no; (2-1.4)/2 = 0.3 yes
+
+
+def test_rising_needs_monotone_chain_and_total_rise():
+    r = Rule("r", "window/x", "rising", 0.5, window=2, k=2)
+    # step 4: 1 -> 1.2 -> 1.8 (rise 0.8); step 5: 1 -> 1.2 -> 1.8 active; step 6: 1.8 -> 1.7 breaks -> clear;
+    # step 7: 1.2 -> 1.8 -> 1.9 (rise 0.7) fires; step 8: 1.8 -> 1.7 -> 2.6 is not monotone -> clear
+    assert run(r, [1, 1, 1.2, 1.2, 1.8, 1.8, 1.7, 1.9, 2.6]) == [4, 7]
+    # k=1: step 7 rises only 0.1 over step 5; step 8 rises 0.9 over step 6
+    r3 = Rule("r", "window/x", "rising", 0.5, window=2, k=1)
+    assert run(r3, [1, 1, 1.2, 1.2, 1.8, 1.8, 1.7, 1.9, 2.6]) == [4, 8]
+    f = Rule("r", "window/x", "falling", 0.1, window=1, k=2, relative=True)
+    assert run(f, [1.0, 0.95, 0.85, 0.8]) == [2]      # (1-0.85)/1 = 0.15 > 0.1; step 3 stays active
+
+
+def test_rising_over_k_windows_rejects_non_monotone_chain():
+    r = Rule("r", "window/x", "rising", 0.5, window=2, k=2)
+    assert run(r, [1, 1, 0.9, 0.9, 2, 2]) == []      # 1 -> 0.9 -> 2: rise 1.0 but not monotone
+
+
+def test_trailing_aggregation_of_per_step_metric():
+    r = Rule("r", "x", "above", 2.0, window=3, agg="mean")
+    # trailing means over steps (t-3, t]: 1, 1.5, 2, 3, 4 -> fires at step 3
+    assert run(r, [1, 2, 3, 4, 5]) == [3]
+    mx = Rule("r", "x", "above", 4.5, window=3, agg="max")
+    assert run(mx, [5, 1, 1, 1, 1]) == [0]            # max over (t-3, t] stays 5 until step 3 clears
+
+
+def test_trailing_sum_respects_step_gaps():
+    s = Rule("r", "x", "above", 6.5, window=3, agg="sum")
+    # steps 0,1,2: sum 6; step 10: window (7,10] holds only 4; step 11: 4+5 = 9 > 6.5
+    assert run(s, [1, 2, 3, 4, 5], steps=[0, 1, 2, 10, 11]) == [11]
+
+
+def test_repeated_step_replaces_history():
+    r = Rule("r", "window/x", "above", 1.0, hold=2)
+    eng = AlertEngine([r])
+    for s, v in [(0, 0), (1, 2), (2, 0), (1, 2), (2, 2)]:
+        eng.observe(s, {"window/x": v})
+    # after the repeat of step 1 the history is 0:0, 1:2, 2:2 -> fires at 2 (hold 2)
+    assert [a.step for a in eng.fired] == [2]
+    fresh = AlertEngine([r])
+    for s, v in [(0, 0), (1, 2), (2, 2)]:
+        fresh.observe(s, {"window/x": v})
+    assert eng.state_dict() == fresh.state_dict()
+
+
+def test_state_dict_round_trip_continues_identically():
+    rules = [Rule("e", "window/x", "excess", 0.5, baseline_steps=3, hold=2)]
+    vals = [1, 1, 1, 1.2, 2, 2, 2, 1, 2, 2]
+    a = AlertEngine(rules)
+    for s, v in enumerate(vals[:5]):
+        a.observe(s, {"window/x": v})
+    b = AlertEngine(rules)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.fired == []                                # rebuilding sends nothing
+    rest_a = [x for s, v in enumerate(vals[5:], 5) for x in a.observe(s, {"window/x": v})]
+    rest_b = [x for s, v in enumerate(vals[5:], 5) for x in b.observe(s, {"window/x": v})]
+    assert [x.to_row() for x in rest_a] == [x.to_row() for x in rest_b] == [x.to_row() for x in a.fired]
+    assert [x.step for x in a.fired] == [5, 9]
+
+
+def test_alert_row_and_text_name_metric_value_threshold_window_step():
+    r = Rule("rho_high", "window/rho_asym", "above", 1.45, window=25, level="ERROR", note="why.")
+    eng = AlertEngine([r])
+    (a,) = eng.observe(7, {"window/rho_asym": 2.319})
+    row = a.to_row()
+    assert row == {"step": 7, "rule": "rho_high", "metric": "window/rho_asym", "value": 2.319,
+                   "threshold": 1.45, "window": 25, "level": "ERROR", "title": "triage ERROR: rho_high",
+                   "text": a.text}
+    for part in ("window/rho_asym", "2.319", "1.45", "window 25", "step 7", "why."):
+        assert part in a.text
+
+
+def test_failing_sink_reported_once_and_others_still_called(caplog):
+    got = []
+
+    class Broken:
+        def emit(self, alert):
+            raise RuntimeError("sink down")
+
+    r = Rule("r", "window/x", "above", 0.0)
+    eng = AlertEngine([r], sinks=[Broken(), CallbackSink(got.append), LoggingSink()])
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        for s, v in enumerate([1, -1, 1, -1, 1]):
+            eng.observe(s, {"window/x": v})
+        eng.close()
+    assert [a.step for a in got] == [0, 2, 4]
+    failures = [rec for rec in caplog.records if "failed on" in rec.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert any("failed 3 times" in rec.getMessage() for rec in caplog.records)
+    assert sum(rec.levelno == logging.WARNING and "triage WARN: r" in rec.getMessage()
+               for rec in caplog.records) == 3
+
+
+def test_rule_validation_names_field_and_value():
+    with pytest.raises(ValueError, match=r"condition='sideways'"):
+        Rule("r", "x", "sideways", 1.0)
+    with pytest.raises(ValueError, match=r"hold=0"):
+        Rule("r", "x", "above", 1.0, hold=0)
+    with pytest.raises(ValueError, match=r"threshold=nan"):
+        Rule("r", "x", "above", float("nan"))
+    with pytest.raises(ValueError, match=r"step=1.5"):
+        AlertEngine([Rule("r", "x", "above", 1.0)]).observe(1.5, {})
+
+
+# ------------------------------------------------------------------------------------ rule files
+TOML = """
+[[rules]]
+name = "a"
+metric = "window/rho_asym"
+condition = "rising"
+threshold = 0.1
+window = 25
+k = 3
+relative = true
+level = "ERROR"
+"""
+YAML = """
+rules:
+  - {name: a, metric: window/rho_asym, condition: rising, threshold: 0.1, window: 25, k: 3,
+     relative: true, level: ERROR}
+"""
+
+
+def test_toml_and_yaml_rules_agree(tmp_path):
+    (tmp_path / "r.toml").write_text(TOML)
+    (tmp_path / "r.yaml").write_text(YAML)
+    a, b = load_rules(tmp_path / "r.toml"), load_rules(tmp_path / "r.yaml")
+    assert a == b == [Rule("a", "window/rho_asym", "rising", 0.1, window=25, k=3, relative=True, level="ERROR")]
+
+
+def test_rule_file_errors_name_file_index_and_field(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text(TOML + '\n[[rules]]\nname = "b"\nmetric = "x"\ncondition = "above"\nthreshold = 1\nhodl = 3\n')
+    with pytest.raises(ValueError, match=r"bad.toml: rules\[1\]: unknown field\(s\) \['hodl'\]"):
+        load_rules(p)
+    p.write_text(TOML.replace('"ERROR"', '"PANIC"'))
+    with pytest.raises(ValueError, match=r"rules\[0\].*level='PANIC'"):
+        load_rules(p)
+    p.write_text(TOML + TOML)
+    with pytest.raises(ValueError, match="duplicate rule name"):
+        load_rules(p)
+
+
+def test_default_rules_cover_the_issue_list():
+    rules = {r.name: r for r in default_rules()}
+    want = {("window/rho_asym", "above"), ("window/rho_asym", "rising"), ("window/c_tok", "excess"),
+            ("window/small_gap_share", "falling"), ("window/delta_q05", "below"), ("window/k3_kl", "rising"),
+            ("nonfinite_count", "above"), ("gate_downweighted_frac", "rising")}
+    assert want <= {(r.metric, r.condition) for r in rules.values()}
+    assert rules["rho_asym_high"].threshold > 1.337 and rules["rho_asym_high"].threshold < 1.488
+
+
+# ------------------------------------------------------------------------- synthetic trajectories
+W = 25
+
+
+def _interp(anchors, steps):
+    xs, ys = zip(*anchors)
+    return np.interp(steps, xs, ys)
+
+
+def synthetic_history(kind: str, n_steps: int = 301, seed: int = 0) -> pd.DataFrame:
+    """Per-step metrics and their 25-step trailing windows (pooled sums for rho_asym).
+
+    ``trajectory``: window/rho_asym passes 1.02 (step 75, healthy), 1.50 (150, drift), 2.32 (225,
+    pre-terminal) like the dense-4B reference; small_gap_share stays >= 0.83 until pre-terminal and
+    magnitude metrics only move at the terminal collapse (SPEC.md §3.1).  ``flat``: healthy throughout.
+    """
+    rng = np.random.default_rng(seed)
+    steps = np.arange(n_steps)
+    # per-step anchors are shifted by half a window so the trailing window hits the reference values
+    lag = W // 2
+    if kind == "trajectory":
+        rho = _interp([(0, 1.02), (75 - lag, 1.02), (150 - lag, 1.50), (225 - lag, 2.32), (300 - lag, 1.94)], steps)
+        sgs = _interp([(0, 0.92), (225, 0.86), (260, 0.84), (300, 0.55)], steps)
+        q05 = _interp([(0, -0.24), (225, -0.30), (260, -0.6), (300, -42.75)], steps)
+        k3 = _interp([(0, 1e-3), (225, 1.2e-3), (260, 3e-3), (300, 5e-2)], steps)
+        ctok = _interp([(0, 0.2156), (75, 0.2156), (150, 0.2574), (225, 0.2568), (300, 0.1513)], steps)
+        gate = _interp([(0, 0.010), (225, 0.014), (300, 0.30)], steps)
+    else:
+        rho, sgs, q05, k3, ctok, gate = (np.full(n_steps, v) for v in (1.023, 0.92, -0.24, 1e-3, 0.2156, 0.01))
+    amp_pos = 100.0 * (1 + 0.1 * rng.standard_normal(n_steps))
+    amp_neg = rho * 100.0 * (1 + 0.1 * rng.standard_normal(n_steps))
+    per = {
+        "mass_amp_pos": amp_pos, "mass_amp_neg": amp_neg, "rho_asym": amp_neg / amp_pos,
+        "small_gap_share": sgs + 0.01 * rng.standard_normal(n_steps),
+        "delta_q05": q05 * (1 + 0.05 * rng.standard_normal(n_steps)),
+        "k3_kl": k3 * (1 + 0.1 * rng.standard_normal(n_steps)),
+        "c_tok": ctok + 0.02 * rng.standard_normal(n_steps),
+        "gate_downweighted_frac": gate + 0.003 * rng.standard_normal(n_steps),
+        "nonfinite_count": np.zeros(n_steps),
+    }
+    df = pd.DataFrame({"step": steps, **per})
+    roll = df.rolling(W, min_periods=1)
+    sums = roll.sum()
+    df["window/rho_asym"] = sums["mass_amp_neg"] / sums["mass_amp_pos"]
+    means = roll.mean()
+    for m in ("small_gap_share", "delta_q05", "k3_kl", "c_tok"):
+        df["window/" + m] = means[m]
+    return df
+
+
+GROUPS = {r.name: r.group for r in default_rules()}
+
+
+def test_synthetic_trajectory_matches_reference_shape():
+    df = synthetic_history("trajectory").set_index("step")
+    for step, ref in ((75, 1.02), (150, 1.50), (225, 2.32)):
+        assert abs(df.loc[step, "window/rho_asym"] - ref) < 0.08
+    assert df.loc[:225, "window/small_gap_share"].min() >= 0.83
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_defaults_fire_on_direction_before_magnitude(seed):
+    alerts = replay(None, synthetic_history("trajectory", seed=seed))
+    first = {}
+    for a in alerts:
+        first.setdefault(GROUPS[a.rule], a.step)
+    # the direction rules fire during the drift phase; magnitude only at the terminal collapse
+    assert first["direction"] <= 150
+    assert "magnitude" in first, "magnitude rules never fired: the comparison would be vacuous"
+    assert first["direction"] < first["magnitude"]
+    assert first["magnitude"] > 225
+    fired_rules = {a.rule for a in alerts}
+    assert {"rho_asym_rising", "rho_asym_high", "rho_asym_critical"} <= fired_rules
+    rising = next(a for a in alerts if a.rule == "rho_asym_rising")
+    high = next(a for a in alerts if a.rule == "rho_asym_high")
+    assert rising.step < high.step                    # the rise is visible before the level is crossed
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_defaults_silent_on_flat_healthy_history(seed):
+    assert replay(None, synthetic_history("flat", n_steps=600, seed=seed)) == []
+
+
+def test_nonfinite_rule_fires_on_first_count():
+    df = synthetic_history("flat", n_steps=60)
+    df.loc[40, "nonfinite_count"] = 3
+    alerts = replay(None, df)
+    assert [(a.rule, a.step, a.level, a.value) for a in alerts] == [("nonfinite_logp", 40, "ERROR", 3.0)]
+
+
+# ------------------------------------------------------------------------------- live == replay
+def _rows(alerts):
+    return [{k: ("nan" if isinstance(v, float) and math.isnan(v) else v) for k, v in a.to_row().items()}
+            for a in alerts]
+
+
+def test_live_and_replay_identical_including_resume():
+    df = synthetic_history("trajectory", seed=5)
+    # a resumed job: steps 200..230 are seen, then the job restarts from step 210 with new values
+    resumed = df[df.step.between(210, 230)].copy()
+    resumed["window/rho_asym"] *= 0.9
+    seq = pd.concat([df[df.step <= 230], resumed, df[df.step > 230]], ignore_index=True)
+    live_got = []
+    eng = AlertEngine(default_rules(), sinks=[CallbackSink(live_got.append)])
+    live = []
+    for row in seq.to_dict("records"):
+        step = int(row.pop("step"))
+        live += eng.observe(step, row)
+    eng.close()
+    assert live_got == live and len(live) >= 4
+    assert _rows(replay(default_rules(), seq)) == _rows(live)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+def _write_steps(run_dir, df, attempt):
+    """The records.py layout: run.json + steps/step=S/rank=R/part-<attempt>.parquet, one row each."""
+    import pyarrow as pa
+    from triage_monitor.records import partition_dir, write_json_atomic, write_table_atomic
+    write_json_atomic({"schema_version": 1, "tool": "triage-monitor"}, run_dir / "run.json")
+    for row in df.to_dict("records"):
+        step = int(row.pop("step"))
+        for rank in (0, 1):
+            write_table_atomic(pa.Table.from_pylist([{**row, "attempt": attempt}]),
+                               partition_dir(run_dir, "steps", step, rank) / f"part-{attempt}.parquet")
+
+
+def test_cli_run_dir_and_wandb_csv_match_replay(tmp_path, capsys):
+    df = synthetic_history("trajectory", n_steps=240, seed=3)
+    # a resumed job rewrote steps 120..139 under a later attempt: the reader keeps the later values
+    _write_steps(tmp_path / "run", df, attempt=1)
+    df.loc[df.step.between(120, 139), "window/rho_asym"] += 0.5
+    _write_steps(tmp_path / "run", df[df.step.between(120, 139)], attempt=2)
+    expected = _rows(replay(None, df))
+    assert expected and expected != _rows(replay(None, synthetic_history("trajectory", n_steps=240, seed=3)))
+    assert alerts_cli([str(tmp_path / "run"), "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["rule"]) for r in out] == [(r["step"], r["rule"]) for r in expected]
+    # a W&B history export: triage/ prefixed columns, triage/step, W&B's own columns
+    wb = df.rename(columns=lambda c: "triage/" + c)
+    wb.insert(0, "_step", np.arange(len(wb)) + 1000)
+    wb.to_csv(tmp_path / "hist.csv", index=False)
+    assert alerts_cli(["--from-csv", str(tmp_path / "hist.csv"), "--step-column", "triage/step",
+                       "--format", "csv"]) == 0
+    got = pd.read_csv(__import__("io").StringIO(capsys.readouterr().out))
+    assert list(zip(got.step, got.rule)) == [(r["step"], r["rule"]) for r in expected]
+    # the table format prints, and a custom rules file is honoured
+    (tmp_path / "r.toml").write_text('[[rules]]\nname="hi"\nmetric="rho_asym"\ncondition="above"\n'
+                                     'threshold=1.4\nwindow=5\nhold=2\n')
+    assert alerts_cli(["--from-csv", str(tmp_path / "hist.csv"), "--rules", str(tmp_path / "r.toml")]) == 0
+    assert "hi" in capsys.readouterr().out
+
+
+def test_cli_bad_input_exits_2(tmp_path, capsys):
+    assert alerts_cli([str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    pd.DataFrame({"x": [1]}).to_csv(tmp_path / "h.csv", index=False)
+    assert alerts_cli(["--from-csv", str(tmp_path / "h.csv")]) == 2
+    assert "no step column 'step'" in capsys.readouterr().err
