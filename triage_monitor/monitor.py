@@ -183,6 +183,7 @@ class MismatchMonitor:
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch must be a TokenBatch, got {type(batch).__name__}")
         step = int(step)
+        extra = {k: _to_float(k, v) for k, v in (extra or {}).items()}
         batch = batch.detach()
         group = self.group if self.world_size > 1 else None
         step_res, win_res = self.tracker.step(step, batch, group=group)
@@ -194,8 +195,7 @@ class MismatchMonitor:
         metrics["quarantined_count"] = float(sum(q.values()))
         metrics["tau_tail_frozen"] = float(self.tracker.tau_frozen)
         metrics.update({f"window/{k}": v for k, v in win_res.values.items()})
-        for k, v in (extra or {}).items():
-            metrics[k] = _to_float(k, v)
+        metrics.update(extra)
         reasons = {**step_res.nan_reasons, **{f"window/{k}": r for k, r in win_res.nan_reasons.items()}}
         self._record(step, batch, metrics, reasons, token_extras)
         self._report(step, metrics)

@@ -1,0 +1,114 @@
+"""TokenBatch: layouts, canonical order, scatter back, validation with named errors."""
+
+import pytest
+import torch
+
+from triage_monitor.batch import InvalidTokenError, TokenBatch
+
+
+def _padded():
+    lp = -torch.arange(1, 13, dtype=torch.float32).reshape(3, 4) / 10
+    s = lp - 0.01
+    m = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    return lp, s, torch.tensor([1., -1., 2.]), m
+
+
+def test_padded_flat_order_positions_and_scatter():
+    lp, s, a, m = _padded()
+    b = TokenBatch.from_padded(lp, s, a, m, sample_ids=torch.tensor([9, 2, 5]), group_ids=torch.tensor([0, 0, 1]))
+    # samples sorted by id: 2 (row 1), 5 (row 2), 9 (row 0)
+    assert b.sample_id.tolist() == [2, 5, 9]
+    assert b.group_id.tolist() == [0, 1, 0]
+    assert b.num_valid.tolist() == [2, 1, 3]
+    assert b.position.tolist() == [1, 2, 0, 0, 1, 3]
+    assert b.learner_logp.tolist() == pytest.approx([-.6, -.7, -.9, -.1, -.2, -.4])
+    assert b.advantage.tolist() == [-1., -1., 2., 1., 1., 1.]
+    back = b.scatter(b.learner_logp, fill=7.0)
+    assert torch.equal(back, torch.where(m, lp, torch.tensor(7.0)))
+
+
+def test_packed_and_list_scatter_round_trip():
+    lp, s, a, m = _padded()
+    pk = TokenBatch.from_packed(lp.reshape(-1), s.reshape(-1), a, torch.tensor([0, 4, 8, 12]), m.reshape(-1))
+    assert torch.equal(pk.scatter(pk.sampler_logp), torch.where(m, s, torch.tensor(0.)).reshape(-1))
+    ls = TokenBatch.from_list([lp[0, :3], lp[1], lp[2, :1]], [s[0, :3], s[1], s[2, :1]], [1., -1., 2.])
+    out = ls.scatter(ls.learner_logp)
+    assert [t.shape[0] for t in out] == [3, 4, 1]
+    assert torch.equal(out[1], lp[1])
+
+
+def test_gradient_flows_through_learner_logp_and_scatter():
+    lp, s, a, m = _padded()
+    lp = lp.clone().requires_grad_(True)
+    b = TokenBatch.from_padded(lp, s, a, m)
+    b.scatter(b.learner_logp * 2).sum().backward()
+    assert torch.equal(lp.grad, m.float() * 2)
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("learner_logp", float("nan"), "nonfinite"),
+    ("sampler_logp", float("-inf"), "nonfinite"),
+    ("learner_logp", 0.5, "positive"),
+    ("sampler_logp", -1e10, "sentinel"),
+    ("advantages", float("nan"), "nonfinite advantage"),
+])
+def test_invalid_values_raise_with_field_sample_position(field, value, reason):
+    lp, s, a, m = _padded()
+    tensors = {"learner_logp": lp, "sampler_logp": s, "advantages": a.clone()}
+    if field == "advantages":
+        tensors["advantages"][1] = value
+        pos = 1
+    else:
+        tensors[field][1, 2] = value
+        pos = 2
+    with pytest.raises(InvalidTokenError) as ei:
+        TokenBatch.from_padded(tensors["learner_logp"], tensors["sampler_logp"], tensors["advantages"], m)
+    e = ei.value
+    assert e.field == field and e.sample == 1 and e.position == pos
+    assert reason in str(e) and field in str(e)
+
+
+def test_padding_values_outside_mask_are_never_read():
+    lp, s, a, m = _padded()
+    lp = torch.where(m, lp, torch.tensor(0.0))          # 0.0 padding
+    s = torch.where(m, s, torch.tensor(-1e10))          # sentinel padding
+    b = TokenBatch.from_padded(lp, s, a, m)
+    assert b.num_tokens == int(m.sum()) and not b.quarantine
+
+
+def test_quarantine_counts_and_keeps_bad_tokens_visible():
+    lp, s, a, m = _padded()
+    lp[0, 1] = float("nan")
+    s[1, 2] = -9999.0
+    b = TokenBatch.from_padded(lp, s, a, m, on_invalid="quarantine")
+    assert b.num_tokens == int(m.sum()) - 2
+    assert b.quarantine == {"nonfinite_learner_logp": 1, "sentinel_sampler_logp": 1}
+    assert sorted(b.quarantined["position"].tolist()) == [1, 2]
+    # scatter still maps the kept tokens to their own places
+    back = b.scatter(torch.ones(b.num_tokens), fill=0.0)
+    assert back[0, 1] == 0 and back[1, 2] == 0 and back[0, 0] == 1
+
+
+def test_shape_dtype_mask_errors_name_the_argument():
+    lp, s, a, m = _padded()
+    with pytest.raises(ValueError, match=r"sampler_logp has shape \(3, 3\)"):
+        TokenBatch.from_padded(lp, s[:, :3], a, m)
+    with pytest.raises(TypeError, match="learner_logp must be a floating-point"):
+        TokenBatch.from_padded(lp.long(), s, a, m)
+    with pytest.raises(ValueError, match="mask must be boolean-like"):
+        TokenBatch.from_padded(lp, s, a, m.float() * 2)
+    with pytest.raises(ValueError, match="advantages must be"):
+        TokenBatch.from_padded(lp, s, torch.ones(5), m)
+    with pytest.raises(ValueError, match="sample_ids must be unique"):
+        TokenBatch.from_padded(lp, s, a, m, sample_ids=torch.tensor([1, 1, 2]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        TokenBatch.from_packed(lp.reshape(-1), s.reshape(-1), a, torch.tensor([0, 4, 7]))
+
+
+def test_from_flat_sorts_rows_and_rejects_duplicates():
+    b = TokenBatch.from_flat(torch.tensor([-.1, -.2, -.3]), torch.tensor([-.1, -.1, -.1]), torch.ones(3),
+                             torch.tensor([7, 3, 7]), torch.tensor([5, 0, 2]))
+    assert b.sample_id.tolist() == [3, 7] and b.position.tolist() == [0, 2, 5]
+    with pytest.raises(ValueError, match="occurs twice"):
+        TokenBatch.from_flat(torch.zeros(2) - .1, torch.zeros(2) - .1, torch.ones(2), torch.tensor([1, 1]),
+                             torch.tensor([0, 0]))

@@ -1,0 +1,234 @@
+"""Metrics of SPEC.md §3 on hand-built batches; expected values worked out by hand in the comments."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from triage_monitor.batch import TokenBatch
+from triage_monitor.metrics import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments,
+                                    compute_step_metrics, quantiles)
+
+SAMPLER = -1.0
+
+
+def _list_batch(deltas, advs, masks=None, sampler=SAMPLER, **kw):
+    """Responses given as lists of δ (nats) with sampler_logp = ``sampler``."""
+    s = [torch.full((len(d),), sampler) for d in deltas]
+    lp = [torch.tensor(d, dtype=torch.float32) + sampler for d in deltas]
+    m = None if masks is None else [torch.tensor(x, dtype=torch.bool) for x in masks]
+    return TokenBatch.from_list(lp, s, torch.tensor(advs, dtype=torch.float32), m, **kw)
+
+
+# ---------------------------------------------------------------- magnitude + direction
+@pytest.fixture
+def quadrant_batch():
+    # s0: A=+1, δ=[.2,-.1,0,.03]   -> amp_pos {.2,.03} (mass 2), con_pos {-.1} (mass 1), δ=0 in no region
+    # s1: A=-2, δ=[-.5,.1,-.01]    -> amp_neg {-.5,-.01} (mass 4), con_neg {.1} (mass 2)
+    # s2: A=0,  δ=[-3]             -> no region (A = 0)
+    # s3: A=-1, δ=[-.2, (masked -9), .04] -> amp_neg {-.2} (mass 1), con_neg {.04} (mass 1)
+    return _list_batch([[.2, -.1, 0., .03], [-.5, .1, -.01], [-3.], [-.2, -9., .04]], [1., -2., 0., -1.],
+                       masks=[[1, 1, 1, 1], [1, 1, 1], [1], [1, 0, 1]])
+
+
+def test_quadrant_masses_and_rho(quadrant_batch):
+    v = compute_step_metrics(quadrant_batch).values
+    assert v["n_tokens"] == 10 and v["n_samples"] == 4
+    assert (v["mass_amp_neg"], v["mass_amp_pos"], v["mass_con_neg"], v["mass_con_pos"]) == (5, 2, 3, 1)
+    assert (v["count_amp_neg"], v["count_amp_pos"], v["count_con_neg"], v["count_con_pos"]) == (3, 2, 2, 1)
+    assert v["rho_asym"] == pytest.approx(5 / 2)
+    # |A|/n_i weights: n = (4, 3, 1, 2). amp_neg: 2·(2/3) + 1·(1/2) = 11/6; amp_pos: 2·(1/4) = 1/2
+    assert v["rho_asym_lennorm"] == pytest.approx((11 / 6) / (1 / 2))
+    # total |A| mass 4 + 6 + 0 + 2 = 12
+    assert v["amp_share"] == pytest.approx(7 / 12)
+
+
+def test_magnitude_metrics_against_numpy(quadrant_batch):
+    v = compute_step_metrics(quadrant_batch).values
+    d = quadrant_batch.delta.double().numpy()          # the float32 δ the monitor records
+    assert v["small_gap_share"] == pytest.approx(4 / 10)  # 0, .03, -.01, .04
+    assert v["delta_mean"] == pytest.approx(d.mean(), rel=1e-12)
+    assert v["delta_abs_mean"] == pytest.approx(np.abs(d).mean(), rel=1e-12)
+    assert v["delta_min"] == pytest.approx(-3.0)
+    for name, q in (("delta_q01", .01), ("delta_q05", .05), ("delta_q50", .5)):
+        assert v[name] == pytest.approx(np.quantile(d, q), rel=1e-12)
+    assert v["k3_kl"] == pytest.approx(np.mean(np.exp(d) - d - 1), rel=1e-12)
+    assert v["chi2_token"] == pytest.approx(np.mean(np.exp(d) ** 2) - 1, rel=1e-12)
+    # per-response mean δ, averaged over responses
+    resp = [np.mean(d[0:4]), np.mean(d[4:7]), d[7], np.mean(d[8:10])]
+    assert v["log_ppl_diff"] == pytest.approx(np.mean(resp), rel=1e-12)
+
+
+def test_empty_region_is_nan_with_reason():
+    # every A>0 token has δ<0: no amp_pos mass
+    res = compute_step_metrics(_list_batch([[-.3, -.2], [-.1]], [1., -1.]))
+    assert math.isnan(res.values["rho_asym"]) and "mass_amp_pos" in res.nan_reasons["rho_asym"]
+    assert math.isnan(res.values["rho_asym_lennorm"])
+    assert res.values["mass_amp_neg"] == 1.0
+    assert not any(math.isinf(x) for x in res.values.values() if isinstance(x, float))
+
+
+def test_k3_and_chi2_clamp_log_ratio():
+    # δ = -50 is clamped to -20 before exp (SPEC §3.1)
+    res = compute_step_metrics(_list_batch([[-50.0]], [1.], sampler=-60.0)).values
+    assert res["k3_kl"] == pytest.approx(math.exp(-20) + 20 - 1)
+    assert res["chi2_token"] == pytest.approx(math.exp(-40) - 1)
+
+
+# ---------------------------------------------------------------- localisation
+W = 4
+TAU = -1.0
+
+
+@pytest.fixture
+def seg_batch():
+    """W = 4, τ = −1.  A<0 responses s0, s2, s3; s1 (A>0) and s4 (A=0) are excluded from segments.
+
+    s0 (A=-1, positions 0..9, position 5 masked): δ = +2 at 0,1; −2 (tail) at 6,7; 0 elsewhere.
+        k0 = {0,1,2,3}: 0/4; k1 = {4,6,7}: 2/3 heavy; k2 = {8,9} (short): 0/2.   mean δ = 0 → diluted
+    s1 (A=+1): δ = −5 everywhere (not tail: A > 0).
+    s2 (A=-2, positions 0..7): tails (δ = −2) at 0 and 4 → k0 1/4 heavy, k1 1/4 heavy.   mean −0.5
+    s3 (A=-1, positions 0..11, 4..7 masked): tail (δ = −1.5) at 8 → k0 0/4, k1 absent, k2 1/4 heavy (no predecessor).
+        mean −1.5/8
+    s4 (A=0): δ = −3.
+    """
+    s0 = [0.] * 10
+    s0[0] = s0[1] = 2.
+    s0[6] = s0[7] = -2.
+    m0 = [1] * 10
+    m0[5] = 0
+    s2 = [0.] * 8
+    s2[0] = s2[4] = -2.
+    s3 = [0.] * 12
+    s3[8] = -1.5
+    m3 = [1] * 4 + [0] * 4 + [1] * 4
+    return _list_batch([s0, [-5.] * 3, s2, s3, [-3., -3.]], [-1., 1., -2., -1., 0.],
+                       masks=[m0, [1] * 3, [1] * 8, m3, [1, 1]], sampler=-3.0)
+
+
+def test_segment_metrics_by_hand(seg_batch):
+    res = compute_step_metrics(seg_batch, TAU, MetricConfig(segment_width=W))
+    v = res.values
+    assert v["r_amp"] == pytest.approx(5 / 25)      # 5 tail tokens / (9 + 8 + 8) valid tokens of A<0 responses
+    assert v["h_seg"] == pytest.approx(4 / 7)       # heavy: s0k1, s2k0, s2k1, s3k2 of 7 segments
+    assert v["c_tok"] == pytest.approx(2 / 5)       # top ceil(.05·7)=1 segment is s0k1 (2/3) holding 2 of 5 tails
+    # with a predecessor: s0k1 (prev s0k0, not heavy), s0k2 (prev s0k1 heavy), s2k1 (prev s2k0 heavy)
+    # P(heavy | prev heavy) = 1/2 ; P(heavy | has prev) = 2/3
+    assert v["p_adj"] == pytest.approx((1 / 2) / (2 / 3))
+    assert v["dilution"] == pytest.approx(1 / 3)    # s0 of {s0, s2, s3} has |mean δ| < 0.05
+    assert v["tau_tail"] == TAU
+
+
+def test_segment_metrics_nan_without_tau(seg_batch):
+    res = compute_step_metrics(seg_batch, math.nan, MetricConfig(segment_width=W))
+    assert math.isnan(res.values["c_tok"]) and "tau_tail" in res.nan_reasons["c_tok"]
+
+
+def test_c_tok_ranking_ties_are_order_independent():
+    # fractions: .5 (1/2), .5 (2/4), .25, 0 ... : ceil(.05·4) = 1 segment; the tie at .5 goes to the larger count
+    tail = torch.tensor([1, 2, 1, 0])
+    valid = torch.tensor([2, 4, 4, 4])
+    assert c_tok_from_segments(tail, valid) == pytest.approx(2 / 4)
+    perm = torch.tensor([3, 2, 0, 1])
+    assert c_tok_from_segments(tail[perm], valid[perm]) == pytest.approx(2 / 4)
+    assert math.isnan(c_tok_from_segments(torch.zeros(3, dtype=torch.long), valid[:3]))
+
+
+def test_c_tok_uniform_vs_concentrated():
+    # 100 segments of 64 tokens, 100 tail tokens: spread one per segment → top 5 hold 5 % ; packed → 100 %
+    valid = torch.full((100,), 64)
+    spread = torch.ones(100, dtype=torch.long)
+    packed = torch.zeros(100, dtype=torch.long)
+    packed[:5] = 20
+    assert c_tok_from_segments(spread, valid) == pytest.approx(0.05)
+    assert c_tok_from_segments(packed, valid) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- layouts, windows, calibration
+def _random_padded(seed, B=6, T=150):
+    g = torch.Generator().manual_seed(seed)
+    s = -torch.rand(B, T, generator=g) * 3
+    lp = (s + torch.randn(B, T, generator=g) * 0.2 - (torch.rand(B, T, generator=g) < .05) * 2).clamp(max=0)
+    m = torch.rand(B, T, generator=g) < .85
+    m[:, 120:] = False                      # right padding
+    a = torch.randn(B, generator=g)
+    return lp, s, a, m
+
+
+def test_three_constructors_give_identical_metrics():
+    lp, s, a, m = _random_padded(0)
+    B, T = lp.shape
+    ids = torch.tensor([11, 3, 7, 0, 25, 4])
+    padded = TokenBatch.from_padded(lp, s, a, m, sample_ids=ids)
+    packed = TokenBatch.from_packed(lp.reshape(-1), s.reshape(-1), a, torch.arange(B + 1) * T, m.reshape(-1),
+                                    sample_ids=ids)
+    lists = TokenBatch.from_list(list(lp), list(s), a, list(m), sample_ids=ids)
+    cfg = MetricConfig(segment_width=16)
+    ref = compute_step_metrics(padded, -0.5, cfg).values
+    for other in (packed, lists):
+        got = compute_step_metrics(other, -0.5, cfg).values
+        for k, x in ref.items():
+            assert got[k] == pytest.approx(x, rel=0, abs=0, nan_ok=True), k
+
+
+def test_window_pools_sums_not_ratios():
+    cfg = MetricConfig(segment_width=16)
+    b1 = TokenBatch.from_padded(*_random_padded(1))
+    b2 = TokenBatch.from_padded(*_random_padded(2), sample_ids=torch.arange(6) + 100)
+    pooled = MismatchStats(cfg).update(b1, -0.5).merge(MismatchStats(cfg).update(b2, -0.5)).compute().values
+    # independent: one batch holding both steps' responses
+    lp1, s1, a1, m1 = _random_padded(1)
+    lp2, s2, a2, m2 = _random_padded(2)
+    both = TokenBatch.from_padded(torch.cat([lp1, lp2]), torch.cat([s1, s2]), torch.cat([a1, a2]), torch.cat([m1, m2]))
+    direct = compute_step_metrics(both, -0.5, cfg).values
+    for k, x in direct.items():
+        assert pooled[k] == pytest.approx(x, rel=1e-12, nan_ok=True), k
+    r1 = compute_step_metrics(b1).values["rho_asym"]
+    r2 = compute_step_metrics(b2).values["rho_asym"]
+    assert pooled["rho_asym"] != pytest.approx((r1 + r2) / 2)
+
+
+def test_tracker_calibrates_tau_then_freezes_and_windows_trail():
+    tr = MetricTracker(MetricConfig(segment_width=16), window=2, calibration_steps=2)
+    batches = [TokenBatch.from_padded(*_random_padded(i)) for i in range(4)]
+    taus = []
+    for step, b in enumerate(batches):
+        s, w = tr.step(step, b)
+        taus.append(s.values["tau_tail"])
+        if step == 3:
+            # window of 2 = steps 2 and 3 pooled
+            expect = MismatchStats(tr.config).update(batches[2], taus[2]).merge(
+                MismatchStats(tr.config).update(batches[3], taus[3])).compute().values
+            assert w.values["rho_asym"] == pytest.approx(expect["rho_asym"], rel=1e-12)
+    d0 = batches[0].delta.double().numpy()
+    d01 = np.concatenate([d0, batches[1].delta.double().numpy()])
+    assert taus[0] == pytest.approx(np.quantile(d0, .05), rel=1e-12)      # provisional
+    assert taus[1] == pytest.approx(np.quantile(d01, .05), rel=1e-12)     # reference window complete
+    assert taus[2] == taus[3] == taus[1]                                   # frozen
+    assert tr.tau_frozen
+
+
+def test_tracker_given_tau_and_repeated_step_replaces():
+    tr = MetricTracker(window=3, tau_tail=-0.7)
+    b = [TokenBatch.from_padded(*_random_padded(i)) for i in range(3)]
+    tr.step(0, b[0])
+    tr.step(1, b[1])
+    _, w = tr.step(1, b[2])               # resumed job repeats step 1
+    expect = MismatchStats().update(b[0], -0.7).merge(MismatchStats().update(b[2], -0.7)).compute().values
+    assert w.values["n_tokens"] == expect["n_tokens"]
+    assert w.values["rho_asym"] == pytest.approx(expect["rho_asym"], rel=1e-12)
+
+
+def test_quantiles_match_numpy_large():
+    x = torch.randn(10001, generator=torch.Generator().manual_seed(3))
+    got = quantiles(x, [0.0, 0.01, 0.05, 0.5, 1.0])
+    assert got == pytest.approx(np.quantile(x.double().numpy(), [0.0, 0.01, 0.05, 0.5, 1.0]), rel=1e-12)
+    assert all(math.isnan(q) for q in quantiles(torch.zeros(0), [.5]))
+
+
+def test_metric_config_validation():
+    with pytest.raises(ValueError, match="segment_width"):
+        MetricConfig(segment_width=0)
+    with pytest.raises(ValueError, match="tail_quantile"):
+        MetricConfig(tail_quantile=1.5)

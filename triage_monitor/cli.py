@@ -1,0 +1,133 @@
+"""``triage-monitor`` command line: demo | analyze | report | dashboard | alerts | import.
+
+Each sub-command's options live next to its implementation (an
+``add_arguments(parser)`` / ``run_cli(args)`` pair); this module only wires
+them into one argparse parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from pathlib import Path
+
+# (command, module, help)
+COMMANDS = (
+    ("demo", "triage_monitor.demo", "run the built-in GRPO job (NVFP4 sampler vs learner) with monitoring"),
+    ("analyze", "triage_monitor.cli", "recompute every metric of a run from its token Parquet files"),
+    ("report", "triage_monitor.report", "write a self-contained HTML post-mortem of a run"),
+    ("dashboard", "triage_monitor.dashboard", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
+    ("alerts", "triage_monitor.alerts", "replay the alert rules over a finished run or a metrics CSV"),
+    ("import", "triage_monitor.importers", "turn a framework's dumped rollouts / a per-token table into a run directory"),
+)
+
+#: Columns `analyze` prints (all columns are saved).
+SUMMARY_COLUMNS = {"step": "step", "n_tokens": "tokens", "small_gap_share": "small|δ|", "delta_q05": "q05 δ",
+                   "k3_kl": "k3", "rho_asym": "ρ_asym", "rho_asym_lennorm": "ρ_len", "window/rho_asym": "ρ_win",
+                   "c_tok": "C_tok", "r_amp": "r_amp", "h_seg": "H_seg", "tau_tail": "τ_tail"}
+
+
+# ---------------------------------------------------------------------------- analyze
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``triage-monitor analyze``."""
+    parser.add_argument("run_dir", help="run directory written by MismatchMonitor")
+    parser.add_argument("--window", type=int, default=None, help="trailing window in steps (default: the run's)")
+    parser.add_argument("--tau-tail", type=float, default=None, help="explicit tau_tail in nats (default: the run's)")
+    parser.add_argument("--out", default=None,
+                        help="where to save the full table (.csv or .parquet; default RUN_DIR/analysis/metrics.csv)")
+    parser.add_argument("--rows", type=int, default=20, help="rows to print (the last ones); 0 prints all")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Recompute the run's metrics, print a summary table, save the full one, compare with the live values."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .analysis import RunDirError, compare_live, open_run, recompute
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    try:
+        run = open_run(args.run_dir)
+    except RunDirError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    n_tokens = 0
+    t0 = time.perf_counter()
+    df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True)
+    elapsed = time.perf_counter() - t0
+    if df.empty:
+        console.print(f"[yellow]{run.path}: no token records yet[/yellow]")
+        return 1
+    n_tokens = int(df["n_tokens"].sum())
+    out = Path(args.out) if args.out else run.path / "analysis" / "metrics.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (df.to_parquet if out.suffix == ".parquet" else df.to_csv)(out, index=False)
+
+    shown = df if args.rows == 0 else df.tail(args.rows)
+    table = Table(title=f"{run.path}  ({len(df)} steps, {n_tokens:,} tokens)")
+    for c in SUMMARY_COLUMNS:
+        table.add_column(SUMMARY_COLUMNS[c], justify="right", no_wrap=True)
+    for _, r in shown.iterrows():
+        table.add_row(*[_fmt(r[c]) for c in SUMMARY_COLUMNS])
+    console.print(table)
+    console.print(f"recomputed {n_tokens:,} tokens in {elapsed:.2f} s "
+                  f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
+    if args.window is None and args.tau_tail is None and not run.steps().empty:
+        cmp = compare_live(run, df)
+        bad = cmp[~cmp["equal"]]
+        if bad.empty:
+            console.print(f"[green]all {len(cmp)} metrics equal the live values[/green]")
+        else:
+            console.print(f"[yellow]{len(bad)} metrics differ from the live values:[/yellow]")
+            console.print(bad.to_string(index=False))
+    return 0
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        return f"{v:,.0f}" if abs(v) >= 1000 or v == int(v) else f"{v:.3g}"
+    return str(v)
+
+
+# ---------------------------------------------------------------------------- main
+def build_parser(command=None) -> argparse.ArgumentParser:
+    """The argparse parser; only ``command``'s module is imported (keeps ``--help`` fast)."""
+    parser = argparse.ArgumentParser(prog="triage-monitor", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module, help_ in COMMANDS:
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name != command:
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:  # a component whose optional dependency is missing
+            p.set_defaults(_missing=f"'{name}' is unavailable: {exc}")
+            continue
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run_cli)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    names = {c[0] for c in COMMANDS}
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in names else None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "_missing", None):
+        print(f"triage-monitor: {args._missing}", file=sys.stderr)
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
