@@ -1,0 +1,373 @@
+"""The demo's GRPO loop: NVFP4 sampler, separately-numbered learner, monitored like a user's job.
+
+One step (SPEC.md §1, §5 setup scaled down):
+
+1. **Sampler path** (``torch.no_grad``, sampler recipe, KV cache): for each of
+   ``prompts_per_step`` addition problems generate ``group_size`` responses at
+   the configured temperature, recording each generated token's log-prob.
+2. Exact reward (:mod:`.task`) and GRPO advantages
+   ``A_i = (r_i − mean_g r) / (std_g r + 1e-6)`` per group (unbiased std, as
+   verl), broadcast over the response's tokens.
+3. **Learner path** (learner recipe, straight-through gradients): teacher-forced
+   log-probs of the same tokens.
+4. The public API, exactly as a user's job calls it:
+   :meth:`TokenBatch.from_padded` → correction (``none``: plain PPO;
+   ``tis``: :func:`~triage_monitor.corrections.tis_weights`; ``triage``:
+   :class:`~triage_monitor.controller.TriageController`) →
+   :func:`~triage_monitor.corrections.ppo_clip_loss` reduced by
+   :func:`~triage_monitor.controller.weighted_policy_loss` (+ Repair loss) →
+   one Adam update per rollout → :meth:`MismatchMonitor.log_step`.
+
+With one update per rollout the PPO ratio is 1 at the update
+(``old_logp = learner_logp.detach()``), so the clip only shapes the gradient;
+TIS corrects the learner/sampler gap ``exp(old_logp − sampler_logp)``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from ..batch import TokenBatch
+from ..controller import TriageConfig, TriageController, weighted_policy_loss
+from ..corrections import ppo_clip_loss, tis_weights
+from ..metrics import MetricConfig
+from ..monitor import MismatchMonitor, MonitorConfig
+from ..nvfp4 import RECIPES, get_recipe, use_recipe
+from .model import GPTConfig, TinyGPT
+from .task import EOS, VOCAB_SIZE, AdditionTask
+
+Tensor = torch.Tensor
+CORRECTIONS = ("none", "tis", "triage")
+
+
+@dataclass
+class DemoConfig:
+    """Every option of ``triage-monitor demo`` with its default.
+
+    Task and model: ``digits`` (operand length), ``n_layer``, ``n_head``,
+    ``d_model``.  Warm start: ``sft_steps`` supervised steps of ``sft_batch``
+    problems at ``sft_lr``.  GRPO: ``steps`` updates, ``prompts_per_step`` ×
+    ``group_size`` responses at ``temperature``, Adam ``lr``, PPO clip
+    ``[1 − clip_low, 1 + clip_high]``, gradient-norm clip ``max_grad_norm``.
+    Numerics: ``sampler_recipe`` / ``learner_recipe`` (keys of
+    :data:`triage_monitor.nvfp4.RECIPES`).  Correction: ``correction`` in
+    ``none | tis | triage``, ``tis_clip`` (lo, hi), ``normalization``
+    (SPEC.md §4.2), ``gate_width`` / ``repair_width`` (TRIAGE segment sizes,
+    scaled down to the short responses) and ``gate_scope`` / ``repair_scope``.
+    Monitoring: ``segment_width`` (SPEC.md §3.3 W), ``window``,
+    ``calibration_steps``.  Reproducibility: ``seed``, ``threads`` (torch CPU
+    threads during the run; the same seed and thread count give the same run).
+    Display: ``log_every`` steps per printed row, ``eval_size`` greedy
+    problems scored before and after GRPO.
+    """
+
+    steps: int = 60
+    seed: int = 0
+    group_size: int = 8
+    prompts_per_step: int = 16
+    sampler_recipe: str = "nvfp4"
+    learner_recipe: str = "fp32"
+    correction: str = "triage"
+    sft_steps: int = 300
+    sft_batch: int = 64
+    sft_lr: float = 3e-3
+    lr: float = 3e-4
+    temperature: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    max_grad_norm: float = 1.0
+    tis_clip: tuple = (0.0, 2.0)
+    normalization: str = "per_response"
+    gate_width: int = 4
+    gate_scope: str = "q3"
+    repair_width: int = 8
+    repair_scope: str = "adv_positive"
+    segment_width: int = 4
+    window: int = 25
+    calibration_steps: int = 10
+    digits: int = 2
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    threads: int = 1
+    log_every: int = 5
+    eval_size: int = 256
+
+    def __post_init__(self):
+        for name in ("steps", "group_size", "prompts_per_step", "sft_batch", "gate_width", "repair_width",
+                     "segment_width", "window", "calibration_steps", "threads", "log_every", "eval_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sft_steps < 0:
+            raise ValueError(f"DemoConfig.sft_steps must be >= 0, got {self.sft_steps}")
+        if self.group_size < 2:
+            raise ValueError(f"DemoConfig.group_size must be >= 2 for GRPO advantages, got {self.group_size}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"DemoConfig.correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"DemoConfig.temperature must be > 0, got {self.temperature}")
+        for name in ("sampler_recipe", "learner_recipe"):
+            get_recipe(getattr(self, name))
+        self.tis_clip = tuple(float(v) for v in self.tis_clip)
+
+
+# ------------------------------------------------------------------ paths
+@torch.no_grad()
+def generate(model: TinyGPT, prompts: Tensor, group_size: int, max_new: int, temperature: float,
+             generator: Optional[torch.Generator], greedy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Sampler path: ``group_size`` responses per prompt with a KV cache.
+
+    The prompts ``(P, L)`` are prefilled once and the cache repeated per
+    response, then tokens are decoded one at a time.  After a response's
+    first ``EOS`` it is padded with ``EOS`` and masked out.
+
+    Returns:
+        responses ``(P·G, max_new)`` int64 (rows ordered prompt-major),
+        sampler_logp ``(P·G, max_new)`` float32 nats of each sampled token
+        under ``softmax(logits / temperature)``, and mask ``(P·G, max_new)``
+        bool (tokens up to and including the first ``EOS``).
+    """
+    logits, cache = model(prompts)
+    cache = [(k.repeat_interleave(group_size, 0), v.repeat_interleave(group_size, 0)) for k, v in cache]
+    logits = logits[:, -1].repeat_interleave(group_size, 0)
+    n = logits.shape[0]
+    tokens, logps = [], []
+    done = torch.zeros(n, dtype=torch.bool)
+    for t in range(max_new):
+        logp_all = torch.log_softmax(logits / temperature, dim=-1)
+        tok = logp_all.argmax(-1) if greedy else torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)
+        tok = torch.where(done, torch.full_like(tok, EOS), tok)
+        tokens.append(tok)
+        logps.append(logp_all.gather(1, tok[:, None]).squeeze(1))
+        done = done | (tok == EOS)
+        if bool(done.all()) or t == max_new - 1:
+            break
+        logits, cache = model(tok[:, None], cache)
+        logits = logits[:, -1]
+    responses = torch.stack(tokens, 1)
+    logp = torch.stack(logps, 1)
+    pad = max_new - responses.shape[1]
+    if pad:
+        responses = F.pad(responses, (0, pad), value=EOS)
+        logp = F.pad(logp, (0, pad))
+    is_eos = responses == EOS
+    mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # up to and including the first EOS
+    return responses, logp, mask
+
+
+def teacher_forced_logp(model: TinyGPT, prompts: Tensor, responses: Tensor, temperature: float = 1.0) -> Tensor:
+    """Learner path: log-probs ``(B, T)`` float32 (nats) of ``responses`` ``(B, T)`` after ``prompts`` ``(B, L)``.
+
+    One full-sequence forward (no cache), differentiable.
+    """
+    seq = torch.cat([prompts, responses[:, :-1]], dim=1)
+    logits, _ = model(seq)
+    logits = logits[:, prompts.shape[1] - 1:] / temperature
+    return torch.log_softmax(logits, -1).gather(2, responses.unsqueeze(2)).squeeze(2)
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """GRPO advantages ``(P·G,)``: rewards standardised within each group of ``group_size`` (unbiased std)."""
+    r = rewards.view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+
+
+def sft_warm_start(model: TinyGPT, task: AdditionTask, cfg: DemoConfig, gen: torch.Generator,
+                   on_step=None) -> float:
+    """Supervised warm start on reference answers (mean cross-entropy over answer tokens, Adam ``cfg.sft_lr``).
+
+    Runs ``cfg.sft_steps`` steps of ``cfg.sft_batch`` fresh problems; calls
+    ``on_step()`` after each; returns the last loss (nats/token, NaN if none).
+    """
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
+    loss = torch.tensor(float("nan"))
+    for _ in range(cfg.sft_steps):
+        ops, prompts = task.sample(cfg.sft_batch, gen)
+        answers, length = task.answers(ops)
+        mask = torch.arange(answers.shape[1]) < length[:, None]
+        logp = teacher_forced_logp(model, prompts, answers)
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if on_step is not None:
+            on_step()
+    return float(loss.detach())
+
+
+@torch.no_grad()
+def greedy_accuracy(model: TinyGPT, task: AdditionTask, ops: Tensor, prompts: Tensor) -> float:
+    """Exact-match accuracy of greedy decoding (current recipe) on fixed problems."""
+    responses, _, _ = generate(model, prompts, 1, task.max_answer_len, 1.0, None, greedy=True)
+    return float(task.reward(responses, ops).mean())
+
+
+# ------------------------------------------------------------------ run
+DISPLAY = [("reward", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("delta_abs_mean", "|δ|", "{:.4f}"),
+           ("rho_asym", "ρ_asym", "{:.3f}"), ("small_gap_share", "small", "{:.3f}"), ("c_tok", "C_tok", "{:.3f}"),
+           ("gate_weight_mean", "gate w", "{:.3f}"), ("repair_loss", "repair", "{:.2e}"),
+           ("tis_clip_frac", "tis clip", "{:.3f}")]
+
+
+def _fmt(v, spec) -> str:
+    return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else spec.format(v)
+
+
+def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> pd.DataFrame:
+    """Run the demo GRPO job and record it with :class:`MismatchMonitor` in ``out_dir``.
+
+    Args:
+        cfg: :class:`DemoConfig`.
+        out_dir: run directory (created; Parquet ``tokens/``, ``steps/`` and ``run.json``).
+        quiet: no terminal output.
+        console: a ``rich.console.Console`` (default: a new one on stdout).
+
+    Returns:
+        One row per GRPO step: ``step``, ``reward`` (mean exact-match reward),
+        ``accuracy`` (share of correct responses; equals ``reward`` for this
+        0/1 reward), ``mixed_groups`` (share of groups with both outcomes, the
+        ones that carry gradient), ``loss``, ``seconds``, the controller stats
+        and every metric ``log_step`` returned (``rho_asym``,
+        ``small_gap_share``, ``c_tok``, ``delta_q05``, ``window/...``).
+        ``df.attrs`` holds ``eval_before`` / ``eval_after`` (greedy accuracy
+        under the sampler recipe) and ``seconds_total``.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console(quiet=quiet)
+    t_start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, Path(out_dir), console, t_start, Progress, (
+            TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn()))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) -> pd.DataFrame:
+    from rich.table import Table
+
+    torch.manual_seed(cfg.seed)
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    sample_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    task = AdditionTask(cfg.digits)
+    model = TinyGPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=task.prompt_len + task.max_answer_len,
+                              n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model))
+    sampler, learner = get_recipe(cfg.sampler_recipe), get_recipe(cfg.learner_recipe)
+    eval_ops, eval_prompts = task.sample(cfg.eval_size, torch.Generator().manual_seed(cfg.seed + 2))
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(f"[bold]triage-monitor demo[/]: GRPO on {cfg.digits}-digit addition, TinyGPT {n_params:,} params "
+                  f"({cfg.n_layer} layers, d={cfg.d_model}); sampler [cyan]{cfg.sampler_recipe}[/], learner "
+                  f"[cyan]{cfg.learner_recipe}[/], correction [cyan]{cfg.correction}[/] → {out_dir}")
+
+    with Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("SFT warm start", total=cfg.sft_steps)
+        with use_recipe(model, learner):
+            sft_loss = sft_warm_start(model, task, cfg, data_gen, lambda: progress.update(bar, advance=1))
+    with use_recipe(model, sampler):
+        eval_before = greedy_accuracy(model, task, eval_ops, eval_prompts)
+    console.print(f"SFT: {cfg.sft_steps} steps, loss {sft_loss:.3f}; "
+                  f"greedy accuracy under the sampler recipe {eval_before:.3f}")
+
+    triage = TriageController(TriageConfig(
+        gate_width=cfg.gate_width, gate_scope=cfg.gate_scope, repair_width=cfg.repair_width,
+        repair_scope=cfg.repair_scope, normalization=cfg.normalization, tis_clip=cfg.tis_clip))
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, MLP projections NVFP4-capable)",
+                "task": f"{cfg.digits}-digit addition, reversed answer, exact-match reward",
+                "sampler_recipe": cfg.sampler_recipe, "learner_recipe": cfg.learner_recipe,
+                "correction": cfg.correction, "sampler_logp": "raw log-softmax at temperature "
+                f"{cfg.temperature} (no top-p/top-k)", "demo_config": asdict(cfg),
+                "framework": "triage-monitor demo"}
+    mon_cfg = MonitorConfig(metrics=MetricConfig(segment_width=cfg.segment_width), window=cfg.window,
+                            calibration_steps=cfg.calibration_steps)
+    P, G = cfg.prompts_per_step, cfg.group_size
+    rows = []
+    table_cols = [("step", "{:d}")] + [(k, f) for k, _, f in DISPLAY]
+    with MismatchMonitor(out_dir, mon_cfg, manifest=manifest) as mon, \
+            Progress(*columns, console=console, transient=True) as progress:
+        bar = progress.add_task("GRPO", total=cfg.steps)
+        console.print("  ".join(f"{h:>8}" for h in ["step"] + [h for _, h, _ in DISPLAY]))
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            ops, prompts = task.sample(P, data_gen)
+            model.eval()
+            with use_recipe(model, sampler):
+                responses, sampler_logp, mask = generate(model, prompts, G, task.max_answer_len, cfg.temperature,
+                                                         sample_gen)
+            ops_rep, prompts_rep = ops.repeat_interleave(G, 0), prompts.repeat_interleave(G, 0)
+            rewards = task.reward(responses, ops_rep)
+            adv = group_advantages(rewards, G)
+
+            model.train()
+            with use_recipe(model, learner):
+                learner_logp = teacher_forced_logp(model, prompts_rep, responses, cfg.temperature)
+            batch = TokenBatch.from_padded(
+                learner_logp, sampler_logp, adv, mask, sample_ids=torch.arange(P * G),
+                group_ids=(step * P + torch.arange(P)).repeat_interleave(G))
+            old_logp = batch.learner_logp.detach()
+            per_token = ppo_clip_loss(batch.learner_logp, old_logp, batch.advantage, cfg.clip_low, cfg.clip_high)
+            ratio = torch.exp(old_logp - batch.sampler_logp)
+            stats = {"gate_weight_mean": 1.0, "gate_downweighted_frac": 0.0, "repair_loss": 0.0,
+                     "repair_active_frac": 0.0,
+                     "tis_clip_frac": float(((ratio < cfg.tis_clip[0]) | (ratio > cfg.tis_clip[1])).float().mean())}
+            repair = torch.zeros(())
+            if cfg.correction == "triage":
+                out = triage(batch, step=step, old_logp=old_logp)
+                weights, repair, stats = out.token_weights, out.repair_loss, dict(out.stats)
+            elif cfg.correction == "tis":
+                weights = tis_weights(old_logp, batch.sampler_logp, *cfg.tis_clip)
+            else:
+                weights = torch.ones_like(old_logp)
+            loss = weighted_policy_loss(per_token, weights, batch, normalization=cfg.normalization) + repair
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+
+            groups = rewards.view(P, G)
+            extra = {"reward": float(rewards.mean()), "accuracy": float(rewards.mean()),
+                     "mixed_groups": float(((groups.min(1).values == 0) & (groups.max(1).values == 1)).float().mean()),
+                     "response_len": float(mask.sum(1).float().mean()), "loss": float(loss.detach()),
+                     **stats, "seconds": time.perf_counter() - t0}
+            metrics = mon.log_step(step, batch, extra=extra)
+            rows.append(metrics)
+            progress.update(bar, advance=1)
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                console.print("  ".join(f"{_fmt(metrics.get(k), f):>8}" for k, f in table_cols))
+
+    df = pd.DataFrame(rows)
+    model.eval()
+    with use_recipe(model, sampler):
+        eval_after = greedy_accuracy(model, task, eval_ops, eval_prompts)
+    df.attrs.update(eval_before=eval_before, eval_after=eval_after, seconds_total=time.perf_counter() - t_start)
+    _summary(console, cfg, df, out_dir, Table)
+    return df
+
+
+def _summary(console, cfg: DemoConfig, df: pd.DataFrame, out_dir: Path, Table) -> None:
+    n = len(df)
+    parts = {"first 25%": df.iloc[: max(1, n // 4)], "last 25%": df.iloc[-max(1, n // 4):], "all": df}
+    table = Table(title=f"demo summary ({cfg.correction}; sampler {cfg.sampler_recipe}, learner {cfg.learner_recipe})")
+    table.add_column("metric")
+    for name in parts:
+        table.add_column(name, justify="right")
+    for key, label, spec in DISPLAY + [("delta_q05", "δ q0.05", "{:.4f}"), ("k3_kl", "k3 KL", "{:.2e}"),
+                                       ("mixed_groups", "mixed groups", "{:.3f}")]:
+        if key in df:
+            table.add_row(label, *(_fmt(float(p[key].mean()), spec) for p in parts.values()))
+    console.print(table)
+    console.print(f"greedy accuracy (sampler recipe): {df.attrs['eval_before']:.3f} after SFT → "
+                  f"{df.attrs['eval_after']:.3f} after GRPO; {df.attrs['seconds_total']:.1f} s; run written to "
+                  f"{out_dir} (try: triage-monitor analyze {out_dir})")
