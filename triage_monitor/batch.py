@@ -391,12 +391,15 @@ class TokenBatch:
         if gids.shape != (num_rows,):
             raise ValueError(f"group_ids must have shape ({num_rows},), got {tuple(gids.shape)}")
 
-        # --- value validation (SPEC.md §8) ---
-        codes = invalid_codes(learner.detach(), sampler, adv)
-        bad = codes >= 0
+        # --- value validation (SPEC.md §8): one fused check, reasons only when something is wrong ---
+        ld = learner.detach()
+        ok = ((ld <= POSITIVE_LOGP_TOLERANCE) & (ld > -SENTINEL_ABS_LOGP) & (sampler <= POSITIVE_LOGP_TOLERANCE)
+              & (sampler > -SENTINEL_ABS_LOGP) & torch.isfinite(adv))
         counts = {}
         quarantined = None
-        if bool(bad.any()):
+        if not bool(ok.all()):
+            codes = invalid_codes(ld, sampler, adv)
+            bad = codes >= 0
             for c, name in enumerate(INVALID_REASONS):
                 n = int((codes == c).sum())
                 if n:

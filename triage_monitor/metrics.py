@@ -113,6 +113,20 @@ def quadrant_masks(delta: Tensor, advantage: Tensor) -> dict:
     }
 
 
+def region_codes(delta: Tensor, advantage: Tensor) -> Tensor:
+    """``(N,)`` int64 region of each token: 0 amp_neg, 1 amp_pos, 2 con_neg, 3 con_pos, 4 none.
+
+    Same regions as :func:`quadrant_masks` (SPEC.md §2), as one code for ``bincount``.
+    """
+    a_neg, a_pos = advantage < 0, advantage > 0
+    d_neg, d_pos = delta < 0, delta > 0
+    code = torch.full(delta.shape, 4, dtype=torch.long, device=delta.device)
+    code = torch.where(a_neg & d_neg, 0, code)
+    code = torch.where(a_pos & d_pos, 1, code)
+    code = torch.where(a_neg & d_pos, 2, code)
+    return torch.where(a_pos & d_neg, 3, code)
+
+
 def quantiles(values: Tensor, qs: Sequence[float]) -> list:
     """Quantiles of a 1-D tensor with linear interpolation (numpy's default ``method="linear"``).
 
@@ -234,44 +248,50 @@ class MismatchStats:
     # ---------------------------------------------------------------- update
     def update(self, batch: TokenBatch, tau_tail: float = math.nan) -> "MismatchStats":
         """Add one batch.  ``tau_tail`` (nats) is the amplifying-tail threshold
-        in force; with NaN the localisation metrics stay NaN."""
+        in force; with NaN the localisation metrics stay NaN.  One pass of
+        vectorised reductions; no host synchronisation except for the
+        localisation part and ``delta_min``."""
         cfg = self.config
-        delta = batch.delta.to(self.device)
-        adv = batch.advantage.to(self.device).float()
-        d64, a64 = delta.double(), adv.double()
-        abs_a = a64.abs()
+        dev = self.device
+        delta = batch.delta.to(dev)
+        adv = batch.advantage.to(dev).float()
+        d64, abs_a = delta.double(), adv.double().abs()
         r = d64.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        add = {
-            "n_tokens": delta.numel(), "n_samples": batch.num_samples,
-            "n_samples_nonempty": int((batch.num_valid > 0).sum()),
-            "small_gap_count": (d64.abs() < cfg.small_gap_threshold).sum(),
+        exp_r = torch.exp(r)
+        sample_index = batch.sample_index.to(dev)
+        nv = batch.num_valid.to(dev)
+        S = batch.num_samples
+        per_resp = torch.zeros(S, dtype=torch.float64, device=dev).index_add(0, sample_index, d64)
+        nonempty = nv > 0
+        # region code per token: 0 amp_neg, 1 amp_pos, 2 con_neg, 3 con_pos, 4 none (SPEC §2 quadrants)
+        code = region_codes(delta, adv)
+        mass = torch.bincount(code, weights=abs_a, minlength=5)[:4]
+        count = torch.bincount(code, minlength=5)[:4].double()
+        inv_len = 1.0 / nv.clamp(min=1).double()
+        lennorm = torch.bincount(code, weights=abs_a * inv_len[sample_index], minlength=5)[:2]
+        parts = {
+            "n_tokens": torch.tensor(float(delta.numel()), dtype=torch.float64, device=dev),
+            "n_samples": torch.tensor(float(S), dtype=torch.float64, device=dev),
+            "n_samples_nonempty": nonempty.sum().double(),
+            "small_gap_count": (d64.abs() < cfg.small_gap_threshold).sum().double(),
             "delta_sum": d64.sum(), "delta_abs_sum": d64.abs().sum(),
-            "k3_sum": (torch.exp(r) - r - 1).sum(), "exp_r_sq_sum": torch.exp(2 * r).sum(),
+            "k3_sum": (exp_r - r - 1).sum(), "exp_r_sq_sum": (exp_r * exp_r).sum(),
+            "log_ppl_diff_sum": (per_resp[nonempty] / nv[nonempty].double()).sum(),
             "abs_adv_sum": abs_a.sum(),
         }
-        sample_index = batch.sample_index.to(self.device)
-        nv = batch.num_valid.to(self.device)
-        if batch.num_samples:
-            per_resp = torch.zeros(batch.num_samples, dtype=torch.float64, device=self.device).index_add(
-                0, sample_index, d64)
-            add["log_ppl_diff_sum"] = (per_resp[nv > 0] / nv[nv > 0].double()).sum()
-        inv_len = 1.0 / nv.clamp(min=1).double()[sample_index]
-        for name, m in quadrant_masks(delta, adv).items():
-            add[f"mass_{name}"] = abs_a[m].sum()
-            add[f"count_{name}"] = m.sum()
-            if name in ("amp_neg", "amp_pos"):
-                add[f"lennorm_{name}"] = (abs_a * inv_len)[m].sum()
+        for i, name in enumerate(REGIONS):
+            parts[f"mass_{name}"] = mass[i]
+            parts[f"count_{name}"] = count[i]
+        parts["lennorm_amp_neg"], parts["lennorm_amp_pos"] = lennorm[0], lennorm[1]
         if not math.isnan(tau_tail):
-            loc = segment_tail_stats(batch.to(self.device).detach(), tau_tail, cfg.segment_width,
+            loc = segment_tail_stats(batch.to(dev).detach(), tau_tail, cfg.segment_width,
                                      cfg.heavy_fraction, cfg.dilution_threshold)
             self.seg_tail.append(loc.pop("seg_tail"))
             self.seg_valid.append(loc.pop("seg_valid"))
-            add.update(loc)
+            parts.update({k: torch.tensor(v, dtype=torch.float64, device=dev) for k, v in loc.items()})
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        self.sums += torch.stack([parts.get(k, zero).to(torch.float64) for k in SUM_FIELDS])
         self.tau_tail = float(tau_tail)
-        vec = torch.zeros_like(self.sums)
-        for k, v in add.items():
-            vec[SUM_FIELDS.index(k)] = float(v)
-        self.sums += vec
         if delta.numel():
             self.delta_min = min(self.delta_min, float(delta.min()))
         self.deltas.append(delta)
