@@ -9,5 +9,9 @@ See SPEC.md for every term.
 __version__ = "0.1.0"
 
 from .batch import InvalidTokenError, TokenBatch  # noqa: E402
+from .controller import TriageConfig, TriageController  # noqa: E402
+from .metrics import MetricConfig, MismatchStats  # noqa: E402
+from .monitor import MismatchMonitor, MonitorConfig  # noqa: E402
 
-__all__ = ["TokenBatch", "InvalidTokenError", "__version__"]
+__all__ = ["TokenBatch", "InvalidTokenError", "MismatchMonitor", "MonitorConfig", "MetricConfig", "MismatchStats",
+           "TriageController", "TriageConfig", "__version__"]
