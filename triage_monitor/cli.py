@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-# (command, module, help)
+# (command, module, help); the module provides add_arguments(parser) and run_cli(args)
+# (for demo and analyze: this module's <command>_add_arguments / <command>_run_cli)
 COMMANDS = (
-    ("demo", "triage_monitor.demo", "run the built-in GRPO job (NVFP4 sampler vs learner) with monitoring"),
+    ("demo", "triage_monitor.cli", "run the built-in GRPO job (NVFP4 sampler vs learner) with monitoring"),
     ("analyze", "triage_monitor.cli", "recompute every metric of a run from its token Parquet files"),
     ("report", "triage_monitor.report", "write a self-contained HTML post-mortem of a run"),
     ("dashboard", "triage_monitor.dashboard", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
@@ -30,8 +31,30 @@ SUMMARY_COLUMNS = {"step": "step", "n_tokens": "tokens", "small_gap_share": "sma
                    "c_tok": "C_tok", "r_amp": "r_amp", "h_seg": "H_seg", "tau_tail": "τ_tail"}
 
 
+# ---------------------------------------------------------------------------- demo
+def demo_add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``triage-monitor demo``: ``--out`` plus every DemoConfig field."""
+    from .demo import add_arguments as demo_options
+
+    parser.add_argument("--out", default="runs/demo", help="run directory to write (default: %(default)s)")
+    demo_options(parser)
+
+
+def demo_run_cli(args: argparse.Namespace) -> int:
+    """Run the built-in GRPO job into ``args.out``."""
+    from .demo import config_from_args, run_demo
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"triage-monitor demo: {exc}", file=sys.stderr)
+        return 2
+    run_demo(cfg, args.out)
+    return 0
+
+
 # ---------------------------------------------------------------------------- analyze
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def analyze_add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``triage-monitor analyze``."""
     parser.add_argument("run_dir", help="run directory written by MismatchMonitor")
     parser.add_argument("--window", type=int, default=None, help="trailing window in steps (default: the run's)")
@@ -41,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=20, help="rows to print (the last ones); 0 prints all")
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def analyze_run_cli(args: argparse.Namespace) -> int:
     """Recompute the run's metrics, print a summary table, save the full one, compare with the live values."""
     from rich.console import Console
     from rich.table import Table
@@ -111,8 +134,9 @@ def build_parser(command=None) -> argparse.ArgumentParser:
         except ImportError as exc:  # a component whose optional dependency is missing
             p.set_defaults(_missing=f"'{name}' is unavailable: {exc}")
             continue
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run_cli)
+        prefix = f"{name}_" if module == __name__ else ""
+        getattr(mod, f"{prefix}add_arguments")(p)
+        p.set_defaults(_run=getattr(mod, f"{prefix}run_cli"))
     return parser
 
 
