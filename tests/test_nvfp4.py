@@ -1,0 +1,232 @@
+"""NVFP4 emulation: grid membership, bit-exactness against a hand implementation, idempotence, STE."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchao")
+
+from triage_monitor.nvfp4 import (RECIPES, NVFP4Linear, NVFP4Recipe, fake_quantize_ste, get_recipe,  # noqa: E402
+                                  nvfp4_fake_quantize, quantize_linears_, use_recipe)
+
+GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1 magnitudes; list index = 3-bit code, even code = even mantissa
+f32 = np.float32
+
+
+# ------------------------------------------------------------ hand implementation (scalar, numpy float32)
+def e2m1_rne(v: float) -> float:
+    """Nearest E2M1 magnitude, ties to the even code (SPEC §6), sign kept; |v| > 6 saturates."""
+    a = min(abs(v), 6.0)
+    dists = [abs(a - g) for g in GRID]
+    best = min(dists)
+    codes = [i for i, d in enumerate(dists) if d == best]
+    code = codes[0] if len(codes) == 1 else [c for c in codes if c % 2 == 0][0]
+    return math.copysign(GRID[code], v)
+
+
+def e4m3_rne(v: float) -> float:
+    """FP8 E4M3 (3 mantissa bits) round to nearest even, for v in [2^-6, 448] (normal range)."""
+    e = math.floor(math.log2(v))
+    quantum = 2.0 ** (e - 3)
+    return round(v / quantum) * quantum  # Python round(): half to even
+
+
+def hand_quantize(x: np.ndarray, two_level: bool, tile_rows: int) -> np.ndarray:
+    """NVFP4 fake quantization, element by element, float32 arithmetic as the format specifies.
+
+    Blocks: ``tile_rows`` × 16 (1 for 1x16, 16 for 16x16 tiles) along the last dim.
+    """
+    x = x.astype(f32)
+    out = np.zeros_like(x)
+    amax = f32(np.abs(x).max())
+    pts = f32(amax / f32(6.0 * 448.0)) if two_level else None
+    R, K = x.shape
+    for r0 in range(0, R, tile_rows):
+        for c0 in range(0, K, 16):
+            blk = x[r0:r0 + tile_rows, c0:c0 + 16]
+            bs = f32(f32(np.abs(blk).max()) / f32(6.0))
+            if two_level:
+                bs = f32(bs / pts)
+            s8 = f32(e4m3_rne(min(max(float(bs), 2.0 ** -6), 448.0)))
+            recip = f32(f32(f32(1.0) / pts) / s8) if two_level else f32(f32(1.0) / s8)
+            hp = f32(s8 * pts) if two_level else s8
+            for i in range(blk.shape[0]):
+                for j in range(16):
+                    v = float(min(max(f32(blk[i, j] * recip), f32(-6.0)), f32(6.0)))
+                    out[r0 + i, c0 + j] = f32(f32(e2m1_rne(v)) * hp)
+    return out
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    heavy = torch.randn(32, 32, generator=g) * torch.logspace(-3, 1, 32).unsqueeze(0)  # blocks of very different scale
+    return {"randn": torch.randn(32, 32, generator=g), "weights": torch.randn(32, 32, generator=g) * 0.02,
+            "heavy": heavy, "outlier": torch.cat([torch.randn(16, 32, generator=g),
+                                                  torch.randn(16, 32, generator=g) * 300.0])}
+
+
+# ------------------------------------------------------------ tests
+def test_hand_rounding_helpers():
+    # ties go to the even code: 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4
+    assert [e2m1_rne(v) for v in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 7.0)] == \
+        [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0, 6.0]
+    assert [e4m3_rne(v) for v in (1.0, 1.0625, 1.1875, 448.0, 2.0 ** -6, 300.0)] == \
+        [1.0, 1.0, 1.25, 448.0, 2.0 ** -6, 288.0]
+
+
+@pytest.mark.parametrize("block_shape", ["1x16", "16x16"])
+def test_single_level_ties_by_hand(block_shape):
+    # block amax 6 → block scale 6/6 = 1 (exact in E4M3), so elements are rounded as given
+    row = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 0.1, 5.9, 4.9, 0.74, 0.0, -6.0])
+    want = torch.tensor([6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -2.0, 0.0, 6.0, 4.0, 0.5, 0.0, -6.0])
+    x = row.roll(3).repeat(16, 2)  # (16, 32): every row and tile holds the same values
+    got = nvfp4_fake_quantize(x, two_level=False, block_shape=block_shape)
+    assert torch.equal(got, want.roll(3).repeat(16, 2))
+    # scale 2 (amax 12): every value doubles
+    assert torch.equal(nvfp4_fake_quantize(2 * x, two_level=False, block_shape=block_shape), 2 * got)
+
+
+@pytest.mark.parametrize("name", ["randn", "weights", "heavy", "outlier"])
+@pytest.mark.parametrize("two_level", [True, False])
+@pytest.mark.parametrize("block_shape", ["1x16", "16x16"])
+def test_bit_exact_against_hand_implementation(name, two_level, block_shape):
+    x = _inputs()[name]
+    got = nvfp4_fake_quantize(x, two_level=two_level, block_shape=block_shape)
+    want = hand_quantize(x.numpy(), two_level, 1 if block_shape == "1x16" else 16)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("two_level", [True, False])
+def test_values_lie_on_grid_times_block_scale(two_level):
+    x = _inputs()["heavy"]
+    q = nvfp4_fake_quantize(x, two_level=two_level)
+    blocks_x, blocks_q = x.reshape(-1, 16), q.reshape(-1, 16)
+    pts = x.abs().max() / 2688.0 if two_level else torch.tensor(1.0)
+    bs = (blocks_x.abs().amax(1, keepdim=True) / 6.0) / pts
+    s8 = bs.clamp(2.0 ** -6, 448.0).to(torch.float8_e4m3fn).float()
+    codes = blocks_q / (s8 * pts)
+    grid = torch.tensor(GRID)
+    assert torch.allclose(codes.abs().unsqueeze(-1).sub(grid).abs().min(-1).values, torch.zeros(()), atol=1e-5)
+    assert (codes.abs() <= 6 + 1e-5).all()
+    # and the error is bounded by half the largest grid step (1.0) times the scale
+    assert ((blocks_q - blocks_x).abs() <= (s8 * pts) * 1.0 + 1e-6).all()
+
+
+def test_16x16_agrees_with_torchao_1x16_when_tiles_share_row_amax():
+    # every row of each 16x16 tile holds the tile's amax, so 1x16 and 16x16 scales coincide:
+    # our tile path must then equal torchao's NVFP4Tensor round trip bit for bit
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 48, generator=g)
+    x[:, ::16] = 0.0
+    tile_amax = x.abs().reshape(2, 16, 3, 16).amax(dim=(1, 3)) * 1.5
+    x[:, ::16] = tile_amax.repeat_interleave(16, 0) * torch.sign(torch.randn(32, 3, generator=g))
+    for two_level in (True, False):
+        assert torch.equal(nvfp4_fake_quantize(x, block_shape="16x16", two_level=two_level),
+                           nvfp4_fake_quantize(x, block_shape="1x16", two_level=two_level))
+
+
+@pytest.mark.parametrize("block_shape", ["1x16", "16x16"])
+def test_idempotent(block_shape):
+    for x in _inputs().values():
+        q1 = nvfp4_fake_quantize(x, two_level=False, block_shape=block_shape)
+        assert torch.equal(nvfp4_fake_quantize(q1, two_level=False, block_shape=block_shape), q1)
+        # two-level: the per-tensor scale is recomputed from amax(q1), which can move by an ulp
+        q1 = nvfp4_fake_quantize(x, two_level=True, block_shape=block_shape)
+        q2 = nvfp4_fake_quantize(q1, two_level=True, block_shape=block_shape)
+        assert torch.allclose(q2, q1, rtol=1e-6, atol=0)
+
+
+def test_shapes_dtypes_and_special_inputs():
+    x = torch.randn(2, 3, 32)
+    q = nvfp4_fake_quantize(x)
+    assert q.shape == x.shape and torch.equal(q.reshape(6, 32), nvfp4_fake_quantize(x.reshape(6, 32)))
+    xb = x.to(torch.bfloat16)
+    assert nvfp4_fake_quantize(xb).dtype == torch.bfloat16
+    assert torch.equal(nvfp4_fake_quantize(torch.zeros(4, 16)), torch.zeros(4, 16))
+    assert nvfp4_fake_quantize(torch.full((1, 16), float("nan"))).isnan().all()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4_fake_quantize(torch.randn(4, 20))
+    with pytest.raises(ValueError, match="dim -2"):
+        nvfp4_fake_quantize(torch.randn(20, 16), block_shape="16x16")
+    with pytest.raises(ValueError, match="block_size must be 16"):
+        nvfp4_fake_quantize(torch.randn(4, 32), block_size=32)
+    with pytest.raises(ValueError, match="block_shape"):
+        nvfp4_fake_quantize(torch.randn(4, 32), block_shape="2x16")
+    with pytest.raises(ValueError, match="float"):
+        nvfp4_fake_quantize(torch.ones(4, 16, dtype=torch.int64))
+
+
+def test_ste_gradient_is_identity():
+    x = (torch.randn(4, 32) * 3).requires_grad_()
+    y = fake_quantize_ste(x)
+    assert torch.equal(y.detach(), nvfp4_fake_quantize(x))
+    w = torch.randn(4, 32)
+    (y * w).sum().backward()
+    assert torch.equal(x.grad, w)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "nvfp4_16x16"])
+def test_nvfp4_linear_forward_and_backward(recipe):
+    r = get_recipe(recipe)
+    torch.manual_seed(0)
+    lin = NVFP4Linear(32, 16, recipe=r)
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    out = lin(x)
+    # reference: a plain linear on the quantized tensors, with the quantized tensors as leaves
+    qx = nvfp4_fake_quantize(x.detach(), two_level=r.act_two_level).requires_grad_()
+    qw = nvfp4_fake_quantize(lin.weight.detach(), two_level=r.weight_two_level,
+                             block_shape=r.weight_block).requires_grad_()
+    ref = nn.functional.linear(qx, qw, lin.bias.detach())
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(x.grad, qx.grad) and torch.equal(lin.weight.grad, qw.grad)
+    # the quantized layer really differs from full precision, and recipe=None is full precision
+    with use_recipe(lin, None):
+        full = lin(x.detach())
+    assert torch.equal(full, nn.functional.linear(x.detach(), lin.weight, lin.bias))
+    assert not torch.equal(full, out.detach())
+
+
+def test_weight_cache_follows_in_place_updates():
+    lin = NVFP4Linear(16, 16, recipe=get_recipe("nvfp4"))
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        a = lin(x)
+        lin.weight.mul_(2.0)
+        b = lin(x)
+    assert not torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(b, nn.functional.linear(nvfp4_fake_quantize(x), nvfp4_fake_quantize(lin.weight), lin.bias))
+
+
+def test_quantize_linears_swaps_only_matching_and_shares_parameters():
+    model = nn.Sequential()
+    model.add_module("attn", nn.Linear(32, 32))
+    mlp = nn.Sequential()
+    mlp.add_module("fc", nn.Linear(32, 64))
+    mlp.add_module("proj", nn.Linear(64, 32))
+    model.add_module("mlp", mlp)
+    w_fc = model.mlp.fc.weight
+    names = quantize_linears_(model, ("mlp.*",), recipe=RECIPES["nvfp4"])
+    assert names == ["mlp.fc", "mlp.proj"]
+    assert isinstance(model.mlp.fc, NVFP4Linear) and not isinstance(model.attn, NVFP4Linear)
+    assert model.mlp.fc.weight is w_fc
+    assert len(list(model.parameters())) == 6
+    with use_recipe(model, None):
+        assert model.mlp.fc.recipe is None
+    assert model.mlp.proj.recipe is RECIPES["nvfp4"]
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        quantize_linears_(model, ("nothing*",))
+    bad = nn.Sequential(nn.Linear(20, 16))
+    with pytest.raises(ValueError, match="in_features = 20"):
+        quantize_linears_(bad, ("*",))
+    with pytest.raises(ValueError, match="unknown numeric recipe"):
+        get_recipe("fp8")
+    with pytest.raises(ValueError, match="weight_block"):
+        NVFP4Recipe("x", weight_block="4x4")
