@@ -1,0 +1,136 @@
+"""Stage table (SPEC §3.4) and the C_tok shuffle null (SPEC §3.3)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from triage_monitor.analysis import open_run
+from triage_monitor.batch import TokenBatch
+from triage_monitor.metrics import c_tok_from_segments, segment_tail_stats
+from triage_monitor.stages import (TailLayout, anchor_steps, format_stage_table, null_segment_counts,
+                                   shuffle_null_c_tok, stage_table, tail_layout)
+
+
+def _layout_batch(n_resp: int, length: int, tails_per_resp: int, packed: bool, seed: int = 0) -> TokenBatch:
+    """A<0 responses whose tail tokens (δ = -1 < τ = -0.5) sit uniformly at random or packed at the start."""
+    g = torch.Generator().manual_seed(seed)
+    delta = torch.zeros(n_resp, length)
+    for i in range(n_resp):
+        idx = torch.arange(tails_per_resp) if packed else torch.randperm(length, generator=g)[:tails_per_resp]
+        delta[i, idx] = -1.0
+    sampler = torch.full((n_resp, length), -1.0)
+    return TokenBatch.from_padded(sampler + delta, sampler, -torch.ones(n_resp), torch.ones(n_resp, length))
+
+
+def test_two_segment_null_is_hypergeometric():
+    # one response, 4 valid tokens in 2 segments of 2, 2 tail tokens:
+    # P(first segment holds k tails) = C(2,k) C(2,2-k) / C(4,2) = 1/6, 4/6, 1/6
+    lay = TailLayout(np.array([0, 0]), np.array([2, 2]), np.array([2, 0]))
+    c = null_segment_counts(lay, draws=30000, seed=1)
+    assert (c.sum(1) == 2).all()
+    freq = np.bincount(c[:, 0], minlength=3) / len(c)
+    np.testing.assert_allclose(freq, [1 / 6, 4 / 6, 1 / 6], atol=0.01)
+
+
+def test_null_preserves_tail_counts_and_valid_positions():
+    rng = np.random.default_rng(0)
+    resp = np.repeat(np.arange(40), rng.integers(1, 7, 40))           # 1..6 segments per response
+    valid = rng.integers(1, 65, resp.size)
+    tail = rng.integers(0, valid + 1)
+    lay = TailLayout(resp, valid, tail)
+    c = null_segment_counts(lay, draws=2000, seed=3)
+    assert c.shape == (2000, resp.size)
+    assert (c >= 0).all() and (c <= valid).all()                      # labels only on valid positions
+    per_resp = np.stack([np.bincount(resp, weights=row, minlength=40) for row in c[:50]])
+    np.testing.assert_array_equal(per_resp, np.tile(np.bincount(resp, weights=tail, minlength=40), (50, 1)))
+    # uniform placement: E[count_ij] = t_i * n_ij / n_i
+    t_i = np.bincount(resp, weights=tail)[resp]
+    n_i = np.bincount(resp, weights=valid)[resp]
+    np.testing.assert_allclose(c.mean(0), t_i * valid / n_i, atol=0.35)
+    # fixed seed: reproducible; another seed: different
+    np.testing.assert_array_equal(c, null_segment_counts(lay, draws=2000, seed=3))
+    assert not np.array_equal(c, null_segment_counts(lay, draws=2000, seed=4))
+
+
+def test_uniform_tails_give_excess_near_zero():
+    batch = _layout_batch(n_resp=200, length=256, tails_per_resp=13, packed=False)
+    lay = tail_layout(batch, tau_tail=-0.5, width=64)
+    null = shuffle_null_c_tok(lay, draws=499, seed=0)
+    excess = lay.c_tok() - np.median(null)
+    assert abs(excess) < 0.01
+    lo, hi = np.quantile(null, [0.025, 0.975])
+    assert lo - 0.005 <= lay.c_tok() <= hi + 0.005
+
+
+def test_packed_tails_give_large_excess():
+    batch = _layout_batch(n_resp=200, length=256, tails_per_resp=13, packed=True)
+    lay = tail_layout(batch, tau_tail=-0.5, width=64)
+    # every tail sits in segment 0 of its response: the top 5 % (40 of 800 segments) hold 40 * 13 / 2600 = 20 %
+    assert lay.c_tok() == pytest.approx(0.20)
+    null = shuffle_null_c_tok(lay, draws=199, seed=0)
+    assert lay.c_tok() - np.median(null) > 0.08
+    assert lay.c_tok() > np.quantile(null, 0.975)
+
+
+def test_tail_layout_matches_metrics_segments():
+    g = torch.Generator().manual_seed(5)
+    S, T = 12, 150
+    sampler = -torch.rand(S, T, generator=g) * 2
+    learner = (sampler + torch.randn(S, T, generator=g) * 0.3).clamp(max=0)
+    mask = torch.rand(S, T, generator=g) > 0.2
+    batch = TokenBatch.from_padded(learner, sampler, torch.randn(S, generator=g), mask)
+    lay = tail_layout(batch, tau_tail=-0.2, width=16)
+    ref = segment_tail_stats(batch, -0.2, 16, 0.1, 0.05)
+    np.testing.assert_array_equal(lay.tail, ref["seg_tail"].numpy())
+    np.testing.assert_array_equal(lay.valid, ref["seg_valid"].numpy())
+    assert lay.c_tok() == c_tok_from_segments(ref["seg_tail"], ref["seg_valid"])
+    assert int(lay.tail.sum()) == ref["tail_tokens"]
+
+
+def test_shuffle_null_without_tails_is_nan():
+    lay = TailLayout(np.array([0, 1]), np.array([3, 3]), np.array([0, 0]))
+    assert np.isnan(shuffle_null_c_tok(lay, draws=5)).all()
+
+
+def test_anchor_steps():
+    assert anchor_steps(range(100)) == [24, 49, 74, 99]
+    assert anchor_steps([3, 5, 9]) == [3, 5, 9, 9]          # ceil(0.25*3)=1, ceil(1.5)=2, ceil(2.25)=3, 3
+    assert anchor_steps([7], (0.5,)) == [7]
+    with pytest.raises(ValueError, match="no recorded steps"):
+        anchor_steps([])
+    with pytest.raises(ValueError, match="fraction"):
+        anchor_steps([1, 2], (0.0,))
+
+
+def test_stage_table_on_demo_run(demo_run_dir):
+    run = open_run(demo_run_dir)
+    live = run.steps().set_index("step")
+    t = stage_table(run, draws=99)
+    assert list(t["stage"]) == ["25%", "50%", "75%", "100%"]
+    assert list(t["step"]) == anchor_steps(run.step_numbers())
+    window = run.manifest["window"]
+    for _, row in t.iterrows():
+        a = row["step"]
+        assert row["first_step"] == max(a - window + 1, 0) and row["steps"] == a - row["first_step"] + 1
+        for name in ("rho_asym", "rho_asym_lennorm", "r_amp", "h_seg", "dilution", "small_gap_share", "delta_q05"):
+            ref = live.at[a, f"window/{name}"]
+            assert (math.isnan(row[name]) and math.isnan(ref)) or row[name] == pytest.approx(ref, rel=1e-12)
+        # C_tok recomputed from the token files with each step's own tau equals the live window value
+        assert row["c_tok"] == pytest.approx(live.at[a, "window/c_tok"], rel=1e-12)
+        assert row["c_tok_null_lo"] <= row["c_tok_null_median"] <= row["c_tok_null_hi"]
+        assert row["c_tok_excess"] == pytest.approx(row["c_tok"] - row["c_tok_null_median"])
+    # user anchors and another window (recomputed)
+    t2 = stage_table(run, anchors=[4, 20], window=3, draws=19)
+    assert list(t2["stage"]) == ["step 4", "step 20"] and list(t2["first_step"]) == [2, 18]
+    from triage_monitor.analysis import recompute
+    rec = recompute(run, window=3).set_index("step")
+    assert t2["c_tok"].tolist() == pytest.approx(rec.loc[[4, 20], "window/c_tok"].tolist(), rel=1e-12)
+    assert t2["rho_asym"].tolist() == pytest.approx(rec.loc[[4, 20], "window/rho_asym"].tolist(), rel=1e-12)
+    with pytest.raises(ValueError, match=r"anchor step\(s\) \[999\] not recorded"):
+        stage_table(run, anchors=[999])
+    shown = format_stage_table(t)
+    assert "C_tok %" in shown.columns and shown["C_tok %"].iloc[0] == pytest.approx(100 * t["c_tok"].iloc[0])

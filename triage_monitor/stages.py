@@ -1,0 +1,261 @@
+"""Stage table of a run's post-mortem (SPEC.md §3.4) with the C_tok shuffle null (§3.3).
+
+Anchors sit at 25 %, 50 %, 75 % and 100 % of the run's recorded steps (or at
+user-given steps); each anchor reports the trailing-window metrics ending
+there, the C_tok shuffle null (median, central 95 % interval, excess) and the
+dilution fraction -- the table a paper would print::
+
+    run = open_run("runs/demo")
+    table = stage_table(run)                       # one row per anchor
+    null = shuffle_null_c_tok(tail_layout(batch, tau, 64))
+
+Pure analysis on top of :mod:`triage_monitor.analysis` and
+:mod:`triage_monitor.metrics`; used by the dashboard and the static report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .analysis import Run, recompute
+from .batch import TokenBatch
+from .metrics import MetricConfig, c_tok_from_segments
+from .segments import segment_tokens
+
+Tensor = torch.Tensor
+
+#: Default anchor fractions of the run's horizon (SPEC.md §3.4).
+DEFAULT_FRACTIONS = (0.25, 0.50, 0.75, 1.00)
+#: Window metrics shown in the stage table, in display order (SPEC.md §3.1-3.3).
+STAGE_METRICS = ("n_tokens", "small_gap_share", "delta_q05", "k3_kl", "rho_asym", "rho_asym_lennorm", "amp_share",
+                 "r_amp", "h_seg", "c_tok", "p_adj", "dilution", "tau_tail")
+
+
+@dataclass(frozen=True)
+class TailLayout:
+    """Segments of the A<0 responses of one or more steps with their tail counts (SPEC.md §3.3).
+
+    Attributes (K segments, in (response, k) order):
+        response: ``(K,)`` int64, response of each segment, ascending (responses
+            of several steps get distinct ids).
+        valid: ``(K,)`` int64, valid tokens of each segment (>= 1).
+        tail: ``(K,)`` int64, amplifying-tail tokens of each segment (A < 0 and δ < τ_tail).
+    """
+
+    response: np.ndarray
+    valid: np.ndarray
+    tail: np.ndarray
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.response.shape[0])
+
+    def c_tok(self, top_fraction: float = 0.05) -> float:
+        """The observed C_tok of these segments (:func:`~triage_monitor.metrics.c_tok_from_segments`)."""
+        return c_tok_from_segments(torch.as_tensor(self.tail), torch.as_tensor(self.valid), top_fraction)
+
+    @staticmethod
+    def concat(parts: Sequence["TailLayout"]) -> "TailLayout":
+        """Pool layouts (the steps of a window); response ids are offset so they stay distinct."""
+        off, resp = 0, []
+        for p in parts:
+            resp.append(p.response + off)
+            off += int(p.response.max()) + 1 if p.num_segments else 0
+        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+        return TailLayout(cat(resp), cat([p.valid for p in parts]), cat([p.tail for p in parts]))
+
+
+def tail_layout(batch: TokenBatch, tau_tail: float, width: int = 64) -> TailLayout:
+    """Per-segment valid and tail counts of the A<0 responses of ``batch``.
+
+    Same definitions as :func:`triage_monitor.metrics.segment_tail_stats`: a
+    response's advantage is the mean over its valid tokens; a tail token has
+    A < 0 and δ < ``tau_tail`` (nats); segments are ``width`` positions wide.
+    """
+    nv = batch.num_valid.clamp(min=1).double()
+    resp_adv = torch.zeros(batch.num_samples, dtype=torch.float64).index_add(
+        0, batch.sample_index, batch.advantage.double()) / nv
+    idx = torch.nonzero(resp_adv[batch.sample_index] < 0).squeeze(1)
+    seg = segment_tokens(batch.sample_index[idx], batch.position[idx], width)
+    tail = seg.sum(((batch.advantage[idx] < 0) & (batch.delta[idx].detach() < tau_tail)).long())
+    return TailLayout(seg.sample.numpy().astype(np.int64), seg.count.numpy().astype(np.int64),
+                      tail.numpy().astype(np.int64))
+
+
+def null_segment_counts(layout: TailLayout, draws: int = 499, seed: int = 0) -> np.ndarray:
+    """Tail counts per segment under the shuffle null: ``(draws, K)`` int64.
+
+    Each response keeps its valid positions and its number of tail tokens
+    ``t_i``; the labels are placed uniformly at random among its ``n_i``
+    valid positions (SPEC.md §3.3).  Only the per-segment counts matter for
+    C_tok, and those follow a multivariate hypergeometric law, drawn exactly
+    as a chain of univariate hypergeometric draws: segment j of a response
+    gets ``Hypergeom(tails left, tokens left - tails left, n_ij)``.  The loop
+    runs over the segment ordinal j (at most max segments per response),
+    vectorised over every response and draw; a fixed ``seed`` makes it
+    reproducible.
+    """
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    rng = np.random.Generator(np.random.PCG64(int(seed)))
+    K = layout.num_segments
+    counts = np.zeros((draws, K), dtype=np.int64)
+    if K == 0:
+        return counts
+    _, resp = np.unique(layout.response, return_inverse=True)
+    first = np.r_[0, np.flatnonzero(np.diff(resp)) + 1]                  # first segment of each response
+    ordinal = np.arange(K) - first[resp]                                  # j: segment number inside the response
+    tails_left = np.tile(np.bincount(resp, weights=layout.tail).astype(np.int64), (draws, 1))
+    tokens_left = np.bincount(resp, weights=layout.valid).astype(np.int64)
+    for j in range(int(ordinal.max()) + 1):
+        seg = np.flatnonzero(ordinal == j)
+        r = resp[seg]
+        good = tails_left[:, r]
+        x = rng.hypergeometric(good, tokens_left[r] - good, np.broadcast_to(layout.valid[seg], good.shape))
+        counts[:, seg] = x
+        tails_left[:, r] -= x
+        tokens_left[r] -= layout.valid[seg]
+    return counts
+
+
+def shuffle_null_c_tok(layout: TailLayout, draws: int = 499, seed: int = 0, top_fraction: float = 0.05
+                       ) -> np.ndarray:
+    """C_tok under the shuffle null (SPEC.md §3.3): ``(draws,)`` float64 in [0, 1].
+
+    Tail counts per segment come from :func:`null_segment_counts`; each draw
+    is ranked like :func:`~triage_monitor.metrics.c_tok_from_segments`
+    (tail fraction descending, ties by count) and the top
+    ``ceil(top_fraction · K)`` segments' share of the tail tokens is kept.
+    Returns NaN values when the layout has no tail token.
+    """
+    total = int(layout.tail.sum())
+    K = layout.num_segments
+    if total == 0 or K == 0:
+        return np.full(draws, math.nan)
+    keep = np.flatnonzero(np.bincount(layout.response, weights=layout.tail)[layout.response] > 0)
+    sub = TailLayout(layout.response[keep], layout.valid[keep], layout.tail[keep])   # only these can hold tails
+    counts = null_segment_counts(sub, draws, seed)
+    frac = counts / sub.valid
+    by_count = np.argsort(-counts, axis=1, kind="stable")
+    order = np.take_along_axis(by_count, np.argsort(-np.take_along_axis(frac, by_count, 1), 1, kind="stable"), 1)
+    top = math.ceil(top_fraction * K)
+    return np.take_along_axis(counts, order, 1)[:, :top].sum(1) / total
+
+
+def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS) -> list:
+    """Anchor steps at ``fractions`` of the run's horizon (SPEC.md §3.4).
+
+    With the ``n`` recorded steps sorted, the anchor of fraction ``f`` is the
+    ``ceil(f·n)``-th step (so 25 % of a 100-step run ends at its 25th step).
+
+    Raises:
+        ValueError: no steps, or a fraction outside (0, 1].
+    """
+    s = sorted(int(x) for x in steps)
+    if not s:
+        raise ValueError("the run has no recorded steps, so there is no stage to anchor")
+    for f in fractions:
+        if not 0 < f <= 1:
+            raise ValueError(f"anchor fraction must lie in (0, 1], got {f}")
+    return [s[max(math.ceil(f * len(s)), 1) - 1] for f in fractions]
+
+
+def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Optional[int] = None,
+                draws: int = 499, seed: int = 0, metrics: Optional[pd.DataFrame] = None) -> pd.DataFrame:
+    """The stage table of a run (SPEC.md §3.4): one row per anchor.
+
+    Args:
+        run: an opened run.
+        anchors: steps ending each stage; None = 25/50/75/100 % (:func:`anchor_steps`).
+            A step that was not recorded raises ValueError naming it.
+        window: trailing window in steps; None = the run's (manifest) window.
+        draws, seed: shuffle-null draws and RNG seed (SPEC.md §3.3: 499, fixed).
+        metrics: the run's per-step metric frame (``step``, ``tau_tail`` and
+            ``window/<name>`` columns) if already loaded; by default the live
+            rows when ``window`` is the run's window, else :func:`recompute`.
+
+    Returns:
+        DataFrame with ``stage`` (label), ``step``, ``first_step`` (window
+        start), ``steps`` (steps in the window), the ``window/<name>`` values of
+        :data:`STAGE_METRICS` under their plain names (ratios as fractions,
+        not %), and ``c_tok_null_median``, ``c_tok_null_lo``, ``c_tok_null_hi``
+        (2.5 % / 97.5 % quantiles of the null) and ``c_tok_excess``
+        (``c_tok - null median``).  The window's C_tok is recomputed from the
+        token records with each step's own τ_tail; it equals ``window/c_tok``.
+    """
+    steps = run.step_numbers()
+    mc = run.manifest.get("monitor_config", {})
+    run_window = int(mc.get("window", run.manifest.get("window", 25)))
+    window = run_window if window is None else int(window)
+    if window < 1:
+        raise ValueError(f"window must be >= 1 step, got {window}")
+    cfg = run.metric_config()
+    if anchors is None:
+        labels = [f"{round(f * 100)}%" for f in DEFAULT_FRACTIONS]
+        anchors = anchor_steps(steps, DEFAULT_FRACTIONS)
+    else:
+        anchors = [int(a) for a in anchors]
+        missing = [a for a in anchors if a not in set(steps)]
+        if missing:
+            raise ValueError(f"anchor step(s) {missing} not recorded in {run.path} "
+                             f"(recorded: {steps[0] if steps else '-'}..{steps[-1] if steps else '-'})")
+        labels = [f"step {a}" for a in anchors]
+    if metrics is None:
+        live = run.steps()
+        metrics = live if window == run_window and "window/c_tok" in live.columns else recompute(run, window=window)
+    frame = metrics.set_index("step")
+    rows = []
+    for label, a in zip(labels, anchors):
+        win = [s for s in steps if a - window < s <= a]
+        row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win)}
+        for name in STAGE_METRICS:
+            col = f"window/{name}"
+            row[name] = float(frame.at[a, col]) if col in frame.columns and a in frame.index else math.nan
+        parts = []
+        for s in win:
+            tau = float(frame.at[s, "tau_tail"]) if s in frame.index and "tau_tail" in frame.columns else math.nan
+            if not math.isnan(tau):
+                parts.append(tail_layout(run.token_batch(s), tau, cfg.segment_width))
+        layout = TailLayout.concat(parts)
+        row["c_tok"] = layout.c_tok(cfg.top_fraction) if layout.num_segments else math.nan
+        null = shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction)
+        if np.isnan(null).all():
+            row.update(c_tok_null_median=math.nan, c_tok_null_lo=math.nan, c_tok_null_hi=math.nan)
+        else:
+            lo, med, hi = np.quantile(null, [0.025, 0.5, 0.975])
+            row.update(c_tok_null_median=float(med), c_tok_null_lo=float(lo), c_tok_null_hi=float(hi))
+        row["c_tok_excess"] = row["c_tok"] - row["c_tok_null_median"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+#: Columns shown as percentages by :func:`format_stage_table`.
+PERCENT_COLUMNS = ("small_gap_share", "amp_share", "r_amp", "h_seg", "c_tok", "c_tok_null_median", "c_tok_excess",
+                   "dilution")
+
+
+def format_stage_table(table: pd.DataFrame) -> pd.DataFrame:
+    """A display copy of :func:`stage_table`: ratios in %, the null as ``median [lo, hi]``, short headers."""
+    t = table.copy()
+    for c in PERCENT_COLUMNS:
+        if c in t.columns:
+            t[c] = t[c] * 100.0
+    t["c_tok_null_95"] = [f"[{lo * 100:.2f}, {hi * 100:.2f}]" if not (math.isnan(lo) or math.isnan(hi)) else "-"
+                          for lo, hi in zip(t["c_tok_null_lo"], t["c_tok_null_hi"])]
+    t["window"] = [f"{a}-{b}" for a, b in zip(t["first_step"], t["step"])]
+    cols = ["stage", "step", "window", "n_tokens", "small_gap_share", "delta_q05", "k3_kl", "rho_asym",
+            "rho_asym_lennorm", "amp_share", "r_amp", "h_seg", "c_tok", "c_tok_null_median", "c_tok_null_95",
+            "c_tok_excess", "p_adj", "dilution", "tau_tail"]
+    names = {"small_gap_share": "small gap %", "delta_q05": "δ q0.05", "k3_kl": "k3 KL", "rho_asym": "ρ_asym",
+             "rho_asym_lennorm": "ρ_asym lennorm", "amp_share": "amp share %", "r_amp": "r_amp %",
+             "h_seg": "H_seg %", "c_tok": "C_tok %", "c_tok_null_median": "null median %",
+             "c_tok_null_95": "null 95% %", "c_tok_excess": "excess (pts)", "p_adj": "P_adj",
+             "dilution": "dilution %", "tau_tail": "τ_tail", "n_tokens": "tokens"}
+    t["n_tokens"] = t["n_tokens"].map(lambda v: "-" if math.isnan(v) else f"{int(v):,}")
+    return t[cols].rename(columns=names)
