@@ -333,13 +333,9 @@ class MismatchStats:
         m = torch.tensor([self.delta_min], dtype=torch.float64, device=self.sums.device)
         dist.all_reduce(m, op=dist.ReduceOp.MIN, group=group)
         self.delta_min = float(m)
-        world = dist.get_world_size(group)
-        local = [self._cat(self.deltas, torch.float32), self._cat(self.seg_tail), self._cat(self.seg_valid)]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, [t.cpu() for t in local], group=group)
-        self.deltas = [g[0].to(self.device) for g in gathered]
-        self.seg_tail = [g[1].to(self.device) for g in gathered]
-        self.seg_valid = [g[2].to(self.device) for g in gathered]
+        self.deltas = _all_gather_varlen(self._cat(self.deltas, torch.float32), group)
+        self.seg_tail = _all_gather_varlen(self._cat(self.seg_tail), group)
+        self.seg_valid = _all_gather_varlen(self._cat(self.seg_valid), group)
         return self
 
     def _cat(self, parts: list, dtype=torch.long) -> Tensor:
@@ -461,9 +457,10 @@ class MetricTracker:
         """
         stats = MismatchStats(self.config, self.device)
         if group is not None or _dist_ready():
-            # calibrate from the global δ: gather first, then update with the shared τ
-            probe = MismatchStats(self.config, self.device).update(batch).sync(group)
-            self._calibrate(torch.cat(probe.deltas) if probe.deltas else batch.delta)
+            # calibrate from the global δ: gather first (only while calibrating), then update with the shared τ
+            if not self.tau_frozen:
+                dev = self.device if self.device is not None else batch.device
+                self._calibrate(torch.cat(_all_gather_varlen(batch.delta.to(dev), group)))
             stats.update(batch, self.tau_tail).sync(group)
         else:
             self._calibrate(batch.delta)
@@ -476,12 +473,37 @@ class MetricTracker:
         return stats.compute(), window.compute()
 
     def state_dict(self) -> dict:
-        """Calibration state (τ_tail and whether it is frozen) for resuming."""
+        """Calibration state for resuming: τ_tail, whether it is frozen and, while the reference
+        window is still filling, the δ values gathered so far (``calib``, one float32 CPU tensor per
+        step; at most ``calibration_steps`` steps' worth), so a resumed job calibrates the same τ_tail."""
         return {"tau_tail": self.tau_tail, "tau_frozen": self.tau_frozen, "config": asdict(self.config),
-                "window": self.window, "calibration_steps": self.calibration_steps}
+                "window": self.window, "calibration_steps": self.calibration_steps,
+                "calib": [c.clone() for c in self._calib]}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restore :meth:`state_dict` output (``calib`` optional)."""
         self.tau_tail, self.tau_frozen = float(sd["tau_tail"]), bool(sd["tau_frozen"])
+        self._calib = [torch.as_tensor(c).float().cpu() for c in sd.get("calib", [])] if not self.tau_frozen else []
+
+
+def _all_gather_varlen(t: Tensor, group=None) -> list:
+    """All-gather a 1-D tensor whose length differs between ranks: ``[rank 0's, rank 1's, ...]``.
+
+    Plain tensor collectives (sizes first, then the values padded to the largest size), no
+    pickling (unlike ``all_gather_object``), on ``t``'s device (gloo: CPU, NCCL: CUDA).
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    size = torch.tensor([t.numel()], dtype=torch.long, device=t.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(x) for x in sizes]
+    padded = torch.zeros(max(sizes), dtype=t.dtype, device=t.device)
+    padded[:t.numel()] = t
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return [o[:n] for o, n in zip(out, sizes)]
 
 
 def _dist_ready() -> bool:

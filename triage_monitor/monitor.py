@@ -37,6 +37,7 @@ import pyarrow as pa
 import torch
 
 from . import __version__
+from .alignment import check_alignment, padding_diagnostics
 from .batch import INVALID_REASONS, TokenBatch
 from .metrics import MetricConfig, MetricTracker
 from .records import (MANIFEST, SCHEMA_VERSION, TOKEN_SCHEMA, ParquetSink, new_attempt_id, read_manifest,
@@ -52,6 +53,16 @@ QUARANTINE_METRICS = {
     "nonfinite_advantage_count": ("nonfinite_advantage",),
 }
 
+#: Input-integrity and writer-health metrics every step carries besides SPEC.md §3 (all counts, alertable;
+#: docs/reliability.md): the quarantine counters above, ``quarantined_count``, the padding-leak counters of
+#: :func:`~triage_monitor.alignment.padding_diagnostics`, ``empty_response_count`` (responses with no valid
+#: token) and ``writer_dropped_rows`` (rows the background writer dropped so far: full/read-only disk or
+#: backpressure="drop").  The first ``alignment_check_steps`` steps also carry ``alignment_suspect``,
+#: ``alignment_shift`` and ``alignment_ratio`` (:func:`~triage_monitor.alignment.check_alignment`).
+INTEGRITY_METRICS = (*QUARANTINE_METRICS, "quarantined_count", "zero_logp_count", "padding_run_count",
+                     "padding_run_tokens", "empty_response_count", "writer_dropped_rows")
+STATE_VERSION = 1
+
 
 @dataclass
 class MonitorConfig:
@@ -66,6 +77,8 @@ class MonitorConfig:
         max_queue_bytes: bound of the writer's queue.
         backpressure: "block" (wait for the disk) or "drop" (drop and count rows) when the queue is full.
         metrics_device: device for the metric state; None = the batch's device.
+        alignment_check_steps: run :func:`~triage_monitor.alignment.check_alignment` on this many
+            first steps of each process start (0 disables); a suspected shift logs a warning.
     """
 
     metrics: MetricConfig = field(default_factory=MetricConfig)
@@ -76,6 +89,7 @@ class MonitorConfig:
     max_queue_bytes: int = 256 << 20
     backpressure: str = "block"
     metrics_device: Optional[str] = None
+    alignment_check_steps: int = 3
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,6 +135,7 @@ class MismatchMonitor:
         self.tracker = MetricTracker(self.config.metrics, self.config.window, self.config.tau_tail,
                                      self.config.calibration_steps, self.config.metrics_device)
         self.steps_logged = 0
+        self._warned: set = set()          # warn-once keys (alignment, padding, dropped rows)
         self._write_manifest(manifest or {})
         self.sink = ParquetSink(self.run_dir, self.attempt, self.config.max_queue_bytes, self.config.backpressure)
 
@@ -133,6 +148,12 @@ class MismatchMonitor:
             old = read_manifest(self.run_dir) if path.exists() else None
         except (OSError, json.JSONDecodeError):
             old = None
+        calib = (old or {}).get("calibration") or {}
+        if self.config.tau_tail is None and calib.get("tau_tail") is not None:
+            # resumed job: keep the τ_tail the earlier attempt froze (SPEC.md §3.3) instead of re-calibrating
+            # on post-resume steps.  MismatchMonitor.load_state_dict (from the user's checkpoint) overrides this.
+            self.tracker.load_state_dict({"tau_tail": calib["tau_tail"], "tau_frozen": True})
+            log.info("triage-monitor: resumed run, tau_tail = %.6g nats from %s", calib["tau_tail"], path)
         if self.rank != 0:
             return
         if old:
@@ -186,13 +207,17 @@ class MismatchMonitor:
         extra = {k: _to_float(k, v) for k, v in (extra or {}).items()}
         batch = batch.detach()
         group = self.group if self.world_size > 1 else None
+        was_frozen = self.tracker.tau_frozen
         step_res, win_res = self.tracker.step(step, batch, group=group)
+        if self.tracker.tau_frozen and not was_frozen and not self.tracker.tau_given:
+            self._save_calibration(step)
         metrics = {"step": step}
         metrics.update(step_res.values)
         q = batch.quarantine
         for name, reasons in QUARANTINE_METRICS.items():
             metrics[name] = float(sum(q.get(r, 0) for r in reasons))
         metrics["quarantined_count"] = float(sum(q.values()))
+        metrics.update(self._diagnose(step, batch))
         metrics["tau_tail_frozen"] = float(self.tracker.tau_frozen)
         metrics.update({f"window/{k}": v for k, v in win_res.values.items()})
         metrics.update(extra)
@@ -201,6 +226,61 @@ class MismatchMonitor:
         self._report(step, metrics)
         self.steps_logged += 1
         return metrics
+
+    def _diagnose(self, step: int, batch: TokenBatch) -> dict:
+        """SPEC.md §8 input diagnostics and writer health for one step (see :data:`INTEGRITY_METRICS`)."""
+        out = padding_diagnostics(batch)
+        out["empty_response_count"] = float((batch.num_valid == 0).sum())
+        if out["zero_logp_count"] or out["padding_run_count"]:
+            self._warn_once("padding", "triage-monitor step %d: %d valid token(s) with log-prob exactly 0.0 on one "
+                            "side only and %d response(s) ending in a run of identical values: padding leaking "
+                            "into the loss mask? (metrics zero_logp_count, padding_run_count)", step,
+                            out["zero_logp_count"], out["padding_run_count"])
+        if self.steps_logged < self.config.alignment_check_steps:
+            rep = check_alignment(batch)
+            out.update(rep.to_metrics())
+            if rep.suspect:
+                self._warn_once("alignment", "triage-monitor step %d: %s", step, rep.message)
+        dropped = self.sink.dropped_rows
+        out["writer_dropped_rows"] = float(dropped)
+        if dropped and self.sink.last_error is None:   # I/O errors are already reported once by the sink
+            self._warn_once("dropped", "triage-monitor dropped %d record rows so far (writer queue full with "
+                            "backpressure='drop'); training continues, see metric writer_dropped_rows", dropped)
+        return out
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    def _save_calibration(self, step: int) -> None:
+        """Persist the frozen τ_tail in run.json (rank 0) so a resumed job keeps it."""
+        if self.rank != 0:
+            return
+        self.manifest["calibration"] = {"tau_tail": self.tracker.tau_tail, "frozen_at_step": int(step),
+                                        "attempt": self.attempt}
+        try:
+            write_json_atomic(self.manifest, self.run_dir / MANIFEST)
+        except OSError as exc:
+            log.warning("triage-monitor could not record tau_tail in %s (%s)", MANIFEST, exc)
+
+    # -------------------------------------------------------------- resuming
+    def state_dict(self) -> dict:
+        """Calibration state for a checkpoint: τ_tail, frozen or with the reference δ values gathered so far.
+
+        Plain Python values and CPU tensors (``torch.save(..., weights_only=True)``-loadable).
+        """
+        return {"version": STATE_VERSION, "tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output, so a resumed job keeps the same τ_tail.
+
+        Raises:
+            ValueError: unknown state version.
+        """
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"MismatchMonitor state version {state.get('version')!r} is not {STATE_VERSION}")
+        self.tracker.load_state_dict(state["tracker"])
 
     def _record(self, step, batch: TokenBatch, metrics: dict, reasons: dict, token_extras) -> None:
         if self.config.record_tokens and batch.num_tokens:

@@ -1,0 +1,232 @@
+"""Input-alignment diagnostics (SPEC.md §8): one-position shifts and padding leaks.
+
+Two checks that :class:`~triage_monitor.batch.TokenBatch` validation cannot
+make token by token, because each token looks plausible on its own:
+
+* :func:`check_alignment` -- a one-token shift between the learner's and the
+  sampler's log-probs (an off-by-one after a label-shift change).  The gap
+  then looks like noise.  SPEC.md §8: "detect it by checking whether shifting
+  one side by one position shrinks |δ| markedly".
+* :func:`padding_diagnostics` -- padding values read as log-probs inside the
+  valid region that are *not* caught as sentinels (``|logp| >= 1e3`` is
+  quarantined / raised by the batch itself): an exact ``0.0`` (probability 1)
+  on one side facing a clearly uncertain token on the other, and a trailing
+  run of bit-identical values at the end of a response on one side only
+  (a pad value leaking through a mask that is too long).
+
+Both are vectorised over the flat batch (no Python loop over responses) and
+cheap enough to run every step; :class:`~triage_monitor.monitor.MismatchMonitor`
+runs :func:`padding_diagnostics` every step and :func:`check_alignment` on its
+first steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional, Union
+
+import torch
+
+from .batch import TokenBatch
+
+Tensor = torch.Tensor
+
+#: The best one-position shift must bring the mean |δ| below this fraction of
+#: the unshifted mean |δ| to call the batch misaligned ("markedly", SPEC.md §8).
+SHIFT_RATIO_THRESHOLD = 0.5
+#: Below this unshifted mean |δ| (nats) the paths agree already; no shift is reported.
+MIN_ALIGNED_ABS_DELTA = 0.05
+#: Fewer adjacent (t, t+1) token pairs than this: no verdict.
+MIN_PAIRS = 16
+#: A one-sided exact 0.0 log-prob counts as a padding leak when the other side is below −ZERO_LOGP_GAP nats
+#: (probability < 0.61): one path says "certain", the other a clearly uncertain token.
+ZERO_LOGP_GAP = 0.5
+#: A trailing run of at least this many bit-identical values on one side is a padding-leak candidate.
+PADDING_MIN_RUN = 4
+
+
+@dataclass(frozen=True)
+class AlignmentReport:
+    """Result of :func:`check_alignment` (all |δ| figures are means in nats over the same token pairs).
+
+    Attributes:
+        pairs: number of adjacent valid token pairs (same response, positions t and t+1) compared.
+        aligned_abs_delta: mean |learner[t] − sampler[t]|.
+        learner_late_abs_delta: mean |learner[t+1] − sampler[t]| (the learner's values sit one
+            position too late).
+        learner_early_abs_delta: mean |learner[t] − sampler[t+1]| (the learner's values sit one
+            position too early).
+        shift: 0 (aligned / no verdict), +1 (learner late) or −1 (learner early).
+        ratio: best shifted mean |δ| / aligned mean |δ| (NaN without a verdict).
+        suspect: True when a shift shrinks mean |δ| below ``SHIFT_RATIO_THRESHOLD`` × the aligned value.
+        message: one sentence saying what was found and which way to shift.
+    """
+
+    pairs: int
+    aligned_abs_delta: float
+    learner_late_abs_delta: float
+    learner_early_abs_delta: float
+    shift: int
+    ratio: float
+    suspect: bool
+    message: str
+
+    def to_metrics(self) -> dict:
+        """``{alignment_suspect, alignment_shift, alignment_ratio}`` as floats (monitor metric names)."""
+        return {"alignment_suspect": float(self.suspect), "alignment_shift": float(self.shift),
+                "alignment_ratio": float(self.ratio)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _adjacent_pairs(batch: TokenBatch) -> Tensor:
+    """Indices i ``(P,)`` of flat tokens whose next flat token is the same response's position + 1."""
+    if batch.num_tokens < 2:
+        return torch.zeros(0, dtype=torch.long, device=batch.device)
+    same = (batch.sample_index[1:] == batch.sample_index[:-1]) & (batch.position[1:] == batch.position[:-1] + 1)
+    return torch.nonzero(same).squeeze(1)
+
+
+def check_alignment(batch_or_learner: Union[TokenBatch, Tensor], sampler_logp: Optional[Tensor] = None,
+                    mask: Optional[Tensor] = None, *, ratio_threshold: float = SHIFT_RATIO_THRESHOLD,
+                    min_pairs: int = MIN_PAIRS) -> AlignmentReport:
+    """Test whether the learner and sampler log-probs are shifted by one position (SPEC.md §8).
+
+    Over every pair of valid tokens at positions t and t+1 of the same response
+    (masked gaps break pairs), compare the mean |δ| of the aligned pairing
+    ``learner[t] − sampler[t]`` with the two one-position shifts
+    ``learner[t+1] − sampler[t]`` (learner late) and ``learner[t] − sampler[t+1]``
+    (learner early).  All three use the same pairs, so they are comparable.
+    The batch is called misaligned when the better shift brings the mean |δ|
+    below ``ratio_threshold`` × the aligned value and the aligned value is at
+    least :data:`MIN_ALIGNED_ABS_DELTA` nats.  With real, aligned log-probs a
+    shift compares different tokens and *grows* |δ|, so a healthy batch gives a
+    ratio well above 1.
+
+    Args:
+        batch_or_learner: a :class:`TokenBatch`, or the learner log-probs as a padded
+            ``(B, T)`` or a single response ``(T,)`` float tensor (nats).
+        sampler_logp: same shape as the learner tensor (tensor form only).
+        mask: optional loss mask of the same shape (default: every token valid).
+        ratio_threshold: "markedly" (default 0.5).
+        min_pairs: fewer comparable pairs give no verdict (``shift = 0``, ``ratio`` NaN).
+
+    Returns:
+        :class:`AlignmentReport`.
+
+    Raises:
+        ValueError / TypeError: from :meth:`TokenBatch.from_padded` on bad shapes, dtypes or
+        masks (naming the argument); ``sampler_logp`` missing in tensor form.
+        Invalid values (NaN, sentinels) are excluded, never raised, so the check can run on raw input.
+    """
+    if isinstance(batch_or_learner, TokenBatch):
+        if sampler_logp is not None or mask is not None:
+            raise ValueError("check_alignment: pass either a TokenBatch or (learner_logp, sampler_logp, mask)")
+        batch = batch_or_learner
+    else:
+        if sampler_logp is None:
+            raise ValueError("check_alignment: sampler_logp is required with a learner_logp tensor")
+        lp, sp = batch_or_learner, sampler_logp
+        if isinstance(lp, Tensor) and lp.dim() == 1:
+            lp, sp = lp.unsqueeze(0), sp.unsqueeze(0) if isinstance(sp, Tensor) else sp
+            mask = mask.unsqueeze(0) if isinstance(mask, Tensor) else mask
+        if mask is None and isinstance(lp, Tensor):
+            mask = torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
+        adv = torch.zeros(lp.shape[0], device=lp.device) if isinstance(lp, Tensor) and lp.dim() == 2 else None
+        batch = TokenBatch.from_padded(lp, sp, adv, mask, on_invalid="quarantine")
+
+    idx = _adjacent_pairs(batch)
+    n = int(idx.numel())
+    lp = batch.learner_logp.detach().double()
+    sp = batch.sampler_logp.detach().double()
+    if n:
+        aligned = float((lp[idx] - sp[idx]).abs().mean())
+        late = float((lp[idx + 1] - sp[idx]).abs().mean())
+        early = float((lp[idx] - sp[idx + 1]).abs().mean())
+    else:
+        aligned = late = early = math.nan
+    if n < min_pairs:
+        return AlignmentReport(n, aligned, late, early, 0, math.nan, False,
+                               f"alignment: no verdict ({n} adjacent token pairs < {min_pairs})")
+    if aligned < MIN_ALIGNED_ABS_DELTA:
+        ratio = min(late, early) / aligned if aligned > 0 else math.inf
+        return AlignmentReport(n, aligned, late, early, 0, ratio, False,
+                               f"alignment: aligned (mean |delta| {aligned:.4g} nats)")
+    shift = 1 if late <= early else -1
+    best = min(late, early)
+    ratio = best / aligned
+    if ratio >= ratio_threshold:
+        return AlignmentReport(n, aligned, late, early, 0, ratio, False,
+                               f"alignment: no one-position shift shrinks mean |delta| markedly "
+                               f"({aligned:.4g} nats aligned, best shift {best:.4g})")
+    if shift == 1:
+        how = ("learner_logp sits one position late: learner_logp[t+1] matches sampler_logp[t]; "
+               "shift learner_logp left by one (learner_logp[:, 1:]) or sampler_logp right by one")
+    else:
+        how = ("learner_logp sits one position early: learner_logp[t] matches sampler_logp[t+1]; "
+               "shift learner_logp right by one or sampler_logp left by one (sampler_logp[:, 1:])")
+    return AlignmentReport(n, aligned, late, early, shift, ratio, True,
+                           f"alignment: {how} (mean |delta| {aligned:.4g} -> {best:.4g} nats over {n} pairs); "
+                           f"check the label shift of the log-prob computation")
+
+
+def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
+                        min_run: int = PADDING_MIN_RUN, run_gap: float = 0.05) -> dict:
+    """Padding values that leak into the valid region without being sentinels (SPEC.md §8).
+
+    * ``zero_logp_count``: valid tokens whose log-prob is exactly 0.0 (probability 1,
+      the usual pad value) on one side while the other side is below ``−zero_gap``
+      nats.  A real token can round to 0.0 in bf16, but then the other path also
+      rates it near-certain; a confident 0.0 against an uncertain token is a pad value.
+    * ``padding_run_count`` / ``padding_run_tokens``: responses (and their tokens) that
+      end in a run of at least ``min_run`` bit-identical values on either side with a
+      mean |δ| over the run of at least ``run_gap`` nats: a pad value (0.0, −1.0,
+      log(1/V), ...) read through a mask that is too long, on one side or on both with
+      different pad values.  Confident endings (both sides ≈ 0, e.g. bf16 rounding to
+      0.0) have |δ| ≈ 0 and are not counted.
+
+    Entirely masked-out padding is never read, so these count only leaks.  Sentinels
+    (|log p| ≥ 1e3: −1e10, −9999) are already raised or quarantined by :class:`TokenBatch`.
+
+    Args:
+        batch: :class:`TokenBatch` (N valid tokens, S responses).
+
+    Returns:
+        dict of floats ``zero_logp_count``, ``padding_run_count``, ``padding_run_tokens``.
+    """
+    lp = batch.learner_logp.detach().float()
+    sp = batch.sampler_logp.detach().float()
+    zero = ((lp == 0) & (sp < -zero_gap)) | ((sp == 0) & (lp < -zero_gap))
+    out = {"zero_logp_count": float(zero.sum()), "padding_run_count": 0.0, "padding_run_tokens": 0.0}
+    N, S = batch.num_tokens, batch.num_samples
+    if N == 0:
+        return out
+    dev = lp.device
+    si = batch.sample_index
+    idx = torch.arange(N, device=dev)
+    last = torch.full((S,), -1, dtype=torch.long, device=dev).scatter_reduce(0, si, idx, reduce="amax")
+
+    def trailing_run(x: Tensor) -> Tensor:
+        """(S,) length of the run of values equal to the response's last value, counted from the end."""
+        differs = x != x[last.clamp(min=0)][si]
+        start = torch.full((S,), -1, dtype=torch.long, device=dev).scatter_reduce(
+            0, si, torch.where(differs, idx, torch.full_like(idx, -1)), reduce="amax")
+        first = torch.full((S,), N, dtype=torch.long, device=dev).scatter_reduce(0, si, idx, reduce="amin")
+        begin = torch.maximum(start + 1, first)
+        return torch.where(last >= 0, last - begin + 1, torch.zeros_like(last))
+
+    run_l, run_s = trailing_run(lp), trailing_run(sp)
+    run = torch.maximum(run_l, run_s)
+    in_run = idx > (last - run)[si]               # token lies in its response's trailing run
+    gap = torch.zeros(S, dtype=torch.float64, device=dev).index_add(
+        0, si, torch.where(in_run, (lp - sp).abs().double(), torch.zeros_like(lp, dtype=torch.float64)))
+    gap = gap / run.clamp(min=1).double()
+    leak = (run >= min_run) & (gap >= run_gap)
+    out["padding_run_count"] = float(leak.sum())
+    out["padding_run_tokens"] = float(run[leak].sum())
+    return out
+
+
+__all__ = ["AlignmentReport", "check_alignment", "padding_diagnostics"]
