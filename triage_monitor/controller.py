@@ -390,8 +390,9 @@ class TriageController:
         if cal is None or self.thresholds is not None:
             return
         if step not in self._calib_steps and len(self._calib_steps) >= cal.window:
-            seg_vals = torch.cat(self._calib_seg)
-            tok_vals = torch.cat(self._calib_tok)
+            # torch.quantile takes at most 2**24 values: stride down evenly beyond that
+            seg_vals = _strided(torch.cat(self._calib_seg), 1 << 24)
+            tok_vals = _strided(torch.cat(self._calib_tok), 1 << 24)
             th = torch.stack([torch.quantile(seg_vals, cal.neg_quantile),
                               torch.quantile(seg_vals, cal.severe_quantile),
                               torch.quantile(tok_vals, cal.bad_quantile)]).to(delta.device)

@@ -1,0 +1,129 @@
+"""Baseline corrections (SPEC.md §4.5): values worked by hand from the stated formulas."""
+
+import math
+
+import pytest
+import torch
+
+from triage_monitor.batch import TokenBatch
+from triage_monitor.corrections import (
+    geometric_mean_ratio, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
+    register_correction, sequence_is_geometric_weights, sequence_is_product_weights, tis_weights,
+)
+
+
+def test_ppo_clip_loss_hand_values_and_gradient():
+    # ratio r = exp(logp - old): e^0.5 = 1.6487 (above 1.28) and e^-0.5 = 0.6065 (below 0.8)
+    logp = torch.tensor([0.5, 0.5, -0.5, -0.5, 0.1]) - 2.0
+    old = torch.full((5,), -2.0)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0])
+    logp.requires_grad_(True)
+    loss = ppo_clip_loss(logp, old, adv)
+    e5, em5, e1 = math.exp(0.5), math.exp(-0.5), math.exp(0.1)
+    # A>0: -min(r, 1.28); A<0: -min(-r, -clip(r)) = max(r, clip(r))
+    expected = [-1.28, e5, -em5, 0.8, -2 * e1]
+    assert loss.tolist() == pytest.approx(expected, rel=1e-6)
+    loss.sum().backward()
+    # clipped tokens (0 and 3) carry no gradient; unclipped: d(-r A)/dlogp = -r A
+    assert logp.grad.tolist() == pytest.approx([0.0, e5, -em5, 0.0, -2 * e1], rel=1e-6)
+
+
+def test_ppo_clip_symmetric_and_dual_clip():
+    logp = torch.tensor([math.log(1.25), 2.0]) - 3.0
+    old = torch.full((2,), -3.0)
+    adv = torch.tensor([1.0, -1.0])
+    sym = ppo_clip_loss(logp, old, adv, clip_low=0.2, clip_high=0.2)
+    assert sym[0].item() == pytest.approx(-1.2, rel=1e-6)
+    # r = e^2 = 7.389 with A = -1: plain loss 7.389, dual clip c = 3 caps it at 3
+    assert sym[1].item() == pytest.approx(math.exp(2.0), rel=1e-6)
+    dual = ppo_clip_loss(logp, old, adv, clip_low=0.2, clip_high=0.2, dual_clip=3.0)
+    assert dual[1].item() == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_clip_loss(logp, old, adv, dual_clip=0.5)
+    with pytest.raises(ValueError, match="same shape"):
+        ppo_clip_loss(logp, old[:1], adv)
+
+
+def test_tis_weights_clamp_and_defaults():
+    old = torch.tensor([-1.0, -1.0, -1.0, -5.0])
+    samp = torch.tensor([-1.0, -1.5, -0.2, -1.0])   # log ratios 0, 0.5, -0.8, -4
+    w = tis_weights(old, samp)
+    assert w.tolist() == pytest.approx([1.0, min(math.exp(0.5), 2.0), math.exp(-0.8), math.exp(-4.0)], rel=1e-6)
+    w2 = tis_weights(old, torch.tensor([-1.0, -3.0, -0.2, -1.0]), low=0.5, high=1.5)  # log ratio 2 -> 7.39
+    assert w2.tolist() == pytest.approx([1.0, 1.5, 0.5, 0.5], rel=1e-6)
+    assert not w.requires_grad
+    with pytest.raises(ValueError, match="low < high"):
+        tis_weights(old, samp, low=2.0, high=1.0)
+    with pytest.raises(ValueError, match="shape"):
+        tis_weights(old, samp[:2])
+
+
+def test_icepop_band():
+    ratios = torch.tensor([0.45, 0.55, 1.0, 1.9, 2.1, 10.0])
+    samp = torch.full((6,), -2.0)
+    old = samp + ratios.log()
+    w = icepop_weights(old, samp)
+    assert w.tolist() == pytest.approx([0.0, 0.55, 1.0, 1.9, 0.0, 0.0], rel=1e-5)
+    m = icepop_weights(old, samp, keep_ratio=False)
+    assert m.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    wide = icepop_weights(old, samp, low=0.5, high=5.0, keep_ratio=False)
+    assert wide.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def _two_sequences():
+    # sequence 0: 3 tokens with log ratio 0.3 each; sequence 1: 5 tokens with log ratios
+    # [0.0005, -0.0005, 0.0004, 0.0, 0.0001] (mean 0.0001)
+    lr = [torch.full((3,), 0.3), torch.tensor([0.0005, -0.0005, 0.0004, 0.0, 0.0001])]
+    samp = [torch.full((3,), -1.0), torch.full((5,), -1.0)]
+    old = [s + r for s, r in zip(samp, lr)]
+    batch = TokenBatch.from_list(old, samp, torch.tensor([1.0, -1.0]))
+    return batch, batch.learner_logp.double(), batch.sampler_logp.double()
+
+
+def test_sequence_is_product_vs_geometric():
+    batch, old, samp = _two_sequences()
+    prod = sequence_is_product_weights(old, samp, batch, high=10.0)
+    geo = sequence_is_geometric_weights(old, samp, batch, high=10.0)
+    # product: exp(sum) = exp(0.9) = 2.46; geometric: exp(mean) = exp(0.3) = 1.35
+    assert prod[:3].tolist() == pytest.approx([math.exp(0.9)] * 3, rel=1e-5)
+    assert geo[:3].tolist() == pytest.approx([math.exp(0.3)] * 3, rel=1e-5)
+    assert prod[3:].tolist() == pytest.approx([math.exp(0.0005)] * 5, rel=1e-5)
+    assert geo[3:].tolist() == pytest.approx([math.exp(0.0001)] * 5, rel=1e-5)
+    # default truncation at 2 hits the product form only
+    assert sequence_is_product_weights(old, samp, batch)[:3].tolist() == pytest.approx([2.0] * 3)
+    assert sequence_is_geometric_weights(old, samp, batch)[:3].tolist() == pytest.approx([math.exp(0.3)] * 3,
+                                                                                         rel=1e-5)
+    # (sample_index, S) spelling gives the same
+    alt = sequence_is_product_weights(old, samp, (batch.sample_index, batch.num_samples), high=10.0)
+    assert torch.equal(alt, prod)
+
+
+def test_mis_drops_sequence_outside_band():
+    batch, old, samp = _two_sequences()
+    g = geometric_mean_ratio(old, samp, batch)
+    assert g.tolist() == pytest.approx([math.exp(0.3), math.exp(0.0001)], rel=1e-6)
+    w = mis_weights(old, samp, batch)                 # band [1/1.001, 1.001]
+    assert w.tolist() == [0.0] * 3 + [1.0] * 5
+    w = mis_weights(old, samp, batch, high=1.5, low=0.5)
+    assert w.tolist() == [1.0] * 8
+    w = mis_weights(old, samp, batch, high=1.00005)   # exp(0.0001) = 1.0001 now outside
+    assert w.tolist() == [0.0] * 8
+    with pytest.raises(ValueError, match="sample_index"):
+        mis_weights(old, samp, (batch.sample_index[:3], 2))
+
+
+def test_registry():
+    names = list_corrections()
+    for n in ("ppo_clip", "tis", "icepop", "mis", "seq_is_product", "seq_is_geometric"):
+        assert n in names
+    assert get_correction("tis") is tis_weights
+    with pytest.raises(KeyError, match="unknown correction 'nope'"):
+        get_correction("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_correction("tis")(lambda *a: None)
+
+    @register_correction("_test_identity")
+    def ident(old, samp):
+        return torch.ones_like(old)
+
+    assert get_correction("_test_identity") is ident and "_test_identity" in list_corrections()
