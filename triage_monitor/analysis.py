@@ -138,25 +138,23 @@ class Run:
         return df[front + [c for c in df.columns if c not in front]].sort_values(["step", "rank"]).reset_index(
             drop=True)
 
-    def alerts(self) -> pd.DataFrame:
-        """Alert rows recorded in ``alerts/`` (empty DataFrame when none)."""
+    def _table(self, name: str) -> pd.DataFrame:
+        """All rows of a side table (``alerts``, ``quarantine``), latest attempt, with a ``step`` column."""
         frames = []
-        for step, files in sorted(_parts(self.path / "alerts").items()):
+        for step, files in sorted(_parts(self.path / name).items()):
             for f in _latest_attempt(files):
                 df = pq.read_table(f).to_pandas()
                 df["step"] = step
                 frames.append(df)
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": []})
 
+    def alerts(self) -> pd.DataFrame:
+        """Alert rows recorded in ``alerts/`` (empty DataFrame when none)."""
+        return self._table("alerts")
+
     def quarantine(self) -> pd.DataFrame:
         """Quarantined tokens (SPEC.md §8), with a ``step`` column (empty when none)."""
-        frames = []
-        for step, files in sorted(_parts(self.path / "quarantine").items()):
-            for f in _latest_attempt(files):
-                df = pq.read_table(f).to_pandas()
-                df["step"] = step
-                frames.append(df)
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": []})
+        return self._table("quarantine")
 
 
 def open_run(path) -> Run:
