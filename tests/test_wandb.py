@@ -1,0 +1,241 @@
+"""W&B logging and alerts with the real wandb client in offline mode, read back from the run's .wandb file.
+
+wandb >= 0.2x no longer ships a Python reader of its transaction log (the old
+``wandb.sdk.internal.datastore`` moved into the Go ``wandb-core``), so
+:func:`read_wandb_records` below reads the documented LevelDB-log framing (7-byte
+``:W&B`` header, 32 KiB blocks, records of crc32/length/type + payload, the crc
+checked with zlib as the old datastore did) and parses each payload with wandb's
+own protobuf class ``wandb.proto.wandb_internal_pb2.Record``.  No mocks of wandb.
+"""
+
+import json
+import logging
+import math
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+wandb = pytest.importorskip("wandb")
+from wandb.proto import wandb_internal_pb2 as pb  # noqa: E402
+
+from triage_monitor import wandb_logger  # noqa: E402
+from triage_monitor.alerts import AlertEngine, CallbackSink, LoggingSink, Rule  # noqa: E402
+from triage_monitor.wandb_logger import WandbAlertSink, WandbLogger  # noqa: E402
+
+BLOCK, HEADER = 32768, 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def read_wandb_records(path) -> list:
+    """All ``pb.Record`` messages of a ``.wandb`` transaction log, in order."""
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B", f"{path}: not a W&B transaction log"
+    pos, buf, out = HEADER, b"", []
+    while pos + 7 <= len(data):
+        if BLOCK - pos % BLOCK < 7:                      # block trailer too short for a header: padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if crc == length == kind == 0:                    # zero padding at the end of a block
+            pos += BLOCK - pos % BLOCK
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == crc, f"crc mismatch at byte {pos}"
+        pos += 7 + length
+        buf = chunk if kind in (FULL, FIRST) else buf + chunk
+        if kind in (FULL, LAST):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            out.append(rec)
+    return out
+
+
+def history_rows(records) -> list:
+    rows = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            rows.append({(it.key or "/".join(it.nested_key)): json.loads(it.value_json.replace("NaN", '"NaN"'))
+                         for it in r.history.item})
+    return rows
+
+
+def config_items(records) -> dict:
+    out = {}
+    for r in records:
+        kind = r.WhichOneof("record_type")
+        items = r.run.config.update if kind == "run" else r.config.update if kind == "config" else []
+        for it in items:
+            out[it.key or "/".join(it.nested_key)] = json.loads(it.value_json)
+    return out
+
+
+def of_kind(records, kind):
+    return [getattr(r, kind) for r in records if r.WhichOneof("record_type") == kind]
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": tmp_path, "WANDB_CONFIG_DIR": tmp_path / "cfg",
+                 "WANDB_CACHE_DIR": tmp_path / "cache", "WANDB_DATA_DIR": tmp_path / "data",
+                 "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}.items():
+        monkeypatch.setenv(k, str(v))
+    yield tmp_path
+    if wandb.run is not None:
+        wandb.run.finish()
+    wandb.teardown()                     # wandb caches its settings (WANDB_DIR) per process: start clean
+
+
+def init(tmp_path, **kw):
+    return wandb.init(project="triage-test", dir=tmp_path, mode="offline", **kw)
+
+
+def the_log(tmp_path) -> Path:
+    """The run's transaction log, once complete.  ``run.finish()`` can return before wandb-core has
+    flushed the file (seen on a loaded 2-core machine): ``wandb.teardown()`` waits for the service."""
+    wandb.teardown()
+    (f,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    return f
+
+
+def logged(tmp_path) -> list:
+    """Records of the (single) finished offline run under ``tmp_path``; checks the log is complete."""
+    recs = read_wandb_records(the_log(tmp_path))
+    assert "exit" in [r.WhichOneof("record_type") for r in recs], "transaction log incomplete"
+    return recs
+
+
+def test_metrics_config_and_alerts_reach_the_wandb_log(offline):
+    run = init(offline, config={"lr": 1e-6})
+    lg = WandbLogger(run, config={"framework": "demo", "window": 25})
+    fired = []
+    eng = AlertEngine([Rule("rho_high", "window/rho_asym", "above", 1.45, window=25, level="ERROR", wait_s=120),
+                       Rule("nonfinite", "nonfinite_count", "above", 0, level="WARN", wait_s=0)],
+                      sinks=[LoggingSink(), WandbAlertSink(lg), CallbackSink(fired.append)])
+    seq = [(0, 1.02, 0.0, math.nan), (1, 1.504, 0.0, 0.5), (2, 1.6, 3.0, 0.25), (2, 1.7, 0.0, 0.125)]
+    for step, rho, nf, reward in seq:   # the monitor's order: loggers first, then the engine
+        metrics = {"step": step, "window/rho_asym": rho, "nonfinite_count": nf, "reward": reward,
+                   "n_tokens": torch.tensor(10)}
+        lg.log_metrics(step, metrics)
+        eng.observe(step, metrics)
+    lg.close()                           # the logger did not start the run: it must not finish it
+    assert wandb.run is run
+    run.finish()
+
+    recs = logged(offline)
+    hist = history_rows(recs)
+    assert [h["triage/step"] for h in hist] == [0, 1, 2, 2]        # a repeated step is logged again
+    assert [h["triage/window/rho_asym"] for h in hist] == [1.02, 1.504, 1.6, 1.7]
+    assert [h["triage/nonfinite_count"] for h in hist] == [0, 0, 3, 0]
+    assert [h["triage/reward"] for h in hist] == ["NaN", 0.5, 0.25, 0.125]
+    assert all(h["triage/n_tokens"] == 10 for h in hist) and all("triage/triage/step" not in h for h in hist)
+    metrics = of_kind(recs, "metric")
+    assert any(m.glob_name == "triage/*" and m.step_metric == "triage/step" for m in metrics)
+    assert any(m.name == "triage/step" for m in metrics)
+    cfg = config_items(recs)
+    assert cfg["lr"] == 1e-6 and cfg["triage"] == {"framework": "demo", "window": 25}
+
+    alerts = of_kind(recs, "alert")
+    assert [(a.title, a.level) for a in alerts] == [("triage ERROR: rho_high", "ERROR"),
+                                                   ("triage WARN: nonfinite", "WARN")]
+    assert [a.text for a in alerts] == [a.text for a in fired]
+    assert "window/rho_asym = 1.504 is above 1.45 at step 1 (window 25 steps" in alerts[0].text
+    assert "nonfinite_count = 3 is above 0 at step 2" in alerts[1].text
+    assert alerts[0].wait_duration == 120_000                        # milliseconds
+    assert alerts[1].wait_duration == 60_000                         # 0 -> W&B's default of one minute
+
+
+def test_logger_starts_and_finishes_its_own_run(offline):
+    assert wandb.run is None
+    lg = WandbLogger(init_kwargs={"project": "triage-test", "dir": offline, "mode": "offline", "config": {"seed": 3}})
+    eng = AlertEngine([Rule("low", "window/small_gap_share", "below", 0.83, hold=2)], sinks=[WandbAlertSink()])
+    for step, v in enumerate([0.9, 0.82, 0.81, 0.95]):
+        lg.log_metrics(step, {"window/small_gap_share": v})
+        eng.observe(step, {"window/small_gap_share": v})
+    assert lg.run is wandb.run is not None
+    lg.close()
+    assert wandb.run is None
+    recs = logged(offline)
+    assert [h["triage/window/small_gap_share"] for h in history_rows(recs)] == [0.9, 0.82, 0.81, 0.95]
+    assert [(a.title, a.level) for a in of_kind(recs, "alert")] == [("triage WARN: low", "WARN")]
+    assert "at step 2" in of_kind(recs, "alert")[0].text
+    assert config_items(recs)["seed"] == 3
+
+
+def test_monitor_feeds_wandb_and_alerts_table(offline):
+    """End to end with the real MismatchMonitor: per-step metrics in W&B equal the returned ones,
+    the alerts/ table holds Alert.to_row(), and the CLI replay of the run directory agrees."""
+    from triage_monitor.alerts import alerts_cli
+    from triage_monitor.analysis import open_run
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    run = init(offline)
+    lg = WandbLogger(run)
+    rules = [Rule("nonfinite", "nonfinite_count", "above", 0, level="ERROR"),
+             Rule("gap", "window/delta_abs_mean", "above", 0.3, window=25)]
+    eng = AlertEngine(rules, sinks=[WandbAlertSink(run)])
+    g = torch.Generator().manual_seed(0)
+    returned = []
+    with MismatchMonitor(offline / "run", MonitorConfig(), manifest={"framework": "test"},
+                         loggers=[lg], alerts=eng) as mon:
+        for step in range(6):
+            sampler = -torch.rand(4, 8, generator=g) * 2 - 0.01
+            learner = sampler + torch.randn(4, 8, generator=g) * (0.1 if step < 3 else 1.0)
+            learner = learner.clamp(max=0.0)
+            if step == 4:
+                learner[1, 2] = float("nan")
+            adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+            b = TokenBatch.from_padded(learner, sampler, adv, torch.ones(4, 8, dtype=torch.bool),
+                                       on_invalid="quarantine")
+            returned.append(mon.log_step(step, b))
+    run.finish()
+    hist = history_rows(logged(offline))
+    assert [h["triage/step"] for h in hist] == list(range(6))
+    for h, m in zip(hist, returned):
+        assert h["triage/window/delta_abs_mean"] == pytest.approx(m["window/delta_abs_mean"], rel=1e-12)
+    live = [a.to_row() for a in eng.fired]
+    assert ("nonfinite", 4) in [(r["rule"], r["step"]) for r in live]
+    table = open_run(offline / "run").alerts()
+    assert sorted(zip(table["step"], table["rule"])) == sorted((r["step"], r["rule"]) for r in live)
+    alert_recs = of_kind(logged(offline), "alert")
+    assert [a.title for a in alert_recs] == [r["title"] for r in live]
+
+
+def test_without_wandb_everything_works_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "wandb", None)       # `import wandb` now raises ImportError
+    monkeypatch.setattr(wandb_logger, "_missing_reported", False)
+    got = []
+    with caplog.at_level(logging.WARNING, logger="triage_monitor.wandb"):
+        lg = WandbLogger()
+        sink = WandbAlertSink(lg)
+        eng = AlertEngine([Rule("r", "x", "above", 0.0)], sinks=[sink, CallbackSink(got.append)])
+        for step in range(3):
+            lg.log_metrics(step, {"x": 1.0})
+            eng.observe(step, {"x": 1.0})
+        lg.log_config({"a": 1})
+        lg.close()
+        eng.close()
+        WandbLogger()
+    assert lg.run is None and [a.step for a in got] == [0]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "wandb is not installed" in msgs[0]
+
+
+def test_failing_wandb_call_is_reported_once(offline, caplog):
+    run = init(offline)
+    lg = WandbLogger(run)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor.wandb"):
+        lg.log_metrics(0, {"x": 1.0, "bad": "text"})
+        lg.log_metrics(1, {"x": 2.0, "bad": "text"})
+    run.finish()
+    with caplog.at_level(logging.WARNING, logger="triage_monitor.wandb"):
+        lg.log_metrics(2, {"x": 3.0})                     # the run is finished: wandb raises
+        lg.log_metrics(3, {"x": 4.0})
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("'bad'" in m for m in msgs) == 1
+    assert sum("run.log failed" in m for m in msgs) == 1
+    assert [h["triage/x"] for h in history_rows(logged(offline))] == [1.0, 2.0]

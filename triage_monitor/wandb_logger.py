@@ -1,0 +1,179 @@
+"""Weights & Biases: per-step metric logging and an alert sink (both optional).
+
+``wandb`` is imported lazily: without it installed, :class:`WandbLogger` and
+:class:`WandbAlertSink` turn into no-ops and say so once (a logging warning);
+nothing else in triage-monitor needs it.
+
+Logging layout: every metric ``name`` of a step goes to ``triage/<name>``
+(``window/rho_asym`` -> ``triage/window/rho_asym``) together with
+``triage/step``, which ``wandb.Run.define_metric`` declares the x-axis of
+``triage/*``.  The logger never passes ``step=`` to ``wandb.Run.log``: W&B's
+own ``_step`` must increase, and a resumed job repeats training steps, so a
+repeated step is logged again as a new history row with the same
+``triage/step`` (charts plot the later point over the earlier one; the
+run directory's Parquet is where the latest attempt replaces the earlier).
+
+Nothing here raises into the training loop: a failing W&B call is reported
+once (with its traceback) and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Mapping, Optional
+
+log = logging.getLogger("triage_monitor.wandb")
+
+PREFIX = "triage/"
+_missing_reported = False
+
+
+def import_wandb():
+    """Return the ``wandb`` module, or None (reported once) when it is not installed."""
+    global _missing_reported
+    try:
+        import wandb
+    except ImportError:
+        if not _missing_reported:
+            _missing_reported = True
+            log.warning("wandb is not installed: W&B logging and alerts are disabled "
+                        "(pip install 'triage-monitor[wandb]')")
+        return None
+    return wandb
+
+
+class _Guard:
+    """Report the first failure of each named operation, count the rest."""
+
+    def __init__(self, owner: str):
+        self.owner, self.failures = owner, {}
+
+    def __call__(self, what: str, fn, *a, **kw):
+        try:
+            return fn(*a, **kw)
+        except Exception:
+            n = self.failures.get(what, 0)
+            self.failures[what] = n + 1
+            if n == 0:
+                log.warning("%s: %s failed; skipped (further failures are counted, not reported)",
+                            self.owner, what, exc_info=True)
+            return None
+
+
+class WandbLogger:
+    """Log the monitor's per-step metrics to a W&B run.
+
+    Args:
+        run: a ``wandb.Run``; None uses the active run (``wandb.run``) or, with
+            ``start=True``, starts one with ``wandb.init(**init_kwargs)`` on the
+            first call and finishes it in :meth:`close`.
+        config: recorded in the run config under ``triage`` (e.g. the run manifest).
+        prefix: key prefix (default ``"triage/"``).
+        init_kwargs: passed to ``wandb.init`` (default ``project="triage-monitor"``).
+        start: allow starting a run when none is given or active.
+
+    ``log_metrics(step, metrics)``: step is an int; metrics ``dict[str, float]``
+    (NaN allowed: logged as NaN; a value that is not a number is skipped).
+    """
+
+    def __init__(self, run=None, *, config: Optional[Mapping] = None, prefix: str = PREFIX,
+                 init_kwargs: Optional[Mapping] = None, start: bool = True):
+        self.prefix, self.start = prefix, start
+        self.init_kwargs = dict(init_kwargs or {"project": "triage-monitor"})
+        self._run, self._owned, self._defined = run, False, False
+        self._pending_config = dict(config) if config else None
+        self._guard = _Guard("WandbLogger")
+        self._wandb = import_wandb()
+
+    @property
+    def run(self):
+        """The W&B run in use, starting one if allowed; None when W&B is unavailable."""
+        if self._run is None and self._wandb is not None:
+            self._run = self._wandb.run
+            if self._run is None and self.start:
+                self._run = self._guard("wandb.init", self._wandb.init, **self.init_kwargs)
+                self._owned = self._run is not None
+        return self._run
+
+    def log_config(self, config: Mapping) -> None:
+        """Record ``config`` (JSON-able mapping, e.g. the run manifest) under ``triage`` in the run config."""
+        run = self.run
+        if run is not None:
+            self._guard("config.update", run.config.update, {"triage": dict(config)}, allow_val_change=True)
+
+    def _setup(self, run) -> None:
+        self._defined = True
+        step_key = self.prefix + "step"
+        self._guard("define_metric", run.define_metric, step_key)
+        self._guard("define_metric", run.define_metric, self.prefix + "*", step_metric=step_key)
+        if self._pending_config:
+            self.log_config(self._pending_config)
+            self._pending_config = None
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Log one step: ``{prefix+"step": step, prefix+name: float(value), ...}``."""
+        run = self.run
+        if run is None:
+            return
+        if not self._defined:
+            self._setup(run)
+        row = {self.prefix + "step": int(step)}
+        for k, v in metrics.items():
+            if k == "step":
+                continue
+            try:
+                row[self.prefix + k] = float(v)
+            except (TypeError, ValueError):
+                self._guard(f"metric {k!r} is not a number", _raise, k, v)
+        self._guard("run.log", run.log, row)
+
+    def close(self) -> None:
+        """Finish the run if this logger started it."""
+        if self._owned and self._run is not None:
+            self._guard("run.finish", self._run.finish)
+        self._owned = False
+
+
+def _raise(k, v):
+    raise TypeError(f"metric {k!r} = {v!r} cannot be logged as a float")
+
+
+class WandbAlertSink:
+    """Send alerts with ``wandb.Run.alert(title, text, level, wait_duration)``.
+
+    Args:
+        target: a ``wandb.Run``, a :class:`WandbLogger` (its run is used), or None
+            (the active ``wandb.run`` at alert time).
+    The alert's ``wait_s`` becomes ``wait_duration`` (seconds; W&B suppresses a
+    second alert with the same title within it).  Failures are reported once.
+    """
+
+    def __init__(self, target=None):
+        self.target = target
+        self._wandb = import_wandb()
+        self._guard = _Guard("WandbAlertSink")
+        self._no_run_reported = False
+
+    def _run(self):
+        if isinstance(self.target, WandbLogger):
+            return self.target.run
+        if self.target is not None:
+            return self.target
+        return self._wandb.run if self._wandb is not None else None
+
+    def emit(self, alert) -> None:
+        if self._wandb is None:
+            return
+        run = self._run()
+        if run is None:
+            if not self._no_run_reported:
+                self._no_run_reported = True
+                log.warning("WandbAlertSink: no W&B run; alerts go to the other sinks only")
+            return
+        wait = alert.wait_s if math.isfinite(alert.wait_s) and alert.wait_s > 0 else None
+        self._guard("run.alert", run.alert, title=alert.title, text=alert.text, level=alert.level,
+                    wait_duration=wait)
+
+
+__all__ = ["WandbLogger", "WandbAlertSink", "import_wandb", "PREFIX"]
