@@ -268,6 +268,33 @@ def test_repair_coefficient_start_step_and_switch():
     assert off.repair_loss.item() == 0.0
 
 
+@pytest.mark.parametrize("scope", ["adv_positive", "whole"])
+def test_repair_micro_batches_sum_to_full_batch(scope):
+    g = torch.Generator().manual_seed(7)
+    B, T = 6, 50
+    delta = torch.randn(B, T, generator=g) * 0.3 - 0.1
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3, 1.0])
+    mask = torch.rand(B, T, generator=g) < 0.9
+    _, learner = make_batch(delta, adv, mask, requires_grad=True)
+    samp = torch.full((B, T), -3.0)
+    ctrl = TriageController(TriageConfig(gate=False, tis=False, repair_width=16, repair_scope=scope))
+    full = TokenBatch.from_padded(learner, samp, adv, mask)
+    ref = ctrl(full, step=0).repair_loss
+    (g_ref,) = torch.autograd.grad(ref, learner)
+    den = ctrl.repair_segment_count(full)
+    # independent count: segments (response, position // 16) with >= 1 valid token and, unless
+    # "whole", mean advantage > 0 (here advantage is per response)
+    n_seg = sum(len({t // 16 for t in range(T) if mask[b, t]}) for b in range(B) if scope == "whole" or adv[b] > 0)
+    assert den.item() == n_seg
+    total = 0.0
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        mb = TokenBatch.from_padded(learner[rows], samp[rows], adv[rows], mask[rows])
+        total = total + ctrl(mb, step=0, repair_denominator=den).repair_loss
+    (g_tot,) = torch.autograd.grad(total, learner)
+    assert ref.item() > 0 and total.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(g_tot, g_ref, atol=1e-10)
+
+
 # ---------------------------------------------------------- normalisation
 def _random_padded(seed, B=6, T=40):
     g = torch.Generator().manual_seed(seed)
@@ -482,3 +509,29 @@ def test_default_config_is_published_one():
     assert (c.repair_width, c.repair_tau, c.repair_coef, c.tis_clip) == (128, -0.03, 0.015, (0.0, 2.0))
     assert c.repair_beta == pytest.approx(0.02236, abs=1e-5)
     assert pseudo_huber(torch.tensor(0.0), c.repair_beta).item() == 0.0
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_stay_on_device_and_dtype_follows_caller(device, dtype):
+    # delta = 0 or -0.25 exactly (representable in bf16): gate weights and repair identical across dtypes
+    delta = torch.tensor([[-0.25, 0.0] * 40, [-2.0, -1.0] * 40])
+    learner = (delta - 2.0).to(device=device, dtype=dtype).requires_grad_(True)
+    samp = torch.full_like(learner, -2.0).detach()
+    b = TokenBatch.from_padded(learner, samp, torch.tensor([1.0, -1.0], device=device),
+                               torch.ones(2, 80, dtype=torch.bool, device=device))
+    out = TriageController(TriageConfig(gate_width=8, repair_width=16))(b, step=0)
+    for t in (out.gate_weights, out.tis_weights, out.token_weights, out.repair_loss):
+        assert t.device.type == device
+    assert out.gate_weights.dtype == torch.float32
+    pg = weighted_policy_loss(torch.ones(b.num_tokens, device=device), out.token_weights, b)
+    (pg + out.repair_loss).backward()
+    assert learner.grad.dtype == dtype and learner.grad[0].abs().sum() > 0   # repair pulls response 0 up
+    # response 1: mean delta -1.5 per segment -> 0.3 (not < -1.5) on its delta < 0 tokens
+    assert out.gate_weights[80:].cpu().tolist() == pytest.approx([0.3] * 80)
+    # response 0: d_S = -0.125 -> q = 0.095 in each of its 5 segments
+    q = 0.095
+    assert out.repair_loss.item() == pytest.approx(0.015 * phi(q), rel=1e-4)

@@ -409,7 +409,23 @@ class TriageController:
         self._calib_tok.append(_strided(delta, cal.max_values_per_step))
 
     # ------------------------------------------------------------------ call
-    def __call__(self, batch: TokenBatch, step: int, old_logp: Optional[Tensor] = None) -> TriageOutput:
+    def repair_segment_count(self, batch: TokenBatch) -> Tensor:
+        """Number of valid repair segments of ``batch`` (0-dim float32, summed over the group).
+
+        For gradient accumulation: call it on the whole update (or sum it over the
+        micro-batches, split by response) and pass it as ``repair_denominator`` to every
+        micro-batch call; the micro-batch repair losses then add up to the full-batch one.
+        """
+        c = self.config
+        rseg = segment_tokens(batch.sample_index, batch.position, c.repair_width)
+        if c.repair_scope == "whole":
+            den = torch.tensor(float(rseg.num_segments), device=batch.device)
+        else:
+            den = (rseg.mean(batch.advantage.float()) > 0).float().sum()
+        return _all_reduce_sum(den, self.group) if self.group is not None else den
+
+    def __call__(self, batch: TokenBatch, step: int, old_logp: Optional[Tensor] = None,
+                 repair_denominator: Optional[Union[Tensor, float]] = None) -> TriageOutput:
         """Compute the weights and the Repair loss for ``batch`` at optimizer step ``step``.
 
         Args:
@@ -417,6 +433,9 @@ class TriageController:
             step: optimizer update index (SPEC.md §2).
             old_logp: ``(N,)`` learner log-probs at rollout time for TIS (nats, detached);
                 default ``batch.learner_logp.detach()``.
+            repair_denominator: optional number of valid repair segments of the whole
+                update (:meth:`repair_segment_count`), used as given instead of this
+                batch's (group-summed) count; for gradient accumulation.
 
         Returns:
             :class:`TriageOutput`.
@@ -466,6 +485,8 @@ class TriageController:
             if self.group is not None:
                 red = _all_reduce_sum(torch.stack([num.detach(), den, n_active]), self.group)
                 num, den, n_active = num + (red[0] - num.detach()), red[1], red[2]
+            if repair_denominator is not None:
+                den = torch.as_tensor(repair_denominator, dtype=num.dtype, device=num.device)
             repair = repair + c.repair_coef * num / den.clamp(min=1.0)
             active = n_active / den.clamp(min=1.0)
 
