@@ -364,3 +364,41 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
     pd.DataFrame({"x": [1]}).to_csv(tmp_path / "h.csv", index=False)
     assert alerts_cli(["--from-csv", str(tmp_path / "h.csv")]) == 2
     assert "no step column 'step'" in capsys.readouterr().err
+
+
+def test_live_monitor_run_and_cli_replay_agree(tmp_path, capsys):
+    """The real MismatchMonitor writes alerts/ from the live engine; replaying the run directory
+    with the same rules (CLI) gives the same alerts."""
+    import torch
+
+    from triage_monitor.analysis import open_run
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text("""
+rules:
+  - {name: gap_rising, metric: window/delta_abs_mean, condition: rising, threshold: 0.2, relative: true,
+     window: 4, k: 2, hold: 2, level: WARN}
+  - {name: nonfinite, metric: nonfinite_count, condition: above, threshold: 0, level: ERROR}
+  - {name: q05_low, metric: window/delta_q05, condition: below, threshold: -1.0, hold: 3, level: ERROR}
+""")
+    eng = AlertEngine(load_rules(rules_file))
+    g = torch.Generator().manual_seed(1)
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(window=4, calibration_steps=4), alerts=eng) as mon:
+        for step in range(30):
+            scale = 0.05 if step < 12 else 0.05 * 1.3 ** (step - 11)
+            sampler = -torch.rand(8, 16, generator=g) * 3 - 0.01
+            learner = (sampler + torch.randn(8, 16, generator=g) * scale).clamp(max=0.0)
+            if step == 20:
+                learner[3, 5] = float("-inf")
+            adv = torch.linspace(-1, 1, 8)
+            mon.log_step(step, TokenBatch.from_padded(learner, sampler, adv, torch.ones(8, 16, dtype=torch.bool),
+                                                      on_invalid="quarantine"))
+    live = [(a.step, a.rule) for a in eng.fired]
+    assert {r for _, r in live} == {"gap_rising", "nonfinite", "q05_low"} and (20, "nonfinite") in live
+    table = open_run(tmp_path / "run").alerts()
+    assert sorted(zip(table["step"], table["rule"])) == sorted(live)
+    assert alerts_cli([str(tmp_path / "run"), "--rules", str(rules_file), "--format", "json"]) == 0
+    replayed = [(r["step"], r["rule"]) for r in json.loads(capsys.readouterr().out)]
+    assert replayed == live
