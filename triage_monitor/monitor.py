@@ -172,10 +172,15 @@ class MismatchMonitor:
                 "python": platform.python_version(), "torch": torch.__version__,
                 "attempts": [attempt], "status": "running", "info": extra,
             }
+        self._save_manifest()
+
+    def _save_manifest(self) -> None:
+        """Write run.json (rank 0); an OSError is reported once (key "manifest") and monitoring continues."""
         try:
-            write_json_atomic(self.manifest, path)
+            write_json_atomic(self.manifest, self.run_dir / MANIFEST)
         except OSError as exc:
-            log.warning("triage-monitor could not write %s (%s); monitoring continues", path, exc)
+            self._warn_once("manifest", "triage-monitor could not write %s (%s); monitoring continues",
+                            self.run_dir / MANIFEST, exc)
 
     # ---------------------------------------------------------------- per step
     def log_step(self, step: int, batch: TokenBatch, extra: Optional[dict] = None,
@@ -259,10 +264,7 @@ class MismatchMonitor:
             return
         self.manifest["calibration"] = {"tau_tail": self.tracker.tau_tail, "frozen_at_step": int(step),
                                         "attempt": self.attempt}
-        try:
-            write_json_atomic(self.manifest, self.run_dir / MANIFEST)
-        except OSError as exc:
-            log.warning("triage-monitor could not record tau_tail in %s (%s)", MANIFEST, exc)
+        self._save_manifest()
 
     # -------------------------------------------------------------- resuming
     def state_dict(self) -> dict:
@@ -354,10 +356,7 @@ class MismatchMonitor:
             self.manifest["tau_tail_calibrated"] = self.tracker.tau_tail
             self.manifest["writer"] = {"written_rows": self.sink.written_rows, "dropped_rows": self.sink.dropped_rows,
                                        "last_error": self.sink.last_error}
-            try:
-                write_json_atomic(self.manifest, self.run_dir / MANIFEST)
-            except OSError as exc:
-                log.warning("triage-monitor could not update the manifest (%s)", exc)
+            self._save_manifest()
 
     def __enter__(self) -> "MismatchMonitor":
         return self

@@ -73,8 +73,11 @@ def write_json_atomic(obj: dict, path: Path) -> None:
     """Write ``obj`` as JSON through a temporary file and an atomic rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".tmp-{uuid.uuid4().hex}.json"
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default, allow_nan=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=_json_default, allow_nan=True))
+        os.replace(tmp, path)
+    finally:  # a failed write (full disk) leaves no temporary file behind
+        tmp.unlink(missing_ok=True)
 
 
 def read_manifest(run_dir) -> dict:

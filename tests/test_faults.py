@@ -1,0 +1,413 @@
+"""Faults, for real: SIGKILL mid-write, read-only and full output directories, backpressure memory, resume.
+
+Child processes run this file as a script (``python tests/test_faults.py <mode> <dir> ...``) so the
+kill, the file-size limit and the peak-RSS measurement hit a real, separate process.
+
+Unwritable directories: tests run as root here, and root ignores permission bits, so ``chmod`` cannot
+make a directory unwritable.  The tests use (1) a run directory *under a regular file* (every mkdir
+fails with NotADirectoryError, for any user) and (2) a read-only tmpfs mount where ``mount`` is
+permitted.  Full disk: a 1 MiB tmpfs where ``mount`` is permitted, and always a child process with
+``RLIMIT_FSIZE`` (SIGXFSZ ignored, so writes fail with EFBIG instead of killing the process).
+"""
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from triage_monitor.alerts import AlertEngine, CallbackSink, Rule  # noqa: E402
+from triage_monitor.analysis import open_run, recompute  # noqa: E402
+from triage_monitor.batch import TokenBatch  # noqa: E402
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def batch(step, B=16, T=256, seed=0):
+    g = torch.Generator().manual_seed(seed * 7919 + step)
+    s = -torch.rand(B, T, generator=g) * 4
+    lp = (s + torch.randn(B, T, generator=g) * 0.1 - (torch.rand(B, T, generator=g) < 0.04) * 3).clamp(max=0)
+    m = torch.rand(B, T, generator=g) < 0.9
+    return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), m, sample_ids=torch.arange(B) + 1000 * step)
+
+
+def run_child(*args, timeout=120, preexec=None):
+    return subprocess.run([sys.executable, __file__, *map(str, args)], env=ENV, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=preexec)
+
+
+def visible_files(d: Path) -> list:
+    return [p for p in d.rglob("*.parquet") if not p.name.startswith(".")]
+
+
+def assert_all_readable(d: Path, table: str = "tokens") -> int:
+    """Every visible Parquet file reads completely; returns the number of rows of ``table`` (None: all)."""
+    rows = 0
+    for p in visible_files(d):
+        t = pq.read_table(p)
+        if table is None or p.parts[-4] == table:
+            rows += t.num_rows
+    return rows
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """Mount a tmpfs at ``path`` (``options`` e.g. "size=1m" or "ro"); yields False when not permitted."""
+    path.mkdir(parents=True, exist_ok=True)
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode == 0
+    try:
+        yield ok
+    finally:
+        if ok:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+# ============================================================================== SIGKILL
+def child_train(d):
+    """Log big steps forever; after step 3, flush (a checkpoint barrier); report what was submitted."""
+    mon = MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2))
+    for step in range(10_000):
+        b = batch(step, B=64, T=1024)
+        mon.log_step(step, b)
+        print(f"submitted {step} {b.num_tokens} {mon.sink._queued_bytes}", flush=True)
+        if step == 3:
+            mon.flush()
+            print("flushed 3", flush=True)
+
+
+def test_sigkill_while_writing_leaves_only_complete_files(tmp_path):
+    d = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, __file__, "train", str(d)], env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    submitted, flushed, busy_kill = {}, False, False
+    deadline = time.monotonic() + 120
+    for line in p.stdout:
+        parts = line.split()
+        if parts[0] == "flushed":
+            flushed = True
+        elif parts[0] == "submitted":
+            submitted[int(parts[1])] = int(parts[2])
+            # kill right after a submit while the writer still has bytes queued (it is busy), 4+ steps later
+            if flushed and len(submitted) >= 8 and int(parts[3]) > 0:
+                os.kill(p.pid, signal.SIGKILL)
+                busy_kill = True
+                break
+        assert time.monotonic() < deadline, "child never got busy"
+    p.wait(timeout=30)
+    assert p.returncode == -signal.SIGKILL and busy_kill, p.stderr.read()
+
+    # every visible file is complete; every step up to the flush barrier is fully there
+    on_disk = assert_all_readable(d)
+    run = open_run(d)
+    for step in range(4):
+        assert len(run.tokens(step)) == submitted[step]
+    steps_on_disk = run.step_numbers()
+    assert steps_on_disk == list(range(len(steps_on_disk)))  # the writer is FIFO: no holes
+    for step in steps_on_disk:                               # no partial step: exact row counts
+        assert len(run.tokens(step)) == submitted[step]
+    # analysis skips temporary files and recomputes what survived
+    rec = recompute(run)
+    assert rec["step"].tolist() == steps_on_disk
+    lost = sum(submitted.values()) - on_disk
+    tmp_left = list(d.rglob(".tmp-*"))
+    print(f"\nSIGKILL: {len(submitted)} steps submitted ({sum(submitted.values())} token rows), "
+          f"{len(steps_on_disk)} complete on disk, rows lost {lost} "
+          f"(= the {len(submitted) - len(steps_on_disk)} step(s) still queued), temp files left {len(tmp_left)}")
+    assert lost == sum(n for s, n in submitted.items() if s not in steps_on_disk)
+    assert run.manifest["status"] == "running"               # the manifest shows the job never closed
+
+
+# ============================================================================== unwritable
+def _alerting_monitor(d, **cfg):
+    fired = []
+    rule = Rule(name="writer_dropping", metric="writer_dropped_rows", condition="above", threshold=0, level="ERROR")
+    mon = MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2, **cfg),
+                          alerts=AlertEngine([rule], sinks=[CallbackSink(fired.append)]))
+    return mon, fired
+
+
+def assert_warned_once(caplog):
+    """One warning from the writer (rows dropped) and at most one about run.json, however many steps failed."""
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len([m for m in msgs if "rows are counted as dropped" in m]) == 1, msgs
+    assert len([m for m in msgs if "run.json" in m]) <= 1, msgs
+    assert len(msgs) <= 2, msgs
+
+
+def _train_into(d, steps, caplog):
+    caplog.set_level(logging.WARNING)
+    mon, fired = _alerting_monitor(d)
+    metrics = []
+    for step in range(steps):
+        metrics.append(mon.log_step(step, batch(step)))
+        mon.flush()                      # let the writer fail now, so the next step sees the count
+    mon.close()
+    return mon, metrics, fired
+
+
+def test_run_dir_under_a_regular_file_training_continues(tmp_path, caplog):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a regular file")
+    mon, metrics, fired = _train_into(blocker / "run", 4, caplog)
+    assert len(metrics) == 4 and all(not math.isnan(m["rho_asym"]) for m in metrics)
+    total = sum(m["n_tokens"] for m in metrics)
+    assert metrics[0]["writer_dropped_rows"] == 0 and metrics[1]["writer_dropped_rows"] >= metrics[0]["n_tokens"]
+    assert mon.sink.dropped_rows >= total and mon.sink.written_rows == 0
+    assert_warned_once(caplog)
+    assert "NotADirectoryError" in mon.sink.last_error
+    assert [a.rule for a in fired] == ["writer_dropping"]
+
+
+def test_read_only_mount_training_continues(tmp_path, caplog):
+    ro = tmp_path / "ro"
+    with tmpfs(ro, "ro") as ok:
+        if not ok:
+            pytest.skip("mount not permitted here (the regular-file test covers unwritable directories)")
+        mon, metrics, fired = _train_into(ro / "run", 3, caplog)
+        assert "Read-only file system" in mon.sink.last_error
+        assert mon.sink.dropped_rows >= sum(m["n_tokens"] for m in metrics)
+        assert_warned_once(caplog)
+        assert fired and not list(ro.iterdir())
+
+
+def test_full_tmpfs_counts_dropped_rows_and_keeps_files_whole(tmp_path, caplog):
+    mnt = tmp_path / "small"
+    with tmpfs(mnt, "size=1m") as ok:
+        if not ok:
+            pytest.skip("mount not permitted here (the RLIMIT_FSIZE test covers a full disk)")
+        caplog.set_level(logging.WARNING)
+        mon, fired = _alerting_monitor(mnt / "run")
+        metrics = []
+        for step in range(12):
+            metrics.append(mon.log_step(step, batch(step, B=32, T=512)))
+            mon.flush()
+        mon.close()
+        assert len(metrics) == 12                                      # training went on
+        assert mon.sink.written_rows > 0 and mon.sink.dropped_rows > 0
+        assert "No space left" in mon.sink.last_error
+        assert metrics[-1]["writer_dropped_rows"] > 0 and fired
+        assert_warned_once(caplog)
+        assert not list(mnt.rglob(".tmp-*"))                           # failed writes leave no temp file
+        assert assert_all_readable(mnt / "run", None) == mon.sink.written_rows   # what is visible is complete
+
+
+def child_fsize(d, limit):
+    """Run 10 steps under RLIMIT_FSIZE = limit bytes with SIGXFSZ ignored; print a JSON summary."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda r: warnings.append(r.getMessage()) if r.levelno >= logging.WARNING else None
+    logging.getLogger("triage_monitor").addHandler(handler)
+    mon, fired = _alerting_monitor(d)
+    logged = []
+    for step in range(10):
+        size = 64 if step < 3 else 2048          # small steps fit under the limit, big ones do not
+        logged.append(mon.log_step(step, batch(step, B=16, T=size))["writer_dropped_rows"])
+        mon.flush()
+    mon.close()
+    print(json.dumps({"steps": len(logged), "dropped_seen": logged, "dropped": mon.sink.dropped_rows,
+                      "written": mon.sink.written_rows, "error": mon.sink.last_error, "warnings": warnings,
+                      "alerts": [a.rule for a in fired]}))
+
+
+def test_file_size_limit_full_disk_in_child_process(tmp_path):
+    d = tmp_path / "run"
+    r = run_child("fsize", d, 100_000)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["steps"] == 10 and out["written"] > 0 and out["dropped"] > 0
+    assert "File too large" in out["error"]
+    assert out["dropped_seen"][:3] == [0, 0, 0] and out["dropped_seen"][-1] > 0
+    assert len([w for w in out["warnings"] if "rows are counted as dropped" in w]) == 1
+    assert len(out["warnings"]) <= 2
+    assert out["alerts"] == ["writer_dropping"]
+    assert_all_readable(d)
+    assert not list(d.rglob(".tmp-*"))
+    assert open_run(d).step_numbers()[:3] == [0, 1, 2]
+
+
+# ============================================================================== backpressure
+def child_rss(d, mode, bound_mb, item_mb, n_items):
+    """A producer that outruns the disk: n_items columns of item_mb MiB each into a bounded ParquetSink."""
+    from triage_monitor.records import ParquetSink
+
+    rng = np.random.default_rng(0)
+    n = int(item_mb * (1 << 20)) // 8
+    sink = ParquetSink(d, attempt=1, max_queue_bytes=int(bound_mb * (1 << 20)), backpressure=mode)
+    sink.submit("tokens", 0, 0, {"x": rng.random(n)})       # warm-up: pyarrow's code paths and pools
+    sink.flush()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    max_q, t0, accepted = 0, time.monotonic(), 0
+    for i in range(1, n_items + 1):
+        accepted += sink.submit("tokens", i, 0, {"x": rng.random(n)})
+        max_q = max(max_q, sink._queued_bytes)
+    produce_s = time.monotonic() - t0
+    sink.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"growth_mb": (peak - base) / 1024, "base_mb": base / 1024, "max_queued_mb": max_q / (1 << 20),
+                      "dropped_rows": sink.dropped_rows, "written_rows": sink.written_rows, "rows_per_item": n,
+                      "accepted": accepted, "produce_s": produce_s, "total_s": time.monotonic() - t0}))
+
+
+@pytest.mark.parametrize("mode", ["block", "drop"])
+def test_backpressure_bounds_memory(tmp_path, mode):
+    bound, item, n_items = 16, 4, 40               # unbounded, the queue would hold 160 MiB
+    r = run_child("rss", tmp_path / "run", mode, bound, item, n_items)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"\nbackpressure={mode}: peak RSS growth {out['growth_mb']:.1f} MiB over a {out['base_mb']:.0f} MiB "
+          f"baseline, bound {bound} MiB, max queued {out['max_queued_mb']:.1f} MiB, dropped rows "
+          f"{out['dropped_rows']}, {n_items} x {item} MiB produced in {out['produce_s']:.2f} s")
+    assert out["max_queued_mb"] >= bound - item        # the producer did outrun the disk
+    assert out["max_queued_mb"] <= bound
+    # the queue bound + the file being encoded (item + its Parquet copy) + allocator slack
+    assert out["growth_mb"] < bound + 3 * item + 32, out
+    total = (n_items + 1) * out["rows_per_item"]
+    assert out["written_rows"] + out["dropped_rows"] == total
+    if mode == "block":
+        assert out["dropped_rows"] == 0
+    else:
+        assert out["dropped_rows"] > 0 and out["accepted"] < n_items
+        assert out["dropped_rows"] == (n_items - out["accepted"]) * out["rows_per_item"]
+
+
+def test_drop_policy_surfaces_in_monitor_metrics(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    mon = MismatchMonitor(tmp_path / "run", MonitorConfig(max_queue_bytes=1, backpressure="drop"))
+    ms = [mon.log_step(s, batch(s)) for s in range(6)]
+    mon.close()
+    assert mon.sink.dropped_rows > 0 and ms[-1]["writer_dropped_rows"] > 0
+    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
+
+
+# ============================================================================== resume
+def _state_roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)           # no arbitrary unpickling needed
+
+
+def test_monitor_state_dict_resume_keeps_tau_and_metrics(tmp_path):
+    cfg = MonitorConfig(window=1, calibration_steps=4)
+    with MismatchMonitor(tmp_path / "a", cfg) as mon:
+        straight = [mon.log_step(s, batch(s)) for s in range(7)]
+    with MismatchMonitor(tmp_path / "b", cfg) as mon:     # crashes after step 1, mid-calibration
+        for s in range(2):
+            mon.log_step(s, batch(s))
+        state = _state_roundtrip(mon.state_dict())
+    assert len(state["tracker"]["calib"]) == 2
+    with MismatchMonitor(tmp_path / "b", cfg) as mon:
+        mon.load_state_dict(state)
+        resumed = [mon.log_step(s, batch(s)) for s in range(2, 7)]
+    for a, b in zip(straight[2:], resumed):
+        assert a["tau_tail"] == b["tau_tail"] and a["c_tok"] == b["c_tok"] and a["r_amp"] == b["r_amp"]
+    # without the state, re-calibrating on post-resume steps gives another tau
+    with MismatchMonitor(tmp_path / "c", cfg) as mon:
+        fresh = [mon.log_step(s, batch(s)) for s in range(2, 7)]
+    assert fresh[-1]["tau_tail"] != straight[-1]["tau_tail"]
+    with pytest.raises(ValueError, match="state version"):
+        mon.load_state_dict({"version": 99})
+
+
+def test_resume_from_manifest_keeps_frozen_tau(tmp_path):
+    cfg = MonitorConfig(window=2, calibration_steps=2)
+    mon = MismatchMonitor(tmp_path / "run", cfg)
+    first = [mon.log_step(s, batch(s)) for s in range(4)]
+    mon.flush()                                         # killed here: no close()
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["calibration"]["frozen_at_step"] == 1
+    with MismatchMonitor(tmp_path / "run", cfg) as again:
+        assert again.tracker.tau_frozen and again.tracker.tau_tail == first[1]["tau_tail"]
+        m = again.log_step(2, batch(2, seed=5))
+    assert m["tau_tail"] == first[3]["tau_tail"]
+
+
+def test_analysis_uses_latest_attempt_per_step(tmp_path):
+    d = tmp_path / "run"
+    with MismatchMonitor(d) as mon:
+        for s in range(6):
+            mon.log_step(s, batch(s))
+    with MismatchMonitor(d) as mon:                     # resumed from the step-2 checkpoint, died after step 4
+        redo = {s: mon.log_step(s, batch(s, B=4, seed=9)) for s in (3, 4)}
+    run = open_run(d)
+    attempts = [a["attempt"] for a in run.manifest["attempts"]]
+    assert len(attempts) == 2 and attempts[1] > attempts[0]
+    steps = run.steps().set_index("step")
+    for s in range(6):
+        want_attempt = attempts[1] if s in redo else attempts[0]
+        assert steps.loc[s, "attempt"] == want_attempt
+        assert set(run.tokens(s)["attempt"]) == {want_attempt}
+    assert [len(run.tokens(s)) for s in (3, 4)] == [redo[3]["n_tokens"], redo[4]["n_tokens"]]
+    rec = recompute(run).set_index("step")
+    assert rec.loc[3, "n_tokens"] == redo[3]["n_tokens"]
+
+
+def _tiny_training(steps, ckpt_at=None, state=None, load_controller=True):
+    """A tiny policy trained with TRIAGE weights + Repair (calibrated Gate), SGD; returns (params, checkpoint)."""
+    from triage_monitor.controller import CalibrationConfig, TriageConfig, TriageController, weighted_policy_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ctrl = TriageController(TriageConfig(gate_width=8, repair_width=16,
+                                         calibration=CalibrationConfig(window=3, neg_quantile=0.3,
+                                                                       severe_quantile=0.1, bad_quantile=0.05)))
+    start, ckpt = 0, None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        if load_controller:
+            ctrl.load_state_dict(state["ctrl"])
+        start = state["step"] + 1
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(6, 32, 8, generator=g)
+        tok = torch.randint(0, 16, (6, 32), generator=g)
+        lp = torch.log_softmax(model(x), -1).gather(-1, tok[..., None]).squeeze(-1)
+        samp = (lp.detach() - torch.rand(6, 32, generator=g) * 2.0).clamp(max=0)
+        b = TokenBatch.from_padded(lp, samp, torch.randn(6, generator=g), torch.ones(6, 32, dtype=torch.bool))
+        out = ctrl(b, step=step)
+        loss = weighted_policy_loss(-b.advantage * b.learner_logp, out.token_weights, b) + out.repair_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == ckpt_at:
+            ckpt = _state_roundtrip({"model": model.state_dict(), "opt": opt.state_dict(),
+                                     "ctrl": ctrl.state_dict(), "step": step})
+    return [p.detach().clone() for p in model.parameters()], ckpt
+
+
+def test_controller_state_dict_resume_gives_identical_weights():
+    straight, _ = _tiny_training(8)
+    _, ckpt = _tiny_training(8, ckpt_at=1)             # checkpoint in the middle of the calibration window
+    resumed, _ = _tiny_training(8, state=ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    forgot, _ = _tiny_training(8, state=ckpt, load_controller=False)
+    assert not all(torch.equal(a, b) for a, b in zip(straight, forgot))
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "train":
+        child_train(Path(args[0]))
+    elif mode == "fsize":
+        child_fsize(Path(args[0]), int(args[1]))
+    elif mode == "rss":
+        child_rss(Path(args[0]), args[1], float(args[2]), float(args[3]), int(args[4]))
