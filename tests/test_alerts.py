@@ -402,3 +402,16 @@ rules:
     assert alerts_cli([str(tmp_path / "run"), "--rules", str(rules_file), "--format", "json"]) == 0
     replayed = [(r["step"], r["rule"]) for r in json.loads(capsys.readouterr().out)]
     assert replayed == live
+
+
+def test_replay_skips_rows_without_step_and_names_bad_columns():
+    r = Rule("r", "window/x", "above", 1.0)
+    # a W&B export interleaves rows logged by other code (no triage/step): they are skipped
+    df = pd.DataFrame({"triage/step": [0, None, 1, None, 2], "triage/window/x": [0, 5, 2, "NaN", 3]})
+    assert [a.step for a in replay([r], df)] == [1]
+    with pytest.raises(ValueError, match=r"column 'window/x' is not numeric \(row 1 = 'oops'\)"):
+        replay([r], pd.DataFrame({"step": [0, 1], "window/x": ["1", "oops"]}))
+    with pytest.raises(ValueError, match=r"step\[row 1\] = 1.5 is not an integer step"):
+        replay([r], pd.DataFrame({"step": [0, 1.5], "window/x": [1, 2]}))
+    with pytest.raises(ValueError, match=r"step\[row 0\] = abc is not an integer step"):
+        replay([r], pd.DataFrame({"step": ["abc"], "window/x": [1]}))

@@ -250,6 +250,7 @@ class LoggingSink:
         self.logger = logger or log
 
     def emit(self, alert: Alert) -> None:
+        """Log ``title: text`` at the alert's level."""
         self.logger.log(self.LEVEL[alert.level], "%s: %s", alert.title, alert.text)
 
 
@@ -262,6 +263,7 @@ class CallbackSink:
         self.fn = fn
 
     def emit(self, alert: Alert) -> None:
+        """Call the user function (its exceptions are handled by the engine)."""
         self.fn(alert)
 
 
@@ -493,11 +495,13 @@ def replay(rules: Optional[Sequence[Rule]], metrics_frame, step_column: str = "s
         rules: rules (None: :func:`default_rules`).
         metrics_frame: pandas.DataFrame with an integer ``step_column`` and one column per
             metric (named as in the live metric dict; a ``triage/`` prefix is stripped).
-            Rows are fed in frame order, so a repeated step rewinds exactly as live.
+            Rows are fed in frame order, so a repeated step rewinds exactly as live; rows whose
+            step is missing (NaN) are skipped.
     Returns:
         the alerts that would have fired, in order.
     Raises:
-        ValueError: the step column is missing or holds a non-integer value (names the row).
+        ValueError: the step column is missing or holds a non-integer value, or a metric column
+            holds a non-numeric value (names the column and row).
     """
     frame = normalize_columns(metrics_frame)
     if step_column not in frame.columns:
@@ -505,13 +509,34 @@ def replay(rules: Optional[Sequence[Rule]], metrics_frame, step_column: str = "s
     steps = frame[step_column].to_numpy()
     eng = AlertEngine(rules)
     cols = [m for m in eng._metrics if m in frame.columns]
-    data = {m: frame[m].to_numpy(dtype=float, na_value=np.nan) for m in cols}
+    data = {}
+    for m in cols:
+        try:
+            data[m] = pd_numeric(frame[m])
+        except ValueError as e:
+            raise ValueError(f"replay: column {m!r} is not numeric ({e})") from None
+    skipped = 0
     for i, s in enumerate(steps):
+        if s is None or (isinstance(s, (float, np.floating)) and math.isnan(s)):
+            skipped += 1           # e.g. a W&B export row logged by other code, without triage/step
+            continue
         f = _as_float(s)
         if not math.isfinite(f) or f != int(f):
-            raise ValueError(f"replay: {step_column}[row {i}] = {s!r} is not an integer step")
+            raise ValueError(f"replay: {step_column}[row {i}] = {s} is not an integer step")
         eng.observe(int(f), {m: data[m][i] for m in cols})
+    if skipped:
+        log.info("replay: skipped %d row(s) without a %s value", skipped, step_column)
     return eng.fired
+
+
+def pd_numeric(col) -> np.ndarray:
+    """A frame column as float64 (missing -> NaN); raises ValueError naming the first bad value."""
+    import pandas as pd
+    out = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float, na_value=np.nan)
+    bad = np.flatnonzero(np.isnan(out) & col.notna().to_numpy() & (col.astype(str).str.lower() != "nan").to_numpy())
+    if bad.size:
+        raise ValueError(f"row {int(bad[0])} = {col.iloc[bad[0]]!r}")
+    return out
 
 
 def normalize_columns(frame):

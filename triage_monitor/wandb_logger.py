@@ -163,6 +163,7 @@ class WandbAlertSink:
         return self._wandb.run if self._wandb is not None else None
 
     def emit(self, alert) -> None:
+        """Send one :class:`~triage_monitor.alerts.Alert` (no-op without wandb or a run)."""
         if self._wandb is None:
             return
         run = self._run()
