@@ -239,3 +239,14 @@ def test_failing_wandb_call_is_reported_once(offline, caplog):
     assert sum("'bad'" in m for m in msgs) == 1
     assert sum("run.log failed" in m for m in msgs) == 1
     assert [h["triage/x"] for h in history_rows(logged(offline))] == [1.0, 2.0]
+
+
+def test_failed_init_is_reported_once_and_not_retried(offline, caplog):
+    lg = WandbLogger(init_kwargs={"project": "triage-test", "dir": offline, "mode": "no-such-mode"})
+    with caplog.at_level(logging.WARNING, logger="triage_monitor.wandb"):
+        for step in range(3):
+            lg.log_metrics(step, {"x": 1.0})
+    assert lg.run is None and wandb.run is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "WandbLogger: wandb.init failed; skipped (further failures are counted, not reported)") == 1
+    assert lg._guard.failures == {"wandb.init": 1}

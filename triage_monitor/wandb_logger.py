@@ -71,7 +71,8 @@ class WandbLogger:
         config: recorded in the run config under ``triage`` (e.g. the run manifest).
         prefix: key prefix (default ``"triage/"``).
         init_kwargs: passed to ``wandb.init`` (default ``project="triage-monitor"``).
-        start: allow starting a run when none is given or active.
+        start: allow starting a run when none is given or active (tried once; a failure
+            is reported and the logger stays inactive).
 
     ``log_metrics(step, metrics)``: step is an int; metrics ``dict[str, float]``
     (NaN allowed: logged as NaN; a value that is not a number is skipped).
@@ -92,6 +93,7 @@ class WandbLogger:
         if self._run is None and self._wandb is not None:
             self._run = self._wandb.run
             if self._run is None and self.start:
+                self.start = False     # one attempt: a failing init (no API key, no network) is not retried
                 self._run = self._guard("wandb.init", self._wandb.init, **self.init_kwargs)
                 self._owned = self._run is not None
         return self._run
