@@ -25,6 +25,7 @@ Gate weights as the ``gate_weight`` token column when a controller is attached.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter, defaultdict
 from typing import Optional
 
@@ -114,8 +115,9 @@ class TriageGRPOTrainer(GRPOTrainer):
                                           gather_deepspeed3_params=self.args.ds3_gather_for_generation,
                                           generation_kwargs=self.generation_kwargs) as model,
               torch.no_grad(), self._dist.summon_full_params(self.model_wrapped, recurse=False)):
-            out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=self.generation_config,
-                                 output_logits=True, return_dict_in_generate=True)
+            config = copy.deepcopy(self.generation_config)
+            config.output_logits, config.return_dict_in_generate = True, True
+            out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
         completion = out.sequences[:, input_ids.size(1):]
         logits = torch.stack(out.logits, dim=1).float() / self.temperature          # (B, L, V), raw logits
         logps = logits.log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
