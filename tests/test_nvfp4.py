@@ -91,10 +91,10 @@ def test_single_level_ties_by_hand(block_shape):
 
 @pytest.mark.parametrize("name", ["randn", "weights", "heavy", "outlier"])
 @pytest.mark.parametrize("two_level", [True, False])
-@pytest.mark.parametrize("block_shape", ["1x16", "16x16"])
-def test_bit_exact_against_hand_implementation(name, two_level, block_shape):
+@pytest.mark.parametrize("block_shape,backend", [("1x16", "torchao"), ("1x16", "native"), ("16x16", "native")])
+def test_bit_exact_against_hand_implementation(name, two_level, block_shape, backend):
     x = _inputs()[name]
-    got = nvfp4_fake_quantize(x, two_level=two_level, block_shape=block_shape)
+    got = nvfp4_fake_quantize(x, two_level=two_level, block_shape=block_shape, backend=backend)
     want = hand_quantize(x.numpy(), two_level, 1 if block_shape == "1x16" else 16)
     assert got.dtype == x.dtype and got.shape == x.shape
     np.testing.assert_array_equal(got.numpy(), want)
@@ -114,6 +114,15 @@ def test_values_lie_on_grid_times_block_scale(two_level):
     assert (codes.abs() <= 6 + 1e-5).all()
     # and the error is bounded by half the largest grid step (1.0) times the scale
     assert ((blocks_q - blocks_x).abs() <= (s8 * pts) * 1.0 + 1e-6).all()
+
+
+@pytest.mark.parametrize("two_level", [True, False])
+def test_native_backend_matches_torchao(two_level):
+    g = torch.Generator().manual_seed(7)
+    for shape in [(48,), (3, 7, 32), (256, 64)]:
+        x = torch.randn(*shape, generator=g) * torch.rand(*shape, generator=g) ** 4 * 50
+        assert torch.equal(nvfp4_fake_quantize(x, two_level=two_level, backend="native"),
+                           nvfp4_fake_quantize(x, two_level=two_level, backend="torchao"))
 
 
 def test_16x16_agrees_with_torchao_1x16_when_tiles_share_row_amax():
@@ -156,6 +165,8 @@ def test_shapes_dtypes_and_special_inputs():
         nvfp4_fake_quantize(torch.randn(4, 32), block_size=32)
     with pytest.raises(ValueError, match="block_shape"):
         nvfp4_fake_quantize(torch.randn(4, 32), block_shape="2x16")
+    with pytest.raises(ValueError, match="backend"):
+        nvfp4_fake_quantize(torch.randn(4, 32), backend="cuda")
     with pytest.raises(ValueError, match="float"):
         nvfp4_fake_quantize(torch.ones(4, 16, dtype=torch.int64))
 
@@ -177,9 +188,9 @@ def test_nvfp4_linear_forward_and_backward(recipe):
     x = torch.randn(3, 5, 32, requires_grad=True)
     out = lin(x)
     # reference: a plain linear on the quantized tensors, with the quantized tensors as leaves
-    qx = nvfp4_fake_quantize(x.detach(), two_level=r.act_two_level).requires_grad_()
+    qx = nvfp4_fake_quantize(x.detach(), two_level=r.act_two_level, backend="torchao").requires_grad_()
     qw = nvfp4_fake_quantize(lin.weight.detach(), two_level=r.weight_two_level,
-                             block_shape=r.weight_block).requires_grad_()
+                             block_shape=r.weight_block, backend="native").requires_grad_()
     ref = nn.functional.linear(qx, qw, lin.bias.detach())
     assert torch.equal(out, ref)
     g = torch.randn_like(out)

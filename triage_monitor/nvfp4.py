@@ -16,10 +16,12 @@ Elements are rounded to nearest, ties to even (the inference-engine choice).
 rest of the network runs in full precision on the 4-bit grid: it reproduces
 NVFP4 numerics, not its speed.
 
-The 1x16 path calls torchao (``NVFP4Tensor.to_nvfp4(...).dequantize``), the
-reference implementation of the format; the 16x16 path computes tile scales
-here with the same arithmetic as torchao and a vectorised E2M1 rounding
-(checked against torchao and a hand implementation in the tests).
+The default backend calls torchao (``NVFP4Tensor.to_nvfp4(x,
+per_tensor_scale=per_tensor_amax_to_scale(amax)).dequantize(torch.float32)``),
+the reference implementation of the format, for 1x16 blocks.  A "native"
+backend runs the same arithmetic in a few vectorised torch ops (about 10x
+faster on CPU) and is the only one for 16x16 tiles; the tests check it bit for
+bit against torchao and against a hand implementation.
 
 :class:`NVFP4Linear` quantizes weights and activations (W4A4) with a
 straight-through estimator, so a learner can train through it; a
@@ -48,6 +50,7 @@ E4M3_MAX = 448.0
 E4M3_MIN_SCALE = 2.0 ** -6
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 BLOCK_SHAPES = ("1x16", "16x16")
+BACKENDS = ("torchao", "native")
 
 
 def _torchao():
@@ -80,7 +83,7 @@ def _round_e2m1(v: Tensor) -> Tensor:
 
 
 def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = True,
-                        block_shape: str = "1x16") -> Tensor:
+                        block_shape: str = "1x16", backend: str = "torchao") -> Tensor:
     """Round ``x`` onto the NVFP4 grid and return the dequantized values (SPEC.md §6).
 
     Args:
@@ -93,6 +96,10 @@ def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = Tr
             ``False`` stores ``block_amax / 6`` directly in E4M3.
         block_shape: ``"1x16"`` (inference engines, activations) or ``"16x16"``
             (weight tiles of training recipes).
+        backend: ``"torchao"`` (1x16 through torchao's ``NVFP4Tensor``, the
+            reference) or ``"native"`` (the same arithmetic in a few vectorised
+            torch ops here, about 10x faster on CPU; bit-identical, see the
+            tests).  16x16 tiles always use the native code (torchao has none).
 
     Returns:
         Tensor of ``x``'s shape and dtype, on ``x``'s device; every value is
@@ -103,13 +110,15 @@ def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = Tr
         returns zeros; non-finite inputs give non-finite outputs.
 
     Raises:
-        ValueError: ``block_size != 16``, unknown ``block_shape``, a non-float
+        ValueError: ``block_size != 16``, unknown ``block_shape`` or ``backend``, a non-float
             dtype, or a dimension not divisible by 16 (the message names it).
     """
     if block_size != 16:
         raise ValueError(f"nvfp4_fake_quantize: block_size must be 16 for NVFP4, got {block_size}")
     if block_shape not in BLOCK_SHAPES:
         raise ValueError(f"nvfp4_fake_quantize: block_shape must be one of {BLOCK_SHAPES}, got {block_shape!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"nvfp4_fake_quantize: backend must be one of {BACKENDS}, got {backend!r}")
     if not x.is_floating_point():
         raise ValueError(f"nvfp4_fake_quantize: x must be a float tensor, got dtype {x.dtype}")
     if x.dim() == 0 or x.shape[-1] % 16:
@@ -122,22 +131,26 @@ def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = Tr
         amax = xf.abs().amax()
         if not bool(amax > 0):
             return torch.zeros_like(x) if bool(amax == 0) else x.detach() * float("nan")
-        nvfp4_tensor = _torchao()
-        tensor_scale = nvfp4_tensor.per_tensor_amax_to_scale(amax) if two_level else None
-        if block_shape == "1x16":
+        if two_level:
+            tensor_scale = amax / (E2M1_MAX * E4M3_MAX)  # torchao's per_tensor_amax_to_scale
+        if block_shape == "1x16" and backend == "torchao":
+            nvfp4_tensor = _torchao()
             flat = xf.reshape(-1, x.shape[-1]).contiguous()
-            q = nvfp4_tensor.NVFP4Tensor.to_nvfp4(flat, block_size=16, per_tensor_scale=tensor_scale)
+            scale = nvfp4_tensor.per_tensor_amax_to_scale(amax) if two_level else None
+            q = nvfp4_tensor.NVFP4Tensor.to_nvfp4(flat, block_size=16, per_tensor_scale=scale)
             return q.dequantize(torch.float32).reshape(x.shape).to(x.dtype)
-        # 16x16 tiles: (..., R/16, 16, K/16, 16), same arithmetic as torchao's nvfp4_quantize
-        *lead, R, K = x.shape
-        tiles = xf.reshape(*lead, R // 16, 16, K // 16, 16)
+        # native: tiles (..., R/rows, rows, K/16, 16), the arithmetic of torchao's nvfp4_quantize
+        rows = 16 if block_shape == "16x16" else 1
+        K = x.shape[-1]
+        R = x.shape[-2] if x.dim() > 1 else 1
+        tiles = xf.reshape(-1, R // rows, rows, K // 16, 16)
         block_scale = tiles.abs().amax(dim=(-3, -1), keepdim=True) / E2M1_MAX
-        if tensor_scale is not None:
+        if two_level:
             block_scale = block_scale / tensor_scale
         s8 = block_scale.clamp(E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn).float()
-        recip = (1.0 / tensor_scale) / s8 if tensor_scale is not None else 1.0 / s8
+        recip = (1.0 / tensor_scale) / s8 if two_level else 1.0 / s8
         elems = _round_e2m1((tiles * recip).clamp(-E2M1_MAX, E2M1_MAX))
-        hp_scale = s8 * tensor_scale if tensor_scale is not None else s8
+        hp_scale = s8 * tensor_scale if two_level else s8
         return (elems * hp_scale).reshape(x.shape).to(x.dtype)
 
 
@@ -161,6 +174,7 @@ class NVFP4Recipe:
         weight_two_level, act_two_level: use the FP32 per-tensor scale
             (per weight tensor; per activation tensor of each call).
         quantize_activations: ``False`` gives weight-only W4A16-style emulation.
+        backend: ``"torchao"`` or ``"native"`` (see :func:`nvfp4_fake_quantize`).
     """
 
     name: str
@@ -168,19 +182,23 @@ class NVFP4Recipe:
     weight_two_level: bool = True
     act_two_level: bool = True
     quantize_activations: bool = True
+    backend: str = "torchao"
 
     def __post_init__(self):
         if self.weight_block not in BLOCK_SHAPES:
             raise ValueError(f"NVFP4Recipe.weight_block must be one of {BLOCK_SHAPES}, got {self.weight_block!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"NVFP4Recipe.backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
 #: Named recipes.  ``None`` means full precision (no quantization).
 RECIPES: dict[str, Optional[NVFP4Recipe]] = {
     "fp32": None,
-    # inference-engine style: 1x16 blocks everywhere, two-level scaling (SPEC §6)
+    # inference-engine style: 1x16 blocks everywhere, two-level scaling (SPEC §6), through torchao
     "nvfp4": NVFP4Recipe("nvfp4"),
     # training style: 16x16 weight tiles, single-level E4M3 scales for weights and activations
-    "nvfp4_16x16": NVFP4Recipe("nvfp4_16x16", weight_block="16x16", weight_two_level=False, act_two_level=False),
+    "nvfp4_16x16": NVFP4Recipe("nvfp4_16x16", weight_block="16x16", weight_two_level=False, act_two_level=False,
+                               backend="native"),
 }
 
 
@@ -228,7 +246,7 @@ class NVFP4Linear(nn.Linear):
 
     def _quantized_weight(self) -> Tensor:
         r = self.recipe
-        kw = dict(block_shape=r.weight_block, two_level=r.weight_two_level)
+        kw = dict(block_shape=r.weight_block, two_level=r.weight_two_level, backend=r.backend)
         if torch.is_grad_enabled():
             return fake_quantize_ste(self.weight, **kw)
         key = (self.weight._version, self.weight.data_ptr(), r)
@@ -240,7 +258,7 @@ class NVFP4Linear(nn.Linear):
         if self.recipe is None:
             return F.linear(x, self.weight, self.bias)
         if self.recipe.quantize_activations:
-            x = fake_quantize_ste(x, two_level=self.recipe.act_two_level)
+            x = fake_quantize_ste(x, two_level=self.recipe.act_two_level, backend=self.recipe.backend)
         return F.linear(x, self._quantized_weight(), self.bias)
 
     def extra_repr(self) -> str:

@@ -46,6 +46,7 @@ from .task import EOS, VOCAB_SIZE, AdditionTask
 
 Tensor = torch.Tensor
 CORRECTIONS = ("none", "tis", "triage")
+SFT_CHECK_EVERY = 25
 
 
 @dataclass
@@ -53,8 +54,11 @@ class DemoConfig:
     """Every option of ``triage-monitor demo`` with its default.
 
     Task and model: ``digits`` (operand length), ``n_layer``, ``n_head``,
-    ``d_model``.  Warm start: ``sft_steps`` supervised steps of ``sft_batch``
-    problems at ``sft_lr``.  GRPO: ``steps`` updates, ``prompts_per_step`` ×
+    ``d_model``.  Warm start: up to ``sft_steps`` supervised steps of
+    ``sft_batch`` problems at ``sft_lr``, stopping once the greedy held-out
+    accuracy reaches ``sft_target`` (0 disables the early stop), in full
+    precision whatever the recipes (the "pretrained checkpoint" both paths
+    start from), so rewards start neither all 0 nor all 1.  GRPO: ``steps`` updates, ``prompts_per_step`` ×
     ``group_size`` responses at ``temperature``, Adam ``lr``, PPO clip
     ``[1 − clip_low, 1 + clip_high]``, gradient-norm clip ``max_grad_norm``.
     Numerics: ``sampler_recipe`` / ``learner_recipe`` (keys of
@@ -65,8 +69,8 @@ class DemoConfig:
     Monitoring: ``segment_width`` (SPEC.md §3.3 W), ``window``,
     ``calibration_steps``.  Reproducibility: ``seed``, ``threads`` (torch CPU
     threads during the run; the same seed and thread count give the same run).
-    Display: ``log_every`` steps per printed row, ``eval_size`` greedy
-    problems scored before and after GRPO.
+    Display: ``log_every`` steps per printed row; ``eval_size`` held-out
+    problems scored greedily every step (the ``accuracy`` column).
     """
 
     steps: int = 60
@@ -76,7 +80,8 @@ class DemoConfig:
     sampler_recipe: str = "nvfp4"
     learner_recipe: str = "fp32"
     correction: str = "triage"
-    sft_steps: int = 300
+    sft_steps: int = 2000
+    sft_target: float = 0.3
     sft_batch: int = 64
     sft_lr: float = 3e-3
     lr: float = 3e-4
@@ -99,7 +104,7 @@ class DemoConfig:
     d_model: int = 64
     threads: int = 1
     log_every: int = 5
-    eval_size: int = 256
+    eval_size: int = 128
 
     def __post_init__(self):
         for name in ("steps", "group_size", "prompts_per_step", "sft_batch", "gate_width", "repair_width",
@@ -108,6 +113,8 @@ class DemoConfig:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.sft_steps < 0:
             raise ValueError(f"DemoConfig.sft_steps must be >= 0, got {self.sft_steps}")
+        if not 0.0 <= self.sft_target <= 1.0:
+            raise ValueError(f"DemoConfig.sft_target must lie in [0, 1], got {self.sft_target}")
         if self.group_size < 2:
             raise ValueError(f"DemoConfig.group_size must be >= 2 for GRPO advantages, got {self.group_size}")
         if self.correction not in CORRECTIONS:
@@ -181,15 +188,28 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
 
 
 def sft_warm_start(model: TinyGPT, task: AdditionTask, cfg: DemoConfig, gen: torch.Generator,
-                   on_step=None) -> float:
+                   on_step=None, accuracy=None) -> tuple[int, float]:
     """Supervised warm start on reference answers (mean cross-entropy over answer tokens, Adam ``cfg.sft_lr``).
 
-    Runs ``cfg.sft_steps`` steps of ``cfg.sft_batch`` fresh problems; calls
-    ``on_step()`` after each; returns the last loss (nats/token, NaN if none).
+    Runs up to ``cfg.sft_steps`` steps of ``cfg.sft_batch`` fresh problems and
+    stops early, checking every ``SFT_CHECK_EVERY`` steps, once
+    ``accuracy()`` (a greedy held-out score) reaches ``cfg.sft_target`` (> 0):
+    small transformers learn addition in sudden jumps whose timing depends on
+    the seed, so a fixed step count would leave some seeds with an all-zero
+    reward.  Calls ``on_step()`` after each step.
+
+    Returns:
+        (steps run, last loss in nats/token; NaN if no step ran).
     """
     opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
     loss = torch.tensor(float("nan"))
-    for _ in range(cfg.sft_steps):
+    for i in range(cfg.sft_steps):
+        if accuracy is not None and cfg.sft_target > 0 and i % SFT_CHECK_EVERY == 0 and i > 0:
+            model.eval()
+            done = accuracy() >= cfg.sft_target
+            model.train()
+            if done:
+                return i, float(loss.detach())
         ops, prompts = task.sample(cfg.sft_batch, gen)
         answers, length = task.answers(ops)
         mask = torch.arange(answers.shape[1]) < length[:, None]
@@ -200,7 +220,7 @@ def sft_warm_start(model: TinyGPT, task: AdditionTask, cfg: DemoConfig, gen: tor
         opt.step()
         if on_step is not None:
             on_step()
-    return float(loss.detach())
+    return cfg.sft_steps, float(loss.detach())
 
 
 @torch.no_grad()
@@ -211,10 +231,15 @@ def greedy_accuracy(model: TinyGPT, task: AdditionTask, ops: Tensor, prompts: Te
 
 
 # ------------------------------------------------------------------ run
+#: per-step terminal columns: (metric key, header, format)
 DISPLAY = [("reward", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("delta_abs_mean", "|δ|", "{:.4f}"),
            ("rho_asym", "ρ_asym", "{:.3f}"), ("small_gap_share", "small", "{:.3f}"), ("c_tok", "C_tok", "{:.3f}"),
-           ("gate_weight_mean", "gate w", "{:.3f}"), ("repair_loss", "repair", "{:.2e}"),
-           ("tis_clip_frac", "tis clip", "{:.3f}")]
+           ("gate_weight_mean", "gate w", "{:.3f}"), ("repair_loss", "repair", "{:.1e}")]
+#: extra rows of the final summary table
+SUMMARY_EXTRA = [("window/rho_asym", "ρ_asym (window)", "{:.3f}"), ("delta_q05", "δ q0.05", "{:.4f}"),
+                 ("k3_kl", "k3 KL", "{:.1e}"), ("tis_clip_frac", "TIS clip frac", "{:.4f}"),
+                 ("gate_downweighted_frac", "gate down frac", "{:.4f}"), ("mixed_groups", "mixed groups", "{:.3f}"),
+                 ("seconds", "s / step", "{:.2f}")]
 
 
 def _fmt(v, spec) -> str:
@@ -231,9 +256,10 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> 
         console: a ``rich.console.Console`` (default: a new one on stdout).
 
     Returns:
-        One row per GRPO step: ``step``, ``reward`` (mean exact-match reward),
-        ``accuracy`` (share of correct responses; equals ``reward`` for this
-        0/1 reward), ``mixed_groups`` (share of groups with both outcomes, the
+        One row per GRPO step: ``step``, ``reward`` (mean exact-match reward of
+        the sampled responses), ``accuracy`` (greedy exact-match accuracy on
+        ``eval_size`` fixed held-out problems under the sampler recipe, with
+        the policy that generated the step's rollout), ``mixed_groups`` (share of groups with both outcomes, the
         ones that carry gradient), ``loss``, ``seconds``, the controller stats
         and every metric ``log_step`` returned (``rho_asym``,
         ``small_gap_share``, ``c_tok``, ``delta_q05``, ``window/...``).
@@ -273,11 +299,12 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
 
     with Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("SFT warm start", total=cfg.sft_steps)
-        with use_recipe(model, learner):
-            sft_loss = sft_warm_start(model, task, cfg, data_gen, lambda: progress.update(bar, advance=1))
+        with use_recipe(model, None):  # the "pretrained checkpoint": full precision, same for every recipe
+            sft_done, sft_loss = sft_warm_start(model, task, cfg, data_gen, lambda: progress.update(bar, advance=1),
+                                                lambda: greedy_accuracy(model, task, eval_ops, eval_prompts))
     with use_recipe(model, sampler):
         eval_before = greedy_accuracy(model, task, eval_ops, eval_prompts)
-    console.print(f"SFT: {cfg.sft_steps} steps, loss {sft_loss:.3f}; "
+    console.print(f"SFT warm start: {sft_done} steps, loss {sft_loss:.3f}; "
                   f"greedy accuracy under the sampler recipe {eval_before:.3f}")
 
     triage = TriageController(TriageConfig(
@@ -287,7 +314,8 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
     manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, MLP projections NVFP4-capable)",
                 "task": f"{cfg.digits}-digit addition, reversed answer, exact-match reward",
                 "sampler_recipe": cfg.sampler_recipe, "learner_recipe": cfg.learner_recipe,
-                "correction": cfg.correction, "sampler_logp": "raw log-softmax at temperature "
+                "correction": cfg.correction, "sft_steps_run": sft_done, "sft_greedy_accuracy": eval_before,
+                "sampler_logp": "raw log-softmax at temperature "
                 f"{cfg.temperature} (no top-p/top-k)", "demo_config": asdict(cfg),
                 "framework": "triage-monitor demo"}
     mon_cfg = MonitorConfig(metrics=MetricConfig(segment_width=cfg.segment_width), window=cfg.window,
@@ -298,12 +326,13 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
     with MismatchMonitor(out_dir, mon_cfg, manifest=manifest) as mon, \
             Progress(*columns, console=console, transient=True) as progress:
         bar = progress.add_task("GRPO", total=cfg.steps)
-        console.print("  ".join(f"{h:>8}" for h in ["step"] + [h for _, h, _ in DISPLAY]))
+        console.print(" ".join(f"{h:>7}" for h in ["step"] + [h for _, h, _ in DISPLAY]), style="bold")
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             ops, prompts = task.sample(P, data_gen)
             model.eval()
             with use_recipe(model, sampler):
+                accuracy = greedy_accuracy(model, task, eval_ops, eval_prompts)
                 responses, sampler_logp, mask = generate(model, prompts, G, task.max_answer_len, cfg.temperature,
                                                          sample_gen)
             ops_rep, prompts_rep = ops.repeat_interleave(G, 0), prompts.repeat_interleave(G, 0)
@@ -337,7 +366,7 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
             opt.step()
 
             groups = rewards.view(P, G)
-            extra = {"reward": float(rewards.mean()), "accuracy": float(rewards.mean()),
+            extra = {"reward": float(rewards.mean()), "accuracy": accuracy,
                      "mixed_groups": float(((groups.min(1).values == 0) & (groups.max(1).values == 1)).float().mean()),
                      "response_len": float(mask.sum(1).float().mean()), "loss": float(loss.detach()),
                      **stats, "seconds": time.perf_counter() - t0}
@@ -345,13 +374,13 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
             rows.append(metrics)
             progress.update(bar, advance=1)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
-                console.print("  ".join(f"{_fmt(metrics.get(k), f):>8}" for k, f in table_cols))
+                console.print(" ".join(f"{_fmt(metrics.get(k), f):>7}" for k, f in table_cols))
 
     df = pd.DataFrame(rows)
     model.eval()
     with use_recipe(model, sampler):
         eval_after = greedy_accuracy(model, task, eval_ops, eval_prompts)
-    df.attrs.update(eval_before=eval_before, eval_after=eval_after, seconds_total=time.perf_counter() - t_start)
+    df.attrs.update(sft_steps_run=sft_done, eval_before=eval_before, eval_after=eval_after, seconds_total=time.perf_counter() - t_start)
     _summary(console, cfg, df, out_dir, Table)
     return df
 
@@ -363,8 +392,7 @@ def _summary(console, cfg: DemoConfig, df: pd.DataFrame, out_dir: Path, Table) -
     table.add_column("metric")
     for name in parts:
         table.add_column(name, justify="right")
-    for key, label, spec in DISPLAY + [("delta_q05", "δ q0.05", "{:.4f}"), ("k3_kl", "k3 KL", "{:.2e}"),
-                                       ("mixed_groups", "mixed groups", "{:.3f}")]:
+    for key, label, spec in DISPLAY + SUMMARY_EXTRA:
         if key in df:
             table.add_row(label, *(_fmt(float(p[key].mean()), spec) for p in parts.values()))
     console.print(table)
