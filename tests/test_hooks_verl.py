@@ -1,0 +1,136 @@
+"""verl hook against the real installed verl package: a real DataProto through the monitoring adapter,
+the TRIAGE loss registered in verl's own registry and called through verl's lookup, and the bypass-mode
+route by which the rollout log-probs reach it (verl's own ``apply_bypass_mode``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+pd = pytest.importorskip("pandas")
+
+from triage_monitor.batch import TokenBatch  # noqa: E402
+from triage_monitor.controller import TriageConfig, TriageController, weighted_policy_loss  # noqa: E402
+from triage_monitor.corrections import ppo_clip_loss  # noqa: E402
+from triage_monitor.hooks import verl as hook  # noqa: E402
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+
+
+@pytest.fixture
+def registry():
+    """Restore verl's global registry after each test (register() writes into it)."""
+    saved = dict(core_algos.POLICY_LOSS_REGISTRY)
+    yield core_algos.POLICY_LOSS_REGISTRY
+    core_algos.POLICY_LOSS_REGISTRY.clear()
+    core_algos.POLICY_LOSS_REGISTRY.update(saved)
+
+
+def make_actor_batch(seed=0, B=6, T=150):
+    """Tensors laid out as verl's agent loop + old-log-prob pass leave them (right-padded, 0.0 rollout padding)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([150, 90, 7, 128, 64, 33])[:B]
+    valid = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    mask = valid.clone()
+    mask[1, 30:40] = False                                   # tool-response tokens of a multi-turn rollout
+    rollout = torch.where(valid, -torch.rand(B, T, generator=g) * 3 - 1e-3, torch.zeros(()))
+    delta = torch.randn(B, T, generator=g) * 0.2
+    delta[:, ::13] -= 8.0
+    old = torch.where(valid, (rollout + delta).clamp(max=-1e-4), torch.zeros(()))
+    scores = torch.randn(B, generator=g)
+    adv = torch.where(valid, scores.unsqueeze(1), torch.zeros(()))
+    uid = np.array(["p0", "p0", "p1", "p1", "p2", "p2"][:B], dtype=object)
+    return old, rollout, adv, mask, uid
+
+
+def actor_config():
+    from verl.workers.config import FSDPActorConfig
+    return FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
+                           clip_ratio_low=0.2, clip_ratio_high=0.28)
+
+
+def test_monitoring_from_real_dataproto(tmp_path):
+    old, rollout, adv, mask, uid = make_actor_batch()
+    data = verl.DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "advantages": adv,
+                                             "response_mask": mask.long()}, non_tensors={"uid": uid})
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(), manifest={"framework": "verl"}) as mon:
+        metrics = hook.log_dataproto(mon, 7, data)
+    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
+    assert len(tokens) == int(mask.sum())                                 # padding and tool tokens excluded
+    assert set(tokens["step"].astype(int)) == {7}
+    r1 = tokens[tokens["sample_id"] == 1]
+    assert not set(range(30, 40)) & set(r1["position"]) and 40 in set(r1["position"])
+    assert torch.equal(torch.tensor(r1["sampler_logp"].to_numpy()), rollout[1][mask[1]])
+    assert tokens.groupby("sample_id")["group_id"].first().tolist() == [0, 0, 1, 1, 2, 2]
+    d = (old - rollout)[mask]
+    assert abs(metrics["delta_mean"] - float(d.mean())) < 1e-6
+    assert metrics["zero_logp_count"] == 0                               # 0.0 padding never read as data
+
+
+def test_missing_rollout_log_probs_names_the_setting():
+    old, rollout, adv, mask, _ = make_actor_batch()
+    data = verl.DataProto.from_dict(tensors={"old_log_probs": old, "advantages": adv, "response_mask": mask.long()})
+    with pytest.raises(KeyError, match="calculate_log_probs"):
+        hook.batch_from_dataproto(data)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_registered_loss_equals_core_api(registry, agg):
+    cfg = TriageConfig()
+    fn = hook.register(TriageController(cfg))
+    assert core_algos.get_policy_loss_fn("triage") is fn
+    old, rollout, adv, mask, _ = make_actor_batch()
+    live = old.clone().requires_grad_(True)
+    loss, metrics = core_algos.get_policy_loss_fn("triage")(     # exactly how verl's ppo_loss calls it (bypass mode)
+        old_log_prob=rollout, log_prob=live, advantages=adv, response_mask=mask, loss_agg_mode=agg,
+        config=actor_config(), rollout_is_weights=None)
+    batch = TokenBatch.from_padded(old.clone().requires_grad_(True), rollout, adv, mask)
+    out = TriageController(cfg)(batch, step=0, old_logp=batch.sampler_logp)
+    assert torch.equal(fn.last.output.gate_weights, out.gate_weights)
+    assert float(out.gate_weights.min()) < 1.0
+    assert torch.equal(fn.last.output.repair_loss.detach(), out.repair_loss.detach())
+    norm = {"token-mean": "global_token", "seq-mean-token-mean": "per_response"}[agg]
+    ptl = ppo_clip_loss(batch.learner_logp, batch.sampler_logp, batch.advantage, 0.2, 0.28)
+    expected = weighted_policy_loss(ptl, out.token_weights, batch, norm) + out.repair_loss
+    assert torch.allclose(loss, expected, atol=1e-6)
+    loss.backward()
+    assert live.grad is not None and bool((live.grad[~mask] == 0).all()) and bool((live.grad[mask] != 0).any())
+    assert set(metrics) >= {"triage/gate_weight_mean", "triage/repair_loss"}
+
+
+def test_bypass_mode_route_through_verl(registry):
+    """verl's own apply_bypass_mode copies rollout_log_probs into old_log_probs and forces loss_mode
+    'bypass_mode'; with as_bypass_mode=True the lookup then returns the TRIAGE loss."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
+
+    fn = hook.register(as_bypass_mode=True)
+    old, rollout, adv, mask, _ = make_actor_batch()
+    data = verl.DataProto.from_dict(tensors={"rollout_log_probs": rollout, "advantages": adv,
+                                             "response_mask": mask.long()})
+    policy_loss_cfg = OmegaConf.create({"loss_mode": "triage"})
+    apply_bypass_mode(data, OmegaConf.create({"bypass_mode": True, "loss_type": "ppo_clip"}), policy_loss_cfg)
+    assert torch.equal(data.batch["old_log_probs"], rollout)
+    assert core_algos.get_policy_loss_fn(policy_loss_cfg["loss_mode"]) is fn
+    loss, _ = fn(data.batch["old_log_probs"], old, adv, mask, "token-mean", actor_config(), None)
+    assert torch.isfinite(loss)
+
+
+def test_global_batch_info_scaling(registry):
+    """verl's agg_loss divides by the global token count × dp: the micro-batch share is n_local / N · dp."""
+    fn = hook.register()
+    old, rollout, adv, mask, _ = make_actor_batch()
+    cfg = actor_config()
+    local, _ = fn(rollout, old, adv, mask, "token-mean", cfg, None)
+    cfg.global_batch_info.update({"dp_size": 2, "batch_num_tokens": int(mask.sum()) * 4})
+    scaled, _ = fn(rollout, old, adv, mask, "token-mean", cfg, None)
+    assert torch.allclose(scaled, local * 0.5)
+
+
+def test_unsupported_agg_mode_is_named(registry):
+    fn = hook.register()
+    old, rollout, adv, mask, _ = make_actor_batch()
+    with pytest.raises(ValueError, match="token-sum"):
+        fn(rollout, old, adv, mask, "token-sum", actor_config(), None)
