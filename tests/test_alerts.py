@@ -415,3 +415,29 @@ def test_replay_skips_rows_without_step_and_names_bad_columns():
         replay([r], pd.DataFrame({"step": [0, 1.5], "window/x": [1, 2]}))
     with pytest.raises(ValueError, match=r"step\[row 0\] = abc is not an integer step"):
         replay([r], pd.DataFrame({"step": ["abc"], "window/x": [1]}))
+
+
+def test_without_wandb_everything_works_and_says_so_once(monkeypatch, caplog):
+    """Runs whether or not wandb is installed (test_wandb.py is skipped without it)."""
+    import sys
+
+    from triage_monitor import wandb_logger
+    from triage_monitor.wandb_logger import WandbAlertSink, WandbLogger
+
+    monkeypatch.setitem(sys.modules, "wandb", None)       # `import wandb` now raises ImportError
+    monkeypatch.setattr(wandb_logger, "_missing_reported", False)
+    got = []
+    with caplog.at_level(logging.WARNING, logger="triage_monitor.wandb"):
+        lg = WandbLogger()
+        sink = WandbAlertSink(lg)
+        eng = AlertEngine([Rule("r", "x", "above", 0.0)], sinks=[sink, CallbackSink(got.append)])
+        for step in range(3):
+            lg.log_metrics(step, {"x": 1.0})
+            eng.observe(step, {"x": 1.0})
+        lg.log_config({"a": 1})
+        lg.close()
+        eng.close()
+        WandbLogger()
+    assert lg.run is None and [a.step for a in got] == [0]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "wandb is not installed" in msgs[0]
