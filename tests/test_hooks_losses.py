@@ -1,0 +1,133 @@
+"""The loss objects for OpenRLHF, SkyRL, NeMo RL and prime-rl: same per-token weights and repair loss
+as the core API on the same tokens, the framework's return shape, and (OpenRLHF, where the package
+installs but cannot be imported without CUDA's flash-attn) the exact ``PolicyLoss.forward`` signature
+read from the installed source."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from triage_monitor.batch import TokenBatch
+from triage_monitor.controller import TriageConfig, TriageController, weighted_policy_loss
+from triage_monitor.corrections import ppo_clip_loss
+from triage_monitor.hooks import nemo_rl, openrlhf, prime_rl, skyrl
+
+
+def tokens(seed=0, B=4, T=140):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([140, 70, 12, 100])
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    sampler = -torch.rand(B, T, generator=g) * 2 - 1e-3
+    delta = torch.randn(B, T, generator=g) * 0.3
+    delta[:, ::11] -= 7.0
+    learner = (sampler + delta).clamp(max=-1e-4)
+    old = (learner + torch.randn(B, T, generator=g) * 0.01).clamp(max=-1e-4)
+    adv = torch.tensor([-1.0, 0.7, -0.4, 1.2]).unsqueeze(1).expand(B, T).contiguous()
+    return learner, old, sampler, adv, mask
+
+
+def core(learner, old, sampler, adv, mask, norm, clip=(0.2, 0.28)):
+    batch = TokenBatch.from_padded(learner, sampler, adv, mask)
+    oldf = old[mask]
+    out = TriageController(TriageConfig())(batch, step=0, old_logp=oldf)
+    ptl = ppo_clip_loss(batch.learner_logp, oldf, batch.advantage, *clip)
+    return out, weighted_policy_loss(ptl, out.token_weights, batch, norm) + out.repair_loss
+
+
+def test_openrlhf_policy_loss_matches_core_api():
+    learner, old, sampler, adv, mask = tokens()
+    P = 3                                                      # OpenRLHF rows start with prompt columns
+    pad = lambda x, v: torch.cat([torch.full((x.shape[0], P), v, dtype=x.dtype), x], 1)  # noqa: E731
+    fn = openrlhf.TriagePolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28)
+    loss, clip_ratio, ppo_kl, vllm_kl, filt = fn(pad(learner, -0.5), pad(old, -0.5), pad(adv, 0.0),
+                                                 action_mask=pad(mask, False), rollout_log_probs=pad(sampler, 0.0))
+    out, expected = core(learner, old, sampler, adv, mask, "global_token")
+    assert torch.equal(fn.last.output.gate_weights, out.gate_weights) and float(out.gate_weights.min()) < 1
+    assert torch.equal(fn.last.output.tis_weights, out.tis_weights)
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert abs(float(vllm_kl) - float((sampler - old)[mask].mean())) < 1e-6
+    half, *_ = fn(pad(learner, -0.5), pad(old, -0.5), pad(adv, 0.0), action_mask=pad(mask, False),
+                  rollout_log_probs=pad(sampler, 0.0), dp_size=1, batch_num_tokens=2 * int(mask.sum()))
+    assert torch.allclose(half, loss * 0.5)
+
+
+def _openrlhf_source():
+    spec = importlib.util.find_spec("openrlhf")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("openrlhf is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / "models" / "loss.py"
+
+
+def test_openrlhf_forward_signature_matches_installed_package():
+    tree = ast.parse(_openrlhf_source().read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PolicyLoss")
+    fwd = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    theirs = [a.arg for a in fwd.args.args]
+    ours = list(inspect.signature(openrlhf.TriagePolicyLoss.forward).parameters)
+    assert ours == theirs
+
+
+def test_skyrl_loss_matches_core_api():
+    learner, old, sampler, adv, mask = tokens(1)
+    fn = skyrl.SkyRLTriageLoss()
+    cfg = SimpleNamespace(eps_clip_low=0.2, eps_clip_high=0.28, loss_reduction="sequence_mean")
+    loss, metrics = fn(learner, old, adv, cfg, loss_mask=mask.float(), rollout_logprobs=sampler)
+    out, expected = core(learner, old, sampler, adv, mask, "per_response")
+    assert torch.equal(fn.last.output.gate_weights, out.gate_weights)
+    assert torch.allclose(loss, expected, atol=1e-6) and "triage/repair_loss" in metrics
+
+
+def test_nemo_rl_loss_matches_core_api():
+    torch.manual_seed(0)
+    B, S, V, P = 3, 40, 11, 4
+    ids = torch.randint(0, V, (B, S))
+    logits = torch.randn(B, S, V, requires_grad=True)
+    live = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    tm = torch.zeros(B, S)
+    tm[:, P:] = 1
+    tm[1, 20:24] = 0                                           # environment tokens
+    sampler = torch.zeros(B, S)
+    sampler[:, 1:] = torch.where(tm[:, 1:] > 0, (live.detach() - 0.4 * torch.rand(B, S - 1)), torch.zeros(()))
+    prev = torch.zeros(B, S)
+    prev[:, 1:] = live.detach()
+    adv = torch.tensor([-1.0, 0.5, -0.2]).unsqueeze(1).expand(B, S)
+    data = {"input_ids": ids, "prev_logprobs": prev, "generation_logprobs": sampler, "advantages": adv,
+            "token_mask": tm, "sample_mask": torch.ones(B)}
+    fn = nemo_rl.NemoRLTriageLoss()
+    loss, _ = fn(logits, data, global_valid_seqs=B, global_valid_toks=None)
+    m = tm[:, 1:].bool()
+    batch = TokenBatch.from_padded(live, sampler[:, 1:], adv[:, 1:], m,
+                                   positions=torch.arange(S - 1).expand(B, -1) - (P - 1))
+    assert int(batch.position.min()) == 0
+    out = TriageController()(batch, step=0, old_logp=prev[:, 1:][m])
+    assert torch.equal(fn.last.output.gate_weights, out.gate_weights)
+    ptl = ppo_clip_loss(batch.learner_logp, prev[:, 1:][m], batch.advantage, 0.2, 0.28)
+    assert torch.allclose(loss, weighted_policy_loss(ptl, out.token_weights, batch, "global_token") + out.repair_loss,
+                          atol=1e-6)
+    loss.backward()
+    assert logits.grad is not None and float(logits.grad.abs().sum()) > 0
+
+
+def test_prime_rl_per_sample_loss():
+    learner, old, sampler, adv, mask = tokens(2)
+    fn = prime_rl.PrimeRLTriageLoss()
+    i = 0
+    P = 5
+    inputs = SimpleNamespace(trainer_logprobs=torch.cat([torch.full((P,), -0.3), learner[i]]),
+                             inference_logprobs=torch.cat([torch.zeros(P), sampler[i]]),
+                             teacher_logprobs=None, advantages=torch.cat([torch.zeros(P), adv[i]]),
+                             loss_mask=torch.cat([torch.zeros(P, dtype=torch.bool), mask[i]]))
+    res = fn(inputs)
+    loss = res[0] if isinstance(res, tuple) else res.loss
+    batch = TokenBatch.from_list([learner[i]], [sampler[i]], [adv[i]], [mask[i]])
+    out = TriageController()(batch, step=0)
+    assert torch.equal(fn.last.output.gate_weights, out.gate_weights) and float(out.gate_weights.min()) < 1
+    ptl = ppo_clip_loss(batch.learner_logp, batch.learner_logp.detach(), batch.advantage, 0.2, 0.28)
+    assert torch.allclose(loss, weighted_policy_loss(ptl, out.token_weights, batch, "per_response") + out.repair_loss)
