@@ -138,6 +138,9 @@ class MismatchMonitor:
         self._warned: set = set()          # warn-once keys (alignment, padding, dropped rows)
         self._write_manifest(manifest or {})
         self.sink = ParquetSink(self.run_dir, self.attempt, self.config.max_queue_bytes, self.config.backpressure)
+        for lg in self.loggers:            # record the run's config (manifest) with each logger that takes one
+            if hasattr(lg, "log_config"):
+                self._guard(lg, "log_config", getattr(self, "manifest", {}))
 
     # ---------------------------------------------------------------- manifest
     def _write_manifest(self, extra: dict) -> None:
