@@ -1,0 +1,149 @@
+"""``triage-monitor import``: slime debug train-data dumps and generic Parquet/JSONL tables become run
+directories identical to what a live MismatchMonitor writes for the same tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from triage_monitor.batch import TokenBatch
+from triage_monitor.cli import main
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+METRIC_COLS = ("n_tokens", "delta_mean", "delta_q05", "k3_kl", "mass_amp_neg", "mass_amp_pos", "rho_asym",
+               "small_gap_share")
+
+
+def responses(seed, S=6):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(S):
+        L = int(torch.randint(5, 90, (), generator=g))
+        sampler = -torch.rand(L, generator=g) * 2 - 1e-3
+        learner = (sampler + torch.randn(L, generator=g) * 0.2 - 0.05).clamp(max=-1e-4)
+        mask = torch.ones(L, dtype=torch.int32)
+        if L > 20:
+            mask[10:14] = 0                                   # tool output
+        out.append(dict(learner=learner, sampler=sampler, adv=float(torch.randn((), generator=g)), mask=mask))
+    return out
+
+
+def live_run(tmp_path, steps):
+    """The reference: the same tokens logged live through MismatchMonitor."""
+    with MismatchMonitor(tmp_path / "live", MonitorConfig(calibration_steps=1)) as mon:
+        for step, rs in steps.items():
+            mon.log_step(step, TokenBatch.from_list([r["learner"] for r in rs], [r["sampler"] for r in rs],
+                                                    torch.tensor([r["adv"] for r in rs]),
+                                                    [r["mask"].bool() for r in rs]))
+    return pd.read_parquet(tmp_path / "live" / "steps"), pd.read_parquet(tmp_path / "live" / "tokens")
+
+
+def assert_same_run(tmp_path, out_dir, steps, id_offset=0):
+    ref_steps, ref_tokens = live_run(tmp_path, steps)
+    got_steps, got_tokens = pd.read_parquet(out_dir / "steps"), pd.read_parquet(out_dir / "tokens")
+    got_tokens["sample_id"] = got_tokens["sample_id"].astype(int) - id_offset
+    key = ["step", "sample_id", "position"]
+    cols = ["learner_logp", "sampler_logp", "advantage"]
+    a = ref_tokens.sort_values(key).reset_index(drop=True)
+    b = got_tokens.sort_values(key).reset_index(drop=True)
+    assert len(b) == sum(int(r["mask"].sum()) for rs in steps.values() for r in rs)
+    assert (a[key].astype(int).to_numpy() == b[key].astype(int).to_numpy()).all()
+    np.testing.assert_array_equal(a[cols].to_numpy(), b[cols].to_numpy())
+    ra = ref_steps.sort_values("step").reset_index(drop=True)
+    rb = got_steps.sort_values("step").reset_index(drop=True)
+    for c in METRIC_COLS:
+        np.testing.assert_allclose(ra[c].to_numpy(float), rb[c].to_numpy(float), rtol=0, atol=0, err_msg=c)
+
+
+def test_import_slime_train_dumps_merges_ranks(tmp_path):
+    steps = {0: responses(0), 1: responses(1)}
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    for step, rs in steps.items():
+        for rank, part in enumerate((rs[:3], rs[3:])):                     # two data-parallel ranks
+            rollout_data = {"log_probs": [r["learner"] for r in part], "rollout_log_probs": [r["sampler"] for r in part],
+                            "advantages": [torch.full((len(r["learner"]),), r["adv"]) for r in part],
+                            "loss_masks": [r["mask"] for r in part],
+                            "response_lengths": [len(r["learner"]) for r in part]}
+            torch.save(dict(rollout_id=step, rank=rank, rollout_data=rollout_data), dump / f"train_{step}_{rank}.pt")
+    out = tmp_path / "imported"
+    assert main(["import", "slime", str(dump / "train_*_*.pt"), "--out", str(out), "--calibration-steps", "1"]) == 0
+    assert_same_run(tmp_path, out, steps)
+    info = json.loads((out / "run.json").read_text())["info"]
+    assert info["framework"] == "slime" and len(info["imported_from"]) == 4
+
+
+def test_import_slime_rollout_dump_is_refused(tmp_path, capsys):
+    p = tmp_path / "rollout_0.pt"
+    torch.save(dict(rollout_id=0, samples=[{"rollout_log_probs": [-0.1], "loss_mask": [1]}]), p)
+    assert main(["import", "slime", str(p), "--out", str(tmp_path / "o")]) == 2
+    assert "no learner log-probs" in capsys.readouterr().err
+
+
+def long_table(steps, with_mask_rows=True):
+    rows = []
+    for step, rs in steps.items():
+        for i, r in enumerate(rs):
+            for t in range(len(r["learner"])):
+                if not with_mask_rows and not r["mask"][t]:
+                    continue
+                rows.append({"it": step, "resp": 100 + i, "pos": t, "lp_train": float(r["learner"][t]),
+                             "lp_vllm": float(r["sampler"][t]), "A": r["adv"], "m": int(r["mask"][t])})
+    return pd.DataFrame(rows)
+
+
+def test_import_long_parquet_with_column_mapping(tmp_path):
+    steps = {3: responses(2), 4: responses(3)}
+    df = long_table(steps).drop(columns=["pos"]).sample(frac=1.0, random_state=0)    # shuffled, no positions
+    df = df.sort_values(["it", "resp"], kind="stable")        # row order within a response defines position
+    df = pd.concat([g.sort_index() for _, g in df.groupby(["it", "resp"], sort=False)])
+    src = tmp_path / "tok.parquet"
+    df.to_parquet(src)
+    out = tmp_path / "imported"
+    rc = main(["import", "table", str(src), "--out", str(out), "--calibration-steps", "1",
+               "--map", "step=it", "--map", "sample_id=resp", "--map", "learner_logp=lp_train",
+               "--map", "sampler_logp=lp_vllm", "--map", "advantage=A", "--map", "mask=m"])
+    assert rc == 0
+    got = pd.read_parquet(out / "tokens")
+    assert set(got["sample_id"].astype(int)) == {100 + i for i in range(6)}     # the table's own ids are kept
+    # masked rows dropped after positions were assigned: tool span 10..13 absent, 14 present
+    long_resp = next(i for i, r in enumerate(steps[3]) if len(r["learner"]) > 20)
+    pos = set(got[(got["step"] == 3) & (got["sample_id"] == 100 + long_resp)]["position"].astype(int))
+    assert not pos & {10, 11, 12, 13} and 14 in pos
+    assert_same_run(tmp_path, out, steps, id_offset=100)
+
+
+def test_import_wide_jsonl_equals_live_run(tmp_path):
+    steps = {0: responses(4), 1: responses(5)}
+    rows = [{"step": s, "sample_id": i, "learner_logp": r["learner"].tolist(), "sampler_logp": r["sampler"].tolist(),
+             "advantage": [r["adv"]] * len(r["learner"]), "mask": r["mask"].tolist()}
+            for s, rs in steps.items() for i, r in enumerate(rs)]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "imported"
+    assert main(["import", "table", str(src), "--out", str(out), "--calibration-steps", "1", "--map", "mask=mask"]) == 0
+    assert_same_run(tmp_path, out, steps)
+
+
+def test_import_table_missing_column_is_named(tmp_path, capsys):
+    src = tmp_path / "t.parquet"
+    pd.DataFrame({"step": [0], "sample_id": [0], "learner_logp": [-0.1], "advantage": [1.0]}).to_parquet(src)
+    assert main(["import", "table", str(src), "--out", str(tmp_path / "o")]) == 2
+    assert "sampler_logp (column 'sampler_logp')" in capsys.readouterr().err
+
+
+def test_import_quarantines_invalid_tokens(tmp_path):
+    steps = {0: responses(6)}
+    steps[0][0]["learner"][2] = float("nan")
+    rows = [{"step": 0, "sample_id": i, "learner_logp": r["learner"].tolist(), "sampler_logp": r["sampler"].tolist(),
+             "advantage": [r["adv"]] * len(r["learner"])} for i, r in enumerate(steps[0])]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("\n".join(json.dumps(r).replace("NaN", "null") for r in rows))
+    out = tmp_path / "imported"
+    assert main(["import", "table", str(src), "--out", str(out)]) == 0
+    st = pd.read_parquet(out / "steps")
+    assert int(st["nonfinite_count"].iloc[0]) == 1
