@@ -46,11 +46,13 @@ class TailLayout:
             of several steps get distinct ids).
         valid: ``(K,)`` int64, valid tokens of each segment (>= 1).
         tail: ``(K,)`` int64, amplifying-tail tokens of each segment (A < 0 and δ < τ_tail).
+        number: ``(K,)`` int64, k = position // W of each segment, or None when unknown.
     """
 
     response: np.ndarray
     valid: np.ndarray
     tail: np.ndarray
+    number: Optional[np.ndarray] = None
 
     @property
     def num_segments(self) -> int:
@@ -68,13 +70,16 @@ class TailLayout:
             resp.append(p.response + off)
             off += int(p.response.max()) + 1 if p.num_segments else 0
         cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
-        return TailLayout(cat(resp), cat([p.valid for p in parts]), cat([p.tail for p in parts]))
+        numbers = None if any(p.number is None for p in parts) else cat([p.number for p in parts])
+        return TailLayout(cat(resp), cat([p.valid for p in parts]), cat([p.tail for p in parts]), numbers)
 
 
 def tail_layout(batch: TokenBatch, tau_tail: float, width: int = 64) -> TailLayout:
     """Per-segment valid and tail counts of the A<0 responses of ``batch``.
 
-    Same definitions as :func:`triage_monitor.metrics.segment_tail_stats`: a
+    ``response`` holds the sample index in ``batch`` (``batch.sample_id[response]``
+    is the recorded id).  Same definitions as
+    :func:`triage_monitor.metrics.segment_tail_stats`: a
     response's advantage is the mean over its valid tokens; a tail token has
     A < 0 and δ < ``tau_tail`` (nats); segments are ``width`` positions wide.
     """
@@ -85,7 +90,7 @@ def tail_layout(batch: TokenBatch, tau_tail: float, width: int = 64) -> TailLayo
     seg = segment_tokens(batch.sample_index[idx], batch.position[idx], width)
     tail = seg.sum(((batch.advantage[idx] < 0) & (batch.delta[idx].detach() < tau_tail)).long())
     return TailLayout(seg.sample.numpy().astype(np.int64), seg.count.numpy().astype(np.int64),
-                      tail.numpy().astype(np.int64))
+                      tail.numpy().astype(np.int64), seg.number.numpy().astype(np.int64))
 
 
 def null_segment_counts(layout: TailLayout, draws: int = 499, seed: int = 0) -> np.ndarray:

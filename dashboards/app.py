@@ -1,0 +1,295 @@
+"""triage-monitor post-mortem dashboard (Streamlit).
+
+Start it with ``triage-monitor dashboard RUN_DIR [RUN_DIR ...]`` (or
+``streamlit run app.py -- RUN_DIR ...``; the environment variable
+``TRIAGE_MONITOR_RUNS``, os.pathsep-separated, is read when no argument is
+given).  It answers "when did direction go wrong, where in the responses, and
+would TRIAGE have caught it": overview, time series with a trailing-window
+toggle, quadrant masses, localisation, one step's δ distribution and segment
+heatmap, a response drill-down with Gate weights, the SPEC.md §3.4 stage table
+and overlays of several runs.
+
+Runs are read only through :mod:`triage_monitor.analysis`.  Step-level data
+comes first; token data is loaded lazily for the chosen step only, and every
+load is cached (``st.cache_data``) under a signature of the run directory, so a
+run still being written refreshes on rerun.  A path that is not a run, an
+empty run or a run being written gives a message in the page, never a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from triage_monitor.analysis import RunDirError, open_run, recompute
+from triage_monitor.stages import format_stage_table, stage_table, tail_layout
+from triage_monitor import views
+
+TOKEN_COLUMNS = ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"]
+
+
+# ----------------------------------------------------------------------------- data (cached)
+def _signature(path: str) -> tuple:
+    """Changes whenever the run gains step files or its manifest is rewritten (cache key)."""
+    p = Path(path)
+    try:
+        man = (p / "run.json").stat().st_mtime_ns
+    except OSError:
+        man = None
+    try:
+        with os.scandir(p / "steps") as it:
+            entries = [e.name for e in it if e.name.startswith("step=")]
+        newest = max(((p / "steps" / e).stat().st_mtime_ns for e in entries), default=0)
+    except OSError:
+        entries, newest = [], 0
+    return man, len(entries), newest
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def load_run(path: str, sig: tuple) -> tuple:
+    """(manifest, live step metrics, alerts) of a run; raises RunDirError for a non-run directory."""
+    run = open_run(path)
+    return run.manifest, run.steps(), run.alerts()
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def load_tokens(path: str, step: int, sig: tuple) -> pd.DataFrame:
+    """Token rows of one step (the only token-level read of a page view)."""
+    return open_run(path).tokens(step, TOKEN_COLUMNS)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def load_recomputed(path: str, window: int, sig: tuple) -> pd.DataFrame:
+    """Metrics recomputed from the token files with another trailing window."""
+    return recompute(open_run(path), window=window)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple) -> pd.DataFrame:
+    return stage_table(open_run(path), list(anchors) if anchors else None, window=window, draws=draws, seed=0)
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tuple:
+    """(δ array, tail layout, sample ids, gate weights, gate width) of one step."""
+    run = open_run(path)
+    batch = run.token_batch(step)
+    delta = batch.delta.double().numpy()
+    layout = tail_layout(batch, tau, width) if math.isfinite(tau) else None
+    gw, cfg = views.gate_weights(batch, run.manifest)
+    return delta, layout, batch.sample_id.numpy(), gw, cfg.gate_width
+
+
+# ----------------------------------------------------------------------------- helpers
+def _initial_runs() -> list:
+    """Run paths given after ``--`` to ``streamlit run app.py`` (sys.argv), else ``$TRIAGE_MONITOR_RUNS``."""
+    args = [a for a in sys.argv[1:] if not a.startswith("-")] if Path(sys.argv[0]).name == "app.py" else []
+    if not args and os.environ.get("TRIAGE_MONITOR_RUNS"):
+        args = [a for a in os.environ["TRIAGE_MONITOR_RUNS"].split(os.pathsep) if a]
+    return args
+
+
+def _labels(paths: list) -> dict:
+    """path -> short unique label (directory name, with its parent when names repeat)."""
+    names = [Path(p).name or p for p in paths]
+    return {p: (f"{Path(p).parent.name}/{n}" if names.count(n) > 1 else n) for p, n in zip(paths, names)}
+
+
+def _chart(fig, key: str) -> None:
+    if fig is not None:
+        st.plotly_chart(fig, width="stretch", theme=None, key=key,
+                        config={"displaylogo": False, "displayModeBar": "hover"})
+
+
+def _fmt_int(v) -> str:
+    return "-" if v is None else f"{int(v):,}"
+
+
+# ----------------------------------------------------------------------------- page
+st.set_page_config(page_title="triage-monitor · post-mortem", page_icon="📉", layout="wide")
+st.markdown("""<style>
+div.block-container {padding-top: 2.2rem; padding-bottom: 2rem;}
+div[data-testid="stMetricValue"] {font-size: 1.45rem;}
+h2 {margin-top: 0.8rem;}
+</style>""", unsafe_allow_html=True)
+
+with st.sidebar:
+    st.header("Runs")
+    runs_text = st.text_area("Run directories (one per line)", "\n".join(_initial_runs()), key="runs_text",
+                             height=110)
+paths = list(dict.fromkeys(line.strip() for line in runs_text.splitlines() if line.strip()))
+
+st.title("triage-monitor · post-mortem")
+if not paths:
+    st.info("No run directory given. Start with `triage-monitor dashboard RUN_DIR [RUN_DIR ...]` or type a path "
+            "in the sidebar.")
+    st.stop()
+
+runs, bad = {}, []
+for p in paths:
+    try:
+        runs[p] = load_run(p, _signature(p))
+    except RunDirError as exc:
+        bad.append(str(exc))
+    except Exception as exc:  # an unreadable file of a run being written: say so, never a traceback
+        bad.append(f"{p}: could not be read ({type(exc).__name__}: {exc})")
+for msg in bad:
+    st.error(msg)
+if not runs:
+    st.warning("None of the given paths is a triage-monitor run directory (a run directory holds run.json, "
+               "steps/ and tokens/, written by MismatchMonitor or `triage-monitor demo`).")
+    st.stop()
+
+labels = _labels(list(runs))
+with st.sidebar:
+    primary = st.selectbox("Run to inspect", list(runs), format_func=labels.get, key="primary")
+    overlay = st.multiselect("Overlay in time series", list(runs), default=list(runs), format_func=labels.get,
+                             key="overlay")
+    st.header("View")
+    view = st.radio("Values", ["per step", "trailing window"], index=1, horizontal=True, key="view")
+    manifest, steps, alerts = runs[primary]
+    run_window = int(manifest.get("window") or 25)
+    window_steps = int(st.number_input("Trailing window (steps)", 1, 100000, run_window, key="window_steps",
+                                       help="The run's window uses the live pooled values; another window is "
+                                            "recomputed from the token files (slower on large runs)."))
+
+sig = _signature(primary)
+ov = views.run_overview(open_run(primary), steps, alerts)
+status = ov["status"]
+st.caption(f"`{ov['path']}` · triage-monitor {ov.get('tool_version') or '?'} · created {ov.get('created') or '?'}")
+if status == "running":
+    st.info(f"This run is still being written (status `running`): showing the {ov['steps']} step(s) recorded so "
+            "far. Rerun the page (R) to refresh.")
+if steps.empty:
+    st.warning(f"Run `{labels[primary]}` has no recorded steps yet, so there is nothing to plot. "
+               + ("It is still running: rerun the page later." if status == "running" else
+                  "Its steps/ folder is empty."))
+    st.stop()
+
+# ------------------------------------------------------------------ overview
+st.header("Overview")
+c = st.columns(6)
+c[0].metric("Steps", f"{ov['steps']:,}", help=f"steps {ov['first_step']} … {ov['last_step']}")
+c[1].metric("Tokens", _fmt_int(ov["tokens"]))
+c[2].metric("Alerts", f"{ov['alerts']}")
+c[3].metric("Correction", ov.get("correction", "-"))
+c[4].metric("Window", f"{run_window} steps")
+tau = ov.get("tau_tail")
+c[5].metric("τ_tail", "-" if tau is None or not math.isfinite(float(tau)) else f"{float(tau):.4g}")
+facts = {k: ov[k] for k in ("model", "task", "sampler_recipe", "learner_recipe", "correction", "framework",
+                            "sampler_logp") if k in ov}
+if facts:
+    st.markdown(" · ".join(f"**{k.replace('_', ' ')}**: {v}" for k, v in facts.items()))
+with st.expander("Manifest (run.json)"):
+    st.json(manifest, expanded=1)
+if ov["alerts"]:
+    with st.expander(f"Alerts raised ({ov['alerts']})", expanded=True):
+        cols = [c_ for c_ in ("step", "level", "rule", "metric", "value", "threshold", "title") if c_ in alerts]
+        st.dataframe(alerts[cols], hide_index=True, width="stretch")
+
+# ------------------------------------------------------------------ time series
+window = view == "trailing window"
+
+
+def metrics_of(path: str) -> pd.DataFrame:
+    man, live, _ = runs[path]
+    if window and window_steps != int(man.get("window") or 25):
+        with st.spinner(f"recomputing {labels[path]} with a {window_steps}-step window…"):
+            rec = load_recomputed(path, window_steps, _signature(path))
+        extra = [c_ for c_ in live.columns if c_ not in rec.columns]
+        return rec.merge(live[["step", *extra]], on="step", how="left")
+    return live
+
+
+frames = {labels[p]: metrics_of(p) for p in (overlay or [primary])}
+alert_frames = {labels[p]: runs[p][2] for p in (overlay or [primary])}
+st.header("Time series")
+st.caption(("Pooled trailing-window values (raw sums of the window, SPEC §3)" if window else "Per-step values")
+           + (f" · overlay of {len(frames)} runs" if len(frames) > 1 else "") + " · alerts as ▼ markers")
+grid = [p for p in views.PANELS]
+figs = [(p, views.timeseries_figure(frames, p, window, window_steps, alert_frames)) for p in grid]
+figs = [(p, f) for p, f in figs if f is not None]
+for i in range(0, len(figs), 2):
+    cols = st.columns(2)
+    for col, (p, f) in zip(cols, figs[i:i + 2]):
+        with col:
+            _chart(f, f"ts_{p}")
+
+primary_frame = frames.get(labels[primary], metrics_of(primary))
+cols = st.columns(2)
+with cols[0]:
+    _chart(views.quadrant_figure(primary_frame, window, labels[primary]), "quadrants")
+with cols[1]:
+    _chart(views.localisation_figure(primary_frame, window, labels[primary]), "localisation")
+
+# ------------------------------------------------------------------ one step (token data, lazy)
+st.header("One step")
+step_list = [int(s) for s in steps["step"]]
+with st.sidebar:
+    st.header("Step")
+    step = int(st.select_slider("Step for the δ histogram, heatmap and drill-down", step_list,
+                                value=step_list[-1], key="step"))
+row = steps.set_index("step").loc[step]
+step_tau = float(row.get("tau_tail", math.nan))
+cfg = manifest.get("monitor_config", {}).get("metrics", {})
+width = int(cfg.get("segment_width", manifest.get("segment_width", 64)))
+small_gap = float(cfg.get("small_gap_threshold", manifest.get("small_gap_threshold", 0.05)))
+try:
+    with st.spinner(f"loading the tokens of step {step}…"):
+        delta, layout, sample_ids, gw, gate_width = step_detail(primary, step, step_tau, width, sig)
+        toks = load_tokens(primary, step, sig)
+except (KeyError, OSError, ValueError) as exc:
+    st.warning(f"Token records of step {step} are not readable ({exc}); step-level charts above are complete.")
+    toks = None
+if toks is not None:
+    cols = st.columns(2)
+    with cols[0]:
+        _chart(views.delta_histogram_figure(delta, step_tau, small_gap, step), "delta_hist")
+    with cols[1]:
+        if layout is None:
+            st.info("τ_tail is not calibrated at this step, so there are no tail tokens to localise.")
+        else:
+            _chart(views.segment_heatmap_figure(layout, sample_ids, step), "heatmap")
+
+    st.subheader("Response drill-down")
+    adv = toks.groupby("sample_id", sort=True)["advantage"].mean()
+    d = toks["learner_logp"].astype(np.float64) - toks["sampler_logp"].astype(np.float64)
+    tails = ((toks["advantage"] < 0) & (d < step_tau)).groupby(toks["sample_id"]).sum() if math.isfinite(
+        step_tau) else adv * 0
+    order = sorted(adv.index, key=lambda i: (-int(tails[i]), float(adv[i]), int(i)))
+    pick = st.selectbox("Response (most amplifying-tail tokens first)", order, key="response",
+                        format_func=lambda i: f"id {i} · A {adv[i]:+.3f} · {int(tails[i])} tail tokens")
+    sel = (toks["sample_id"] == pick).to_numpy()
+    # toks and the batch are both sorted by (sample_id, position): the same flat order
+    gw_sel = gw[sel] if gw is not None and gw.shape[0] == sel.shape[0] else None
+    _chart(views.response_figure(toks[sel], gw_sel, gate_width, step_tau, int(pick)), "response_chart")
+    st.caption(f"Segment boundaries every {gate_width} positions (the Gate's W_gate); Gate weight = the weight "
+               "TriageController would give each token at this step with the run's Gate settings "
+               "(fixed thresholds, SPEC §4.1).")
+
+# ------------------------------------------------------------------ stages
+st.header("Stages (SPEC §3.4)")
+with st.sidebar:
+    st.header("Stages")
+    anchors_text = st.text_input("Anchor steps (comma-separated; empty = 25/50/75/100 %)", "", key="anchors")
+    draws = int(st.number_input("Shuffle-null draws", 9, 9999, 499, step=10, key="draws"))
+try:
+    anchors = tuple(int(a) for a in anchors_text.replace(",", " ").split()) if anchors_text.strip() else None
+    with st.spinner("computing the stage table and the C_tok shuffle null…"):
+        table = load_stage_table(primary, anchors, window_steps, draws, sig)
+    shown = format_stage_table(table)
+    st.dataframe(shown, hide_index=True, width="stretch",
+                 column_config={c_: st.column_config.NumberColumn(format="%.2f" if "%" in c_ or "pts" in c_
+                                                                               else "%.3f") for c_ in shown.columns
+                                if c_ not in ("stage", "step", "window", "tokens", "null 95% %")})
+    st.caption(f"Trailing {window_steps}-step windows ending at each anchor. C_tok null: tail labels shuffled "
+               f"within each A<0 response ({draws} draws, seed 0); excess = C_tok − null median, in points. "
+               "Dilution: A<0 responses with a tail-heavy segment whose mean |δ| < 0.05.")
+except ValueError as exc:
+    st.warning(f"Stage table: {exc}")

@@ -1,0 +1,252 @@
+"""Real headless-browser checks: the Streamlit dashboard and the HTML report rendered by Debian's Chromium.
+
+Streamlit draws the page over a websocket after load, so a plain
+``chromium --screenshot`` captures a blank page: the browser is driven over
+the DevTools protocol (``websocket-client``), waits for the plotly charts to
+render, and saves screenshots under ``artifacts/browser/`` (or
+``$TRIAGE_MONITOR_ARTIFACTS``).  Needs ``apt-get install chromium``; skipped
+with the reason when no Chromium binary exists.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from triage_monitor.dashboard import build_command
+
+ARTIFACTS = Path(os.environ.get("TRIAGE_MONITOR_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts"))
+
+
+def chromium_binary():
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Chromium:
+    """A headless Chromium driven over the DevTools protocol (one page)."""
+
+    def __init__(self, width: int = 1500, height: int = 1000, offline: bool = False):
+        import websocket  # websocket-client
+
+        self.profile = tempfile.mkdtemp(prefix="tm-chromium-")
+        args = [chromium_binary(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--no-first-run", "--no-default-browser-check", "--hide-scrollbars", "--remote-debugging-port=0",
+                f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port_file = Path(self.profile) / "DevToolsActivePort"
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text().strip():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError("Chromium did not start (no DevToolsActivePort)")
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        pages = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10))
+        page = next(p for p in pages if p.get("type") == "page")
+        self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
+        self._id = 0
+        self.send("Page.enable")
+        self.send("Runtime.enable")
+        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                  mobile=False)
+        if offline:
+            self.send("Network.enable")
+            self.send("Network.emulateNetworkConditions", offline=True, latency=0, downloadThroughput=-1,
+                      uploadThroughput=-1)
+
+    def send(self, method: str, **params):
+        self._id += 1
+        self.ws.send(json.dumps({"id": self._id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == self._id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+
+    def eval(self, expr: str):
+        r = self.send("Runtime.evaluate", expression=expr, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"JS error in {expr!r}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def navigate(self, url: str) -> None:
+        self.send("Page.navigate", url=url)
+
+    def wait_for(self, expr: str, timeout: float = 60.0, poll: float = 0.1):
+        """Poll the JS expression until it is truthy; returns its value (raises TimeoutError)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            v = self.eval(expr)
+            if v:
+                return v
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {expr}")
+            time.sleep(poll)
+
+    def screenshot(self, path: Path, full_page: bool = True) -> Path:
+        """Save a PNG; ``full_page`` grows the viewport to the tallest scroll container first
+        (Streamlit scrolls inside its main container, not the document)."""
+        if full_page:
+            w, h = self.eval("[window.innerWidth, Math.max(window.innerHeight, ...Array.from(document.querySelectorAll("
+                             "'[data-testid=stMain], [data-testid=stMainBlockContainer], body')).map(e => e.scrollHeight))]")
+            self.send("Emulation.setDeviceMetricsOverride", width=w, height=min(int(h) + 40, 16000),
+                      deviceScaleFactor=1, mobile=False)
+            time.sleep(1.5)                       # let plotly re-lay out at the new size
+        data = self.send("Page.captureScreenshot", format="png")["data"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(data))
+        return path
+
+    def close(self) -> None:
+        try:
+            self.ws.close()
+        except Exception:
+            pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def start_dashboard(run_dirs, port: int, log_path: Path) -> subprocess.Popen:
+    """Start the app exactly as ``triage-monitor dashboard`` would, and wait for Streamlit's health check."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(build_command([str(r) for r in run_dirs], "127.0.0.1", port), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read() == b"ok":
+                return proc
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"streamlit did not come up; log:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+CHARTS_JS = "Array.from(document.querySelectorAll('.js-plotly-plot')).filter(e => e.querySelector('.main-svg')).length"
+RUNNING_JS = "!!document.querySelector('[data-testid=stStatusWidget]')"
+EXCEPTION_JS = "document.querySelectorAll('[data-testid=stException]').length"
+
+needs_chromium = pytest.mark.skipif(chromium_binary() is None,
+                                    reason="Chromium is not installed (apt-get install -y chromium); "
+                                           "the Makefile's set-up installs it")
+
+
+@pytest.fixture
+def browser():
+    pytest.importorskip("websocket", reason="websocket-client is not installed")
+    b = Chromium()
+    yield b
+    b.close()
+
+
+@needs_chromium
+def test_dashboard_renders_in_chromium(browser, demo_run_dir, demo_run_dir_none, tmp_path):
+    port = free_port()
+    proc = start_dashboard([demo_run_dir, demo_run_dir_none], port, tmp_path / "streamlit.log")
+    try:
+        browser.navigate(f"http://127.0.0.1:{port}/")
+        browser.wait_for(f"{CHARTS_JS} >= 8", timeout=120)
+        # let the script finish (the status widget disappears) and the last charts draw
+        deadline = time.monotonic() + 60
+        while browser.eval(RUNNING_JS) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        browser.wait_for(f"{CHARTS_JS} >= 11", timeout=60)
+        time.sleep(1.0)
+        shot = browser.screenshot(ARTIFACTS / "browser" / "dashboard.png")
+        info = browser.eval("""({
+            charts: document.querySelectorAll('.js-plotly-plot').length,
+            traces: document.querySelectorAll('.js-plotly-plot .scatterlayer .trace, .js-plotly-plot .barlayer .trace,'
+                                              + ' .js-plotly-plot .heatmaplayer .hm').length,
+            title: document.querySelector('h1') && document.querySelector('h1').innerText,
+            text: document.body.innerText,
+            tables: document.querySelectorAll('[data-testid=stDataFrame]').length})""")
+        assert info["charts"] >= 11, info["charts"]
+        assert info["traces"] >= 20
+        assert "post-mortem" in info["title"]
+        assert "Stages" in info["text"] and "Response drill-down" in info["text"]
+        assert info["tables"] >= 1                                 # the stage table
+        assert browser.eval(EXCEPTION_JS) == 0, "the page shows an exception"
+        assert shot.stat().st_size > 50_000                        # a real rendering, not a blank page
+    finally:
+        stop(proc)
+
+
+@needs_chromium
+def test_dashboard_bad_path_message_in_browser(browser, tmp_path):
+    (tmp_path / "not_a_run").mkdir()
+    port = free_port()
+    # bypass the launcher's validation (it refuses bad paths up front) to see the page's own message
+    cmd = build_command([str(tmp_path / "not_a_run")], "127.0.0.1", port)
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, (tmp_path / "log.txt").read_text()
+                time.sleep(0.2)
+        browser.navigate(f"http://127.0.0.1:{port}/")
+        text = browser.wait_for("document.querySelector('[data-testid=stAlert]') && document.body.innerText",
+                                timeout=60)
+        assert "not a triage-monitor run directory" in text
+        assert browser.eval(EXCEPTION_JS) == 0
+        browser.screenshot(ARTIFACTS / "browser" / "dashboard_not_a_run.png", full_page=False)
+    finally:
+        stop(proc)
+
+
+@needs_chromium
+def test_report_renders_offline(demo_run_dir, tmp_path):
+    pytest.importorskip("websocket", reason="websocket-client is not installed")
+    from triage_monitor.report import write_report
+
+    out = write_report([demo_run_dir], tmp_path / "report.html", draws=49)
+    b = Chromium(offline=True)                   # no network at all: everything must be inline
+    try:
+        b.navigate(out.resolve().as_uri())
+        b.wait_for("document.readyState == 'complete'", timeout=60)
+        assert b.wait_for(f"({CHARTS_JS} >= 8) && {CHARTS_JS}", timeout=30) == 8
+        assert b.eval("document.querySelectorAll('table.stage-table tbody tr').length") == 4
+        b.screenshot(ARTIFACTS / "browser" / "report.png")
+    finally:
+        b.close()

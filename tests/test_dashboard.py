@@ -1,0 +1,257 @@
+"""The Streamlit post-mortem app (AppTest against real demo runs) and the ``dashboard`` launcher."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+from triage_monitor import dashboard  # noqa: E402
+from triage_monitor.analysis import open_run, recompute  # noqa: E402
+from triage_monitor.batch import TokenBatch  # noqa: E402
+from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+from triage_monitor.stages import stage_table  # noqa: E402
+
+APP = str(dashboard.app_path())
+
+
+def app(monkeypatch, *runs) -> AppTest:
+    monkeypatch.setenv("TRIAGE_MONITOR_RUNS", os.pathsep.join(str(r) for r in runs))
+    return AppTest.from_file(APP, default_timeout=180).run()
+
+
+def charts(at: AppTest) -> dict:
+    """title (up to ' · ') -> plotly figure JSON of every chart on the page."""
+    out = {}
+    for el in at.get("plotly_chart"):
+        spec = json.loads(el.proto.spec)
+        out[spec["layout"]["title"]["text"].split(" · ")[0]] = spec
+    return out
+
+
+def trace(spec: dict, **meta) -> dict:
+    found = [d for d in spec["data"] if all(d.get("meta", {}).get(k) == v for k, v in meta.items())]
+    assert len(found) == 1, (meta, [d.get("meta") for d in spec["data"]])
+    return found[0]
+
+
+def y(tr: dict) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in tr["y"]], dtype=float)
+
+
+def assert_ok(at: AppTest) -> None:
+    assert not at.exception, [e.message for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def test_app_shows_analysis_values(monkeypatch, demo_run_dir):
+    run = open_run(demo_run_dir)
+    live = run.steps()
+    at = app(monkeypatch, demo_run_dir)
+    assert_ok(at)
+    c = charts(at)
+    for title in ("Direction: ρ_asym = mass(A⁻) / mass(A⁺)", "Small-gap share |δ| < 0.05", "q0.05 of δ",
+                  "k3 KL estimator", "Reward and accuracy", "TRIAGE controller", "Quadrant masses (share of |A| mass)",
+                  "Localisation", "δ distribution (log count)", "Segment tail fraction, A<0 responses"):
+        assert title in c, sorted(c)
+    assert any(k.startswith("Response ") for k in c)
+    label = Path(demo_run_dir).name
+    d = c["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"]
+    # default view: the live pooled trailing-window values, exactly
+    for col in ("rho_asym", "rho_asym_lennorm"):
+        tr = trace(d, run=label, column=col)
+        assert tr["x"] == live["step"].tolist()
+        np.testing.assert_array_equal(y(tr), live[f"window/{col}"].to_numpy(float))
+    assert any(s["type"] == "line" and s["y0"] == 1.0 for s in d["layout"]["shapes"])      # the 1.0 line
+    np.testing.assert_allclose(y(trace(c["Small-gap share |δ| < 0.05"], column="small_gap_share")),
+                               100 * live["window/small_gap_share"].to_numpy(float), rtol=1e-12)
+    np.testing.assert_array_equal(y(trace(c["q0.05 of δ"], column="delta_q05")),
+                                  live["window/delta_q05"].to_numpy(float))
+    np.testing.assert_allclose(y(trace(c["Reward and accuracy"], column="reward")),
+                               live["reward"].rolling(10, min_periods=1).mean().to_numpy(float), rtol=1e-12)
+    np.testing.assert_allclose(y(trace(c["TRIAGE controller"], column="gate_weight_mean")),
+                               live["gate_weight_mean"].rolling(10, min_periods=1).mean().to_numpy(float))
+    # quadrant shares of |A| mass, by hand from the four masses
+    q = c["Quadrant masses (share of |A| mass)"]
+    masses = live[[f"window/mass_{r}" for r in ("amp_neg", "amp_pos", "con_neg", "con_pos")]].to_numpy(float)
+    for i, r in enumerate(("amp_neg", "amp_pos", "con_neg", "con_pos")):
+        np.testing.assert_allclose(y(trace(q, column=f"mass_{r}")), 100 * masses[:, i] / masses.sum(1), rtol=1e-12)
+    loc = c["Localisation"]
+    for col in ("c_tok", "r_amp", "h_seg"):
+        np.testing.assert_allclose(y(trace(loc, column=col)), 100 * live[f"window/{col}"].to_numpy(float),
+                                   rtol=1e-12)
+    assert any(s["type"] == "line" and s["y0"] == 5.0 for s in loc["layout"]["shapes"])   # uniform reference
+    # overview numbers
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Steps"] == str(len(live)) and metrics["Tokens"] == f"{int(live['n_tokens'].sum()):,}"
+    assert metrics["Correction"] == "triage"
+    # the stage table equals stages.stage_table
+    shown = at.dataframe[-1].value
+    ref = stage_table(run, draws=499, seed=0)
+    assert shown["stage"].tolist() == ["25%", "50%", "75%", "100%"]
+    np.testing.assert_allclose(shown["C_tok %"].to_numpy(float), 100 * ref["c_tok"].to_numpy(float))
+    np.testing.assert_allclose(shown["null median %"].to_numpy(float), 100 * ref["c_tok_null_median"].to_numpy(float))
+    np.testing.assert_allclose(shown["dilution %"].to_numpy(float), 100 * ref["dilution"].to_numpy(float))
+
+
+def test_widgets_change_what_is_shown(monkeypatch, demo_run_dir):
+    run = open_run(demo_run_dir)
+    live = run.steps()
+    at = app(monkeypatch, demo_run_dir)
+    label = Path(demo_run_dir).name
+    # window toggle -> per-step values
+    at.radio(key="view").set_value("per step").run()
+    assert_ok(at)
+    d = charts(at)["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"]
+    np.testing.assert_array_equal(y(trace(d, run=label, column="rho_asym")), live["rho_asym"].to_numpy(float))
+    # another trailing window -> recomputed from the token files
+    at.radio(key="view").set_value("trailing window").run()
+    at.number_input(key="window_steps").set_value(3).run()
+    assert_ok(at)
+    rec = recompute(run, window=3)
+    d = charts(at)["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"]
+    np.testing.assert_array_equal(y(trace(d, run=label, column="rho_asym")), rec["window/rho_asym"].to_numpy(float))
+    assert at.dataframe[-1].value["window"].tolist()[-1] == f"{rec['step'].iloc[-1] - 2}-{rec['step'].iloc[-1]}"
+
+    # step picker -> histogram of that step's δ
+    step = 7
+    at.select_slider(key="step").set_value(step).run()
+    assert_ok(at)
+    c = charts(at)
+    hist = c["δ distribution (log count)"]
+    assert hist["layout"]["title"]["text"].endswith(f"step {step}")
+    toks = run.tokens(step)
+    delta = toks["learner_logp"].astype(np.float64) - toks["sampler_logp"].astype(np.float64)
+    bars = hist["data"][0]
+    assert sum(bars["y"]) == len(toks) == live.set_index("step").at[step, "n_tokens"]
+    counts, _ = np.histogram(delta, bins=np.array(bars["meta"]["edges"]))
+    assert bars["y"] == counts.tolist()
+    tau = live.set_index("step").at[step, "tau_tail"]
+    assert any(s["type"] == "line" and s["x0"] == pytest.approx(tau) for s in hist["layout"]["shapes"])
+
+    # response picker -> that response's δ and Gate weights
+    options = at.selectbox(key="response").options
+    assert len(options) == toks["sample_id"].nunique()
+    pick = int(toks["sample_id"].unique()[3])
+    at.selectbox(key="response").set_value(pick).run()
+    assert_ok(at)
+    resp = next(v for k, v in charts(at).items() if k.startswith(f"Response {pick}"))
+    mine = toks[toks["sample_id"] == pick].sort_values("position")
+    tr = trace(resp, column="delta")
+    assert tr["x"] == mine["position"].tolist()
+    np.testing.assert_allclose(tr["y"], (mine["learner_logp"].astype(np.float64)
+                                         - mine["sampler_logp"].astype(np.float64)).to_numpy())
+    batch = run.token_batch(step)
+    cfg = run.manifest["info"]["demo_config"]
+    gw = TriageController(TriageConfig(gate_width=cfg["gate_width"], gate_scope=cfg["gate_scope"]))(
+        batch, step=0).gate_weights
+    sel = batch.sample_id[batch.sample_index] == pick
+    np.testing.assert_allclose(trace(resp, column="gate_weight")["y"], gw[sel].numpy())
+    sign = "A < 0" if mine["advantage"].mean() < 0 else "A > 0" if mine["advantage"].mean() > 0 else "A = 0"
+    assert sign in resp["layout"]["title"]["text"]
+
+    # user anchors for the stage table
+    at.text_input(key="anchors").input("5, 12").run()
+    assert_ok(at)
+    assert at.dataframe[-1].value["step"].tolist() == [5, 12]
+    at.text_input(key="anchors").input("999").run()
+    assert not at.exception and any("not recorded" in w.value for w in at.warning)
+
+
+def test_overlay_and_run_selection(monkeypatch, demo_run_dir, demo_run_dir_none):
+    a, b = Path(demo_run_dir).name, Path(demo_run_dir_none).name
+    at = app(monkeypatch, demo_run_dir, demo_run_dir_none)
+    assert_ok(at)
+    d = charts(at)["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"]
+    none_live = open_run(demo_run_dir_none).steps()
+    np.testing.assert_array_equal(y(trace(d, run=b, column="rho_asym")), none_live["window/rho_asym"].to_numpy(float))
+    assert {t["meta"]["run"] for t in d["data"] if "meta" in t} == {a, b}
+    at.multiselect(key="overlay").set_value([str(demo_run_dir)]).run()
+    d = charts(at)["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"]
+    assert {t["meta"]["run"] for t in d["data"] if "meta" in t} == {a}
+    # the inspected run drives the overview and the step sections
+    at.selectbox(key="primary").set_value(str(demo_run_dir_none)).run()
+    assert_ok(at)
+    assert {m.label: m.value for m in at.metric}["Correction"] == "none"
+    assert charts(at)["Quadrant masses (share of |A| mass)"]["layout"]["title"]["text"].endswith(b)
+
+
+def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    at = app(monkeypatch, plain, tmp_path / "missing")
+    assert not at.exception
+    errs = " ".join(e.value for e in at.error)
+    assert "not a triage-monitor run directory" in errs and "no such directory" in errs
+    # empty run: a manifest, no step yet, still running
+    mon = MismatchMonitor(tmp_path / "empty", MonitorConfig())
+    at = app(monkeypatch, tmp_path / "empty")
+    assert not at.exception and not at.error
+    assert any("no recorded steps" in w.value for w in at.warning)
+    # run being written: a few steps, not closed; one step's token file not written yet
+    g = torch.Generator().manual_seed(0)
+    for s in range(3):
+        lp = -torch.rand(6, 20, generator=g) * 2
+        mon.log_step(s, TokenBatch.from_padded(lp + 0.1 * torch.randn(6, 20, generator=g).clamp(max=0), lp,
+                                               torch.randn(6, generator=g), torch.ones(6, 20)))
+    mon.flush()
+    for f in (tmp_path / "empty" / "tokens" / "step=2").rglob("*.parquet"):
+        f.unlink()
+    at = app(monkeypatch, tmp_path / "empty")
+    assert not at.exception and not at.error
+    assert any("still being written" in i.value for i in at.info)
+    assert any("step 2" in w.value for w in at.warning)              # token records missing: said, not raised
+    assert len(at.get("plotly_chart")) >= 6                          # the step-level charts are there
+    mon.close()
+    # switching to a bad path from the sidebar
+    at.text_area(key="runs_text").input(str(plain)).run()
+    assert not at.exception and any("not a triage-monitor run" in e.value for e in at.error)
+
+
+def test_launcher_command_and_validation(demo_run_dir, tmp_path, capsys):
+    p = dashboard.add_arguments(argparse.ArgumentParser())
+    args = p.parse_args([str(demo_run_dir)])
+    assert (args.host, args.port) == ("127.0.0.1", 8501)
+    cmd = dashboard.build_command([str(demo_run_dir)], args.host, 9000)
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and Path(cmd[4]).is_file() and cmd[4].endswith("app.py")
+    assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1" and cmd[cmd.index("--server.port") + 1] == "9000"
+    assert cmd[cmd.index("--") + 1:] == [str(demo_run_dir)]
+    assert Path(cmd[4]).parent.name == "dashboards" and (Path(cmd[4]).parent / "__init__.py").is_file()
+    args = p.parse_args([str(demo_run_dir), "--host", "0.0.0.0", "--port", "8600", "--print-command"])
+    assert dashboard.run_cli(args) == 0
+    out = capsys.readouterr().out
+    assert "--server.address 0.0.0.0" in out and "--server.port 8600" in out
+    assert str(Path(demo_run_dir).resolve()) in out
+    (tmp_path / "x").mkdir()
+    assert dashboard.run_cli(p.parse_args([str(demo_run_dir), str(tmp_path / "x")])) == 2
+    assert "not a triage-monitor run directory" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="port"):
+        dashboard.build_command([], port=70000)
+
+
+def test_app_ships_in_the_wheel(tmp_path):
+    """A regular (non-editable) install carries dashboards/app.py as triage_monitor/dashboards/app.py."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path), str(root)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    wheel = next(tmp_path.glob("triage_monitor-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "triage_monitor/dashboards/app.py" in names
+    for mod in ("dashboard", "report", "stages", "views"):
+        assert f"triage_monitor/{mod}.py" in names

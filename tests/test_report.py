@@ -1,0 +1,66 @@
+"""The self-contained HTML post-mortem report (``triage-monitor report``)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+pytest.importorskip("plotly")
+
+from triage_monitor import report  # noqa: E402
+from triage_monitor.analysis import open_run  # noqa: E402
+from triage_monitor.monitor import MismatchMonitor  # noqa: E402
+from triage_monitor.stages import stage_table  # noqa: E402
+
+
+def _parse(argv):
+    return report.add_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_report_is_self_contained_with_charts_and_stage_table(demo_run_dir, demo_run_dir_none, tmp_path, capsys):
+    out = tmp_path / "sub" / "report.html"
+    assert report.run_cli(_parse([str(demo_run_dir), str(demo_run_dir_none), "-o", str(out), "--draws", "99"])) == 0
+    assert "self-contained" in capsys.readouterr().out
+    text = out.read_text(encoding="utf-8")
+    # offline: no external script, stylesheet or font; plotly.js inlined exactly once
+    assert not re.search(r"<script[^>]+src=", text) and not re.search(r"<link[^>]+href=", text)
+    assert "@import" not in text          # (plotly.js mentions cdn.plot.ly only as the unused topojson default)
+    assert len(re.findall(r"\* plotly\.js v\d", text)) == 1
+    # the charts: 6 time-series panels, quadrants, localisation
+    assert text.count('class="plotly-graph-div"') == 8
+    for title in ("Direction: ", "Small-gap share", "q0.05 of ", "k3 KL estimator", "Reward and accuracy",
+                  "Quadrant masses (share of |A| mass)", "Localisation"):          # (plotly JSON escapes non-ASCII)
+        assert title in text
+    assert "overlay of 2 runs" in text
+    # the stage table, with the values of stages.stage_table
+    body = text.split('<table class="stage-table">', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r"<tr>(.*?)</tr>", body.split("<tbody>", 1)[1])
+    assert len(rows) == 4
+    ref = stage_table(open_run(demo_run_dir), draws=99, seed=0)
+    for row, (_, r) in zip(rows, ref.iterrows()):
+        cells = re.findall(r"<td>(.*?)</td>", row)
+        assert cells[0] == r["stage"] and cells[1] == str(r["step"])
+        assert f"{100 * r['c_tok']:.2f}" in cells and f"{100 * r['c_tok_null_median']:.2f}" in cells
+    for head in ("C_tok %", "null median %", "null 95% %", "excess (pts)", "dilution %", "ρ_asym"):
+        assert f"<th>{head}</th>" in text
+    assert "Overview" in text and "triage" in text and "Steps" in text
+
+
+def test_report_options_and_errors(demo_run_dir, tmp_path, capsys):
+    out = tmp_path / "r.html"
+    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(out), "--anchors", "4", "9", "--window", "3",
+                                  "--draws", "19"])) == 0
+    text = out.read_text(encoding="utf-8")
+    assert "<td>step 4</td>" in text and "<td>2-4</td>" in text and "<td>7-9</td>" in text
+    assert "3-step window" in text
+    (tmp_path / "plain").mkdir()
+    assert report.run_cli(_parse([str(tmp_path / "plain"), "-o", str(tmp_path / "x.html")])) == 2
+    assert "not a triage-monitor run directory" in capsys.readouterr().err
+    MismatchMonitor(tmp_path / "empty").close()
+    assert report.run_cli(_parse([str(tmp_path / "empty"), "-o", str(tmp_path / "y.html")])) == 2
+    assert "no recorded steps" in capsys.readouterr().err
+    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "z.html"), "--anchors", "999"])) == 2
+    assert "not recorded" in capsys.readouterr().err
+    assert not (tmp_path / "x.html").exists() and not (tmp_path / "z.html").exists()

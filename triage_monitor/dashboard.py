@@ -1,0 +1,90 @@
+"""``triage-monitor dashboard RUN_DIR [RUN_DIR ...]``: start the Streamlit post-mortem app.
+
+The app is ``app.py`` of the installed package ``triage_monitor.dashboards``
+(the repository's ``dashboards/`` folder), so the command works the same
+after an editable or a regular ``pip install .[dashboard]``.  Run paths are
+checked first (:func:`triage_monitor.analysis.open_run`), so a typo is
+reported at once instead of inside the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .analysis import RunDirError, open_run
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8501
+
+
+def app_path() -> Path:
+    """Path of the Streamlit script ``app.py`` inside the installed ``triage_monitor.dashboards`` package."""
+    return Path(str(resources.files("triage_monitor.dashboards") / "app.py"))
+
+
+def validate_runs(run_dirs: Sequence[str]) -> list:
+    """Absolute paths of ``run_dirs``; raises RunDirError naming the first path that is not a run directory."""
+    if not run_dirs:
+        raise RunDirError("give at least one run directory")
+    out = []
+    for p in run_dirs:
+        open_run(p)
+        out.append(str(Path(p).resolve()))
+    return out
+
+
+def build_command(run_dirs: Sequence[str], host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                  headless: bool = True, python: Optional[str] = None) -> list:
+    """The ``python -m streamlit run <app.py> ... -- RUN_DIR ...`` argument list (nothing is started).
+
+    ``headless`` keeps Streamlit from opening a browser; usage statistics are off.
+    """
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port}")
+    return [python or sys.executable, "-m", "streamlit", "run", str(app_path()),
+            "--server.address", str(host), "--server.port", str(int(port)),
+            "--server.headless", "true" if headless else "false",
+            "--browser.gatherUsageStats", "false", "--global.developmentMode", "false",
+            "--", *run_dirs]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of ``triage-monitor dashboard``; returns ``parser``."""
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several are overlaid)")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="address to listen on (default: %(default)s; 0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    parser.add_argument("--open-browser", action="store_true", help="let Streamlit open a browser tab")
+    parser.add_argument("--print-command", action="store_true", help="print the streamlit command and exit")
+    return parser
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Validate the run paths, then run Streamlit in the foreground; returns its exit status (2: bad path)."""
+    try:
+        runs = validate_runs(args.run_dirs)
+        cmd = build_command(runs, args.host, args.port, headless=not getattr(args, "open_browser", False))
+    except (RunDirError, ValueError) as exc:
+        print(f"triage-monitor dashboard: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import streamlit  # noqa: F401
+        import plotly  # noqa: F401
+    except ImportError as exc:
+        print(f"triage-monitor dashboard needs the dashboard extra ({exc.name} is missing): "
+              "pip install 'triage-monitor[dashboard]'", file=sys.stderr)
+        return 2
+    if getattr(args, "print_command", False):
+        print(" ".join(cmd))
+        return 0
+    print(f"triage-monitor dashboard: http://{args.host}:{args.port}  ({len(runs)} run(s); Ctrl+C to stop)",
+          file=sys.stderr)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,186 @@
+"""``triage-monitor report RUN_DIR -o report.html``: one self-contained HTML post-mortem.
+
+The file holds the overview (manifest facts, steps, tokens, alerts), the key
+time series (ρ_asym raw and length-normalised, small-gap share, δ q0.05, k3 KL,
+reward), the quadrant-mass chart, the localisation chart and the SPEC.md §3.4
+stage table with the C_tok shuffle null.  plotly.js is embedded inline, so the
+file opens without any network access and can be attached to a ticket.
+Several run directories are overlaid in the time series; the first one is
+the subject of the other sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pandas as pd
+
+from .analysis import RunDirError, open_run, recompute
+from .stages import format_stage_table, stage_table
+from . import views
+
+REPORT_PANELS = ("direction", "small_gap", "delta_q05", "k3_kl", "reward", "controller")
+
+_CSS = """
+body {font-family: Inter, "Segoe UI", Helvetica, Arial, sans-serif; margin: 0; color: #111827; background: #f9fafb;}
+main {max-width: 1280px; margin: 0 auto; padding: 28px 32px 60px;}
+h1 {font-size: 28px; margin: 0 0 4px;} h2 {font-size: 20px; margin: 34px 0 10px; border-bottom: 1px solid #e5e7eb;
+padding-bottom: 6px;}
+.sub {color: #6b7280; font-size: 13px; margin-bottom: 18px;}
+.cards {display: grid; grid-template-columns: repeat(6, 1fr); gap: 12px;}
+.card {background: white; border: 1px solid #e5e7eb; border-radius: 8px; padding: 10px 14px;}
+.card .k {color: #6b7280; font-size: 12px;} .card .v {font-size: 20px; font-weight: 600; margin-top: 2px;}
+.grid {display: grid; grid-template-columns: 1fr 1fr; gap: 14px;}
+.chart {background: white; border: 1px solid #e5e7eb; border-radius: 8px; padding: 4px;}
+table {border-collapse: collapse; font-size: 12.5px; background: white; width: 100%;}
+th, td {border: 1px solid #e5e7eb; padding: 5px 8px; text-align: right; white-space: nowrap;}
+th {background: #f3f4f6; font-weight: 600;} td:first-child, th:first-child {text-align: left;}
+table.facts td {text-align: left; white-space: normal;} table.facts td:first-child {width: 180px; color: #374151;}
+.note {color: #4b5563; font-size: 12.5px; margin-top: 6px;}
+.scroll {overflow-x: auto;}
+"""
+
+
+def _fmt(v, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "-"
+        return f"{v:.2f}" if pct else f"{v:.4g}"
+    return html.escape(str(v))
+
+
+def _stage_html(table: pd.DataFrame) -> str:
+    shown = format_stage_table(table)
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in shown.columns)
+    rows = []
+    for r in shown.itertuples(index=False):
+        cells = [f"<td>{_fmt(v, '%' in c or 'pts' in c)}</td>" for c, v in zip(shown.columns, r)]
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return (f'<div class="scroll"><table class="stage-table"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></div>')
+
+
+def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None, window: Optional[int] = None,
+                 draws: int = 499, seed: int = 0) -> str:
+    """The report's HTML text (see module docstring).
+
+    Args:
+        run_dirs: one or more run directories; the first is the subject, all are overlaid in the time series.
+        anchors: stage anchor steps (None: 25/50/75/100 %); window: trailing window in steps (None: the run's).
+        draws, seed: C_tok shuffle-null draws and seed (SPEC.md §3.3).
+
+    Raises:
+        RunDirError: a path is not a run directory; ValueError: the first run has no recorded step,
+            or an anchor step was not recorded.
+    """
+    runs = [open_run(p) for p in run_dirs]
+    if not runs:
+        raise RunDirError("give at least one run directory")
+    run = runs[0]
+    steps = run.steps()
+    if steps.empty:
+        raise ValueError(f"{run.path}: the run has no recorded steps yet, nothing to report")
+    alerts = run.alerts()
+    ov = views.run_overview(run, steps, alerts)
+    win = int(window or run.manifest.get("window") or 25)
+    frames, alert_frames = {}, {}
+    names = [r.path.name for r in runs]
+    for r, name in zip(runs, names):
+        label = f"{r.path.parent.name}/{name}" if names.count(name) > 1 else name
+        live = r.steps()
+        if window is not None and int(window) != int(r.manifest.get("window") or 25):
+            rec = recompute(r, window=win)
+            live = rec.merge(live[["step", *[c for c in live.columns if c not in rec.columns]]], on="step",
+                             how="left")
+        frames[label], alert_frames[label] = live, r.alerts()
+    subject = next(iter(frames))
+    table = stage_table(run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject])
+
+    figs = [views.timeseries_figure(frames, p, True, win, alert_frames) for p in REPORT_PANELS]
+    figs = [f for f in figs if f is not None]
+    figs += [views.quadrant_figure(frames[subject], True, subject),
+             views.localisation_figure(frames[subject], True, subject)]
+    divs = [f.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False, default_width="100%",
+                      config={"displaylogo": False, "responsive": True}) for i, f in enumerate(figs)]
+
+    cards = [("Steps", f"{ov['steps']:,}"), ("Tokens", f"{ov['tokens']:,}"), ("Alerts", str(ov["alerts"])),
+             ("Correction", ov.get("correction", "-")), ("Window", f"{win} steps"),
+             ("τ_tail", _fmt(float(ov["tau_tail"])) if ov.get("tau_tail") is not None else "-")]
+    card_html = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{html.escape(v)}</div></div>'
+                        for k, v in cards)
+    fact_keys = ("path", "status", "model", "task", "framework", "sampler_recipe", "learner_recipe", "correction",
+                 "sampler_logp", "segment_width", "created", "tool_version")
+    facts = "".join(f"<tr><td>{k.replace('_', ' ')}</td><td>{_fmt(ov[k])}</td></tr>" for k in fact_keys
+                    if ov.get(k) is not None)
+    alert_html = ""
+    if ov["alerts"]:
+        cols = [c for c in ("step", "level", "rule", "metric", "value", "threshold", "title") if c in alerts]
+        alert_html = "<h2>Alerts</h2>" + alerts[cols].to_html(index=False, classes="alerts", border=0,
+                                                             float_format=lambda x: f"{x:.4g}")
+    charts = "".join(f'<div class="chart">{d}</div>' for d in divs)
+    overlay = f" · overlay of {len(frames)} runs: {', '.join(map(html.escape, frames))}" if len(frames) > 1 else ""
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>triage-monitor post-mortem · {html.escape(ov['run'])}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1"><style>{_CSS}</style></head>
+<body><main>
+<h1>triage-monitor post-mortem · {html.escape(ov['run'])}</h1>
+<div class="sub">generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from <code>{html.escape(ov['path'])}</code>
+{overlay}</div>
+<h2>Overview</h2><div class="cards">{card_html}</div>
+<table class="facts" style="margin-top:14px">{facts}</table>
+{alert_html}
+<h2>Time series, quadrants and localisation</h2>
+<div class="note">Pooled trailing {win}-step windows (raw sums of the window, SPEC §3); reward and controller
+columns are trailing means of the per-step values; alerts as ▼ markers.</div>
+<div class="grid">{charts}</div>
+<h2>Stages (SPEC §3.4)</h2>
+{_stage_html(table)}
+<div class="note">Trailing {win}-step windows ending at each anchor. C_tok null: tail labels shuffled uniformly
+within each A&lt;0 response ({draws} draws, seed {seed}); 95 % = central interval; excess = C_tok − null median
+(points). Dilution: share of A&lt;0 responses with a tail-heavy segment whose mean |δ| &lt; 0.05.</div>
+</main></body></html>
+"""
+
+
+def write_report(run_dirs: Sequence, output, **kw) -> Path:
+    """Write :func:`build_report` to ``output`` (atomically, through a temporary file); returns the path."""
+    out = Path(output)
+    text = build_report(run_dirs, **kw)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of ``triage-monitor report``; returns ``parser``."""
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="run directory (more are overlaid in the time series)")
+    parser.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: %(default)s)")
+    parser.add_argument("--anchors", type=int, nargs="+", metavar="STEP",
+                        help="stage anchor steps (default: 25/50/75/100 %% of the run)")
+    parser.add_argument("--window", type=int, help="trailing window in steps (default: the run's)")
+    parser.add_argument("--draws", type=int, default=499, help="C_tok shuffle-null draws (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle-null seed (default: %(default)s)")
+    return parser
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Write the report; returns 0, or 2 with a message on stderr for a bad run directory or option."""
+    try:
+        out = write_report(args.run_dirs, args.output, anchors=args.anchors, window=args.window,
+                           draws=args.draws, seed=args.seed)
+    except (RunDirError, ValueError) as exc:
+        print(f"triage-monitor report: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, self-contained: opens offline)")
+    return 0

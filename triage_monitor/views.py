@@ -1,0 +1,322 @@
+"""Plotly figures and summaries of a run, shared by the dashboard and the static report.
+
+Each builder takes data already loaded through :mod:`triage_monitor.analysis`
+(the per-step metric frame of ``Run.steps()`` / ``recompute()``, one step's
+token rows, alerts) and returns a ``plotly.graph_objects.Figure``; nothing here
+reads files.  Trace names and ``meta`` fields are stable so tests can read the
+plotted series back from a figure's JSON.
+
+Ratios are plotted in % where SPEC.md reports them in % (small_gap_share,
+quadrant shares, c_tok, r_amp, h_seg); log-probability gaps in nats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Mapping, Optional
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .metrics import REGIONS
+
+PALETTE = ("#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563")
+REGION_COLORS = {"amp_neg": "#dc2626", "amp_pos": "#f97316", "con_neg": "#3b82f6", "con_pos": "#10b981"}
+REGION_LABELS = {"amp_neg": "A⁻ amplifying (A<0, δ<0)", "amp_pos": "A⁺ amplifying (A>0, δ>0)",
+                 "con_neg": "contracting (A<0, δ>0)", "con_pos": "contracting (A>0, δ<0)"}
+#: Per-step extras written by the training loop: they have no pooled window
+#: column, so the window view shows their trailing mean.
+EXTRAS = ("reward", "accuracy", "gate_weight_mean", "repair_loss")
+
+#: Time-series panels: key -> (title, [(column, label, scale)], y-axis title, reference line or None).
+PANELS = {
+    "direction": ("Direction: ρ_asym = mass(A⁻) / mass(A⁺)",
+                  [("rho_asym", "ρ_asym (raw |A|)", 1.0), ("rho_asym_lennorm", "ρ_asym (length-normalised)", 1.0)],
+                  "ratio", 1.0),
+    "small_gap": ("Small-gap share |δ| < 0.05", [("small_gap_share", "small_gap_share", 100.0)], "%", None),
+    "delta_q05": ("q0.05 of δ", [("delta_q05", "δ q0.05", 1.0)], "nats", None),
+    "k3_kl": ("k3 KL estimator", [("k3_kl", "k3_kl", 1.0)], "nats", None),
+    "reward": ("Reward and accuracy", [("reward", "reward", 1.0), ("accuracy", "accuracy", 1.0)], "", None),
+    "controller": ("TRIAGE controller", [("gate_weight_mean", "Gate weight mean", 1.0),
+                                         ("repair_loss", "repair loss", 1.0)], "", None),
+}
+
+
+def _layout(fig: go.Figure, title: str, height: int = 320, **kw) -> go.Figure:
+    opts = dict(title=dict(text=title, x=0.01, y=0.97, yanchor="top", font=dict(size=14, color="#111827")),
+                height=height, template="plotly_white", margin=dict(l=60, r=20, t=46, b=40),
+                hovermode="x unified", font=dict(family="Inter, Segoe UI, Helvetica, Arial, sans-serif", size=12),
+                legend=dict(orientation="h", yanchor="top", y=-0.24, x=0, xanchor="left", font=dict(size=11)))
+    fig.update_layout(**{**opts, **kw})
+    return fig
+
+
+def series(df: pd.DataFrame, column: str, window: bool, window_steps: int = 25) -> Optional[pd.Series]:
+    """The plotted values of ``column``: the pooled ``window/<column>`` when ``window``; for
+    :data:`EXTRAS` (no pooled column) the trailing mean over ``window_steps`` steps; None when absent."""
+    if window and f"window/{column}" in df.columns:
+        return df[f"window/{column}"].astype(float)
+    if column not in df.columns:
+        return None
+    s = df[column].astype(float)
+    if window and column in EXTRAS:
+        s = s.rolling(int(window_steps), min_periods=1).mean()
+    return s
+
+
+def _values(s: pd.Series, scale: float) -> list:
+    return [None if not math.isfinite(v) else v * scale for v in s.to_numpy(dtype=float)]
+
+
+def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool = False, window_steps: int = 25,
+                      alerts: Optional[Mapping[str, pd.DataFrame]] = None) -> Optional[go.Figure]:
+    """One time-series panel of :data:`PANELS` over steps, every run of ``runs`` (label -> metric frame)
+    overlaid; alerts of ``alerts`` (label -> alert rows) drawn as markers on the first series.
+
+    Trace ``meta`` = ``{"run", "column", "window", "scale"}`` (alerts: ``{"run", "alerts": True}``).
+    Returns None when no run has any column of the panel.
+    """
+    title, cols, ytitle, ref = PANELS[panel]
+    fig = go.Figure()
+    multi = len(runs) > 1
+    alerts_here = {"direction"}.union({panel})
+    for ri, (label, df) in enumerate(runs.items()):
+        first = None
+        for ci, (col, name, scale) in enumerate(cols):
+            s = series(df, col, window, window_steps)
+            if s is None or (s.isna().all() and col in EXTRAS):
+                continue                      # an all-NaN metric is still drawn (empty): its absence is news
+            first = first if first is not None else (s, scale)
+            color = PALETTE[ri % len(PALETTE)] if multi else PALETTE[ci % len(PALETTE)]
+            suffix = " (trailing mean)" if window and col in EXTRAS else ""
+            fig.add_trace(go.Scatter(
+                x=df["step"].tolist(), y=_values(s, scale), mode="lines", name=(f"{label} · " if multi else "")
+                + name + suffix, line=dict(color=color, width=2, dash="solid" if ci == 0 else "dot"),
+                meta={"run": label, "column": col, "window": bool(window), "scale": scale}))
+        a = (alerts or {}).get(label)
+        if first is not None and a is not None and len(a):
+            metric = a["metric"].astype(str).str.replace("window/", "", regex=False) if "metric" in a else None
+            own = metric.isin([c for c, _, _ in cols]) if metric is not None else pd.Series(True, index=a.index)
+            if panel == "direction":       # the direction panel also carries alerts no other panel shows
+                shown = {c for p, (_, cs, _, _) in PANELS.items() if p != "direction" for c, _, _ in cs}
+                own = own | ~metric.isin(shown) if metric is not None else own
+            a = a[own.to_numpy()]
+            if len(a):
+                s, scale = first
+                y = s.set_axis(df["step"].to_numpy()).reindex(a["step"].to_numpy()).to_numpy() * scale
+                text = [f"{r.get('level', '')} {r.get('rule', '')}: {r.get('title', '')}" for r in
+                        a.to_dict("records")]
+                fig.add_trace(go.Scatter(x=a["step"].tolist(), y=[None if not np.isfinite(v) else v for v in y],
+                                         mode="markers", name=(f"{label} · " if multi else "") + "alerts",
+                                         marker=dict(symbol="triangle-down", size=12, color="#b91c1c",
+                                                     line=dict(width=1, color="white")),
+                                         hovertext=text, hoverinfo="text+x", meta={"run": label, "alerts": True}))
+    if not fig.data:
+        return None
+    if ref is not None:
+        fig.add_hline(y=ref, line=dict(color="#6b7280", dash="dash", width=1), annotation_text=f"{ref:g}",
+                      annotation_position="top left")
+    _layout(fig, title + (f" · {window_steps}-step window" if window else " · per step"), height=360,
+            margin=dict(l=60, r=20, t=46, b=40 + 22 * math.ceil(len(fig.data) / 2)))
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text=ytitle)
+    return fig
+
+
+def quadrant_shares(df: pd.DataFrame, window: bool = False) -> pd.DataFrame:
+    """Share (%) of the |A| mass of the four regions (SPEC.md §2) per step: columns :data:`REGIONS`.
+
+    The denominator is the sum of the four masses (tokens with A = 0 or δ = 0 carry none); NaN when it is 0.
+    """
+    m = pd.DataFrame({r: series(df, f"mass_{r}", window) for r in REGIONS})
+    total = m.sum(axis=1)
+    return m.div(total.where(total > 0), axis=0) * 100.0
+
+
+def quadrant_figure(df: pd.DataFrame, window: bool = False, label: str = "") -> go.Figure:
+    """Stacked area of the four quadrant masses as shares (%) of the |A| mass per step."""
+    sh = quadrant_shares(df, window)
+    fig = go.Figure()
+    for r in REGIONS:
+        fig.add_trace(go.Scatter(x=df["step"].tolist(), y=_values(sh[r], 1.0), name=REGION_LABELS[r],
+                                 mode="lines", stackgroup="mass", line=dict(width=0.5, color=REGION_COLORS[r]),
+                                 meta={"run": label, "column": f"mass_{r}", "window": bool(window)}))
+    _layout(fig, "Quadrant masses (share of |A| mass)" + (f" · {label}" if label else ""), height=360)
+    fig.update_yaxes(title_text="% of |A| mass", range=[0, 100])
+    fig.update_xaxes(title_text="step")
+    return fig
+
+
+def localisation_figure(df: pd.DataFrame, window: bool = False, label: str = "",
+                        reference: float = 5.0) -> go.Figure:
+    """c_tok, r_amp and h_seg (%) per step, with the uniform-placement reference of c_tok (5 %)."""
+    fig = go.Figure()
+    for i, (col, name) in enumerate((("c_tok", "C_tok"), ("r_amp", "r_amp"), ("h_seg", "H_seg"))):
+        s = series(df, col, window)
+        if s is None:
+            continue
+        fig.add_trace(go.Scatter(x=df["step"].tolist(), y=_values(s, 100.0), name=name, mode="lines",
+                                 line=dict(color=PALETTE[i], width=2),
+                                 meta={"run": label, "column": col, "window": bool(window), "scale": 100.0}))
+    fig.add_hline(y=reference, line=dict(color="#6b7280", dash="dash", width=1),
+                  annotation_text=f"uniform C_tok reference {reference:g} %", annotation_position="top left")
+    _layout(fig, "Localisation" + (f" · {label}" if label else ""), height=360)
+    fig.update_yaxes(title_text="%", rangemode="tozero")
+    fig.update_xaxes(title_text="step")
+    return fig
+
+
+def segment_heatmap_figure(layout, sample_id: np.ndarray, step: int, max_rows: int = 60) -> go.Figure:
+    """Heatmap of segment tail fraction (responses × segment k) of one step's A<0 responses.
+
+    Args:
+        layout: :class:`~triage_monitor.stages.TailLayout` of the step (with ``number``).
+        sample_id: ``(S,)`` the batch's sample ids (``layout.response`` indexes it).
+        max_rows: at most this many responses, those with the most tail tokens first.
+    """
+    fig = go.Figure()
+    if layout.num_segments == 0:
+        _layout(fig, f"Segment tail fraction · step {step}: no A<0 response", height=260)
+        return fig
+    resp, k = layout.response, layout.number
+    uniq, row = np.unique(resp, return_inverse=True)
+    tails = np.bincount(row, weights=layout.tail)
+    keep = np.argsort(-tails, kind="stable")[:max_rows]
+    rank = np.full(uniq.size, -1)
+    rank[keep] = np.arange(keep.size)
+    z = np.full((keep.size, int(k.max()) + 1), np.nan)
+    sel = rank[row] >= 0
+    z[rank[row][sel], k[sel]] = layout.tail[sel] / layout.valid[sel]
+    ids = np.asarray(sample_id)[uniq[keep]]
+    fig.add_trace(go.Heatmap(z=z * 100.0, x=list(range(z.shape[1])), y=[f"id {i}" for i in ids],
+                             colorscale="Reds", zmin=0, zmax=100, colorbar=dict(title="tail %"),
+                             hovertemplate="response %{y}<br>segment %{x}<br>tail fraction %{z:.1f}%<extra></extra>",
+                             meta={"step": int(step), "sample_id": [int(i) for i in ids]}))
+    more = f" (top {keep.size} of {uniq.size} by tail tokens)" if uniq.size > keep.size else ""
+    _layout(fig, f"Segment tail fraction, A<0 responses · step {step}{more}", height=380, hovermode="closest")
+    fig.update_xaxes(title_text="segment k (positions kW … (k+1)W−1)", dtick=1 if z.shape[1] <= 30 else None)
+    fig.update_yaxes(autorange="reversed", showticklabels=keep.size <= 40)
+    return fig
+
+
+def delta_histogram_figure(delta: np.ndarray, tau_tail: float, small_gap: float = 0.05, step: Optional[int] = None,
+                           bins: int = 120) -> go.Figure:
+    """Histogram of one step's δ (nats) with log counts, the small-gap band ±``small_gap`` and τ_tail.
+
+    Pre-binned with numpy (``bins`` equal-width bins over [min, max]) so a
+    large step sends only the bin counts to the browser.
+    """
+    d = np.asarray(delta, dtype=np.float64)
+    d = d[np.isfinite(d)]
+    fig = go.Figure()
+    if d.size:
+        lo, hi = float(d.min()), float(d.max())
+        if hi - lo < 1e-9:
+            lo, hi = lo - 0.5, hi + 0.5
+        counts, edges = np.histogram(d, bins=bins, range=(lo, hi))
+        fig.add_trace(go.Bar(x=((edges[:-1] + edges[1:]) / 2).tolist(), y=counts.tolist(),
+                             width=float(edges[1] - edges[0]), marker_color="#2563eb", name="tokens",
+                             meta={"edges": edges.tolist(), "n": int(d.size)}))
+    fig.add_vrect(x0=-small_gap, x1=small_gap, fillcolor="#10b981", opacity=0.18, line_width=0,
+                  annotation_text=f"small gap |δ| < {small_gap:g}", annotation_position="top right",
+                  annotation_font=dict(color="#047857", size=11))
+    if math.isfinite(tau_tail):
+        fig.add_vline(x=tau_tail, line=dict(color="#dc2626", dash="dash", width=2),
+                      annotation_text=f"τ_tail = {tau_tail:.4g}", annotation_position="bottom left",
+                      annotation_font=dict(color="#b91c1c", size=11))
+    _layout(fig, "δ distribution (log count)" + (f" · step {step}" if step is not None else ""), height=380,
+            bargap=0, showlegend=False, hovermode="closest")
+    fig.update_yaxes(type="log", title_text="tokens (log)")
+    fig.update_xaxes(title_text="δ (nats)")
+    return fig
+
+
+def response_figure(tokens: pd.DataFrame, gate_weight: Optional[np.ndarray], width: int, tau_tail: float,
+                    sample_id: int) -> go.Figure:
+    """Drill-down of one response: δ per token (bars coloured by δ), segment boundaries every
+    ``width`` positions, tail tokens marked, advantage sign in the title, and the Gate weight per token.
+
+    Args:
+        tokens: the response's token rows (``position``, ``learner_logp``, ``sampler_logp``, ``advantage``).
+        gate_weight: ``(n,)`` Gate weight per token (same order) or None.
+    """
+    t = tokens.sort_values("position")
+    pos = t["position"].to_numpy()
+    delta = (t["learner_logp"].astype(np.float64) - t["sampler_logp"].astype(np.float64)).to_numpy()
+    adv = float(t["advantage"].astype(np.float64).mean()) if len(t) else math.nan
+    rows = 2 if gate_weight is not None else 1
+    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        row_heights=[0.68, 0.32][:rows] if rows == 2 else None,
+                        subplot_titles=["δ per token (nats)", "Gate weight"][:rows])
+    lim = max(float(np.abs(delta).max()) if delta.size else 1.0, 1e-6)
+    fig.add_trace(go.Bar(x=pos.tolist(), y=delta.tolist(), name="δ",
+                         marker=dict(color=delta.tolist(), colorscale="RdBu", cmin=-lim, cmax=lim,
+                                     colorbar=dict(title="δ", len=0.6, y=0.7)),
+                         meta={"sample_id": int(sample_id), "column": "delta"},
+                         hovertemplate="position %{x}<br>δ %{y:.4f}<extra></extra>"), row=1, col=1)
+    tail = (delta < tau_tail) & (adv < 0) if math.isfinite(tau_tail) else np.zeros(delta.size, bool)
+    if tail.any():
+        fig.add_trace(go.Scatter(x=pos[tail].tolist(), y=delta[tail].tolist(), mode="markers", name="tail token",
+                                 marker=dict(symbol="x", size=7, color="#111827"), meta={"column": "tail"}),
+                      row=1, col=1)
+    if math.isfinite(tau_tail):
+        fig.add_hline(y=tau_tail, line=dict(color="#dc2626", dash="dash", width=1), row=1, col=1)
+    if gate_weight is not None:
+        fig.add_trace(go.Scatter(x=pos.tolist(), y=np.asarray(gate_weight, dtype=float).tolist(), mode="lines",
+                                 line=dict(shape="hv", color="#7c3aed", width=2), name="Gate weight",
+                                 meta={"sample_id": int(sample_id), "column": "gate_weight"}), row=2, col=1)
+        fig.update_yaxes(range=[0, 1.05], row=2, col=1)
+    if pos.size:
+        for b in range((int(pos.min()) // width + 1) * width, int(pos.max()) + 1, width):
+            fig.add_vline(x=b - 0.5, line=dict(color="#9ca3af", width=1, dash="dot"))
+    sign = "A < 0 (negative)" if adv < 0 else "A > 0 (positive)" if adv > 0 else "A = 0"
+    _layout(fig, f"Response {sample_id} · {sign}, A = {adv:+.3f} · {len(t)} tokens · segments of {width}",
+            height=420 if rows == 2 else 300, hovermode="closest", showlegend=False)
+    fig.update_xaxes(title_text="position", row=rows, col=1)
+    if pos.size and int(pos.max()) - int(pos.min()) <= 40:
+        fig.update_xaxes(dtick=1)
+    return fig
+
+
+def gate_weights(batch, manifest: dict):
+    """Gate weight each token of ``batch`` would get (``(N,)`` float32 numpy, TokenBatch order).
+
+    Uses :class:`~triage_monitor.controller.TriageController` with the Gate
+    settings found in the manifest (``info.triage_config`` or
+    ``info.demo_config``, fields of ``TriageConfig``), the SPEC.md §4.1
+    defaults otherwise; no calibration state (fixed thresholds).
+    """
+    from .controller import TriageConfig, TriageController
+
+    info = manifest.get("info", {}) if isinstance(manifest.get("info"), dict) else {}
+    src = info.get("triage_config") or info.get("demo_config") or {}
+    names = {f.name for f in fields(TriageConfig)} - {"calibration", "repair", "tis"}
+    kw = {k: v for k, v in src.items() if k in names}
+    try:
+        cfg = TriageConfig(**kw, repair=False, tis=False)
+    except (TypeError, ValueError):
+        cfg = TriageConfig(repair=False, tis=False)
+    return TriageController(cfg)(batch, step=0).gate_weights.numpy(), cfg
+
+
+def run_overview(run, steps: pd.DataFrame, alerts: Optional[pd.DataFrame] = None) -> dict:
+    """Headline facts of a run: name, status, steps, tokens, alerts, and the manifest's model /
+    recipe / correction / config entries (strings)."""
+    m = run.manifest
+    info = m.get("info", {}) if isinstance(m.get("info"), dict) else {}
+    n_steps = int(len(steps))
+    tokens = int(np.nansum(steps["n_tokens"].to_numpy(dtype=float))) if "n_tokens" in steps.columns else 0
+    out = {"run": run.path.name, "path": str(run.path), "status": str(m.get("status", "unknown")),
+           "steps": n_steps, "first_step": int(steps["step"].min()) if n_steps else None,
+           "last_step": int(steps["step"].max()) if n_steps else None, "tokens": tokens,
+           "alerts": int(len(alerts)) if alerts is not None and "rule" in alerts.columns else 0,
+           "window": m.get("window"), "segment_width": m.get("segment_width"),
+           "tau_tail": m.get("tau_tail") if m.get("tau_tail") is not None else m.get("tau_tail_calibrated"),
+           "created": m.get("created"), "tool_version": m.get("tool_version")}
+    for k in ("model", "task", "framework", "sampler_recipe", "learner_recipe", "correction", "sampler_logp"):
+        if k in info:
+            out[k] = str(info[k])
+    return out
