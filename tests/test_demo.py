@@ -127,3 +127,20 @@ def test_short_run_reads_back_and_is_reproducible(tmp_path, correction):
         row = df1[df1["step"] == int(step)].iloc[0]
         assert math.isclose(row["small_gap_share"], float((delta.abs() < 0.05).mean()), rel_tol=1e-5)
         assert (delta.abs() > 0).any()
+
+
+@pytest.mark.parametrize("correction,learner", [("none", "nvfp4_16x16"), ("tis", "fp32")])
+def test_corrections_apply_their_weights(tmp_path, correction, learner):
+    cfg = DemoConfig(**{**SMALL, "steps": 2, "sft_steps": 0, "correction": correction, "learner_recipe": learner,
+                        "tis_clip": (0.0, 1.001)})
+    df = run_demo(cfg, tmp_path, quiet=True)
+    assert (df["gate_weight_mean"] == 1.0).all() and (df["repair_loss"] == 0.0).all()
+    assert np.isfinite(df["loss"]).all()
+    tokens = ds.dataset(tmp_path / "tokens", format="parquet", partitioning="hive").to_table().to_pandas()
+    ratio = np.exp(tokens["learner_logp"].to_numpy(np.float64) - tokens["sampler_logp"].to_numpy(np.float64))
+    want = np.ones_like(ratio) if correction == "none" else np.clip(ratio, 0.0, 1.001)
+    np.testing.assert_allclose(tokens["token_weight"], want, rtol=1e-5)
+    # the TIS clip share is reported for every correction, recomputed here from the rows
+    for step, tok in tokens.assign(ratio=ratio).groupby("step"):
+        row = df[df["step"] == int(step)].iloc[0]
+        assert math.isclose(row["tis_clip_frac"], float((tok["ratio"] > 1.001).mean()), abs_tol=1e-6)

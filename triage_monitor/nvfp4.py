@@ -267,7 +267,7 @@ class NVFP4Linear(nn.Linear):
 
 def quantize_linears_(model: nn.Module, patterns: Sequence[str] = ("*mlp*",),
                       recipe: Optional[NVFP4Recipe] = None) -> list[str]:
-    """Swap, in place, every ``nn.Linear`` whose qualified name matches a glob in ``patterns`` for an :class:`NVFP4Linear`.
+    """Swap, in place, each ``nn.Linear`` whose qualified name matches a glob in ``patterns`` for an NVFP4Linear.
 
     The default pattern picks the MLP projections, the layers the published
     native-NVFP4 runs quantized (SPEC.md §6); attention, norms, embeddings and

@@ -27,20 +27,23 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from ..batch import TokenBatch
 from ..controller import TriageConfig, TriageController, weighted_policy_loss
 from ..corrections import ppo_clip_loss, tis_weights
 from ..metrics import MetricConfig
 from ..monitor import MismatchMonitor, MonitorConfig
-from ..nvfp4 import RECIPES, get_recipe, use_recipe
+from ..nvfp4 import get_recipe, use_recipe
 from .model import GPTConfig, TinyGPT
 from .task import EOS, VOCAB_SIZE, AdditionTask
 
@@ -204,12 +207,9 @@ def sft_warm_start(model: TinyGPT, task: AdditionTask, cfg: DemoConfig, gen: tor
     opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
     loss = torch.tensor(float("nan"))
     for i in range(cfg.sft_steps):
-        if accuracy is not None and cfg.sft_target > 0 and i % SFT_CHECK_EVERY == 0 and i > 0:
-            model.eval()
-            done = accuracy() >= cfg.sft_target
-            model.train()
-            if done:
-                return i, float(loss.detach())
+        if accuracy is not None and cfg.sft_target > 0 and i % SFT_CHECK_EVERY == 0 and i > 0 \
+                and accuracy() >= cfg.sft_target:
+            return i, float(loss.detach())
         ops, prompts = task.sample(cfg.sft_batch, gen)
         answers, length = task.answers(ops)
         mask = torch.arange(answers.shape[1]) < length[:, None]
@@ -228,6 +228,39 @@ def greedy_accuracy(model: TinyGPT, task: AdditionTask, ops: Tensor, prompts: Te
     """Exact-match accuracy of greedy decoding (current recipe) on fixed problems."""
     responses, _, _ = generate(model, prompts, 1, task.max_answer_len, 1.0, None, greedy=True)
     return float(task.reward(responses, ops).mean())
+
+
+def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, step: int
+                ) -> tuple[Tensor, Tensor, dict]:
+    """The step's loss, as a user's training job would write it with this package.
+
+    ``per-token PPO loss × token weights``, normalised by
+    :func:`~triage_monitor.controller.weighted_policy_loss` (``cfg.normalization``),
+    plus the Repair loss for ``triage``.  Weights: ``none`` → 1, ``tis`` →
+    ``clamp(exp(old_logp − sampler_logp), *cfg.tis_clip)``, ``triage`` → the
+    controller's Gate × TIS weights (SPEC.md §4).  ``old_logp`` is the
+    learner's log-prob at rollout time, here ``batch.learner_logp.detach()``.
+
+    Returns:
+        loss (0-dim, differentiable), token weights ``(N,)`` (detached), and the
+        stats ``gate_weight_mean``, ``gate_downweighted_frac``, ``repair_loss``,
+        ``repair_active_frac``, ``tis_clip_frac`` (the share of tokens whose
+        TIS ratio leaves ``cfg.tis_clip``, reported for every correction).
+    """
+    old_logp = batch.learner_logp.detach()
+    per_token = ppo_clip_loss(batch.learner_logp, old_logp, batch.advantage, cfg.clip_low, cfg.clip_high)
+    if cfg.correction == "triage":
+        out = triage(batch, step=step, old_logp=old_logp)
+        loss = weighted_policy_loss(per_token, out.token_weights, batch, normalization=cfg.normalization)
+        return loss + out.repair_loss, out.token_weights, dict(out.stats)
+    ratio = torch.exp(old_logp - batch.sampler_logp)
+    stats = {"gate_weight_mean": 1.0, "gate_downweighted_frac": 0.0, "repair_loss": 0.0, "repair_active_frac": 0.0,
+             "tis_clip_frac": float(((ratio < cfg.tis_clip[0]) | (ratio > cfg.tis_clip[1])).float().mean())}
+    if cfg.correction == "tis":
+        weights = tis_weights(old_logp, batch.sampler_logp, *cfg.tis_clip)
+    else:
+        weights = torch.ones_like(old_logp)
+    return weighted_policy_loss(per_token, weights, batch, normalization=cfg.normalization), weights, stats
 
 
 # ------------------------------------------------------------------ run
@@ -266,24 +299,22 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> 
         ``df.attrs`` holds ``eval_before`` / ``eval_after`` (greedy accuracy
         under the sampler recipe) and ``seconds_total``.
     """
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     console = console or Console(quiet=quiet)
-    t_start = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg, Path(out_dir), console, t_start, Progress, (
-            TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn()))
+        return _run(cfg, Path(out_dir), console)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) -> pd.DataFrame:
-    from rich.table import Table
+def _progress(console) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=console, transient=True)
 
+
+def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
+    t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     data_gen = torch.Generator().manual_seed(cfg.seed)
     sample_gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -297,7 +328,7 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
                   f"({cfg.n_layer} layers, d={cfg.d_model}); sampler [cyan]{cfg.sampler_recipe}[/], learner "
                   f"[cyan]{cfg.learner_recipe}[/], correction [cyan]{cfg.correction}[/] → {out_dir}")
 
-    with Progress(*columns, console=console, transient=True) as progress:
+    with _progress(console) as progress:
         bar = progress.add_task("SFT warm start", total=cfg.sft_steps)
         with use_recipe(model, None):  # the "pretrained checkpoint": full precision, same for every recipe
             sft_done, sft_loss = sft_warm_start(model, task, cfg, data_gen, lambda: progress.update(bar, advance=1),
@@ -323,14 +354,12 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
     P, G = cfg.prompts_per_step, cfg.group_size
     rows = []
     table_cols = [("step", "{:d}")] + [(k, f) for k, _, f in DISPLAY]
-    with MismatchMonitor(out_dir, mon_cfg, manifest=manifest) as mon, \
-            Progress(*columns, console=console, transient=True) as progress:
+    with MismatchMonitor(out_dir, mon_cfg, manifest=manifest) as mon, _progress(console) as progress:
         bar = progress.add_task("GRPO", total=cfg.steps)
         console.print(" ".join(f"{h:>7}" for h in ["step"] + [h for _, h, _ in DISPLAY]), style="bold")
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             ops, prompts = task.sample(P, data_gen)
-            model.eval()
             with use_recipe(model, sampler):
                 accuracy = greedy_accuracy(model, task, eval_ops, eval_prompts)
                 responses, sampler_logp, mask = generate(model, prompts, G, task.max_answer_len, cfg.temperature,
@@ -339,27 +368,12 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
             rewards = task.reward(responses, ops_rep)
             adv = group_advantages(rewards, G)
 
-            model.train()
             with use_recipe(model, learner):
                 learner_logp = teacher_forced_logp(model, prompts_rep, responses, cfg.temperature)
             batch = TokenBatch.from_padded(
                 learner_logp, sampler_logp, adv, mask, sample_ids=torch.arange(P * G),
                 group_ids=(step * P + torch.arange(P)).repeat_interleave(G))
-            old_logp = batch.learner_logp.detach()
-            per_token = ppo_clip_loss(batch.learner_logp, old_logp, batch.advantage, cfg.clip_low, cfg.clip_high)
-            ratio = torch.exp(old_logp - batch.sampler_logp)
-            stats = {"gate_weight_mean": 1.0, "gate_downweighted_frac": 0.0, "repair_loss": 0.0,
-                     "repair_active_frac": 0.0,
-                     "tis_clip_frac": float(((ratio < cfg.tis_clip[0]) | (ratio > cfg.tis_clip[1])).float().mean())}
-            repair = torch.zeros(())
-            if cfg.correction == "triage":
-                out = triage(batch, step=step, old_logp=old_logp)
-                weights, repair, stats = out.token_weights, out.repair_loss, dict(out.stats)
-            elif cfg.correction == "tis":
-                weights = tis_weights(old_logp, batch.sampler_logp, *cfg.tis_clip)
-            else:
-                weights = torch.ones_like(old_logp)
-            loss = weighted_policy_loss(per_token, weights, batch, normalization=cfg.normalization) + repair
+            loss, weights, stats = policy_loss(batch, cfg, triage, step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -370,22 +384,22 @@ def _run(cfg: DemoConfig, out_dir: Path, console, t_start, Progress, columns) ->
                      "mixed_groups": float(((groups.min(1).values == 0) & (groups.max(1).values == 1)).float().mean()),
                      "response_len": float(mask.sum(1).float().mean()), "loss": float(loss.detach()),
                      **stats, "seconds": time.perf_counter() - t0}
-            metrics = mon.log_step(step, batch, extra=extra)
+            metrics = mon.log_step(step, batch, extra=extra, token_extras={"token_weight": weights})
             rows.append(metrics)
             progress.update(bar, advance=1)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 console.print(" ".join(f"{_fmt(metrics.get(k), f):>7}" for k, f in table_cols))
 
     df = pd.DataFrame(rows)
-    model.eval()
     with use_recipe(model, sampler):
         eval_after = greedy_accuracy(model, task, eval_ops, eval_prompts)
-    df.attrs.update(sft_steps_run=sft_done, eval_before=eval_before, eval_after=eval_after, seconds_total=time.perf_counter() - t_start)
-    _summary(console, cfg, df, out_dir, Table)
+    df.attrs.update(sft_steps_run=sft_done, eval_before=eval_before, eval_after=eval_after,
+                    seconds_total=time.perf_counter() - t_start)
+    _summary(console, cfg, df, out_dir)
     return df
 
 
-def _summary(console, cfg: DemoConfig, df: pd.DataFrame, out_dir: Path, Table) -> None:
+def _summary(console, cfg: DemoConfig, df: pd.DataFrame, out_dir: Path) -> None:
     n = len(df)
     parts = {"first 25%": df.iloc[: max(1, n // 4)], "last 25%": df.iloc[-max(1, n // 4):], "all": df}
     table = Table(title=f"demo summary ({cfg.correction}; sampler {cfg.sampler_recipe}, learner {cfg.learner_recipe})")

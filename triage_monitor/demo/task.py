@@ -48,7 +48,12 @@ class AdditionTask:
         return ops, prompts
 
     def answers(self, ops: Tensor) -> tuple[Tensor, Tensor]:
-        """Reference answers: tokens ``(n, max_answer_len)`` (reversed sum digits, ``EOS``, ``EOS`` padding) and lengths ``(n,)`` including ``EOS``."""
+        """Reference answers for operands ``(n, 2)``.
+
+        Returns tokens ``(n, max_answer_len)`` int64 (sum digits least
+        significant first, ``EOS``, then ``EOS`` padding) and lengths ``(n,)``
+        int64 counting the ``EOS``.
+        """
         total = ops.sum(dim=1)
         ndig = torch.where(total > 0, torch.floor(torch.log10(total.clamp_min(1).double())).long() + 1, 1)
         k = torch.arange(self.max_answer_len)
