@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install the RL frameworks the hook tests exercise (tests/test_hooks_*.py) into a venv, CPU-only and
+# lean, without ever changing its torch: every install runs under a constraint pinning torch.
+#   usage: scripts/install_frameworks.sh [PYTHON]        (default: .venv/bin/python)
+#   env:   TORCH_SPEC (default torch==2.13.0, the Makefile's)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-.venv/bin/python}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+echo "$TORCH_SPEC" > "$constraints"
+before=$("$PY" -c 'import torch; print(torch.__version__)')
+# TRL + transformers, and the few modules verl's DataProto / policy-loss registry import (ray, tensordict, ...)
+"$PY" -m pip install -q -c "$constraints" -r requirements-frameworks.txt
+# verl and OpenRLHF themselves without their GPU stacks (vLLM/SGLang/flash-attn/deepspeed pins)
+"$PY" -m pip install -q -c "$constraints" --no-deps verl==0.9.1 openrlhf==0.11.2
+after=$("$PY" -c 'import torch; print(torch.__version__)')
+if [ "$before" != "$after" ]; then
+  echo "install_frameworks.sh: torch changed from $before to $after" >&2
+  exit 1
+fi
+"$PY" -c 'import trl, verl.trainer.ppo.core_algos, verl.protocol; print("frameworks ok: trl", trl.__version__, "verl", verl.__version__)'
