@@ -19,8 +19,8 @@ NVFP4 numerics, not its speed.
 The default backend calls torchao (``NVFP4Tensor.to_nvfp4(x,
 per_tensor_scale=per_tensor_amax_to_scale(amax)).dequantize(torch.float32)``),
 the reference implementation of the format, for 1x16 blocks.  A "native"
-backend runs the same arithmetic in a few vectorised torch ops (about 10x
-faster on CPU) and is the only one for 16x16 tiles; the tests check it bit for
+backend runs the same arithmetic in a few vectorised torch ops (an order of
+magnitude faster on CPU) and is the only one for 16x16 tiles; the tests check it bit for
 bit against torchao and against a hand implementation.
 
 :class:`NVFP4Linear` quantizes weights and activations (W4A4) with a
@@ -98,8 +98,8 @@ def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = Tr
             (weight tiles of training recipes).
         backend: ``"torchao"`` (1x16 through torchao's ``NVFP4Tensor``, the
             reference) or ``"native"`` (the same arithmetic in a few vectorised
-            torch ops here, about 10x faster on CPU; bit-identical, see the
-            tests).  16x16 tiles always use the native code (torchao has none).
+            torch ops here, an order of magnitude faster on CPU; bit-identical,
+            see the tests).  16x16 tiles always use the native code (torchao has none).
 
     Returns:
         Tensor of ``x``'s shape and dtype, on ``x``'s device; every value is

@@ -1,4 +1,4 @@
-"""The demo's GRPO loop: NVFP4 sampler, separately-numbered learner, monitored like a user's job.
+"""The demo's GRPO loop: an NVFP4 sampler, a learner with other numerics, monitored like a user's job.
 
 One step (SPEC.md §1, §5 setup scaled down):
 
@@ -61,9 +61,10 @@ class DemoConfig:
     ``sft_batch`` problems at ``sft_lr``, stopping once the greedy held-out
     accuracy reaches ``sft_target`` (0 disables the early stop), in full
     precision whatever the recipes (the "pretrained checkpoint" both paths
-    start from), so rewards start neither all 0 nor all 1.  GRPO: ``steps`` updates, ``prompts_per_step`` ×
-    ``group_size`` responses at ``temperature``, Adam ``lr``, PPO clip
-    ``[1 − clip_low, 1 + clip_high]``, gradient-norm clip ``max_grad_norm``.
+    start from), so rewards start neither all 0 nor all 1.  GRPO: ``steps``
+    updates, ``prompts_per_step`` × ``group_size`` responses at
+    ``temperature``, Adam ``lr``, PPO clip ``[1 − clip_low, 1 + clip_high]``,
+    gradient-norm clip ``max_grad_norm``.
     Numerics: ``sampler_recipe`` / ``learner_recipe`` (keys of
     :data:`triage_monitor.nvfp4.RECIPES`).  Correction: ``correction`` in
     ``none | tis | triage``, ``tis_clip`` (lo, hi), ``normalization``
@@ -74,6 +75,10 @@ class DemoConfig:
     threads during the run; the same seed and thread count give the same run).
     Display: ``log_every`` steps per printed row; ``eval_size`` held-out
     problems scored greedily every step (the ``accuracy`` column).
+
+    Raises:
+        ValueError: on construction, naming the field and value (the TRIAGE
+            and monitor settings are checked by their own config classes).
     """
 
     steps: int = 60
@@ -127,6 +132,19 @@ class DemoConfig:
         for name in ("sampler_recipe", "learner_recipe"):
             get_recipe(getattr(self, name))
         self.tis_clip = tuple(float(v) for v in self.tis_clip)
+        AdditionTask(self.digits)
+        self.triage_config()
+        self.monitor_config()
+
+    def triage_config(self) -> TriageConfig:
+        """The TRIAGE controller settings: published defaults, toy segment widths, this run's TIS clip."""
+        return TriageConfig(gate_width=self.gate_width, gate_scope=self.gate_scope, repair_width=self.repair_width,
+                            repair_scope=self.repair_scope, normalization=self.normalization, tis_clip=self.tis_clip)
+
+    def monitor_config(self) -> MonitorConfig:
+        """The monitor settings: SPEC.md §3 thresholds with this run's segment width, window and calibration."""
+        return MonitorConfig(metrics=MetricConfig(segment_width=self.segment_width), window=self.window,
+                             calibration_steps=self.calibration_steps)
 
 
 # ------------------------------------------------------------------ paths
@@ -284,7 +302,8 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> 
 
     Args:
         cfg: :class:`DemoConfig`.
-        out_dir: run directory (created; Parquet ``tokens/``, ``steps/`` and ``run.json``).
+        out_dir: run directory (created; Parquet ``tokens/``, ``steps/`` and ``run.json``).  An
+            existing run there is continued as a new attempt (:class:`MismatchMonitor`), with a warning.
         quiet: no terminal output.
         console: a ``rich.console.Console`` (default: a new one on stdout).
 
@@ -324,6 +343,9 @@ def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
     sampler, learner = get_recipe(cfg.sampler_recipe), get_recipe(cfg.learner_recipe)
     eval_ops, eval_prompts = task.sample(cfg.eval_size, torch.Generator().manual_seed(cfg.seed + 2))
     n_params = sum(p.numel() for p in model.parameters())
+    if (out_dir / "run.json").exists():
+        console.print(f"[yellow]{out_dir} already holds a run: this one is recorded as a new attempt (its steps "
+                      f"replace the older ones with the same numbers); use a fresh --out for a clean run[/]")
     console.print(f"[bold]triage-monitor demo[/]: GRPO on {cfg.digits}-digit addition, TinyGPT {n_params:,} params "
                   f"({cfg.n_layer} layers, d={cfg.d_model}); sampler [cyan]{cfg.sampler_recipe}[/], learner "
                   f"[cyan]{cfg.learner_recipe}[/], correction [cyan]{cfg.correction}[/] → {out_dir}")
@@ -338,9 +360,7 @@ def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
     console.print(f"SFT warm start: {sft_done} steps, loss {sft_loss:.3f}; "
                   f"greedy accuracy under the sampler recipe {eval_before:.3f}")
 
-    triage = TriageController(TriageConfig(
-        gate_width=cfg.gate_width, gate_scope=cfg.gate_scope, repair_width=cfg.repair_width,
-        repair_scope=cfg.repair_scope, normalization=cfg.normalization, tis_clip=cfg.tis_clip))
+    triage = TriageController(cfg.triage_config())
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, MLP projections NVFP4-capable)",
                 "task": f"{cfg.digits}-digit addition, reversed answer, exact-match reward",
@@ -349,12 +369,10 @@ def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
                 "sampler_logp": "raw log-softmax at temperature "
                 f"{cfg.temperature} (no top-p/top-k)", "demo_config": asdict(cfg),
                 "framework": "triage-monitor demo"}
-    mon_cfg = MonitorConfig(metrics=MetricConfig(segment_width=cfg.segment_width), window=cfg.window,
-                            calibration_steps=cfg.calibration_steps)
     P, G = cfg.prompts_per_step, cfg.group_size
     rows = []
     table_cols = [("step", "{:d}")] + [(k, f) for k, _, f in DISPLAY]
-    with MismatchMonitor(out_dir, mon_cfg, manifest=manifest) as mon, _progress(console) as progress:
+    with MismatchMonitor(out_dir, cfg.monitor_config(), manifest=manifest) as mon, _progress(console) as progress:
         bar = progress.add_task("GRPO", total=cfg.steps)
         console.print(" ".join(f"{h:>7}" for h in ["step"] + [h for _, h, _ in DISPLAY]), style="bold")
         for step in range(cfg.steps):
