@@ -255,3 +255,34 @@ def test_app_ships_in_the_wheel(tmp_path):
     assert "triage_monitor/dashboards/app.py" in names
     for mod in ("dashboard", "report", "stages", "views"):
         assert f"triage_monitor/{mod}.py" in names
+
+
+def test_alerts_drawn_as_markers(monkeypatch, tmp_path):
+    from triage_monitor.alerts import AlertEngine, Rule
+
+    rules = [Rule("k3_high", "k3_kl", "above", 0.02, cooldown=3), Rule("ctok_high", "window/c_tok", "above", 0.0)]
+    g = torch.Generator().manual_seed(1)
+    with MismatchMonitor(tmp_path / "alerting", MonitorConfig(window=4, calibration_steps=2),
+                         alerts=AlertEngine(rules)) as mon:
+        for s in range(12):
+            lp = -torch.rand(8, 40, generator=g) * 2
+            noise = torch.randn(8, 40, generator=g) * (0.02 + 0.05 * s)
+            mon.log_step(s, TokenBatch.from_padded((lp + noise).clamp(max=0), lp, torch.randn(8, generator=g),
+                                                   torch.ones(8, 40)))
+    run = open_run(tmp_path / "alerting")
+    alerts, live = run.alerts(), run.steps().set_index("step")
+    k3_steps = alerts.loc[alerts["rule"] == "k3_high", "step"].tolist()
+    ctok_steps = alerts.loc[alerts["rule"] == "ctok_high", "step"].tolist()
+    assert k3_steps and ctok_steps
+    at = app(monkeypatch, tmp_path / "alerting")
+    assert_ok(at)
+    assert {m.label: m.value for m in at.metric}["Alerts"] == str(len(alerts))
+    assert at.dataframe[0].value["rule"].tolist() == alerts["rule"].tolist()      # the alert table
+    c = charts(at)
+    label = "alerting"
+    k3 = trace(c["k3 KL estimator"], run=label, alerts=True)
+    assert k3["x"] == k3_steps
+    np.testing.assert_array_equal(k3["y"], live.loc[k3_steps, "window/k3_kl"].to_numpy())
+    d = trace(c["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"], run=label, alerts=True)   # c_tok has no own panel
+    assert d["x"] == ctok_steps
+    assert all("ctok_high" in t for t in d["hovertext"])
