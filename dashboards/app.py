@@ -202,6 +202,10 @@ def metrics_of(path: str) -> pd.DataFrame:
     if window and window_steps != int(man.get("window") or 25):
         with st.spinner(f"recomputing {labels[path]} with a {window_steps}-step window…"):
             rec = load_recomputed(path, window_steps, _signature(path))
+        if rec.empty:
+            st.warning(f"{labels[path]}: no token records to recompute a {window_steps}-step window from; "
+                       "showing the live window values.")
+            return live
         extra = [c_ for c_ in live.columns if c_ not in rec.columns]
         return rec.merge(live[["step", *extra]], on="step", how="left")
     return live
@@ -291,5 +295,6 @@ try:
     st.caption(f"Trailing {window_steps}-step windows ending at each anchor. C_tok null: tail labels shuffled "
                f"within each A<0 response ({draws} draws, seed 0); excess = C_tok − null median, in points. "
                "Dilution: A<0 responses with a tail-heavy segment whose mean |δ| < 0.05.")
-except ValueError as exc:
-    st.warning(f"Stage table: {exc}")
+except (ValueError, KeyError, OSError) as exc:
+    st.warning(f"Stage table: {exc}" + (" (the run has no token records for it)" if isinstance(exc, KeyError)
+                                        else ""))

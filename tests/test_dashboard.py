@@ -218,6 +218,23 @@ def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
     # switching to a bad path from the sidebar
     at.text_area(key="runs_text").input(str(plain)).run()
     assert not at.exception and any("not a triage-monitor run" in e.value for e in at.error)
+    # a run recorded without token rows: step-level charts, messages for the token-level parts
+    with MismatchMonitor(tmp_path / "steps_only", MonitorConfig(record_tokens=False, window=2)) as m2:
+        for s in range(4):
+            lp = -torch.rand(6, 20, generator=g) * 2
+            m2.log_step(s, TokenBatch.from_padded((lp + 0.1 * torch.randn(6, 20, generator=g)).clamp(max=0), lp,
+                                                  torch.randn(6, generator=g), torch.ones(6, 20)))
+    at = app(monkeypatch, tmp_path / "steps_only")
+    assert not at.exception and not at.error
+    assert len(at.get("plotly_chart")) >= 6
+    warnings = " ".join(w.value for w in at.warning)
+    assert "Token records of step 3" in warnings
+    table = at.dataframe[-1].value                                   # live window values, null "-"
+    assert table["step"].tolist() == [0, 1, 2, 3] and table["null 95% %"].tolist() == ["-"] * 4
+    live = open_run(tmp_path / "steps_only").steps()
+    np.testing.assert_allclose(table["ρ_asym"].to_numpy(float), live["window/rho_asym"].to_numpy(float))
+    at.number_input(key="window_steps").set_value(3).run()
+    assert not at.exception and "no token records to recompute" in " ".join(w.value for w in at.warning)
 
 
 def test_launcher_command_and_validation(demo_run_dir, tmp_path, capsys):

@@ -193,14 +193,30 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
         (2.5 % / 97.5 % quantiles of the null) and ``c_tok_excess``
         (``c_tok - null median``).  The window's C_tok is recomputed from the
         token records with each step's own τ_tail; it equals ``window/c_tok``.
+        When a window step has no token records (``record_tokens=False``, a
+        run still being written) the row keeps the live values and the null is NaN.
+
+    Raises:
+        ValueError: no recorded step, an anchor step that was not recorded, or
+            another window asked of a run without token records.
     """
-    steps = run.step_numbers()
     mc = run.manifest.get("monitor_config", {})
     run_window = int(mc.get("window", run.manifest.get("window", 25)))
     window = run_window if window is None else int(window)
     if window < 1:
         raise ValueError(f"window must be >= 1 step, got {window}")
     cfg = run.metric_config()
+    token_steps = set(run.step_numbers())
+    if metrics is None:
+        live = run.steps()
+        if window == run_window and "window/c_tok" in live.columns:
+            metrics = live
+        elif not token_steps:
+            raise ValueError(f"{run.path} has no token records to recompute a {window}-step window from")
+        else:
+            metrics = recompute(run, window=window)
+    frame = metrics.set_index("step")
+    steps = sorted(int(s) for s in frame.index)
     if anchors is None:
         labels = [f"{round(f * 100)}%" for f in DEFAULT_FRACTIONS]
         anchors = anchor_steps(steps, DEFAULT_FRACTIONS)
@@ -211,25 +227,23 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             raise ValueError(f"anchor step(s) {missing} not recorded in {run.path} "
                              f"(recorded: {steps[0] if steps else '-'}..{steps[-1] if steps else '-'})")
         labels = [f"step {a}" for a in anchors]
-    if metrics is None:
-        live = run.steps()
-        metrics = live if window == run_window and "window/c_tok" in live.columns else recompute(run, window=window)
-    frame = metrics.set_index("step")
     rows = []
     for label, a in zip(labels, anchors):
         win = [s for s in steps if a - window < s <= a]
         row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win)}
         for name in STAGE_METRICS:
             col = f"window/{name}"
-            row[name] = float(frame.at[a, col]) if col in frame.columns and a in frame.index else math.nan
-        parts = []
-        for s in win:
-            tau = float(frame.at[s, "tau_tail"]) if s in frame.index and "tau_tail" in frame.columns else math.nan
-            if not math.isnan(tau):
-                parts.append(tail_layout(run.token_batch(s), tau, cfg.segment_width))
-        layout = TailLayout.concat(parts)
-        row["c_tok"] = layout.c_tok(cfg.top_fraction) if layout.num_segments else math.nan
-        null = shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction)
+            row[name] = float(frame.at[a, col]) if col in frame.columns else math.nan
+        null = np.full(draws, math.nan)
+        if all(s in token_steps for s in win):         # else: live C_tok, no null (token rows missing)
+            parts = []
+            for s in win:
+                tau = float(frame.at[s, "tau_tail"]) if "tau_tail" in frame.columns else math.nan
+                if not math.isnan(tau):
+                    parts.append(tail_layout(run.token_batch(s), tau, cfg.segment_width))
+            layout = TailLayout.concat(parts)
+            row["c_tok"] = layout.c_tok(cfg.top_fraction) if layout.num_segments else math.nan
+            null = shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction)
         if np.isnan(null).all():
             row.update(c_tok_null_median=math.nan, c_tok_null_lo=math.nan, c_tok_null_hi=math.nan)
         else:
