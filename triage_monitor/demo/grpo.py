@@ -81,7 +81,7 @@ class DemoConfig:
             and monitor settings are checked by their own config classes).
     """
 
-    steps: int = 60
+    steps: int = 100
     seed: int = 0
     group_size: int = 8
     prompts_per_step: int = 16
@@ -105,7 +105,7 @@ class DemoConfig:
     repair_scope: str = "adv_positive"
     segment_width: int = 4
     window: int = 25
-    calibration_steps: int = 10
+    calibration_steps: int = 25
     digits: int = 2
     n_layer: int = 2
     n_head: int = 4
