@@ -131,3 +131,21 @@ def test_manifest_says_which_sampler_logps(trl_run):
     import json
     info = json.loads((trl_run["run_dir"] / "run.json").read_text())["info"]
     assert info["framework"] == "trl" and "KV-cache" in info["sampler_logp_kind"]
+
+
+def test_monitor_only_keeps_trl_loss(tmp_path):
+    """Without a controller the trainer keeps TRL's own loss and still records every step's tokens."""
+    tok = tiny_tokenizer()
+    ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i % 8:(i % 8) + 2]) for i in range(8)]})
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=8, max_steps=2, learning_rate=1e-3, report_to="none", use_cpu=True,
+                          beta=0.0, save_strategy="no", seed=1, logging_steps=1)
+    with MismatchMonitor(tmp_path / "run", MonitorConfig()) as mon:
+        trainer = TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=args,
+                                    train_dataset=ds, processing_class=tok, triage_monitor=mon)
+        trainer.train()
+    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
+    assert sorted(tokens["step"].astype(int).unique()) == [0, 1]
+    assert "gate_weight" not in tokens.columns
+    assert (tokens["learner_logp"] - tokens["sampler_logp"]).abs().max() < 1e-3
+    assert not any(k.startswith("triage/") for k in trainer._metrics["train"])

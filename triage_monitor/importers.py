@@ -51,7 +51,11 @@ def slime_steps(paths: Iterable[str], on_invalid: str = "quarantine") -> Iterato
     """
     by_step: Dict[int, list] = {}
     for p in sorted(set(paths)):
-        obj = torch.load(p, map_location="cpu", weights_only=False)
+        try:   # tensors, lists, dicts and numbers only: a dump is never unpickled as arbitrary code
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises UnpicklingError / RuntimeError for disallowed types
+            raise ValueError(f"{p}: cannot be read as plain tensors/lists/dicts ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0]})") from exc
         if not isinstance(obj, dict) or "rollout_data" not in obj:
             raise ValueError(f"{p}: not a slime --save-debug-train-data file (no 'rollout_data'); "
                              "rollout-data dumps hold no learner log-probs and cannot be imported alone")
