@@ -53,6 +53,7 @@ def test_kv_cache_sampler_matches_teacher_forced_learner():
         resp, s_logp, mask = generate(model, prompts, 4, task.max_answer_len, 1.0, g)
         with torch.no_grad():
             l_logp = teacher_forced_logp(model, prompts.repeat_interleave(4, 0), resp)
+    assert model.quantized == ["blocks.0.mlp.fc", "blocks.0.mlp.proj", "blocks.1.mlp.fc", "blocks.1.mlp.proj"]
     assert resp.shape == s_logp.shape == mask.shape == (12, task.max_answer_len)
     # same recipe: incremental decoding and teacher forcing give the same log-probs
     assert torch.allclose(l_logp[mask], s_logp[mask], atol=1e-5)
