@@ -81,14 +81,6 @@ class AlignmentReport:
         return asdict(self)
 
 
-def _adjacent_pairs(batch: TokenBatch) -> Tensor:
-    """Indices i ``(P,)`` of flat tokens whose next flat token is the same response's position + 1."""
-    if batch.num_tokens < 2:
-        return torch.zeros(0, dtype=torch.long, device=batch.device)
-    same = (batch.sample_index[1:] == batch.sample_index[:-1]) & (batch.position[1:] == batch.position[:-1] + 1)
-    return torch.nonzero(same).squeeze(1)
-
-
 def check_alignment(batch_or_learner: Union[TokenBatch, Tensor], sampler_logp: Optional[Tensor] = None,
                     mask: Optional[Tensor] = None, *, ratio_threshold: float = SHIFT_RATIO_THRESHOLD,
                     min_pairs: int = MIN_PAIRS) -> AlignmentReport:
@@ -137,16 +129,18 @@ def check_alignment(batch_or_learner: Union[TokenBatch, Tensor], sampler_logp: O
         adv = torch.zeros(lp.shape[0], device=lp.device) if isinstance(lp, Tensor) and lp.dim() == 2 else None
         batch = TokenBatch.from_padded(lp, sp, adv, mask, on_invalid="quarantine")
 
-    idx = _adjacent_pairs(batch)
-    n = int(idx.numel())
-    lp = batch.learner_logp.detach().double()
-    sp = batch.sampler_logp.detach().double()
-    if n:
-        aligned = float((lp[idx] - sp[idx]).abs().mean())
-        late = float((lp[idx + 1] - sp[idx]).abs().mean())
-        early = float((lp[idx] - sp[idx + 1]).abs().mean())
+    lp = batch.learner_logp.detach().float()
+    sp = batch.sampler_logp.detach().float()
+    if batch.num_tokens >= 2:
+        same = (batch.sample_index[1:] == batch.sample_index[:-1]) & (batch.position[1:] == batch.position[:-1] + 1)
+        n = int(same.sum())
+
+        def mean_abs(a: Tensor, b: Tensor) -> float:   # mean |a − b| over the pairs, float64 accumulation
+            return float(torch.where(same, (a - b).abs(), 0.0).sum(dtype=torch.float64)) / n if n else math.nan
+
+        aligned, late, early = mean_abs(lp[:-1], sp[:-1]), mean_abs(lp[1:], sp[:-1]), mean_abs(lp[:-1], sp[1:])
     else:
-        aligned = late = early = math.nan
+        n, aligned, late, early = 0, math.nan, math.nan, math.nan
     if n < min_pairs:
         return AlignmentReport(n, aligned, late, early, 0, math.nan, False,
                                f"alignment: no verdict ({n} adjacent token pairs < {min_pairs})")
@@ -198,31 +192,40 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
     """
     lp = batch.learner_logp.detach().float()
     sp = batch.sampler_logp.detach().float()
-    zero = ((lp == 0) & (sp < -zero_gap)) | ((sp == 0) & (lp < -zero_gap))
+    z = torch.nonzero(lp * sp == 0).squeeze(1)          # candidates: a side is 0 (or the product underflows)
+    zl, zs = lp[z], sp[z]
+    zero = ((zl == 0) & (zs < -zero_gap)) | ((zs == 0) & (zl < -zero_gap))
     out = {"zero_logp_count": float(zero.sum()), "padding_run_count": 0.0, "padding_run_tokens": 0.0}
     N, S = batch.num_tokens, batch.num_samples
-    if N == 0:
+    if N == 0 or min_run < 1:
         return out
-    dev = lp.device
+    # tokens are ordered by (sample, position): each response is a contiguous slice [first, last]
+    nv = batch.num_valid
+    last = torch.cumsum(nv, 0) - 1
+    first = last - nv + 1
+    # cheap pre-filter: a run of >= min_run needs the last min_run values of a side to be equal
+    k = torch.arange(1, min_run, device=lp.device)
+    long_enough = nv >= min_run
+    back = (last[:, None] - k[None]).clamp(min=0)
+    end = last.clamp(min=0)
+    cand = long_enough & (((lp[back] == lp[end][:, None]).all(1)) | ((sp[back] == sp[end][:, None]).all(1)))
+    if not bool(cand.any()):
+        return out
     si = batch.sample_index
-    idx = torch.arange(N, device=dev)
-    last = torch.full((S,), -1, dtype=torch.long, device=dev).scatter_reduce(0, si, idx, reduce="amax")
+    idx = torch.arange(N, device=lp.device)
+    resp = torch.nonzero(cand).squeeze(1)
 
     def trailing_run(x: Tensor) -> Tensor:
-        """(S,) length of the run of values equal to the response's last value, counted from the end."""
-        differs = x != x[last.clamp(min=0)][si]
-        start = torch.full((S,), -1, dtype=torch.long, device=dev).scatter_reduce(
-            0, si, torch.where(differs, idx, torch.full_like(idx, -1)), reduce="amax")
-        first = torch.full((S,), N, dtype=torch.long, device=dev).scatter_reduce(0, si, idx, reduce="amin")
-        begin = torch.maximum(start + 1, first)
-        return torch.where(last >= 0, last - begin + 1, torch.zeros_like(last))
+        """(R,) length of the run of values equal to the response's last value, counted from its end."""
+        differs = x != x[end][si]
+        last_diff = torch.cummax(torch.where(differs, idx, -1), 0).values   # last differing index <= i
+        begin = torch.maximum(last_diff[last[resp]] + 1, first[resp])
+        return last[resp] - begin + 1
 
-    run_l, run_s = trailing_run(lp), trailing_run(sp)
-    run = torch.maximum(run_l, run_s)
-    in_run = idx > (last - run)[si]               # token lies in its response's trailing run
-    gap = torch.zeros(S, dtype=torch.float64, device=dev).index_add(
-        0, si, torch.where(in_run, (lp - sp).abs().double(), torch.zeros_like(lp, dtype=torch.float64)))
-    gap = gap / run.clamp(min=1).double()
+    run = torch.maximum(trailing_run(lp), trailing_run(sp))
+    csum = torch.cat([torch.zeros(1, dtype=torch.float64, device=lp.device),
+                      torch.cumsum((lp - sp).abs().double(), 0)])
+    gap = (csum[last[resp] + 1] - csum[last[resp] + 1 - run]) / run.double()
     leak = (run >= min_run) & (gap >= run_gap)
     out["padding_run_count"] = float(leak.sum())
     out["padding_run_tokens"] = float(run[leak].sum())
