@@ -145,3 +145,16 @@ def test_corrections_apply_their_weights(tmp_path, correction, learner):
     for step, tok in tokens.assign(ratio=ratio).groupby("step"):
         row = df[df["step"] == int(step)].iloc[0]
         assert math.isclose(row["tis_clip_frac"], float((tok["ratio"] > 1.001).mean()), abs_tol=1e-6)
+
+
+def test_without_torchao_the_native_backend_gives_the_same_run(tmp_path, monkeypatch):
+    import importlib.util
+
+    cfg = DemoConfig(**{**SMALL, "steps": 2, "sft_steps": 0})
+    ref = run_demo(cfg, tmp_path / "torchao", quiet=True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    df = run_demo(cfg, tmp_path / "native", quiet=True)
+    info = json.loads((tmp_path / "native" / "run.json").read_text())["info"]
+    assert info["recipes"]["sampler"]["backend"] == "native"
+    pd.testing.assert_frame_equal(_comparable(df), _comparable(ref))

@@ -25,9 +25,10 @@ TIS corrects the learner/sampler gap ``exp(old_logp − sampler_logp)``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -327,6 +328,16 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> 
         torch.set_num_threads(threads)
 
 
+def _recipe(name: str, console):
+    """The named recipe; without torchao, its bit-identical native backend (with a note)."""
+    r = get_recipe(name)
+    if r is not None and r.backend == "torchao" and importlib.util.find_spec("torchao") is None:
+        console.print(f"[yellow]torchao is not installed: recipe {name} runs on the native NVFP4 backend "
+                      f"(bit-identical; pip install 'triage-monitor[nvfp4]' for the reference)[/]")
+        r = replace(r, backend="native")
+    return r
+
+
 def _progress(console) -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                     TimeElapsedColumn(), console=console, transient=True)
@@ -340,7 +351,7 @@ def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
     task = AdditionTask(cfg.digits)
     model = TinyGPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=task.prompt_len + task.max_answer_len,
                               n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model))
-    sampler, learner = get_recipe(cfg.sampler_recipe), get_recipe(cfg.learner_recipe)
+    sampler, learner = _recipe(cfg.sampler_recipe, console), _recipe(cfg.learner_recipe, console)
     eval_ops, eval_prompts = task.sample(cfg.eval_size, torch.Generator().manual_seed(cfg.seed + 2))
     n_params = sum(p.numel() for p in model.parameters())
     if (out_dir / "run.json").exists():
@@ -365,6 +376,8 @@ def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
     manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, MLP projections NVFP4-capable)",
                 "task": f"{cfg.digits}-digit addition, reversed answer, exact-match reward",
                 "sampler_recipe": cfg.sampler_recipe, "learner_recipe": cfg.learner_recipe,
+                "recipes": {"sampler": asdict(sampler) if sampler else None,
+                            "learner": asdict(learner) if learner else None},
                 "correction": cfg.correction, "sft_steps_run": sft_done, "sft_greedy_accuracy": eval_before,
                 "sampler_logp": "raw log-softmax at temperature "
                 f"{cfg.temperature} (no top-p/top-k)", "demo_config": asdict(cfg),
