@@ -128,7 +128,7 @@ class MismatchMonitor:
         self.rank = int(rank if rank is not None else (dist.get_rank() if dist_on else 0))
         self.world_size = dist.get_world_size() if dist_on else 1
         self.group = group
-        self.attempt = new_attempt_id()
+        self.attempt = _shared_attempt_id(group) if dist_on and self.world_size > 1 else new_attempt_id()
         self.loggers = list(loggers)
         self.alerts = alerts
         self._failed_sinks: set = set()
@@ -366,6 +366,19 @@ class MismatchMonitor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shared_attempt_id(group=None) -> int:
+    """Rank 0's attempt id, broadcast to every rank, so one process start of a multi-rank job writes one
+    attempt id everywhere (the manifest lists rank 0's; readers can match ranks of the same attempt)."""
+    import torch.distributed as dist
+
+    dev = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([new_attempt_id()], dtype=torch.int64, device=dev)
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return int(t.item())
 
 
 def _to_float(name: str, v) -> float:
