@@ -40,6 +40,8 @@ def global_batch(step):
     lp = (s + torch.randn(B, T, generator=g) * 0.1 - (torch.rand(B, T, generator=g) < 0.05) * 4).clamp(max=0)
     lengths = torch.randint(T // 3, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None] < lengths[:, None]) & (torch.rand(B, T, generator=g) < 0.95)
+    if step == 2:
+        mask[3::4] = False          # with 4 ranks, rank 3 has no valid token at step 2
     adv = torch.randn(B, generator=g)
     ids = torch.arange(B) * 7 + 3
     return lp, s, adv, mask, ids, torch.arange(B) // 4
@@ -137,7 +139,8 @@ def test_many_ranks_equal_single_process(world, tmp_path):
     for step in range(STEPS):
         for table in ("tokens", "steps"):
             ranks = sorted(p.name for p in (tmp_path / "run" / table / f"step={step}").iterdir())
-            assert ranks == [f"rank={r}" for r in range(world)]
+            empty = {3} if (table == "tokens" and step == 2 and world == 4) else set()   # no token file
+            assert ranks == [f"rank={r}" for r in range(world) if r not in empty]
             assert all(len(list((tmp_path / "run" / table / f"step={step}" / r).iterdir())) == 1 for r in ranks)
         df = run.tokens(step)
         assert set(df["attempt"]) == {attempt}

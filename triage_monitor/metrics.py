@@ -499,6 +499,8 @@ def _all_gather_varlen(t: Tensor, group=None) -> list:
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=group)
     sizes = [int(x) for x in sizes]
+    if max(sizes) == 0:
+        return [t[:0] for _ in sizes]
     padded = torch.zeros(max(sizes), dtype=t.dtype, device=t.device)
     padded[:t.numel()] = t
     out = [torch.empty_like(padded) for _ in range(world)]
