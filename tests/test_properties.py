@@ -179,3 +179,21 @@ def test_quarantine_accounts_for_every_masked_in_token(p, poison, on_sampler):
             TokenBatch.from_padded(lp2, s2, a, m, sample_ids=ids)
     else:
         TokenBatch.from_padded(lp2, s2, a, m, sample_ids=ids)
+
+
+@SETTINGS
+@given(padded(max_b=4, max_t=40), st.sampled_from([1, -1]))
+def test_one_position_shift_is_detected_with_its_direction(p, direction):
+    from hypothesis import assume
+
+    from triage_monitor.alignment import MIN_ALIGNED_ABS_DELTA, check_alignment
+
+    lp, s, a, m, ids = p
+    m = torch.ones_like(m)
+    # learner equal to the sampler (δ = 0 when aligned), then shifted by one position
+    learner = torch.cat([s[:, :1], s[:, :-1]], 1) if direction == 1 else torch.cat([s[:, 1:], s[:, -1:]], 1)
+    neighbour_gap = (s[:, 1:] - s[:, :-1]).abs()
+    assume(neighbour_gap.numel() >= 16 and float(neighbour_gap.double().mean()) >= 2 * MIN_ALIGNED_ABS_DELTA)
+    r = check_alignment(learner, s, m)
+    assert r.suspect and r.shift == direction and r.ratio == 0.0
+    assert not check_alignment(s, s, m).suspect
