@@ -88,6 +88,9 @@ def test_run_directory_tokens_metrics_and_gate(trl_run):
     assert tokens["sampler_logp"].abs().max() < 1e3 and tokens["learner_logp"].abs().max() < 1e3
     delta = tokens["learner_logp"] - tokens["sampler_logp"]
     assert delta.abs().max() < 1e-3
+    # ... and they are two computations: incremental KV-cached decoding and a full-sequence forward round
+    # differently (~1e-4 nats on CPU fp32).  Recording the recomputed values by mistake would make δ ≡ 0.
+    assert (delta != 0).any()
     # each step holds the 8 completions of its 2 micro-batches, positions from 0 within each response
     for s, g in tokens.groupby("step"):
         assert g["sample_id"].nunique() == 8

@@ -134,3 +134,45 @@ def test_unsupported_agg_mode_is_named(registry):
     old, rollout, adv, mask, _ = make_actor_batch()
     with pytest.raises(ValueError, match="token-sum"):
         fn(rollout, old, adv, mask, "token-sum", actor_config(), None)
+
+
+def test_called_by_verls_own_ppo_loss(registry):
+    """verl's worker loss entry (workers.utils.losses.ppo_loss) looks the TRIAGE loss up by
+    config.policy_loss.loss_mode and feeds it the unpadded model output sliced back to (B, T)."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    fn = hook.register()
+    g = torch.Generator().manual_seed(5)
+    B, P, T = 3, 4, 70
+    resp_lens, prompt_lens = torch.tensor([70, 33, 51]), torch.tensor([4, 2, 3])
+    att = torch.zeros(B, P + T, dtype=torch.long)
+    for i in range(B):                        # left-padded prompts, right-padded responses (verl's layout)
+        att[i, P - prompt_lens[i]:P] = 1
+        att[i, P:P + resp_lens[i]] = 1
+    resp_mask = (torch.arange(T)[None] < resp_lens[:, None]).long()
+    live_resp = (-torch.rand(B, T, generator=g) - 1e-3) * resp_mask
+    # remove-padding model output: one value per real token, log-prob of the *next* token
+    flat = torch.cat([torch.cat([-torch.rand(int(prompt_lens[i]) - 1, generator=g), live_resp[i, :resp_lens[i]],
+                                 torch.zeros(1)]) for i in range(B)]).requires_grad_(True)
+    rollout = ((live_resp + 0.4 * torch.randn(B, T, generator=g)).clamp(max=-1e-4)) * resp_mask
+    adv = torch.tensor([[-1.0], [0.5], [-0.3]]).expand(B, T).contiguous()
+    data = TensorDict({"prompts": torch.ones(B, P, dtype=torch.long), "responses": torch.ones(B, T, dtype=torch.long),
+                       "attention_mask": att, "response_mask": resp_mask, "old_log_probs": rollout,
+                       "advantages": adv}, batch_size=[B])
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    cfg = FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
+                          clip_ratio_low=0.2, clip_ratio_high=0.28, policy_loss=PolicyLossConfig(loss_mode="triage"))
+    loss, _ = ppo_loss(cfg, {"log_probs": flat}, data)
+    assert fn.calls == 1
+    mask = resp_mask.bool()
+    assert torch.equal(fn.last.batch.learner_logp.detach(), live_resp[mask])
+    batch = TokenBatch.from_padded(live_resp, rollout, adv, mask)
+    out = TriageController()(batch, step=0, old_logp=batch.sampler_logp)
+    expected = weighted_policy_loss(ppo_clip_loss(batch.learner_logp, batch.sampler_logp, batch.advantage, 0.2, 0.28),
+                                    out.token_weights, batch, "global_token") + out.repair_loss
+    assert torch.allclose(loss, expected, atol=1e-6)
+    loss.backward()
+    assert float(flat.grad.abs().sum()) > 0
