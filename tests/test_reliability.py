@@ -146,7 +146,22 @@ def test_trailing_padding_run_is_a_leak_but_a_confident_ending_is_not():
     lp2, s2, a2, m2 = healthy()
     lp2[:, -10:], m2[:, -10:] = 0.0, False
     assert padding_diagnostics(TokenBatch.from_padded(lp2, s2, a2, m2)) == {
-        "zero_logp_count": 0.0, "padding_run_count": 0.0, "padding_run_tokens": 0.0}
+        "zero_logp_count": 0.0, "padding_run_count": 0.0, "padding_run_tokens": 0.0, "offset_response_count": 0.0}
+
+
+def test_left_padding_without_positions_is_reported(tmp_path, caplog):
+    lp, s, a, m = healthy(B=4, T=20)
+    m[0, :5] = False                          # left-padded rows: valid tokens start at columns 5 and 2
+    m[2, :2] = False
+    d = padding_diagnostics(TokenBatch.from_padded(lp, s, a, m))
+    assert d["offset_response_count"] == 2
+    pos = (torch.arange(20)[None] - (~m).sum(1, keepdim=True)).clamp(min=0)
+    assert padding_diagnostics(TokenBatch.from_padded(lp, s, a, m, positions=pos))["offset_response_count"] == 0
+    caplog.set_level(logging.WARNING, "triage_monitor")
+    with MismatchMonitor(tmp_path / "run") as mon:
+        assert mon.log_step(0, TokenBatch.from_padded(lp, s, a, m))["offset_response_count"] == 2
+        mon.log_step(1, TokenBatch.from_padded(lp, s, a, m))
+    assert len([r for r in caplog.records if "position 0" in r.getMessage()]) == 1
 
 
 def test_monitor_warns_once_about_padding_leaks(tmp_path, caplog):

@@ -181,6 +181,11 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
       different pad values.  Confident endings (both sides ≈ 0, e.g. bf16 rounding to
       0.0) have |δ| ≈ 0 and are not counted.
 
+    * ``offset_response_count``: responses whose first valid token is not at position 0:
+      left padding (or a prompt kept in the tensor) without ``positions=``, so positions
+      and the segments cut from them (SPEC.md §3.3) are shifted.  A response that really
+      starts with masked tokens also counts.
+
     Entirely masked-out padding is never read, so these count only leaks.  Sentinels
     (|log p| ≥ 1e3: −1e10, −9999) are already raised or quarantined by :class:`TokenBatch`.
 
@@ -188,21 +193,26 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
         batch: :class:`TokenBatch` (N valid tokens, S responses).
 
     Returns:
-        dict of floats ``zero_logp_count``, ``padding_run_count``, ``padding_run_tokens``.
+        dict of floats ``zero_logp_count``, ``padding_run_count``, ``padding_run_tokens``,
+        ``offset_response_count``.
     """
     lp = batch.learner_logp.detach().float()
     sp = batch.sampler_logp.detach().float()
     z = torch.nonzero(lp * sp == 0).squeeze(1)          # candidates: a side is 0 (or the product underflows)
     zl, zs = lp[z], sp[z]
     zero = ((zl == 0) & (zs < -zero_gap)) | ((zs == 0) & (zl < -zero_gap))
-    out = {"zero_logp_count": float(zero.sum()), "padding_run_count": 0.0, "padding_run_tokens": 0.0}
+    out = {"zero_logp_count": float(zero.sum()), "padding_run_count": 0.0, "padding_run_tokens": 0.0,
+           "offset_response_count": 0.0}
     N, S = batch.num_tokens, batch.num_samples
-    if N == 0 or min_run < 1:
+    if N == 0:
         return out
     # tokens are ordered by (sample, position): each response is a contiguous slice [first, last]
     nv = batch.num_valid
     last = torch.cumsum(nv, 0) - 1
     first = last - nv + 1
+    out["offset_response_count"] = float(((nv > 0) & (batch.position[first.clamp(max=N - 1)] > 0)).sum())
+    if min_run < 1:
+        return out
     # cheap pre-filter: a run of >= min_run needs the last min_run values of a side to be equal
     k = torch.arange(1, min_run, device=lp.device)
     long_enough = nv >= min_run

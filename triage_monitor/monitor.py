@@ -60,7 +60,7 @@ QUARANTINE_METRICS = {
 #: backpressure="drop").  The first ``alignment_check_steps`` steps also carry ``alignment_suspect``,
 #: ``alignment_shift`` and ``alignment_ratio`` (:func:`~triage_monitor.alignment.check_alignment`).
 INTEGRITY_METRICS = (*QUARANTINE_METRICS, "quarantined_count", "zero_logp_count", "padding_run_count",
-                     "padding_run_tokens", "empty_response_count", "writer_dropped_rows")
+                     "padding_run_tokens", "offset_response_count", "empty_response_count", "writer_dropped_rows")
 STATE_VERSION = 1
 
 
@@ -244,6 +244,10 @@ class MismatchMonitor:
                             "side only and %d response(s) ending in a run of identical values: padding leaking "
                             "into the loss mask? (metrics zero_logp_count, padding_run_count)", step,
                             out["zero_logp_count"], out["padding_run_count"])
+        if out["offset_response_count"]:
+            self._warn_once("offset", "triage-monitor step %d: %d response(s) whose first valid token is not at "
+                            "position 0: left padding or a prompt in the tensor without positions=? Segments "
+                            "are cut by position (metric offset_response_count)", step, out["offset_response_count"])
         if self.steps_logged < self.config.alignment_check_steps:
             rep = check_alignment(batch)
             out.update(rep.to_metrics())
