@@ -16,7 +16,12 @@ counted, reported once and skipped.  Invalid training data does raise
 (:class:`~triage_monitor.batch.InvalidTokenError`) unless the batch was built
 with ``on_invalid="quarantine"``; quarantined tokens are counted in the step's
 metrics (``quarantined_count``, ``nonfinite_count``, ...) and written to the
-``quarantine/`` table.
+``quarantine/`` table.  Input diagnostics (padding leaks, one-position shifts on the first steps) and the
+writer's dropped rows are per-step metrics too (:data:`INTEGRITY_METRICS`, docs/reliability.md).
+
+Resuming: every process start is a new attempt (one id shared by all ranks); put
+:meth:`MismatchMonitor.state_dict` in your checkpoint and :meth:`~MismatchMonitor.load_state_dict` it on
+resume to keep τ_tail; without it, a τ_tail frozen by an earlier attempt is read back from ``run.json``.
 """
 
 from __future__ import annotations
