@@ -93,6 +93,4 @@ def group_ids_from_keys(keys) -> Tensor:
 def gather_flat(batch: TokenBatch, values: Tensor) -> Tensor:
     """``(N,)``: a tensor in the caller's layout (same shape as the one the batch was built from)
     read at the batch's valid tokens, in the batch's flat order (the inverse of ``batch.scatter``)."""
-    if batch._source_index is None:
-        return values
-    return values.reshape(-1)[batch._source_index.to(values.device)]
+    return batch.gather(values)

@@ -112,3 +112,14 @@ def test_from_flat_sorts_rows_and_rejects_duplicates():
     with pytest.raises(ValueError, match="occurs twice"):
         TokenBatch.from_flat(torch.zeros(2) - .1, torch.zeros(2) - .1, torch.ones(2), torch.tensor([1, 1]),
                              torch.tensor([0, 0]))
+
+
+def test_gather_is_the_inverse_of_scatter():
+    lp, s, a, m = _padded()
+    b = TokenBatch.from_padded(lp, s, a, m, sample_ids=torch.tensor([9, 2, 5]))
+    assert torch.equal(b.gather(lp), b.learner_logp)
+    assert torch.equal(b.gather(b.scatter(b.sampler_logp)), b.sampler_logp)
+    ls = TokenBatch.from_list([lp[0, :3], lp[1]], [s[0, :3], s[1]], [1., -1.])
+    assert torch.equal(ls.gather([lp[0, :3], lp[1]]), ls.learner_logp)
+    with pytest.raises(ValueError, match="built from 12"):
+        b.gather(lp[:, :2])

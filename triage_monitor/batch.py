@@ -166,6 +166,28 @@ class TokenBatch:
         lengths = self._layout[2]
         return list(torch.split(out, lengths))
 
+    def gather(self, values: Union[Tensor, Sequence[Tensor]]) -> Tensor:
+        """Read a tensor laid out like the caller's input at the batch's valid tokens: ``(N,)``.
+
+        The inverse of :meth:`scatter`: ``values`` has the shape the batch was
+        built from (``(B, T)``, ``(N_total,)``, a list of 1-D tensors, or
+        ``(N,)`` for :meth:`from_flat`); the result is in the batch's flat
+        order (e.g. the caller's old log-probs for PPO).  Differentiable.
+
+        Raises:
+            ValueError: ``values`` does not have the caller's layout size.
+        """
+        if isinstance(values, (list, tuple)):
+            values = torch.cat(list(values))
+        if self._layout[0] == "flat":
+            if values.shape != (self.num_tokens,):
+                raise ValueError(f"gather: values has shape {tuple(values.shape)}, expected ({self.num_tokens},)")
+            return values
+        flat = values.reshape(-1)
+        if flat.numel() != self._layout[1]:
+            raise ValueError(f"gather: values has {flat.numel()} elements, the batch was built from {self._layout[1]}")
+        return flat[self._source_index.to(values.device)]
+
     # ----------------------------------------------------------- constructors
     @classmethod
     def from_padded(
