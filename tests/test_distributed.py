@@ -176,8 +176,6 @@ if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
 
 
-@pytest.mark.xfail(strict=True, reason="analysis keeps the latest attempt per (step, rank): rank files of an older "
-                                       "attempt with more ranks survive (proposed fix in docs/reliability.md)")
 def test_resume_with_fewer_ranks_drops_the_old_attempts_extra_shards(tmp_path, monkeypatch):
     """A 4-rank job resumed on 2 ranks: a step redone by the new attempt must not mix in ranks 2-3 of the old one.
 

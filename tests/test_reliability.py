@@ -327,8 +327,6 @@ def test_dashboard_binds_localhost_by_default():
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
 
 
-@pytest.mark.xfail(strict=True, reason="analysis._parts does not skip malformed hive entries yet "
-                                       "(proposed fix in docs/reliability.md)")
 def test_analysis_skips_malformed_entries_in_a_run_directory(tmp_path):
     d = tmp_path / "run"
     with MismatchMonitor(d) as mon:

@@ -33,38 +33,53 @@ class RunDirError(ValueError):
     """The path is not a readable run directory (the message says why)."""
 
 
+def _hive_int(p: Path, prefix: str):
+    """The integer of a hive directory ``<prefix><int>``; None (skip) for anything else."""
+    if not p.name.startswith(prefix) or not p.is_dir():
+        return None
+    try:
+        return int(p.name[len(prefix):])
+    except ValueError:
+        return None
+
+
 def _parts(root: Path) -> dict:
-    """{step: [(rank, path), ...]} of the complete (non-hidden) Parquet files under ``root``."""
+    """{step: [(rank, path), ...]} of the complete (non-hidden) Parquet files under ``root``.
+
+    Entries that are not ``step=<int>/rank=<int>/*.parquet`` files are skipped."""
     out: dict = {}
     if not root.is_dir():
         return out
     for step_dir in root.iterdir():
-        if not step_dir.name.startswith("step="):
-            continue
-        try:
-            step = int(step_dir.name[5:])
-        except ValueError:
+        step = _hive_int(step_dir, "step=")
+        if step is None:
             continue
         for rank_dir in step_dir.iterdir():
-            if not rank_dir.name.startswith("rank="):
+            rank = _hive_int(rank_dir, "rank=")
+            if rank is None:
                 continue
             for f in rank_dir.iterdir():
-                if f.suffix == ".parquet" and not f.name.startswith((".", "_")):
-                    out.setdefault(step, []).append((int(rank_dir.name[5:]), f))
+                if f.suffix == ".parquet" and not f.name.startswith((".", "_")) and f.is_file():
+                    out.setdefault(step, []).append((rank, f))
     return out
 
 
 def _latest_attempt(files: list) -> list:
-    """Keep, per rank, the file of the latest attempt (part-<attempt>.parquet)."""
-    best: dict = {}
+    """The files of the step's latest attempt (``part-<attempt>.parquet``), every rank of it, by rank.
+
+    All ranks of one process start share one attempt id (MismatchMonitor broadcasts rank 0's), so a
+    step redone by a resumed job, even on fewer ranks, is read from the new attempt alone.
+    Files whose name is not ``part-<int>.parquet`` are skipped."""
+    parsed = []
     for rank, f in files:
         try:
-            attempt = int(f.stem.split("-", 1)[1])
+            parsed.append((int(f.stem.split("-", 1)[1]), rank, f))
         except (IndexError, ValueError):
-            attempt = -1
-        if rank not in best or attempt > best[rank][0]:
-            best[rank] = (attempt, f)
-    return [best[r][1] for r in sorted(best)]
+            continue
+    if not parsed:
+        return []
+    latest = max(a for a, _, _ in parsed)
+    return [f for a, r, f in sorted(parsed, key=lambda x: x[1]) if a == latest]
 
 
 class Run:
@@ -121,7 +136,7 @@ class Run:
         rows = []
         for step, files in sorted(_parts(self.path / "steps").items()):
             for f in _latest_attempt(files):
-                r = int(f.parent.name[5:])
+                r = _hive_int(f.parent, "rank=")
                 if rank is not None and r != rank:
                     continue
                 try:

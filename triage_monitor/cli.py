@@ -134,7 +134,7 @@ def build_parser(command=None) -> argparse.ArgumentParser:
         except ImportError as exc:  # a component whose optional dependency is missing
             p.set_defaults(_missing=f"'{name}' is unavailable: {exc}")
             continue
-        prefix = f"{name}_" if module == __name__ else ""
+        prefix = f"{name}_" if module == "triage_monitor.cli" else ""
         getattr(mod, f"{prefix}add_arguments")(p)
         p.set_defaults(_run=getattr(mod, f"{prefix}run_cli"))
     return parser
