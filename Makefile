@@ -7,8 +7,10 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dashboard,wandb,test
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-test demo test bench clean
 setup: $(VENV)/.installed
+# the test set-up adds the RL frameworks whose hooks the tests exercise (about 1 min, CPU-only, torch untouched)
+setup-test: $(VENV)/.installed $(VENV)/.frameworks
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,10 +19,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
 	touch $@
 
+$(VENV)/.frameworks: $(VENV)/.installed requirements-frameworks.txt scripts/install_frameworks.sh
+	TORCH_SPEC="$(TORCH_SPEC)" bash scripts/install_frameworks.sh $(BIN)/python
+	touch $@
+
 demo: setup
 	$(BIN)/triage-monitor demo --out runs/demo
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest -q
 
 bench: setup
