@@ -10,12 +10,15 @@
    Run.steps() -> timeseries_figure) in a fresh Python process, i.e.
    including imports, and the lazy one-step token load used by the step
    section.
-3. In Chromium (DevTools protocol, the helper of tests/test_browser.py):
+3. The app script itself (AppTest): time to the first time-series figure
+   with a cold and a warm ``st.cache_data``; the stage table's compute time
+   (on a run this large the page computes it on request).
+4. In Chromium (DevTools protocol, the helper of tests/test_browser.py):
    starts the app with the ``triage-monitor dashboard`` command line and
-   measures navigation -> first rendered plotly chart, for the first visit
-   after the server starts (cold: imports + first reads) and for a second
-   visit (warm: a new session, cached step data), then the time until every
-   section (token-level step charts and the stage table) has rendered.
+   measures navigation -> first rendered plotly chart: cold (server just
+   started, fresh browser profile), reload (browser cache warm) and a new
+   browser profile (Streamlit's JS bundle fetched again), and the time until
+   the page finished.
 """
 
 from __future__ import annotations
@@ -79,38 +82,72 @@ print(f'{{"import_s": {t_import:.3f}, "steps_read_s": {t_steps - t_import:.3f}, 
 """
 
 
+def _visit(b, url: str, out: dict, name: str, shot: Path = None) -> None:
+    from test_browser import CHARTS_JS, RUNNING_JS
+
+    t0 = time.perf_counter()
+    b.navigate(url)
+    b.wait_for(f"{CHARTS_JS} >= 1", timeout=300, poll=0.02)
+    out[f"{name}_first_chart_s"] = round(time.perf_counter() - t0, 2)
+    b.wait_for(f"{CHARTS_JS} >= 8", timeout=300, poll=0.02)
+    out[f"{name}_step_level_charts_s"] = round(time.perf_counter() - t0, 2)
+    time.sleep(0.3)
+    deadline = time.monotonic() + 600
+    while b.eval(RUNNING_JS) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out[f"{name}_page_complete_s"] = round(time.perf_counter() - t0, 2)
+    out[f"{name}_charts"] = b.eval(CHARTS_JS)
+    if shot is not None:
+        b.screenshot(shot)
+
+
 def measure_browser(run: Path) -> dict:
+    """Navigation -> first rendered chart: cold (server just started, fresh browser profile), reload
+    (same browser: its HTTP cache holds Streamlit's JS; data cached server-side) and a new browser
+    profile (JS bundle fetched again, data cached)."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_browser import CHARTS_JS, RUNNING_JS, Chromium, free_port, start_dashboard, stop
+    from test_browser import Chromium, free_port, start_dashboard, stop
 
     port = free_port()
-    log = Path("/tmp/tm-bench-streamlit.log")
     out = {}
-    proc = start_dashboard([run], port, log)
+    proc = start_dashboard([run], port, Path("/tmp/tm-bench-streamlit.log"))
     try:
-        for visit in ("cold", "warm"):
-            b = Chromium()
-            try:
-                t0 = time.perf_counter()
-                b.navigate(f"http://127.0.0.1:{port}/")
-                b.wait_for(f"{CHARTS_JS} >= 1", timeout=300, poll=0.05)
-                out[f"{visit}_first_chart_s"] = round(time.perf_counter() - t0, 2)
-                b.wait_for(f"{CHARTS_JS} >= 8", timeout=300, poll=0.05)
-                out[f"{visit}_step_level_charts_s"] = round(time.perf_counter() - t0, 2)
-                time.sleep(0.5)
-                deadline = time.monotonic() + 600
-                while b.eval(RUNNING_JS) and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                b.wait_for("document.querySelectorAll('[data-testid=stDataFrame]').length >= 1", timeout=600)
-                out[f"{visit}_page_complete_s"] = round(time.perf_counter() - t0, 2)
-                out[f"{visit}_charts"] = b.eval(CHARTS_JS)
-                if visit == "warm":
-                    b.screenshot(ROOT / "artifacts" / "bench" / "dashboard_large_run.png")
-            finally:
-                b.close()
+        b = Chromium()
+        try:
+            _visit(b, f"http://127.0.0.1:{port}/", out, "cold")
+            _visit(b, f"http://127.0.0.1:{port}/?reload=1", out, "reload",
+                   ROOT / "artifacts" / "bench" / "dashboard_large_run.png")
+        finally:
+            b.close()
+        b = Chromium()
+        try:
+            _visit(b, f"http://127.0.0.1:{port}/", out, "new_browser")
+        finally:
+            b.close()
     finally:
         stop(proc)
     return out
+
+
+SCRIPT_SIDE = r"""
+import os, sys, time
+from streamlit.testing.v1 import AppTest
+from triage_monitor import views
+os.environ["TRIAGE_MONITOR_RUNS"] = sys.argv[1]
+marks = []
+orig = views.timeseries_figure
+def timed(*a, **k):
+    marks.append(time.perf_counter()); return orig(*a, **k)
+views.timeseries_figure = timed
+res = {}
+for name in ("cold_cache", "warm_cache"):
+    marks.clear(); t0 = time.perf_counter()
+    at = AppTest.from_file(sys.argv[2], default_timeout=900).run()
+    res[name + "_first_figure_s"] = round(marks[0] - t0, 3)
+    res[name + "_script_s"] = round(time.perf_counter() - t0, 3)
+    assert not at.exception, at.exception
+print(res)
+"""
 
 
 def main() -> None:
@@ -135,6 +172,14 @@ def main() -> None:
     steps = open_run(run).steps()
     print(f"run: {run} ({du}), {len(steps)} steps, {int(steps['n_tokens'].sum()):,} tokens")
     print("in-process (fresh interpreter):", json.dumps(inproc))
+    r = subprocess.run([sys.executable, "-c", SCRIPT_SIDE, str(run), str(ROOT / "dashboards" / "app.py")],
+                       capture_output=True, text=True, check=True)
+    print("app script (AppTest, modules imported; time to the first time-series figure / whole script, "
+          "stage table on request):", r.stdout.strip().splitlines()[-1])
+    from triage_monitor.stages import stage_table
+    t0 = time.perf_counter()
+    stage_table(open_run(run))
+    print(f"stage table (4 anchors x 25-step windows, 499 null draws): {time.perf_counter() - t0:.1f}s")
     if not args.no_browser:
         print("Chromium:", json.dumps(measure_browser(run)))
 

@@ -28,10 +28,12 @@ import pandas as pd
 import streamlit as st
 
 from triage_monitor.analysis import RunDirError, open_run, recompute
-from triage_monitor.stages import format_stage_table, stage_table, tail_layout
+from triage_monitor.stages import anchor_steps, format_stage_table, stage_table, tail_layout
 from triage_monitor import views
 
 TOKEN_COLUMNS = ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"]
+#: Above this many tokens in the anchor windows the stage table waits for a click (it reads them all).
+STAGE_AUTO_TOKENS = int(os.environ.get("TRIAGE_MONITOR_STAGE_AUTO_TOKENS", 5_000_000))
 
 
 # ----------------------------------------------------------------------------- data (cached)
@@ -285,6 +287,14 @@ with st.sidebar:
     draws = int(st.number_input("Shuffle-null draws", 9, 9999, 499, step=10, key="draws"))
 try:
     anchors = tuple(int(a) for a in anchors_text.replace(",", " ").split()) if anchors_text.strip() else None
+    ends = list(anchors) if anchors else anchor_steps(step_list)
+    in_windows = steps["step"].apply(lambda s_: any(a - window_steps < s_ <= a for a in ends))
+    n_read = float(steps.loc[in_windows, "n_tokens"].sum()) if "n_tokens" in steps else 0.0
+    if n_read > STAGE_AUTO_TOKENS and not st.toggle(
+            f"Compute the stage table (reads ~{n_read / 1e6:.1f}M tokens of the anchor windows)", key="stage_go"):
+        st.info("On a run this large the stage table is computed on request: it reads the token rows of "
+                "every anchor window and draws the C_tok shuffle null. Everything above is already complete.")
+        st.stop()
     with st.spinner("computing the stage table and the C_tok shuffle null…"):
         table = load_stage_table(primary, anchors, window_steps, draws, sig)
     shown = format_stage_table(table)

@@ -303,3 +303,14 @@ def test_alerts_drawn_as_markers(monkeypatch, tmp_path):
     d = trace(c["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"], run=label, alerts=True)   # c_tok has no own panel
     assert d["x"] == ctok_steps
     assert all("ctok_high" in t for t in d["hovertext"])
+
+
+def test_large_stage_table_waits_for_a_click(monkeypatch, demo_run_dir):
+    monkeypatch.setenv("TRIAGE_MONITOR_STAGE_AUTO_TOKENS", "1000")
+    at = app(monkeypatch, demo_run_dir)
+    assert_ok(at)
+    assert any("computed on request" in i.value for i in at.info)
+    assert len(at.dataframe) == 0 and len(at.get("plotly_chart")) >= 10        # everything else is there
+    at.toggle(key="stage_go").set_value(True).run()
+    assert_ok(at)
+    assert at.dataframe[-1].value["stage"].tolist() == ["25%", "50%", "75%", "100%"]

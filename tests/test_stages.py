@@ -134,3 +134,32 @@ def test_stage_table_on_demo_run(demo_run_dir):
         stage_table(run, anchors=[999])
     shown = format_stage_table(t)
     assert "C_tok %" in shown.columns and shown["C_tok %"].iloc[0] == pytest.approx(100 * t["c_tok"].iloc[0])
+
+
+def test_null_ranking_equals_c_tok_from_segments_per_draw():
+    # the vectorised O(K) ranking of shuffle_null_c_tok equals metrics.c_tok_from_segments applied to each draw
+    rng = np.random.default_rng(7)
+    resp = np.repeat(np.arange(300), rng.integers(1, 5, 300))
+    valid = rng.integers(1, 9, resp.size)                             # small segments: many exact ties
+    tail = rng.binomial(valid, 0.15)
+    tail[resp < 60] = 0                                               # responses without tails still count in K
+    lay = TailLayout(resp, valid, tail)
+    keep = np.bincount(resp, weights=tail)[resp] > 0
+    counts = null_segment_counts(TailLayout(resp[keep], valid[keep], tail[keep]), draws=40, seed=2)
+    null = shuffle_null_c_tok(lay, draws=40, seed=2)
+    for d in range(40):
+        full = np.zeros(resp.size, dtype=np.int64)
+        full[keep] = counts[d]
+        ref = c_tok_from_segments(torch.as_tensor(full), torch.as_tensor(valid))
+        assert null[d] == pytest.approx(ref, abs=1e-15)
+
+
+def test_tail_layout_from_tokens_equals_batch_path(demo_run_dir):
+    from triage_monitor.stages import tail_layout_from_tokens
+
+    run = open_run(demo_run_dir)
+    for step in (0, 12, 29):
+        a = tail_layout(run.token_batch(step), -0.05, 4)
+        b = tail_layout_from_tokens(run.tokens(step), -0.05, 4)
+        for f in ("response", "valid", "tail", "number"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))

@@ -50,6 +50,7 @@ def build_command(run_dirs: Sequence[str], host: str = DEFAULT_HOST, port: int =
             "--server.address", str(host), "--server.port", str(int(port)),
             "--server.headless", "true" if headless else "false",
             "--browser.gatherUsageStats", "false", "--global.developmentMode", "false",
+            "--client.toolbarMode", "minimal", "--server.fileWatcherType", "none",
             "--", *run_dirs]
 
 

@@ -83,12 +83,27 @@ def tail_layout(batch: TokenBatch, tau_tail: float, width: int = 64) -> TailLayo
     response's advantage is the mean over its valid tokens; a tail token has
     A < 0 and δ < ``tau_tail`` (nats); segments are ``width`` positions wide.
     """
-    nv = batch.num_valid.clamp(min=1).double()
-    resp_adv = torch.zeros(batch.num_samples, dtype=torch.float64).index_add(
-        0, batch.sample_index, batch.advantage.double()) / nv
-    idx = torch.nonzero(resp_adv[batch.sample_index] < 0).squeeze(1)
-    seg = segment_tokens(batch.sample_index[idx], batch.position[idx], width)
-    tail = seg.sum(((batch.advantage[idx] < 0) & (batch.delta[idx].detach() < tau_tail)).long())
+    return _layout(batch.sample_index, batch.position, batch.advantage, batch.delta, batch.num_samples,
+                   tau_tail, width)
+
+
+def tail_layout_from_tokens(tokens: pd.DataFrame, tau_tail: float, width: int = 64) -> TailLayout:
+    """:func:`tail_layout` of a step's token rows as :meth:`Run.tokens` returns them (sorted by
+    ``sample_id``, ``position``), without building a validated TokenBatch (the fast offline path).
+    δ is computed in float32 as :attr:`TokenBatch.delta` does, so the counts are identical."""
+    codes, uniq = pd.factorize(tokens["sample_id"], sort=True)
+    col = (lambda name, dtype: torch.from_numpy(tokens[name].to_numpy(dtype, copy=True)))
+    return _layout(torch.from_numpy(codes.astype(np.int64)), col("position", np.int64), col("advantage", np.float32),
+                   col("learner_logp", np.float32) - col("sampler_logp", np.float32), len(uniq), tau_tail, width)
+
+
+def _layout(sample_index: Tensor, position: Tensor, advantage: Tensor, delta: Tensor, num_samples: int,
+            tau_tail: float, width: int) -> TailLayout:
+    nv = torch.bincount(sample_index, minlength=num_samples).clamp(min=1).double()
+    resp_adv = torch.zeros(num_samples, dtype=torch.float64).index_add(0, sample_index, advantage.double()) / nv
+    idx = torch.nonzero(resp_adv[sample_index] < 0).squeeze(1)
+    seg = segment_tokens(sample_index[idx], position[idx], width)
+    tail = seg.sum(((advantage[idx] < 0) & (delta[idx].detach() < tau_tail)).long())
     return TailLayout(seg.sample.numpy().astype(np.int64), seg.count.numpy().astype(np.int64),
                       tail.numpy().astype(np.int64), seg.number.numpy().astype(np.int64))
 
@@ -146,11 +161,13 @@ def shuffle_null_c_tok(layout: TailLayout, draws: int = 499, seed: int = 0, top_
     keep = np.flatnonzero(np.bincount(layout.response, weights=layout.tail)[layout.response] > 0)
     sub = TailLayout(layout.response[keep], layout.valid[keep], layout.tail[keep])   # only these can hold tails
     counts = null_segment_counts(sub, draws, seed)
+    # rank by tail fraction, ties by count (as c_tok_from_segments), in O(K) per draw: distinct
+    # fractions a/b differ by >= 1/max_valid², so a count term < 0.5/max_valid² only breaks ties
     frac = counts / sub.valid
-    by_count = np.argsort(-counts, axis=1, kind="stable")
-    order = np.take_along_axis(by_count, np.argsort(-np.take_along_axis(frac, by_count, 1), 1, kind="stable"), 1)
-    top = math.ceil(top_fraction * K)
-    return np.take_along_axis(counts, order, 1)[:, :top].sum(1) / total
+    key = frac + counts * (0.5 / (float(sub.valid.max()) ** 2 * (float(counts.max()) + 1.0)))
+    top = min(math.ceil(top_fraction * K), sub.num_segments)
+    best = np.argpartition(-key, top - 1, axis=1)[:, :top]
+    return np.take_along_axis(counts, best, 1).sum(1) / total
 
 
 def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS) -> list:
@@ -240,7 +257,8 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             for s in win:
                 tau = float(frame.at[s, "tau_tail"]) if "tau_tail" in frame.columns else math.nan
                 if not math.isnan(tau):
-                    parts.append(tail_layout(run.token_batch(s), tau, cfg.segment_width))
+                    toks = run.tokens(s, ["sample_id", "position", "learner_logp", "sampler_logp", "advantage"])
+                    parts.append(tail_layout_from_tokens(toks, tau, cfg.segment_width))
             layout = TailLayout.concat(parts)
             row["c_tok"] = layout.c_tok(cfg.top_fraction) if layout.num_segments else math.nan
             null = shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction)
