@@ -197,7 +197,7 @@ def segment_heatmap_figure(layout, sample_id: np.ndarray, step: int, max_rows: i
                              meta={"step": int(step), "sample_id": [int(i) for i in ids]}))
     more = f" (top {keep.size} of {uniq.size} by tail tokens)" if uniq.size > keep.size else ""
     _layout(fig, f"Segment tail fraction, A<0 responses · step {step}{more}", height=380, hovermode="closest")
-    fig.update_xaxes(title_text="segment k (positions kW … (k+1)W−1)", dtick=1 if z.shape[1] <= 30 else None)
+    fig.update_xaxes(title_text="segment k (positions kW … (k+1)W−1)", dtick=1 if z.shape[1] <= 16 else None)
     fig.update_yaxes(autorange="reversed", showticklabels=keep.size <= 40)
     return fig
 
@@ -252,13 +252,15 @@ def response_figure(tokens: pd.DataFrame, gate_weight: Optional[np.ndarray], wid
                         row_heights=[0.68, 0.32][:rows] if rows == 2 else None,
                         subplot_titles=["δ per token (nats)", "Gate weight"][:rows])
     lim = max(float(np.abs(delta).max()) if delta.size else 1.0, 1e-6)
-    fig.add_trace(go.Bar(x=pos.tolist(), y=delta.tolist(), name="δ",
-                         marker=dict(color=delta.tolist(), colorscale="RdBu", cmin=-lim, cmax=lim,
-                                     colorbar=dict(title="δ", len=0.6, y=0.7)),
-                         meta={"sample_id": int(sample_id), "column": "delta"},
-                         hovertemplate="position %{x}<br>δ %{y:.4f}<extra></extra>"), row=1, col=1)
+    color = dict(color=delta.tolist(), colorscale="RdBu", cmin=-lim, cmax=lim,
+                 colorbar=dict(title="δ", len=0.6, y=0.7))
+    common = dict(x=pos.tolist(), y=delta.tolist(), name="δ", meta={"sample_id": int(sample_id), "column": "delta"},
+                  hovertemplate="position %{x}<br>δ %{y:.4f}<extra></extra>")
+    short = pos.size <= 200                   # bars read well up to ~200 tokens; beyond, coloured points
+    fig.add_trace(go.Bar(marker=color, **common) if short else
+                  go.Scatter(mode="markers", marker=dict(size=5, **color), **common), row=1, col=1)
     tail = (delta < tau_tail) & (adv < 0) if math.isfinite(tau_tail) else np.zeros(delta.size, bool)
-    if tail.any():
+    if tail.any() and short:
         fig.add_trace(go.Scatter(x=pos[tail].tolist(), y=delta[tail].tolist(), mode="markers", name="tail token",
                                  marker=dict(symbol="x", size=7, color="#111827"), meta={"column": "tail"}),
                       row=1, col=1)
