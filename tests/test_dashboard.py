@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import zipfile
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 

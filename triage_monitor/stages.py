@@ -25,7 +25,7 @@ import torch
 
 from .analysis import Run, recompute
 from .batch import TokenBatch
-from .metrics import MetricConfig, c_tok_from_segments
+from .metrics import c_tok_from_segments
 from .segments import segment_tokens
 
 Tensor = torch.Tensor

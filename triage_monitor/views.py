@@ -82,7 +82,6 @@ def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool
     title, cols, ytitle, ref = PANELS[panel]
     fig = go.Figure()
     multi = len(runs) > 1
-    alerts_here = {"direction"}.union({panel})
     for ri, (label, df) in enumerate(runs.items()):
         first = None
         for ci, (col, name, scale) in enumerate(cols):
