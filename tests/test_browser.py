@@ -128,7 +128,11 @@ class Chromium:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        shutil.rmtree(self.profile, ignore_errors=True)
+        for _ in range(10):                       # child processes may still be flushing the profile
+            shutil.rmtree(self.profile, ignore_errors=True)
+            if not os.path.exists(self.profile):
+                break
+            time.sleep(0.3)
 
 
 def start_dashboard(run_dirs, port: int, log_path: Path) -> subprocess.Popen:
