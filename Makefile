@@ -7,10 +7,14 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dashboard,wandb,test
 
-.PHONY: setup setup-test demo test bench clean
+.PHONY: setup setup-test chromium demo test bench bench-dashboard clean
 setup: $(VENV)/.installed
 # the test set-up adds the RL frameworks whose hooks the tests exercise (about 1 min, CPU-only, torch untouched)
-setup-test: $(VENV)/.installed $(VENV)/.frameworks
+setup-test: $(VENV)/.installed $(VENV)/.frameworks chromium
+
+# the dashboard's real-browser test drives Debian's Chromium over the DevTools protocol
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +35,9 @@ test: setup-test
 
 bench: setup
 	$(BIN)/python benchmarks/bench_core.py
+
+bench-dashboard: setup chromium
+	$(BIN)/python benchmarks/bench_dashboard.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
