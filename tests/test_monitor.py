@@ -86,6 +86,26 @@ def test_resumed_run_keeps_latest_attempt(tmp_path):
     assert len(run.tokens(1)) == again["n_tokens"]
 
 
+def test_steps_without_valid_tokens_do_not_count_as_calibration_steps(tmp_path):
+    # steps 0 and 1 carry no valid token (all masked): they write no token file, so offline
+    # recomputation never sees them; tau_tail must come from the first 2 steps with tokens (2 and 3),
+    # not freeze at NaN after steps 0 and 1
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=3, calibration_steps=2)) as mon:
+        for step in range(2):
+            b = _batch(step)
+            mon.log_step(step, TokenBatch.from_flat(b.learner_logp[:0], b.sampler_logp[:0], b.advantage[:0],
+                                                    b.sample_index[:0], b.position[:0]))
+        live = [mon.log_step(step, _batch(step)) for step in range(2, 6)]
+    ref = torch.cat([_batch(2).delta, _batch(3).delta]).double().numpy()
+    tau = float(pd.Series(ref).quantile(0.05))
+    assert live[1]["tau_tail"] == pytest.approx(tau, rel=1e-12) and live[3]["tau_tail"] == live[1]["tau_tail"]
+    assert json.loads((d / "run.json").read_text())["calibration"]["tau_tail"] == live[1]["tau_tail"]
+    run = open_run(d)
+    cmp = compare_live(run, recompute(run), rtol=0.0)
+    assert cmp["equal"].all(), cmp[~cmp["equal"]]
+
+
 def test_analyze_cli(run_dir, capsys, tmp_path):
     d, _ = run_dir
     out = tmp_path / "m.csv"

@@ -416,7 +416,7 @@ class MetricTracker:
     first ``calibration_steps`` steps.  While the reference window is still
     filling, the steps use the provisional value computed from the steps seen
     so far (current step included); it is frozen after step
-    ``calibration_steps`` (counted in distinct steps logged).
+    ``calibration_steps`` (counted in steps logged with at least one valid token).
 
     ``observe(stats)`` takes a step's accumulator *before* its localisation
     part is filled (see :meth:`step`), which is why the tracker, not the
@@ -440,8 +440,8 @@ class MetricTracker:
         self._history: list = []        # [(step, MismatchStats)] of the trailing window
 
     def _calibrate(self, delta: Tensor) -> None:
-        if self.tau_frozen:
-            return
+        if self.tau_frozen or delta.numel() == 0:
+            return          # a step without valid tokens (no token file either) is no reference step
         self._calib.append(delta.detach().float().cpu())
         self.tau_tail = quantiles(torch.cat(self._calib), [self.config.tail_quantile])[0]
         if len(self._calib) >= self.calibration_steps:
