@@ -28,7 +28,6 @@ import pandas as pd
 import streamlit as st
 
 from triage_monitor.analysis import RunDirError, open_run, recompute
-from triage_monitor.stages import anchor_steps, format_stage_table, stage_table, tail_layout
 from triage_monitor import views
 
 TOKEN_COLUMNS = ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"]
@@ -74,12 +73,16 @@ def load_recomputed(path: str, window: int, sig: tuple) -> pd.DataFrame:
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple) -> pd.DataFrame:
+    from triage_monitor.stages import stage_table  # torch-backed: imported after the first charts are out
+
     return stage_table(open_run(path), list(anchors) if anchors else None, window=window, draws=draws, seed=0)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tuple:
     """(δ array, tail layout, sample ids, gate weights, gate width) of one step."""
+    from triage_monitor.stages import tail_layout
+
     run = open_run(path)
     batch = run.token_batch(step)
     delta = batch.delta.double().numpy()
@@ -281,6 +284,8 @@ if toks is not None:
 
 # ------------------------------------------------------------------ stages
 st.header("Stages (SPEC §3.4)")
+from triage_monitor.stages import anchor_steps, format_stage_table  # noqa: E402  (torch-backed, after the charts)
+
 with st.sidebar:
     st.header("Stages")
     anchors_text = st.text_input("Anchor steps (comma-separated; empty = 25/50/75/100 %)", "", key="anchors")

@@ -313,3 +313,16 @@ def test_large_stage_table_waits_for_a_click(monkeypatch, demo_run_dir):
     at.toggle(key="stage_go").set_value(True).run()
     assert_ok(at)
     assert at.dataframe[-1].value["stage"].tolist() == ["25%", "50%", "75%", "100%"]
+
+
+def test_step_level_path_needs_no_torch():
+    """The dashboard's first charts (manifest, steps, figures) import neither torch nor the metric code."""
+    import subprocess
+    import sys
+
+    code = ("import sys, triage_monitor.analysis, triage_monitor.views; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    from triage_monitor import metrics, views
+    assert views.REGIONS == metrics.REGIONS

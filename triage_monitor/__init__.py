@@ -8,10 +8,19 @@ See SPEC.md for every term.
 
 __version__ = "0.1.0"
 
-from .batch import InvalidTokenError, TokenBatch  # noqa: E402
-from .controller import TriageConfig, TriageController  # noqa: E402
-from .metrics import MetricConfig, MismatchStats  # noqa: E402
-from .monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+# Public names, imported on first use (PEP 562): `import triage_monitor.analysis` (the dashboard's step-level
+# path) then does not import torch.
+_LAZY = {"TokenBatch": "batch", "InvalidTokenError": "batch", "TriageConfig": "controller",
+         "TriageController": "controller", "MetricConfig": "metrics", "MismatchStats": "metrics",
+         "MismatchMonitor": "monitor", "MonitorConfig": "monitor"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'triage_monitor' has no attribute {name!r}")
 
 __all__ = ["TokenBatch", "InvalidTokenError", "MismatchMonitor", "MonitorConfig", "MetricConfig", "MismatchStats",
            "TriageController", "TriageConfig", "__version__"]

@@ -22,11 +22,11 @@ from typing import Iterator, Optional, Sequence
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
-from .batch import TokenBatch
-from .metrics import METRIC_NAMES, MetricConfig, MetricTracker
 from .records import MANIFEST, read_manifest
+
+# torch-backed modules (batch, metrics) are imported inside the functions that need them, so that reading
+# step-level data (Run.steps, the dashboard's first charts) does not pay for importing torch.
 
 
 class RunDirError(ValueError):
@@ -93,8 +93,10 @@ class Run:
         """The parsed ``run.json``."""
         return read_manifest(self.path)
 
-    def metric_config(self) -> MetricConfig:
-        """The MetricConfig the live monitor used (SPEC.md defaults if absent)."""
+    def metric_config(self):
+        """The :class:`~triage_monitor.metrics.MetricConfig` the live monitor used (SPEC.md defaults if absent)."""
+        from .metrics import MetricConfig
+
         mc = self.manifest.get("monitor_config", {}).get("metrics", {})
         return MetricConfig(**mc)
 
@@ -115,8 +117,12 @@ class Run:
         sort = [c for c in ("sample_id", "position") if c in df.columns]
         return df.sort_values(sort, kind="stable").reset_index(drop=True) if sort else df
 
-    def token_batch(self, step: int) -> TokenBatch:
-        """The step's valid tokens as a :class:`TokenBatch` (float32 values exactly as recorded)."""
+    def token_batch(self, step: int):
+        """The step's valid tokens as a :class:`~triage_monitor.batch.TokenBatch` (float32 values exactly as recorded)."""
+        import torch
+
+        from .batch import TokenBatch
+
         df = self.tokens(step, ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"])
         t = {c: torch.as_tensor(df[c].to_numpy().copy()) for c in df.columns if c != "rank"}
         return TokenBatch.from_flat(t["learner_logp"], t["sampler_logp"], t["advantage"], t["sample_id"],
@@ -200,7 +206,7 @@ def load_steps(run_dir) -> pd.DataFrame:
 
 
 def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[float] = None,
-              calibration_steps: Optional[int] = None, config: Optional[MetricConfig] = None,
+              calibration_steps: Optional[int] = None, config=None,
               steps: Optional[Sequence[int]] = None, progress: bool = False) -> pd.DataFrame:
     """Recompute every per-step and trailing-window metric from the token files alone.
 
@@ -212,6 +218,8 @@ def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[floa
         DataFrame with a ``step`` column, the step metrics (:data:`METRIC_NAMES`)
         and ``window/<name>`` columns.
     """
+    from .metrics import METRIC_NAMES, MetricTracker
+
     mc = run.manifest.get("monitor_config", {})
     tracker = MetricTracker(config or run.metric_config(),
                             window if window is not None else mc.get("window", 25),

@@ -21,7 +21,9 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .metrics import REGIONS
+#: The four regions of SPEC.md §2, as in :data:`triage_monitor.metrics.REGIONS` (repeated here so the
+#: dashboard's first charts need no torch import; tests/test_dashboard.py checks they agree).
+REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
 PALETTE = ("#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563")
 REGION_COLORS = {"amp_neg": "#dc2626", "amp_pos": "#f97316", "con_neg": "#3b82f6", "con_pos": "#10b981"}
