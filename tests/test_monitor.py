@@ -131,3 +131,9 @@ def test_log_step_argument_errors(tmp_path):
             mon.log_step(0, {"learner_logp": 1})
         with pytest.raises(ValueError, match="extra\\['reward'\\]"):
             mon.log_step(0, _batch(0), extra={"reward": "high"})
+        b = _batch(0)
+        with pytest.raises(ValueError, match="token_extras\\['advantage'\\]: reserved"):
+            mon.log_step(0, b, token_extras={"advantage": torch.ones(b.num_tokens)})
+        with pytest.raises(ValueError, match="token_extras\\['w'\\] has 3 values"):
+            mon.log_step(0, b, token_extras={"w": torch.ones(3)})
+        assert mon.steps_logged == 0 and not mon.tracker._history      # rejected before any state changed

@@ -211,6 +211,8 @@ class MismatchMonitor:
 
         Raises:
             TypeError: ``step`` is not an int or ``batch`` not a TokenBatch.
+            ValueError: an ``extra`` value is not a number, or a ``token_extras`` entry has a reserved
+                name (a token column, ``step``, ``rank``) or not ``N`` values.
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise TypeError(f"step must be an int, got {step!r}")
@@ -218,6 +220,7 @@ class MismatchMonitor:
             raise TypeError(f"batch must be a TokenBatch, got {type(batch).__name__}")
         step = int(step)
         extra = {k: _to_float(k, v) for k, v in (extra or {}).items()}
+        _check_token_extras(token_extras, batch.num_tokens)
         batch = batch.detach()
         group = self.group if self.world_size > 1 else None
         was_frozen = self.tracker.tau_frozen
@@ -310,8 +313,6 @@ class MismatchMonitor:
             schema = TOKEN_SCHEMA
             for k, v in (token_extras or {}).items():
                 cols[k] = torch.as_tensor(v).detach().float().cpu().numpy().reshape(-1)
-                if cols[k].shape[0] != batch.num_tokens:
-                    raise ValueError(f"token_extras[{k!r}] has {cols[k].shape[0]} values, batch has {batch.num_tokens}")
                 schema = schema.append(pa.field(k, pa.float32()))
             self.sink.submit("tokens", step, self.rank, cols, schema)
         if batch.quarantined is not None:
@@ -388,6 +389,18 @@ def _shared_attempt_id(group=None) -> int:
     t = torch.tensor([new_attempt_id()], dtype=torch.int64, device=dev)
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(t.item())
+
+
+def _check_token_extras(token_extras: Optional[dict], n: int) -> None:
+    """Reject, before any state changes, extra token columns that would break the token table:
+    a reserved name (a token column or a hive partition key) or not ``n`` values."""
+    reserved = (*TOKEN_SCHEMA.names, "step", "rank")
+    for k, v in (token_extras or {}).items():
+        if k in reserved:
+            raise ValueError(f"token_extras[{k!r}]: reserved column name (reserved: {', '.join(reserved)})")
+        size = torch.as_tensor(v).numel()
+        if size != n:
+            raise ValueError(f"token_extras[{k!r}] has {size} values, batch has {n}")
 
 
 def _to_float(name: str, v) -> float:
