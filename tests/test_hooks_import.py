@@ -136,6 +136,20 @@ def test_import_table_missing_column_is_named(tmp_path, capsys):
     assert "sampler_logp (column 'sampler_logp')" in capsys.readouterr().err
 
 
+def test_import_table_reads_optional_columns_by_their_own_name(tmp_path, capsys):
+    # a column named `mask` is applied without --map (it was silently ignored: masked rows imported)
+    src = tmp_path / "t.parquet"
+    pd.DataFrame({"step": [0] * 4, "sample_id": [7] * 4, "learner_logp": [-0.1, -0.2, -0.3, -0.4],
+                  "sampler_logp": [-0.1] * 4, "advantage": [1.0] * 4, "mask": [0, 1, 1, 0],
+                  "group_id": [3] * 4}).to_parquet(src)
+    assert main(["import", "table", str(src), "--out", str(tmp_path / "o")]) == 0
+    got = pd.read_parquet(tmp_path / "o" / "tokens")
+    assert got["position"].tolist() == [1, 2] and got["group_id"].tolist() == [3, 3]
+    # an explicitly mapped column that does not exist is an error, not ignored
+    assert main(["import", "table", str(src), "--out", str(tmp_path / "o2"), "--map", "group_id=prompt"]) == 2
+    assert "group_id (column 'prompt')" in capsys.readouterr().err
+
+
 def test_import_quarantines_invalid_tokens(tmp_path):
     steps = {0: responses(6)}
     steps[0][0]["learner"][2] = float("nan")

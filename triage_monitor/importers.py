@@ -113,13 +113,20 @@ def table_steps(df: pd.DataFrame, mapping: Dict[str, str],
                 on_invalid: str = "quarantine") -> Iterator[Tuple[int, TokenBatch]]:
     """Yield ``(step, TokenBatch)`` from a per-token (or per-response list-valued) table.
 
+    Optional fields (``position``, ``mask``, ``group_id``) are read from ``mapping`` or, unmapped,
+    from a column of the field's own name when the table has one.
+
     Raises:
-        ValueError: a mapped column is missing, or list columns of one row differ in length.
+        ValueError: a required or explicitly mapped column is missing, or list columns of one row
+            differ in length.
     """
-    missing = [f"{f} (column {mapping[f]!r})" for f in REQUIRED if mapping[f] not in df.columns]
+    # required fields and explicitly mapped optional ones must exist; an unmapped optional field is
+    # used when the table has a column of its own name (a `mask` column is never silently ignored)
+    missing = [f"{f} (column {mapping[f]!r})" for f in REQUIRED + OPTIONAL
+               if f in mapping and mapping[f] not in df.columns]
     if missing:
         raise ValueError(f"table has no column for {missing}; columns are {list(df.columns)}; use --map field=column")
-    cols = {f: mapping[f] for f in REQUIRED + OPTIONAL if f in mapping and mapping[f] in df.columns}
+    cols = {f: mapping.get(f, f) for f in REQUIRED + OPTIONAL if mapping.get(f, f) in df.columns}
     df = df[list(dict.fromkeys(cols.values()))].rename(columns={v: k for k, v in cols.items()})
     list_cols = [c for c in ("learner_logp", "sampler_logp", "advantage", "mask", "position")
                  if c in df.columns and len(df) and isinstance(df[c].iloc[0], (list, np.ndarray))]
