@@ -134,6 +134,8 @@ def test_import_table_missing_column_is_named(tmp_path, capsys):
     pd.DataFrame({"step": [0], "sample_id": [0], "learner_logp": [-0.1], "advantage": [1.0]}).to_parquet(src)
     assert main(["import", "table", str(src), "--out", str(tmp_path / "o")]) == 2
     assert "sampler_logp (column 'sampler_logp')" in capsys.readouterr().err
+    assert main(["import", "table", str(tmp_path / "nope.parquet"), "--out", str(tmp_path / "o")]) == 2
+    assert "nope.parquet: no such file or directory" in capsys.readouterr().err
 
 
 def test_import_table_reads_optional_columns_by_their_own_name(tmp_path, capsys):

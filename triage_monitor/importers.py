@@ -98,8 +98,10 @@ def read_table(path: str, fmt: str = "auto") -> pd.DataFrame:
     """Read a Parquet file/directory or a JSONL file into a DataFrame.
 
     Raises:
-        ValueError: unknown format.
+        ValueError: unknown format or no such file.
     """
+    if not Path(path).exists():
+        raise ValueError(f"{path}: no such file or directory")
     if fmt == "auto":
         fmt = "jsonl" if str(path).endswith((".jsonl", ".json", ".jsonl.gz")) else "parquet"
     if fmt == "parquet":
