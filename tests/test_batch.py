@@ -103,6 +103,8 @@ def test_shape_dtype_mask_errors_name_the_argument():
         TokenBatch.from_padded(lp, s, a, m, sample_ids=torch.tensor([1, 1, 2]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         TokenBatch.from_packed(lp.reshape(-1), s.reshape(-1), a, torch.tensor([0, 4, 7]))
+    with pytest.raises(TypeError, match=r"sampler_logp\[1\] must be a torch.Tensor, got ndarray"):
+        TokenBatch.from_list([lp[0], lp[1]], [s[0], s[1].numpy()], [1., -1.])
 
 
 def test_from_flat_sorts_rows_and_rejects_duplicates():

@@ -312,16 +312,19 @@ class TokenBatch:
             masks: optional ``S`` loss masks ``(L_i,)``.
 
         Raises:
+            TypeError: an element is not a floating-point tensor (the message names it).
             ValueError: list lengths or per-sample shapes disagree; InvalidTokenError.
         """
         S = len(learner_logp)
         if len(sampler_logp) != S:
             raise ValueError(f"sampler_logp has {len(sampler_logp)} samples, learner_logp has {S}")
-        lengths = [int(t.shape[0]) for t in learner_logp]
         for i, (a, b) in enumerate(zip(learner_logp, sampler_logp)):
+            _check_float(f"learner_logp[{i}]", a)
+            _check_float(f"sampler_logp[{i}]", b)
             if a.dim() != 1 or b.shape != a.shape:
                 raise ValueError(f"sample {i}: learner_logp shape {tuple(a.shape)} and sampler_logp shape "
                                  f"{tuple(b.shape)} must be equal and 1-D")
+        lengths = [int(t.shape[0]) for t in learner_logp]
         if isinstance(advantages, Tensor) and advantages.dim() == 1 and advantages.shape[0] == S:
             adv_list = [advantages[i].expand(lengths[i]) for i in range(S)]
         elif len(advantages) == S:
