@@ -35,15 +35,18 @@ def test_cooldown_delays_refiring_until_it_has_passed():
     assert run(r, [2, 0, 2, 0, 2, 2, 0, 2]) == [0, 5]
 
 
-def test_clearing_rearms_and_nan_does_not_clear():
+def test_clearing_rearms_and_nan_does_not_clear(caplog):
     r = Rule("r", "window/x", "below", 0.0)
     assert run(r, [-1, -1, 1, -1]) == [0, 3]          # clears at 2, fires again at 3
     assert run(r, [-1, math.nan, -1, None]) == [0]    # NaN / missing: not evaluated, stays active
     eng = AlertEngine([r])
     eng.observe(0, {"window/x": -1})
     assert eng.active == ["r"]
-    eng.observe(1, {"window/x": 1})
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        eng.observe(1, {"window/x": 1})
     assert eng.active == []
+    # the clearing message must not read as if the condition still held
+    assert "r cleared at step 1: no longer true that window/x = 1 is below 0" in caplog.text
 
 
 def test_calibration_window_uses_median_of_first_n_steps():

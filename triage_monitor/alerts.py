@@ -384,7 +384,7 @@ class AlertEngine:
             return None
         if not holds:
             if st.active:
-                log.info("alerts: %s cleared at step %d (%s)", r.name, step, detail)
+                log.info("alerts: %s cleared at step %d: no longer true that %s", r.name, step, detail)
             st.streak, st.active = 0, False
             return None
         st.streak += 1
