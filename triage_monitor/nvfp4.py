@@ -54,7 +54,7 @@ BACKENDS = ("torchao", "native")
 
 
 def _torchao():
-    """Import torchao's NVFP4 module lazily (it is the ``nvfp4`` extra), quietly."""
+    """Import torchao's NVFP4 module lazily (a core dependency, torchao>=0.18), quietly."""
     noisy = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in noisy]
     try:
@@ -63,7 +63,7 @@ def _torchao():
         from torchao.prototype.mx_formats import nvfp4_tensor
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "NVFP4 emulation needs torchao>=0.13: pip install 'triage-monitor[nvfp4]'") from exc
+            "NVFP4 emulation needs torchao>=0.18: pip install 'torchao>=0.18'") from exc
     finally:
         for lg, lv in zip(noisy, levels):
             lg.setLevel(lv)

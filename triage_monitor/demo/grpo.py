@@ -333,7 +333,7 @@ def _recipe(name: str, console):
     r = get_recipe(name)
     if r is not None and r.backend == "torchao" and importlib.util.find_spec("torchao") is None:
         console.print(f"[yellow]torchao is not installed: recipe {name} runs on the native NVFP4 backend "
-                      f"(bit-identical; pip install 'triage-monitor[nvfp4]' for the reference)[/]")
+                      f"(bit-identical; pip install 'torchao>=0.18' for the reference)[/]")
         r = replace(r, backend="native")
     return r
 
