@@ -116,6 +116,13 @@ def test_analyze_cli(run_dir, capsys, tmp_path):
     assert cli_main(["analyze", str(tmp_path / "nope")]) == 2
 
 
+def test_analyze_cli_corrupt_token_file_is_a_message(run_dir, capsys):
+    d, _ = run_dir
+    next((d / "tokens" / "step=3").rglob("*.parquet")).write_bytes(b"not parquet")
+    assert cli_main(["analyze", str(d)]) == 2
+    assert "step=3" in capsys.readouterr().out
+
+
 def test_open_run_rejects_non_run_dirs(tmp_path):
     with pytest.raises(RunDirError, match="no such directory"):
         open_run(tmp_path / "missing")

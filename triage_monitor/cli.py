@@ -81,7 +81,11 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
         return 2
     n_tokens = 0
     t0 = time.perf_counter()
-    df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True)
+    try:
+        df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True)
+    except (OSError, ValueError) as exc:     # an unreadable token file (pyarrow.ArrowInvalid is a ValueError)
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
     elapsed = time.perf_counter() - t0
     if df.empty:
         console.print(f"[yellow]{run.path}: no token records yet[/yellow]")
