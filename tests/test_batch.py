@@ -103,6 +103,9 @@ def test_shape_dtype_mask_errors_name_the_argument():
         TokenBatch.from_padded(lp, s, a, m, sample_ids=torch.tensor([1, 1, 2]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         TokenBatch.from_packed(lp.reshape(-1), s.reshape(-1), a, torch.tensor([0, 4, 7]))
+    with pytest.raises(ValueError, match=r"positions must be >= 0 .*got -1 for a valid token of sample 1"):
+        shifted = torch.arange(4).expand(3, 4) - 2 * (torch.arange(3) == 1)[:, None]    # row 1 starts at -2
+        TokenBatch.from_padded(lp, s, a, m, positions=shifted)
     with pytest.raises(TypeError, match=r"sampler_logp\[1\] must be a torch.Tensor, got ndarray"):
         TokenBatch.from_list([lp[0], lp[1]], [s[0], s[1].numpy()], [1., -1.])
 

@@ -415,6 +415,10 @@ class TokenBatch:
                 else torch.as_tensor(group_ids, device=dev).long().reshape(-1))
         if gids.shape != (num_rows,):
             raise ValueError(f"group_ids must have shape ({num_rows},), got {tuple(gids.shape)}")
+        if pos.numel() and int(pos.min()) < 0:    # segments are cut by position: a negative one corrupts them
+            i = int(torch.argmin(pos))
+            raise ValueError(f"positions must be >= 0 (index inside the response), got {int(pos[i])} "
+                             f"for a valid token of sample {int(rows[i])}")
 
         # --- value validation (SPEC.md §8): one fused check, reasons only when something is wrong ---
         ld = learner.detach()
