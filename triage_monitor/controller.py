@@ -464,7 +464,8 @@ class TriageController:
         if c.tis:
             old = batch.learner_logp.detach() if old_logp is None else old_logp.detach()
             if tuple(old.shape) != (n,):
-                raise ValueError(f"old_logp has shape {tuple(old.shape)}, expected ({n},)")
+                raise ValueError(f"old_logp has shape {tuple(old.shape)}, expected ({n},) = the batch's valid "
+                                 "tokens (batch.gather(old_logp) reads a tensor of your layout at them)")
             lo, hi = c.tis_clip
             tis = _tis_weights(old, batch.sampler_logp, lo, hi)
             raw = torch.exp(old.float() - batch.sampler_logp.float())
