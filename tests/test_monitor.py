@@ -123,6 +123,19 @@ def test_analyze_cli_corrupt_token_file_is_a_message(run_dir, capsys):
     assert "step=3" in capsys.readouterr().out
 
 
+def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, caplog):
+    mon = MismatchMonitor(tmp_path / "r")
+    mon.log_step(0, _batch(0))
+    mon.close()
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        mon.log_step(1, _batch(1))
+        last = mon.log_step(2, _batch(2))
+    msgs = [r.getMessage() for r in caplog.records if "record" in r.getMessage()]
+    assert len(msgs) == 1 and "after close()" in msgs[0], msgs       # not "writer queue full"
+    assert last["writer_dropped_rows"] == _batch(1).num_tokens + 1      # step 1's token rows + its step row
+    assert open_run(tmp_path / "r").step_numbers() == [0]
+
+
 def test_open_run_rejects_non_run_dirs(tmp_path):
     with pytest.raises(RunDirError, match="no such directory"):
         open_run(tmp_path / "missing")

@@ -219,6 +219,9 @@ class MismatchMonitor:
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch must be a TokenBatch, got {type(batch).__name__}")
         step = int(step)
+        if self.sink.closed:
+            self._warn_once("closed", "triage-monitor: log_step(step=%d) after close(): metrics are returned but "
+                            "nothing is recorded any more (rows counted in writer_dropped_rows)", step)
         extra = {k: _to_float(k, v) for k, v in (extra or {}).items()}
         _check_token_extras(token_extras, batch.num_tokens)
         batch = batch.detach()
@@ -263,7 +266,7 @@ class MismatchMonitor:
                 self._warn_once("alignment", "triage-monitor step %d: %s", step, rep.message)
         dropped = self.sink.dropped_rows
         out["writer_dropped_rows"] = float(dropped)
-        if dropped and self.sink.last_error is None:   # I/O errors are already reported once by the sink
+        if dropped and self.sink.last_error is None and not self.sink.closed:   # I/O errors: reported by the sink
             self._warn_once("dropped", "triage-monitor dropped %d record rows so far (writer queue full with "
                             "backpressure='drop'); training continues, see metric writer_dropped_rows", dropped)
         return out

@@ -159,6 +159,11 @@ class ParquetSink:
                     return
                 self._cv.wait(timeout=0.5 if left is None else min(left, 0.5))
 
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`: later submits are dropped and counted in ``dropped_rows``."""
+        return self._closed
+
     def close(self, timeout: Optional[float] = None) -> None:
         """Drain the queue and stop the writer thread."""
         with self._cv:
