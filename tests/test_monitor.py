@@ -114,6 +114,9 @@ def test_analyze_cli(run_dir, capsys, tmp_path):
     assert "equal the live values" in text
     assert len(pd.read_csv(out)) == 7
     assert cli_main(["analyze", str(tmp_path / "nope")]) == 2
+    (tmp_path / "afile").write_text("")
+    assert cli_main(["analyze", str(d), "--out", str(tmp_path / "afile" / "m.csv")]) == 2
+    assert "cannot save the table" in capsys.readouterr().out
 
 
 def test_analyze_cli_corrupt_token_file_is_a_message(run_dir, capsys):

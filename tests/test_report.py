@@ -64,3 +64,6 @@ def test_report_options_and_errors(demo_run_dir, tmp_path, capsys):
     assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "z.html"), "--anchors", "999"])) == 2
     assert "not recorded" in capsys.readouterr().err
     assert not (tmp_path / "x.html").exists() and not (tmp_path / "z.html").exists()
+    (tmp_path / "afile").write_text("")
+    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "afile" / "r.html"), "--draws", "9"])) == 2
+    assert "afile" in capsys.readouterr().err

@@ -92,8 +92,12 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
         return 1
     n_tokens = int(df["n_tokens"].sum())
     out = Path(args.out) if args.out else run.path / "analysis" / "metrics.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    (df.to_parquet if out.suffix == ".parquet" else df.to_csv)(out, index=False)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        (df.to_parquet if out.suffix == ".parquet" else df.to_csv)(out, index=False)
+    except OSError as exc:
+        console.print(f"[red]error:[/red] cannot save the table to {out}: {exc}")
+        return 2
 
     shown = df if args.rows == 0 else df.tail(args.rows)
     table = Table(title=f"{run.path}  ({len(df)} steps, {n_tokens:,} tokens)")

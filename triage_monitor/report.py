@@ -175,11 +175,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Write the report; returns 0, or 2 with a message on stderr for a bad run directory or option."""
+    """Write the report; returns 0, or 2 with a message on stderr for a bad run directory, option or output path."""
     try:
         out = write_report(args.run_dirs, args.output, anchors=args.anchors, window=args.window,
                            draws=args.draws, seed=args.seed)
-    except (RunDirError, ValueError) as exc:
+    except (RunDirError, ValueError, OSError) as exc:    # OSError: the output path cannot be written
         print(f"triage-monitor report: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, self-contained: opens offline)")
