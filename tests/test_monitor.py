@@ -139,6 +139,21 @@ def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, capl
     assert open_run(tmp_path / "r").step_numbers() == [0]
 
 
+def test_same_step_twice_in_one_process_warns_once(tmp_path, caplog):
+    # e.g. one log_step per micro-batch: the later call replaces the earlier one's records, and says so
+    d = tmp_path / "r"
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        with MismatchMonitor(d, MonitorConfig(window=3, tau_tail=-0.2)) as mon:
+            for step in range(3):
+                for micro in range(2):
+                    mon.log_step(step, _batch(10 * step + micro))
+    assert sum("logged twice in a row" in r.getMessage() for r in caplog.records) == 1
+    run = open_run(d)
+    assert [len(run.tokens(s)) for s in range(3)] == [_batch(10 * s + 1).num_tokens for s in range(3)]
+    cmp = compare_live(run, recompute(run), rtol=0.0)
+    assert cmp["equal"].all(), cmp[~cmp["equal"]]
+
+
 def test_open_run_rejects_non_run_dirs(tmp_path):
     with pytest.raises(RunDirError, match="no such directory"):
         open_run(tmp_path / "missing")

@@ -140,6 +140,7 @@ class MismatchMonitor:
         self.tracker = MetricTracker(self.config.metrics, self.config.window, self.config.tau_tail,
                                      self.config.calibration_steps, self.config.metrics_device)
         self.steps_logged = 0
+        self._last_step: Optional[int] = None
         self._warned: set = set()          # warn-once keys (alignment, padding, dropped rows)
         self._write_manifest(manifest or {})
         self.sink = ParquetSink(self.run_dir, self.attempt, self.config.max_queue_bytes, self.config.backpressure)
@@ -219,6 +220,10 @@ class MismatchMonitor:
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch must be a TokenBatch, got {type(batch).__name__}")
         step = int(step)
+        if step == self._last_step:
+            self._warn_once("repeat", "triage-monitor: step %d logged twice in a row by this process: the later call "
+                            "replaces the earlier one's records and window entry (log once per optimizer step, "
+                            "with its micro-batches merged)", step)
         if self.sink.closed:
             self._warn_once("closed", "triage-monitor: log_step(step=%d) after close(): metrics are returned but "
                             "nothing is recorded any more (rows counted in writer_dropped_rows)", step)
@@ -244,6 +249,7 @@ class MismatchMonitor:
         self._record(step, batch, metrics, reasons, token_extras)
         self._report(step, metrics)
         self.steps_logged += 1
+        self._last_step = step
         return metrics
 
     def _diagnose(self, step: int, batch: TokenBatch) -> dict:
