@@ -80,6 +80,7 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {exc}")
         return 2
     n_tokens = 0
+    from . import metrics  # noqa: F401  (imports torch now, so the throughput below times the recomputation only)
     t0 = time.perf_counter()
     try:
         df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True)
