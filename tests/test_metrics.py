@@ -210,6 +210,8 @@ def test_tracker_calibrates_tau_then_freezes_and_windows_trail():
 
 
 def test_tracker_given_tau_and_repeated_step_replaces():
+    with pytest.raises(ValueError, match="tau_tail must be a finite"):
+        MetricTracker(tau_tail=float("nan"))      # would silently leave every localisation metric NaN
     tr = MetricTracker(window=3, tau_tail=-0.7)
     b = [TokenBatch.from_padded(*_random_padded(i)) for i in range(3)]
     tr.step(0, b[0])

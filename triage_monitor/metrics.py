@@ -429,6 +429,8 @@ class MetricTracker:
                  calibration_steps: int = 25, device=None):
         if window < 1 or calibration_steps < 1:
             raise ValueError(f"window and calibration_steps must be >= 1, got {window}, {calibration_steps}")
+        if tau_tail is not None and not math.isfinite(tau_tail):
+            raise ValueError(f"tau_tail must be a finite number of nats or None (calibrate), got {tau_tail}")
         self.config = config or MetricConfig()
         self.window = int(window)
         self.calibration_steps = int(calibration_steps)
