@@ -232,5 +232,7 @@ def test_quantiles_match_numpy_large():
 def test_metric_config_validation():
     with pytest.raises(ValueError, match="segment_width"):
         MetricConfig(segment_width=0)
+    with pytest.raises(ValueError, match="segment_width must be an integer"):
+        MetricConfig(segment_width=32.5)
     with pytest.raises(ValueError, match="tail_quantile"):
         MetricConfig(tail_quantile=1.5)

@@ -22,6 +22,7 @@ records the reason in ``MetricResult.nan_reasons``; nothing is ever inf.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -84,6 +85,8 @@ class MetricConfig:
         for name in ("small_gap_threshold", "segment_width", "heavy_fraction", "top_fraction", "dilution_threshold"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MetricConfig.{name} must be > 0, got {getattr(self, name)}")
+        if isinstance(self.segment_width, bool) or not isinstance(self.segment_width, numbers.Integral):
+            raise ValueError(f"MetricConfig.segment_width must be an integer (tokens), got {self.segment_width!r}")
         if not 0 < self.tail_quantile < 1 or not self.top_fraction <= 1:
             raise ValueError(f"MetricConfig: tail_quantile must lie in (0, 1) and top_fraction in (0, 1], got "
                              f"{self.tail_quantile}, {self.top_fraction}")
