@@ -161,6 +161,11 @@ def test_open_run_rejects_non_run_dirs(tmp_path):
         open_run(tmp_path)
 
 
+def test_monitor_config_takes_a_dict_of_metric_settings():
+    assert MonitorConfig(metrics={"segment_width": 32}).metrics.segment_width == 32
+    assert MonitorConfig.from_dict(MonitorConfig(metrics={"segment_width": 32}).to_dict()).metrics.segment_width == 32
+
+
 def test_log_step_argument_errors(tmp_path):
     with MismatchMonitor(tmp_path / "r") as mon:
         with pytest.raises(TypeError, match="step must be an int"):

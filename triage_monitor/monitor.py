@@ -74,7 +74,7 @@ class MonitorConfig:
     """Settings of :class:`MismatchMonitor`.
 
     Attributes:
-        metrics: thresholds of SPEC.md §3 (:class:`~triage_monitor.metrics.MetricConfig`).
+        metrics: thresholds of SPEC.md §3 (:class:`~triage_monitor.metrics.MetricConfig`, or a dict of its fields).
         window: trailing window in steps (SPEC.md §3: 25 updates, inclusive).
         calibration_steps: τ_tail reference window, the first N steps (SPEC.md §3.3).
         tau_tail: explicit τ_tail in nats; None calibrates it.
@@ -95,6 +95,10 @@ class MonitorConfig:
     backpressure: str = "block"
     metrics_device: Optional[str] = None
     alignment_check_steps: int = 3
+
+    def __post_init__(self):
+        if isinstance(self.metrics, dict):
+            self.metrics = MetricConfig(**self.metrics)
 
     def to_dict(self) -> dict:
         return asdict(self)
