@@ -117,6 +117,9 @@ def test_from_flat_sorts_rows_and_rejects_duplicates():
     with pytest.raises(ValueError, match="occurs twice"):
         TokenBatch.from_flat(torch.zeros(2) - .1, torch.zeros(2) - .1, torch.ones(2), torch.tensor([1, 1]),
                              torch.tensor([0, 0]))
+    with pytest.raises(InvalidTokenError, match=r"learner_logp\[sample=1007, position=2\] = nan"):   # the id, not 1
+        TokenBatch.from_flat(torch.tensor([-.1, float("nan")]), torch.zeros(2) - .1, torch.ones(2),
+                             torch.tensor([1003, 1007]), torch.tensor([0, 2]))
 
 
 def test_gather_is_the_inverse_of_scatter():

@@ -59,7 +59,7 @@ class InvalidTokenError(ValueError):
     """A valid (masked-in) token carries an impossible value (SPEC.md §8).
 
     Attributes: ``field`` (argument name), ``sample`` (caller's row / sample
-    index), ``position`` (token position inside the response), ``value``
+    index; the ``sample_id`` for :meth:`TokenBatch.from_flat`), ``position`` (token position inside the response), ``value``
     (the offending float) and ``reason`` (one of :data:`INVALID_REASONS`).
     """
 
@@ -375,7 +375,8 @@ class TokenBatch:
         Rows may come in any order; the batch sorts them by (sample_id, position).
 
         Raises:
-            ValueError: shapes disagree or a (sample_id, position) pair repeats.
+            ValueError: shapes disagree or a (sample_id, position) pair repeats; InvalidTokenError
+                (its ``sample`` is the ``sample_id``).
         """
         n = learner_logp.shape[0]
         for name, t in (("sampler_logp", sampler_logp), ("advantage", advantage), ("sample_id", sample_id),
@@ -439,7 +440,9 @@ class TokenBatch:
                 fld = {"learner": "learner_logp", "sampler": "sampler_logp", "advantage": "advantages"}[
                     reason.split("_")[1] if "logp" in reason else "advantage"]
                 val = {"learner_logp": learner, "sampler_logp": sampler, "advantages": adv}[fld][first]
-                raise InvalidTokenError(fld, int(rows[first]), int(pos[first]), float(val), reason, int(bad.sum()))
+                # the caller's sample: its row / list index, or its sample_id for flat rows (from_flat)
+                sample = int(ids[rows[first]]) if layout[0] == "flat" else int(rows[first])
+                raise InvalidTokenError(fld, sample, int(pos[first]), float(val), reason, int(bad.sum()))
             quarantined = {
                 "sample_id": ids[rows[bad]].cpu(), "position": pos[bad].cpu(),
                 "learner_logp": learner.detach()[bad].float().cpu(), "sampler_logp": sampler[bad].float().cpu(),
