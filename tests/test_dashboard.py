@@ -256,6 +256,43 @@ def test_launcher_command_and_validation(demo_run_dir, tmp_path, capsys):
         dashboard.build_command([], port=70000)
 
 
+def test_launcher_sigterm_stops_the_server_too(demo_run_dir):
+    # `kill`, `timeout` or a supervisor signal the launcher only; the Streamlit child must not be orphaned
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = subprocess.Popen([sys.executable, "-m", "triage_monitor.cli", "dashboard", str(demo_run_dir),
+                                 "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/_stcore/health"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("the dashboard did not start")
+        launcher.terminate()
+        assert launcher.wait(timeout=30) is not None
+        for _ in range(40):                          # the server goes away with the launcher
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                time.sleep(0.5)
+            except OSError:
+                break
+        else:
+            pytest.fail("the Streamlit server outlived its launcher")
+    finally:
+        launcher.kill()
+
+
 def test_app_ships_in_the_wheel(tmp_path):
     """A regular (non-editable) install carries dashboards/app.py as triage_monitor/dashboards/app.py."""
     import subprocess

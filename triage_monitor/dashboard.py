@@ -10,6 +10,7 @@ reported at once instead of inside the page.
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from importlib import resources
@@ -85,7 +86,12 @@ def run_cli(args: argparse.Namespace) -> int:
         return 0
     print(f"triage-monitor dashboard: http://{args.host}:{args.port}  ({len(runs)} run(s); Ctrl+C to stop)",
           file=sys.stderr)
+    proc = subprocess.Popen(cmd)
+    # a SIGTERM to the launcher (kill, timeout, a supervisor) stops the server too instead of orphaning it
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     try:
-        return subprocess.call(cmd)
-    except KeyboardInterrupt:
+        return proc.wait()
+    except KeyboardInterrupt:    # Ctrl+C: stop the server (it may already be stopping: same process group)
+        proc.terminate()
+        proc.wait()
         return 0
