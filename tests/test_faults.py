@@ -333,7 +333,7 @@ def test_resume_from_manifest_keeps_frozen_tau(tmp_path):
     mon = MismatchMonitor(tmp_path / "run", cfg)
     first = [mon.log_step(s, batch(s)) for s in range(4)]
     mon.flush()                                         # killed here: no close()
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["calibration"]["frozen_at_step"] == 1
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["calibration"]["frozen_at_step"] == 2   # frozen when the first step after the 2-step reference window arrives
     with MismatchMonitor(tmp_path / "run", cfg) as again:
         assert again.tracker.tau_frozen and again.tracker.tau_tail == first[1]["tau_tail"]
         m = again.log_step(2, batch(2, seed=5))

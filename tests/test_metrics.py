@@ -55,9 +55,9 @@ def test_magnitude_metrics_against_numpy(quadrant_batch):
         assert v[name] == pytest.approx(np.quantile(d, q), rel=1e-12)
     assert v["k3_kl"] == pytest.approx(np.mean(np.exp(d) - d - 1), rel=1e-12)
     assert v["chi2_token"] == pytest.approx(np.mean(np.exp(d) ** 2) - 1, rel=1e-12)
-    # per-response mean δ, averaged over responses
+    # verl's sign: mean over responses of (mean sampler log-prob − mean learner log-prob) = −mean of per-response mean δ
     resp = [np.mean(d[0:4]), np.mean(d[4:7]), d[7], np.mean(d[8:10])]
-    assert v["log_ppl_diff"] == pytest.approx(np.mean(resp), rel=1e-12)
+    assert v["log_ppl_diff"] == pytest.approx(-np.mean(resp), rel=1e-12)
 
 
 def test_empty_region_is_nan_with_reason():
@@ -207,6 +207,25 @@ def test_tracker_calibrates_tau_then_freezes_and_windows_trail():
     assert taus[1] == pytest.approx(np.quantile(d01, .05), rel=1e-12)     # reference window complete
     assert taus[2] == taus[3] == taus[1]                                   # frozen
     assert tr.tau_frozen
+
+
+def test_repeated_step_replaces_its_calibration_data():
+    """A step logged twice (e.g. per micro-batch) counts once in the τ_tail reference window."""
+    b = [TokenBatch.from_padded(*_random_padded(i)) for i in range(4)]
+    once, twice = MetricTracker(calibration_steps=2), MetricTracker(calibration_steps=2)
+    for step, batch in enumerate(b[:3]):
+        once.step(step, batch)
+    twice.step(0, b[3])          # replaced by the next call of step 0
+    for step, batch in enumerate(b[:3]):
+        twice.step(step, batch)
+    assert twice.tau_tail == once.tau_tail and twice.tau_frozen and once.tau_frozen
+    d01 = np.concatenate([b[0].delta.double().numpy(), b[1].delta.double().numpy()])
+    assert once.tau_tail == pytest.approx(np.quantile(d01, .05), rel=1e-12)
+
+
+def test_n_samples_counts_responses_with_tokens():
+    res = compute_step_metrics(_list_batch([[-.1, .2], [-.3]], [1., -1.], masks=[[1, 1], [0]])).values
+    assert res["n_samples"] == 1 and res["n_tokens"] == 2
 
 
 def test_tracker_given_tau_and_repeated_step_replaces():

@@ -279,7 +279,8 @@ class MismatchStats:
             "small_gap_count": (d64.abs() < cfg.small_gap_threshold).sum().double(),
             "delta_sum": d64.sum(), "delta_abs_sum": d64.abs().sum(),
             "k3_sum": (exp_r - r - 1).sum(), "exp_r_sq_sum": (exp_r * exp_r).sum(),
-            "log_ppl_diff_sum": (per_resp[nonempty] / nv[nonempty].double()).sum(),
+            # verl's rollout_corr sign: mean log-prob (sampler) − mean log-prob (learner), per response
+            "log_ppl_diff_sum": -(per_resp[nonempty] / nv[nonempty].double()).sum(),
             "abs_adv_sum": abs_a.sum(),
         }
         for i, name in enumerate(REGIONS):
@@ -359,7 +360,9 @@ class MismatchStats:
                 v[name] = num / den
 
         n = s["n_tokens"]
-        v["n_tokens"], v["n_samples"] = n, s["n_samples"]
+        # n_samples counts responses with >= 1 valid token (a fully masked response leaves no record,
+        # so this is what a recomputation from the records can reproduce; see empty_response_count)
+        v["n_tokens"], v["n_samples"] = n, s["n_samples_nonempty"]
         ratio("small_gap_share", s["small_gap_count"], n, "no valid tokens")
         ratio("delta_mean", s["delta_sum"], n, "no valid tokens")
         ratio("delta_abs_mean", s["delta_abs_sum"], n, "no valid tokens")
@@ -418,8 +421,9 @@ class MetricTracker:
     ``config.tail_quantile`` quantile of δ pooled over every valid token of the
     first ``calibration_steps`` steps.  While the reference window is still
     filling, the steps use the provisional value computed from the steps seen
-    so far (current step included); it is frozen after step
-    ``calibration_steps`` (counted in steps logged with at least one valid token).
+    so far (current step included); it is frozen when the first step after
+    the reference window arrives (steps counted as distinct step numbers with
+    at least one valid token; a repeated step replaces its earlier δ values).
 
     ``observe(stats)`` takes a step's accumulator *before* its localisation
     part is filled (see :meth:`step`), which is why the tracker, not the
@@ -442,16 +446,22 @@ class MetricTracker:
         self.tau_tail = float(tau_tail) if tau_tail is not None else math.nan
         self.tau_frozen = self.tau_given
         self._calib: list = []
+        self._calib_steps: list = []    # step number of each entry of _calib
         self._history: list = []        # [(step, MismatchStats)] of the trailing window
 
-    def _calibrate(self, delta: Tensor) -> None:
+    def _calibrate(self, step: int, delta: Tensor) -> None:
         if self.tau_frozen or delta.numel() == 0:
             return          # a step without valid tokens (no token file either) is no reference step
-        self._calib.append(delta.detach().float().cpu())
+        if self._calib_steps and self._calib_steps[-1] == step:
+            self._calib[-1] = delta.detach().float().cpu()      # a repeated step replaces the earlier one
+        elif len(self._calib) >= self.calibration_steps:
+            self.tau_frozen = True                               # first step after the reference window
+            self._calib, self._calib_steps = [], []
+            return
+        else:
+            self._calib.append(delta.detach().float().cpu())
+            self._calib_steps.append(step)
         self.tau_tail = quantiles(torch.cat(self._calib), [self.config.tail_quantile])[0]
-        if len(self._calib) >= self.calibration_steps:
-            self.tau_frozen = True
-            self._calib = []
 
     def step(self, step: int, batch: TokenBatch, group=None) -> tuple:
         """Add one step; returns ``(step_result, window_result)`` (:class:`MetricResult` each).
@@ -465,10 +475,10 @@ class MetricTracker:
             # calibrate from the global δ: gather first (only while calibrating), then update with the shared τ
             if not self.tau_frozen:
                 dev = self.device if self.device is not None else batch.device
-                self._calibrate(torch.cat(_all_gather_varlen(batch.delta.to(dev), group)))
+                self._calibrate(step, torch.cat(_all_gather_varlen(batch.delta.to(dev), group)))
             stats.update(batch, self.tau_tail).sync(group)
         else:
-            self._calibrate(batch.delta)
+            self._calibrate(step, batch.delta)
             stats.update(batch, self.tau_tail)
         if self._history and self._history[-1][0] == step:
             self._history.pop()          # a repeated step replaces the earlier one
@@ -483,12 +493,13 @@ class MetricTracker:
         step; at most ``calibration_steps`` steps' worth), so a resumed job calibrates the same τ_tail."""
         return {"tau_tail": self.tau_tail, "tau_frozen": self.tau_frozen, "config": asdict(self.config),
                 "window": self.window, "calibration_steps": self.calibration_steps,
-                "calib": [c.clone() for c in self._calib]}
+                "calib": [c.clone() for c in self._calib], "calib_steps": list(self._calib_steps)}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore :meth:`state_dict` output (``calib`` optional)."""
         self.tau_tail, self.tau_frozen = float(sd["tau_tail"]), bool(sd["tau_frozen"])
         self._calib = [torch.as_tensor(c).float().cpu() for c in sd.get("calib", [])] if not self.tau_frozen else []
+        self._calib_steps = list(sd.get("calib_steps", range(-len(self._calib), 0)))
 
 
 def _all_gather_varlen(t: Tensor, group=None) -> list:
