@@ -295,8 +295,8 @@ def test_empty_batches_and_empty_responses_give_nan_with_reasons(tmp_path):
                TokenBatch.from_padded(lp, s, a, torch.zeros_like(m)),
                TokenBatch.from_list([], [], [])]
     with MismatchMonitor(tmp_path / "run") as mon:
-        part = mon.log_step(0, TokenBatch.from_padded(lp, s, a, m))  # n_samples: responses with tokens
-        assert part["empty_response_count"] == 1 and part["n_samples"] == 3 and part["n_tokens"] == 20
+        part = mon.log_step(0, TokenBatch.from_padded(lp, s, a, m))
+        assert part["empty_response_count"] == 1 and part["n_samples"] == 2 and part["n_tokens"] == 20
         for step, b in enumerate(empties, 1):
             out = mon.log_step(step, b)
             assert out["n_tokens"] == 0 and math.isnan(out["delta_mean"]) and math.isnan(out["rho_asym"])
