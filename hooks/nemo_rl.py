@@ -22,7 +22,7 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageController
 
-from ._common import TriageLoss, gather_flat, leading_positions, triage_loss
+from ._common import LossHookSteps, gather_flat, leading_positions, triage_loss
 
 
 def batch_from_nemo_rl(data, learner_key: str = "prev_logprobs", on_invalid: str = "raise",
@@ -38,17 +38,21 @@ def batch_from_nemo_rl(data, learner_key: str = "prev_logprobs", on_invalid: str
                                   positions=leading_positions(mask), on_invalid=on_invalid)
 
 
-class NemoRLTriageLoss:
-    """TRIAGE loss as a NeMo RL ``LossFunction`` (token-level; ``step`` counts calls unless set)."""
+class NemoRLTriageLoss(LossHookSteps):
+    """TRIAGE loss as a NeMo RL ``LossFunction`` (token-level).
+
+    Set ``step`` to the optimizer step (unset, each call counts as a step, warned once); with a
+    ``monitor`` the calls of one step are merged into one ``log_step`` (written when ``step``
+    changes, on ``flush()`` / ``close()``).
+    """
 
     loss_type = "token_level"
 
     def __init__(self, controller: Optional[TriageController] = None, clip_low: float = 0.2, clip_high: float = 0.28,
-                 on_invalid: str = "raise"):
+                 on_invalid: str = "raise", monitor=None, step: Optional[int] = None):
         self.controller = controller or TriageController()
         self.clip_low, self.clip_high, self.on_invalid = clip_low, clip_high, on_invalid
-        self.calls, self.step = 0, None
-        self.last: Optional[TriageLoss] = None
+        self._init_steps(monitor, step)
 
     def __call__(self, next_token_logits, data, global_valid_seqs=None, global_valid_toks=None, **kwargs):
         logits = next_token_logits[:, :-1].float()
@@ -56,11 +60,11 @@ class NemoRLTriageLoss:
         live = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         batch = batch_from_nemo_rl(data, on_invalid=self.on_invalid, learner_logp=live)
         old = gather_flat(batch, data["prev_logprobs"][:, 1:])
-        step = self.calls if self.step is None else int(self.step)
+        step = self._call_step()
         res = triage_loss(self.controller, batch, step, old_logp=old, clip_low=self.clip_low,
                           clip_high=self.clip_high, normalization="global_token",
                           global_denominator=None)
-        self.last, self.calls = res, self.calls + 1
+        self._finish_call(step, res)
         loss = res.loss
         if global_valid_toks is not None:   # NeMo sums micro-batch losses: scale to the global token mean
             loss = loss * (batch.num_tokens / torch.as_tensor(global_valid_toks, dtype=torch.float32).clamp(min=1))

@@ -25,7 +25,7 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageController
 
-from ._common import TriageLoss, gather_flat, leading_positions, triage_loss
+from ._common import LossHookSteps, gather_flat, leading_positions, triage_loss
 
 
 def batch_from_openrlhf(log_probs, rollout_log_probs, advantages, action_mask, on_invalid: str = "raise",
@@ -43,24 +43,26 @@ def batch_from_openrlhf(log_probs, rollout_log_probs, advantages, action_mask, o
                                   group_ids=group_ids, on_invalid=on_invalid)
 
 
-class TriagePolicyLoss(torch.nn.Module):
+class TriagePolicyLoss(LossHookSteps, torch.nn.Module):
     """Drop-in for ``openrlhf.models.loss.PolicyLoss`` computing the TRIAGE loss.
 
     PPO ratio against ``old_log_probs``; TIS weight ``clamp(exp(old − rollout), lo, hi)`` and the
     Gate from δ = learner − rollout; ``token_level_loss=True`` → ``global_token`` normalisation,
     else ``per_response``.  ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size`` rescale the
-    micro-batch loss as OpenRLHF's ``aggregate_loss`` does.  ``step`` counts calls unless set.
+    micro-batch loss as OpenRLHF's ``aggregate_loss`` does.  Set ``step`` to the optimizer step
+    (unset, each call counts as a step, warned once); with a ``monitor`` the calls of one step are
+    merged into one ``log_step`` (written when ``step`` changes, on ``flush()`` / ``close()``).
     """
 
     def __init__(self, controller: Optional[TriageController] = None, clip_eps_low: float = 0.2,
-                 clip_eps_high: float = 0.2, token_level_loss: bool = True, monitor=None, on_invalid: str = "raise"):
+                 clip_eps_high: float = 0.2, token_level_loss: bool = True, monitor=None, on_invalid: str = "raise",
+                 step: Optional[int] = None):
         super().__init__()
         self.controller = controller or TriageController()
         self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
         self.normalization = "global_token" if token_level_loss else "per_response"
-        self.monitor, self.on_invalid = monitor, on_invalid
-        self.calls, self.step = 0, None
-        self.last: Optional[TriageLoss] = None
+        self.on_invalid = on_invalid
+        self._init_steps(monitor, step)
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None,
                 dp_size: int = 1, batch_num_tokens=None, global_batch_size=None):
@@ -68,7 +70,7 @@ class TriagePolicyLoss(torch.nn.Module):
             action_mask = torch.ones_like(log_probs, dtype=torch.bool)
         batch = batch_from_openrlhf(log_probs, rollout_log_probs, advantages, action_mask, self.on_invalid)
         old = gather_flat(batch, old_log_probs)
-        step = self.calls if self.step is None else int(self.step)
+        step = self._call_step()
         res = triage_loss(self.controller, batch, step, old_logp=old, clip_low=self.clip_eps_low,
                           clip_high=self.clip_eps_high, normalization=self.normalization)
         scale = 1.0
@@ -76,10 +78,7 @@ class TriagePolicyLoss(torch.nn.Module):
             scale = batch.num_tokens / float(batch_num_tokens) * dp_size
         elif self.normalization == "per_response" and global_batch_size is not None:
             scale = float((batch.num_valid > 0).sum()) / float(global_batch_size) * dp_size
-        self.last, self.calls = res, self.calls + 1
-        if self.monitor is not None:
-            self.monitor.log_step(step, batch, extra=res.output.stats,
-                                  token_extras={"gate_weight": res.output.gate_weights})
+        self._finish_call(step, res)
         with torch.no_grad():
             r = torch.exp(batch.learner_logp.float() - old.float())
             clip_ratio = ((r < 1 - self.clip_eps_low) | (r > 1 + self.clip_eps_high)).float().mean()

@@ -19,7 +19,7 @@ from typing import Optional
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageController
 
-from ._common import TriageLoss, triage_loss
+from ._common import LossHookSteps, triage_loss
 
 
 def batch_from_prime_rl(trainer_logprobs, inference_logprobs, advantages, loss_mask, on_invalid: str = "raise",
@@ -39,23 +39,27 @@ def batch_from_prime_rl(trainer_logprobs, inference_logprobs, advantages, loss_m
                                 sample_ids=sample_ids, group_ids=group_ids, on_invalid=on_invalid)
 
 
-class PrimeRLTriageLoss:
-    """Per-sample TRIAGE loss for prime-rl (``step`` counts calls unless set; ``monitor`` optional)."""
+class PrimeRLTriageLoss(LossHookSteps):
+    """Per-sample TRIAGE loss for prime-rl.
+
+    Set ``step`` to the optimizer step (unset, each call — one **sample** — counts as a step, warned
+    once); with a ``monitor`` the samples of one step are merged into one ``log_step`` (written when
+    ``step`` changes, on ``flush()`` / ``close()``).
+    """
 
     def __init__(self, controller: Optional[TriageController] = None, clip_low: float = 0.2, clip_high: float = 0.28,
-                 on_invalid: str = "raise"):
+                 on_invalid: str = "raise", monitor=None, step: Optional[int] = None):
         self.controller = controller or TriageController()
         self.clip_low, self.clip_high, self.on_invalid = clip_low, clip_high, on_invalid
-        self.calls, self.step = 0, None
-        self.last: Optional[TriageLoss] = None
+        self._init_steps(monitor, step)
 
     def __call__(self, inputs, **kwargs):
         batch = batch_from_prime_rl(inputs.trainer_logprobs, inputs.inference_logprobs, inputs.advantages,
                                     inputs.loss_mask, self.on_invalid)
-        step = self.calls if self.step is None else int(self.step)
+        step = self._call_step()
         res = triage_loss(self.controller, batch, step, clip_low=self.clip_low, clip_high=self.clip_high,
                           normalization="per_response")
-        self.last, self.calls = res, self.calls + 1
+        self._finish_call(step, res)
         metrics = {f"triage/{k}": v for k, v in res.output.stats.items()}
         try:
             from prime_rl.trainer.rl.loss import LossOutputs

@@ -19,7 +19,7 @@ from typing import Optional
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageController
 
-from ._common import TriageLoss, gather_flat, triage_loss
+from ._common import LossHookSteps, gather_flat, triage_loss
 
 REDUCTION_TO_NORMALIZATION = {"token_mean": "global_token", "sequence_mean": "per_response"}
 
@@ -42,26 +42,28 @@ def _get(config, name, default):
     return default if v is None else v
 
 
-class SkyRLTriageLoss:
-    """A SkyRL policy-loss function computing the TRIAGE loss (``step`` counts calls unless set)."""
+class SkyRLTriageLoss(LossHookSteps):
+    """A SkyRL policy-loss function computing the TRIAGE loss.
 
-    def __init__(self, controller: Optional[TriageController] = None, monitor=None, on_invalid: str = "raise"):
+    Set ``step`` to the optimizer step (unset, each call counts as a step, warned once); with a
+    ``monitor`` the calls of one step are merged into one ``log_step`` (written when ``step``
+    changes, on ``flush()`` / ``close()``).
+    """
+
+    def __init__(self, controller: Optional[TriageController] = None, monitor=None, on_invalid: str = "raise",
+                 step: Optional[int] = None):
         self.controller = controller or TriageController()
-        self.monitor, self.on_invalid = monitor, on_invalid
-        self.calls, self.step = 0, None
-        self.last: Optional[TriageLoss] = None
+        self.on_invalid = on_invalid
+        self._init_steps(monitor, step)
 
     def __call__(self, log_probs, old_log_probs, advantages, config=None, loss_mask=None, rollout_logprobs=None):
         batch = batch_from_skyrl(log_probs, rollout_logprobs, advantages, loss_mask, self.on_invalid)
         old = gather_flat(batch, old_log_probs)
-        step = self.calls if self.step is None else int(self.step)
+        step = self._call_step()
         norm = REDUCTION_TO_NORMALIZATION.get(_get(config, "loss_reduction", "token_mean"), "global_token")
         res = triage_loss(self.controller, batch, step, old_logp=old, clip_low=_get(config, "eps_clip_low", 0.2),
                           clip_high=_get(config, "eps_clip_high", 0.2), normalization=norm)
-        self.last, self.calls = res, self.calls + 1
-        if self.monitor is not None:
-            self.monitor.log_step(step, batch, extra=res.output.stats,
-                                  token_extras={"gate_weight": res.output.gate_weights})
+        self._finish_call(step, res)
         return res.loss, {f"triage/{k}": v for k, v in res.output.stats.items()}
 
 

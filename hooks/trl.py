@@ -26,7 +26,6 @@ Gate weights as the ``gate_weight`` token column when a controller is attached.
 from __future__ import annotations
 
 import copy
-from collections import Counter, defaultdict
 from typing import Optional
 
 import torch
@@ -35,7 +34,7 @@ from trl import GRPOTrainer
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageController
 
-from ._common import gather_flat, triage_loss
+from ._common import StepAccumulator, gather_flat, triage_loss
 
 #: What the sampler log-probs recorded on the transformers path are (SPEC.md §8: say which one was logged).
 SAMPLER_LOGP_KIND = "transformers.generate KV-cache decoding: log_softmax(raw logits / temperature), no top-k/top-p"
@@ -86,8 +85,7 @@ class TriageGRPOTrainer(GRPOTrainer):
         self.triage_on_invalid = triage_on_invalid
         self.triage_last = None
         self._tm_last_logps = None
-        self._tm_step: Optional[int] = None
-        self._tm_parts: list = []
+        self._tm_acc = StepAccumulator(triage_monitor) if triage_monitor is not None else None
         if triage_controller is not None:
             bad = {"beta": self.beta != 0.0, "use_liger_kernel": self.use_liger_kernel,
                    "importance_sampling_level": self.importance_sampling_level != "token"}
@@ -165,33 +163,13 @@ class TriageGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------ monitoring
     def _tm_collect(self, batch: TokenBatch, gate, stats: dict) -> None:
-        step = int(self.state.global_step)
-        if self._tm_step is not None and step != self._tm_step:
-            self._tm_flush()
-        self._tm_step = step
-        self._tm_parts.append((batch, gate, stats))
+        """Buffer a micro-batch under TRL's optimizer step; the previous step is logged when the step changes."""
+        self._tm_acc.add(int(self.state.global_step), batch, None if gate is None else {"gate_weight": gate},
+                         {f"triage/{k}": v for k, v in stats.items()})
 
     def _tm_flush(self) -> None:
-        """Merge the buffered micro-batches of one optimizer step and log them (one ``log_step``)."""
-        parts, step = self._tm_parts, self._tm_step
-        self._tm_parts, self._tm_step = [], None
-        if not parts or self.triage_monitor is None:
-            return
-        offsets = torch.tensor([0] + [b.num_samples for b, _, _ in parts]).cumsum(0)
-        cat = lambda name: torch.cat([getattr(b, name) for b, _, _ in parts])  # noqa: E731
-        sid = torch.cat([b.sample_index + int(o) for (b, _, _), o in zip(parts, offsets)])
-        merged = TokenBatch.from_flat(cat("learner_logp"), cat("sampler_logp"), cat("advantage"), sid,
-                                      cat("position"))
-        merged.quarantine = dict(sum((Counter(b.quarantine) for b, _, _ in parts), Counter()))
-        extras = None
-        if parts[0][1] is not None:
-            extras = {"gate_weight": torch.cat([g for _, g, _ in parts])}
-        agg = defaultdict(list)
-        for _, _, st in parts:
-            for k, v in st.items():
-                agg[k].append(v)
-        extra = {f"triage/{k}": sum(v) / len(v) for k, v in agg.items()}
-        self.triage_monitor.log_step(step, merged, extra=extra, token_extras=extras)
+        if self._tm_acc is not None:
+            self._tm_acc.flush()
 
     def train(self, *args, **kwargs):
         try:

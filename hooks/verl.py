@@ -25,12 +25,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
-
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageController
 
-from ._common import TriageLoss, group_ids_from_keys, triage_loss
+from ._common import LossHookSteps, group_ids_from_keys, triage_loss
 
 #: verl ``loss_agg_mode`` → TRIAGE normalisation (SPEC.md §4.2).
 AGG_TO_NORMALIZATION = {"token-mean": "global_token", "seq-mean-token-mean": "per_response"}
@@ -74,7 +72,7 @@ def _cfg(config, name: str, default):
     return default if v is None else v
 
 
-class VerlTriageLoss:
+class VerlTriageLoss(LossHookSteps):
     """A verl ``PolicyLossFn`` computing the TRIAGE loss (use with bypass mode, see module docstring).
 
     Call signature and return value are verl's: ``(old_log_prob, log_prob, advantages, response_mask,
@@ -85,27 +83,27 @@ class VerlTriageLoss:
     ``loss_agg_mode`` ``token-mean`` → ``global_token``, ``seq-mean-token-mean`` → ``per_response``.
     With verl's ``config.global_batch_info`` (dp_size, batch_num_tokens, global_batch_size) the
     micro-batch loss is rescaled as verl's ``agg_loss`` does, so micro-batches add up to the mini-batch.
-    The registered loss receives no step number: the controller is called with this object's
-    ``step`` attribute, which counts calls unless the user sets it (e.g. from a trainer hook).
+    The registered loss receives no step number: set ``step`` to the optimizer step before each
+    update (e.g. from a trainer hook); unset, every call counts as a step (warned once, see
+    :class:`~hooks._common.LossHookSteps`).  With a ``monitor``, the calls of one step (micro-batches,
+    PPO epochs) are merged into one ``log_step`` with the Gate weights as ``gate_weight``; it is
+    written when ``step`` changes, on :meth:`flush` or :meth:`close`.
 
-    Attributes: ``controller``, ``monitor`` (optional MismatchMonitor fed each call's tokens with
-    the Gate weights), ``last`` (the last :class:`~hooks._common.TriageLoss`), ``calls``, ``step``.
+    Attributes: ``controller``, ``monitor`` (optional MismatchMonitor), ``last`` (the last
+    :class:`~hooks._common.TriageLoss`), ``calls``, ``step``.
     """
 
     def __init__(self, controller: Optional[TriageController] = None, monitor=None, on_invalid: str = "raise",
                  step: Optional[int] = None):
         self.controller = controller or TriageController()
-        self.monitor = monitor
         self.on_invalid = on_invalid
-        self.calls = 0
-        self.step = step
-        self.last: Optional[TriageLoss] = None
+        self._init_steps(monitor, step)
 
     def __call__(self, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
                  config: Any = None, rollout_is_weights=None):
         if loss_agg_mode not in AGG_TO_NORMALIZATION:
             raise ValueError(f"TRIAGE supports loss_agg_mode in {sorted(AGG_TO_NORMALIZATION)}, got {loss_agg_mode!r}")
-        step = self.calls if self.step is None else int(self.step)
+        step = self._call_step()
         batch = TokenBatch.from_padded(log_prob, old_log_prob, advantages, response_mask, on_invalid=self.on_invalid)
         clip = _cfg(config, "clip_ratio", 0.2)
         norm = AGG_TO_NORMALIZATION[loss_agg_mode]
@@ -113,10 +111,7 @@ class VerlTriageLoss:
                           clip_low=_cfg(config, "clip_ratio_low", clip), clip_high=_cfg(config, "clip_ratio_high", clip),
                           normalization=norm)
         loss = res.loss * _global_scale(batch, norm, _cfg(config, "global_batch_info", {}) or {})
-        self.last, self.calls = res, self.calls + 1
-        if self.monitor is not None:
-            self.monitor.log_step(step, batch, extra=res.output.stats,
-                                  token_extras={"gate_weight": res.output.gate_weights})
+        self._finish_call(step, res)
         metrics = {f"triage/{k}": v for k, v in res.output.stats.items()}
         metrics["actor/ppo_kl"] = float(-batch.delta.mean()) if batch.num_tokens else 0.0
         return loss, metrics
@@ -141,7 +136,8 @@ def register(controller: Optional[TriageController] = None, name: str = "triage"
         name: registry name; select it with ``actor_rollout_ref.actor.policy_loss.loss_mode=<name>``.
         as_bypass_mode: also register under ``"bypass_mode"`` (needed with the legacy
             ``RayPPOTrainer``, whose ``apply_bypass_mode`` forces that loss mode).
-        monitor: optional MismatchMonitor fed from inside the loss (micro-batch granularity).
+        monitor: optional MismatchMonitor fed from inside the loss (one step per ``fn.step`` value,
+            its micro-batches merged; call ``fn.close()`` before ``monitor.close()``).
 
     Raises:
         ImportError: verl is not installed.

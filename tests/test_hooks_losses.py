@@ -131,3 +131,52 @@ def test_prime_rl_per_sample_loss():
     assert torch.equal(fn.last.output.gate_weights, out.gate_weights) and float(out.gate_weights.min()) < 1
     ptl = ppo_clip_loss(batch.learner_logp, batch.learner_logp.detach(), batch.advantage, 0.2, 0.28)
     assert torch.allclose(loss, weighted_policy_loss(ptl, out.token_weights, batch, "per_response") + out.repair_loss)
+
+
+def _calls(name, learner, old, sampler, adv, mask):
+    """(hook, [one call per micro-batch]) in each framework's own layout; micro-batches are rows 0-1 and 2-3
+    (OpenRLHF, SkyRL), or one sample per call (prime-rl)."""
+    if name == "openrlhf":
+        fn = openrlhf.TriagePolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28)
+        return fn, [lambda r=r: fn(learner[r], old[r], adv[r], action_mask=mask[r], rollout_log_probs=sampler[r])
+                    for r in (slice(0, 2), slice(2, 4))]
+    if name == "skyrl":
+        fn, cfg = skyrl.SkyRLTriageLoss(), SimpleNamespace(eps_clip_low=0.2, eps_clip_high=0.28)
+        return fn, [lambda r=r: fn(learner[r], old[r], adv[r], cfg, loss_mask=mask[r], rollout_logprobs=sampler[r])
+                    for r in (slice(0, 2), slice(2, 4))]
+    fn = prime_rl.PrimeRLTriageLoss()
+    return fn, [lambda i=i: fn(SimpleNamespace(trainer_logprobs=learner[i], inference_logprobs=sampler[i],
+                                               advantages=adv[i], loss_mask=mask[i])) for i in range(4)]
+
+
+@pytest.mark.parametrize("name", ["openrlhf", "skyrl", "prime_rl"])
+def test_loss_calls_of_one_step_are_one_monitored_step(name, tmp_path):
+    """With ``fn.step`` set, the loss calls of a step give ONE monitored step: the union of the tokens, sample
+    ids distinct across calls, and the metrics of one log_step on all rows; the next step value writes it."""
+    pd = pytest.importorskip("pandas")
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    learner, old, sampler, adv, mask = tokens(3)
+    fn, calls = _calls(name, learner, old, sampler, adv, mask)
+    with MismatchMonitor(tmp_path / "run", MonitorConfig()) as mon:
+        fn.monitor, fn.step = mon, 7
+        for call in calls:
+            call()
+        assert mon.steps_logged == 0
+        fn.step = 8
+        calls[0]()
+        assert mon.steps_logged == 1
+        fn.close()
+        assert mon.steps_logged == 2
+    with MismatchMonitor(tmp_path / "ref", MonitorConfig()) as ref_mon:
+        ref = ref_mon.log_step(7, TokenBatch.from_padded(learner, sampler, adv, mask))
+    t7 = pd.read_parquet(tmp_path / "run" / "tokens").pipe(lambda t: t[t["step"].astype(int) == 7])
+    t7 = t7.sort_values(["sample_id", "position"])
+    assert sorted(set(t7["sample_id"])) == [0, 1, 2, 3] and len(t7) == int(mask.sum())
+    assert torch.equal(torch.tensor(t7["sampler_logp"].to_numpy()), sampler[mask])
+    steps = pd.read_parquet(tmp_path / "run" / "steps")
+    s7 = steps[steps["step"].astype(int) == 7].iloc[0]
+    from triage_monitor.metrics import METRIC_NAMES
+    for k in (*METRIC_NAMES, *(f"window/{m}" for m in METRIC_NAMES), "empty_response_count"):
+        got, want = float(s7[k]), ref[k]
+        assert (got != got and want != want) or got == pytest.approx(want, rel=1e-6), k

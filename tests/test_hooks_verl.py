@@ -4,6 +4,8 @@ route by which the rollout log-probs reach it (verl's own ``apply_bypass_mode``)
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +178,78 @@ def test_called_by_verls_own_ppo_loss(registry):
     assert torch.allclose(loss, expected, atol=1e-6)
     loss.backward()
     assert float(flat.grad.abs().sum()) > 0
+
+
+def _same_metrics(got: dict, ref: dict):
+    for k, v in ref.items():
+        assert k in got, k
+        assert (math.isnan(v) and math.isnan(got[k])) or got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+
+
+def test_micro_batches_of_a_step_are_one_monitored_step(registry, tmp_path, caplog):
+    """Two loss calls (micro-batches) with fn.step = 3 → ONE step on disk: the union of the tokens (sample ids
+    kept distinct), Gate weights in call order, and the metrics of one log_step on the concatenated rows —
+    an empty response and a quarantined token included; a new step value flushes it, close() writes the last."""
+    old, rollout, adv, mask, _ = make_actor_batch()
+    mask[4] = False                                              # a response with no valid token (micro-batch 2)
+    old[1, 5] = 0.5                                              # an impossible learner log-prob: quarantined
+    mon = MismatchMonitor(tmp_path / "run", MonitorConfig(calibration_steps=2))
+    fn = hook.register(monitor=mon, on_invalid="quarantine")
+    fn.step = 3
+    rows = (slice(0, 3), slice(3, 6))
+    gates, stats = [], []
+    for r in rows:                                               # how verl's ppo_loss calls it per micro-batch
+        core_algos.get_policy_loss_fn("triage")(old_log_prob=rollout[r], log_prob=old[r].clone().requires_grad_(True),
+                                                advantages=adv[r], response_mask=mask[r], loss_agg_mode="token-mean",
+                                                config=actor_config(), rollout_is_weights=None)
+        gates.append(fn.last.output.gate_weights.detach())
+        stats.append(fn.last.output.stats["repair_loss"])
+    assert fn.calls == 2 and mon.steps_logged == 0              # nothing logged until the step is over
+    fn.step = 4
+    fn(rollout[:2], old[:2], adv[:2], mask[:2], "token-mean", actor_config(), None)
+    assert mon.steps_logged == 1                                 # the new step value flushed step 3
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        merged = dict(fn.close() or {})
+        assert mon.steps_logged == 2
+        assert fn.close() is None                                # nothing left to write
+        mon.close()
+    assert "logged twice" not in caplog.text
+    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
+    t3 = tokens[tokens["step"].astype(int) == 3].sort_values(["sample_id", "position"])
+    keep = mask.clone()
+    keep[1, 5] = False
+    assert len(t3) == int(keep.sum()) and sorted(set(t3["sample_id"])) == [0, 1, 2, 3, 5]
+    assert torch.equal(torch.tensor(t3["sampler_logp"].to_numpy()), rollout[keep])
+    assert torch.equal(torch.tensor(t3["gate_weight"].to_numpy()), torch.cat(gates))
+    assert len(tokens[tokens["step"].astype(int) == 4]) == int(mask[:2].sum()) - 1
+    steps = pd.read_parquet(tmp_path / "run" / "steps")
+    assert sorted(steps["step"].astype(int)) == [3, 4]
+    # reference: one log_step on all six rows at once, in a fresh run
+    with MismatchMonitor(tmp_path / "ref", MonitorConfig(calibration_steps=2)) as ref_mon:
+        ref = ref_mon.log_step(3, TokenBatch.from_padded(old, rollout, adv, mask, on_invalid="quarantine"))
+        ref_mon.log_step(4, TokenBatch.from_padded(old[:2], rollout[:2], adv[:2], mask[:2], on_invalid="quarantine"))
+    s3 = steps[steps["step"].astype(int) == 3].iloc[0]
+    assert ref["empty_response_count"] == 1 and ref["quarantined_count"] == 1 and ref["positive_logp_count"] == 1
+    compared = {k: v for k, v in ref.items() if k in s3 and k not in ("step", "writer_dropped_rows")}
+    assert len(compared) > 40 and "window/rho_asym" in compared
+    _same_metrics({k: float(s3[k]) for k in compared}, compared)
+    assert merged["step"] == 4 and "gate_weight_mean" in merged
+    assert stats[0] != stats[1] and float(s3["repair_loss"]) == pytest.approx(sum(stats) / 2)  # mean over calls
+    q = pd.read_parquet(tmp_path / "run" / "quarantine")
+    q3 = q[q["step"].astype(int) == 3]
+    assert q3[["sample_id", "position"]].values.tolist() == [[1, 5]]
+
+
+def test_step_unset_counts_calls_and_warns_once(registry, tmp_path, caplog):
+    """Without fn.step every loss call is its own step (controller and monitor), and a warning says so once."""
+    old, rollout, adv, mask, _ = make_actor_batch()
+    with MismatchMonitor(tmp_path / "run", MonitorConfig()) as mon:
+        fn = hook.register(monitor=mon)
+        with caplog.at_level("WARNING", logger="triage_monitor"):
+            for r in (slice(0, 3), slice(3, 6), slice(0, 2)):
+                fn(rollout[r], old[r], adv[r], mask[r], "token-mean", actor_config(), None)
+        fn.close()
+    assert caplog.text.count(".step is not set") == 1
+    assert fn.controller.last_step == 2
+    steps = pd.read_parquet(tmp_path / "run" / "steps")
+    assert sorted(steps["step"].astype(int)) == [0, 1, 2]
