@@ -180,3 +180,17 @@ def test_log_step_argument_errors(tmp_path):
         with pytest.raises(ValueError, match="token_extras\\['w'\\] has 3 values"):
             mon.log_step(0, b, token_extras={"w": torch.ones(3)})
         assert mon.steps_logged == 0 and not mon.tracker._history      # rejected before any state changed
+
+
+def test_extra_may_not_overwrite_a_computed_metric(tmp_path):
+    with MismatchMonitor(tmp_path / "r") as mon:
+        with pytest.raises(ValueError, match="rho_asym"):
+            mon.log_step(0, _batch(0), extra={"rho_asym": 1.0})
+
+
+def test_manifest_status_failed_when_the_loop_raises(tmp_path):
+    with pytest.raises(RuntimeError):
+        with MismatchMonitor(tmp_path / "r") as mon:
+            mon.log_step(0, _batch(0))
+            raise RuntimeError("training diverged")
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"

@@ -271,7 +271,10 @@ class TokenBatch:
             raise ValueError(f"learner_logp must be 1-D packed (N_total,), got shape {tuple(learner_logp.shape)}")
         n_total = learner_logp.shape[0]
         _check_shape("sampler_logp", sampler_logp, (n_total,), "learner_logp")
-        cu = torch.as_tensor(cu_seqlens, device=learner_logp.device).long()
+        cu = torch.as_tensor(cu_seqlens, device=learner_logp.device)
+        if torch.is_floating_point(cu):
+            raise TypeError(f"cu_seqlens must be an integer tensor, got dtype {cu.dtype}")
+        cu = cu.long()
         if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != n_total or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens must be non-decreasing from 0 to N_total={n_total}, got {cu.tolist()[:8]}...")
         S = cu.numel() - 1

@@ -117,6 +117,12 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
         else:
             console.print(f"[yellow]{len(bad)} metrics differ from the live values:[/yellow]")
             console.print(bad.to_string(index=False))
+            attempts = len(run.manifest.get("attempts", []))
+            if attempts > 1:
+                console.print(f"this run has {attempts} attempts (a resumed job or a re-run into the same directory): "
+                              "after a resume the live monitor restored tau_tail from run.json and restarted its "
+                              "trailing window, while the recomputation uses the full recorded history, so "
+                              "window and localisation values can differ from that point on")
     return 0
 
 
@@ -129,10 +135,17 @@ def _fmt(v) -> str:
 
 
 # ---------------------------------------------------------------------------- main
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def build_parser(command=None) -> argparse.ArgumentParser:
     """The argparse parser; only ``command``'s module is imported (keeps ``--help`` fast)."""
     parser = argparse.ArgumentParser(prog="triage-monitor", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module, help_ in COMMANDS:
         p = sub.add_parser(name, help=help_, description=help_)

@@ -44,7 +44,7 @@ import torch
 from . import __version__
 from .alignment import check_alignment, padding_diagnostics
 from .batch import INVALID_REASONS, TokenBatch
-from .metrics import MetricConfig, MetricTracker
+from .metrics import METRIC_NAMES, MetricConfig, MetricTracker
 from .records import (MANIFEST, SCHEMA_VERSION, TOKEN_SCHEMA, ParquetSink, new_attempt_id, read_manifest,
                       write_json_atomic)
 
@@ -67,6 +67,11 @@ QUARANTINE_METRICS = {
 INTEGRITY_METRICS = (*QUARANTINE_METRICS, "quarantined_count", "zero_logp_count", "padding_run_count",
                      "padding_run_tokens", "offset_response_count", "empty_response_count", "writer_dropped_rows")
 STATE_VERSION = 1
+
+
+#: Keys the monitor computes; an ``extra`` passed to log_step may not reuse them.
+RESERVED_KEYS = frozenset({"step", "tau_tail_frozen", "alignment_suspect", "alignment_shift", "alignment_ratio",
+                           *INTEGRITY_METRICS, *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)})
 
 
 @dataclass
@@ -232,6 +237,9 @@ class MismatchMonitor:
             self._warn_once("closed", "triage-monitor: log_step(step=%d) after close(): metrics are returned but "
                             "nothing is recorded any more (rows counted in writer_dropped_rows)", step)
         extra = {k: _to_float(k, v) for k, v in (extra or {}).items()}
+        clash = sorted(set(extra) & RESERVED_KEYS)
+        if clash:
+            raise ValueError(f"extra keys {clash} are names of computed metrics; rename them (e.g. 'user/{clash[0]}')")
         _check_token_extras(token_extras, batch.num_tokens)
         batch = batch.detach()
         group = self.group if self.world_size > 1 else None
@@ -370,14 +378,15 @@ class MismatchMonitor:
         """Wait until every queued record is on disk."""
         self.sink.flush(timeout)
 
-    def close(self) -> None:
-        """Drain the writer, close loggers and alerts, mark the manifest finished."""
+    def close(self, status: str = "finished") -> None:
+        """Drain the writer, close loggers and alerts, mark the manifest ``status``
+        ("finished"; "failed" when the ``with`` block raised)."""
         self.sink.close()
         for obj in [*self.loggers, self.alerts]:
             if obj is not None and hasattr(obj, "close"):
                 self._guard(obj, "close")
         if self.rank == 0:
-            self.manifest["status"] = "finished"
+            self.manifest["status"] = status
             self.manifest["steps_logged"] = self.steps_logged
             self.manifest["tau_tail_calibrated"] = self.tracker.tau_tail
             self.manifest["writer"] = {"written_rows": self.sink.written_rows, "dropped_rows": self.sink.dropped_rows,
@@ -387,8 +396,8 @@ class MismatchMonitor:
     def __enter__(self) -> "MismatchMonitor":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("finished" if exc_type is None else "failed")
 
 
 def _shared_attempt_id(group=None) -> int:

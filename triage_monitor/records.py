@@ -25,6 +25,7 @@ counts, warns once and degrades (:class:`ParquetSink`).
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import queue
@@ -70,14 +71,25 @@ def write_table_atomic(table: pa.Table, path: Path) -> None:
 
 
 def write_json_atomic(obj: dict, path: Path) -> None:
-    """Write ``obj`` as JSON through a temporary file and an atomic rename."""
+    """Write ``obj`` as standard JSON (NaN/inf become null) through a temporary file and an atomic rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".tmp-{uuid.uuid4().hex}.json"
     try:
-        tmp.write_text(json.dumps(obj, indent=2, default=_json_default, allow_nan=True))
+        tmp.write_text(json.dumps(_json_safe(obj), indent=2, default=_json_default, allow_nan=False))
         os.replace(tmp, path)
     finally:  # a failed write (full disk) leaves no temporary file behind
         tmp.unlink(missing_ok=True)
+
+
+def _json_safe(o):
+    """``o`` with non-finite floats replaced by None, recursively (JSON has no NaN)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_json_safe(v) for v in o]
+    return o
 
 
 def read_manifest(run_dir) -> dict:
