@@ -192,7 +192,7 @@ class LossHookSteps:
     ``monitor`` (optional), ``last``.  With ``step`` set, every call of that step feeds the controller with
     that step number and is merged into ONE monitored step (:class:`StepAccumulator`).  With ``step=None``
     the frameworks pass no step number, so each loss call counts as its own step (controller calibration
-    window, ``repair_start_step``, monitor window all count calls); a warning says so once.
+    window, ``repair_start_step``, monitor window all count calls) and is logged at once; a warning says so once.
     """
 
     def _init_steps(self, monitor=None, step: Optional[int] = None) -> None:
@@ -221,6 +221,8 @@ class LossHookSteps:
                 self._acc.flush()
             self._acc = StepAccumulator(self.monitor)
         self._acc.add(step, res.batch, {"gate_weight": res.output.gate_weights}, res.output.stats)
+        if self.step is None:             # each call is its own step: nothing to merge, log it now
+            self._acc.flush()
 
     def flush(self) -> Optional[dict]:
         """Log the buffered step now (e.g. at the end of each optimizer step); returns its metrics or None."""

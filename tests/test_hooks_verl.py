@@ -246,9 +246,10 @@ def test_step_unset_counts_calls_and_warns_once(registry, tmp_path, caplog):
     with MismatchMonitor(tmp_path / "run", MonitorConfig()) as mon:
         fn = hook.register(monitor=mon)
         with caplog.at_level("WARNING", logger="triage_monitor"):
-            for r in (slice(0, 3), slice(3, 6), slice(0, 2)):
+            for i, r in enumerate((slice(0, 3), slice(3, 6), slice(0, 2))):
                 fn(rollout[r], old[r], adv[r], mask[r], "token-mean", actor_config(), None)
-        fn.close()
+                assert mon.steps_logged == i + 1                 # nothing to merge: logged at once
+        assert fn.close() is None
     assert caplog.text.count(".step is not set") == 1
     assert fn.controller.last_step == 2
     steps = pd.read_parquet(tmp_path / "run" / "steps")
