@@ -164,8 +164,9 @@ class TriageGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------ monitoring
     def _tm_collect(self, batch: TokenBatch, gate, stats: dict) -> None:
         """Buffer a micro-batch under TRL's optimizer step; the previous step is logged when the step changes."""
+        # plain stat names in the monitor (as the other hooks and the demo log them; W&B adds "triage/")
         self._tm_acc.add(int(self.state.global_step), batch, None if gate is None else {"gate_weight": gate},
-                         {f"triage/{k}": v for k, v in stats.items()})
+                         dict(stats))
 
     def _tm_flush(self) -> None:
         if self._tm_acc is not None:

@@ -108,7 +108,7 @@ def test_run_directory_tokens_metrics_and_gate(trl_run):
         assert math.isclose(row["delta_mean"], d.mean(), rel_tol=1e-5, abs_tol=1e-9)
         amp_neg = g["advantage"][(g["advantage"] < 0) & (d < 0)].abs().sum()
         assert math.isclose(row["mass_amp_neg"], amp_neg, rel_tol=1e-5, abs_tol=1e-9)
-        assert 0 <= row["triage/gate_weight_mean"] <= 1
+        assert 0 <= row["gate_weight_mean"] <= 1
 
 
 def test_trl_loss_equals_core_api(trl_run):
