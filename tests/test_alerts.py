@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from triage_monitor.alerts import (Alert, AlertEngine, CallbackSink, LoggingSink, Rule, alerts_cli,
+from triage_monitor.alerts import (AlertEngine, CallbackSink, LoggingSink, Rule, alerts_cli,
                                    default_rules, load_rules, replay)
 
 

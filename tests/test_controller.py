@@ -424,7 +424,7 @@ def test_calibration_quantiles_from_reference_window():
     seg_means, toks = [], []
     for step in (0, 1):
         b = _step_batch(step)
-        out = ctrl(b, step=step)
+        ctrl(b, step=step)
         assert ctrl.thresholds is None            # fixed thresholds during the window
         # independent segment means: loop over (sample, position // 16)
         d = b.delta.tolist()

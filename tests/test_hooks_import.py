@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pandas as pd
-import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch

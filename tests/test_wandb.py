@@ -166,7 +166,6 @@ def test_logger_starts_and_finishes_its_own_run(offline):
 def test_monitor_feeds_wandb_and_alerts_table(offline):
     """End to end with the real MismatchMonitor: per-step metrics in W&B equal the returned ones,
     the alerts/ table holds Alert.to_row(), and the CLI replay of the run directory agrees."""
-    from triage_monitor.alerts import alerts_cli
     from triage_monitor.analysis import open_run
     from triage_monitor.batch import TokenBatch
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig

@@ -203,7 +203,7 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
     zero = ((zl == 0) & (zs < -zero_gap)) | ((zs == 0) & (zl < -zero_gap))
     out = {"zero_logp_count": float(zero.sum()), "padding_run_count": 0.0, "padding_run_tokens": 0.0,
            "offset_response_count": 0.0}
-    N, S = batch.num_tokens, batch.num_samples
+    N = batch.num_tokens
     if N == 0:
         return out
     # tokens are ordered by (sample, position): each response is a contiguous slice [first, last]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import platform
 import socket
