@@ -221,14 +221,18 @@ alert_frames = {labels[p]: runs[p][2] for p in (overlay or [primary])}
 st.header("Time series")
 st.caption(("Pooled trailing-window values (raw sums of the window, SPEC §3)" if window else "Per-step values")
            + (f" · overlay of {len(frames)} runs" if len(frames) > 1 else "") + " · alerts as ▼ markers")
-grid = [p for p in views.PANELS]
-figs = [(p, views.timeseries_figure(frames, p, window, window_steps, alert_frames)) for p in grid]
-figs = [(p, f) for p, f in figs if f is not None]
-for i in range(0, len(figs), 2):
-    cols = st.columns(2)
-    for col, (p, f) in zip(cols, figs[i:i + 2]):
-        with col:
-            _chart(f, f"ts_{p}")
+# each figure is sent as soon as it is built (the first chart reaches the browser before the others are
+# computed); panels without data are skipped and the two-column grid stays compact
+cols, slot = None, 0
+for p in views.PANELS:
+    f = views.timeseries_figure(frames, p, window, window_steps, alert_frames)
+    if f is None:
+        continue
+    if slot == 0:
+        cols = st.columns(2)
+    with cols[slot]:
+        _chart(f, f"ts_{p}")
+    slot = 1 - slot
 
 primary_frame = frames.get(labels[primary], metrics_of(primary))
 cols = st.columns(2)
