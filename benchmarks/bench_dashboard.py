@@ -129,6 +129,44 @@ def measure_browser(run: Path) -> dict:
     return out
 
 
+FLOOR_APP = """
+import plotly.graph_objects as go
+import streamlit as st
+st.title("floor")
+st.plotly_chart(go.Figure(go.Scatter(x=[0, 1, 2], y=[1, 3, 2])))
+"""
+
+
+def measure_floor() -> dict:
+    """Navigation -> first rendered chart for a one-chart Streamlit app: what no dashboard can beat here."""
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_browser import CHARTS_JS, Chromium, free_port
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        app = Path(tmp) / "floor_app.py"
+        app.write_text(FLOOR_APP)
+        proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(app), "--server.headless", "true",
+                                 "--server.port", str(port), "--server.address", "127.0.0.1",
+                                 "--browser.gatherUsageStats", "false"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(4)
+            b = Chromium()
+            try:
+                t0 = time.perf_counter()
+                b.navigate(f"http://127.0.0.1:{port}/")
+                b.wait_for(f"{CHARTS_JS} >= 1", timeout=120, poll=0.02)
+                return {"new_browser_first_chart_s": round(time.perf_counter() - t0, 2)}
+            finally:
+                b.close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 SCRIPT_SIDE = r"""
 import os, sys, time
 from streamlit.testing.v1 import AppTest
@@ -182,6 +220,8 @@ def main() -> None:
     print(f"stage table (4 anchors x 25-step windows, 499 null draws): {time.perf_counter() - t0:.1f}s")
     if not args.no_browser:
         print("Chromium:", json.dumps(measure_browser(run)))
+        print("Chromium, floor of Streamlit + plotly (a one-chart app, new browser profile):",
+              json.dumps(measure_floor()))
 
 
 if __name__ == "__main__":
