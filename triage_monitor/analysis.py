@@ -240,12 +240,14 @@ def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[floa
     return pd.DataFrame(rows, columns=cols)
 
 
-def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9) -> pd.DataFrame:
+def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
+                 live: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """Per metric, the largest relative difference between live and recomputed values.
 
-    NaN in both counts as equal.  Returns a DataFrame (metric, max_rel_diff, equal).
+    NaN in both counts as equal; ``live`` (from :meth:`Run.steps`) saves a second read of the step rows.
+    Returns a DataFrame (metric, max_rel_diff, equal).
     """
-    live = run.steps().set_index("step")
+    live = (run.steps() if live is None else live).set_index("step")
     rec = recomputed.set_index("step")
     common = rec.index.intersection(live.index)
     out = []

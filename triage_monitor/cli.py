@@ -109,8 +109,9 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"recomputed {n_tokens:,} tokens in {elapsed:.2f} s "
                   f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
-    if args.window is None and args.tau_tail is None and not run.steps().empty:
-        cmp = compare_live(run, df)
+    live = run.steps() if args.window is None and args.tau_tail is None else None
+    if live is not None and not live.empty:
+        cmp = compare_live(run, df, live=live)
         bad = cmp[~cmp["equal"]]
         if bad.empty:
             console.print(f"[green]all {len(cmp)} metrics equal the live values[/green]")

@@ -151,7 +151,7 @@ def quantiles(values: Tensor, qs: Sequence[float]) -> list:
 
 
 def segment_tail_stats(batch: TokenBatch, tau_tail: float, width: int, heavy_fraction: float,
-                       dilution_threshold: float) -> dict:
+                       dilution_threshold: float, delta: Optional[Tensor] = None) -> dict:
     """Localisation quantities of one batch (SPEC.md §3.3), over responses with A < 0.
 
     A response's advantage is the mean advantage of its valid tokens (the GRPO
@@ -166,7 +166,7 @@ def segment_tail_stats(batch: TokenBatch, tau_tail: float, width: int, heavy_fra
     ``pairs_heavy``, ``pairs_prev_heavy``, ``pairs_both_heavy``,
     ``responses_with_heavy`` and ``responses_diluted``.
     """
-    delta = batch.delta
+    delta = batch.delta if delta is None else delta         # (N,) float32; the caller may pass it precomputed
     adv = batch.advantage.float()
     S = batch.num_samples
     dev = delta.device
@@ -289,7 +289,7 @@ class MismatchStats:
         parts["lennorm_amp_neg"], parts["lennorm_amp_pos"] = lennorm[0], lennorm[1]
         if not math.isnan(tau_tail):
             loc = segment_tail_stats(batch.to(dev).detach(), tau_tail, cfg.segment_width,
-                                     cfg.heavy_fraction, cfg.dilution_threshold)
+                                     cfg.heavy_fraction, cfg.dilution_threshold, delta=delta)
             self.seg_tail.append(loc.pop("seg_tail"))
             self.seg_valid.append(loc.pop("seg_valid"))
             parts.update({k: torch.tensor(v, dtype=torch.float64, device=dev) for k, v in loc.items()})
