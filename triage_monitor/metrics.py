@@ -3,7 +3,7 @@
 Two layers, in the style of torchmetrics:
 
 * pure tensor functions over a :class:`~triage_monitor.batch.TokenBatch`
-  (:func:`quadrant_masks`, :func:`segment_tail_stats`, :func:`c_tok_from_segments`,
+  (:func:`region_codes`, :func:`segment_tail_stats`, :func:`c_tok_from_segments`,
   :func:`quantiles`), shapes stated;
 * :class:`MismatchStats`, an accumulator that keeps *sums* (plus the δ values
   for quantiles and one (tail, valid) pair per segment for C_tok) with
@@ -102,24 +102,11 @@ class MetricResult:
 
 
 # --------------------------------------------------------------------------- pure functions
-def quadrant_masks(delta: Tensor, advantage: Tensor) -> dict:
-    """Boolean ``(N,)`` masks of the four regions of SPEC.md §2 ("Quadrants").
-
-    amp_neg: A<0, δ<0; amp_pos: A>0, δ>0; con_neg: A<0, δ>0; con_pos: A>0, δ<0.
-    Tokens with A = 0 or δ = 0 belong to no region.
-    """
-    return {
-        "amp_neg": (advantage < 0) & (delta < 0),
-        "amp_pos": (advantage > 0) & (delta > 0),
-        "con_neg": (advantage < 0) & (delta > 0),
-        "con_pos": (advantage > 0) & (delta < 0),
-    }
-
-
 def region_codes(delta: Tensor, advantage: Tensor) -> Tensor:
     """``(N,)`` int64 region of each token: 0 amp_neg, 1 amp_pos, 2 con_neg, 3 con_pos, 4 none.
 
-    Same regions as :func:`quadrant_masks` (SPEC.md §2), as one code for ``bincount``.
+    Regions of SPEC.md §2 ("Quadrants"): amp_neg A<0, δ<0; amp_pos A>0, δ>0; con_neg A<0, δ>0;
+    con_pos A>0, δ<0.  Tokens with A = 0 or δ = 0 belong to no region.  One code per token, for ``bincount``.
     """
     a_neg, a_pos = advantage < 0, advantage > 0
     d_neg, d_pos = delta < 0, delta > 0

@@ -43,7 +43,6 @@ log = logging.getLogger("triage_monitor.records")
 
 SCHEMA_VERSION = 1
 MANIFEST = "run.json"
-TABLES = ("tokens", "steps", "quarantine", "alerts")
 
 #: Columns every token file has (step and rank come from the directory names).
 TOKEN_SCHEMA = pa.schema([
