@@ -1,0 +1,93 @@
+"""agg_loss / triage_policy_loss: every aggregation mode against values worked out by hand."""
+
+import pytest
+import torch
+
+from triage_monitor.batch import TokenBatch
+from triage_monitor.controller import TriageConfig, TriageController
+from triage_monitor.loss import AGG_MODES, agg_loss, renormalize_per_response, triage_policy_loss
+
+
+def _batch():
+    # response 0: 3 valid tokens, response 1: 1 valid token (row 1 has 2 padded columns)
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    return TokenBatch.from_padded(lp, lp.clone(), torch.tensor([1.0, -1.0]), mask)
+
+
+LOSS = torch.tensor([1.0, 2.0, 3.0, 4.0])
+W = torch.tensor([1.0, 0.0, 1.0, 0.5])
+
+
+@pytest.mark.parametrize("mode,expected", [
+    # Σ wℓ / Σ w = (1 + 0 + 3 + 2) / 2.5
+    ("token_mean", 6.0 / 2.5),
+    # ((1 + 3) / 2 + 2 / 0.5) / 2 responses
+    ("seq_mean_token_mean", (2.0 + 4.0) / 2),
+    # (4 + 2) / 2 responses
+    ("seq_mean_token_sum", 3.0),
+    ("token_sum", 6.0),
+])
+def test_agg_loss_modes_by_hand(mode, expected):
+    assert agg_loss(LOSS, W, _batch(), mode).item() == pytest.approx(expected)
+
+
+def test_agg_loss_given_denominator_is_used_as_is():
+    assert agg_loss(LOSS, W, _batch(), "token_mean", denominator=10.0).item() == pytest.approx(0.6)
+    assert agg_loss(LOSS, W, _batch(), "token_sum", denominator=4.0).item() == pytest.approx(1.5)
+
+
+def test_agg_loss_unweighted_equals_plain_conventions():
+    ones = torch.ones(4)
+    b = _batch()
+    assert agg_loss(LOSS, ones, b, "token_mean").item() == pytest.approx(2.5)
+    assert agg_loss(LOSS, ones, b, "seq_mean_token_mean").item() == pytest.approx((2.0 + 4.0) / 2)
+    assert agg_loss(LOSS, ones, b, "seq_mean_token_sum").item() == pytest.approx((6.0 + 4.0) / 2)
+
+
+def test_agg_loss_rejects_bad_mode_and_shape():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        agg_loss(LOSS, W, _batch(), "seq-mean-token-mean")
+    with pytest.raises(ValueError, match="per_token_loss has shape"):
+        agg_loss(LOSS[:3], W, _batch(), "token_mean")
+
+
+def test_renormalize_per_response_keeps_each_response_total():
+    w = renormalize_per_response(W, _batch())
+    # response 0: weights 1, 0, 1 → ×3/2; response 1: 0.5 → ×1/0.5
+    assert w.tolist() == pytest.approx([1.5, 0.0, 1.5, 1.0])
+    assert renormalize_per_response(torch.zeros(4), _batch()).tolist() == [0.0] * 4
+
+
+def test_micro_batch_split_gives_the_full_batch_loss():
+    """With the framework's global token count as denominator, micro-batch losses add up to the full-batch
+    loss whatever the split (the weights are renormalised per response)."""
+    torch.manual_seed(0)
+    B, T = 8, 6
+    sampler = -torch.rand(B, T) * 3
+    learner = (sampler + torch.randn(B, T)).clamp(max=-1e-3).requires_grad_(False)
+    adv = torch.randn(B)
+    mask = (torch.rand(B, T) > 0.2).int()
+    mask[:, 0] = 1
+    ctrl = lambda: TriageController(TriageConfig(gate_width=2, repair=False, tis=False))  # noqa: E731
+    full = TokenBatch.from_padded(learner, sampler, adv, mask)
+    n = int(mask.sum())
+    old = (learner + 0.3 * torch.randn(B, T)).clamp(max=-1e-3)          # PPO anchor ≠ learner: ℓ varies per token
+    kw = dict(agg_mode="token_mean", denominator=n)
+    ref = triage_policy_loss(ctrl(), full, 0, old_logp=full.gather(old), **kw).loss
+    c = ctrl()
+    total = 0.0
+    for s in (slice(0, 3), slice(3, 8)):
+        p = TokenBatch.from_padded(learner[s], sampler[s], adv[s], mask[s])
+        total = total + triage_policy_loss(c, p, 0, old_logp=p.gather(old[s]), **kw).loss
+    assert total.item() == pytest.approx(ref.item(), rel=1e-6)
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    assert ref.item() != pytest.approx(triage_policy_loss(plain, full, 0, old_logp=full.gather(old), **kw).loss.item())
+
+
+def test_triage_policy_loss_reads_the_config_normalization():
+    b = _batch()
+    for norm, mode in (("per_response", "seq_mean_token_mean"), ("global_token", "token_mean")):
+        res = triage_policy_loss(TriageController(TriageConfig(normalization=norm)), b, 0)
+        assert res.agg_mode == mode
+    assert set(AGG_MODES) >= {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum"}
