@@ -25,3 +25,25 @@ def demo_run_dir(tmp_path_factory):
 def demo_run_dir_none(tmp_path_factory):
     """A second, shorter demo run with ``correction="none"`` (for overlays / comparisons)."""
     return _demo(tmp_path_factory, "demo-none", steps=20, correction="none", seed=1)
+
+
+@pytest.fixture(scope="session")
+def side_env():
+    """``side_env(name) -> Path`` of the python of the side environment ``.venv-fw/<name>`` (made by
+    ``scripts/side_env.sh`` from ``scripts/install_frameworks.sh``), for tests that drive a second release of a
+    framework in a subprocess.  Missing: a skip on a developer machine, a failure under ``CI=true``."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def get(name: str) -> Path:
+        py = root / ".venv-fw" / name / "bin" / "python"
+        if not py.exists():
+            msg = f"side environment {name} missing: run scripts/install_frameworks.sh"
+            if os.environ.get("CI") == "true":
+                pytest.fail(msg)
+            pytest.skip(msg)
+        return py
+
+    return get
