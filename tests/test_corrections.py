@@ -1,4 +1,4 @@
-"""Baseline corrections (SPEC.md §4.5): values worked by hand from the stated formulas."""
+"""Baseline corrections (docs/metrics.md#baselines): values worked by hand from the stated formulas."""
 
 import math
 

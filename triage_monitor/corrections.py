@@ -1,4 +1,4 @@
-"""Baseline off-policy corrections the TRIAGE controller sits beside (SPEC.md §4.5).
+"""Baseline off-policy corrections the TRIAGE controller sits beside (docs/metrics.md#baselines).
 
 Pure tensor functions in the style of verl's ``core_algos.py``: every input is
 a flat per-token tensor ``(N,)`` (the :class:`~triage_monitor.batch.TokenBatch`
@@ -18,11 +18,11 @@ valid tokens only (the flat layout holds nothing else).
 Framework defaults (as documented by the frameworks; each option is configurable):
 
 * PPO clip: symmetric ε = 0.2 (PPO paper, verl ``clip_ratio``); DAPO
-  "clip-higher" [1 − 0.2, 1 + 0.28] is the default here because SPEC.md §5
+  "clip-higher" [1 − 0.2, 1 + 0.28] is the default here because docs/metrics.md#published-reference
   (published TRIAGE runs) uses it.
-* TIS: clamp(ratio, 0, C), C = 2 (SPEC.md §4.5, the published runs; verl
+* TIS: clamp(ratio, 0, C), C = 2 (docs/metrics.md#baselines, the published runs; verl
   ``rollout_is_threshold`` default 2.0, truncation only from above).
-* IcePop: ratio kept inside [0.5, 2], zero outside (SPEC.md §4.5; the Ring/
+* IcePop: ratio kept inside [0.5, 2], zero outside (docs/metrics.md#baselines; the Ring/
   IcePop paper used [0.5, 5]).
 * MIS / geometric sequence masking: band [1/1.001, 1.001] on the geometric
   mean ratio (verl ``rollout_rs: geometric``, typical threshold 1.0002–1.001,
@@ -120,7 +120,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: f
 
     ``r = exp(logp − old_logp)``;
     ``loss = −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)`` (Schulman et al. 2017, with
-    DAPO's asymmetric "clip-higher"; default [0.8, 1.28] as in SPEC.md §5).  With
+    DAPO's asymmetric "clip-higher"; default [0.8, 1.28] as in docs/metrics.md#published-reference).  With
     ``dual_clip = c > 1`` (Ye et al. 2020, verl ``clip_ratio_c`` = 3.0) tokens with A < 0 use
     ``min(loss, −c·A)``.  Reduce with
     :func:`triage_monitor.controller.weighted_policy_loss`.
@@ -147,7 +147,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: f
 
 @register_correction("tis")
 def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: float = 2.0) -> Tensor:
-    """Truncated importance sampling weight ``(N,)`` float32, detached (SPEC.md §4.5).
+    """Truncated importance sampling weight ``(N,)`` float32, detached (docs/metrics.md#baselines).
 
     ``w = clamp(exp(old_logp − sampler_logp), low, high)``, default [0, 2] (published runs;
     verl's default truncates at 2.0 from above).  ``exp`` of a large gap gives ``inf`` → ``high``.
@@ -162,11 +162,11 @@ def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: 
 @register_correction("icepop")
 def icepop_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.5, high: float = 2.0,
                    keep_ratio: bool = True) -> Tensor:
-    """IcePop token masking ``(N,)`` float32, detached (SPEC.md §4.5; Ring-1T/IcePop).
+    """IcePop token masking ``(N,)`` float32, detached (docs/metrics.md#baselines; Ring-1T/IcePop).
 
     ``r = exp(old_logp − sampler_logp)``; ``w = r`` (``keep_ratio=True``, IcePop's
     ``M(r) = r·1[low ≤ r ≤ high]``) or ``1`` (``keep_ratio=False``, a pure mask) inside the
-    closed band ``[low, high]``, and ``0`` outside.  Default band [0.5, 2] (SPEC.md §4.5).
+    closed band ``[low, high]``, and ``0`` outside.  Default band [0.5, 2] (docs/metrics.md#baselines).
 
     Raises:
         ValueError: shapes differ or not ``0 <= low < high``.
@@ -192,7 +192,7 @@ def geometric_mean_ratio(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec) -
 @register_correction("mis")
 def mis_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: float = 1.001,
                 low: Optional[float] = None) -> Tensor:
-    """MIS / geometric sequence masking ``(N,)`` float32 in {0, 1}, detached (SPEC.md §4.5).
+    """MIS / geometric sequence masking ``(N,)`` float32 in {0, 1}, detached (docs/metrics.md#baselines).
 
     ``g_s = exp(mean_{t∈s}(old_logp − sampler_logp))`` (geometric-mean ratio of sequence s);
     every token of s gets ``1`` if ``low ≤ g_s ≤ high`` else ``0`` (the sequence is dropped).
@@ -213,7 +213,7 @@ def mis_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: floa
 @register_correction("seq_is_product")
 def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
                                 high: float = 2.0) -> Tensor:
-    """Sequence IS, **product form**, ``(N,)`` float32, detached (SPEC.md §4.5).
+    """Sequence IS, **product form**, ``(N,)`` float32, detached (docs/metrics.md#baselines).
 
     ``w_s = min(exp(clamp(Σ_{t∈s}(old_logp − sampler_logp), −20, 20)), high)`` = truncated
     ``Π_t r_t``, broadcast to every token of s.  Default ``high = 2`` (verl
@@ -233,7 +233,7 @@ def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: Seq
 @register_correction("seq_is_geometric")
 def sequence_is_geometric_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
                                   high: float = 2.0) -> Tensor:
-    """Sequence IS, **geometric form**, ``(N,)`` float32, detached (SPEC.md §4.5; GSPO-style).
+    """Sequence IS, **geometric form**, ``(N,)`` float32, detached (docs/metrics.md#baselines; GSPO-style).
 
     ``w_s = min(exp(mean_{t∈s}(old_logp − sampler_logp)), high)`` = truncated
     ``(Π_t r_t)^(1/n_s)``, broadcast to every token of s.  Unlike the product form it does
