@@ -6,9 +6,8 @@ metrics kept; steps from the published ``global_steps``; the loss module importe
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -369,14 +368,12 @@ def ray_worker_train(worker: int, steps_done) -> dict:
             "trainers": verl_plugin.TRAINERS}
 
 
-def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(tmp_path):
-    """A real local Ray cluster, 2 worker processes with the TRIAGE_MONITOR_* variables in the job's runtime_env:
-    3 global steps published by the driver (as the triage_* trainer does) → exactly 3 monitored steps numbered
-    1..3, every token once, rank files from both workers, one run.json, one attempt."""
-    import json
-
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """One real local Ray cluster (2 CPUs) for the worker and trainer tests, the TRIAGE_MONITOR_* variables of the
+    workers' run in the job's runtime_env (as ``ray_kwargs.ray_init.runtime_env.env_vars`` sets them in verl)."""
     ray = pytest.importorskip("ray")
-    run = tmp_path / "run"
+    run = tmp_path_factory.mktemp("ray") / "workers-run"
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
            "TRIAGE_MONITOR_RUN_DIR": str(run), "TRIAGE_MONITOR_TRIAGE": '{"gate_width": 8}',
@@ -384,27 +381,41 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(tmp_pat
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": env})
     try:
-        @ray.remote(num_cpus=1)
-        class Worker:
-            def train(self, worker, step):
-                import test_hooks_verl as t
-                return t.ray_worker_train(worker, step)
-
-            def close(self):
-                from triage_monitor.hooks._runtime import close_all as close
-                close()
-
-        workers = [Worker.remote() for _ in range(2)]
-        results = []
-        for step in range(1, WORKER_STEPS + 1):
-            hook.publish_step(str(run), step)                        # the trainer's step() does this
-            results.append(ray.get([w.train.remote(i, step) for i, w in enumerate(workers)]))
-        ray.get([w.close.remote() for w in workers])
+        yield run
     finally:
         ray.shutdown()
+
+
+def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_cluster):
+    """2 Ray worker processes load the loss as external_lib does; 3 global steps published by the driver (as the
+    triage_* trainer's step() does) → exactly 3 monitored steps numbered 1..3, every token once, rank files from
+    both workers, one run.json, one attempt."""
+    import json
+
+    import ray
+
+    run = ray_cluster
+
+    @ray.remote(num_cpus=1)
+    class Worker:
+        def train(self, worker, step):
+            import test_hooks_verl as t
+            return t.ray_worker_train(worker, step)
+
+        def close(self):
+            from triage_monitor.hooks._runtime import close_all as close
+            close()
+
+    workers = [Worker.remote() for _ in range(2)]
+    results = []
+    for step in range(1, WORKER_STEPS + 1):
+        hook.publish_step(str(run), step)
+        results.append(ray.get([w.train.remote(i, step) for i, w in enumerate(workers)]))
+    ray.get([w.close.remote() for w in workers])
     last = results[-1]
     assert {r["rank"] for r in last} == {0, 1} and len({r["pid"] for r in last}) == 2
     assert len({r["attempt"] for r in last}) == 1
+    assert last[0]["trainers"] == ["triage_sync", "triage_colocate_async", "triage_separate_async"]
     steps = pd.read_parquet(run / "steps")
     assert sorted(set(steps["step"].astype(int))) == [1, 2, 3]
     tokens = pd.read_parquet(run / "tokens")
@@ -417,19 +428,113 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(tmp_pat
     assert manifest["attempts"][0]["attempt"] == last[0]["attempt"]
 
 
-def test_plugin_registers_loss_and_trainers_on_import_verl(tmp_path):
-    """VERL_USE_EXTERNAL_MODULES: `import verl` alone (what verl's TaskRunner does) registers the loss and the
-    triage_* trainers in that process; the trainer keeps verl's own mode name for verl's branches."""
-    code = ("import verl\n"
-            "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
-            "from verl.trainer.ppo.v1 import get_trainer_cls\n"
-            "fn = get_policy_loss_fn('triage'); cls = get_trainer_cls('triage_sync')\n"
-            "print(type(fn).__name__, cls.__name__, cls.base_mode, fn.settings.run_dir, fn.settings.triage)\n")
-    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "triage_monitor.hooks.verl_plugin",
-           "TRIAGE_MONITOR_RUN_DIR": str(tmp_path / "run"), "TRIAGE_MONITOR_TRIAGE": "off"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["VerlTriageLoss", "TriagePPOTrainerSync", "sync", str(tmp_path / "run"), "None"]
+def task_runner_compute_advantage() -> dict:
+    """In a Ray actor, as verl's TaskRunnerV1: ``import verl`` loads the plugin from VERL_USE_EXTERNAL_MODULES,
+    verl's ppo_trainer config selects trainer.v1.trainer_mode=triage_sync, TransferQueue as the TaskRunner starts
+    it; samples put as verl's agent loop puts them, old_log_probs as _compute_old_log_prob writes them; then
+    verl's own _compute_advantage (GRPO)."""
+    from hydra import compose, initialize_config_dir
+    from tensordict import TensorDict
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            "actor_rollout_ref.rollout.calculate_log_probs=True", "trainer.v1.trainer_mode=triage_sync",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "data.train_batch_size=2",
+            "trainer.logger=[console]", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"])
+    tq.init(cfg.transfer_queue)
+    try:
+        trainer = get_trainer_cls(cfg.trainer.v1.trainer_mode)(cfg)
+        g = torch.Generator().manual_seed(0)
+        lens, keys, fields, tags = [9, 5, 12, 7], [], [], []
+        for i, n in enumerate(lens):                                 # as AgentLoopWorkerTQ puts its outputs
+            rm = torch.zeros(n)
+            rm[-1] = float(i % 2)
+            keys.append(f"p{i // 2}_{i % 2}_0")
+            fields.append({"prompts": torch.ones(3, dtype=torch.int64), "responses": torch.ones(n, dtype=torch.int64),
+                           "response_mask": torch.ones(n, dtype=torch.int64), "rm_scores": rm, "uid": f"p{i // 2}",
+                           "rollout_log_probs": -torch.rand(n, generator=g) - 0.01})
+            tags.append({"status": "success", "prompt_len": 3, "response_len": n, "seq_len": 3 + n,
+                         "global_steps": 1, "min_global_steps": 0, "max_global_steps": 0})
+        tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields), tags=tags)
+        old = [(f["rollout_log_probs"] + 0.1 * torch.randn(len(f["rollout_log_probs"]), generator=g)).clamp(max=-1e-4)
+               for f in fields]
+        tq.kv_batch_put(keys=keys, partition_id="train", fields=TensorDict(
+            {"old_log_probs": torch.nested.as_nested_tensor(old, layout=torch.jagged)}, batch_size=[4]))
+        trainer.global_steps = 3
+        metrics = {}
+        trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
+        adv = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages"])["advantages"]
+        logged = trainer.triage_monitor.flush()
+        trainer.triage_monitor.close()
+    finally:
+        tq.close()
+    return {"cls": type(trainer).__name__, "mode": trainer.trainer_mode, "metrics": sorted(metrics),
+            "logged": {k: logged[k] for k in ("step", "n_tokens")}, "lens": lens,
+            "old": torch.cat(old), "rollout": torch.cat([f["rollout_log_probs"] for f in fields]),
+            "adv": [a.clone() for a in adv.unbind()]}
+
+
+def test_triage_trainer_monitors_the_transfer_queue_batch(ray_cluster, tmp_path):
+    """verl's real v1 trainer class, registered as triage_sync by the plugin that VERL_USE_EXTERNAL_MODULES loads
+    on ``import verl`` in a Ray actor (where verl's TaskRunnerV1 looks the trainer up), over a real TransferQueue:
+    the step's tokens are monitored under global_steps with verl's own GRPO advantages and uid groups, and
+    verl's rollout_corr/* metrics are untouched."""
+    import ray
+
+    run = tmp_path / "run"
+    env = {"VERL_USE_EXTERNAL_MODULES": "triage_monitor.hooks.verl_plugin", "TRIAGE_MONITOR_RUN_DIR": str(run),
+           "TRIAGE_MONITOR_CONFIG": '{"calibration_steps": 1}'}
+
+    @ray.remote(num_cpus=1)
+    def task_runner():
+        import test_hooks_verl as t
+        return t.task_runner_compute_advantage()
+
+    got = ray.get(task_runner.options(runtime_env={"env_vars": env}).remote())
+    assert got["cls"] == "TriagePPOTrainerSync" and got["mode"] == "sync"     # verl still branches on "sync"
+    assert "rollout_corr/kl" in got["metrics"]                       # verl's own metrics, computed by verl
+    assert got["logged"] == {"step": 3, "n_tokens": float(sum(got["lens"]))}
+    tokens = pd.read_parquet(run / "tokens").sort_values(["sample_id", "position"])
+    assert set(tokens["step"].astype(int)) == {3}
+    assert torch.equal(torch.tensor(tokens["learner_logp"].to_numpy()), got["old"])
+    assert torch.equal(torch.tensor(tokens["sampler_logp"].to_numpy()), got["rollout"])
+    assert np.allclose(tokens["advantage"].to_numpy(), torch.cat(got["adv"]).numpy())
+    assert tokens.groupby("sample_id")["group_id"].first().tolist() == [0, 0, 1, 1]
+    assert abs(float(got["adv"][0][0]) + float(got["adv"][1][0])) < 1e-5   # GRPO: ± within a group
+
+
+def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path):
+    """TriageTrainerMixin.step around a trainer's step: global_steps published before, the monitored step flushed
+    after, its metrics in verl's metrics dict as triage/<name>."""
+    from triage_monitor.hooks.verl import TriageTrainerMixin, VerlBatchMonitor
+
+    run = str(tmp_path / "run")
+    live, rollout, adv, mask = make_actor_batch()
+    seen = {}
+
+    class OwnStep:                                  # stands for verl's PPOTrainer.step (our test double)
+        def step(self, metrics, timing_raw):
+            seen["published"] = hook.read_step(run)
+            self.triage_monitor.runtime.record(self.global_steps, TokenBatch.from_padded(live, rollout, adv, mask))
+            return "batch-meta"
+
+    class T(TriageTrainerMixin, OwnStep):
+        pass
+
+    t = T.__new__(T)
+    t.triage_settings = HookSettings(run_dir=run)
+    t.triage_monitor = VerlBatchMonitor(t.triage_settings)
+    t.global_steps = 12
+    metrics = {}
+    assert t.step(metrics, {}) == "batch-meta"
+    t.triage_monitor.close()
+    assert seen["published"] == 12 and metrics["triage/n_tokens"] == int(mask.sum())
+    assert sorted(pd.read_parquet(tmp_path / "run" / "steps")["step"].astype(int)) == [12]
 
 
 # ------------------------------------------------------------------ monitoring from the v1 trainer's batches
