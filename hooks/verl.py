@@ -36,6 +36,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -235,6 +237,74 @@ def read_step(run_dir: Optional[str], job: Optional[str] = None) -> Optional[int
         return None
 
 
+#: Seconds between two looks of a worker at the published step (its flush thread).
+STEP_POLL_S = 0.5
+DONE = "done"
+_WATCHED: set = set()
+_WATCH_LOCK = threading.Lock()
+
+
+def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> None:
+    """Start (once per process and hook) the worker thread that writes a step as soon as the trainer publishes the
+    next one, and the last step when the trainer publishes ``done`` (:func:`finish_workers`), then acknowledges
+    in ``<run_dir>/.verl/<job>/flushed/<pid>``.  Ray ends worker processes without running ``atexit``, so the
+    last step would otherwise be lost."""
+    job = job if job is not None else _ray_job_id()
+    with _WATCH_LOCK:
+        if runtime.settings.key in _WATCHED:
+            return
+        _WATCHED.add(runtime.settings.key)
+    jd = _job_dir(run_dir, job)
+    (jd / "workers").mkdir(parents=True, exist_ok=True)
+    (jd / "workers" / str(os.getpid())).touch()
+
+    def loop():
+        while not runtime.closed:
+            time.sleep(STEP_POLL_S)
+            try:
+                txt = (jd / "global_steps").read_text().strip()
+            except OSError:
+                continue
+            acc = runtime._acc
+            try:
+                if txt == DONE:
+                    runtime.flush()
+                    (jd / "flushed").mkdir(exist_ok=True)
+                    (jd / "flushed" / str(os.getpid())).touch()
+                    return
+                if acc is not None and acc.step is not None and txt.lstrip("-").isdigit() and int(txt) != acc.step:
+                    runtime.flush()
+            except Exception as exc:  # noqa: BLE001 — monitoring never breaks the training job
+                runtime._warn_once("verl-watch", "triage-monitor: writing a step failed (%s: %s); training continues",
+                                   type(exc).__name__, exc)
+
+    threading.Thread(target=loop, daemon=True, name="triage-monitor-verl-steps").start()
+
+
+def finish_workers(run_dir: str, job: Optional[str] = None, timeout: float = 60.0) -> bool:
+    """Publish ``done`` to the job's workers and wait until every worker that monitored has written its last step.
+
+    Returns True when all acknowledged within ``timeout`` seconds; otherwise warns (naming the missing worker
+    pids) and returns False.  Called by the ``triage_*`` trainers at the end of ``fit``.
+    """
+    jd = _job_dir(run_dir, job if job is not None else _ray_job_id())
+    jd.mkdir(parents=True, exist_ok=True)
+    tmp = jd / f"global_steps.{os.getpid()}.tmp"
+    tmp.write_text(DONE)
+    os.replace(tmp, jd / "global_steps")
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = {p.name for p in (jd / "workers").glob("*")} if (jd / "workers").exists() else set()
+        done = {p.name for p in (jd / "flushed").glob("*")} if (jd / "flushed").exists() else set()
+        if workers <= done:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("triage-monitor: verl workers %s did not write their last step within %.0f s",
+                        sorted(workers - done), timeout)
+            return False
+        time.sleep(STEP_POLL_S / 2)
+
+
 # ------------------------------------------------------------------------------------ aggregation
 def _info(config, name: str):
     info = getattr(config, "global_batch_info", None) or {}
@@ -366,6 +436,8 @@ class VerlTriageLoss(LossHook):
         if self.settings.run_dir is None:
             return None
         step = read_step(self.settings.run_dir)
+        if step is not None:
+            watch_published_steps(self.runtime, self.settings.run_dir)
         if step is None:
             self.runtime._warn_once(
                 "verl-step", "triage-monitor: verl's global_steps is not published in %s (the trainer is not a "
@@ -439,7 +511,8 @@ def _bypass(config) -> bool:
 class TriageTrainerMixin:
     """Mixed into verl's v1 trainers by :func:`register_trainers` (``trainer.v1.trainer_mode=triage_<mode>``).
 
-    * Before each step, publishes ``global_steps`` to the workers (:func:`publish_step`).
+    * Before each step, publishes ``global_steps`` to the workers (:func:`publish_step`); at the end of ``fit``
+      has them write their last step (:func:`finish_workers`).
     * Decoupled mode: after ``_compute_advantage`` reads the step's learner (``old_log_probs``) and sampler
       (``rollout_log_probs``) log-probs, advantages, mask and ``uid`` from the TransferQueue and logs them as ONE
       monitored step per ``global_steps`` (also with ``parameter_sync_step > 1``); the step's metrics are added to
@@ -472,6 +545,15 @@ class TriageTrainerMixin:
             metrics.update({f"triage/{k}": float(v) for k, v in got.items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
         return out
+
+    def fit(self, *args, **kwargs):
+        try:
+            return super().fit(*args, **kwargs)
+        finally:
+            if self.triage_monitor is not None:
+                self.triage_monitor.close()
+            if self.triage_settings.run_dir is not None:
+                finish_workers(self.triage_settings.run_dir)
 
     def _compute_advantage(self, batch, metrics: dict):
         if self.triage_monitor is None:
@@ -530,5 +612,5 @@ def register_trainers() -> list:
 
 
 __all__ = ["batch_from_dataproto", "log_dataproto", "batch_from_transfer_queue", "settings_from_env",
-           "shared_attempt", "publish_step", "read_step", "verl_aggregation", "verl_metrics", "VerlTriageLoss",
+           "shared_attempt", "publish_step", "read_step", "watch_published_steps", "finish_workers", "verl_aggregation", "verl_metrics", "VerlTriageLoss",
            "register", "VerlBatchMonitor", "TriageTrainerMixin", "check_config", "register_trainers"]

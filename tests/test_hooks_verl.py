@@ -20,7 +20,7 @@ pd = pytest.importorskip("pandas")
 from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
 from triage_monitor.hooks import verl as hook  # noqa: E402
-from triage_monitor.hooks._runtime import HookSettings, close_all  # noqa: E402
+from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
 from triage_monitor.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
 
@@ -388,8 +388,9 @@ def ray_cluster(tmp_path_factory):
 
 def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_cluster):
     """2 Ray worker processes load the loss as external_lib does; 3 global steps published by the driver (as the
-    triage_* trainer's step() does) → exactly 3 monitored steps numbered 1..3, every token once, rank files from
-    both workers, one run.json, one attempt."""
+    triage_* trainer's step() does), then finish_workers (as its fit() does; Ray ends workers without atexit)
+    → exactly 3 monitored steps numbered 1..3, every token once, rank files from both workers, one run.json,
+    one attempt."""
     import json
 
     import ray
@@ -402,16 +403,12 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
             import test_hooks_verl as t
             return t.ray_worker_train(worker, step)
 
-        def close(self):
-            from triage_monitor.hooks._runtime import close_all as close
-            close()
-
     workers = [Worker.remote() for _ in range(2)]
     results = []
     for step in range(1, WORKER_STEPS + 1):
         hook.publish_step(str(run), step)
         results.append(ray.get([w.train.remote(i, step) for i, w in enumerate(workers)]))
-    ray.get([w.close.remote() for w in workers])
+    assert hook.finish_workers(str(run), timeout=60)                  # the trainer's fit() ends with this
     last = results[-1]
     assert {r["rank"] for r in last} == {0, 1} and len({r["pid"] for r in last}) == 2
     assert len({r["attempt"] for r in last}) == 1
