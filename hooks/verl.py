@@ -213,17 +213,32 @@ def settings_from_env(environ=None) -> HookSettings:
     return HookSettings(run_dir=run_dir, monitor=MonitorConfig.from_dict(mon) if mon else MonitorConfig(),
                         triage=triage, manifest={"framework": "verl", "verl_version": version},
                         on_invalid=(env.get(ENV_ON_INVALID) or "raise").strip(),
-                        attempt=shared_attempt(run_dir, job) if run_dir else new_attempt_id(),
-                        key=f"verl-{job or os.getpid()}")
+                        attempt=_attempt(run_dir, job), key=f"verl-{job or os.getpid()}")
+
+
+def _attempt(run_dir: Optional[str], job: Optional[str]) -> int:
+    if run_dir is None:
+        return new_attempt_id()
+    try:
+        return shared_attempt(run_dir, job)
+    except OSError as exc:     # monitoring I/O never stops the job: this process gets an attempt of its own
+        log.warning("triage-monitor: cannot share the attempt id in %s (%s); this process uses its own", run_dir, exc)
+        return new_attempt_id()
 
 
 # ---------------------------------------------------------------------------------------- the step
 def publish_step(run_dir: str, step: int, job: Optional[str] = None) -> None:
     """Write verl's ``global_steps`` for this job's workers (atomic replace of ``<run_dir>/.verl/<job>/global_steps``)."""
-    path = _job_dir(run_dir, job if job is not None else _ray_job_id()) / "global_steps"
+    try:
+        _write_atomic(_job_dir(run_dir, job if job is not None else _ray_job_id()) / "global_steps", str(int(step)))
+    except OSError as exc:     # monitoring I/O never stops the job; the workers then count optimizer steps
+        log.warning("triage-monitor: cannot publish global_steps=%s in %s (%s)", step, run_dir, exc)
+
+
+def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"global_steps.{os.getpid()}.tmp")
-    tmp.write_text(str(int(step)))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -255,8 +270,12 @@ def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> N
             return
         _WATCHED.add(runtime.settings.key)
     jd = _job_dir(run_dir, job)
-    (jd / "workers").mkdir(parents=True, exist_ok=True)
-    (jd / "workers" / str(os.getpid())).touch()
+    try:
+        (jd / "workers").mkdir(parents=True, exist_ok=True)
+        (jd / "workers" / str(os.getpid())).touch()
+    except OSError as exc:     # monitoring I/O never stops the job
+        runtime._warn_once("verl-watch", "triage-monitor: cannot register this worker in %s (%s); its last step "
+                           "may be lost", jd, exc)
 
     def loop():
         while not runtime.closed:
@@ -288,10 +307,11 @@ def finish_workers(run_dir: str, job: Optional[str] = None, timeout: float = 60.
     pids) and returns False.  Called by the ``triage_*`` trainers at the end of ``fit``.
     """
     jd = _job_dir(run_dir, job if job is not None else _ray_job_id())
-    jd.mkdir(parents=True, exist_ok=True)
-    tmp = jd / f"global_steps.{os.getpid()}.tmp"
-    tmp.write_text(DONE)
-    os.replace(tmp, jd / "global_steps")
+    try:
+        _write_atomic(jd / "global_steps", DONE)
+    except OSError as exc:
+        log.warning("triage-monitor: cannot tell the verl workers to write their last step (%s)", exc)
+        return False
     deadline = time.monotonic() + timeout
     while True:
         workers = {p.name for p in (jd / "workers").glob("*")} if (jd / "workers").exists() else set()

@@ -17,6 +17,8 @@ from .verl import register, register_trainers
 LOSS = register()
 try:
     TRAINERS = register_trainers()
-except ImportError as exc:      # a process without the v1 trainer's dependencies (transfer_queue): loss only
+except Exception as exc:  # noqa: BLE001 — e.g. no transfer_queue here: the loss still works in this process
     TRAINERS = []
-    logging.getLogger("triage_monitor").debug("triage-monitor: verl v1 trainers not registered here (%s)", exc)
+    logging.getLogger("triage_monitor").warning(
+        "triage-monitor: the triage_* verl trainers are not registered in this process (%s: %s); the policy loss "
+        "'triage' is", type(exc).__name__, exc)

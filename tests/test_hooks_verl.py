@@ -579,3 +579,16 @@ def test_check_config_refuses_what_cannot_work():
     cfg.actor_rollout_ref.rollout.calculate_log_probs = False
     with pytest.raises(ValueError, match="calculate_log_probs=True"):
         hook.check_config(cfg)
+
+
+def test_step_channel_io_failures_never_stop_the_job(tmp_path, caplog):
+    """A run directory that cannot be written (here: a regular file): settings, publishing and finishing warn and
+    go on; reading gives no step (the workers then count optimizer steps)."""
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        s = hook.settings_from_env({"TRIAGE_MONITOR_RUN_DIR": str(blocked)})
+        hook.publish_step(str(blocked), 3)
+        assert hook.finish_workers(str(blocked), timeout=1) is False
+    assert s.attempt > 0 and hook.read_step(str(blocked)) is None
+    assert caplog.text.count("triage-monitor: cannot") == 3
