@@ -21,3 +21,6 @@ if [ "$before" != "$after" ]; then
   exit 1
 fi
 "$PY" -c 'import trl, verl.trainer.ppo.core_algos, verl.protocol; print("frameworks ok: trl", trl.__version__, "verl", verl.__version__)'
+# --- verl ---  the v1 trainer (register_trainer, TransferQueue) must import: the verl hook's trainer tests use it
+"$PY" -c 'import verl.trainer.ppo.v1.trainer_base, transfer_queue; print("verl v1 trainer ok")'
+# --- end verl ---
