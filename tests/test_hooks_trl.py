@@ -161,6 +161,21 @@ def test_sampler_logps_are_the_generation_logits(trl_run):
     assert torch.allclose(torch.tensor(got), ref, atol=1e-6)
 
 
+def test_tool_loop_call_gets_sampler_logps(trl_run):
+    """TRL's tool loop calls ``_generate_single_turn`` with keywords (TRL 1.16: ``num_generations=1``, both:
+    ``has_tool_images``); the override passes them through and returns one log-prob per returned token."""
+    import inspect
+
+    trainer = trl_run["trainer"]
+    prompt_ids = [[3, 4, 5], [6, 7]]
+    kw = {"has_tool_images": False}
+    if "num_generations" in inspect.signature(trl.GRPOTrainer._generate_single_turn).parameters:
+        kw["num_generations"] = 1
+    ids, logps = trainer._generate_single_turn(prompt_ids, None, {}, **kw)
+    assert len(ids) == len(logps) == 2
+    assert [len(x) for x in ids] == [len(x) for x in logps] and all(v <= 0 for row in logps for v in row)
+
+
 def test_loss_through_trl_equals_core_api(trl_run):
     """Same tensors through the core API give the same loss; TRL's grpo normaliser worked out by hand:
     B responses of the micro-batch × gradient-accumulation steps."""
@@ -353,6 +368,46 @@ def test_monitor_only_keeps_trl_loss(tmp_path):
     assert (tokens["learner_logp"] - tokens["sampler_logp"]).abs().max() < 1e-2
     assert not any(k.startswith("triage/") for row in trainer.state.log_history for k in row)
     assert trainer.triage_last is None and len(captured) == 2
+
+
+def test_rollout_func_logprobs_are_the_sampler_logps(tmp_path):
+    """With a ``rollout_func`` (TRL's hook for a custom generator), the sampler log-probs are exactly the ones it
+    returns: TRL turns them into ``sampling_per_token_logps``, the hook records them unchanged."""
+    returned = []
+
+    def rollout(prompts, trainer):
+        tok, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for p in prompts:
+            ids = tok(p)["input_ids"]
+            with torch.no_grad():
+                gen = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=True,
+                                     output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=1)
+            comp = gen.sequences[0, len(ids):].tolist()
+            comp = comp[:comp.index(1) + 1] if 1 in comp else comp
+            lp = torch.stack(gen.logits, 1)[0].float().log_softmax(-1)
+            lps = [lp[i, t].item() - 0.05 for i, t in enumerate(comp)]    # offset: not what the learner gives
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(comp)
+            out["logprobs"].append(lps)
+            returned.extend(lps)
+        return out
+
+    tok = tiny_tokenizer()
+    ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i:i + 2]) for i in range(4)]})
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, max_steps=1, report_to="none", use_cpu=True, beta=0.0,
+                          save_strategy="no", seed=0)
+    trainer = TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=args,
+                                train_dataset=ds, processing_class=tok, rollout_func=rollout,
+                                triage=HookSettings(run_dir=str(tmp_path / "run")))
+    trainer.train()
+    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
+    assert sorted(tokens["sampler_logp"].tolist()) == pytest.approx(sorted(returned), abs=1e-6)
+    delta = tokens["learner_logp"] - tokens["sampler_logp"]
+    assert delta.mean() == pytest.approx(0.05, abs=5e-3)
+    info = json.loads((tmp_path / "run" / "run.json").read_text())["info"]
+    assert info["sampler_logp_kind"] == "rollout_func logprobs"
 
 
 def test_checkpoint_keeps_controller_state(tmp_path):
