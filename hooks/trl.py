@@ -40,6 +40,8 @@ SAMPLER_LOGP_KIND = "transformers.generate KV-cache decoding: log_softmax(raw lo
 #: TRL ``loss_type`` → :func:`~triage_monitor.loss.agg_loss` mode; the denominators are TRL's own
 #: (:meth:`TriageGRPOTrainer._triage_denominator`).  Other loss types (``sapo``, ``cispo``, ``vespo``) are not a
 #: PPO-clip surrogate and raise at construction.
+__all__ = ["HookSettings", "TriageGRPOTrainer", "TRLLossHook", "batch_from_trl", "LOSS_TYPE_AGG"]
+
 LOSS_TYPE_AGG = {
     "grpo": "seq_mean_token_mean",   # Σ_s (Σ_t ℓ / n_s) / B, ÷ gradient-accumulation steps
     "bnpo": "token_mean",            # Σ ℓ / (tokens of the micro-batch), ÷ GA
@@ -161,6 +163,11 @@ class TriageGRPOTrainer(GRPOTrainer):
         self._tm_capture = False
         if triage is None:
             return
+        if self.accelerator.num_processes > 1:       # every rank built its own settings: share rank 0's attempt id
+            from accelerate.utils import broadcast_object_list
+
+            attempt = broadcast_object_list([triage.attempt], from_process=0)
+            triage.attempt = attempt[0]
         self._check_sampler_logps()
         if triage.triage is not None:
             self._check_triage()

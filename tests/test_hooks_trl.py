@@ -440,6 +440,50 @@ def test_checkpoint_keeps_controller_state(tmp_path):
     assert sorted(pd.read_parquet(tmp_path / "run2" / "tokens")["step"].astype(int).unique()) == [1]
 
 
+TWO_RANKS = """
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+import torch.distributed as dist
+import test_hooks_trl as T
+from triage_monitor.controller import TriageConfig
+from triage_monitor.hooks.trl import HookSettings
+
+out = Path({out!r})
+trainer = T.make_trainer(out / f"r{{dist.get_rank() if dist.is_initialized() else 'x'}}",
+                         HookSettings(run_dir=str(out / "run"), triage=TriageConfig()), max_steps=2, n_prompts=8)
+trainer.train()
+print("RANK", dist.get_rank(), dist.get_world_size(), trainer.triage_hook.settings.attempt, flush=True)
+"""
+
+
+def test_two_accelerate_ranks_write_one_run(tmp_path):
+    """Two trainer processes (torchrun, gloo on CPU), each building its own HookSettings as a user script does:
+    rank files from both ranks for each of the 2 optimizer steps, one run.json, one attempt id (rank 0's)."""
+    if os.environ.get("TRIAGE_TRL_SIDE") == "1":
+        pytest.skip("version-independent; run once, under the main venv")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(port), str(script)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RANK"))
+    assert [r[:2] for r in ranks] == [["0", "2"], ["1", "2"]] and ranks[0][2] == ranks[1][2]
+    run = tmp_path / "run"
+    manifest = json.loads((run / "run.json").read_text())
+    assert [a["attempt"] for a in manifest["attempts"]] == [int(ranks[0][2])]
+    for step in (0, 1):
+        assert sorted(p.name for p in (run / "tokens" / f"step={step}").iterdir()) == ["rank=0", "rank=1"]
+    tokens = pd.read_parquet(run / "tokens")
+    assert set(tokens["attempt"].astype(int)) == {int(ranks[0][2])}
+
+
 # -------------------------------------------------------------- the oldest TRL claimed
 def test_same_tests_pass_on_trl_1_13(side_env):
     """This module again, under TRL 1.13.0 (side environment ``trl-1.13``, same transformers and accelerate)."""
