@@ -24,6 +24,7 @@ Options the TRIAGE loss cannot honour raise a ``ValueError`` at construction (:m
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -157,6 +158,8 @@ class TriageGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, triage: Optional[HookSettings] = None, record_sampler_logps: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.record_sampler_logps = record_sampler_logps
+        if triage is not None:                 # our own copy (same key): the manifest gets TRL's facts below
+            triage = dataclasses.replace(triage, manifest=dict(triage.manifest))
         self.triage_hook = TRLLossHook(triage) if triage is not None else None
         self.triage_last = None
         self._tm_live = None
@@ -168,7 +171,7 @@ class TriageGRPOTrainer(GRPOTrainer):
 
             attempt = broadcast_object_list([triage.attempt], from_process=0)
             triage.attempt = attempt[0]
-        self._check_sampler_logps()
+        self._check_monitoring()
         if triage.triage is not None:
             self._check_triage()
         import trl
@@ -187,7 +190,17 @@ class TriageGRPOTrainer(GRPOTrainer):
             return "vllm processed_logprobs of the sampled token"
         return SAMPLER_LOGP_KIND
 
-    def _check_sampler_logps(self) -> None:
+    def _check_monitoring(self) -> None:
+        """Refuse set-ups where the hook would see no sampler or no learner log-probs.
+
+        Raises:
+            ValueError: TRL 1.13's Liger loss (``_compute_loss`` never runs), continuous batching or
+                ``record_sampler_logps=False`` without vLLM / ``rollout_func`` (no sampler log-probs).
+        """
+        if hasattr(GRPOTrainer, "compute_liger_loss") and self.args.use_liger_kernel:
+            raise ValueError("triage-monitor: use_liger_kernel=True on TRL < 1.16 computes the loss inside Liger's "
+                             "fused kernel, so no learner log-probs reach the hook; use_liger_kernel=False, or TRL "
+                             ">= 1.16 (only Liger's layer kernels there) (docs/hooks.md#trl)")
         if self.rollout_func is not None or self.use_vllm:
             return
         if self.use_transformers_continuous_batching:
@@ -203,7 +216,8 @@ class TriageGRPOTrainer(GRPOTrainer):
 
         Honoured: ``loss_type`` in :data:`LOSS_TYPE_AGG`, ``epsilon`` / ``epsilon_high``, ``delta`` (≥ 1 + epsilon_high:
         the dual clip), ``top_entropy_quantile``, ``off_policy_mask_threshold``, vLLM importance-sampling correction
-        (with TRIAGE's TIS off), ``mask_truncated_completions``, tools, TRL 1.16's Liger layer kernels.
+        (with TRIAGE's TIS off), ``mask_truncated_completions``, tools, TRL 1.16's Liger layer kernels (TRL 1.13's
+        Liger loss is refused by :meth:`_check_monitoring`).
 
         Raises:
             ValueError: naming the setting, its value and the fix.
@@ -223,8 +237,6 @@ class TriageGRPOTrainer(GRPOTrainer):
             bad.append(f"router_aux_loss_coef={args.router_aux_loss_coef} (MoE aux loss; use 0.0)")
         if args.delta is not None and args.delta < 1.0 + self.epsilon_high:
             bad.append(f"delta={args.delta} (< 1 + epsilon_high = {1 + self.epsilon_high}: not a dual clip)")
-        if hasattr(GRPOTrainer, "compute_liger_loss") and args.use_liger_kernel:
-            bad.append("use_liger_kernel=True (TRL < 1.16 computes the loss inside Liger's fused kernel)")
         if getattr(self, "_is_vlm", False):
             bad.append("a vision-language processing_class (multimodal inputs are not tested with the TRIAGE "
                        "loss; monitoring alone works)")

@@ -337,11 +337,12 @@ def test_vllm_correction_with_triage_tis_and_other_runtime_flags_raise(tmp_path)
     with pytest.raises(ValueError, match="vision-language"):
         trainer._check_triage()
     trainer._is_vlm = False
-    trainer.args.use_liger_kernel = True
-    if hasattr(trl.GRPOTrainer, "compute_liger_loss"):          # TRL 1.13: the loss is Liger's
+    trainer.args.use_liger_kernel = True       # (liger-kernel itself is not installed: the flag alone is checked)
+    if hasattr(trl.GRPOTrainer, "compute_liger_loss"):          # TRL 1.13: the loss is Liger's, not _compute_loss
         with pytest.raises(ValueError, match="use_liger_kernel"):
-            trainer._check_triage()
+            trainer._check_monitoring()
     else:                                                       # TRL 1.16: only layer kernels, the loss is TRL's
+        trainer._check_monitoring()
         trainer._check_triage()
 
 
