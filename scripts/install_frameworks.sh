@@ -15,6 +15,11 @@ before=$("$PY" -c 'import torch; print(torch.__version__)')
 "$PY" -m pip install -q -c "$constraints" -r requirements-frameworks.txt
 # verl and OpenRLHF themselves without their GPU stacks (vLLM/SGLang/flash-attn/deepspeed pins)
 "$PY" -m pip install -q -c "$constraints" --no-deps verl==0.9.1 openrlhf==0.11.2
+# --- TRL --- the newest release (1.16.0) is in the main venv (requirements-frameworks.txt); the oldest release the
+# hook claims, 1.13.0, in a side env (same transformers/accelerate, only trl differs): tests/test_hooks_trl.py runs
+# itself again there.
+MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh trl-1.13 trl==1.13.0
+# --- end TRL ---
 after=$("$PY" -c 'import torch; print(torch.__version__)')
 if [ "$before" != "$after" ]; then
   echo "install_frameworks.sh: torch changed from $before to $after" >&2

@@ -91,3 +91,20 @@ def test_triage_policy_loss_reads_the_config_normalization():
         res = triage_policy_loss(TriageController(TriageConfig(normalization=norm)), b, 0)
         assert res.agg_mode == mode
     assert set(AGG_MODES) >= {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum"}
+
+
+def test_token_scale_multiplies_the_loss_outside_the_normaliser():
+    """A framework's own per-token factor (mask, importance ratio) scales ℓ but never the denominator.
+    learner = old → ratio 1 → ℓ = −A: response 0 (A = 1) ℓ = −1 ×3, response 1 (A = −1) ℓ = +1."""
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    scale = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    b = _batch()
+    # per response: (−1 + 0 − 1) / 3 and 0.5 / 1, mean of the two responses
+    res = triage_policy_loss(plain, b, 0, agg_mode="seq_mean_token_mean", token_scale=scale)
+    assert res.loss.item() == pytest.approx((-2 / 3 + 0.5) / 2)
+    assert res.per_token_loss.tolist() == pytest.approx([-1.0, 0.0, -1.0, 0.5])
+    # token mean over the 4 tokens, denominator unchanged by the zero factor
+    res = triage_policy_loss(plain, b, 0, agg_mode="token_mean", token_scale=scale)
+    assert res.loss.item() == pytest.approx(-1.5 / 4)
+    with pytest.raises(ValueError, match="token_scale has shape"):
+        triage_policy_loss(plain, b, 0, token_scale=scale[:3])

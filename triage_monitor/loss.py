@@ -137,7 +137,7 @@ class TriageLoss:
     Attributes:
         loss: 0-dim float32, differentiable: aggregated weighted policy loss + Repair (docs/metrics.md#repair).
         policy_loss: 0-dim float32, the aggregated policy part alone.
-        per_token_loss: ``(N,)`` float32 PPO-clip surrogate before weighting.
+        per_token_loss: ``(N,)`` float32 PPO-clip surrogate (× ``token_scale`` when given) before weighting.
         token_weights: ``(N,)`` float32 weights the aggregation used (Gate × TIS, renormalised per response
             when a denominator was given).
         output: the controller's :class:`~triage_monitor.controller.TriageOutput` (weights, Repair, stats).
@@ -158,13 +158,15 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
                        old_logp: Optional[Tensor] = None, clip_low: float = 0.2, clip_high: float = 0.28,
                        dual_clip: Optional[float] = None, agg_mode: Optional[str] = None,
                        denominator: Optional[Union[Tensor, float]] = None, loss_scale: float = 1.0,
+                       token_scale: Optional[Tensor] = None,
                        repair_denominator: Optional[Union[Tensor, float]] = None, group=None) -> TriageLoss:
     """The TRIAGE loss of one (micro-)batch with the trainer's aggregation convention.
 
     ``out = controller(batch, step, old_logp)``; ``ℓ = ppo_clip_loss(learner_logp, old_logp, A, clip_low,
     clip_high, dual_clip)``; ``loss = loss_scale · agg_loss(ℓ, w, batch, agg_mode, denominator) + out.repair_loss``
     with ``w = out.token_weights`` (Gate × TIS), renormalised per response when ``denominator`` is given
-    (module docstring).  With Gate, TIS and Repair off the value equals the trainer's own PPO loss.
+    (module docstring), and ``ℓ`` multiplied by ``token_scale`` when given.  With Gate, TIS and Repair off the
+    value equals the trainer's own PPO loss.
 
     Args:
         controller: the :class:`TriageController` (config, calibration state).
@@ -176,19 +178,28 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
         agg_mode: one of :data:`AGG_MODES`; default from ``controller.config.normalization``.
         denominator: the framework's normaliser for the whole update (:func:`agg_loss`).
         loss_scale: multiplies the policy part (a framework convention such as verl's ``dp_size`` factor).
+        token_scale: ``(N,)`` per-token factors (detached) the framework multiplies its per-token loss by before
+            aggregating, outside the normaliser: masks and importance ratios of its own (e.g. TRL's
+            ``top_entropy_quantile`` mask, off-policy sequence mask, vLLM importance-sampling ratio).  Unlike the
+            weights they never enter a denominator.
         repair_denominator: the number of valid Repair segments of the whole update, for micro-batches
             (:meth:`TriageController.repair_segment_count`).
         group: process group for the global sums.
 
     Raises:
-        ValueError: shapes (``old_logp`` not ``(N,)``), unknown ``agg_mode``.
+        ValueError: shapes (``old_logp`` or ``token_scale`` not ``(N,)``), unknown ``agg_mode``.
     """
+    if token_scale is not None and tuple(token_scale.shape) != (batch.num_tokens,):
+        raise ValueError(f"triage_policy_loss: token_scale has shape {tuple(token_scale.shape)}, expected "
+                         f"({batch.num_tokens},) = the batch's valid tokens")
     mode = agg_mode or NORMALIZATION_TO_AGG[controller.config.normalization]
     if mode not in AGG_MODES:
         raise ValueError(f"triage_policy_loss: agg_mode must be one of {AGG_MODES}, got {mode!r}")
     old = batch.learner_logp.detach() if old_logp is None else old_logp.detach()
     out = controller(batch, step=step, old_logp=old, repair_denominator=repair_denominator)
     ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
+    if token_scale is not None:
+        ptl = ptl * token_scale.detach().float()
     w = out.token_weights if denominator is None else renormalize_per_response(out.token_weights, batch)
     pol = loss_scale * agg_loss(ptl, w, batch, mode, denominator=denominator, group=group)
     return TriageLoss(loss=pol + out.repair_loss, policy_loss=pol, per_token_loss=ptl, token_weights=w,
