@@ -91,3 +91,20 @@ def test_triage_policy_loss_reads_the_config_normalization():
         res = triage_policy_loss(TriageController(TriageConfig(normalization=norm)), b, 0)
         assert res.agg_mode == mode
     assert set(AGG_MODES) >= {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum"}
+
+
+def test_token_scale_multiplies_after_renormalisation():
+    """A trainer's own per-token correction (SkyRL's TIS ratio × masks) scales the weights after the per-response
+    renormalisation and is not renormalised itself."""
+    b = _batch()
+    old = torch.tensor([-1.5, -2.0, -2.5, -0.5])                  # ratios e^0.5, 1, e^-0.5, 1; A = 1, 1, 1, -1
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    scale = torch.tensor([2.0, 0.0, 1.0, 0.5])
+    res = triage_policy_loss(plain, b, 0, old_logp=old, clip_low=10.0, clip_high=10.0, agg_mode="token_sum",
+                             denominator=1.0, token_scale=scale)
+    # unclipped ℓ = −r·A: −e^0.5, −1, −e^−0.5, +1; Σ scale·ℓ = −2e^0.5 + 0 − e^−0.5 + 0.5
+    expected = -2 * torch.exp(torch.tensor(0.5)) - torch.exp(torch.tensor(-0.5)) + 0.5
+    assert res.loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert res.token_weights.tolist() == pytest.approx(scale.tolist())
+    with pytest.raises(ValueError, match="token_scale has shape"):
+        triage_policy_loss(plain, b, 0, token_scale=scale[:3])

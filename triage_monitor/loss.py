@@ -158,13 +158,15 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
                        old_logp: Optional[Tensor] = None, clip_low: float = 0.2, clip_high: float = 0.28,
                        dual_clip: Optional[float] = None, agg_mode: Optional[str] = None,
                        denominator: Optional[Union[Tensor, float]] = None, loss_scale: float = 1.0,
-                       repair_denominator: Optional[Union[Tensor, float]] = None, group=None) -> TriageLoss:
+                       repair_denominator: Optional[Union[Tensor, float]] = None, group=None,
+                       token_scale: Optional[Tensor] = None) -> TriageLoss:
     """The TRIAGE loss of one (micro-)batch with the trainer's aggregation convention.
 
     ``out = controller(batch, step, old_logp)``; ``ℓ = ppo_clip_loss(learner_logp, old_logp, A, clip_low,
     clip_high, dual_clip)``; ``loss = loss_scale · agg_loss(ℓ, w, batch, agg_mode, denominator) + out.repair_loss``
     with ``w = out.token_weights`` (Gate × TIS), renormalised per response when ``denominator`` is given
-    (module docstring).  With Gate, TIS and Repair off the value equals the trainer's own PPO loss.
+    (module docstring), then times ``token_scale``.  With Gate, TIS and Repair off the value equals the
+    trainer's own PPO loss (with the trainer's own per-token correction passed as ``token_scale``).
 
     Args:
         controller: the :class:`TriageController` (config, calibration state).
@@ -179,9 +181,12 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
         repair_denominator: the number of valid Repair segments of the whole update, for micro-batches
             (:meth:`TriageController.repair_segment_count`).
         group: process group for the global sums.
+        token_scale: ``(N,)`` fixed per-token factors of the trainer's own off-policy correction (e.g. SkyRL's
+            TIS ratio × its sequence / outlier masks), detached; applied after the renormalisation and never
+            renormalised, as the trainer applies them.  Default: none.
 
     Raises:
-        ValueError: shapes (``old_logp`` not ``(N,)``), unknown ``agg_mode``.
+        ValueError: shapes (``old_logp`` or ``token_scale`` not ``(N,)``), unknown ``agg_mode``.
     """
     mode = agg_mode or NORMALIZATION_TO_AGG[controller.config.normalization]
     if mode not in AGG_MODES:
@@ -190,6 +195,11 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
     out = controller(batch, step=step, old_logp=old, repair_denominator=repair_denominator)
     ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
     w = out.token_weights if denominator is None else renormalize_per_response(out.token_weights, batch)
+    if token_scale is not None:
+        if tuple(token_scale.shape) != (batch.num_tokens,):
+            raise ValueError(f"triage_policy_loss: token_scale has shape {tuple(token_scale.shape)}, expected "
+                             f"({batch.num_tokens},) = the batch's valid tokens")
+        w = w * token_scale.detach().float()
     pol = loss_scale * agg_loss(ptl, w, batch, mode, denominator=denominator, group=group)
     return TriageLoss(loss=pol + out.repair_loss, policy_loss=pol, per_token_loss=ptl, token_weights=w,
                       output=out, batch=batch, agg_mode=mode)
