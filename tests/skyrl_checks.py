@@ -156,11 +156,11 @@ def test_triage_off_equals_skyrl_default_loss(mode, base):
 
 def test_scale_is_a_masked_sum_not_a_mean():
     """One response of 23 tokens, token_mean: SkyRL divides the advantages by 23 and sums; the loss is the
-    token mean (the old adapter divided again and came out 23× too small)."""
+    token mean of the 20 loss-mask tokens (the old adapter divided again and came out that many times too small)."""
     r = rollout(seed=2, lengths=[23], prompts=[5])
     cfg = AlgorithmConfig(loss_reduction="token_mean")
     adv = apply_loss_reduction_to_advantages_minibatch(r["adv"], r["loss_mask"], "token_mean", 1, MAX_SEQ_LEN)
-    ours, _ = SkyRLTriageLoss(HookSettings(triage=OFF))(r["learner"], r["old"], adv, cfg,
+    ours, _ = SkyRLTriageLoss()(r["learner"], r["old"], adv, cfg,                 # monitoring only: SkyRL's PPO
                                                           loss_mask=r["loss_mask"], rollout_logprobs=r["rollout"])
     m = r["loss_mask"]
     mean = (ppo_by_hand(r["learner"], r["old"], r["adv"]) * m).sum() / m.sum()
