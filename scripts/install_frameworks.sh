@@ -20,6 +20,18 @@ before=$("$PY" -c 'import torch; print(torch.__version__)')
 # itself again there.
 MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh trl-1.13 trl==1.13.0
 # --- end TRL ---
+# --- skyrl ---
+# SkyRL 0.3.0 pins transformers<=5.8 and ray 2.56 (the main venv holds newer ones): a side environment with the
+# modules its policy-loss registry and workers import (no GPU extras: no vLLM, flash-attn).  Its
+# skyrl/tinker/types.py puts a typing.TypedDict in a pydantic model, which pydantic 2 rejects before Python 3.12
+# although SkyRL declares Python >= 3.11: on 3.11 this env (only) maps it to typing_extensions.TypedDict.
+TORCH_SPEC="$TORCH_SPEC" MAIN_PY="$PY" bash scripts/side_env.sh skyrl-0.3.0 skyrl==0.3.0 ray==2.56.0 \
+  skyrl-gym==0.4.0 jaxtyping loguru omegaconf
+SKYRL_SITE=$(.venv-fw/skyrl-0.3.0/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import sys, typing, typing_extensions; sys.version_info < (3, 12) and setattr(typing, 'TypedDict', typing_extensions.TypedDict)" \
+  > "$SKYRL_SITE/zzz-skyrl-py311-typeddict.pth"
+.venv-fw/skyrl-0.3.0/bin/python -c 'import skyrl.backends.skyrl_train.workers.worker; print("skyrl 0.3.0 ok")'
+# --- end skyrl ---
 after=$("$PY" -c 'import torch; print(torch.__version__)')
 if [ "$before" != "$after" ]; then
   echo "install_frameworks.sh: torch changed from $before to $after" >&2

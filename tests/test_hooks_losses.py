@@ -17,7 +17,7 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageConfig, TriageController, weighted_policy_loss
 from triage_monitor.corrections import ppo_clip_loss
-from triage_monitor.hooks import nemo_rl, openrlhf, prime_rl, skyrl
+from triage_monitor.hooks import nemo_rl, openrlhf, prime_rl
 
 
 def tokens(seed=0, B=4, T=140):
@@ -74,16 +74,6 @@ def test_openrlhf_forward_signature_matches_installed_package():
     assert ours == theirs
 
 
-def test_skyrl_loss_matches_core_api():
-    learner, old, sampler, adv, mask = tokens(1)
-    fn = skyrl.SkyRLTriageLoss()
-    cfg = SimpleNamespace(eps_clip_low=0.2, eps_clip_high=0.28, loss_reduction="sequence_mean")
-    loss, metrics = fn(learner, old, adv, cfg, loss_mask=mask.float(), rollout_logprobs=sampler)
-    out, expected = core(learner, old, sampler, adv, mask, "per_response")
-    assert torch.equal(fn.last.output.gate_weights, out.gate_weights)
-    assert torch.allclose(loss, expected, atol=1e-6) and "triage/repair_loss" in metrics
-
-
 def test_nemo_rl_loss_matches_core_api():
     torch.manual_seed(0)
     B, S, V, P = 3, 40, 11, 4
@@ -135,21 +125,17 @@ def test_prime_rl_per_sample_loss():
 
 def _calls(name, learner, old, sampler, adv, mask):
     """(hook, [one call per micro-batch]) in each framework's own layout; micro-batches are rows 0-1 and 2-3
-    (OpenRLHF, SkyRL), or one sample per call (prime-rl)."""
+    (OpenRLHF), or one sample per call (prime-rl)."""
     if name == "openrlhf":
         fn = openrlhf.TriagePolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28)
         return fn, [lambda r=r: fn(learner[r], old[r], adv[r], action_mask=mask[r], rollout_log_probs=sampler[r])
-                    for r in (slice(0, 2), slice(2, 4))]
-    if name == "skyrl":
-        fn, cfg = skyrl.SkyRLTriageLoss(), SimpleNamespace(eps_clip_low=0.2, eps_clip_high=0.28)
-        return fn, [lambda r=r: fn(learner[r], old[r], adv[r], cfg, loss_mask=mask[r], rollout_logprobs=sampler[r])
                     for r in (slice(0, 2), slice(2, 4))]
     fn = prime_rl.PrimeRLTriageLoss()
     return fn, [lambda i=i: fn(SimpleNamespace(trainer_logprobs=learner[i], inference_logprobs=sampler[i],
                                                advantages=adv[i], loss_mask=mask[i])) for i in range(4)]
 
 
-@pytest.mark.parametrize("name", ["openrlhf", "skyrl", "prime_rl"])
+@pytest.mark.parametrize("name", ["openrlhf", "prime_rl"])
 def test_loss_calls_of_one_step_are_one_monitored_step(name, tmp_path):
     """With ``fn.step`` set, the loss calls of a step give ONE monitored step: the union of the tokens, sample
     ids distinct across calls, and the metrics of one log_step on all rows; the next step value writes it."""

@@ -108,3 +108,21 @@ def test_token_scale_multiplies_the_loss_outside_the_normaliser():
     assert res.loss.item() == pytest.approx(-1.5 / 4)
     with pytest.raises(ValueError, match="token_scale has shape"):
         triage_policy_loss(plain, b, 0, token_scale=scale[:3])
+
+
+def test_token_scale_multiplies_after_renormalisation():
+    """A trainer's own per-token correction (SkyRL's TIS ratio × masks) scales the weights after the per-response
+    renormalisation and is not renormalised itself."""
+    b = _batch()
+    old = torch.tensor([-1.5, -2.0, -2.5, -0.5])                  # ratios e^0.5, 1, e^-0.5, 1; A = 1, 1, 1, -1
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    scale = torch.tensor([2.0, 0.0, 1.0, 0.5])
+    res = triage_policy_loss(plain, b, 0, old_logp=old, clip_low=10.0, clip_high=10.0, agg_mode="token_sum",
+                             denominator=1.0, token_scale=scale)
+    # unclipped ℓ = −r·A: −e^0.5, −1, −e^−0.5, +1; Σ scale·ℓ = −2e^0.5 + 0 − e^−0.5 + 0.5
+    expected = -2 * torch.exp(torch.tensor(0.5)) - torch.exp(torch.tensor(-0.5)) + 0.5
+    assert res.loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    e = torch.exp(torch.tensor(0.5)).item()
+    assert res.per_token_loss.tolist() == pytest.approx([-2 * e, 0.0, -1 / e, 0.5], rel=1e-6)
+    with pytest.raises(ValueError, match="token_scale has shape"):
+        triage_policy_loss(plain, b, 0, token_scale=scale[:3])

@@ -181,7 +181,8 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
         token_scale: ``(N,)`` per-token factors (detached) the framework multiplies its per-token loss by before
             aggregating, outside the normaliser: masks and importance ratios of its own (e.g. TRL's
             ``top_entropy_quantile`` mask, off-policy sequence mask, vLLM importance-sampling ratio).  Unlike the
-            weights they never enter a denominator.
+            weights they never enter a denominator (SkyRL's TIS ratio × masks, OpenRLHF's IS-correction
+            coefficient: a token they zero still counts in the trainer's denominator, as in its own loss).
         repair_denominator: the number of valid Repair segments of the whole update, for micro-batches
             (:meth:`TriageController.repair_segment_count`).
         group: process group for the global sums.
