@@ -91,3 +91,22 @@ def test_triage_policy_loss_reads_the_config_normalization():
         res = triage_policy_loss(TriageController(TriageConfig(normalization=norm)), b, 0)
         assert res.agg_mode == mode
     assert set(AGG_MODES) >= {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum"}
+
+
+def test_loss_coef_scales_the_per_token_loss_and_is_not_renormalised():
+    """A framework's own per-token factor (OpenRLHF's IS-correction coefficient) multiplies ℓ; a zeroed token
+    still counts in the denominator.  Worked by hand: ratio 1 (old = learner), A = (1, 1, 1 | −1) → ℓ = −A."""
+    b = _batch()
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    coef = torch.tensor([2.0, 0.0, 1.0, 0.5])
+    # token mean over 4 tokens: (−2 − 0 − 1 + 0.5) / 4
+    res = triage_policy_loss(plain, b, 0, agg_mode="token_mean", loss_coef=coef)
+    assert res.loss.item() == pytest.approx(-2.5 / 4)
+    # the same with the framework's denominator 10: (−2.5) / 10
+    res = triage_policy_loss(plain, b, 0, agg_mode="token_mean", denominator=10.0, loss_coef=coef)
+    assert res.loss.item() == pytest.approx(-0.25)
+    # sequence mean: ((−2 − 0 − 1) / 3 + 0.5 / 1) / 2
+    res = triage_policy_loss(plain, b, 0, agg_mode="seq_mean_token_mean", loss_coef=coef)
+    assert res.loss.item() == pytest.approx((-1.0 + 0.5) / 2)
+    with pytest.raises(ValueError, match="loss_coef has shape"):
+        triage_policy_loss(plain, b, 0, loss_coef=coef[:3])

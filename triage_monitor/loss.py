@@ -158,13 +158,15 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
                        old_logp: Optional[Tensor] = None, clip_low: float = 0.2, clip_high: float = 0.28,
                        dual_clip: Optional[float] = None, agg_mode: Optional[str] = None,
                        denominator: Optional[Union[Tensor, float]] = None, loss_scale: float = 1.0,
-                       repair_denominator: Optional[Union[Tensor, float]] = None, group=None) -> TriageLoss:
+                       loss_coef: Optional[Tensor] = None, repair_denominator: Optional[Union[Tensor, float]] = None,
+                       group=None) -> TriageLoss:
     """The TRIAGE loss of one (micro-)batch with the trainer's aggregation convention.
 
     ``out = controller(batch, step, old_logp)``; ``ℓ = ppo_clip_loss(learner_logp, old_logp, A, clip_low,
-    clip_high, dual_clip)``; ``loss = loss_scale · agg_loss(ℓ, w, batch, agg_mode, denominator) + out.repair_loss``
+    clip_high, dual_clip)``; ``loss = loss_scale · agg_loss(c · ℓ, w, batch, agg_mode, denominator) + out.repair_loss``
     with ``w = out.token_weights`` (Gate × TIS), renormalised per response when ``denominator`` is given
-    (module docstring).  With Gate, TIS and Repair off the value equals the trainer's own PPO loss.
+    (module docstring), and ``c = loss_coef`` (1 when None).  With Gate, TIS and Repair off the value equals
+    the trainer's own PPO loss.
 
     Args:
         controller: the :class:`TriageController` (config, calibration state).
@@ -176,12 +178,16 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
         agg_mode: one of :data:`AGG_MODES`; default from ``controller.config.normalization``.
         denominator: the framework's normaliser for the whole update (:func:`agg_loss`).
         loss_scale: multiplies the policy part (a framework convention such as verl's ``dp_size`` factor).
+        loss_coef: ``(N,)`` the framework's own per-token factor on the per-token loss, in the batch's flat order
+            (e.g. OpenRLHF's train/rollout IS-correction coefficient, 0 for a token it masks out); detached, used
+            as given: unlike the TRIAGE weights it is never renormalised, so a token it zeroes still counts in
+            the framework's denominator, as in the framework's own loss.  None = 1.
         repair_denominator: the number of valid Repair segments of the whole update, for micro-batches
             (:meth:`TriageController.repair_segment_count`).
         group: process group for the global sums.
 
     Raises:
-        ValueError: shapes (``old_logp`` not ``(N,)``), unknown ``agg_mode``.
+        ValueError: shapes (``old_logp`` or ``loss_coef`` not ``(N,)``), unknown ``agg_mode``.
     """
     mode = agg_mode or NORMALIZATION_TO_AGG[controller.config.normalization]
     if mode not in AGG_MODES:
@@ -190,7 +196,13 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
     out = controller(batch, step=step, old_logp=old, repair_denominator=repair_denominator)
     ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
     w = out.token_weights if denominator is None else renormalize_per_response(out.token_weights, batch)
-    pol = loss_scale * agg_loss(ptl, w, batch, mode, denominator=denominator, group=group)
+    scaled = ptl
+    if loss_coef is not None:
+        if tuple(loss_coef.shape) != (batch.num_tokens,):
+            raise ValueError(f"triage_policy_loss: loss_coef has shape {tuple(loss_coef.shape)}, expected "
+                             f"({batch.num_tokens},) = the batch's valid tokens")
+        scaled = ptl * loss_coef.detach().to(ptl.device, ptl.dtype)
+    pol = loss_scale * agg_loss(scaled, w, batch, mode, denominator=denominator, group=group)
     return TriageLoss(loss=pol + out.repair_loss, policy_loss=pol, per_token_loss=ptl, token_weights=w,
                       output=out, batch=batch, agg_mode=mode)
 
