@@ -178,3 +178,61 @@ def experiences(actor, n=24, seed=0, max_prompt=6, max_resp=10):
         out.append(Experience(sequences=seq, attention_mask=attn, action_mask=am, action_log_probs=old,
                               rollout_log_probs=rollout, advantages=adv, info={}))
     return out
+
+
+def set_up_policy_actor(obj, model_dir, *, gas=4, micro=2, seed=0, checkpoint_states=None, **args_kw):
+    """What ``PolicyModelActor.init_model_from_pretrained`` sets up, on the CPU: a real ``Actor`` loaded from
+    ``model_dir`` (fp32 master weights, the :class:`CPUEngine`), a real ``DeepspeedStrategy`` and a real
+    ``ActorPPOTrainer``; then the hook's ``_install_triage`` when ``obj`` has it.  ``torch.distributed`` must be
+    initialised (OpenRLHF calls barrier / all_reduce)."""
+    import torch.distributed as dist
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    args = openrlhf_args(**args_kw)
+    strategy = DeepspeedStrategy(seed=seed, micro_train_batch_size=micro, train_batch_size=micro * gas,
+                                 zero_stage=2, args=args)
+    strategy.world_size, strategy.accumulated_gradient = dist.get_world_size(), gas   # setup_distributed's
+    actor = Actor(str(model_dir), attn_implementation="eager", param_dtype="bf16")
+    actor.model.float()
+    optim = torch.optim.SGD(actor.model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
+    actor.model = CPUEngine(actor.model, optim, sched, gas)
+    obj.strategy, obj.actor, obj.actor_optim, obj.actor_scheduler = strategy, actor, optim, sched
+    with cpu_cuda(0):
+        obj.trainer = ActorPPOTrainer(strategy, actor, ema_model=None, actor_optim=optim, actor_scheduler=sched,
+                                      micro_train_batch_size=micro, dataloader_pin_memory=False)
+    obj.checkpoint_states = checkpoint_states or {}                       # what load_ckpt restored
+    if hasattr(obj, "_install_triage"):
+        obj._install_triage()
+    return obj
+
+
+def fit(obj, exps, seed=0):
+    """Hand ``exps`` to the actor as the experience maker does (one right-padded batch, ``append``) and run
+    ``PolicyModelActor.fit`` (→ ``ppo_train`` → ``training_step`` per micro-batch); returns its status."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    obj.trainer.replay_buffer.append(Experience.concat_experiences(exps, pad_token_id=0))
+    torch.manual_seed(seed)                                                # DataLoader shuffle order
+    with cpu_cuda("cpu"):
+        return obj.fit(kl_ctl=0.0)
+
+
+def ray_actor_run(obj, model_dir, fits=2, seed=0):
+    """Run inside a Ray policy actor (``actor.__ray_call__``): join the actors' gloo group from the
+    MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE that OpenRLHF's ``BaseDistributedActor`` set, set up on the CPU,
+    ``fits`` fits of 16 samples (this rank's own), close the hook; returns (pid, statuses)."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    set_up_policy_actor(obj, model_dir)
+    exps = experiences(obj.actor, n=16, seed=seed + 100 * dist.get_rank())
+    statuses = [fit(obj, exps, seed=k) for k in range(fits)]
+    obj.triage_loss.close()
+    return os.getpid(), statuses

@@ -201,45 +201,21 @@ def test_loss_object_pickles_with_configuration_only(orl, tmp_path):
 # The real training path: PolicyModelActor.fit -> ActorPPOTrainer.ppo_train -> training_step -> actor_loss_fn
 
 
-def make_actor(orl, tmp_path, *, hook_settings=None, gas=4, micro=2, seed=0, checkpoint_states=None, **args_kw):
-    """A policy actor object (the class policy_actor_class builds, or OpenRLHF's own) with a real Actor, a real
-    DeepspeedStrategy and a real ActorPPOTrainer; init_model_from_pretrained's CUDA/DeepSpeed set-up replaced
-    by the CPU engine (tests/openrlhf_cpu.py)."""
-    ppo_actor = orl["ppo_actor"]
-    args = cpu.openrlhf_args(**args_kw)
-    strategy = orl["DeepspeedStrategy"](seed=seed, micro_train_batch_size=micro, train_batch_size=micro * gas,
-                                        zero_stage=2, args=args)
-    strategy.world_size, strategy.accumulated_gradient = 1, gas           # what setup_distributed sets
+def make_actor(orl, tmp_path, *, hook_settings=None, checkpoint_states=None, **kw):
+    """A policy actor object (the class policy_actor_class builds, or OpenRLHF's own) set up on the CPU
+    (tests/openrlhf_cpu.py: set_up_policy_actor)."""
+    if hook_settings is None:
+        cls = orl["ppo_actor"].PolicyModelActor.__ray_actor_class__
+    else:
+        cls = hook.policy_actor_class(hook_settings, num_gpus=0).__ray_actor_class__
     model_dir = tmp_path / "tiny"
     if not model_dir.exists():
         cpu.tiny_model_dir(model_dir)
-    actor = orl["Actor"](str(model_dir), attn_implementation="eager", param_dtype="bf16")
-    actor.model.float()                                   # DeepSpeed's fp32 master weights
-    optim = torch.optim.SGD(actor.model.parameters(), lr=0.5)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
-    actor.model = cpu.CPUEngine(actor.model, optim, sched, gas)
-    if hook_settings is None:
-        cls = ppo_actor.PolicyModelActor.__ray_actor_class__
-    else:
-        cls = hook.policy_actor_class(hook_settings, num_gpus=0).__ray_actor_class__
-    obj = cls.__new__(cls)
-    obj.strategy, obj.actor, obj.actor_optim, obj.actor_scheduler = strategy, actor, optim, sched
-    with cpu.cpu_cuda(0):
-        obj.trainer = ppo_actor.ActorPPOTrainer(strategy, actor, ema_model=None, actor_optim=optim,
-                                                actor_scheduler=sched, micro_train_batch_size=micro,
-                                                dataloader_pin_memory=False)
-    obj.checkpoint_states = checkpoint_states or {}                       # what load_ckpt restored
-    if hook_settings is not None:
-        obj._install_triage()
-    return obj
+    return cpu.set_up_policy_actor(cls.__new__(cls), model_dir, checkpoint_states=checkpoint_states, **kw)
 
 
 def fit(orl, obj, exps, seed=0):
-    # as the experience maker hands a rollout to the actor: one right-padded batch (concat_experiences)
-    obj.trainer.replay_buffer.append(orl["Experience"].concat_experiences(exps, pad_token_id=0))
-    torch.manual_seed(seed)                                                # DataLoader shuffle order
-    with cpu.cpu_cuda("cpu"):
-        return obj.fit(kl_ctl=0.0)
+    return cpu.fit(obj, exps, seed)
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +300,53 @@ def test_checkpoint_state_round_trip(orl, tmp_path):
     mine, theirs = fresh.triage_loss.state_dict()["controller"], saved["triage"]["controller"]
     assert mine["calls"] == theirs["calls"] > 0 and mine["calib_steps"] == theirs["calib_steps"]
     fresh.triage_loss.close()
+
+
+def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
+    """A real local Ray cluster: OpenRLHF's RayActorGroup starts 2 policy actors of the hook's class (settings
+    shipped with the class), which form their gloo data-parallel group from the addresses OpenRLHF's
+    BaseDistributedActor set; each runs 2 fits of its own 16 samples (2 optimizer steps each) → 4 monitored steps
+    with rank files from both actors, every token once, one run.json; triage/* all-reduced like OpenRLHF's own."""
+    import json
+
+    import ray
+    from openrlhf.trainer.ray.launcher import RayActorGroup
+
+    model_dir = cpu.tiny_model_dir(tmp_path / "tiny")
+    s = HookSettings(run_dir=str(tmp_path / "run"), triage=TriageConfig(tis=False, gate_width=4, repair_width=4),
+                     monitor=MonitorConfig(calibration_steps=1), manifest={"framework": "openrlhf"})
+    tests_dir = str(Path(__file__).parent)
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,       # GPUs: a label only
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+                                       "TOKENIZERS_PARALLELISM": "false"},
+                          "worker_process_setup_hook": "openrlhf_cpu.install_stubs"})
+    try:
+        group = RayActorGroup(1, 2, hook.policy_actor_class(s), pg=None, num_gpus_per_actor=1)
+        results = ray.get(group.async_run_method("__ray_call__", cpu.ray_actor_run, str(model_dir)), timeout=600)
+    finally:
+        ray.shutdown()
+    pids = {pid for pid, _ in results}
+    assert len(pids) == 2 and os.getpid() not in pids
+    (_, st0), (_, st1) = results
+    for a, b in zip(st0, st1):
+        assert a["triage/gate_downweighted_frac"] == pytest.approx(b["triage/gate_downweighted_frac"])
+        assert a["vllm_kl"] == pytest.approx(b["vllm_kl"]) and "is_filter_ratio" in a
+    run = tmp_path / "run"
+    steps = sorted(int(p.name.split("=")[1]) for p in (run / "tokens").iterdir())
+    assert steps == [0, 1, 2, 3]
+    for st in steps:
+        assert sorted(p.name for p in (run / "tokens" / f"step={st}").iterdir()) == ["rank=0", "rank=1"]
+    tok = pd.read_parquet(run / "tokens")
+    per_rank = tok.groupby(tok["rank"].astype(int)).size().to_dict()
+    # each rank: 2 fits × the action tokens of its 16 samples (made in the actor with seed 100·rank)
+    with torch.no_grad():
+        actor = orl["Actor"](str(model_dir), attn_implementation="eager", param_dtype="bf16")
+        actor.model.float()
+        expect = {r: 2 * sum(int(e.action_mask.sum()) for e in cpu.experiences(actor, n=16, seed=100 * r))
+                  for r in (0, 1)}
+    assert per_rank == expect
+    manifest = json.loads((run / "run.json").read_text())
+    assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "openrlhf"
 
 
 def test_policy_actor_class_is_a_ray_policy_model_actor(orl):
