@@ -320,7 +320,7 @@ def run_cli(settings: HookSettings, argv: Optional[Sequence[str]] = None) -> Non
     ppo_actor.PolicyModelActor = policy_actor_class(settings)
     sys.argv = ["openrlhf.cli.train_ppo_ray", *(sys.argv[1:] if argv is None else argv)]
     try:
-        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=False)
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
     finally:
         ppo_actor.PolicyModelActor = original
         sys.argv = saved_argv
