@@ -193,13 +193,13 @@ class OpenRLHFTriageLoss(LossHook):
         if action_mask is None:
             raise ValueError("OpenRLHFTriageLoss: action_mask is None (OpenRLHF's training_step always passes it)")
         pl = self.policy_loss
+        batch = batch_from_openrlhf(log_probs, rollout_log_probs, advantages, action_mask,
+                                    on_invalid=self.settings.on_invalid)
         with torch.no_grad():
             _, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = pl(
                 log_probs.detach(), old_log_probs, advantages, action_mask=action_mask,
                 rollout_log_probs=rollout_log_probs, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
                 global_batch_size=global_batch_size)
-        batch = batch_from_openrlhf(log_probs, rollout_log_probs, advantages, action_mask,
-                                    on_invalid=self.settings.on_invalid)
         coef = is_correction_coef(pl, old_log_probs, rollout_log_probs, action_mask)
         denominator = batch_num_tokens if self.agg_mode == "token_mean" else global_batch_size
         res = self.compute_loss(batch, old_logp=batch.gather(old_log_probs), clip_low=pl.clip_eps_low,

@@ -184,6 +184,9 @@ def test_unsupported_options_raise_at_construction(orl):
     hook.OpenRLHFTriageLoss(settings(triage=TriageConfig()), ident)
     learner, old, rollout, adv, mask = tensors()
     assert torch.equal(hook.is_correction_coef(ident, old, rollout, mask), torch.ones_like(old))
+    with pytest.raises(ValueError, match="rollout_log_probs is None.*is_correction_level token"):
+        hook.OpenRLHFTriageLoss(settings(), policy_loss(orl))(learner, old, adv, action_mask=mask,
+                                                              rollout_log_probs=None)
 
 
 def test_loss_object_pickles_with_configuration_only(orl, tmp_path):
