@@ -371,7 +371,8 @@ class LossHook(HookAdapter):
             old_logp: ``(N,)`` PPO anchor log-probs in the batch's flat order, nats.
             framework_step: the framework's step metadata for this call, when it has one.
             loss_kwargs: ``clip_low``, ``clip_high``, ``dual_clip``, ``agg_mode``, ``denominator``,
-                ``loss_scale``, ``repair_denominator`` of :func:`~triage_monitor.loss.triage_policy_loss`.
+                ``loss_scale``, ``token_scale``, ``repair_denominator`` of
+                :func:`~triage_monitor.loss.triage_policy_loss`.
 
         Returns:
             :class:`~triage_monitor.loss.TriageLoss`.

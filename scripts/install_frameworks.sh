@@ -32,6 +32,16 @@ echo "import sys, typing, typing_extensions; sys.version_info < (3, 12) and seta
   > "$SKYRL_SITE/zzz-skyrl-py311-typeddict.pth"
 .venv-fw/skyrl-0.3.0/bin/python -c 'import skyrl.backends.skyrl_train.workers.worker; print("skyrl 0.3.0 ok")'
 # --- end skyrl ---
+# --- openrlhf ---
+# OpenRLHF 0.11.2 pins transformers==5.15.0 (TRL 1.13 in the main venv needs 5.10.4) and imports deepspeed, peft and
+# torchdata (and pylatexenc, aiohttp at import): they live in the side environment .venv-fw/openrlhf-0.11.2 (openrlhf itself comes from the main venv).
+# DeepSpeed is built without its CUDA ops (DS_BUILD_OPS=0), against the main venv's torch (no build isolation).
+# flash-attn and vLLM do not install on a CPU: tests/openrlhf_cpu.py stands in for them.
+MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh openrlhf-0.11.2 wheel==0.48.0 setuptools==84.2.1
+DS_BUILD_OPS=0 MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh openrlhf-0.11.2 --no-build-isolation \
+  deepspeed==0.19.6 transformers==5.15.0 peft==0.21.2 torchdata==0.11.0 pylatexenc==2.10 aiohttp==3.14.5
+.venv-fw/openrlhf-0.11.2/bin/python -c 'import deepspeed, peft, torchdata, transformers, openrlhf; print("openrlhf side env ok: transformers", transformers.__version__, "deepspeed", deepspeed.__version__)'
+# --- end openrlhf ---
 after=$("$PY" -c 'import torch; print(torch.__version__)')
 if [ "$before" != "$after" ]; then
   echo "install_frameworks.sh: torch changed from $before to $after" >&2

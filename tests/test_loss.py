@@ -126,3 +126,22 @@ def test_token_scale_multiplies_after_renormalisation():
     assert res.per_token_loss.tolist() == pytest.approx([-2 * e, 0.0, -1 / e, 0.5], rel=1e-6)
     with pytest.raises(ValueError, match="token_scale has shape"):
         triage_policy_loss(plain, b, 0, token_scale=scale[:3])
+
+
+def test_token_scale_scales_the_per_token_loss_and_is_not_renormalised():
+    """A framework's own per-token factor (OpenRLHF's IS-correction coefficient) multiplies ℓ; a zeroed token
+    still counts in the denominator.  Worked by hand: ratio 1 (old = learner), A = (1, 1, 1 | −1) → ℓ = −A."""
+    b = _batch()
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    scale = torch.tensor([2.0, 0.0, 1.0, 0.5])
+    # token mean over 4 tokens: (−2 − 0 − 1 + 0.5) / 4
+    res = triage_policy_loss(plain, b, 0, agg_mode="token_mean", token_scale=scale)
+    assert res.loss.item() == pytest.approx(-2.5 / 4)
+    # the same with the framework's denominator 10: (−2.5) / 10
+    res = triage_policy_loss(plain, b, 0, agg_mode="token_mean", denominator=10.0, token_scale=scale)
+    assert res.loss.item() == pytest.approx(-0.25)
+    # sequence mean: ((−2 − 0 − 1) / 3 + 0.5 / 1) / 2
+    res = triage_policy_loss(plain, b, 0, agg_mode="seq_mean_token_mean", token_scale=scale)
+    assert res.loss.item() == pytest.approx((-1.0 + 0.5) / 2)
+    with pytest.raises(ValueError, match="token_scale has shape"):
+        triage_policy_loss(plain, b, 0, token_scale=scale[:3])
