@@ -23,8 +23,9 @@ honour raise :class:`ValueError` on the first call (the arguments reach the loss
 parallelism, ``--use-tis`` (TRIAGE's TIS replaces it), a custom TIS or pg-loss reducer, OPSM, GSPO, CISPO,
 ``--use-kl-loss``.
 
-**Step.**  The loss receives no step; the monitored step counts Megatron optimizer steps (the global
-``torch.optim`` step post-hook of :mod:`triage_monitor.hooks._runtime`).
+**Step and ranks.**  The loss receives no step; the monitored step counts Megatron optimizer steps (the
+global ``torch.optim`` step post-hook of :mod:`triage_monitor.hooks._runtime`).  Every rank runs the
+controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens).
 
 **Offline.**  ``triage-monitor import slime`` reads ``--save-debug-train-data`` dumps
 (:func:`triage_monitor.importers.slime_steps`).  slime is not on PyPI (the PyPI project ``slime`` is another
@@ -135,7 +136,7 @@ class SlimeTriageLoss(LossHook):
             manifest={"framework": "slime", **(manifest or {})}, on_invalid=on_invalid, step_source="optimizer")
 
     # ------------------------------------------------------------ the loss
-    def triage_loss(self, args, batch: dict, log_probs: Sequence[torch.Tensor]):
+    def triage_loss(self, args, batch: dict, log_probs: Sequence[torch.Tensor], record: bool = True):
         """The policy part of one micro-batch from live per-sample log-probs (no slime import).
 
         Args:
@@ -144,6 +145,8 @@ class SlimeTriageLoss(LossHook):
             batch: slime micro-batch: ``rollout_log_probs``, ``advantages``, ``loss_masks``, optional
                 ``log_probs`` (old, nats) and ``rollout_mask_sums`` (S,).
             log_probs: S live learner log-prob tensors ``(L_i,)`` (grad-carrying), nats.
+            record: buffer the tokens for this process's monitor (False on tensor-parallel ranks other than 0,
+                which see the same tokens).
 
         Returns:
             :class:`~triage_monitor.loss.TriageLoss`; ``.policy_loss`` is slime's ``pg_loss`` when TRIAGE is off.
@@ -160,9 +163,20 @@ class SlimeTriageLoss(LossHook):
                         zip(masks if masks is not None else log_probs, log_probs)]
             rd = torch.as_tensor([float(x) for x in sums], dtype=torch.float32)
             agg = dict(agg_mode="seq_mean_token_mean", denominator=1.0, response_denominator=rd)
-        return self.compute_loss(tb, old_logp=tb.gather([o.to(tb.learner_logp.dtype) for o in old]).detach(),
-                                 clip_low=float(args.eps_clip), clip_high=float(args.eps_clip_high),
-                                 dual_clip=getattr(args, "eps_clip_c", None), **agg)
+        kw = dict(old_logp=tb.gather([o.to(tb.learner_logp.dtype) for o in old]).detach(),
+                  clip_low=float(args.eps_clip), clip_high=float(args.eps_clip_high),
+                  dual_clip=getattr(args, "eps_clip_c", None), **agg)
+        if record:
+            return self.compute_loss(tb, **kw)
+        from triage_monitor.loss import triage_policy_loss
+
+        rt = self.runtime        # the controller and the step count advance as on rank 0; nothing is written
+        step = rt.step_for_call(None)
+        with rt._lock:           # counted as a call, so that the optimizer step closes this rank's step too
+            rt.calls += 1
+            rt._calls_since_step += 1
+        ctrl = rt.plain_controller if rt.controller is None else rt.controller
+        return triage_policy_loss(ctrl, tb, step, **kw)
 
     def __call__(self, args, batch: dict, logits: torch.Tensor, sum_of_sample_mean):
         """slime's custom loss call (``slime/backends/megatron_utils/loss.py`` ``loss_function``).
@@ -193,7 +207,7 @@ class SlimeTriageLoss(LossHook):
             response_lengths=batch["response_lengths"], with_entropy=True,
             **get_rollout_top_p_logprob_kwargs(args, batch))
         log_probs, entropy = out["log_probs"], out["entropy"]
-        res = self.triage_loss(args, batch, log_probs)
+        res = self.triage_loss(args, batch, log_probs, record=_tensor_parallel_rank() == 0)
 
         # slime's own metrics, with slime's functions and reducer (policy_loss_function, commit 624b824a)
         old = torch.cat(_old_log_probs(args, batch, log_probs), dim=0)
@@ -226,6 +240,16 @@ class SlimeTriageLoss(LossHook):
         if self.settings.triage is not None:
             log.update(_triage_log(res, args, batch, logits.device))
         return loss, log
+
+
+def _tensor_parallel_rank() -> int:
+    """Megatron's tensor-parallel rank (0 when Megatron's parallel state is not initialised)."""
+    try:
+        from megatron.core import mpu
+
+        return int(mpu.get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
 
 
 def _old_log_probs(args, batch: dict, log_probs: Sequence[torch.Tensor]):

@@ -283,6 +283,33 @@ def test_triage_on_changes_the_loss_and_counts_optimizer_steps(tmp_path):
     assert info["framework"] == "slime" and info["model"] == "toy"
 
 
+def test_other_tensor_parallel_ranks_write_nothing_and_stay_in_step(tmp_path):
+    """TP rank 0 records; another TP rank (same tokens) gets the same TRIAGE losses and writes no files."""
+    args = slime_args()
+    full = rollout(8)
+    rank0 = SlimeTriageLoss(tmp_path / "r0", triage=TriageConfig())
+    rank1 = SlimeTriageLoss(tmp_path / "r1", triage=TriageConfig())
+    for hook, record in ((rank0, True), (rank1, False)):
+        param = torch.zeros(1, requires_grad=True)
+        opt = torch.optim.SGD([param], lr=0.1)
+        losses = []
+        for step in range(3):
+            mb = micro_batch(full, [0, 1, 2, 3, 4, 5])
+            lp = [(t + param).clamp(max=-1e-4) for t in live_log_probs(mb, seed=step)]
+            res = hook.triage_loss(args, mb, lp, record=record)
+            res.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(res.loss.item())
+        assert hook.runtime.optimizer_steps == 3
+        hook.close()
+        if record:
+            ref = losses
+        else:
+            assert losses == pytest.approx(ref, rel=1e-6)
+    assert (tmp_path / "r0" / "steps").exists() and not (tmp_path / "r1").exists()
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"use_tis": True}, "use-tis"), ({"use_kl_loss": True}, "use-kl-loss"), ({"use_opsm": True}, "use-opsm"),
     ({"advantage_estimator": "gspo"}, "gspo"), ({"context_parallel_size": 2}, "context-parallel-size 2"),
