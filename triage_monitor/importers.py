@@ -82,7 +82,7 @@ def _sample_key(data: dict, i: int) -> tuple:
     (the last two come from the rollout, equal on every replica of a data-parallel shard)."""
     def values(key):
         col = data.get(key)
-        return None if col is None else tuple(torch.as_tensor(col[i]).reshape(-1).tolist())
+        return None if col is None else torch.as_tensor(col[i]).reshape(-1).double().numpy().tobytes()
     idx = data.get("sample_indices")
     index = None if idx is None or idx[i] is None else int(idx[i])
     return (index, int(data["response_lengths"][i]), values("tokens"), values("rollout_log_probs"))
