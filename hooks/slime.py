@@ -215,8 +215,9 @@ class SlimeTriageLoss(LossHook):
         advantages = torch.cat(batch["advantages"], dim=0)
         with torch.no_grad():
             ppo_kl = old - lp.detach()
+            dual = getattr(args, "eps_clip_c", None)       # v0.3.1 has no dual clip (no --eps-clip-c)
             _, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,
-                                                 eps_clip_c=args.eps_clip_c)
+                                                 **({} if dual is None else {"eps_clip_c": dual}))
         entropy_loss = sum_of_sample_mean(torch.cat(entropy, dim=0))
         loss = res.loss - args.entropy_coef * entropy_loss
         if lp.numel() == 0:

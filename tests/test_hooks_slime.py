@@ -225,7 +225,7 @@ def live_log_probs(mb, seed=0):
             for old in mb["log_probs"]]
 
 
-@pytest.mark.parametrize("kw", [{}, {"eps_clip_c": 3.0}, {"calculate_per_token_loss": True},
+@pytest.mark.parametrize("kw", [{}, {"eps_clip_c": 1.05}, {"calculate_per_token_loss": True},
                                 {"use_rollout_logprobs": True}])
 def test_triage_off_equals_slime_policy_loss(kw):
     args = slime_args(**kw)
