@@ -45,6 +45,21 @@ def test_agg_loss_unweighted_equals_plain_conventions():
     assert agg_loss(LOSS, ones, b, "seq_mean_token_sum").item() == pytest.approx((6.0 + 4.0) / 2)
 
 
+def test_agg_loss_response_denominator_by_hand():
+    # slime's per-rollout mean: response 0 divided by 4 (its rollout's mask total), response 1 by 2:
+    # (1·1 + 0·2 + 1·3) / 4 + (0.5·4) / 2 = 1 + 1
+    rd = torch.tensor([4.0, 2.0])
+    assert agg_loss(LOSS, W, _batch(), "seq_mean_token_mean", denominator=1.0,
+                    response_denominator=rd).item() == pytest.approx(2.0)
+    # a divisor below 1 counts as 1 (slime clamps): 4 / 1 + 2 / 2
+    assert agg_loss(LOSS, W, _batch(), "seq_mean_token_mean", denominator=1.0,
+                    response_denominator=torch.tensor([0.0, 2.0])).item() == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="needs mode 'seq_mean_token_mean'"):
+        agg_loss(LOSS, W, _batch(), "token_mean", response_denominator=rd)
+    with pytest.raises(ValueError, match="one per response"):
+        agg_loss(LOSS, W, _batch(), "seq_mean_token_mean", response_denominator=torch.ones(3))
+
+
 def test_agg_loss_rejects_bad_mode_and_shape():
     with pytest.raises(ValueError, match="mode must be one of"):
         agg_loss(LOSS, W, _batch(), "seq-mean-token-mean")

@@ -27,6 +27,10 @@ mode                       value (w = token weight, ℓ = per-token loss)      u
                                                                              Dr. GRPO with D = B · T_max
 =========================  ================================================  =====================================
 
+``response_denominator`` (``seq_mean_token_mean`` only) replaces each response's own Σ_{t∈s} w by a given
+per-response count: slime divides every sample by the loss-mask total of its whole rollout (``rollout_mask_sums``;
+one trajectory split into several samples shares it): Σ_s (Σ_{t∈s} w ℓ / n_s) / D with D = 1.
+
 ``denominator`` is the framework's own normaliser for the whole update (e.g. NeMo RL's
 ``global_valid_toks``, verl's global token count, a fixed ``B·T_max``); it is used as given and never
 reduced again.  Without it, the sums in D are those of this call, all-reduced over ``group`` when given.
@@ -65,7 +69,8 @@ def _per_response(values: Tensor, batch: TokenBatch) -> Tensor:
 
 
 def agg_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch, mode: str = "token_mean", *,
-             denominator: Optional[Union[Tensor, float]] = None, group=None) -> Tensor:
+             denominator: Optional[Union[Tensor, float]] = None, group=None,
+             response_denominator: Optional[Tensor] = None) -> Tensor:
     """Aggregate a weighted per-token loss with one of the trainers' conventions, 0-dim float32.
 
     Args:
@@ -78,12 +83,15 @@ def agg_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch, m
             ``token_sum`` 1; summed over ``group`` when given.
         group: ``torch.distributed`` process group: the value is the global loss, the gradient flows
             through this rank's tokens only.
+        response_denominator: ``(S,)`` per-response divisors (``seq_mean_token_mean`` only) in place of
+            Σ_{t∈s} w; values below 1 count as 1 (slime's ``clamp_min(denom, 1)``).
 
     Returns:
         0-dim float32; 0 when the denominator is 0.
 
     Raises:
-        ValueError: unknown ``mode``, or ``per_token_loss`` / ``token_weights`` not ``(N,)``.
+        ValueError: unknown ``mode``, ``per_token_loss`` / ``token_weights`` not ``(N,)``, or
+            ``response_denominator`` not ``(S,)`` or given with another mode.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"agg_loss: mode must be one of {AGG_MODES}, got {mode!r}")
@@ -93,7 +101,15 @@ def agg_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch, m
             raise ValueError(f"agg_loss: {name} has shape {tuple(t.shape)}, expected ({n},) = the batch's valid tokens")
     w = token_weights.detach().float()
     wl = w * per_token_loss.float()
-    if mode == "seq_mean_token_mean":
+    if response_denominator is not None:
+        if mode != "seq_mean_token_mean":
+            raise ValueError(f"agg_loss: response_denominator needs mode 'seq_mean_token_mean', got {mode!r}")
+        if tuple(response_denominator.shape) != (batch.num_samples,):
+            raise ValueError(f"agg_loss: response_denominator has shape {tuple(response_denominator.shape)}, "
+                             f"expected ({batch.num_samples},) = one per response")
+        rd = response_denominator.detach().to(wl.device, torch.float32).clamp_min(1.0)
+        num = (_per_response(wl, batch) / rd).sum()
+    elif mode == "seq_mean_token_mean":
         num_s, den_s = _per_response(wl, batch), _per_response(w, batch)
         num = torch.where(den_s > 0, num_s / torch.where(den_s > 0, den_s, torch.ones_like(den_s)), num_s * 0.0).sum()
     else:
@@ -159,7 +175,8 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
                        dual_clip: Optional[float] = None, agg_mode: Optional[str] = None,
                        denominator: Optional[Union[Tensor, float]] = None, loss_scale: float = 1.0,
                        token_scale: Optional[Tensor] = None,
-                       repair_denominator: Optional[Union[Tensor, float]] = None, group=None) -> TriageLoss:
+                       repair_denominator: Optional[Union[Tensor, float]] = None, group=None,
+                       response_denominator: Optional[Tensor] = None) -> TriageLoss:
     """The TRIAGE loss of one (micro-)batch with the trainer's aggregation convention.
 
     ``out = controller(batch, step, old_logp)``; ``ℓ = ppo_clip_loss(learner_logp, old_logp, A, clip_low,
@@ -186,6 +203,8 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
         repair_denominator: the number of valid Repair segments of the whole update, for micro-batches
             (:meth:`TriageController.repair_segment_count`).
         group: process group for the global sums.
+        response_denominator: ``(S,)`` per-response divisors for ``seq_mean_token_mean`` (:func:`agg_loss`;
+            slime's ``rollout_mask_sums``); the weights are then renormalised per response, as with ``denominator``.
 
     Raises:
         ValueError: shapes (``old_logp`` or ``token_scale`` not ``(N,)``), unknown ``agg_mode``.
@@ -201,8 +220,10 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
     ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
     if token_scale is not None:
         ptl = ptl * token_scale.detach().float()
-    w = out.token_weights if denominator is None else renormalize_per_response(out.token_weights, batch)
-    pol = loss_scale * agg_loss(ptl, w, batch, mode, denominator=denominator, group=group)
+    fixed = denominator is not None or response_denominator is not None
+    w = renormalize_per_response(out.token_weights, batch) if fixed else out.token_weights
+    pol = loss_scale * agg_loss(ptl, w, batch, mode, denominator=denominator, group=group,
+                                response_denominator=response_denominator)
     return TriageLoss(loss=pol + out.repair_loss, policy_loss=pol, per_token_loss=ptl, token_weights=w,
                       output=out, batch=batch, agg_mode=mode)
 
