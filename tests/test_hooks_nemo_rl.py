@@ -323,7 +323,8 @@ class TinyLM(torch.nn.Module):
 
 def make_data(seed: int, rows: int = 8, model=None):
     """GRPO-shaped data: prompt (token_mask 0), right-padded responses of different lengths, an environment span
-    (token_mask 0) inside row 1; prev/reference log-probs from the model, generation log-probs perturbed."""
+    (token_mask 0) inside row 1; prev / reference log-probs around the model's (PPO ratios well outside the clip
+    range, some beyond the dual clip), generation log-probs below prev."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (rows, S), generator=g)
     lengths = torch.randint(S - 8, S + 1, (rows,), generator=g)
@@ -335,8 +336,9 @@ def make_data(seed: int, rows: int = 8, model=None):
     with torch.no_grad():
         live = get_next_token_logprobs_from_logits(ids, model(ids))
     prev = torch.zeros(rows, S)
-    prev[:, 1:] = live
-    gen = torch.where(token_mask > 0, prev - 0.3 * torch.rand(rows, S, generator=g), torch.zeros(()))
+    prev[:, 1:] = (live + 0.7 * torch.randn(rows, S - 1, generator=g)).clamp(max=-1e-3)   # ratios far from 1
+    gen = torch.where(token_mask > 0, (prev - 0.3 * torch.rand(rows, S, generator=g)).clamp(max=-1e-3),
+                      torch.zeros(()))
     ref = torch.zeros(rows, S)
     ref[:, 1:] = live + 0.2 * torch.randn(rows, S - 1, generator=g)
     adv = (torch.randn(rows, 1, generator=g) * token_mask).expand(rows, S).contiguous()
