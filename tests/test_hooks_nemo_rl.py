@@ -474,7 +474,7 @@ def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp
     """lm_policy.train ships loss_fn to both workers on every call: 3 calls (3 optimizer steps) × 4 micro-batches
     per worker give 3 monitored steps, each valid token once per rank, one run.json, and each worker's controller
     calibrates once and keeps its thresholds across the re-pickled copies."""
-    ray = pytest.importorskip("ray")
+    import ray                          # installed by make setup-test (requirements-frameworks.txt): never skipped
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}})
