@@ -160,3 +160,19 @@ def test_token_scale_scales_the_per_token_loss_and_is_not_renormalised():
     assert res.loss.item() == pytest.approx((-1.0 + 0.5) / 2)
     with pytest.raises(ValueError, match="token_scale has shape"):
         triage_policy_loss(plain, b, 0, token_scale=scale[:3])
+
+
+def test_dppo_kl_surrogate_token_sum():
+    """surrogate="dppo_kl" with the controller off and token_sum: the plain sum of dppo_kl_loss (prime-rl's
+    per-sample loss), anchored on old_logp; an unknown surrogate is refused."""
+    from triage_monitor.corrections import dppo_kl_loss
+
+    b = _batch()
+    anchor = b.learner_logp.detach() - torch.tensor([0.3, -0.2, 0.1, 0.05])
+    plain = TriageController(TriageConfig(gate=False, tis=False, repair=False))
+    kw = dict(mask_low=0.2, mask_high=0.2, adv_tau=1.0, kl_tau=1e-3)
+    res = triage_policy_loss(plain, b, 0, old_logp=anchor, agg_mode="token_sum", surrogate="dppo_kl",
+                             surrogate_kwargs=kw)
+    assert res.loss.item() == pytest.approx(dppo_kl_loss(b.learner_logp, anchor, b.advantage, **kw).sum().item())
+    with pytest.raises(ValueError, match="surrogate"):
+        triage_policy_loss(plain, b, 0, surrogate="grpo")

@@ -145,6 +145,82 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: f
     return loss
 
 
+@register_correction("dppo_kl")
+def dppo_kl_loss(logp: Tensor, anchor_logp: Tensor, advantage: Tensor, mask_low: float = 0.2,
+                 mask_high: float = 0.2, adv_tau: float = 1.0, kl_tau: float = 1e-3,
+                 return_masks: bool = False):
+    """Per-token DPPO-Binary-TV policy loss with a squared-log-ratio KL term, ``(N,)`` float32 (prime-rl's
+    default RL loss; docs/hooks.md#prime-rl).
+
+    ``r = exp(logp − anchor_logp)``, ``Δp = exp(logp) − exp(anchor_logp)`` (probabilities, not log-probs);
+    a token is *masked* (trust-region violation in the direction its advantage pushes) when
+    ``A > 0 and Δp > mask_high`` or ``A ≤ 0 and Δp < −mask_low``;
+    ``loss = −keep · adv_tau · A · r + kl_tau · (log r)²`` with ``keep = not masked``.
+    The KL term applies to every token, masked or not.  No clamp on ``log r`` (prime-rl applies none).
+
+    Args: ``logp`` (live, nats), ``anchor_logp`` (nats; prime-rl: the inference engine's log-probs),
+        ``advantage``: all ``(N,)``.  ``return_masks``: also return ``(is_masked, is_masked_low,
+        is_masked_high)``, ``(N,)`` bool (``_low``: A < 0 and Δp < −mask_low; ``_high``: A > 0 and Δp > mask_high).
+
+    Raises:
+        ValueError: shapes differ, or a threshold / temperature is negative.
+    """
+    if not (logp.shape == anchor_logp.shape == advantage.shape):
+        raise ValueError(f"dppo_kl_loss: logp {tuple(logp.shape)}, anchor_logp {tuple(anchor_logp.shape)} and "
+                         f"advantage {tuple(advantage.shape)} must have the same shape")
+    for name, v in (("mask_low", mask_low), ("mask_high", mask_high), ("adv_tau", adv_tau), ("kl_tau", kl_tau)):
+        if v < 0:
+            raise ValueError(f"dppo_kl_loss: {name} must be >= 0, got {v}")
+    lp, anchor, adv = logp.float(), anchor_logp.detach().float(), advantage.detach().float()
+    log_ratio = lp - anchor
+    probs_diff = torch.exp(lp) - torch.exp(anchor)
+    high, low = probs_diff > mask_high, probs_diff < -mask_low
+    pos, neg = adv > 0, adv < 0
+    masked = torch.where(pos, high, low)
+    loss = -(~masked).float() * (adv_tau * adv) * torch.exp(log_ratio) + kl_tau * log_ratio ** 2
+    if return_masks:
+        return loss, (masked.detach(), (neg & low).detach(), (pos & high).detach())
+    return loss
+
+
+@register_correction("reference_kl")
+def reference_kl(logp: Tensor, ref_logp: Tensor, kl_type: str = "k3", input_clamp: Optional[float] = 20.0,
+                 output_clamp: Optional[float] = 10.0, score_function: bool = True) -> Tensor:
+    """Per-token KL(π_θ ‖ π_ref) estimate, ``(N,)`` float32, differentiable w.r.t. ``logp`` (Schulman's k1/k2/k3,
+    NeMo RL's reference-policy KL penalty).
+
+    ``x = clamp(ref_logp − logp, ±input_clamp)``; k1 = −x, k2 = x²/2, k3 = eˣ − 1 − x; with ``score_function``
+    the estimate is multiplied by ``w = exp(logp − sg(logp))`` (value 1, adds the score-function gradient
+    k·∇log π; ``w`` is detached where the input clamp is active); then clamped to ±output_clamp.
+
+    Raises:
+        ValueError: shapes differ or an unknown ``kl_type``.
+    """
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"reference_kl: logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ")
+    lp = logp.float()
+    x = ref_logp.detach().float() - lp
+    w = torch.exp(lp - lp.detach()) if score_function else None
+    if input_clamp is not None:
+        xc = x.clamp(-input_clamp, input_clamp)
+        if w is not None:
+            w = torch.where(x == xc, w, w.detach())
+        x = xc
+    if kl_type == "k1":
+        kl = -x
+    elif kl_type == "k2":
+        kl = x * x / 2
+    elif kl_type == "k3":
+        kl = torch.exp(x) - 1 - x
+    else:
+        raise ValueError(f"reference_kl: kl_type must be 'k1', 'k2' or 'k3', got {kl_type!r}")
+    if w is not None:
+        kl = w * kl
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
 @register_correction("tis")
 def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: float = 2.0) -> Tensor:
     """Truncated importance sampling weight ``(N,)`` float32, detached (docs/metrics.md#baselines).

@@ -53,11 +53,15 @@ import torch
 
 from .batch import TokenBatch
 from .controller import TriageController, TriageOutput, _global_ratio
-from .corrections import ppo_clip_loss
+from .corrections import dppo_kl_loss, ppo_clip_loss
 
 Tensor = torch.Tensor
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum")
+
+#: Per-token policy losses :func:`triage_policy_loss` can weight: PPO-clip (verl, TRL, OpenRLHF, SkyRL, NeMo RL)
+#: and DPPO-Binary-TV + squared-log-ratio KL (prime-rl's default), both from :mod:`triage_monitor.corrections`.
+SURROGATES = ("ppo_clip", "dppo_kl")
 
 #: ``TriageConfig.normalization`` → aggregation mode.
 NORMALIZATION_TO_AGG = {"global_token": "token_mean", "per_response": "seq_mean_token_mean"}
@@ -176,11 +180,13 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
                        denominator: Optional[Union[Tensor, float]] = None, loss_scale: float = 1.0,
                        token_scale: Optional[Tensor] = None,
                        repair_denominator: Optional[Union[Tensor, float]] = None, group=None,
-                       response_denominator: Optional[Tensor] = None) -> TriageLoss:
+                       response_denominator: Optional[Tensor] = None,
+                       surrogate: str = "ppo_clip", surrogate_kwargs: Optional[dict] = None) -> TriageLoss:
     """The TRIAGE loss of one (micro-)batch with the trainer's aggregation convention.
 
     ``out = controller(batch, step, old_logp)``; ``ℓ = ppo_clip_loss(learner_logp, old_logp, A, clip_low,
-    clip_high, dual_clip)``; ``loss = loss_scale · agg_loss(ℓ, w, batch, agg_mode, denominator) + out.repair_loss``
+    clip_high, dual_clip)`` (or, with ``surrogate="dppo_kl"``, ``dppo_kl_loss(learner_logp, old_logp, A,
+    **surrogate_kwargs)``); ``loss = loss_scale · agg_loss(ℓ, w, batch, agg_mode, denominator) + out.repair_loss``
     with ``w = out.token_weights`` (Gate × TIS), renormalised per response when ``denominator`` is given
     (module docstring), and ``ℓ`` multiplied by ``token_scale`` when given.  With Gate, TIS and Repair off the
     value equals the trainer's own PPO loss.
@@ -205,9 +211,12 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
         group: process group for the global sums.
         response_denominator: ``(S,)`` per-response divisors for ``seq_mean_token_mean`` (:func:`agg_loss`;
             slime's ``rollout_mask_sums``); the weights are then renormalised per response, as with ``denominator``.
+        surrogate: the per-token policy loss, one of :data:`SURROGATES`; ``"dppo_kl"`` takes its anchor from
+            ``old_logp`` and its options (``mask_low``, ``mask_high``, ``adv_tau``, ``kl_tau``) from
+            ``surrogate_kwargs`` (the clip arguments are then unused).
 
     Raises:
-        ValueError: shapes (``old_logp`` or ``token_scale`` not ``(N,)``), unknown ``agg_mode``.
+        ValueError: shapes (``old_logp`` or ``token_scale`` not ``(N,)``), unknown ``agg_mode`` or ``surrogate``.
     """
     if token_scale is not None and tuple(token_scale.shape) != (batch.num_tokens,):
         raise ValueError(f"triage_policy_loss: token_scale has shape {tuple(token_scale.shape)}, expected "
@@ -215,9 +224,14 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
     mode = agg_mode or NORMALIZATION_TO_AGG[controller.config.normalization]
     if mode not in AGG_MODES:
         raise ValueError(f"triage_policy_loss: agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    if surrogate not in SURROGATES:
+        raise ValueError(f"triage_policy_loss: surrogate must be one of {SURROGATES}, got {surrogate!r}")
     old = batch.learner_logp.detach() if old_logp is None else old_logp.detach()
     out = controller(batch, step=step, old_logp=old, repair_denominator=repair_denominator)
-    ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
+    if surrogate == "dppo_kl":
+        ptl = dppo_kl_loss(batch.learner_logp, old, batch.advantage, **(surrogate_kwargs or {}))
+    else:
+        ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
     if token_scale is not None:
         ptl = ptl * token_scale.detach().float()
     fixed = denominator is not None or response_denominator is not None
@@ -228,4 +242,4 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
                       output=out, batch=batch, agg_mode=mode)
 
 
-__all__ = ["AGG_MODES", "agg_loss", "renormalize_per_response", "TriageLoss", "triage_policy_loss"]
+__all__ = ["AGG_MODES", "SURROGATES", "agg_loss", "renormalize_per_response", "TriageLoss", "triage_policy_loss"]
