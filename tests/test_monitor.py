@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pandas as pd
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -13,6 +14,7 @@ from triage_monitor.analysis import RunDirError, compare_live, open_run, recompu
 from triage_monitor.batch import TokenBatch
 from triage_monitor.cli import main as cli_main
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+from triage_monitor.sketch import quantile_error_bound
 
 
 def _batch(step, B=8, T=96, on_invalid="raise", poison=False):
@@ -99,7 +101,7 @@ def test_steps_without_valid_tokens_do_not_count_as_calibration_steps(tmp_path):
         live = [mon.log_step(step, _batch(step)) for step in range(2, 6)]
     ref = torch.cat([_batch(2).delta, _batch(3).delta]).double().numpy()
     tau = float(pd.Series(ref).quantile(0.05))
-    assert live[1]["tau_tail"] == pytest.approx(tau, rel=1e-12) and live[3]["tau_tail"] == live[1]["tau_tail"]
+    assert abs(live[1]["tau_tail"] - tau) <= quantile_error_bound(np.sort(ref), 0.05) and live[3]["tau_tail"] == live[1]["tau_tail"]
     assert json.loads((d / "run.json").read_text())["calibration"]["tau_tail"] == live[1]["tau_tail"]
     run = open_run(d)
     cmp = compare_live(run, recompute(run), rtol=0.0)
