@@ -524,6 +524,25 @@ def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[floa
                             address=address, progress=progress, cache=cache).frame()
 
 
+def postmortem_frame(run: Run, window: Optional[int] = None, live: Optional[pd.DataFrame] = None) -> tuple:
+    """The per-step metric frame a post-mortem shows, and the states behind it: ``(frame, states)``.
+
+    With token records: every metric and ``window/<name>`` from the run's cached per-step states with one
+    frozen τ_tail (:func:`recompute_states`), joined with the live-only columns (training extras,
+    integrity counters, ``tau_tail_frozen``).  Without token records: the live rows (``states`` None),
+    whose values before the live τ_tail froze are provisional.
+    """
+    live = run.steps() if live is None else live
+    if not run.step_numbers():
+        return live, None
+    states = recompute_states(run, cache=True)
+    rec = states.frame(window)
+    extra = live[["step", *[c for c in live.columns if c not in rec.columns]]] if "step" in live.columns else None
+    frame = rec.merge(extra, on="step", how="left") if extra is not None and len(extra.columns) > 1 else rec
+    frame.attrs.update(rec.attrs)
+    return frame, states
+
+
 def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
                  live: Optional[pd.DataFrame] = None) -> pd.DataFrame:
     """Per metric, the largest relative difference between live and recomputed values.
