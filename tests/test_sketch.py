@@ -131,3 +131,18 @@ def test_window_is_the_merge_of_its_step_states():
     for k, v in pooled.compute().values.items():
         assert (math.isnan(v) and math.isnan(w.values[k])) or w.values[k] == pytest.approx(v, rel=1e-12), k
     assert len(tr._history) == 3          # the window keeps 3 fixed-size vectors, never token values
+
+
+def test_cpu_update_in_response_aligned_pieces_equals_one_piece(monkeypatch):
+    import triage_monitor.metrics as M
+
+    cfg = MetricConfig(segment_width=16)
+    b = _random_batch(3, B=60, T=300)
+    whole = MismatchStats(cfg).update(b, -0.2).compute().values
+    monkeypatch.setattr(M, "CPU_CHUNK_TOKENS", 97)                # many pieces, cut at response boundaries
+    assert len(M._chunks(b.sample_index, b.num_samples, "cpu")) > 20
+    pieces = MismatchStats(cfg).update(b, -0.2).compute().values
+    for k, v in whole.items():
+        assert (math.isnan(v) and math.isnan(pieces[k])) or pieces[k] == pytest.approx(v, rel=1e-12), k
+    for k in ("n_tokens", "n_samples", "c_tok", "h_seg", "r_amp", "p_adj", "dilution", "delta_q05", "delta_min"):
+        assert pieces[k] == whole[k] or (math.isnan(whole[k]) and math.isnan(pieces[k])), k

@@ -485,9 +485,11 @@ def _candidate_taus(run: Run, mode: str, steps: list, calib: list) -> Optional[d
         rec = dict(zip(live["step"].astype(int), live["tau_tail"].astype(float)))
         return {s: rec.get(s, math.nan) for s in steps} if all(s in rec for s in calib) else None
     tau = (run.manifest.get("calibration") or {}).get("tau_tail")
-    if tau is None and "tau_tail_frozen" in live.columns:
-        frozen = live[live["tau_tail_frozen"] == 1]
-        tau = float(frozen["tau_tail"].iloc[0]) if len(frozen) else None
+    if tau is None and calib and "tau_tail" in live.columns:
+        # the live value at the last reference step pools the same steps as the frozen one (also when the
+        # run stopped before its reference window was complete)
+        at = live.loc[live["step"] == calib[-1], "tau_tail"]
+        tau = float(at.iloc[0]) if len(at) and not math.isnan(float(at.iloc[0])) else None
     return None if tau is None else {s: float(tau) for s in steps}
 
 

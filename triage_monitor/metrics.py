@@ -383,34 +383,53 @@ class MismatchStats:
             num_samples: S.
             tau_tail: τ_tail (nats) or NaN (no localisation).
         """
-        self.add_magnitude(delta, advantage, sample_index, num_samples)
+        prepared = self.add_magnitude(delta, advantage, sample_index, num_samples)
         if not math.isnan(tau_tail):
-            self.add_localisation(delta, advantage, sample_index, position, num_samples, tau_tail)
+            self.add_localisation(delta, advantage, sample_index, position, num_samples, tau_tail, prepared)
         self.tau_tail = float(tau_tail)
         return self
 
-    def add_magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, num_samples: int) -> None:
-        """The τ-independent part of :meth:`update_flat` (magnitude, direction, sketch, min/max)."""
+    def add_magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, num_samples: int) -> dict:
+        """The τ-independent part of :meth:`update_flat` (magnitude, direction, sketch, min/max).
+
+        Returns the per-response intermediates that :meth:`add_localisation` reuses (``prepared``)."""
+        chunks = _chunks(sample_index, int(num_samples), delta.device)
+        prepared = []
+        for a, b, s0, s1 in chunks:
+            prepared.append(self._magnitude(delta[a:b], advantage[a:b], sample_index[a:b] - s0, s1 - s0))
+        self.part("delta_sketch").add_(sketch.sketch_counts(delta))
+        if delta.numel():
+            mn, mx = torch.aminmax(delta)
+            torch.minimum(self.part("delta_min"), mn.double().reshape(1), out=self.part("delta_min"))
+            torch.maximum(self.part("delta_max"), mx.double().reshape(1), out=self.part("delta_max"))
+        return {"chunks": chunks, "per_chunk": prepared}
+
+    def _magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, S: int) -> dict:
         cfg = self.config
         dev = self.device
-        adv = advantage.float()
-        d64, abs_a = delta.double(), adv.double().abs()
+        d64 = delta.double()
+        abs_a = advantage.double().abs()
+        abs_d = d64.abs()
         r = d64.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         exp_r = torch.exp(r)
-        S = int(num_samples)
         nv = torch.bincount(sample_index, minlength=S)
-        per_resp = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, sample_index, d64)
+        per_resp = torch.bincount(sample_index, weights=d64, minlength=S)      # Σδ per response
         nonempty = nv > 0
-        # region code per token: 0 amp_neg, 1 amp_pos, 2 con_neg, 3 con_pos, 4 none (quadrants)
-        code = region_codes(delta, adv)
-        mass = torch.bincount(code, weights=abs_a, minlength=5)[:4]
-        count = torch.bincount(code, minlength=5)[:4].double()
+        # quadrant key 3·sign(A) + sign(δ) + 4: 0 amp_neg, 8 amp_pos, 2 con_neg, 6 con_pos (A or δ = 0: none)
+        key = torch.sign(advantage).mul_(3).add_(torch.sign(delta)).add_(4).long()
+        # |A| mass per (response, quadrant key): the region masses, their length-normalised form and each
+        # response's signed advantage sum (keys 0-2: A < 0, 6-8: A > 0) all come from this one table
+        table = torch.bincount(sample_index * 9 + key, weights=abs_a, minlength=9 * S).view(S, 9)
+        quad = [0, 8, 2, 6]                                                    # order of REGIONS
+        mass = table.sum(0)[quad]
+        count = torch.bincount(key, minlength=9)[quad].double()
         inv_len = 1.0 / nv.clamp(min=1).double()
-        lennorm = torch.bincount(code, weights=abs_a * inv_len[sample_index], minlength=5)[:2]
+        lennorm = (table[:, [0, 8]] * inv_len[:, None]).sum(0)
+        resp_adv = table[:, 6:].sum(1) - table[:, :3].sum(1)                  # Σ A per response
         f64 = (lambda x: torch.as_tensor(x, dtype=torch.float64, device=dev))
         parts = [
             f64(float(delta.numel())), f64(float(S)), nonempty.sum().double(),
-            (d64.abs() < cfg.small_gap_threshold).sum().double(), d64.sum(), d64.abs().sum(),
+            (abs_d < cfg.small_gap_threshold).sum().double(), d64.sum(), abs_d.sum(),
             (exp_r - r - 1).sum(), (exp_r * exp_r).sum(),
             # verl's rollout_corr sign: mean log-prob (sampler) − mean log-prob (learner), per response
             -(per_resp[nonempty] / nv[nonempty].double()).sum(), abs_a.sum(),
@@ -418,23 +437,26 @@ class MismatchStats:
         ]
         vec = torch.cat([p.reshape(-1) for p in parts])
         self.state[:vec.numel()] += vec                      # SUM_FIELDS starts with these, in this order
-        self.part("delta_sketch").add_(sketch.sketch_counts(delta))
-        if delta.numel():
-            mn, mx = torch.aminmax(delta)
-            torch.minimum(self.part("delta_min"), mn.double().reshape(1), out=self.part("delta_min"))
-            torch.maximum(self.part("delta_max"), mx.double().reshape(1), out=self.part("delta_max"))
+        return {"nv": nv, "per_resp_delta": per_resp, "per_resp_adv": resp_adv}
 
     def add_localisation(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Tensor,
-                         num_samples: int, tau_tail: float) -> None:
-        """The τ_tail-dependent part of :meth:`update_flat`: segment sums and the C_tok table."""
+                         num_samples: int, tau_tail: float, prepared: Optional[dict] = None) -> None:
+        """The τ_tail-dependent part of :meth:`update_flat`: segment sums and the C_tok table
+        (``prepared``: what :meth:`add_magnitude` returned for the same batch, to skip recomputing it)."""
         cfg = self.config
-        loc = _localisation(delta, advantage.float(), sample_index, position, int(num_samples), float(tau_tail),
-                            cfg.segment_width, cfg.heavy_fraction, cfg.dilution_threshold)
         W = cfg.segment_width
-        cells = loc.pop("seg_valid") * (W + 1) + loc.pop("seg_tail")
-        self.part("c_tok_table").add_(torch.bincount(cells, minlength=(W + 1) ** 2).double())
-        vec = torch.tensor([loc[k] for k in _LOC_FIELDS], dtype=torch.float64).to(self.device)
-        self.state[_LOC_START:_LOC_START + len(_LOC_FIELDS)] += vec
+        if prepared is None:
+            prepared = {"chunks": _chunks(sample_index, int(num_samples), delta.device)}
+        per_chunk = prepared.get("per_chunk") or [None] * len(prepared["chunks"])
+        cells, sums = [], torch.zeros(len(_LOC_FIELDS), dtype=torch.float64)
+        for (a, b, s0, s1), prep in zip(prepared["chunks"], per_chunk):
+            loc = _localisation(delta[a:b], advantage[a:b], sample_index[a:b] - s0, position[a:b], s1 - s0,
+                                float(tau_tail), W, cfg.heavy_fraction, cfg.dilution_threshold, prep)
+            cells.append(loc.pop("seg_valid") * (W + 1) + loc.pop("seg_tail"))
+            sums += torch.tensor([loc[k] for k in _LOC_FIELDS], dtype=torch.float64)
+        if cells:
+            self.part("c_tok_table").add_(torch.bincount(torch.cat(cells), minlength=(W + 1) ** 2).double())
+        self.state[_LOC_START:_LOC_START + len(_LOC_FIELDS)] += sums.to(self.device)
 
     def merge(self, other: "MismatchStats") -> "MismatchStats":
         """Add ``other``'s state into this one (in place; returns self)."""
@@ -630,14 +652,14 @@ class MetricTracker:
         stats = MismatchStats(self.config, dev)
         delta, adv = batch.delta.to(dev), batch.advantage.to(dev)
         sample_index = batch.sample_index.to(dev)
-        stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
+        prepared = stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
         distributed = group is not None or _dist_ready()
         if not self.tau_frozen:
             part = _calibration_part(stats)
             self._calibrate(step, _sync_calibration(part, group) if distributed else part)
         if not math.isnan(self.tau_tail):
             stats.add_localisation(delta, adv, sample_index, batch.position.to(dev), batch.num_samples,
-                                   self.tau_tail)
+                                   self.tau_tail, prepared)
         stats.tau_tail = self.tau_tail
         if distributed:
             stats.sync(group)
@@ -675,33 +697,81 @@ class MetricTracker:
         self._calib_steps = list(sd.get("calib_steps", range(-len(self._calib), 0)))
 
 
+#: Tokens per piece of a CPU update: the batch is cut at response boundaries into pieces of about this
+#: size, so each piece's intermediates stay in cache.  The cut depends only on the batch, so live and offline
+#: updates of the same batch add the same partial sums in the same order.
+CPU_CHUNK_TOKENS = 1 << 15
+
+
+def _chunks(sample_index: Tensor, S: int, device) -> list:
+    """``[(token start, token end, sample start, sample end)]`` pieces of a batch, cut at response boundaries
+    (one piece on an accelerator)."""
+    N = sample_index.numel()
+    if torch.device(device).type != "cpu" or N <= CPU_CHUNK_TOKENS:
+        return [(0, N, 0, S)]
+    offsets = torch.zeros(S + 1, dtype=torch.long)
+    torch.cumsum(torch.bincount(sample_index, minlength=S), 0, out=offsets[1:])
+    targets = torch.arange(CPU_CHUNK_TOKENS, N, CPU_CHUNK_TOKENS)
+    cuts = torch.unique(torch.searchsorted(offsets, targets)).tolist()       # first response at/after each target
+    cuts = [c for c in cuts if 0 < c < S]
+    samples = [0, *cuts, S]
+    toks = offsets[samples].tolist()
+    return [(toks[i], toks[i + 1], samples[i], samples[i + 1]) for i in range(len(samples) - 1)]
+
+
 def _localisation(delta: Tensor, adv: Tensor, sample_index: Tensor, position: Tensor, S: int, tau_tail: float,
-                  width: int, heavy_fraction: float, dilution_threshold: float) -> dict:
+                  width: int, heavy_fraction: float, dilution_threshold: float,
+                  prepared: Optional[dict] = None) -> dict:
+    """Localisation sums of one batch (tokens ordered by sample, then position).  Segments are cut over every
+    response (as :func:`~triage_monitor.segments.segment_tokens` would) and those of A<0 responses kept: a
+    response's segments are kept or dropped together, so predecessors are unchanged."""
     dev = delta.device
-    nv = torch.bincount(sample_index, minlength=S).clamp(min=1).double()
-    resp_adv = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, sample_index, adv.double()) / nv
-    neg = resp_adv[sample_index] < 0                      # (N,) token belongs to an A<0 response
-    idx = torch.nonzero(neg).squeeze(1)
-    sub_sample = sample_index[idx]
-    seg = segment_tokens(sub_sample, position[idx], width)
-    tail = (adv[idx] < 0) & (delta[idx] < tau_tail)
-    seg_tail = seg.sum(tail.long())
-    heavy = seg_tail.double() > heavy_fraction * seg.count.double()
-    prev = seg.predecessor()
-    has_prev = prev >= 0
+    if prepared is None:
+        prepared = {"nv": torch.bincount(sample_index, minlength=S),
+                    "per_resp_delta": torch.bincount(sample_index, weights=delta.double(), minlength=S)}
+    resp_adv = prepared.get("per_resp_adv")
+    if resp_adv is None:
+        resp_adv = torch.bincount(sample_index, weights=adv.double(), minlength=S)
+    nv = prepared["nv"].clamp(min=1).double()
+    resp_neg = resp_adv / nv < 0                                  # (S,) A<0 responses (mean advantage)
+    N = delta.numel()
+    if N == 0:
+        e = torch.zeros(0, dtype=torch.long, device=dev)
+        return {"seg_tail": e, "seg_valid": e, **{k: 0.0 for k in _LOC_FIELDS}}
+    if width & (width - 1) == 0:                                  # positions are >= 0: a shift is a floor division
+        number = position >> (width.bit_length() - 1)
+    else:
+        number = torch.div(position, width, rounding_mode="floor")
+    start = torch.ones(N, dtype=torch.bool, device=dev)          # first token of each segment
+    torch.ne(number[1:], number[:-1], out=start[1:])
+    start[1:] |= sample_index[1:] != sample_index[:-1]
+    first = torch.nonzero(start).squeeze(1)
+    seg_sample, seg_number = sample_index[first], number[first]
+    bounds = torch.cat([first, torch.tensor([N], device=dev)])
+    count = bounds[1:] - bounds[:-1]                              # (K,) valid tokens per segment
+    tail_cum = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+    torch.cumsum((adv < 0) & (delta < tau_tail), 0, out=tail_cum[1:])
+    seg_tail_all = tail_cum[bounds[1:]] - tail_cum[bounds[:-1]]   # (K,) amplifying-tail tokens per segment
+    keep = resp_neg[seg_sample]                                   # (K,) segment of an A<0 response
+    seg_tail, seg_valid = seg_tail_all[keep], count[keep]
+    sample_k, number_k = seg_sample[keep], seg_number[keep]
+    heavy = seg_tail.double() > heavy_fraction * seg_valid.double()
+    has_prev = torch.zeros_like(heavy)
     prev_heavy = torch.zeros_like(heavy)
-    prev_heavy[has_prev] = heavy[prev[has_prev]]
+    if heavy.numel() > 1:
+        has_prev[1:] = (sample_k[1:] == sample_k[:-1]) & (number_k[1:] == number_k[:-1] + 1)
+        prev_heavy[1:] = has_prev[1:] & heavy[:-1]
     # dilution: A<0 responses holding at least one tail-heavy segment whose signed mean δ is small
     resp_heavy = torch.zeros(S, dtype=torch.bool, device=dev)
-    resp_heavy[seg.sample[heavy]] = True
-    resp_mean = torch.zeros(S, dtype=torch.float64, device=dev).index_add_(0, sample_index, delta.double()) / nv
+    resp_heavy[sample_k[heavy]] = True
+    resp_mean = prepared["per_resp_delta"] / nv
     diluted = resp_heavy & (resp_mean.abs() < dilution_threshold)
-    sums = torch.stack([torch.tensor(float(idx.numel()), dtype=torch.float64, device=dev), tail.sum().double(),
-                        torch.tensor(float(seg.num_segments), dtype=torch.float64, device=dev),
+    sums = torch.stack([seg_valid.sum().double(), seg_tail.sum().double(),
+                        torch.tensor(float(seg_valid.numel()), dtype=torch.float64, device=dev),
                         heavy.sum().double(), has_prev.sum().double(), (has_prev & heavy).sum().double(),
                         prev_heavy.sum().double(), (prev_heavy & heavy).sum().double(),
                         resp_heavy.sum().double(), diluted.sum().double()]).tolist()
-    return {"seg_tail": seg_tail, "seg_valid": seg.count, **dict(zip(_LOC_FIELDS, sums))}
+    return {"seg_tail": seg_tail, "seg_valid": seg_valid, **dict(zip(_LOC_FIELDS, sums))}
 
 
 def _dist_ready() -> bool:

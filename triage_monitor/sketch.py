@@ -49,7 +49,7 @@ SIZE = 2 * HALF + 1
 
 
 def bucket_index(delta: Tensor) -> Tensor:
-    """``(N,)`` int64 bucket of each δ in ``[0, SIZE)``, monotone in δ.
+    """``(N,)`` int32 bucket of each δ in ``[0, SIZE)``, monotone in δ.
 
     Args:
         delta: ``(N,)`` float32 (nats), any device; other float dtypes are rounded to float32 first.
@@ -58,9 +58,9 @@ def bucket_index(delta: Tensor) -> Tensor:
     if d.dtype != torch.float32:
         d = d.float()
     u = d.contiguous().view(torch.int32)
-    k = ((u & 0x7FFFFFFF) >> _SHIFT).long() - (_KEY_LO - 1)     # 1 for [2^-20, 2^-20·(1+2^-m)), <= 0 below
-    k = k.clamp(min=0, max=HALF)
-    return torch.where(u < 0, HALF - k, HALF + k)
+    k = ((u & 0x7FFFFFFF) >> _SHIFT).sub_(_KEY_LO - 1).clamp_(0, HALF)   # 1 = [2^-20, 2^-20·(1+2^-m)), 0 below
+    sign = u >> 31                                                       # -1 for negative δ (and -0.0), else 0
+    return k.bitwise_xor_(sign).sub_(sign).add_(HALF)                  # HALF ± k
 
 
 def sketch_counts(delta: Tensor) -> Tensor:
