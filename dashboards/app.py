@@ -72,6 +72,15 @@ def load_recomputed(path: str, window: int, sig: tuple) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
+def load_postmortem(path: str, window: int, sig: tuple) -> pd.DataFrame:
+    """Step and window metrics with the run's one frozen tau_tail for every step (the cached per-step
+    states; the live rows when the run has no token records)."""
+    from triage_monitor.analysis import postmortem_frame  # torch-backed: after the first charts are out
+
+    return postmortem_frame(open_run(path), window)[0]
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
 def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple) -> pd.DataFrame:
     from triage_monitor.stages import stage_table  # torch-backed: imported after the first charts are out
 
@@ -239,7 +248,10 @@ cols = st.columns(2)
 with cols[0]:
     _chart(views.quadrant_figure(primary_frame, window, labels[primary]), "quadrants")
 with cols[1]:
-    _chart(views.localisation_figure(primary_frame, window, labels[primary]), "localisation")
+    # localisation depends on tau_tail: drawn with the run's frozen value for every step, the first ones included
+    with st.spinner("localisation metrics with the frozen tau_tail…"):
+        loc_frame = load_postmortem(primary, window_steps, _signature(primary))
+    _chart(views.localisation_figure(loc_frame, window, labels[primary]), "localisation")
 
 # ------------------------------------------------------------------ one step (token data, lazy)
 st.header("One step")

@@ -62,6 +62,14 @@ def analyze_add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="where to save the full table (.csv or .parquet; default RUN_DIR/analysis/metrics.csv)")
     parser.add_argument("--rows", type=int, default=20, help="rows to print (the last ones); 0 prints all")
+    parser.add_argument("--tau-mode", choices=("frozen", "live"), default="frozen",
+                        help="frozen (default): one tau_tail for every step, the post-mortem; live: replay the "
+                             "provisional tau_tail the live monitor used on its reference steps")
+    parser.add_argument("--workers", type=int, default=1, help="local worker processes (default: 1, this one)")
+    parser.add_argument("--engine", choices=("local", "ray"), default="local",
+                        help="map the steps here (local) or on a Ray cluster (needs triage-monitor[ray])")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster address for --engine ray (default: RAY_ADDRESS, else a new local cluster)")
 
 
 def analyze_run_cli(args: argparse.Namespace) -> int:
@@ -83,8 +91,9 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
     from . import metrics  # noqa: F401  (imports torch now, so the throughput below times the recomputation only)
     t0 = time.perf_counter()
     try:
-        df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True)
-    except (OSError, ValueError) as exc:     # an unreadable token file (pyarrow.ArrowInvalid is a ValueError)
+        df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True, tau_mode=args.tau_mode, cache=True,
+                       workers=args.workers, engine=args.engine, address=args.address)
+    except (OSError, ValueError, ImportError) as exc:     # an unreadable token file (ArrowInvalid is a ValueError)
         console.print(f"[red]error:[/red] {exc}")
         return 2
     elapsed = time.perf_counter() - t0
@@ -113,6 +122,12 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
     if live is not None and not live.empty:
         cmp = compare_live(run, df, live=live)
         bad = cmp[~cmp["equal"]]
+        prov = int(cmp["provisional"].max()) if len(cmp) else 0
+        if prov:
+            console.print(f"{int(cmp.loc[cmp['metric'] == 'tau_tail', 'provisional'].sum())} live step(s) used a "
+                          "provisional tau_tail (tau_tail_frozen = 0) while it was calibrating; the recomputation "
+                          "uses the frozen value for every step, so their localisation metrics (and the windows "
+                          "holding them) are not compared (--tau-mode live replays the provisional values)")
         if bad.empty:
             console.print(f"[green]all {len(cmp)} metrics equal the live values[/green]")
         else:

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from .analysis import RunDirError, open_run, recompute
+from .analysis import RunDirError, open_run, postmortem_frame
 from .stages import format_stage_table, stage_table
 from . import views
 
@@ -93,16 +93,17 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
     win = int(window or run.manifest.get("window") or 25)
     frames, alert_frames = {}, {}
     names = [r.path.name for r in runs]
+    subject_states = None
     for r, name in zip(runs, names):
         label = f"{r.path.parent.name}/{name}" if names.count(name) > 1 else name
-        live = r.steps()
-        if window is not None and int(window) != int(r.manifest.get("window") or 25):
-            rec = recompute(r, window=win)
-            live = rec.merge(live[["step", *[c for c in live.columns if c not in rec.columns]]], on="step",
-                             how="left")
-        frames[label], alert_frames[label] = live, r.alerts()
+        # one frozen tau_tail for every step (the first ones included), from the cached per-step states
+        frame, states = postmortem_frame(r, win)
+        if subject_states is None and r is run:
+            subject_states = states
+        frames[label], alert_frames[label] = frame, r.alerts()
     subject = next(iter(frames))
-    table = stage_table(run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject])
+    table = stage_table(run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject],
+                        states=subject_states)
 
     figs = [views.timeseries_figure(frames, p, True, win, alert_frames) for p in REPORT_PANELS]
     figs = [f for f in figs if f is not None]
