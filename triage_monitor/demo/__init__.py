@@ -51,6 +51,14 @@ _HELP = {
     "threads": "torch CPU threads",
     "log_every": "print a metrics row every k steps",
     "eval_size": "held-out problems scored greedily every step (the accuracy column)",
+    "task": "addition (exact answer) or walk (long responses, many valid answers, partial credit: keeps entropy)",
+    "response_len": "walk task: response length in tokens",
+    "alphabet": "walk task: allowed digits per prompt",
+    "quantize": "linears that run the recipes: mlp (as the published NVFP4 runs), mlp+attn, all (+ LM head: "
+                "exaggerated)",
+    "sampler_lag": "the sampler generates with the weights of this many updates ago (asynchronous rollout)",
+    "gate_thresholds": "TRIAGE Gate thresholds: fixed (published) or calibrated on the first --calibration-steps",
+    "nvfp4_backend": "torchao (reference) or native (bit-identical, faster on CPU)",
 }
 
 
@@ -58,7 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add one ``--option`` per :class:`DemoConfig` field (``--out`` is the caller's); returns ``parser``."""
     from ..nvfp4 import RECIPES
 
+    from .grpo import GATE_THRESHOLDS, QUANTIZE
+    from .task import TASKS
+
     choices = {"sampler_recipe": sorted(RECIPES), "learner_recipe": sorted(RECIPES), "correction": list(CORRECTIONS),
+               "task": list(TASKS), "quantize": list(QUANTIZE), "gate_thresholds": list(GATE_THRESHOLDS),
+               "nvfp4_backend": ["torchao", "native"],
                "normalization": ["per_response", "global_token"], "gate_scope": ["q3", "whole"],
                "repair_scope": ["adv_positive", "q2", "whole"]}
     for f in fields(DemoConfig):
