@@ -1,11 +1,14 @@
-"""The built-in demo RL job: ``triage-monitor demo``.
+"""The built-in demo RL job: ``triage-monitor demo`` (one run) and ``triage-monitor study`` (arms × seeds).
 
 A real (small) GRPO run on CPU: a tiny causal transformer learns multi-digit
-addition with an exact reward, sampling with NVFP4 W4A4 MLP projections and
-learning with a different numeric recipe, every step recorded through the
-public API (:class:`~triage_monitor.TokenBatch`,
+addition with an exact reward, or 64-token walks with partial credit (a task
+that keeps its entropy), sampling with NVFP4 W4A4 linears and learning with a
+different numeric recipe, every step recorded through the public API
+(:class:`~triage_monitor.TokenBatch`,
 :class:`~triage_monitor.controller.TriageController`,
-:class:`~triage_monitor.monitor.MismatchMonitor`).  See :mod:`.grpo`.
+:class:`~triage_monitor.monitor.MismatchMonitor`, the default alert rules).
+See :mod:`.grpo` and, for the comparison of corrections, :mod:`.study`
+(docs/study.md).
 """
 
 from __future__ import annotations

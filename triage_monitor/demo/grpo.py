@@ -371,6 +371,8 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None, on_
         ``eval_size`` fixed held-out problems under the sampler recipe, with
         the policy that generated the step's rollout), ``mixed_groups`` (share of groups with both outcomes, the
         ones that carry gradient), ``loss``, ``seconds``, the controller stats
+        ``grad_norm`` (total gradient norm before clipping), ``sampler_nll`` (mean −log-prob of the sampled
+        tokens under the sampler: its entropy estimate, nats), ``response_len``,
         and every metric ``log_step`` returned (``rho_asym``,
         ``small_gap_share``, ``c_tok``, ``delta_q05``, ``window/...``).
         ``df.attrs`` holds ``eval_before`` / ``eval_after`` (greedy accuracy

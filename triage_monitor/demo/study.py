@@ -56,12 +56,12 @@ ARM_LABELS = {"none": "NVFP4 sampler · no correction", "tis": "NVFP4 sampler ·
 ARM_COLORS = {"none": "#dc2626", "tis": "#d97706", "triage": "#2563eb", "fp32": "#6b7280"}
 
 #: The study's job: 64-token walks (entropy kept), 64-token segments for Gate and monitor, calibrated Gate.
-STUDY_BASE = dict(task="walk", response_len=64, alphabet=4, sft_steps=300, sft_target=0.6, prompts_per_step=8,
-                  group_size=8, eval_size=16, gate_width=64, repair_width=128, segment_width=64, window=10,
-                  calibration_steps=10, gate_thresholds="calibrated", quantize="mlp", sampler_lag=0,
-                  lr=1e-3, steps=200, log_every=10)
-#: ``--quick`` (``make demo``): one seed of a failing and a stable arm, fewer steps.
-QUICK = dict(arms=("none", "triage"), seeds=(0,), steps=80)
+STUDY_BASE = dict(task="walk", response_len=64, alphabet=4, sft_steps=25, sft_target=0.0, prompts_per_step=4,
+                  group_size=8, eval_size=8, gate_width=64, repair_width=128, segment_width=64, window=10,
+                  calibration_steps=10, gate_thresholds="calibrated", quantize="all", sampler_lag=0,
+                  nvfp4_backend="native", lr=1e-3, steps=120, log_every=10)
+#: ``--quick`` (``make demo``): one seed of the uncorrected, the TRIAGE and the control arm, fewer steps.
+QUICK = dict(arms=("none", "triage", "fp32"), seeds=(0,), steps=60)
 
 SMOOTH_STEPS = 10
 COLLAPSE_FRACTION = 0.5
@@ -439,7 +439,7 @@ def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float) -> 
     console.print(t)
     for line in verdict(summary):
         console.print(line)
-    first = out / "runs" / f"{summary['arm'].iloc[0]}-s{summary['seed'].iloc[0]}"
+    first_seed = summary["seed"].iloc[0]
+    dirs = " ".join(str(out / "runs" / f"{a}-s{first_seed}") for a in dict.fromkeys(summary["arm"]))
     console.print(f"study: {seconds:.0f} s.  Report: [bold]{out / 'study.html'}[/]  (table: {out / 'summary.csv'})")
-    console.print(f"Look at one run: triage-monitor dashboard {first}   or   triage-monitor report {first} -o "
-                  f"{first}.html")
+    console.print(f"Dashboard (seed {first_seed} of each arm): triage-monitor dashboard {dirs}")
