@@ -79,6 +79,18 @@ def test_noise_guard_rule():
                for r in guarded.values())
 
 
+def test_full_window_lookback():
+    def fired(rule, values):
+        eng = AlertEngine([rule])
+        return [a.step for s, v in enumerate(values) for a in eng.observe(s, {"window/x": v})]
+    base = dict(name="r", metric="window/x", condition="rising", threshold=0.1, window=2, k=1)
+    # step 2 looks back at step 0, whose 2-step window held one step: only a full window (step >= 1) counts
+    assert fired(Rule(**base), [1, 1, 2, 3]) == [2]
+    assert fired(Rule(**base, full_window=True), [1, 1, 2, 3]) == [3]
+    assert all(r.full_window for r in default_rules() if r.condition in ("rising", "falling")
+               and r.metric.startswith("window/"))
+
+
 @pytest.fixture(scope="module")
 def fp32_control(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp32")
@@ -145,6 +157,8 @@ def test_study_command_end_to_end(tmp_path, capsys):
     summary = pd.read_csv(out / "summary.csv")
     assert summary[["arm", "seed"]].values.tolist() == [["none", 0], ["fp32", 0]]
     assert summary["steps"].tolist() == [4, 4]
+    traj = pd.read_csv(out / "trajectories.csv")
+    assert len(traj) == 8 and {"window/rho_asym", "delta_abs_mean", "grad_norm"} <= set(traj.columns)
     for arm in ("none", "fp32"):
         assert (out / "runs" / f"{arm}-s0" / "run.json").exists()
     meta = json.loads((out / "study.json").read_text())
@@ -155,3 +169,9 @@ def test_study_command_end_to_end(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "study.html" in text and "triage-monitor dashboard" in text
     assert main(["study", "--out", str(out), "--arms", "bogus"]) == 2
+    # judging the finished runs again gives the same table
+    (out / "summary.csv").unlink()
+    assert main(["study", "--out", str(out), "--rejudge", "--window", str(TINY["window"])]) == 0
+    again = pd.read_csv(out / "summary.csv").drop(columns="seconds")
+    pd.testing.assert_frame_equal(again, summary.drop(columns="seconds"), check_dtype=False)
+    assert main(["study", "--out", str(tmp_path / "empty"), "--rejudge"]) == 2

@@ -8,7 +8,8 @@ SPEC.md §3) and tests one condition every step:
 ``above``       value > threshold
 ``below``       value < threshold
 ``rising``      the value at t, t-w, ..., t-k·w (w = ``window`` steps) strictly increases
-                and v(t) - v(t-k·w) > threshold (``relative``: divided by |v(t-k·w)|)
+                and v(t) - v(t-k·w) > threshold (``relative``: divided by |v(t-k·w)|);
+                with ``full_window`` no look-back lies before the first full window
 ``falling``     mirror of ``rising``: strictly decreasing, drop > threshold
 ``excess``      value - baseline > threshold; baseline = median of the value over the
                 first ``baseline_steps`` steps of the run (or given as ``baseline``)
@@ -114,6 +115,8 @@ class Rule:
         guard_metric: optional metric that must be >= ``guard_min`` for the rule to be
             evaluated at a step (the noise guard; see the module docstring).  Empty: no guard.
         guard_min: the guard's threshold, in ``guard_metric``'s units (nats for ``window/delta_abs_mean``).
+        full_window: rising/falling only: a look-back before step ``first_step + window − 1``
+            (the monitor's first full window) is not a reference (the rule waits for one).
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -137,6 +140,7 @@ class Rule:
     note: str = ""
     guard_metric: str = ""
     guard_min: float = 0.0
+    full_window: bool = False
 
     def __post_init__(self):
         def bad(f, why):
@@ -174,6 +178,8 @@ class Rule:
         if not guard_ok:
             bad("guard_min", "must be a finite number")
         object.__setattr__(self, "guard_min", float(self.guard_min))
+        if not isinstance(self.full_window, bool):
+            bad("full_window", "must be true or false")
         object.__setattr__(self, "threshold", float(self.threshold))
 
     @property
@@ -402,8 +408,12 @@ class AlertEngine:
         return float(xs[np.isfinite(xs)][-1]) if r.agg == "last" else float(AGGS[r.agg](xs))
 
     def _lookback(self, r: Rule, i: int) -> float:
-        """Tested value at the latest step <= t - i*window (NaN if before the first step)."""
-        j = bisect.bisect_right(self._steps, self._steps[-1] - i * r.window) - 1
+        """Tested value at the latest step <= t - i*window (NaN if before the first step, or, with
+        ``full_window``, before step first + window - 1: a partial window is not a reference)."""
+        target = self._steps[-1] - i * r.window
+        if r.full_window and target < self._steps[0] + r.window - 1:
+            return math.nan
+        j = bisect.bisect_right(self._steps, target) - 1
         return self._vals[r.name][j] if j >= 0 else math.nan
 
     def _step_rule(self, r: Rule, step: int, v: float) -> Optional[Alert]:

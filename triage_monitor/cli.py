@@ -66,6 +66,8 @@ def study_add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated arms out of {','.join(ARMS)} (default: all)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process each (default: 1)")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="run nothing: judge the run directories already in OUT/runs again and rewrite the report")
     parser.add_argument("--quick", action="store_true",
                         help=f"the short version (`make demo`): arms {','.join(QUICK['arms'])}, seed "
                              f"{QUICK['seeds'][0]}, {QUICK['steps']} steps, unless given explicitly")
@@ -76,7 +78,7 @@ def study_add_arguments(parser: argparse.ArgumentParser) -> None:
 def study_run_cli(args: argparse.Namespace) -> int:
     """Run the study into ``args.out``; exit 2 on a bad option."""
     from .demo import config_from_args
-    from .demo.study import ARMS, QUICK, STUDY_BASE, run_study
+    from .demo.study import ARMS, QUICK, STUDY_BASE, rejudge, run_study
 
     try:
         quick = args.quick
@@ -90,6 +92,9 @@ def study_run_cli(args: argparse.Namespace) -> int:
         if args.steps is None:
             args.steps = QUICK["steps"] if quick else STUDY_BASE["steps"]
         cfg = config_from_args(args)
+        if args.rejudge:
+            rejudge(cfg, args.out)
+            return 0
         run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs)
     except ValueError as exc:
         print(f"triage-monitor study: {exc}", file=sys.stderr)

@@ -25,13 +25,14 @@ the magnitude metrics (``window/small_gap_share``, ``window/k3_kl``) leave the
 healthy band of the run's own reference window (:func:`onsets`).
 
 Output (``out``): one run directory per (arm, seed) under ``runs/``,
-``study.html`` (plotly, self-contained), ``summary.csv`` (one row per run)
-and ``study.json`` (configuration, definitions, the table).
+``study.html`` (plotly, self-contained), ``summary.csv`` (one row per run),
+``trajectories.csv`` (the key per-step columns of every run) and ``study.json`` (configuration, definitions, the table).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, replace
@@ -57,11 +58,11 @@ ARM_COLORS = {"none": "#dc2626", "tis": "#d97706", "triage": "#2563eb", "fp32": 
 
 #: The study's job: 64-token walks (entropy kept), 64-token segments for Gate and monitor, calibrated Gate.
 STUDY_BASE = dict(task="walk", response_len=64, alphabet=4, sft_steps=25, sft_target=0.0, prompts_per_step=4,
-                  group_size=8, eval_size=8, gate_width=64, repair_width=128, segment_width=64, window=10,
+                  group_size=8, eval_size=8, gate_width=64, repair_width=128, segment_width=64, window=25,
                   calibration_steps=10, gate_thresholds="calibrated", quantize="all", sampler_lag=0,
                   nvfp4_backend="native", lr=1e-3, steps=120, log_every=10)
-#: ``--quick`` (``make demo``): one seed of the uncorrected, the TRIAGE and the control arm, fewer steps.
-QUICK = dict(arms=("none", "triage", "fp32"), seeds=(0,), steps=60)
+#: ``--quick`` (``make demo``): one seed of the uncorrected and the TRIAGE arm side by side, fewer steps.
+QUICK = dict(arms=("none", "triage"), seeds=(0,), steps=60)
 
 SMOOTH_STEPS = 10
 COLLAPSE_FRACTION = 0.5
@@ -167,8 +168,8 @@ def judge_run(df: pd.DataFrame, window: int, rules=None) -> dict:
     early-warning alert, groups :data:`WARNING_GROUPS`), ``first_alert_rule``,
     ``lead_steps`` / ``lead_frac`` (destabilisation − first alert, and that as a
     fraction of the horizon; None without both), ``alerts`` (list of
-    ``(step, rule)``), ``noise_level_steps`` (steps at which the noise guard held
-    the direction rules back), ``reward_peak`` and ``reward_final`` (trailing
+    ``(step, rule)``), ``noise_level_steps`` (most steps at which the noise guard held
+    a guarded rule back), ``reward_peak`` and ``reward_final`` (trailing
     means), ``delta_abs_first`` / ``delta_abs_last`` (mean |δ|, nats, first and
     last 10 % of the run) and ``rho_window_last``.
     """
@@ -176,7 +177,13 @@ def judge_run(df: pd.DataFrame, window: int, rules=None) -> dict:
     steps = d["step"].to_numpy()
     destab = destabilisation_step(steps, d["reward"].to_numpy(float))
     on = onsets(d, window)
-    eng = replay_engine(default_rules() if rules is None else rules, d)
+    quiet = logging.getLogger("triage_monitor.alerts")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)     # "cleared" lines of every replayed run would drown the table
+    try:
+        eng = replay_engine(default_rules() if rules is None else rules, d)
+    finally:
+        quiet.setLevel(level)
     groups = {r.name: r.group for r in eng.rules}
     warn = [a for a in eng.fired if groups.get(a.rule) in WARNING_GROUPS]
     first = warn[0] if warn else None
@@ -184,7 +191,7 @@ def judge_run(df: pd.DataFrame, window: int, rules=None) -> dict:
     n = len(d)
     m = d["reward"].rolling(SMOOTH_STEPS, min_periods=1).mean()
     tenth = max(1, n // 10)
-    noise = eng.noise_steps.get("rho_asym_high", [])
+    noise = max(eng.noise_steps.values(), key=len, default=[])
     return {
         "steps": n, "destabilised_at": destab,
         "direction_onset": on["direction"], "small_gap_onset": on["small_gap"], "k3_onset": on["k3"],
@@ -199,6 +206,13 @@ def judge_run(df: pd.DataFrame, window: int, rules=None) -> dict:
 
 
 # ------------------------------------------------------------------------------ running
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=200)   # a log file gets the whole table
+
+
 def _run_one(job: tuple) -> tuple:
     """Worker: run one (arm, seed) and return (key, per-step frame, attrs)."""
     key, cfg_dict, out_dir, queue = job
@@ -232,7 +246,6 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: S
     Raises:
         ValueError: an unknown arm, no arm or no seed, or ``jobs < 1``.
     """
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     bad = [a for a in arms if a not in ARMS]
@@ -242,7 +255,7 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: S
         raise ValueError("study: give at least one seed")
     if jobs < 1:
         raise ValueError(f"study: jobs must be >= 1, got {jobs}")
-    console = console or Console()
+    console = console or _console()
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -298,6 +311,45 @@ def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callab
             for fut in done:
                 key, df, at = fut.result()
                 frames[key], attrs[key] = df, at
+
+
+def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
+    """Judge the run directories of a finished study in ``out/runs`` again and rewrite its outputs.
+
+    For new alert rules or definitions without re-running: each ``<arm>-s<seed>``
+    directory's per-step table is read back (:func:`triage_monitor.alerts.load_run_metrics`);
+    when ``base.window`` differs from the run's monitor window, the metrics are
+    recomputed from the token records with ``base.window``
+    (:func:`triage_monitor.analysis.recompute`) and the training-loop columns
+    (reward, controller stats, gradient norm) are kept.  ``base`` also supplies
+    the mechanism text.
+
+    Raises:
+        ValueError: ``out/runs`` holds no ``<arm>-s<seed>`` run directory.
+    """
+    from ..alerts import load_run_metrics
+    from ..analysis import open_run, recompute
+
+    console = console or _console()
+    out = Path(out)
+    frames = {}
+    for d in sorted((out / "runs").glob("*-s*")):
+        arm, _, seed = d.name.rpartition("-s")
+        if not (arm in ARMS and seed.isdigit() and (d / "run.json").exists()):
+            continue
+        live = load_run_metrics(d)
+        run = open_run(d)
+        if int(run.manifest.get("window") or 25) != base.window:
+            rec = recompute(run, window=base.window)
+            live = rec.merge(live[["step", *[c for c in live.columns if c not in rec.columns]]], on="step",
+                             how="left")
+        frames[(arm, int(seed))] = live
+    if not frames:
+        raise ValueError(f"study: no <arm>-s<seed> run directory under {out / 'runs'}")
+    summary = summarize(frames, {}, base.window)
+    write_outputs(out, base, frames, summary, math.nan)
+    print_summary(console, summary, out, math.nan)
+    return summary
 
 
 def summarize(frames: dict, attrs: dict, window: int) -> pd.DataFrame:
@@ -412,8 +464,14 @@ dotted vertical lines: destabilisation.</div>
 
 
 def write_outputs(out: Path, base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: float) -> None:
-    """Write ``summary.csv``, ``study.json`` and ``study.html`` into ``out``."""
+    """Write ``summary.csv``, ``trajectories.csv`` (per-step key columns of every run), ``study.json`` and
+    ``study.html`` into ``out``."""
     summary.to_csv(out / "summary.csv", index=False)
+    keep = ["step", "reward", "delta_abs_mean", "window/delta_abs_mean", "rho_asym", "window/rho_asym",
+            "window/small_gap_share", "window/k3_kl", "delta_min", "sampler_nll", "gate_downweighted_frac",
+            "repair_active_frac", "grad_norm"]
+    pd.concat([df[[c for c in keep if c in df]].assign(arm=arm, seed=seed) for (arm, seed), df in frames.items()]
+              ).to_csv(out / "trajectories.csv", index=False)
     meta = {"base_config": asdict(base), "arms": {a: ARMS[a] for a in dict.fromkeys(k[0] for k in frames)},
             "mechanism": replace(base, **ARMS["none"]).mechanism(),
             "destabilisation": {"smooth_steps": SMOOTH_STEPS, "collapse_fraction": COLLAPSE_FRACTION,
