@@ -184,7 +184,7 @@ class WorkerRuntime:
                 "triage-monitor: %d loss calls and no torch.optim optimizer step seen in this process (pid %d): all of "
                 "them are being logged as ONE step (%d). Fix: pass the step yourself (hook.set_step(step) before each "
                 "update, or step_source='framework' where the hook reads the framework's step), or make sure the "
-                "optimizer is a torch.optim.Optimizer stepping in this process (docs/hooks.md#steps)",
+                "optimizer is a torch.optim.Optimizer stepping in this process (docs/hooks.md#how-a-hook-runs-inside-the-frameworks-workers)",
                 self._calls_since_step, os.getpid(), self.step_offset + self.optimizer_steps)
 
     def set_step(self, step: int) -> None:

@@ -29,7 +29,9 @@ neutralised.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Optional, Sequence, Union
 
 import torch
@@ -189,6 +191,43 @@ class TokenBatch:
         return flat[self._source_index.to(values.device)]
 
     # ----------------------------------------------------------- constructors
+    @classmethod
+    def cat(cls, parts: Sequence["TokenBatch"]) -> "TokenBatch":
+        """One flat :class:`TokenBatch` holding the micro-batches ``parts`` of one step, in order.
+
+        Tokens, per-sample ``group_id`` / ``num_valid`` (responses without valid tokens included) and the
+        quarantine counts and rows are concatenated; sample ids are renumbered ``0 … S−1`` over the parts
+        (a running sample counter, so equal row indices of two micro-batches stay distinct responses).
+        ``group_id`` is taken as given: it must mean the same prompt in every part (e.g. a rollout-wide
+        prompt index), or be −1.  Built field by field rather than via ``from_flat``: the parts are
+        validated and in canonical order already, and ``from_flat`` would drop zero-token responses.
+        ``learner_logp`` is detached.
+
+        Raises:
+            ValueError: ``parts`` is empty.
+        """
+        if not parts:
+            raise ValueError("TokenBatch.cat: no batches to concatenate")
+        counts = [b.num_samples for b in parts]
+        offsets = [0, *accumulate(counts)][:-1]
+        cat = lambda name: torch.cat([getattr(b, name) for b in parts])  # noqa: E731
+        quarantine: Counter = Counter()
+        rows = []
+        for b, off in zip(parts, offsets):
+            quarantine.update(b.quarantine)
+            if b.quarantined is not None:             # caller's sample ids → merged ids (rank in the part + offset)
+                q = dict(b.quarantined)
+                q["sample_id"] = torch.searchsorted(b.sample_id.cpu(), q["sample_id"]) + int(off)
+                rows.append(q)
+        quarantined = {k: torch.cat([q[k] for q in rows]) for k in rows[0]} if rows else None
+        dev = parts[0].device
+        return cls(
+            learner_logp=torch.cat([b.learner_logp.detach() for b in parts]), sampler_logp=cat("sampler_logp"),
+            advantage=cat("advantage"), position=cat("position"),
+            sample_index=torch.cat([b.sample_index + int(off) for b, off in zip(parts, offsets)]),
+            sample_id=torch.arange(sum(counts), device=dev), group_id=cat("group_id"), num_valid=cat("num_valid"),
+            quarantine=dict(quarantine), quarantined=quarantined)
+
     @classmethod
     def from_padded(
         cls,
