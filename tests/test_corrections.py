@@ -7,7 +7,7 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.corrections import (
-    dppo_kl_loss, geometric_mean_ratio, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
+    dppo_kl_loss, geometric_mean_ratio, sequence_mask_weights, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
     reference_kl,
     register_correction, sequence_is_geometric_weights, sequence_is_product_weights, tis_weights,
 )
@@ -113,6 +113,25 @@ def test_mis_drops_sequence_outside_band():
         mis_weights(old, samp, (batch.sample_index[:3], 2))
 
 
+def test_mis_band_bounds_sampler_over_learner_like_verl():
+    """Asymmetric band [0.7, 1.2] on π_sampler/π_old (verl's convention): sequence 0 has ratio e^−0.3 = 0.741 (kept);
+    the inverse convention would see e^0.3 = 1.35 and drop it.  Checked against verl's own rejection mask."""
+    batch, old, samp = _two_sequences()
+    w = mis_weights(old, samp, batch, high=1.2, low=0.7)
+    assert w.tolist() == [1.0] * 8
+    assert mis_weights(old, samp, batch, high=1.2, low=0.75).tolist() == [0.0] * 3 + [1.0] * 5
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    lengths = torch.bincount(batch.sample_index).tolist()
+    for low, high in ((0.7, 1.2), (0.75, 1.2), (0.5, 0.9)):
+        rows = torch.zeros(2, max(lengths)), torch.zeros(2, max(lengths), dtype=torch.bool)
+        for s, ratio in enumerate(torch.split(old - samp, lengths)):
+            rows[0][s, :len(ratio)], rows[1][s, :len(ratio)] = ratio, True
+        mask, _ = helper.compute_rollout_rejection_mask(rows[0], rows[1].float(), rollout_rs="seq_mean_k1",
+                                                        rollout_rs_threshold=f"{low}_{high}")
+        ours = mis_weights(old, samp, batch, high=high, low=low)
+        assert ours.tolist() == mask[rows[1]].tolist(), (low, high)
+
+
 def test_registry():
     names = list_corrections()
     for n in ("ppo_clip", "tis", "icepop", "mis", "seq_is_product", "seq_is_geometric"):
@@ -165,3 +184,17 @@ def test_reference_kl_by_hand():
     assert float(reference_kl(torch.tensor([0.0]), torch.tensor([-30.0]))) == 10.0
     with pytest.raises(ValueError, match="kl_type"):
         reference_kl(logp, ref, "k4")
+
+
+def test_trl_sequence_mask_keeps_the_product_ratio_inside_the_band():
+    """TRL's default vLLM correction: sequence 0 has Π r = e^0.9 = 2.46, sequence 1 e^0.0005; both within the
+    default (None, 3.0] and kept with their product ratio; a cap of 2 masks sequence 0 to 0."""
+    batch, old, samp = _two_sequences()
+    w = sequence_mask_weights(old, samp, batch)
+    assert w.tolist() == pytest.approx([math.exp(0.9)] * 3 + [math.exp(0.0005)] * 5, rel=1e-5)
+    w = sequence_mask_weights(old, samp, batch, high=2.0)
+    assert w.tolist() == pytest.approx([0.0] * 3 + [math.exp(0.0005)] * 5, rel=1e-5)
+    w = sequence_mask_weights(old, samp, batch, high=None, low=1.001)           # only the lower bound
+    assert w.tolist() == pytest.approx([math.exp(0.9)] * 3 + [0.0] * 5, rel=1e-5)
+    with pytest.raises(ValueError, match="low=3.0 must be <= high=2.0"):
+        sequence_mask_weights(old, samp, batch, high=2.0, low=3.0)

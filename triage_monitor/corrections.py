@@ -270,18 +270,21 @@ def mis_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: floa
                 low: Optional[float] = None) -> Tensor:
     """MIS / geometric sequence masking ``(N,)`` float32 in {0, 1}, detached (docs/metrics.md#baselines).
 
-    ``g_s = exp(mean_{t∈s}(old_logp − sampler_logp))`` (geometric-mean ratio of sequence s);
-    every token of s gets ``1`` if ``low ≤ g_s ≤ high`` else ``0`` (the sequence is dropped).
-    Default ``high = 1.001``, ``low = 1/high`` (verl ``rollout_rs: geometric``; its docs give
-    typical thresholds 1.0002–1.001 and a reciprocal lower bound).
+    The band bounds the geometric-mean ratio **sampler over learner**, verl's convention:
+    ``ρ_s = exp(mean_{t∈s}(sampler_logp − old_logp))`` (π_rollout / π_old); every token of s gets ``1`` if
+    ``low ≤ ρ_s ≤ high`` else ``0`` (the sequence is dropped).  This reproduces verl 0.9.1's
+    ``algorithm.rollout_correction.rollout_rs: seq_mean_k1`` with ``rollout_rs_threshold: "<low>_<high>"``
+    (``compute_rollout_rejection_mask``: k1 = −log(π_train/π_rollout), sequence mean, kept where
+    log(low) ≤ mean k1 ≤ log(high)); checked against verl's function in tests/test_corrections.py.
+    Default ``high = 1.001``, ``low = 1/high`` (symmetric, where both conventions agree).
 
     Raises:
         ValueError: shapes differ or not ``0 <= low < high``.
     """
     low = 1.0 / high if low is None else low
     _check_band("mis_weights", low, high)
-    g = geometric_mean_ratio(old_logp, sampler_logp, seq)
-    keep = ((g >= low) & (g <= high)).float()
+    rho = 1.0 / geometric_mean_ratio(old_logp, sampler_logp, seq)
+    keep = ((rho >= low) & (rho <= high)).float()
     idx, _ = _seq_index(seq, old_logp.shape[0], old_logp.device)
     return keep[idx]
 
@@ -302,6 +305,34 @@ def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: Seq
     _check_band("sequence_is_product_weights", 0.0, high)
     total, _ = sequence_log_ratio_sum(_log_ratio(old_logp, sampler_logp), seq)
     w = torch.exp(total.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).clamp(max=high)
+    idx, _ = _seq_index(seq, old_logp.shape[0], old_logp.device)
+    return w[idx]
+
+
+@register_correction("seq_mask_product")
+def sequence_mask_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: Optional[float] = 3.0,
+                          low: Optional[float] = None) -> Tensor:
+    """Sequence-level **masked** IS, product form, ``(N,)`` float32, detached (docs/metrics.md#baselines).
+
+    ``ρ_s = exp(Σ_{t∈s}(old_logp − sampler_logp))`` (the product of the token ratios, not clamped); every token of
+    s gets ``ρ_s`` when ``low ≤ ρ_s ≤ high`` and ``0`` otherwise (a bound given as None is open).  This is TRL's
+    default vLLM correction (checked against TRL 1.16.0 and 1.13.0): ``vllm_importance_sampling_mode =
+    "sequence_mask"``, ``vllm_importance_sampling_clip_max = 3.0`` (``high``),
+    ``vllm_importance_sampling_clip_min = None`` (``low``).
+
+    Raises:
+        ValueError: shapes differ or ``low > high``.
+    """
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"sequence_mask_weights: low={low} must be <= high={high}")
+    total, _ = sequence_log_ratio_sum(_log_ratio(old_logp, sampler_logp).double(), seq)
+    rho = torch.exp(total)
+    keep = torch.ones_like(rho, dtype=torch.bool)
+    if high is not None:
+        keep &= rho <= high
+    if low is not None:
+        keep &= rho >= low
+    w = torch.where(keep, rho, torch.zeros_like(rho)).float()
     idx, _ = _seq_index(seq, old_logp.shape[0], old_logp.device)
     return w[idx]
 
