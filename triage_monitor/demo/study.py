@@ -429,7 +429,8 @@ def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: 
     cols = ["arm", "seed", "destabilised_at", "direction_onset", "small_gap_onset", "k3_onset", "first_alert",
             "first_alert_rule", "lead_steps", "lead_frac", "noise_level_steps", "reward_peak", "reward_final",
             "delta_abs_first", "delta_abs_last", "rho_window_last", "seconds"]
-    table = summary[cols].to_html(index=False, border=0, na_rep="—", float_format=lambda x: f"{x:.4g}")
+    shown = summary[cols].astype(object)
+    table = shown.where(shown.notna(), "—").to_html(index=False, border=0, float_format=lambda x: f"{x:.4g}")
     findings = "".join(f"<li>{html.escape(s)}</li>" for s in verdict(summary))
     alert_list = "".join(f"<li><b>{html.escape(k)}</b>: "
                          + (html.escape(", ".join(f"{r} @ {s}" for s, r in v)) or "none") + "</li>"
@@ -454,7 +455,7 @@ window small-gap share drops more than max(3 MAD, {SMALL_GAP_BAND}) or window k3
 median. First alert: the shipped default rules replayed on the run (groups {', '.join(WARNING_GROUPS)});
 lead = destabilisation − first alert (fraction of the horizon). Noise-level steps: window mean |δ| below
 {NOISE_FLOOR_NATS:g} nats, where ρ_asym is rounding noise and the direction rules are held back.</div>
-{table}
+<div style="overflow-x:auto">{table}</div>
 <h2>Over steps</h2><div class="note">One colour per arm, one dash style per seed; ▼ alerts on the ρ_asym panel;
 dotted vertical lines: destabilisation.</div>
 {chart}
