@@ -65,7 +65,9 @@ class HookSettings:
         step_source: ``"auto"`` (framework step when the hook has one, else optimizer steps), ``"framework"``
             (require it), ``"optimizer"`` (always count optimizer steps).
         rank: fixed rank for this process's files; None = resolved in the worker (module docstring).
-        attempt: attempt id shared by every process of this job (drawn at construction, on the driver).
+        attempt: attempt id shared by every process of this job (drawn at construction, on the driver);
+            None = resolved in each worker: rank 0's id broadcast over ``torch.distributed`` when a process
+            group is up (processes that build their hook themselves, e.g. torchrun ranks), else a new id.
         key: identity of the hook across pickling: copies with the same key share one runtime per process.
     """
 
@@ -76,7 +78,7 @@ class HookSettings:
     on_invalid: str = "raise"
     step_source: str = "auto"
     rank: Optional[int] = None
-    attempt: int = field(default_factory=new_attempt_id)
+    attempt: Optional[int] = field(default_factory=new_attempt_id)
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):
@@ -147,11 +149,12 @@ class WorkerRuntime:
         s = self.settings
         if self._monitor is None and s.run_dir is not None:
             run_dir = Path(s.run_dir)
-            rank = resolve_rank(run_dir, s.attempt, s.rank)
+            attempt = s.attempt if s.attempt is not None else _worker_attempt()
+            rank = resolve_rank(run_dir, attempt, s.rank)
             manifest = {**s.manifest, "hook_pid": os.getpid()} if rank == 0 else dict(s.manifest)
             if self.controller is not None:
                 manifest.setdefault("triage", _plain(self.controller.config))
-            self._monitor = MismatchMonitor(run_dir, s.monitor, manifest=manifest, rank=rank, attempt=s.attempt,
+            self._monitor = MismatchMonitor(run_dir, s.monitor, manifest=manifest, rank=rank, attempt=attempt,
                                             group=None)
             self._acc = StepAccumulator(self._monitor)
         return self._monitor
@@ -181,7 +184,7 @@ class WorkerRuntime:
                 "triage-monitor: %d loss calls and no torch.optim optimizer step seen in this process (pid %d): all of "
                 "them are being logged as ONE step (%d). Fix: pass the step yourself (hook.set_step(step) before each "
                 "update, or step_source='framework' where the hook reads the framework's step), or make sure the "
-                "optimizer is a torch.optim.Optimizer stepping in this process (docs/hooks.md#steps)",
+                "optimizer is a torch.optim.Optimizer stepping in this process (docs/hooks.md#how-a-hook-runs-inside-the-frameworks-workers)",
                 self._calls_since_step, os.getpid(), self.step_offset + self.optimizer_steps)
 
     def set_step(self, step: int) -> None:
@@ -256,6 +259,16 @@ class WorkerRuntime:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(msg, *args)
+
+
+def _worker_attempt() -> int:
+    """Rank 0's attempt id broadcast over the default process group when one is up, else a new id."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from triage_monitor.monitor import _shared_attempt_id
+        return _shared_attempt_id(None)
+    return new_attempt_id()
 
 
 def _plain(obj):
@@ -371,7 +384,8 @@ class LossHook(HookAdapter):
             old_logp: ``(N,)`` PPO anchor log-probs in the batch's flat order, nats.
             framework_step: the framework's step metadata for this call, when it has one.
             loss_kwargs: ``clip_low``, ``clip_high``, ``dual_clip``, ``agg_mode``, ``denominator``,
-                ``loss_scale``, ``repair_denominator`` of :func:`~triage_monitor.loss.triage_policy_loss`.
+                ``loss_scale``, ``token_scale``, ``repair_denominator`` of
+                :func:`~triage_monitor.loss.triage_policy_loss`.
 
         Returns:
             :class:`~triage_monitor.loss.TriageLoss`.

@@ -1,4 +1,4 @@
-"""Baseline corrections (SPEC.md §4.5): values worked by hand from the stated formulas."""
+"""Baseline corrections (docs/metrics.md#baselines): values worked by hand from the stated formulas."""
 
 import math
 
@@ -7,7 +7,8 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.corrections import (
-    geometric_mean_ratio, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
+    dppo_kl_loss, geometric_mean_ratio, sequence_mask_weights, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
+    reference_kl,
     register_correction, sequence_is_geometric_weights, sequence_is_product_weights, tis_weights,
 )
 
@@ -112,6 +113,25 @@ def test_mis_drops_sequence_outside_band():
         mis_weights(old, samp, (batch.sample_index[:3], 2))
 
 
+def test_mis_band_bounds_sampler_over_learner_like_verl():
+    """Asymmetric band [0.7, 1.2] on π_sampler/π_old (verl's convention): sequence 0 has ratio e^−0.3 = 0.741 (kept);
+    the inverse convention would see e^0.3 = 1.35 and drop it.  Checked against verl's own rejection mask."""
+    batch, old, samp = _two_sequences()
+    w = mis_weights(old, samp, batch, high=1.2, low=0.7)
+    assert w.tolist() == [1.0] * 8
+    assert mis_weights(old, samp, batch, high=1.2, low=0.75).tolist() == [0.0] * 3 + [1.0] * 5
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    lengths = torch.bincount(batch.sample_index).tolist()
+    for low, high in ((0.7, 1.2), (0.75, 1.2), (0.5, 0.9)):
+        rows = torch.zeros(2, max(lengths)), torch.zeros(2, max(lengths), dtype=torch.bool)
+        for s, ratio in enumerate(torch.split(old - samp, lengths)):
+            rows[0][s, :len(ratio)], rows[1][s, :len(ratio)] = ratio, True
+        mask, _ = helper.compute_rollout_rejection_mask(rows[0], rows[1].float(), rollout_rs="seq_mean_k1",
+                                                        rollout_rs_threshold=f"{low}_{high}")
+        ours = mis_weights(old, samp, batch, high=high, low=low)
+        assert ours.tolist() == mask[rows[1]].tolist(), (low, high)
+
+
 def test_registry():
     names = list_corrections()
     for n in ("ppo_clip", "tis", "icepop", "mis", "seq_is_product", "seq_is_geometric"):
@@ -127,3 +147,54 @@ def test_registry():
         return torch.ones_like(old)
 
     assert get_correction("_test_identity") is ident and "_test_identity" in list_corrections()
+
+
+def test_dppo_kl_loss_by_hand():
+    """prime-rl's default per-token loss on four tokens worked out by hand (probabilities chosen so that the
+    trust-region test is on Δp = p − p_anchor: 0.3 > 0.2 masks A > 0, −0.3 < −0.2 masks A < 0 only)."""
+    p = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    anchor = torch.tensor([0.2, 0.25, 0.4, 0.4])
+    adv = torch.tensor([1.0, 2.0, -1.0, 1.0])
+    logp = p.log().requires_grad_()
+    loss, (masked, low, high) = dppo_kl_loss(logp, anchor.log(), adv, return_masks=True)
+    kl = lambda a, b: 1e-3 * math.log(a / b) ** 2  # noqa: E731
+    expected = [kl(0.5, 0.2), -2 * 1.2 + kl(0.3, 0.25), kl(0.1, 0.4), -0.25 + kl(0.1, 0.4)]
+    assert torch.allclose(loss, torch.tensor(expected), atol=1e-6)
+    assert masked.tolist() == [True, False, True, False]
+    assert low.tolist() == [False, False, True, False] and high.tolist() == [True, False, False, False]
+    loss.sum().backward()                      # d/dlogp of −A·r = −A·r (kept tokens) plus 2·kl_tau·log r
+    assert abs(float(logp.grad[1]) - (-2 * 1.2 + 2e-3 * math.log(1.2))) < 1e-6
+    with pytest.raises(ValueError, match="kl_tau"):
+        dppo_kl_loss(logp, anchor.log(), adv, kl_tau=-1.0)
+
+
+def test_reference_kl_by_hand():
+    """k1/k2/k3 at π = 0.5, π_ref = 0.25 (x = log 0.5); the score-function weight adds k·∇log π to the
+    gradient (k3: 0.1931 + 0.5); the input clamp at 20 and output clamp at 10 bound a huge gap."""
+    x = math.log(0.5)
+    logp = torch.tensor([math.log(0.5)], requires_grad=True)
+    ref = torch.tensor([math.log(0.25)])
+    for kind, value in (("k1", -x), ("k2", x * x / 2), ("k3", math.exp(x) - 1 - x)):
+        assert abs(float(reference_kl(logp, ref, kind).detach()) - value) < 1e-6
+    reference_kl(logp, ref, "k3").sum().backward()
+    assert abs(float(logp.grad) - (math.exp(x) - 1 - x + 0.5)) < 1e-6
+    logp.grad = None
+    reference_kl(logp, ref, "k3", score_function=False).sum().backward()
+    assert abs(float(logp.grad) - 0.5) < 1e-6
+    assert float(reference_kl(torch.tensor([0.0]), torch.tensor([-30.0]))) == 10.0
+    with pytest.raises(ValueError, match="kl_type"):
+        reference_kl(logp, ref, "k4")
+
+
+def test_trl_sequence_mask_keeps_the_product_ratio_inside_the_band():
+    """TRL's default vLLM correction: sequence 0 has Π r = e^0.9 = 2.46, sequence 1 e^0.0005; both within the
+    default (None, 3.0] and kept with their product ratio; a cap of 2 masks sequence 0 to 0."""
+    batch, old, samp = _two_sequences()
+    w = sequence_mask_weights(old, samp, batch)
+    assert w.tolist() == pytest.approx([math.exp(0.9)] * 3 + [math.exp(0.0005)] * 5, rel=1e-5)
+    w = sequence_mask_weights(old, samp, batch, high=2.0)
+    assert w.tolist() == pytest.approx([0.0] * 3 + [math.exp(0.0005)] * 5, rel=1e-5)
+    w = sequence_mask_weights(old, samp, batch, high=None, low=1.001)           # only the lower bound
+    assert w.tolist() == pytest.approx([math.exp(0.9)] * 3 + [0.0] * 5, rel=1e-5)
+    with pytest.raises(ValueError, match="low=3.0 must be <= high=2.0"):
+        sequence_mask_weights(old, samp, batch, high=2.0, low=3.0)

@@ -5,8 +5,9 @@ shard (rows ``rank::world``) of one global batch per step.  The parent process t
 single process on the concatenated batch:
 
 * every rank wrote its own shard (``tokens/step=S/rank=R``), no collisions, the union is the global batch;
-* the live global metrics (sums all-reduced, δ values and segment counts all-gathered) equal the
-  single-process metrics: allclose rel 1e-12 for the sums, exact for quantiles, δ_min and τ_tail;
+* the live global metrics (the fixed-size state all-reduced, never token values) equal the
+  single-process metrics: allclose rel 1e-12 for the sums, exact for quantiles, δ_min and τ_tail, and the
+  offline recomputation from the rank files equals them too;
 * the controller's ``global_token`` loss, its denominator, the Repair loss and the gradient of the
   global loss (rank-local gradients put side by side) equal the single-process values.
 """
@@ -150,6 +151,14 @@ def test_many_ranks_equal_single_process(world, tmp_path):
         assert (df["sample_id"].map(expect_rank) == df["rank"]).all()
         assert df["learner_logp"].to_numpy().tolist() == lp[mask][_order(ids, mask)].tolist()
     assert len(run.steps(rank=None)) == STEPS * world
+
+    # --- offline from the rank files: live = offline on every metric (live tau replay), and the
+    # post-mortem's one frozen tau_tail equals the live frozen value
+    from triage_monitor.analysis import compare_live, recompute
+    cmp = compare_live(run, recompute(run, tau_mode="live"), rtol=1e-12)
+    assert len(cmp) > 50 and cmp["equal"].all(), cmp[~cmp["equal"]]
+    frozen = recompute(run)
+    assert (frozen["tau_tail"] == results[0]["metrics"][STEPS - 1]["tau_tail"]).all()
 
     # --- controller: global_token loss, denominator, Repair and the gradient equal one process's
     loss, den, out, grad = controller_loss(*global_batch(0))

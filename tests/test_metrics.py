@@ -9,6 +9,7 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.metrics import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments,
                                     compute_step_metrics, quantiles)
+from triage_monitor.sketch import quantile_error_bound
 
 SAMPLER = -1.0
 
@@ -52,7 +53,8 @@ def test_magnitude_metrics_against_numpy(quadrant_batch):
     assert v["delta_abs_mean"] == pytest.approx(np.abs(d).mean(), rel=1e-12)
     assert v["delta_min"] == pytest.approx(-3.0)
     for name, q in (("delta_q01", .01), ("delta_q05", .05), ("delta_q50", .5)):
-        assert v[name] == pytest.approx(np.quantile(d, q), rel=1e-12)
+        # quantiles come from the sketch: within its stated bound of numpy's exact value
+        assert abs(v[name] - np.quantile(d, q)) <= quantile_error_bound(np.sort(d), q)
     assert v["k3_kl"] == pytest.approx(np.mean(np.exp(d) - d - 1), rel=1e-12)
     assert v["chi2_token"] == pytest.approx(np.mean(np.exp(d) ** 2) - 1, rel=1e-12)
     # verl's sign: mean over responses of (mean sampler log-prob − mean learner log-prob) = −mean of per-response mean δ
@@ -203,8 +205,8 @@ def test_tracker_calibrates_tau_then_freezes_and_windows_trail():
             assert w.values["rho_asym"] == pytest.approx(expect["rho_asym"], rel=1e-12)
     d0 = batches[0].delta.double().numpy()
     d01 = np.concatenate([d0, batches[1].delta.double().numpy()])
-    assert taus[0] == pytest.approx(np.quantile(d0, .05), rel=1e-12)      # provisional
-    assert taus[1] == pytest.approx(np.quantile(d01, .05), rel=1e-12)     # reference window complete
+    assert abs(taus[0] - np.quantile(d0, .05)) <= quantile_error_bound(np.sort(d0), .05)      # provisional
+    assert abs(taus[1] - np.quantile(d01, .05)) <= quantile_error_bound(np.sort(d01), .05)   # reference complete
     assert taus[2] == taus[3] == taus[1]                                   # frozen
     assert tr.tau_frozen
 
@@ -220,7 +222,7 @@ def test_repeated_step_replaces_its_calibration_data():
         twice.step(step, batch)
     assert twice.tau_tail == once.tau_tail and twice.tau_frozen and once.tau_frozen
     d01 = np.concatenate([b[0].delta.double().numpy(), b[1].delta.double().numpy()])
-    assert once.tau_tail == pytest.approx(np.quantile(d01, .05), rel=1e-12)
+    assert abs(once.tau_tail - np.quantile(d01, .05)) <= quantile_error_bound(np.sort(d01), .05)
 
 
 def test_n_samples_counts_responses_with_tokens():

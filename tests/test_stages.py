@@ -113,16 +113,25 @@ def test_stage_table_on_demo_run(demo_run_dir):
     assert list(t["stage"]) == ["25%", "50%", "75%", "100%"]
     assert list(t["step"]) == anchor_steps(run.step_numbers())
     window = run.manifest["window"]
+    from triage_monitor.analysis import recompute
+    frozen = recompute(run).set_index("step")                   # one tau_tail for every step
+    assert frozen["tau_tail"].nunique() == 1 and t["tau_frozen"].all()
+    prov = set(live.index[live["tau_tail_frozen"] == 0])
     for _, row in t.iterrows():
         a = row["step"]
         assert row["first_step"] == max(a - window + 1, 0) and row["steps"] == a - row["first_step"] + 1
-        for name in ("rho_asym", "rho_asym_lennorm", "r_amp", "h_seg", "dilution", "small_gap_share", "delta_q05"):
-            ref = live.at[a, f"window/{name}"]
-            assert (math.isnan(row[name]) and math.isnan(ref)) or row[name] == pytest.approx(ref, rel=1e-12)
-        # C_tok recomputed from the token files with each step's own tau equals the live window value
-        assert row["c_tok"] == pytest.approx(live.at[a, "window/c_tok"], rel=1e-12)
+        live_frozen = not any(a - window < p <= a for p in prov)
+        for name in ("rho_asym", "rho_asym_lennorm", "r_amp", "h_seg", "dilution", "small_gap_share", "delta_q05",
+                     "c_tok", "tau_tail"):
+            for ref_frame, must in ((frozen, True), (live, live_frozen or name not in ("r_amp", "h_seg", "dilution",
+                                                                                        "c_tok", "tau_tail"))):
+                ref = ref_frame.at[a, f"window/{name}"]
+                if must:
+                    assert (math.isnan(row[name]) and math.isnan(ref)) or row[name] == pytest.approx(ref, rel=1e-12)
         assert row["c_tok_null_lo"] <= row["c_tok_null_median"] <= row["c_tok_null_hi"]
         assert row["c_tok_excess"] == pytest.approx(row["c_tok"] - row["c_tok_null_median"])
+    # the first stage's window holds the live provisional steps: it reads the frozen tau_tail, not theirs
+    assert t["step"].iloc[0] - window < min(prov) and t["tau_tail"].iloc[0] == live["tau_tail"].iloc[-1]
     # user anchors and another window (recomputed)
     t2 = stage_table(run, anchors=[4, 20], window=3, draws=19)
     assert list(t2["stage"]) == ["step 4", "step 20"] and list(t2["first_step"]) == [2, 18]

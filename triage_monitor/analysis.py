@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -117,6 +118,13 @@ class Run:
         sort = [c for c in ("sample_id", "position") if c in df.columns]
         return df.sort_values(sort, kind="stable").reset_index(drop=True) if sort else df
 
+    def token_files(self, step: int) -> list:
+        """Paths (str) of the step's token files of its latest attempt, one per rank, by rank."""
+        files = _latest_attempt(_parts(self.path / "tokens").get(int(step), []))
+        if not files:
+            raise KeyError(f"step {step} has no token records in {self.path}")
+        return [str(f) for f in files]
+
     def token_batch(self, step: int):
         """The step's valid tokens as a :class:`~triage_monitor.batch.TokenBatch` (float32 values exactly as recorded)."""
         import torch
@@ -205,39 +213,336 @@ def load_steps(run_dir) -> pd.DataFrame:
     return open_run(run_dir).steps()
 
 
-def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[float] = None,
-              calibration_steps: Optional[int] = None, config=None,
-              steps: Optional[Sequence[int]] = None, progress: bool = False) -> pd.DataFrame:
-    """Recompute every per-step and trailing-window metric from the token files alone.
+#: Columns the metrics read from the token files.
+TOKEN_COLUMNS = ("sample_id", "position", "learner_logp", "sampler_logp", "advantage")
+#: Metrics that depend on τ_tail (docs/metrics.md#tau-tail): provisional on a live step with tau_tail_frozen = 0.
+TAU_DEPENDENT = ("r_amp", "h_seg", "c_tok", "p_adj", "dilution", "tau_tail")
+TAU_MODES = ("frozen", "live")
 
-    Defaults come from the run's manifest (window, τ_tail or its calibration,
-    thresholds), so the result equals the live metrics.  Override any of them
-    for a what-if analysis.  Streams one step at a time.
+
+def read_token_arrays(files: Sequence) -> list:
+    """Decode a step's token files (one per rank) into numpy columns: a list of
+    ``(sample_id int64, position int64, learner_logp float32, sampler_logp float32, advantage float32)``,
+    each ``(n,)`` in file order.  Nothing else (no pandas, no sort): the decode the offline metrics pay."""
+    out = []
+    for f in files:
+        t = pq.read_table(f, columns=list(TOKEN_COLUMNS))
+        out.append(tuple(t.column(c).to_numpy() for c in TOKEN_COLUMNS))
+    return out
+
+
+def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "") -> "np.ndarray":
+    """The :class:`~triage_monitor.metrics.MismatchStats` state vector of one step from its decoded rank files
+    (:func:`read_token_arrays`), with τ_tail ``tau_tail`` (nats, NaN: no localisation).
+
+    Each rank file is one batch, exactly as the live monitor updated it on that rank; the ranks merge by the
+    state's declared reductions.  Rows must be ordered by (sample_id, position) as the monitor writes them;
+    other orders are sorted first.
 
     Returns:
-        DataFrame with a ``step`` column, the step metrics (:data:`METRIC_NAMES`)
-        and ``window/<name>`` columns.
-    """
-    from .metrics import METRIC_NAMES, MetricTracker
+        ``(state_layout(W).size,)`` float64 numpy array.
 
+    Raises:
+        ValueError: a (sample_id, position) pair occurs twice in a file (named by ``path_hint``).
+    """
+    import numpy as np
+    import torch
+
+    from .metrics import MismatchStats
+
+    stats = MismatchStats(config)
+    for sid, pos, lp, sp, adv in parts:
+        if sid.size == 0:
+            continue
+        dsid, dpos = np.diff(sid), np.diff(pos)
+        if not bool(((dsid > 0) | ((dsid == 0) & (dpos > 0))).all()):
+            order = np.lexsort((pos, sid))
+            sid, pos, lp, sp, adv = sid[order], pos[order], lp[order], sp[order], adv[order]
+            dsid, dpos = np.diff(sid), np.diff(pos)
+            if bool(((dsid == 0) & (dpos == 0)).any()):
+                raise ValueError(f"{path_hint}: a (sample_id, position) pair occurs twice in the token records")
+        new = np.empty(sid.size, dtype=np.int64)
+        new[0] = 0
+        np.not_equal(sid[1:], sid[:-1], out=new[1:])
+        sample_index = np.cumsum(new)
+        with warnings.catch_warnings():      # pyarrow's arrays are read-only; the tensors are only read
+            warnings.simplefilter("ignore", UserWarning)
+            f32 = (lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
+            delta = f32(lp) - f32(sp)
+            stats.update_flat(delta, f32(adv), torch.from_numpy(sample_index), torch.from_numpy(pos.astype(np.int64)),
+                              int(sample_index[-1]) + 1, tau_tail)
+    return stats.state.numpy()
+
+
+def step_state(files: Sequence, tau_tail: float, config) -> "np.ndarray":
+    """:func:`state_of_arrays` of the step's token ``files`` (decode + metric state: the map of
+    :func:`recompute`, run by any engine of :mod:`triage_monitor.engines`)."""
+    return state_of_arrays(read_token_arrays(files), tau_tail, config, str(files[0]) if files else "")
+
+
+def _prefetch(files, tau_tail, config):
+    return read_token_arrays(files), tau_tail, config, str(files[0]) if files else ""
+
+
+class StepStates:
+    """Per-step metric states of a run (one fixed-size vector per step, docs/metrics.md#state) and the
+    τ_tail each was computed with: every per-step and trailing-window metric derives from them.
+
+    Attributes:
+        steps: sorted step numbers.
+        states: ``(len(steps), state size)`` float64.
+        taus: τ_tail of each step (nats).
+        config: the :class:`~triage_monitor.metrics.MetricConfig`.
+        window: the trailing window in steps.
+        tau_mode: "frozen" (one τ_tail for the run) or "live" (the live provisional values replayed).
+    """
+
+    def __init__(self, steps, states, taus, config, window: int, tau_mode: str):
+        self.steps, self.states, self.taus = list(steps), states, list(taus)
+        self.config, self.window, self.tau_mode = config, int(window), tau_mode
+        self._index = {s: i for i, s in enumerate(self.steps)}
+
+    def stats(self, step: int):
+        """The :class:`~triage_monitor.metrics.MismatchStats` of one step."""
+        import torch
+
+        from .metrics import MismatchStats
+
+        i = self._index[int(step)]
+        return MismatchStats(self.config, state=torch.from_numpy(self.states[i].copy()), tau_tail=self.taus[i])
+
+    def window_stats(self, step: int, window: Optional[int] = None):
+        """The merge of the steps ``s`` with ``step - window < s <= step`` (in step order), as live."""
+        import torch
+
+        from .metrics import MismatchStats, state_layout
+
+        w = self.window if window is None else int(window)
+        idx = [i for i, s in enumerate(self.steps) if step - w < s <= step]
+        layout = state_layout(self.config.segment_width)
+        state = layout.reduce([torch.from_numpy(self.states[i]) for i in idx])
+        return MismatchStats(self.config, state=state, tau_tail=self.taus[idx[-1]] if idx else math.nan)
+
+    def frame(self, window: Optional[int] = None) -> pd.DataFrame:
+        """Step and ``window/<name>`` metrics of every step (the table :func:`recompute` returns)."""
+        from .metrics import METRIC_NAMES
+
+        rows = []
+        for s in self.steps:
+            row = {"step": s, **self.stats(s).compute().values}
+            row.update({f"window/{k}": v for k, v in self.window_stats(s, window).compute().values.items()})
+            rows.append(row)
+        df = pd.DataFrame(rows, columns=["step", *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)])
+        df.attrs.update(tau_mode=self.tau_mode, window=self.window if window is None else int(window))
+        return df
+
+
+def _calibration_taus(parts: list, steps: list, q: float, mode: str, n_calib: int) -> dict:
+    """τ_tail of each of ``steps`` from the calibration parts of the run's first steps (``parts``, in order)."""
+    from .metrics import tau_from_calibration
+
+    frozen = tau_from_calibration(parts, q) if parts else math.nan
+    if mode == "frozen":
+        return {s: frozen for s in steps}
+    out = {}
+    for i, s in enumerate(steps):
+        out[s] = tau_from_calibration(parts[:i + 1], q) if i < len(parts) and i < n_calib else frozen
+    return out
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_steps: Optional[int] = None,
+                     config=None, steps: Optional[Sequence[int]] = None, window: Optional[int] = None,
+                     tau_mode: str = "frozen", engine: str = "local", workers: int = 1,
+                     address: Optional[str] = None, progress: bool = False, cache: bool = False) -> StepStates:
+    """Per-step metric states of a run from its token files (see :func:`recompute` for the arguments).
+
+    With ``cache``, the states are read from / saved to ``RUN_DIR/analysis/states-<key>.npz``, the key
+    covering the token files (names, sizes, modification times) and every setting that changes a state,
+    so ``analyze``, the stage table, the report and the dashboard share one computation; a read-only run
+    directory just skips the save.
+
+    τ_tail: explicit (argument, or the run's configured value) for every step; else calibrated from the
+    merged δ sketches of the run's first ``calibration_steps`` steps with tokens.  ``tau_mode="frozen"``
+    (the post-mortem) uses that one value for every step, the first ones included; ``"live"`` replays the
+    live monitor's provisional values on the reference steps.  The steps are mapped once with a candidate
+    τ_tail (the run's recorded calibration, or the live rows'), which is then checked against the sketches;
+    steps whose candidate was wrong are mapped again, so the result never depends on the candidate.
+    """
+    from .engines import map_ordered
+    from .metrics import MetricTracker, MismatchStats
+
+    if tau_mode not in TAU_MODES:
+        raise ValueError(f"tau_mode must be one of {TAU_MODES}, got {tau_mode!r}")
     mc = run.manifest.get("monitor_config", {})
-    tracker = MetricTracker(config or run.metric_config(),
-                            window if window is not None else mc.get("window", 25),
-                            tau_tail if tau_tail is not None else mc.get("tau_tail"),
-                            calibration_steps if calibration_steps is not None else mc.get("calibration_steps", 25))
-    todo = run.step_numbers() if steps is None else list(steps)
-    rows = []
-    it = run.iter_batches(todo)
-    if progress:
-        from rich.progress import track
-        it = track(it, total=len(todo), description="recomputing metrics", transient=True)
-    for step, batch in it:
-        s, w = tracker.step(step, batch)
-        row = {"step": step, **s.values}
-        row.update({f"window/{k}": v for k, v in w.values.items()})
-        rows.append(row)
-    cols = ["step", *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)]
-    return pd.DataFrame(rows, columns=cols)
+    cfg = config or run.metric_config()
+    win = int(window if window is not None else mc.get("window", 25))
+    explicit = tau_tail if tau_tail is not None else mc.get("tau_tail")
+    n_calib = int(calibration_steps if calibration_steps is not None else mc.get("calibration_steps", 25))
+    MetricTracker(cfg, win, explicit, n_calib)                       # validates window, τ_tail, calibration
+    parts_by_step = _parts(run.path / "tokens")
+    all_steps = sorted(parts_by_step)
+    files = {s: [str(f) for f in _latest_attempt(parts_by_step[s])] for s in all_steps}
+    todo = all_steps if steps is None else sorted({int(s) for s in steps})
+    missing = [s for s in todo if s not in files]
+    if missing:
+        raise KeyError(f"step(s) {missing[:5]} have no token records in {run.path}")
+    calib = all_steps[:n_calib]
+    kw = dict(engine=engine, workers=workers, address=address, progress=progress)
+    path = None
+    if cache:
+        path = run.path / "analysis" / f"states-{_cache_key(files, todo, cfg, explicit, n_calib, tau_mode)}.npz"
+        hit = _load_states(path, cfg, win, tau_mode)
+        if hit is not None:
+            return hit
+
+    def run_map(which, taus, what):
+        states = map_ordered(state_of_arrays, [(files[s], taus[s], cfg) for s in which], prefetch=_prefetch,
+                             description=what, **kw)
+        return dict(zip(which, states))
+
+    if explicit is not None:
+        taus = {s: float(explicit) for s in todo}
+        states = run_map(todo, taus, "recomputing metrics")
+    else:
+        need = sorted(set(todo) | set(calib))
+        cand = _candidate_taus(run, tau_mode, need, calib)
+        if cand is None:            # nothing recorded to start from: read the reference steps' δ first
+            pre = run_map(calib, {s: math.nan for s in calib}, "calibrating tau_tail")
+            cand = _calibration_taus([_part(pre[s], cfg) for s in calib], need, cfg.tail_quantile, tau_mode,
+                                     n_calib)
+        states = run_map(need, cand, "recomputing metrics")
+        taus = _calibration_taus([_part(states[s], cfg) for s in calib], need, cfg.tail_quantile, tau_mode,
+                                 n_calib)
+        redo = [s for s in need if not _same(taus[s], cand[s])]
+        if redo:
+            states.update(run_map(redo, taus, "recomputing with the calibrated tau_tail"))
+    import numpy as np
+
+    size = MismatchStats(cfg).state.numel()
+    mat = np.stack([states[s] for s in todo]) if todo else np.zeros((0, size))
+    out = StepStates(todo, mat, [taus[s] for s in todo], cfg, win, tau_mode)
+    if path is not None:
+        _save_states(path, out)
+    return out
+
+
+def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: str) -> str:
+    import hashlib
+    from dataclasses import asdict
+
+    from . import sketch
+
+    h = hashlib.sha256(json.dumps([asdict(cfg), explicit, n_calib, tau_mode, todo, sketch.SIZE]).encode())
+    for s in sorted(files):
+        for f in files[s]:
+            st = Path(f).stat()
+            h.update(f"{s}:{Path(f).relative_to(Path(f).parents[2])}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:20]
+
+
+def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepStates]:
+    import numpy as np
+
+    try:
+        with np.load(path) as z:
+            return StepStates(z["steps"].tolist(), z["states"], z["taus"].tolist(), cfg, window, tau_mode)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _save_states(path: Path, states: StepStates) -> None:
+    import numpy as np
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{path.name}")
+        with open(tmp, "wb") as fh:
+            np.savez_compressed(fh, steps=np.asarray(states.steps, dtype=np.int64), states=states.states,
+                                taus=np.asarray(states.taus, dtype=np.float64))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def _part(state, cfg):
+    import torch
+
+    from .metrics import MismatchStats, _calibration_part
+
+    return _calibration_part(MismatchStats(cfg, state=torch.from_numpy(state)))
+
+
+def _candidate_taus(run: Run, mode: str, steps: list, calib: list) -> Optional[dict]:
+    """A guess of each step's τ_tail from what the live monitor recorded (None: nothing usable)."""
+    live = run.steps()
+    if mode == "live":
+        if "tau_tail" not in live.columns:
+            return None
+        rec = dict(zip(live["step"].astype(int), live["tau_tail"].astype(float)))
+        return {s: rec.get(s, math.nan) for s in steps} if all(s in rec for s in calib) else None
+    tau = (run.manifest.get("calibration") or {}).get("tau_tail")
+    if tau is None and calib and "tau_tail" in live.columns:
+        # the live value at the last reference step pools the same steps as the frozen one (also when the
+        # run stopped before its reference window was complete)
+        at = live.loc[live["step"] == calib[-1], "tau_tail"]
+        tau = float(at.iloc[0]) if len(at) and not math.isnan(float(at.iloc[0])) else None
+    return None if tau is None else {s: float(tau) for s in steps}
+
+
+def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[float] = None,
+              calibration_steps: Optional[int] = None, config=None,
+              steps: Optional[Sequence[int]] = None, progress: bool = False, tau_mode: str = "frozen",
+              engine: str = "local", workers: int = 1, address: Optional[str] = None,
+              cache: bool = False) -> pd.DataFrame:
+    """Recompute every per-step and trailing-window metric from the token files alone.
+
+    Defaults come from the run's manifest (window, τ_tail or its calibration, thresholds); override any
+    of them for a what-if analysis.  Each step is one fixed-size state (:func:`recompute_states`); a
+    window is the merge of its steps' states, as live.
+
+    Args:
+        tau_mode: "frozen" (default, the post-mortem): one τ_tail for every step, the first
+            ``calibration_steps`` included; "live": the provisional τ_tail the live monitor used on the
+            reference steps, so every live value is reproduced (docs/metrics.md#tau-tail).
+        engine, workers, address: where the steps are mapped (:func:`triage_monitor.engines.map_ordered`):
+            this process, ``workers`` local processes, or a Ray cluster; the result is bit-identical.
+        progress: show a progress bar.
+        cache: reuse / save the per-step states under ``RUN_DIR/analysis`` (:func:`recompute_states`).
+
+    Returns:
+        DataFrame with a ``step`` column, the step metrics (:data:`METRIC_NAMES`) and ``window/<name>``
+        columns; ``df.attrs`` holds ``tau_mode`` and ``window``.
+
+    Raises:
+        KeyError: a requested step has no token records.  ValueError: bad window / τ_tail / mode.
+        ImportError: engine "ray" without Ray installed.
+    """
+    return recompute_states(run, tau_tail=tau_tail, calibration_steps=calibration_steps, config=config,
+                            steps=steps, window=window, tau_mode=tau_mode, engine=engine, workers=workers,
+                            address=address, progress=progress, cache=cache).frame()
+
+
+def postmortem_frame(run: Run, window: Optional[int] = None, live: Optional[pd.DataFrame] = None) -> tuple:
+    """The per-step metric frame a post-mortem shows, and the states behind it: ``(frame, states)``.
+
+    With token records: every metric and ``window/<name>`` from the run's cached per-step states with one
+    frozen τ_tail (:func:`recompute_states`), joined with the live-only columns (training extras,
+    integrity counters, ``tau_tail_frozen``).  Without token records: the live rows (``states`` None),
+    whose values before the live τ_tail froze are provisional.
+    """
+    live = run.steps() if live is None else live
+    if not run.step_numbers():
+        return live, None
+    states = recompute_states(run, cache=True)
+    rec = states.frame(window)
+    extra = live[["step", *[c for c in live.columns if c not in rec.columns]]] if "step" in live.columns else None
+    frame = rec.merge(extra, on="step", how="left") if extra is not None and len(extra.columns) > 1 else rec
+    frame.attrs.update(rec.attrs)
+    return frame, states
 
 
 def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
@@ -245,20 +550,37 @@ def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
     """Per metric, the largest relative difference between live and recomputed values.
 
     NaN in both counts as equal; ``live`` (from :meth:`Run.steps`) saves a second read of the step rows.
-    Returns a DataFrame (metric, max_rel_diff, equal).
+    When ``recomputed`` used one frozen τ_tail (``attrs["tau_mode"] == "frozen"``, :func:`recompute`'s
+    default), the τ-dependent metrics (:data:`TAU_DEPENDENT`) of the live steps computed with a
+    provisional τ_tail (``tau_tail_frozen == 0``), and the windows holding such a step, are not compared:
+    they are counted in ``provisional`` instead.
+
+    Returns a DataFrame (metric, max_rel_diff, equal, compared, provisional).
     """
     live = (run.steps() if live is None else live).set_index("step")
     rec = recomputed.set_index("step")
     common = rec.index.intersection(live.index)
+    provisional = pd.Series(False, index=common)
+    window_prov = pd.Series(False, index=common)
+    if recomputed.attrs.get("tau_mode", "frozen") == "frozen" and "tau_tail_frozen" in live.columns:
+        prov_steps = [int(s) for s in live.index[live["tau_tail_frozen"].astype(float) == 0]]
+        w = int(recomputed.attrs.get("window") or run.manifest.get("monitor_config", {}).get("window", 25))
+        provisional = pd.Series([s in set(prov_steps) for s in common], index=common)
+        window_prov = pd.Series([any(s - w < p <= s for p in prov_steps) for s in common], index=common)
     out = []
     for c in rec.columns:
         if c not in live.columns:
             continue
-        a = live.loc[common, c].astype(float)
-        b = rec.loc[common, c].astype(float)
+        skip = pd.Series(False, index=common)
+        if c.split("/")[-1] in TAU_DEPENDENT:
+            skip = window_prov if c.startswith("window/") else provisional
+        keep = common[~skip.to_numpy()]
+        a = live.loc[keep, c].astype(float)
+        b = rec.loc[keep, c].astype(float)
         both_nan = a.isna() & b.isna()
         diff = ((a - b).abs() / b.abs().clip(lower=1e-300)).where(~both_nan, 0.0)
         mismatch_nan = a.isna() ^ b.isna()
         m = math.inf if bool(mismatch_nan.any()) else float(diff.max()) if len(diff) else 0.0
-        out.append({"metric": c, "max_rel_diff": m, "equal": m <= rtol})
+        out.append({"metric": c, "max_rel_diff": m, "equal": m <= rtol, "compared": len(keep),
+                    "provisional": int(skip.sum())})
     return pd.DataFrame(out)

@@ -1,6 +1,6 @@
 """TokenBatch: one step's valid tokens in the canonical flat layout.
 
-Every framework lays its per-token tensors out differently (SPEC.md §7):
+Every framework lays its per-token tensors out differently (docs/hooks.md):
 padded ``(B, T)`` with a loss mask, packed 1-D with ``cu_seqlens``, or a list
 of 1-D per-sample tensors.  :class:`TokenBatch` turns each of them into one
 flat layout that metrics, records and the controller share:
@@ -9,14 +9,14 @@ flat layout that metrics, records and the controller share:
 * ``S`` responses (samples), ordered by ``sample_id``;
 * per token: ``learner_logp``, ``sampler_logp``, ``advantage`` (float, nats
   for the log-probs), ``sample_index`` (int64 in ``[0, S)``) and ``position``
-  (zero-based index inside the response *before* masking, SPEC.md §2);
+  (zero-based index inside the response *before* masking, docs/metrics.md#terms);
 * per sample: ``sample_id``, ``group_id`` (int64) and ``num_valid`` (n_i).
 
 The batch remembers where each flat token came from, so per-token results
 (Gate weights, ...) can be scattered back to the caller's layout with
 :meth:`TokenBatch.scatter`.
 
-Validation follows SPEC.md §8: shapes, dtypes and devices are checked with
+Validation follows docs/reliability.md: shapes, dtypes and devices are checked with
 errors naming the argument and the shapes; invalid values (non-finite or
 positive log-probs, padding sentinels, non-finite advantages) either raise a
 :class:`InvalidTokenError` naming the field, the sample, the position and the
@@ -29,7 +29,9 @@ neutralised.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Optional, Sequence, Union
 
 import torch
@@ -56,7 +58,7 @@ INVALID_REASONS = (
 
 
 class InvalidTokenError(ValueError):
-    """A valid (masked-in) token carries an impossible value (SPEC.md §8).
+    """A valid (masked-in) token carries an impossible value (docs/reliability.md).
 
     Attributes: ``field`` (argument name), ``sample`` (caller's row / sample
     index; the ``sample_id`` for :meth:`TokenBatch.from_flat`), ``position`` (token position inside the response), ``value``
@@ -122,7 +124,7 @@ class TokenBatch:
 
     @property
     def delta(self) -> Tensor:
-        """``(N,)`` float32, detached: δ = learner_logp − sampler_logp (nats, SPEC.md §2)."""
+        """``(N,)`` float32, detached: δ = learner_logp − sampler_logp (nats, docs/metrics.md#terms)."""
         return self.learner_logp.detach().float() - self.sampler_logp.float()
 
     def detach(self) -> "TokenBatch":
@@ -189,6 +191,43 @@ class TokenBatch:
         return flat[self._source_index.to(values.device)]
 
     # ----------------------------------------------------------- constructors
+    @classmethod
+    def cat(cls, parts: Sequence["TokenBatch"]) -> "TokenBatch":
+        """One flat :class:`TokenBatch` holding the micro-batches ``parts`` of one step, in order.
+
+        Tokens, per-sample ``group_id`` / ``num_valid`` (responses without valid tokens included) and the
+        quarantine counts and rows are concatenated; sample ids are renumbered ``0 … S−1`` over the parts
+        (a running sample counter, so equal row indices of two micro-batches stay distinct responses).
+        ``group_id`` is taken as given: it must mean the same prompt in every part (e.g. a rollout-wide
+        prompt index), or be −1.  Built field by field rather than via ``from_flat``: the parts are
+        validated and in canonical order already, and ``from_flat`` would drop zero-token responses.
+        ``learner_logp`` is detached.
+
+        Raises:
+            ValueError: ``parts`` is empty.
+        """
+        if not parts:
+            raise ValueError("TokenBatch.cat: no batches to concatenate")
+        counts = [b.num_samples for b in parts]
+        offsets = [0, *accumulate(counts)][:-1]
+        cat = lambda name: torch.cat([getattr(b, name) for b in parts])  # noqa: E731
+        quarantine: Counter = Counter()
+        rows = []
+        for b, off in zip(parts, offsets):
+            quarantine.update(b.quarantine)
+            if b.quarantined is not None:             # caller's sample ids → merged ids (rank in the part + offset)
+                q = dict(b.quarantined)
+                q["sample_id"] = torch.searchsorted(b.sample_id.cpu(), q["sample_id"]) + int(off)
+                rows.append(q)
+        quarantined = {k: torch.cat([q[k] for q in rows]) for k in rows[0]} if rows else None
+        dev = parts[0].device
+        return cls(
+            learner_logp=torch.cat([b.learner_logp.detach() for b in parts]), sampler_logp=cat("sampler_logp"),
+            advantage=cat("advantage"), position=cat("position"),
+            sample_index=torch.cat([b.sample_index + int(off) for b, off in zip(parts, offsets)]),
+            sample_id=torch.arange(sum(counts), device=dev), group_id=cat("group_id"), num_valid=cat("num_valid"),
+            quarantine=dict(quarantine), quarantined=quarantined)
+
     @classmethod
     def from_padded(
         cls,
@@ -424,7 +463,7 @@ class TokenBatch:
             raise ValueError(f"positions must be >= 0 (index inside the response), got {int(pos[i])} "
                              f"for a valid token of sample {int(rows[i])}")
 
-        # --- value validation (SPEC.md §8): one fused check, reasons only when something is wrong ---
+        # --- value validation (docs/reliability.md): one fused check, reasons only when something is wrong ---
         ld = learner.detach()
         ok = ((ld <= POSITIVE_LOGP_TOLERANCE) & (ld > -SENTINEL_ABS_LOGP) & (sampler <= POSITIVE_LOGP_TOLERANCE)
               & (sampler > -SENTINEL_ABS_LOGP) & torch.isfinite(adv))

@@ -1,4 +1,4 @@
-"""``triage-monitor`` command line: demo | analyze | report | dashboard | alerts | import.
+"""``triage-monitor`` command line: demo | study | analyze | report | dashboard | alerts | import.
 
 Each sub-command's options live next to its implementation (an
 ``add_arguments(parser)`` / ``run_cli(args)`` pair); this module only wires
@@ -18,6 +18,7 @@ from pathlib import Path
 # (for demo and analyze: this module's <command>_add_arguments / <command>_run_cli)
 COMMANDS = (
     ("demo", "triage_monitor.cli", "run the built-in GRPO job (NVFP4 sampler vs learner) with monitoring"),
+    ("study", "triage_monitor.cli", "run the built-in job's arms (none/tis/triage/fp32 control) x seeds and compare"),
     ("analyze", "triage_monitor.cli", "recompute every metric of a run from its token Parquet files"),
     ("report", "triage_monitor.report", "write a self-contained HTML post-mortem of a run"),
     ("dashboard", "triage_monitor.dashboard", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
@@ -53,6 +54,54 @@ def demo_run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- study
+def study_add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``triage-monitor study``: arms, seeds, jobs, --quick, --out and every DemoConfig field
+    (defaulting to the study's job, :data:`triage_monitor.demo.study.STUDY_BASE`)."""
+    from .demo import add_arguments as demo_options
+    from .demo.study import ARMS, QUICK, STUDY_BASE
+
+    parser.add_argument("--out", default="runs/study", help="output directory (default: %(default)s)")
+    parser.add_argument("--arms", default=None,
+                        help=f"comma-separated arms out of {','.join(ARMS)} (default: all)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process each (default: 1)")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="run nothing: judge the run directories already in OUT/runs again and rewrite the report")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the short version (`make demo`): arms {','.join(QUICK['arms'])}, seed "
+                             f"{QUICK['seeds'][0]}, {QUICK['steps']} steps, unless given explicitly")
+    demo_options(parser)
+    parser.set_defaults(**{**STUDY_BASE, "steps": None})
+
+
+def study_run_cli(args: argparse.Namespace) -> int:
+    """Run the study into ``args.out``; exit 2 on a bad option."""
+    from .demo import config_from_args
+    from .demo.study import ARMS, QUICK, STUDY_BASE, rejudge, run_study
+
+    try:
+        quick = args.quick
+        arms = (args.arms or ",".join(QUICK["arms"] if quick else ARMS)).split(",")
+        arms = [a.strip() for a in arms if a.strip()]
+        try:
+            seeds = [int(s) for s in (args.seeds or ",".join(map(str, QUICK["seeds"] if quick else (0, 1, 2)))
+                                      ).split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+        if args.steps is None:
+            args.steps = QUICK["steps"] if quick else STUDY_BASE["steps"]
+        cfg = config_from_args(args)
+        if args.rejudge:
+            rejudge(cfg, args.out)
+            return 0
+        run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs)
+    except ValueError as exc:
+        print(f"triage-monitor study: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 # ---------------------------------------------------------------------------- analyze
 def analyze_add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``triage-monitor analyze``."""
@@ -62,6 +111,14 @@ def analyze_add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="where to save the full table (.csv or .parquet; default RUN_DIR/analysis/metrics.csv)")
     parser.add_argument("--rows", type=int, default=20, help="rows to print (the last ones); 0 prints all")
+    parser.add_argument("--tau-mode", choices=("frozen", "live"), default="frozen",
+                        help="frozen (default): one tau_tail for every step, the post-mortem; live: replay the "
+                             "provisional tau_tail the live monitor used on its reference steps")
+    parser.add_argument("--workers", type=int, default=1, help="local worker processes (default: 1, this one)")
+    parser.add_argument("--engine", choices=("local", "ray"), default="local",
+                        help="map the steps here (local) or on a Ray cluster (needs triage-monitor[ray])")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster address for --engine ray (default: RAY_ADDRESS, else a new local cluster)")
 
 
 def analyze_run_cli(args: argparse.Namespace) -> int:
@@ -83,8 +140,9 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
     from . import metrics  # noqa: F401  (imports torch now, so the throughput below times the recomputation only)
     t0 = time.perf_counter()
     try:
-        df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True)
-    except (OSError, ValueError) as exc:     # an unreadable token file (pyarrow.ArrowInvalid is a ValueError)
+        df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True, tau_mode=args.tau_mode, cache=True,
+                       workers=args.workers, engine=args.engine, address=args.address)
+    except (OSError, ValueError, ImportError) as exc:     # an unreadable token file (ArrowInvalid is a ValueError)
         console.print(f"[red]error:[/red] {exc}")
         return 2
     elapsed = time.perf_counter() - t0
@@ -113,6 +171,12 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
     if live is not None and not live.empty:
         cmp = compare_live(run, df, live=live)
         bad = cmp[~cmp["equal"]]
+        prov = int(cmp["provisional"].max()) if len(cmp) else 0
+        if prov:
+            console.print(f"{int(cmp.loc[cmp['metric'] == 'tau_tail', 'provisional'].sum())} live step(s) used a "
+                          "provisional tau_tail (tau_tail_frozen = 0) while it was calibrating; the recomputation "
+                          "uses the frozen value for every step, so their localisation metrics (and the windows "
+                          "holding them) are not compared (--tau-mode live replays the provisional values)")
         if bad.empty:
             console.print(f"[green]all {len(cmp)} metrics equal the live values[/green]")
         else:

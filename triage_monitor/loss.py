@@ -27,6 +27,10 @@ mode                       value (w = token weight, ℓ = per-token loss)      u
                                                                              Dr. GRPO with D = B · T_max
 =========================  ================================================  =====================================
 
+``response_denominator`` (``seq_mean_token_mean`` only) replaces each response's own Σ_{t∈s} w by a given
+per-response count: slime divides every sample by the loss-mask total of its whole rollout (``rollout_mask_sums``;
+one trajectory split into several samples shares it): Σ_s (Σ_{t∈s} w ℓ / n_s) / D with D = 1.
+
 ``denominator`` is the framework's own normaliser for the whole update (e.g. NeMo RL's
 ``global_valid_toks``, verl's global token count, a fixed ``B·T_max``); it is used as given and never
 reduced again.  Without it, the sums in D are those of this call, all-reduced over ``group`` when given.
@@ -49,11 +53,15 @@ import torch
 
 from .batch import TokenBatch
 from .controller import TriageController, TriageOutput, _global_ratio
-from .corrections import ppo_clip_loss
+from .corrections import dppo_kl_loss, ppo_clip_loss
 
 Tensor = torch.Tensor
 
 AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum")
+
+#: Per-token policy losses :func:`triage_policy_loss` can weight: PPO-clip (verl, TRL, OpenRLHF, SkyRL, NeMo RL)
+#: and DPPO-Binary-TV + squared-log-ratio KL (prime-rl's default), both from :mod:`triage_monitor.corrections`.
+SURROGATES = ("ppo_clip", "dppo_kl")
 
 #: ``TriageConfig.normalization`` → aggregation mode.
 NORMALIZATION_TO_AGG = {"global_token": "token_mean", "per_response": "seq_mean_token_mean"}
@@ -65,7 +73,8 @@ def _per_response(values: Tensor, batch: TokenBatch) -> Tensor:
 
 
 def agg_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch, mode: str = "token_mean", *,
-             denominator: Optional[Union[Tensor, float]] = None, group=None) -> Tensor:
+             denominator: Optional[Union[Tensor, float]] = None, group=None,
+             response_denominator: Optional[Tensor] = None) -> Tensor:
     """Aggregate a weighted per-token loss with one of the trainers' conventions, 0-dim float32.
 
     Args:
@@ -78,12 +87,15 @@ def agg_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch, m
             ``token_sum`` 1; summed over ``group`` when given.
         group: ``torch.distributed`` process group: the value is the global loss, the gradient flows
             through this rank's tokens only.
+        response_denominator: ``(S,)`` per-response divisors (``seq_mean_token_mean`` only) in place of
+            Σ_{t∈s} w; values below 1 count as 1 (slime's ``clamp_min(denom, 1)``).
 
     Returns:
         0-dim float32; 0 when the denominator is 0.
 
     Raises:
-        ValueError: unknown ``mode``, or ``per_token_loss`` / ``token_weights`` not ``(N,)``.
+        ValueError: unknown ``mode``, ``per_token_loss`` / ``token_weights`` not ``(N,)``, or
+            ``response_denominator`` not ``(S,)`` or given with another mode.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"agg_loss: mode must be one of {AGG_MODES}, got {mode!r}")
@@ -93,7 +105,15 @@ def agg_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch, m
             raise ValueError(f"agg_loss: {name} has shape {tuple(t.shape)}, expected ({n},) = the batch's valid tokens")
     w = token_weights.detach().float()
     wl = w * per_token_loss.float()
-    if mode == "seq_mean_token_mean":
+    if response_denominator is not None:
+        if mode != "seq_mean_token_mean":
+            raise ValueError(f"agg_loss: response_denominator needs mode 'seq_mean_token_mean', got {mode!r}")
+        if tuple(response_denominator.shape) != (batch.num_samples,):
+            raise ValueError(f"agg_loss: response_denominator has shape {tuple(response_denominator.shape)}, "
+                             f"expected ({batch.num_samples},) = one per response")
+        rd = response_denominator.detach().to(wl.device, torch.float32).clamp_min(1.0)
+        num = (_per_response(wl, batch) / rd).sum()
+    elif mode == "seq_mean_token_mean":
         num_s, den_s = _per_response(wl, batch), _per_response(w, batch)
         num = torch.where(den_s > 0, num_s / torch.where(den_s > 0, den_s, torch.ones_like(den_s)), num_s * 0.0).sum()
     else:
@@ -137,7 +157,7 @@ class TriageLoss:
     Attributes:
         loss: 0-dim float32, differentiable: aggregated weighted policy loss + Repair (docs/metrics.md#repair).
         policy_loss: 0-dim float32, the aggregated policy part alone.
-        per_token_loss: ``(N,)`` float32 PPO-clip surrogate before weighting.
+        per_token_loss: ``(N,)`` float32 PPO-clip surrogate (× ``token_scale`` when given) before weighting.
         token_weights: ``(N,)`` float32 weights the aggregation used (Gate × TIS, renormalised per response
             when a denominator was given).
         output: the controller's :class:`~triage_monitor.controller.TriageOutput` (weights, Repair, stats).
@@ -158,13 +178,18 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
                        old_logp: Optional[Tensor] = None, clip_low: float = 0.2, clip_high: float = 0.28,
                        dual_clip: Optional[float] = None, agg_mode: Optional[str] = None,
                        denominator: Optional[Union[Tensor, float]] = None, loss_scale: float = 1.0,
-                       repair_denominator: Optional[Union[Tensor, float]] = None, group=None) -> TriageLoss:
+                       token_scale: Optional[Tensor] = None,
+                       repair_denominator: Optional[Union[Tensor, float]] = None, group=None,
+                       response_denominator: Optional[Tensor] = None,
+                       surrogate: str = "ppo_clip", surrogate_kwargs: Optional[dict] = None) -> TriageLoss:
     """The TRIAGE loss of one (micro-)batch with the trainer's aggregation convention.
 
     ``out = controller(batch, step, old_logp)``; ``ℓ = ppo_clip_loss(learner_logp, old_logp, A, clip_low,
-    clip_high, dual_clip)``; ``loss = loss_scale · agg_loss(ℓ, w, batch, agg_mode, denominator) + out.repair_loss``
+    clip_high, dual_clip)`` (or, with ``surrogate="dppo_kl"``, ``dppo_kl_loss(learner_logp, old_logp, A,
+    **surrogate_kwargs)``); ``loss = loss_scale · agg_loss(ℓ, w, batch, agg_mode, denominator) + out.repair_loss``
     with ``w = out.token_weights`` (Gate × TIS), renormalised per response when ``denominator`` is given
-    (module docstring).  With Gate, TIS and Repair off the value equals the trainer's own PPO loss.
+    (module docstring), and ``ℓ`` multiplied by ``token_scale`` when given.  With Gate, TIS and Repair off the
+    value equals the trainer's own PPO loss.
 
     Args:
         controller: the :class:`TriageController` (config, calibration state).
@@ -176,23 +201,45 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
         agg_mode: one of :data:`AGG_MODES`; default from ``controller.config.normalization``.
         denominator: the framework's normaliser for the whole update (:func:`agg_loss`).
         loss_scale: multiplies the policy part (a framework convention such as verl's ``dp_size`` factor).
+        token_scale: ``(N,)`` per-token factors (detached) the framework multiplies its per-token loss by before
+            aggregating, outside the normaliser: masks and importance ratios of its own (e.g. TRL's
+            ``top_entropy_quantile`` mask, off-policy sequence mask, vLLM importance-sampling ratio).  Unlike the
+            weights they never enter a denominator (SkyRL's TIS ratio × masks, OpenRLHF's IS-correction
+            coefficient: a token they zero still counts in the trainer's denominator, as in its own loss).
         repair_denominator: the number of valid Repair segments of the whole update, for micro-batches
             (:meth:`TriageController.repair_segment_count`).
         group: process group for the global sums.
+        response_denominator: ``(S,)`` per-response divisors for ``seq_mean_token_mean`` (:func:`agg_loss`;
+            slime's ``rollout_mask_sums``); the weights are then renormalised per response, as with ``denominator``.
+        surrogate: the per-token policy loss, one of :data:`SURROGATES`; ``"dppo_kl"`` takes its anchor from
+            ``old_logp`` and its options (``mask_low``, ``mask_high``, ``adv_tau``, ``kl_tau``) from
+            ``surrogate_kwargs`` (the clip arguments are then unused).
 
     Raises:
-        ValueError: shapes (``old_logp`` not ``(N,)``), unknown ``agg_mode``.
+        ValueError: shapes (``old_logp`` or ``token_scale`` not ``(N,)``), unknown ``agg_mode`` or ``surrogate``.
     """
+    if token_scale is not None and tuple(token_scale.shape) != (batch.num_tokens,):
+        raise ValueError(f"triage_policy_loss: token_scale has shape {tuple(token_scale.shape)}, expected "
+                         f"({batch.num_tokens},) = the batch's valid tokens")
     mode = agg_mode or NORMALIZATION_TO_AGG[controller.config.normalization]
     if mode not in AGG_MODES:
         raise ValueError(f"triage_policy_loss: agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    if surrogate not in SURROGATES:
+        raise ValueError(f"triage_policy_loss: surrogate must be one of {SURROGATES}, got {surrogate!r}")
     old = batch.learner_logp.detach() if old_logp is None else old_logp.detach()
     out = controller(batch, step=step, old_logp=old, repair_denominator=repair_denominator)
-    ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
-    w = out.token_weights if denominator is None else renormalize_per_response(out.token_weights, batch)
-    pol = loss_scale * agg_loss(ptl, w, batch, mode, denominator=denominator, group=group)
+    if surrogate == "dppo_kl":
+        ptl = dppo_kl_loss(batch.learner_logp, old, batch.advantage, **(surrogate_kwargs or {}))
+    else:
+        ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
+    if token_scale is not None:
+        ptl = ptl * token_scale.detach().float()
+    fixed = denominator is not None or response_denominator is not None
+    w = renormalize_per_response(out.token_weights, batch) if fixed else out.token_weights
+    pol = loss_scale * agg_loss(ptl, w, batch, mode, denominator=denominator, group=group,
+                                response_denominator=response_denominator)
     return TriageLoss(loss=pol + out.repair_loss, policy_loss=pol, per_token_loss=ptl, token_weights=w,
                       output=out, batch=batch, agg_mode=mode)
 
 
-__all__ = ["AGG_MODES", "agg_loss", "renormalize_per_response", "TriageLoss", "triage_policy_loss"]
+__all__ = ["AGG_MODES", "SURROGATES", "agg_loss", "renormalize_per_response", "TriageLoss", "triage_policy_loss"]

@@ -5,11 +5,14 @@ Two layers, in the style of torchmetrics:
 * pure tensor functions over a :class:`~triage_monitor.batch.TokenBatch`
   (:func:`region_codes`, :func:`segment_tail_stats`, :func:`c_tok_from_segments`,
   :func:`quantiles`), shapes stated;
-* :class:`MismatchStats`, an accumulator that keeps *sums* (plus the δ values
-  for quantiles and one (tail, valid) pair per segment for C_tok) with
-  ``update`` / ``merge`` / ``compute`` / ``sync``.  A trailing window is the
-  merge of its steps' accumulators, so window metrics pool the raw sums of the
-  window instead of averaging per-step ratios (SPEC.md §3).
+* :class:`MismatchStats`, an accumulator whose state is one fixed-size float64
+  vector of declared fields, each merged by sum, min or max (:func:`state_layout`):
+  the additive sums, a δ quantile sketch (:mod:`triage_monitor.sketch`), the table
+  of segment counts by (valid, tail tokens) for an exact C_tok, and δ's min and
+  max.  ``update`` / ``merge`` / ``compute`` / ``sync`` derive from the
+  declarations; a trailing window is the merge of its steps' vectors, so window
+  metrics pool the raw sums of the window instead of averaging per-step ratios,
+  and a multi-rank sync is a fixed-size all-reduce (docs/metrics.md#state).
 
 All arithmetic on the accumulated quantities is float64; the inputs are the
 float32 values that the records store, so a recomputation from the Parquet
@@ -21,13 +24,16 @@ records the reason in ``MetricResult.nan_reasons``; nothing is ever inf.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
+from . import sketch
 from .batch import TokenBatch
 from .segments import segment_tokens
 
@@ -139,7 +145,7 @@ def quantiles(values: Tensor, qs: Sequence[float]) -> list:
 
 def segment_tail_stats(batch: TokenBatch, tau_tail: float, width: int, heavy_fraction: float,
                        dilution_threshold: float, delta: Optional[Tensor] = None) -> dict:
-    """Localisation quantities of one batch (SPEC.md §3.3), over responses with A < 0.
+    """Localisation quantities of one batch (docs/metrics.md#localisation), over responses with A < 0.
 
     A response's advantage is the mean advantage of its valid tokens (the GRPO
     per-response value when advantages are broadcast).  A token is an
@@ -154,35 +160,8 @@ def segment_tail_stats(batch: TokenBatch, tau_tail: float, width: int, heavy_fra
     ``responses_with_heavy`` and ``responses_diluted``.
     """
     delta = batch.delta if delta is None else delta         # (N,) float32; the caller may pass it precomputed
-    adv = batch.advantage.float()
-    S = batch.num_samples
-    dev = delta.device
-    nv = batch.num_valid.clamp(min=1).double()
-    resp_adv = torch.zeros(S, dtype=torch.float64, device=dev).index_add(0, batch.sample_index, adv.double()) / nv
-    neg = resp_adv[batch.sample_index] < 0                      # (N,) token belongs to an A<0 response
-    idx = torch.nonzero(neg).squeeze(1)
-    sub_sample = batch.sample_index[idx]
-    seg = segment_tokens(sub_sample, batch.position[idx], width)
-    tail = (adv[idx] < 0) & (delta[idx] < tau_tail)
-    seg_tail = seg.sum(tail.long())
-    heavy = seg_tail.double() > heavy_fraction * seg.count.double()
-    prev = seg.predecessor()
-    has_prev = prev >= 0
-    prev_heavy = torch.zeros_like(heavy)
-    prev_heavy[has_prev] = heavy[prev[has_prev]]
-    # dilution: A<0 responses holding at least one tail-heavy segment whose signed mean δ is small
-    resp_heavy = torch.zeros(S, dtype=torch.bool, device=dev)
-    resp_heavy[seg.sample[heavy]] = True
-    resp_mean = torch.zeros(S, dtype=torch.float64, device=dev).index_add(0, batch.sample_index, delta.double()) / nv
-    diluted = resp_heavy & (resp_mean.abs() < dilution_threshold)
-    return {
-        "seg_tail": seg_tail, "seg_valid": seg.count,
-        "neg_valid_tokens": float(idx.numel()), "tail_tokens": float(tail.sum()),
-        "segments": float(seg.num_segments), "heavy_segments": float(heavy.sum()),
-        "pairs": float(has_prev.sum()), "pairs_heavy": float((has_prev & heavy).sum()),
-        "pairs_prev_heavy": float(prev_heavy.sum()), "pairs_both_heavy": float((prev_heavy & heavy).sum()),
-        "responses_with_heavy": float(resp_heavy.sum()), "responses_diluted": float(diluted.sum()),
-    }
+    return _localisation(delta, batch.advantage.float(), batch.sample_index, batch.position, batch.num_samples,
+                         float(tau_tail), width, heavy_fraction, dilution_threshold)
 
 
 def c_tok_from_segments(seg_tail: Tensor, seg_valid: Tensor, top_fraction: float = 0.05) -> float:
@@ -209,99 +188,286 @@ def c_tok_from_segments(seg_tail: Tensor, seg_valid: Tensor, top_fraction: float
     return float(seg_tail[order[:top]].sum()) / total
 
 
+def c_tok_from_table(table: Tensor, width: int, top_fraction: float = 0.05) -> float:
+    """C_tok (docs/metrics.md#localisation) from segment counts by (valid tokens, tail tokens).
+
+    Exact: equals :func:`c_tok_from_segments` of the segments counted in ``table``.  Segments with the
+    same (valid, tail) cell have the same tail fraction and tail count, so ranking cells by tail
+    fraction (descending), ties by tail count (descending), ranks the segments exactly as
+    :func:`c_tok_from_segments` does; the top ``ceil(top_fraction · K)`` segments are taken from the
+    cells in that order (the last one partly).
+
+    Args:
+        table: ``((W+1)²,)`` float64 counts, cell ``valid · (W+1) + tail`` (integers stored as floats).
+        width: W, the segment width in tokens.
+
+    Returns:
+        float in [0, 1]; NaN when there is no tail token.
+    """
+    order, tails = _cell_order(int(width))
+    counts = table.detach().cpu().numpy()[order] if isinstance(table, Tensor) else np.asarray(table)[order]
+    K = float(counts.sum())
+    total = float((counts * tails).sum())
+    if K == 0 or total == 0:
+        return math.nan
+    top = math.ceil(top_fraction * K)
+    cum = np.cumsum(counts)
+    i = int(np.searchsorted(cum, top))                    # first cell whose cumulative count reaches top
+    taken = float((counts[:i] * tails[:i]).sum()) + (top - (float(cum[i - 1]) if i else 0.0)) * float(tails[i])
+    return taken / total
+
+
+@functools.lru_cache(maxsize=8)
+def _cell_order(width: int) -> tuple:
+    """Cells ``valid·(W+1) + tail`` (valid in 1..W, tail in 0..valid) by tail fraction then tail count,
+    both descending; and the tail count of each.  Equal fractions are equal floats (IEEE division is
+    correctly rounded), so the order is exact."""
+    valid, tail = np.meshgrid(np.arange(1, width + 1), np.arange(width + 1), indexing="ij")
+    ok = tail <= valid
+    valid, tail = valid[ok], tail[ok]
+    order = np.lexsort((-tail, -(tail / valid)))
+    return (valid[order] * (width + 1) + tail[order]), tail[order].astype(np.float64)
+
+
+# --------------------------------------------------------------------------- declared state
+@dataclass(frozen=True)
+class StateField:
+    """One declared piece of :class:`MismatchStats`' state: ``size`` float64 values reduced by
+    ``reduction`` ("sum", "min" or "max") when steps or ranks merge."""
+
+    name: str
+    size: int
+    reduction: str
+
+
+_IDENTITY = {"sum": 0.0, "min": math.inf, "max": -math.inf}
+
+
+class StateLayout:
+    """Where each :class:`StateField` sits in the flat float64 state vector, fields grouped by
+    reduction (sum, then min, then max) so that merging, syncing and windows are one vector
+    operation per reduction.  One layout per segment width (the C_tok table's size depends on it)."""
+
+    def __init__(self, fields: Sequence[StateField]):
+        order = {"sum": 0, "min": 1, "max": 2}
+        self.fields = tuple(sorted(fields, key=lambda f: order[f.reduction]))
+        self.slices, self.ranges, start = {}, {}, 0
+        for f in self.fields:
+            self.slices[f.name] = slice(start, start + f.size)
+            lo, _ = self.ranges.get(f.reduction, (start, start))
+            self.ranges[f.reduction] = (lo, start + f.size)
+            start += f.size
+        self.size = start
+        self._identity = torch.cat([torch.full((f.size,), _IDENTITY[f.reduction], dtype=torch.float64)
+                                    for f in self.fields])
+
+    def identity(self, device=None) -> Tensor:
+        """``(size,)`` float64 state of an empty accumulator (0 for sums, +inf for min, -inf for max)."""
+        return self._identity.to(device if device is not None else "cpu", copy=True)
+
+    def merge_into(self, out: Tensor, other: Tensor) -> Tensor:
+        """``out`` ⊕= ``other`` (in place) by each field's reduction; returns ``out``."""
+        for red, (a, b) in self.ranges.items():
+            if red == "sum":
+                out[a:b] += other[a:b]
+            elif red == "min":
+                torch.minimum(out[a:b], other[a:b], out=out[a:b])
+            else:
+                torch.maximum(out[a:b], other[a:b], out=out[a:b])
+        return out
+
+    def reduce(self, states: Sequence[Tensor]) -> Tensor:
+        """The merge of ``states`` in the given order (a trailing window), as a new tensor."""
+        out = self.identity(states[0].device if states else None)
+        for s in states:
+            self.merge_into(out, s)
+        return out
+
+    def all_reduce(self, state: Tensor, group=None) -> Tensor:
+        """All-reduce ``state`` in place across ``group``: one SUM all-reduce of the sum fields and one
+        MAX all-reduce of the (negated min, max) fields -- fixed sizes whatever the tokens."""
+        import torch.distributed as dist
+
+        if "sum" in self.ranges:
+            a, b = self.ranges["sum"]
+            buf = state[a:b].contiguous()
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            state[a:b] = buf
+        ext = [(red, rng) for red, rng in self.ranges.items() if red != "sum"]
+        if ext:
+            buf = torch.cat([-state[a:b] if red == "min" else state[a:b] for red, (a, b) in ext])
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+            i = 0
+            for red, (a, b) in ext:
+                state[a:b] = -buf[i:i + b - a] if red == "min" else buf[i:i + b - a]
+                i += b - a
+        return state
+
+
+@functools.lru_cache(maxsize=8)
+def state_layout(segment_width: int) -> StateLayout:
+    """The :class:`StateLayout` of :class:`MismatchStats` for segment width W (tokens)."""
+    return StateLayout((
+        StateField("sums", len(SUM_FIELDS), "sum"),                 # every additive metric input
+        StateField("delta_sketch", sketch.SIZE, "sum"),             # quantiles of δ (sketch.py)
+        StateField("c_tok_table", (segment_width + 1) ** 2, "sum"),  # segments by (valid, tail): exact C_tok
+        StateField("delta_min", 1, "min"),
+        StateField("delta_max", 1, "max"),
+    ))
+
+
 # --------------------------------------------------------------------------- accumulator
 class MismatchStats:
-    """Mergeable sums behind every metric of SPEC.md §3.1–3.3.
+    """Fixed-size, mergeable state behind every metric of docs/metrics.md, torchmetrics-style.
 
-    ``update(batch, tau_tail)`` adds one batch; ``merge(other)`` adds another
-    accumulator (a step from another rank, or the steps of a window);
-    ``compute()`` turns the sums into metrics; ``sync(group)`` all-reduces the
-    state across ``torch.distributed`` ranks.
+    The state is one float64 vector (:attr:`state`) laid out by :func:`state_layout`: the additive
+    sums of :data:`SUM_FIELDS`, the δ quantile sketch (:mod:`triage_monitor.sketch`), the table of
+    segment counts by (valid tokens, tail tokens) for C_tok, and δ's min and max.  Its size depends
+    only on the segment width (about 165 KB at W = 64), never on the tokens.
 
-    State: ``sums`` (``(len(SUM_FIELDS),)`` float64), ``delta_min``,
-    ``deltas`` (list of float32 δ tensors, for exact pooled quantiles),
-    ``seg_tail`` / ``seg_valid`` (int64 per segment, for C_tok) and ``tau_tail``
-    (the τ_tail the localisation quantities were computed with; a merge of
-    accumulators with different τ reports the last one).
+    ``update(batch, tau_tail)`` adds one batch; ``merge(other)`` adds another accumulator (a step of
+    another rank, or the steps of a window); ``compute()`` turns the state into metrics;
+    ``sync(group)`` all-reduces it across ``torch.distributed`` ranks.  ``tau_tail`` is the τ_tail
+    the localisation quantities were computed with (a merge of accumulators with different τ
+    reports the last one).
     """
 
-    def __init__(self, config: Optional[MetricConfig] = None, device: Optional[torch.device] = None):
+    def __init__(self, config: Optional[MetricConfig] = None, device: Optional[torch.device] = None,
+                 state: Optional[Tensor] = None, tau_tail: float = math.nan):
         self.config = config or MetricConfig()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.sums = torch.zeros(len(SUM_FIELDS), dtype=torch.float64, device=self.device)
-        self.delta_min = math.inf
-        self.deltas: list = []
-        self.seg_tail: list = []
-        self.seg_valid: list = []
-        self.tau_tail = math.nan
+        self.layout = state_layout(self.config.segment_width)
+        if state is not None:
+            if tuple(state.shape) != (self.layout.size,):
+                raise ValueError(f"MismatchStats state must have shape ({self.layout.size},) for segment width "
+                                 f"{self.config.segment_width}, got {tuple(state.shape)}")
+            self.state = state.to(torch.float64)
+            self.device = self.state.device
+        else:
+            self.device = torch.device(device) if device is not None else torch.device("cpu")
+            self.state = self.layout.identity(self.device)
+        self.tau_tail = float(tau_tail)
+
+    def part(self, name: str) -> Tensor:
+        """The view of one declared field of :attr:`state` (``sums``, ``delta_sketch``, ``c_tok_table``,
+        ``delta_min``, ``delta_max``)."""
+        return self.state[self.layout.slices[name]]
+
+    @property
+    def sums(self) -> Tensor:
+        """``(len(SUM_FIELDS),)`` float64 view of the additive sums."""
+        return self.part("sums")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state (what a multi-rank sync sends per rank and reduction pass)."""
+        return self.state.numel() * self.state.element_size()
 
     # ---------------------------------------------------------------- update
     def update(self, batch: TokenBatch, tau_tail: float = math.nan) -> "MismatchStats":
-        """Add one batch.  ``tau_tail`` (nats) is the amplifying-tail threshold
-        in force; with NaN the localisation metrics stay NaN.  One pass of
-        vectorised reductions; no host synchronisation except for the
-        localisation part and ``delta_min``."""
+        """Add one batch.  ``tau_tail`` (nats) is the amplifying-tail threshold in force; with NaN the
+        localisation part is left empty (those metrics stay NaN)."""
+        dev = self.device
+        return self.update_flat(batch.delta.to(dev), batch.advantage.to(dev), batch.sample_index.to(dev),
+                                batch.position.to(dev), batch.num_samples, tau_tail)
+
+    def update_flat(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Tensor,
+                    num_samples: int, tau_tail: float = math.nan) -> "MismatchStats":
+        """Add one batch given as flat tensors in :class:`TokenBatch` order (what :meth:`update` and the
+        offline recomputation both call, so they agree exactly).
+
+        Args:
+            delta: ``(N,)`` float32, δ = learner − sampler log-prob (nats).
+            advantage: ``(N,)`` float.
+            sample_index: ``(N,)`` int64 in ``[0, num_samples)``, ascending.
+            position: ``(N,)`` int64, unique and ascending within each sample.
+            num_samples: S.
+            tau_tail: τ_tail (nats) or NaN (no localisation).
+        """
+        prepared = self.add_magnitude(delta, advantage, sample_index, num_samples)
+        if not math.isnan(tau_tail):
+            self.add_localisation(delta, advantage, sample_index, position, num_samples, tau_tail, prepared)
+        self.tau_tail = float(tau_tail)
+        return self
+
+    def add_magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, num_samples: int) -> dict:
+        """The τ-independent part of :meth:`update_flat` (magnitude, direction, sketch, min/max).
+
+        Returns the per-response intermediates that :meth:`add_localisation` reuses (``prepared``)."""
+        chunks = _chunks(sample_index, int(num_samples), delta.device)
+        prepared = []
+        for a, b, s0, s1 in chunks:
+            prepared.append(self._magnitude(delta[a:b], advantage[a:b], sample_index[a:b] - s0, s1 - s0))
+        self.part("delta_sketch").add_(sketch.sketch_counts(delta))
+        if delta.numel():
+            mn, mx = torch.aminmax(delta)
+            torch.minimum(self.part("delta_min"), mn.double().reshape(1), out=self.part("delta_min"))
+            torch.maximum(self.part("delta_max"), mx.double().reshape(1), out=self.part("delta_max"))
+        return {"chunks": chunks, "per_chunk": prepared}
+
+    def _magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, S: int) -> dict:
         cfg = self.config
         dev = self.device
-        delta = batch.delta.to(dev)
-        adv = batch.advantage.to(dev).float()
-        d64, abs_a = delta.double(), adv.double().abs()
+        d64 = delta.double()
+        abs_a = advantage.double().abs()
+        abs_d = d64.abs()
         r = d64.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         exp_r = torch.exp(r)
-        sample_index = batch.sample_index.to(dev)
-        nv = batch.num_valid.to(dev)
-        S = batch.num_samples
-        per_resp = torch.zeros(S, dtype=torch.float64, device=dev).index_add(0, sample_index, d64)
+        nv = torch.bincount(sample_index, minlength=S)
+        per_resp = torch.bincount(sample_index, weights=d64, minlength=S)      # Σδ per response
         nonempty = nv > 0
-        # region code per token: 0 amp_neg, 1 amp_pos, 2 con_neg, 3 con_pos, 4 none (SPEC §2 quadrants)
-        code = region_codes(delta, adv)
-        mass = torch.bincount(code, weights=abs_a, minlength=5)[:4]
-        count = torch.bincount(code, minlength=5)[:4].double()
+        # quadrant key 3·sign(A) + sign(δ) + 4: 0 amp_neg, 8 amp_pos, 2 con_neg, 6 con_pos (A or δ = 0: none)
+        key = torch.sign(advantage).mul_(3).add_(torch.sign(delta)).add_(4).long()
+        # |A| mass per (response, quadrant key): the region masses, their length-normalised form and each
+        # response's signed advantage sum (keys 0-2: A < 0, 6-8: A > 0) all come from this one table
+        table = torch.bincount(sample_index * 9 + key, weights=abs_a, minlength=9 * S).view(S, 9)
+        quad = [0, 8, 2, 6]                                                    # order of REGIONS
+        mass = table.sum(0)[quad]
+        count = torch.bincount(key, minlength=9)[quad].double()
         inv_len = 1.0 / nv.clamp(min=1).double()
-        lennorm = torch.bincount(code, weights=abs_a * inv_len[sample_index], minlength=5)[:2]
-        parts = {
-            "n_tokens": torch.tensor(float(delta.numel()), dtype=torch.float64, device=dev),
-            "n_samples": torch.tensor(float(S), dtype=torch.float64, device=dev),
-            "n_samples_nonempty": nonempty.sum().double(),
-            "small_gap_count": (d64.abs() < cfg.small_gap_threshold).sum().double(),
-            "delta_sum": d64.sum(), "delta_abs_sum": d64.abs().sum(),
-            "k3_sum": (exp_r - r - 1).sum(), "exp_r_sq_sum": (exp_r * exp_r).sum(),
+        lennorm = (table[:, [0, 8]] * inv_len[:, None]).sum(0)
+        resp_adv = table[:, 6:].sum(1) - table[:, :3].sum(1)                  # Σ A per response
+        f64 = (lambda x: torch.as_tensor(x, dtype=torch.float64, device=dev))
+        parts = [
+            f64(float(delta.numel())), f64(float(S)), nonempty.sum().double(),
+            (abs_d < cfg.small_gap_threshold).sum().double(), d64.sum(), abs_d.sum(),
+            (exp_r - r - 1).sum(), (exp_r * exp_r).sum(),
             # verl's rollout_corr sign: mean log-prob (sampler) − mean log-prob (learner), per response
-            "log_ppl_diff_sum": -(per_resp[nonempty] / nv[nonempty].double()).sum(),
-            "abs_adv_sum": abs_a.sum(),
-        }
-        for i, name in enumerate(REGIONS):
-            parts[f"mass_{name}"] = mass[i]
-            parts[f"count_{name}"] = count[i]
-        parts["lennorm_amp_neg"], parts["lennorm_amp_pos"] = lennorm[0], lennorm[1]
-        if not math.isnan(tau_tail):
-            loc = segment_tail_stats(batch.to(dev).detach(), tau_tail, cfg.segment_width,
-                                     cfg.heavy_fraction, cfg.dilution_threshold, delta=delta)
-            self.seg_tail.append(loc.pop("seg_tail"))
-            self.seg_valid.append(loc.pop("seg_valid"))
-            parts.update({k: torch.tensor(v, dtype=torch.float64, device=dev) for k, v in loc.items()})
-        zero = torch.zeros((), dtype=torch.float64, device=dev)
-        self.sums += torch.stack([parts.get(k, zero).to(torch.float64) for k in SUM_FIELDS])
-        self.tau_tail = float(tau_tail)
-        if delta.numel():
-            self.delta_min = min(self.delta_min, float(delta.min()))
-        self.deltas.append(delta)
-        return self
+            -(per_resp[nonempty] / nv[nonempty].double()).sum(), abs_a.sum(),
+            mass, count, lennorm,
+        ]
+        vec = torch.cat([p.reshape(-1) for p in parts])
+        self.state[:vec.numel()] += vec                      # SUM_FIELDS starts with these, in this order
+        return {"nv": nv, "per_resp_delta": per_resp, "per_resp_adv": resp_adv}
+
+    def add_localisation(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Tensor,
+                         num_samples: int, tau_tail: float, prepared: Optional[dict] = None) -> None:
+        """The τ_tail-dependent part of :meth:`update_flat`: segment sums and the C_tok table
+        (``prepared``: what :meth:`add_magnitude` returned for the same batch, to skip recomputing it)."""
+        cfg = self.config
+        W = cfg.segment_width
+        if prepared is None:
+            prepared = {"chunks": _chunks(sample_index, int(num_samples), delta.device)}
+        per_chunk = prepared.get("per_chunk") or [None] * len(prepared["chunks"])
+        cells, sums = [], torch.zeros(len(_LOC_FIELDS), dtype=torch.float64)
+        for (a, b, s0, s1), prep in zip(prepared["chunks"], per_chunk):
+            loc = _localisation(delta[a:b], advantage[a:b], sample_index[a:b] - s0, position[a:b], s1 - s0,
+                                float(tau_tail), W, cfg.heavy_fraction, cfg.dilution_threshold, prep)
+            cells.append(loc.pop("seg_valid") * (W + 1) + loc.pop("seg_tail"))
+            sums += torch.tensor([loc[k] for k in _LOC_FIELDS], dtype=torch.float64)
+        if cells:
+            self.part("c_tok_table").add_(torch.bincount(torch.cat(cells), minlength=(W + 1) ** 2).double())
+        self.state[_LOC_START:_LOC_START + len(_LOC_FIELDS)] += sums.to(self.device)
 
     def merge(self, other: "MismatchStats") -> "MismatchStats":
         """Add ``other``'s state into this one (in place; returns self)."""
-        self.sums += other.sums.to(self.device)
-        self.delta_min = min(self.delta_min, other.delta_min)
-        self.deltas.extend(d.to(self.device) for d in other.deltas)
-        self.seg_tail.extend(t.to(self.device) for t in other.seg_tail)
-        self.seg_valid.extend(t.to(self.device) for t in other.seg_valid)
+        self.layout.merge_into(self.state, other.state.to(self.device))
         if not math.isnan(other.tau_tail):
             self.tau_tail = other.tau_tail
         return self
 
     @classmethod
     def merged(cls, parts: Iterable["MismatchStats"], config: Optional[MetricConfig] = None) -> "MismatchStats":
-        """A new accumulator holding the merge of ``parts`` (e.g. a trailing window)."""
+        """A new accumulator holding the merge of ``parts`` in order (e.g. a trailing window)."""
         parts = list(parts)
         out = cls(config or (parts[0].config if parts else None), parts[0].device if parts else None)
         for p in parts:
@@ -309,33 +475,22 @@ class MismatchStats:
         return out
 
     def sync(self, group=None) -> "MismatchStats":
-        """All-reduce the state across the ranks of ``group`` (torch.distributed).
-
-        Sums are reduced with SUM, ``delta_min`` with MIN, and the δ values and
-        per-segment counts are all-gathered (exact: the merged quantiles and
-        C_tok equal those of the concatenated batch).  A no-op when
-        torch.distributed is not initialised.
-        """
+        """All-reduce the state across the ranks of ``group`` (torch.distributed): one SUM all-reduce
+        of the fixed-size sum fields and one MAX all-reduce of δ's (−min, max).  Exact: the result equals
+        the state of the concatenated batches.  A no-op when torch.distributed is not initialised."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return self
-        dist.all_reduce(self.sums, op=dist.ReduceOp.SUM, group=group)
-        m = torch.tensor([self.delta_min], dtype=torch.float64, device=self.sums.device)
-        dist.all_reduce(m, op=dist.ReduceOp.MIN, group=group)
-        self.delta_min = float(m)
-        self.deltas = _all_gather_varlen(self._cat(self.deltas, torch.float32), group)
-        self.seg_tail = _all_gather_varlen(self._cat(self.seg_tail), group)
-        self.seg_valid = _all_gather_varlen(self._cat(self.seg_valid), group)
+        if dist.is_available() and dist.is_initialized():
+            self.layout.all_reduce(self.state, group)
         return self
-
-    def _cat(self, parts: list, dtype=torch.long) -> Tensor:
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
 
     # ---------------------------------------------------------------- compute
     def compute(self) -> MetricResult:
-        """Turn the accumulated sums into the metrics of SPEC.md §3.1–3.3 (names in :data:`METRIC_NAMES`)."""
-        s = dict(zip(SUM_FIELDS, self.sums.tolist()))
+        """Turn the state into the metrics of docs/metrics.md (names in :data:`METRIC_NAMES`)."""
+        host = self.state.detach().cpu()
+        s = dict(zip(SUM_FIELDS, host[self.layout.slices["sums"]].tolist()))
+        dmin = float(host[self.layout.slices["delta_min"]][0])
+        dmax = float(host[self.layout.slices["delta_max"]][0])
         v: dict = {}
         why: dict = {}
 
@@ -353,12 +508,13 @@ class MismatchStats:
         ratio("small_gap_share", s["small_gap_count"], n, "no valid tokens")
         ratio("delta_mean", s["delta_sum"], n, "no valid tokens")
         ratio("delta_abs_mean", s["delta_abs_sum"], n, "no valid tokens")
-        qs = quantiles(self._cat(self.deltas, torch.float32), list(DELTA_QUANTILES.values()))
+        qs = sketch.sketch_quantiles(host[self.layout.slices["delta_sketch"]], list(DELTA_QUANTILES.values()),
+                                     dmin, dmax)
         for name, q in zip(DELTA_QUANTILES, qs):
             v[name] = q
             if math.isnan(q):
                 why[name] = "no valid tokens"
-        v["delta_min"] = self.delta_min if n else math.nan
+        v["delta_min"] = dmin if n else math.nan
         if not n:
             why["delta_min"] = "no valid tokens"
         ratio("k3_kl", s["k3_sum"], n, "no valid tokens")
@@ -381,8 +537,8 @@ class MismatchStats:
         else:
             ratio("r_amp", s["tail_tokens"], s["neg_valid_tokens"], "no valid token in an A<0 response")
             ratio("h_seg", s["heavy_segments"], s["segments"], "no segment in an A<0 response")
-            v["c_tok"] = c_tok_from_segments(self._cat(self.seg_tail), self._cat(self.seg_valid),
-                                             self.config.top_fraction)
+            v["c_tok"] = c_tok_from_table(host[self.layout.slices["c_tok_table"]], self.config.segment_width,
+                                          self.config.top_fraction)
             if math.isnan(v["c_tok"]):
                 why["c_tok"] = "no amplifying-tail token"
             if s["pairs_prev_heavy"] == 0 or s["pairs"] == 0 or s["pairs_heavy"] == 0:
@@ -400,23 +556,57 @@ class MismatchStats:
         return MetricResult({k: v[k] for k in METRIC_NAMES}, why)
 
 
+_LOC_FIELDS = ("neg_valid_tokens", "tail_tokens", "segments", "heavy_segments", "pairs", "pairs_heavy",
+               "pairs_prev_heavy", "pairs_both_heavy", "responses_with_heavy", "responses_diluted")
+_LOC_START = SUM_FIELDS.index(_LOC_FIELDS[0])
+assert SUM_FIELDS[_LOC_START:_LOC_START + len(_LOC_FIELDS)] == _LOC_FIELDS
+
+
+# --------------------------------------------------------------------------- calibration state
+def _calibration_part(stats: MismatchStats) -> Tensor:
+    """``(sketch.SIZE + 2,)`` float64: the step's δ sketch, min and max (what τ_tail is calibrated from)."""
+    return torch.cat([stats.part("delta_sketch"), stats.part("delta_min"), stats.part("delta_max")]).clone()
+
+
+def _sync_calibration(part: Tensor, group=None) -> Tensor:
+    """All-reduce a calibration part: SUM of the sketch, MIN of min, MAX of max (fixed size)."""
+    import torch.distributed as dist
+
+    k = sketch.SIZE
+    counts = part[:k].contiguous()
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    ext = torch.stack([-part[k], part[k + 1]])
+    dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
+    return torch.cat([counts, -ext[:1], ext[1:]])
+
+
+def tau_from_calibration(parts: Sequence[Tensor], q: float) -> float:
+    """τ_tail (nats): the ``q`` quantile of the merged calibration parts (sketch, min, max), read from the
+    sketch (docs/metrics.md#quantile-sketch); NaN when they hold no token."""
+    k = sketch.SIZE
+    counts = parts[0][:k].detach().cpu().clone()
+    lo, hi = float(parts[0][k]), float(parts[0][k + 1])
+    for p in parts[1:]:
+        counts += p[:k].detach().cpu()
+        lo, hi = min(lo, float(p[k])), max(hi, float(p[k + 1]))
+    return sketch.sketch_quantiles(counts, [q], lo, hi)[0]
+
+
 # --------------------------------------------------------------------------- streaming tracker
 class MetricTracker:
     """Per-step and trailing-window metrics over a stream of steps, with τ_tail calibration.
 
-    τ_tail (SPEC.md §3.3) is ``tau_tail`` when given; otherwise the
-    ``config.tail_quantile`` quantile of δ pooled over every valid token of the
-    first ``calibration_steps`` steps.  While the reference window is still
-    filling, the steps use the provisional value computed from the steps seen
-    so far (current step included); it is frozen when the first step after
-    the reference window arrives (steps counted as distinct step numbers with
-    at least one valid token; a repeated step replaces its earlier δ values).
+    τ_tail (docs/metrics.md#tau-tail) is ``tau_tail`` when given; otherwise the
+    ``config.tail_quantile`` quantile of δ pooled over every valid token of the first
+    ``calibration_steps`` steps, read from the merged δ sketches of those steps.  While the reference
+    window is still filling, the steps use the provisional value computed from the steps seen so far
+    (current step included; ``tau_frozen`` False); it is frozen when the first step after the
+    reference window arrives (steps counted as distinct step numbers with at least one valid token; a
+    repeated step replaces its earlier sketch).
 
-    ``observe(stats)`` takes a step's accumulator *before* its localisation
-    part is filled (see :meth:`step`), which is why the tracker, not the
-    caller, calls :meth:`MismatchStats.update`.
-
-    Live monitoring and offline recomputation both drive this class, so they agree exactly.
+    State: one fixed-size :class:`MismatchStats` vector per step of the trailing window; a window is
+    the merge of its steps' vectors, so its cost does not depend on the tokens per step.  Live
+    monitoring and offline recomputation both drive this class (or its pieces), so they agree exactly.
     """
 
     def __init__(self, config: Optional[MetricConfig] = None, window: int = 25, tau_tail: Optional[float] = None,
@@ -432,83 +622,156 @@ class MetricTracker:
         self.tau_given = tau_tail is not None
         self.tau_tail = float(tau_tail) if tau_tail is not None else math.nan
         self.tau_frozen = self.tau_given
-        self._calib: list = []
+        self._calib: list = []          # calibration part (sketch, min, max) of each reference step
         self._calib_steps: list = []    # step number of each entry of _calib
         self._history: list = []        # [(step, MismatchStats)] of the trailing window
 
-    def _calibrate(self, step: int, delta: Tensor) -> None:
-        if self.tau_frozen or delta.numel() == 0:
+    def _calibrate(self, step: int, part: Tensor) -> None:
+        if self.tau_frozen or float(part[:sketch.SIZE].sum()) == 0:
             return          # a step without valid tokens (no token file either) is no reference step
+        part = part.detach().cpu()
         if self._calib_steps and self._calib_steps[-1] == step:
-            self._calib[-1] = delta.detach().float().cpu()      # a repeated step replaces the earlier one
+            self._calib[-1] = part                               # a repeated step replaces the earlier one
         elif len(self._calib) >= self.calibration_steps:
             self.tau_frozen = True                               # first step after the reference window
             self._calib, self._calib_steps = [], []
             return
         else:
-            self._calib.append(delta.detach().float().cpu())
+            self._calib.append(part)
             self._calib_steps.append(step)
-        self.tau_tail = quantiles(torch.cat(self._calib), [self.config.tail_quantile])[0]
+        self.tau_tail = tau_from_calibration(self._calib, self.config.tail_quantile)
 
     def step(self, step: int, batch: TokenBatch, group=None) -> tuple:
         """Add one step; returns ``(step_result, window_result)`` (:class:`MetricResult` each).
 
-        With ``group`` (torch.distributed), the step's state is all-reduced
-        first, so every rank reports the global metrics; τ_tail is calibrated
-        from the global δ values.
+        With ``group`` (torch.distributed), the step's fixed-size state is all-reduced, so every rank
+        reports the global metrics; while τ_tail is calibrating, the step's δ sketch is all-reduced
+        first (fixed size too), so τ_tail comes from the global δ.
         """
-        stats = MismatchStats(self.config, self.device)
-        if group is not None or _dist_ready():
-            # calibrate from the global δ: gather first (only while calibrating), then update with the shared τ
-            if not self.tau_frozen:
-                dev = self.device if self.device is not None else batch.device
-                self._calibrate(step, torch.cat(_all_gather_varlen(batch.delta.to(dev), group)))
-            stats.update(batch, self.tau_tail).sync(group)
-        else:
-            self._calibrate(step, batch.delta)
-            stats.update(batch, self.tau_tail)
+        dev = self.device if self.device is not None else batch.device
+        stats = MismatchStats(self.config, dev)
+        delta, adv = batch.delta.to(dev), batch.advantage.to(dev)
+        sample_index = batch.sample_index.to(dev)
+        prepared = stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
+        distributed = group is not None or _dist_ready()
+        if not self.tau_frozen:
+            part = _calibration_part(stats)
+            self._calibrate(step, _sync_calibration(part, group) if distributed else part)
+        if not math.isnan(self.tau_tail):
+            stats.add_localisation(delta, adv, sample_index, batch.position.to(dev), batch.num_samples,
+                                   self.tau_tail, prepared)
+        stats.tau_tail = self.tau_tail
+        if distributed:
+            stats.sync(group)
+        return self.push(step, stats)
+
+    def push(self, step: int, stats: MismatchStats) -> tuple:
+        """Append a step's finished (synced) state to the trailing window; returns ``(step_result,
+        window_result)``.  A repeated step replaces the earlier one."""
         if self._history and self._history[-1][0] == step:
-            self._history.pop()          # a repeated step replaces the earlier one
+            self._history.pop()
         self._history.append((step, stats))
         self._history = [(s, st) for s, st in self._history if s > step - self.window]
-        window = MismatchStats.merged([st for _, st in self._history], self.config)
+        window = MismatchStats(self.config, state=stats.layout.reduce([st.state for _, st in self._history]),
+                               tau_tail=stats.tau_tail)
         return stats.compute(), window.compute()
 
     def state_dict(self) -> dict:
-        """Calibration state for resuming: τ_tail, whether it is frozen and, while the reference
-        window is still filling, the δ values gathered so far (``calib``, one float32 CPU tensor per
-        step; at most ``calibration_steps`` steps' worth), so a resumed job calibrates the same τ_tail."""
+        """Calibration state for resuming: τ_tail, whether it is frozen and, while the reference window is
+        still filling, the calibration part of each step so far (``calib``: one ``(sketch.SIZE + 2,)``
+        float64 CPU tensor per step, at most ``calibration_steps``), so a resumed job calibrates the same τ_tail."""
         return {"tau_tail": self.tau_tail, "tau_frozen": self.tau_frozen, "config": asdict(self.config),
-                "window": self.window, "calibration_steps": self.calibration_steps,
+                "window": self.window, "calibration_steps": self.calibration_steps, "calib_format": "sketch",
                 "calib": [c.clone() for c in self._calib], "calib_steps": list(self._calib_steps)}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore :meth:`state_dict` output (``calib`` optional)."""
+        """Restore :meth:`state_dict` output (``calib`` optional; δ values saved by older versions are
+        turned into sketches)."""
         self.tau_tail, self.tau_frozen = float(sd["tau_tail"]), bool(sd["tau_frozen"])
-        self._calib = [torch.as_tensor(c).float().cpu() for c in sd.get("calib", [])] if not self.tau_frozen else []
+        calib = [] if self.tau_frozen else list(sd.get("calib", []))
+        if sd.get("calib_format") != "sketch":
+            calib = [_calibration_part(MismatchStats(self.config).update_flat(
+                torch.as_tensor(c).float().cpu(), torch.zeros(len(c)), torch.zeros(len(c), dtype=torch.long),
+                torch.arange(len(c)), 1)) for c in calib]
+        self._calib = [torch.as_tensor(c, dtype=torch.float64).cpu() for c in calib]
         self._calib_steps = list(sd.get("calib_steps", range(-len(self._calib), 0)))
 
 
-def _all_gather_varlen(t: Tensor, group=None) -> list:
-    """All-gather a 1-D tensor whose length differs between ranks: ``[rank 0's, rank 1's, ...]``.
+#: Tokens per piece of a CPU update: the batch is cut at response boundaries into pieces of about this
+#: size, so each piece's intermediates stay in cache.  The cut depends only on the batch, so live and offline
+#: updates of the same batch add the same partial sums in the same order.
+CPU_CHUNK_TOKENS = 1 << 15
 
-    Plain tensor collectives (sizes first, then the values padded to the largest size), no
-    pickling (unlike ``all_gather_object``), on ``t``'s device (gloo: CPU, NCCL: CUDA).
-    """
-    import torch.distributed as dist
 
-    world = dist.get_world_size(group)
-    size = torch.tensor([t.numel()], dtype=torch.long, device=t.device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(x) for x in sizes]
-    if max(sizes) == 0:
-        return [t[:0] for _ in sizes]
-    padded = torch.zeros(max(sizes), dtype=t.dtype, device=t.device)
-    padded[:t.numel()] = t
-    out = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    return [o[:n] for o, n in zip(out, sizes)]
+def _chunks(sample_index: Tensor, S: int, device) -> list:
+    """``[(token start, token end, sample start, sample end)]`` pieces of a batch, cut at response boundaries
+    (one piece on an accelerator)."""
+    N = sample_index.numel()
+    if torch.device(device).type != "cpu" or N <= CPU_CHUNK_TOKENS:
+        return [(0, N, 0, S)]
+    offsets = torch.zeros(S + 1, dtype=torch.long)
+    torch.cumsum(torch.bincount(sample_index, minlength=S), 0, out=offsets[1:])
+    targets = torch.arange(CPU_CHUNK_TOKENS, N, CPU_CHUNK_TOKENS)
+    cuts = torch.unique(torch.searchsorted(offsets, targets)).tolist()       # first response at/after each target
+    cuts = [c for c in cuts if 0 < c < S]
+    samples = [0, *cuts, S]
+    toks = offsets[samples].tolist()
+    return [(toks[i], toks[i + 1], samples[i], samples[i + 1]) for i in range(len(samples) - 1)]
+
+
+def _localisation(delta: Tensor, adv: Tensor, sample_index: Tensor, position: Tensor, S: int, tau_tail: float,
+                  width: int, heavy_fraction: float, dilution_threshold: float,
+                  prepared: Optional[dict] = None) -> dict:
+    """Localisation sums of one batch (tokens ordered by sample, then position).  Segments are cut over every
+    response (as :func:`~triage_monitor.segments.segment_tokens` would) and those of A<0 responses kept: a
+    response's segments are kept or dropped together, so predecessors are unchanged."""
+    dev = delta.device
+    if prepared is None:
+        prepared = {"nv": torch.bincount(sample_index, minlength=S),
+                    "per_resp_delta": torch.bincount(sample_index, weights=delta.double(), minlength=S)}
+    resp_adv = prepared.get("per_resp_adv")
+    if resp_adv is None:
+        resp_adv = torch.bincount(sample_index, weights=adv.double(), minlength=S)
+    nv = prepared["nv"].clamp(min=1).double()
+    resp_neg = resp_adv / nv < 0                                  # (S,) A<0 responses (mean advantage)
+    N = delta.numel()
+    if N == 0:
+        e = torch.zeros(0, dtype=torch.long, device=dev)
+        return {"seg_tail": e, "seg_valid": e, **{k: 0.0 for k in _LOC_FIELDS}}
+    if width & (width - 1) == 0:                                  # positions are >= 0: a shift is a floor division
+        number = position >> (width.bit_length() - 1)
+    else:
+        number = torch.div(position, width, rounding_mode="floor")
+    start = torch.ones(N, dtype=torch.bool, device=dev)          # first token of each segment
+    torch.ne(number[1:], number[:-1], out=start[1:])
+    start[1:] |= sample_index[1:] != sample_index[:-1]
+    first = torch.nonzero(start).squeeze(1)
+    seg_sample, seg_number = sample_index[first], number[first]
+    bounds = torch.cat([first, torch.tensor([N], device=dev)])
+    count = bounds[1:] - bounds[:-1]                              # (K,) valid tokens per segment
+    tail_cum = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+    torch.cumsum((adv < 0) & (delta < tau_tail), 0, out=tail_cum[1:])
+    seg_tail_all = tail_cum[bounds[1:]] - tail_cum[bounds[:-1]]   # (K,) amplifying-tail tokens per segment
+    keep = resp_neg[seg_sample]                                   # (K,) segment of an A<0 response
+    seg_tail, seg_valid = seg_tail_all[keep], count[keep]
+    sample_k, number_k = seg_sample[keep], seg_number[keep]
+    heavy = seg_tail.double() > heavy_fraction * seg_valid.double()
+    has_prev = torch.zeros_like(heavy)
+    prev_heavy = torch.zeros_like(heavy)
+    if heavy.numel() > 1:
+        has_prev[1:] = (sample_k[1:] == sample_k[:-1]) & (number_k[1:] == number_k[:-1] + 1)
+        prev_heavy[1:] = has_prev[1:] & heavy[:-1]
+    # dilution: A<0 responses holding at least one tail-heavy segment whose signed mean δ is small
+    resp_heavy = torch.zeros(S, dtype=torch.bool, device=dev)
+    resp_heavy[sample_k[heavy]] = True
+    resp_mean = prepared["per_resp_delta"] / nv
+    diluted = resp_heavy & (resp_mean.abs() < dilution_threshold)
+    sums = torch.stack([seg_valid.sum().double(), seg_tail.sum().double(),
+                        torch.tensor(float(seg_valid.numel()), dtype=torch.float64, device=dev),
+                        heavy.sum().double(), has_prev.sum().double(), (has_prev & heavy).sum().double(),
+                        prev_heavy.sum().double(), (prev_heavy & heavy).sum().double(),
+                        resp_heavy.sum().double(), diluted.sum().double()]).tolist()
+    return {"seg_tail": seg_tail, "seg_valid": seg_valid, **dict(zip(_LOC_FIELDS, sums))}
 
 
 def _dist_ready() -> bool:

@@ -2,7 +2,7 @@
 
 The file holds the overview (manifest facts, steps, tokens, alerts), the key
 time series (ρ_asym raw and length-normalised, small-gap share, δ q0.05, k3 KL,
-reward), the quadrant-mass chart, the localisation chart and the SPEC.md §3.4
+reward), the quadrant-mass chart, the localisation chart and the docs/metrics.md#stages
 stage table with the C_tok shuffle null.  plotly.js is embedded inline, so the
 file opens without any network access and can be attached to a ticket.
 Several run directories are overlaid in the time series; the first one is
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from .analysis import RunDirError, open_run, recompute
+from .analysis import RunDirError, open_run, postmortem_frame
 from .stages import format_stage_table, stage_table
 from . import views
 
@@ -75,7 +75,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
     Args:
         run_dirs: one or more run directories; the first is the subject, all are overlaid in the time series.
         anchors: stage anchor steps (None: 25/50/75/100 %); window: trailing window in steps (None: the run's).
-        draws, seed: C_tok shuffle-null draws and seed (SPEC.md §3.3).
+        draws, seed: C_tok shuffle-null draws and seed (docs/metrics.md#localisation).
 
     Raises:
         RunDirError: a path is not a run directory; ValueError: the first run has no recorded step,
@@ -93,16 +93,17 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
     win = int(window or run.manifest.get("window") or 25)
     frames, alert_frames = {}, {}
     names = [r.path.name for r in runs]
+    subject_states = None
     for r, name in zip(runs, names):
         label = f"{r.path.parent.name}/{name}" if names.count(name) > 1 else name
-        live = r.steps()
-        if window is not None and int(window) != int(r.manifest.get("window") or 25):
-            rec = recompute(r, window=win)
-            live = rec.merge(live[["step", *[c for c in live.columns if c not in rec.columns]]], on="step",
-                             how="left")
-        frames[label], alert_frames[label] = live, r.alerts()
+        # one frozen tau_tail for every step (the first ones included), from the cached per-step states
+        frame, states = postmortem_frame(r, win)
+        if subject_states is None and r is run:
+            subject_states = states
+        frames[label], alert_frames[label] = frame, r.alerts()
     subject = next(iter(frames))
-    table = stage_table(run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject])
+    table = stage_table(run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject],
+                        states=subject_states)
 
     figs = [views.timeseries_figure(frames, p, True, win, alert_frames) for p in REPORT_PANELS]
     figs = [f for f in figs if f is not None]
@@ -138,10 +139,10 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
 <table class="facts" style="margin-top:14px">{facts}</table>
 {alert_html}
 <h2>Time series, quadrants and localisation</h2>
-<div class="note">Pooled trailing {win}-step windows (raw sums of the window, SPEC §3); reward and controller
+<div class="note">Pooled trailing {win}-step windows (raw sums of the window, docs/metrics.md#steps-and-windows); reward and controller
 columns are trailing means of the per-step values; alerts as ▼ markers.</div>
 <div class="grid">{charts}</div>
-<h2>Stages (SPEC §3.4)</h2>
+<h2>Stages (docs/metrics.md#stages)</h2>
 {_stage_html(table)}
 <div class="note">Trailing {win}-step windows ending at each anchor. C_tok null: tail labels shuffled uniformly
 within each A&lt;0 response ({draws} draws, seed {seed}); 95 % = central interval; excess = C_tok − null median

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .analysis import Run, recompute
+from .analysis import Run
 from .batch import TokenBatch
 from .metrics import c_tok_from_segments
 from .segments import segment_tokens
@@ -189,51 +189,58 @@ def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRAC
 
 
 def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Optional[int] = None,
-                draws: int = 499, seed: int = 0, metrics: Optional[pd.DataFrame] = None) -> pd.DataFrame:
-    """The stage table of a run (SPEC.md §3.4): one row per anchor.
+                draws: int = 499, seed: int = 0, metrics: Optional[pd.DataFrame] = None,
+                states=None) -> pd.DataFrame:
+    """The stage table of a run (docs/metrics.md#stages): one row per anchor.
+
+    Every value uses one τ_tail for the whole run (the frozen calibration, the first steps included):
+    the window metrics are merges of the per-step states of
+    :func:`~triage_monitor.analysis.recompute_states` (shared through its cache with ``analyze``, the
+    report and the dashboard), and the C_tok shuffle null is built from the window's token records with
+    that τ_tail.
 
     Args:
         run: an opened run.
         anchors: steps ending each stage; None = 25/50/75/100 % (:func:`anchor_steps`).
             A step that was not recorded raises ValueError naming it.
         window: trailing window in steps; None = the run's (manifest) window.
-        draws, seed: shuffle-null draws and RNG seed (SPEC.md §3.3: 499, fixed).
-        metrics: the run's per-step metric frame (``step``, ``tau_tail`` and
-            ``window/<name>`` columns) if already loaded; by default the live
-            rows when ``window`` is the run's window, else :func:`recompute`.
+        draws, seed: shuffle-null draws and RNG seed (499, fixed).
+        metrics: used only for a run without token records (``record_tokens=False``): its per-step metric
+            frame (``step`` and ``window/<name>`` columns; default the live rows), whose values before the
+            live τ_tail froze are provisional (``tau_frozen`` False in the table).
+        states: the run's :class:`~triage_monitor.analysis.StepStates` if already computed.
 
     Returns:
-        DataFrame with ``stage`` (label), ``step``, ``first_step`` (window
-        start), ``steps`` (steps in the window), the ``window/<name>`` values of
-        :data:`STAGE_METRICS` under their plain names (ratios as fractions,
-        not %), and ``c_tok_null_median``, ``c_tok_null_lo``, ``c_tok_null_hi``
-        (2.5 % / 97.5 % quantiles of the null) and ``c_tok_excess``
-        (``c_tok - null median``).  The window's C_tok is recomputed from the
-        token records with each step's own τ_tail; it equals ``window/c_tok``.
-        When a window step has no token records (``record_tokens=False``, a
-        run still being written) the row keeps the live values and the null is NaN.
+        DataFrame with ``stage`` (label), ``step``, ``first_step`` (window start), ``steps`` (steps in the
+        window), the window values of :data:`STAGE_METRICS` under their plain names (ratios as fractions,
+        not %), ``c_tok_null_median``, ``c_tok_null_lo``, ``c_tok_null_hi`` (2.5 % / 97.5 % quantiles of
+        the null), ``c_tok_excess`` (``c_tok - null median``) and ``tau_frozen`` (the row's localisation
+        metrics use the run's one frozen τ_tail).  Without token records the null is NaN.
 
     Raises:
-        ValueError: no recorded step, an anchor step that was not recorded, or
-            another window asked of a run without token records.
+        ValueError: no recorded step, an anchor step that was not recorded, or another window asked of a
+            run without token records.
     """
+    from .analysis import read_token_arrays, recompute_states
+
     mc = run.manifest.get("monitor_config", {})
     run_window = int(mc.get("window", run.manifest.get("window", 25)))
     window = run_window if window is None else int(window)
     if window < 1:
         raise ValueError(f"window must be >= 1 step, got {window}")
     cfg = run.metric_config()
-    token_steps = set(run.step_numbers())
-    if metrics is None:
-        live = run.steps()
-        if window == run_window and "window/c_tok" in live.columns:
-            metrics = live
-        elif not token_steps:
+    token_steps = run.step_numbers()
+    frame = None
+    if states is None and token_steps:
+        states = recompute_states(run, cache=True)
+    if states is not None:
+        steps = list(states.steps)
+    else:
+        live = run.steps() if metrics is None else metrics
+        if window != run_window:
             raise ValueError(f"{run.path} has no token records to recompute a {window}-step window from")
-        else:
-            metrics = recompute(run, window=window)
-    frame = metrics.set_index("step")
-    steps = sorted(int(s) for s in frame.index)
+        frame = live.set_index("step")
+        steps = sorted(int(s) for s in frame.index)
     if anchors is None:
         labels = [f"{round(f * 100)}%" for f in DEFAULT_FRACTIONS]
         anchors = anchor_steps(steps, DEFAULT_FRACTIONS)
@@ -244,24 +251,30 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             raise ValueError(f"anchor step(s) {missing} not recorded in {run.path} "
                              f"(recorded: {steps[0] if steps else '-'}..{steps[-1] if steps else '-'})")
         labels = [f"step {a}" for a in anchors]
+    layouts: dict = {}
     rows = []
     for label, a in zip(labels, anchors):
         win = [s for s in steps if a - window < s <= a]
         row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win)}
-        for name in STAGE_METRICS:
-            col = f"window/{name}"
-            row[name] = float(frame.at[a, col]) if col in frame.columns else math.nan
         null = np.full(draws, math.nan)
-        if all(s in token_steps for s in win):         # else: live C_tok, no null (token rows missing)
-            parts = []
-            for s in win:
-                tau = float(frame.at[s, "tau_tail"]) if "tau_tail" in frame.columns else math.nan
-                if not math.isnan(tau):
-                    toks = run.tokens(s, ["sample_id", "position", "learner_logp", "sampler_logp", "advantage"])
-                    parts.append(tail_layout_from_tokens(toks, tau, cfg.segment_width))
-            layout = TailLayout.concat(parts)
-            row["c_tok"] = layout.c_tok(cfg.top_fraction) if layout.num_segments else math.nan
-            null = shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction)
+        if states is not None:
+            values = states.window_stats(a, window).compute().values
+            row.update({name: float(values[name]) for name in STAGE_METRICS})
+            row["tau_frozen"] = True
+            tau = values["tau_tail"]
+            if not math.isnan(tau):
+                for s in win:
+                    if s not in layouts:
+                        parts = read_token_arrays(run.token_files(s))
+                        layouts[s] = tail_layout_from_arrays(parts, tau, cfg.segment_width)
+                null = shuffle_null_c_tok(TailLayout.concat([layouts[s] for s in win]), draws, seed,
+                                          cfg.top_fraction)
+        else:
+            for name in STAGE_METRICS:
+                col = f"window/{name}"
+                row[name] = float(frame.at[a, col]) if col in frame.columns else math.nan
+            row["tau_frozen"] = bool(frame["tau_tail_frozen"].loc[win].astype(float).eq(1).all()) \
+                if "tau_tail_frozen" in frame.columns else False
         if np.isnan(null).all():
             row.update(c_tok_null_median=math.nan, c_tok_null_lo=math.nan, c_tok_null_hi=math.nan)
         else:
@@ -270,6 +283,22 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
         row["c_tok_excess"] = row["c_tok"] - row["c_tok_null_median"]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def tail_layout_from_arrays(parts: list, tau_tail: float, width: int = 64) -> TailLayout:
+    """:func:`tail_layout` of a step's decoded rank files (:func:`~triage_monitor.analysis.read_token_arrays`),
+    the responses of each rank file kept apart as the live monitor keeps them.  Rows are in the monitor's
+    (sample_id, position) order."""
+    out = []
+    for sid, pos, lp, sp, adv in parts:
+        if sid.size == 0:
+            continue
+        codes = np.r_[0, np.cumsum(sid[1:] != sid[:-1])].astype(np.int64)
+        delta = torch.from_numpy(np.asarray(lp, np.float32).copy()) - torch.from_numpy(np.asarray(sp, np.float32).copy())
+        out.append(_layout(torch.from_numpy(codes), torch.from_numpy(pos.astype(np.int64)),
+                           torch.from_numpy(np.asarray(adv, np.float32).copy()), delta, int(codes[-1]) + 1,
+                           tau_tail, width))
+    return TailLayout.concat(out)
 
 
 #: Columns shown as percentages by :func:`format_stage_table`.

@@ -1,0 +1,210 @@
+"""Fixed-size metric state: the ratios of docs/metrics.md#performance, measured in one run.
+
+On steps of B × T tokens (default 256 × 4,096 with lengths uniform in [T/4, T], ~655k valid tokens):
+
+  1. log_step cost at window 100 ÷ window 1 (record_tokens off, τ_tail given; the windows full);
+  2. peak RSS growth of a monitor over 50 steps (window 25, record_tokens off);
+  3. log_step synchronous cost (record_tokens on) ÷ the metric update alone (MismatchStats.update);
+  4. analyze (one process) tokens/s ÷ a bare pyarrow decode (rows/s) of the same columns of the same run;
+  5. analyze on a local Ray cluster with 2 workers ÷ one process, on the same run (>= 20M tokens by default);
+  6. bytes handed to the collectives per rank per step by the multi-rank sync at 64k and 1M tokens per rank.
+
+    python benchmarks/bench_state.py [--batch 256] [--seq 4096] [--run-steps 32] [--rss-steps 50] [--no-ray]
+
+Every line prints a ratio measured here, now, on this machine; timings are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import make_inputs  # noqa: E402
+
+from triage_monitor.analysis import TOKEN_COLUMNS, open_run, recompute_states  # noqa: E402
+from triage_monitor.batch import TokenBatch  # noqa: E402
+from triage_monitor.metrics import MetricConfig, MismatchStats  # noqa: E402
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+
+TAU = -0.25
+
+
+def batch_of(B, T, seed=0) -> TokenBatch:
+    lp, s, a, m = make_inputs(B, T, "cpu", seed)
+    return TokenBatch.from_padded(lp, s, a, m)
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def log_step_cost(batch, window: int, repeats: int, tmp: Path) -> float:
+    """Median seconds of log_step with a full trailing window of ``window`` steps."""
+    cfg = MonitorConfig(window=window, tau_tail=TAU, record_tokens=False, alignment_check_steps=0)
+    with MismatchMonitor(tmp / f"w{window}", cfg) as mon:
+        st = MismatchStats(mon.tracker.config).update(batch, TAU)
+        for s in range(window):                                   # fill the window with real step states
+            mon.tracker.push(s, st)
+        step = [window]
+
+        def one():
+            mon.log_step(step[0], batch)
+            step[0] += 1
+        return median_time(one, repeats)
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def sync_bytes(tokens_per_rank: int) -> tuple:
+    """Bytes handed to torch.distributed collectives by one step of MetricTracker.step on a 1-rank gloo group
+    (calibrating step, then a frozen step)."""
+    import torch.distributed as dist
+
+    from triage_monitor.metrics import MetricTracker
+
+    sent = []
+    real = dist.all_reduce
+
+    def counting(t, *a, **kw):
+        sent.append(t.numel() * t.element_size())
+        return real(t, *a, **kw)
+
+    T = 4096
+    b = batch_of(max(tokens_per_rank // (T * 5 // 8), 1), T, seed=5)
+    tr = MetricTracker(calibration_steps=1)
+    dist.all_reduce = counting
+    try:
+        out = []
+        for step in range(2):
+            sent.clear()
+            tr.step(step, b, group=dist.group.WORLD)
+            out.append(sum(sent))
+    finally:
+        dist.all_reduce = real
+    return b.num_tokens, out[0], out[1]
+
+
+def write_run(path: Path, B: int, T: int, steps: int) -> int:
+    n = 0
+    with MismatchMonitor(path, MonitorConfig(alignment_check_steps=0)) as mon:
+        for s in range(steps):
+            b = batch_of(B, T, seed=s)
+            mon.log_step(s, b)
+            n += b.num_tokens
+    return n
+
+
+def bare_decode(run_path: Path) -> tuple:
+    """Seconds and rows of decoding the analysed columns of every token file to numpy, one process."""
+    files = sorted((run_path / "tokens").rglob("*.parquet"))
+    t = time.perf_counter()
+    rows = 0
+    for f in files:
+        tab = pq.read_table(f, columns=list(TOKEN_COLUMNS))
+        cols = [tab.column(c).to_numpy() for c in TOKEN_COLUMNS]
+        rows += cols[0].size
+    return time.perf_counter() - t, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rss-steps", type=int, default=50)
+    ap.add_argument("--run-steps", type=int, default=32, help="steps of the analysed run (32 x 655k = 21M tokens)")
+    ap.add_argument("--no-ray", action="store_true")
+    args = ap.parse_args()
+    B, T = args.batch, args.seq
+    batch = batch_of(B, T)
+    print(f"steps of {B} x {T}: {batch.num_tokens:,} valid tokens; torch threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        # 1. window independence
+        t1 = log_step_cost(batch, 1, args.repeats, tmp)
+        t100 = log_step_cost(batch, 100, args.repeats, tmp)
+        print(f"1. log_step window 100 / window 1        {t100 / t1:6.3f}   ({t100 * 1e3:.0f} ms vs {t1 * 1e3:.0f} ms; "
+              f"goal <= 1.1)")
+        # 2. memory over 50 steps
+        cfg = MonitorConfig(window=25, tau_tail=None, record_tokens=False, alignment_check_steps=0)
+        with MismatchMonitor(tmp / "rss", cfg) as mon:
+            mon.log_step(0, batch)
+            before = rss_mb()
+            for s in range(1, args.rss_steps + 1):
+                mon.log_step(s, batch)
+            grown = rss_mb() - before
+        print(f"2. peak RSS growth over {args.rss_steps} steps          {grown:6.1f} MB (goal <= 64 MB)")
+        # 3. synchronous log_step cost vs the metric update alone
+        t_upd = median_time(lambda: MismatchStats(MetricConfig()).update(batch, TAU), args.repeats)
+        with MismatchMonitor(tmp / "rec", MonitorConfig(tau_tail=TAU, alignment_check_steps=0)) as mon:
+            k = [0]
+
+            def one():
+                mon.log_step(k[0], batch)
+                k[0] += 1
+            t_log = median_time(one, args.repeats)
+        print(f"3. log_step (record_tokens) / update     {t_log / t_upd:6.3f}   ({t_log * 1e3:.0f} ms vs "
+              f"{t_upd * 1e3:.0f} ms; goal <= 1.5)")
+        # 6. fixed-size sync
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{tmp / 'rdv'}", rank=0, world_size=1)
+        try:
+            small, large = sync_bytes(64_000), sync_bytes(1_000_000)
+        finally:
+            dist.destroy_process_group()
+        print(f"6. sync bytes per rank per step: {small[0]:,} tokens -> {small[2]:,} B (calibrating "
+              f"{small[1]:,} B); {large[0]:,} tokens -> {large[2]:,} B (calibrating {large[1]:,} B); "
+              f"ratio {large[2] / small[2]:.3f} (goal 1)")
+        # 4. analyze vs bare decode
+        run_path = tmp / "run"
+        t = time.perf_counter()
+        n = write_run(run_path, B, T, args.run_steps)
+        print(f"   wrote a {args.run_steps}-step run of {n:,} tokens in {time.perf_counter() - t:.0f} s")
+        run = open_run(run_path)
+        t_dec, rows = bare_decode(run_path)
+        t = time.perf_counter()
+        local = recompute_states(run)
+        t_an = time.perf_counter() - t
+        t_dec2, _ = bare_decode(run_path)
+        t_dec = min(t_dec, t_dec2)
+        print(f"4. analyze / bare pyarrow decode          {(n / t_an) / (rows / t_dec):6.3f}   "
+              f"({n / t_an / 1e6:.2f} M tokens/s vs {rows / t_dec / 1e6:.2f} M rows/s; goal >= 0.67)")
+        # 5. Ray, 2 workers
+        if not args.no_ray:
+            import ray
+
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            try:
+                t = time.perf_counter()
+                on_ray = recompute_states(run, engine="ray")
+                t_ray = time.perf_counter() - t
+            finally:
+                ray.shutdown()
+            same = np.array_equal(on_ray.states, local.states) and on_ray.taus == local.taus
+            print(f"5. analyze Ray 2 workers / one process    {t_an / t_ray:6.3f}   ({t_ray:.1f} s vs {t_an:.1f} s on "
+                  f"{n / 1e6:.1f} M tokens; bit-identical: {same})")
+
+
+if __name__ == "__main__":
+    main()

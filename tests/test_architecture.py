@@ -1,0 +1,65 @@
+"""docs/architecture.md stays true: no module imports a module of a later layer (data flows one way)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Layers in import order (docs/architecture.md); a module may import its own layer and the layers before it.
+LAYERS = [
+    ("batch", "segments", "sketch", "alignment"),
+    ("metrics",),
+    ("corrections", "controller", "loss"),
+    ("records",),
+    ("monitor", "wandb_logger"),
+    ("engines", "analysis", "stages"),
+    ("alerts", "views", "report", "dashboard", "importers", "nvfp4", "demo"),
+    ("cli", "__main__"),
+]
+LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+
+
+def _imports(path: Path) -> set:
+    """Package-internal modules imported by ``path`` (first component after ``triage_monitor.`` or ``.``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level >= 1 and path.parent.name == "demo" and node.level == 1:
+                continue                                    # inside the demo package
+            mod = node.module or ""
+            if node.level >= 1:
+                names = [mod.split(".")[0]] if mod else [a.name for a in node.names]
+            elif mod.startswith("triage_monitor."):
+                names = [mod.split(".")[1]]
+            else:
+                continue
+            out.update(n for n in names if n)
+    return out
+
+
+def test_modules_import_only_earlier_layers():
+    bad = []
+    pkg = ROOT / "triage_monitor"
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg)
+        name = rel.parts[0].removesuffix(".py")
+        if name == "__init__":
+            continue
+        assert name in LEVEL, f"triage_monitor/{rel}: add it to docs/architecture.md and LAYERS"
+        for imp in _imports(path):
+            if imp in LEVEL and imp != name and LEVEL[imp] > LEVEL[name]:
+                bad.append(f"triage_monitor/{rel} ({name}, layer {LEVEL[name]}) imports {imp} (layer {LEVEL[imp]})")
+    assert not bad, "imports against the flow of docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_hooks_use_the_core_only():
+    """Hooks sit before the batch: they may import any core module but nothing imports them."""
+    for path in sorted((ROOT / "triage_monitor").rglob("*.py")):
+        assert "triage_monitor.hooks" not in path.read_text() or path.name == "__init__.py", path
+
+
+def test_every_module_is_in_the_architecture_doc():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for name in LEVEL:
+        if name != "__main__":
+            assert f"`{name}`" in doc or f"`{name}` " in doc or name in doc, name

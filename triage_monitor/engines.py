@@ -1,0 +1,141 @@
+"""Where the offline per-step work runs: this process, local worker processes, or a Ray cluster.
+
+:func:`map_ordered` applies a picklable top-level function to a list of argument tuples and returns
+the results in input order, whatever the engine, so a reduction over them (the trailing windows of
+:func:`triage_monitor.analysis.recompute`) is bit-identical between engines.  Every engine runs the
+function with one torch thread per task (:func:`single_threaded`), so the floating-point reductions
+inside a task do not depend on how many cores the machine has either.
+
+* ``engine="local", workers=1``: in this process; the next task's arguments can be prepared by a
+  background thread (``prefetch``), e.g. decoding the next step's Parquet files while this one computes;
+* ``engine="local", workers=N``: N spawned processes (``concurrent.futures``);
+* ``engine="ray"``: one Ray task per item on the cluster at ``address`` (None: a running cluster
+  found through ``RAY_ADDRESS``, else a new local one).  Ray is optional: ``pip install
+  triage-monitor[ray]``.  The run directory must be readable at the same path on every node.
+
+A progress bar (rich) is shown when ``progress`` is true.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import multiprocessing as mp
+from typing import Callable, Optional, Sequence
+
+ENGINES = ("local", "ray")
+
+
+@contextlib.contextmanager
+def single_threaded():
+    """Run the body with one torch intra-op thread (restored afterwards)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _call_single_threaded(fn: Callable, args: tuple):
+    with single_threaded():
+        return fn(*args)
+
+
+def map_ordered(fn: Callable, items: Sequence[tuple], *, engine: str = "local", workers: int = 1,
+                address: Optional[str] = None, progress: bool = False, description: str = "working",
+                prefetch: Optional[Callable] = None) -> list:
+    """``[fn(*args) for args in items]``, computed by ``engine``, in input order.
+
+    Args:
+        fn: a picklable top-level function (it runs in other processes with ``workers > 1`` or Ray).
+        items: argument tuples.
+        engine: "local" or "ray".
+        workers: local processes (engine "local"); 1 = this process.
+        address: Ray cluster address (engine "ray"), e.g. "auto" or "ray://host:10001".
+        progress: show a progress bar.
+        prefetch: only for the in-process engine: ``prefetch(*args)`` returns the arguments actually
+            passed to ``fn``, computed one item ahead on a background thread (I/O overlapping compute).
+
+    Raises:
+        ValueError: unknown engine or workers < 1.
+        ImportError: engine "ray" without Ray installed (the message says how to install it).
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if int(workers) < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    items = list(items)
+    with _progress(progress, len(items), description) as advance:
+        if engine == "ray":
+            return _map_ray(fn, items, address, advance, prefetch)
+        if workers == 1:
+            return _map_here(fn, items, advance, prefetch)
+        return _map_processes(fn, items, int(workers), advance, prefetch)
+
+
+def _map_here(fn, items, advance, prefetch) -> list:
+    out = []
+    if prefetch is None:
+        for args in items:
+            out.append(_call_single_threaded(fn, args))
+            advance()
+        return out
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="triage-monitor-prefetch") as pool:
+        nxt = pool.submit(prefetch, *items[0]) if items else None
+        for i in range(len(items)):
+            ready = nxt.result()
+            nxt = pool.submit(prefetch, *items[i + 1]) if i + 1 < len(items) else None
+            out.append(_call_single_threaded(fn, ready))
+            advance()
+    return out
+
+
+def _prefetched(fn, prefetch, args):
+    return fn(*(prefetch(*args) if prefetch is not None else args))
+
+
+def _map_processes(fn, items, workers, advance, prefetch) -> list:
+    out: list = [None] * len(items)
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futs = {pool.submit(_call_single_threaded, _prefetched, (fn, prefetch, args)): i
+                for i, args in enumerate(items)}
+        for f in cf.as_completed(futs):
+            out[futs[f]] = f.result()
+            advance()
+    return out
+
+
+def _map_ray(fn, items, address, advance, prefetch) -> list:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("engine='ray' needs Ray: pip install 'triage-monitor[ray]' (or pip install ray)") from exc
+    if not ray.is_initialized():
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+    task = ray.remote(num_cpus=1)(_call_single_threaded)
+    refs = [task.remote(_prefetched, (fn, prefetch, args)) for args in items]
+    index = {r: i for i, r in enumerate(refs)}
+    out: list = [None] * len(items)
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        for r in done:
+            out[index[r]] = ray.get(r)
+            advance()
+    return out
+
+
+@contextlib.contextmanager
+def _progress(show: bool, total: int, description: str):
+    if not show:
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.advance(task)
