@@ -261,8 +261,8 @@ _WATCH_LOCK = threading.Lock()
 
 def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> None:
     """Start (once per process and hook) the worker thread that writes a step as soon as the trainer publishes the
-    next one, and the last step when the trainer publishes ``done`` (:func:`finish_workers`), then acknowledges
-    in ``<run_dir>/.verl/<job>/flushed/<pid>``.  Ray ends worker processes without running ``atexit``, so the
+    next one, and on ``done`` (:func:`finish_workers`) writes the last step, closes this process's monitor (its
+    writer drained) and acknowledges in ``<run_dir>/.verl/<job>/flushed/<pid>``.  Ray ends worker processes without running ``atexit``, so the
     last step would otherwise be lost."""
     job = job if job is not None else _ray_job_id()
     with _WATCH_LOCK:
@@ -287,7 +287,7 @@ def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> N
             acc = runtime._acc
             try:
                 if txt == DONE:
-                    runtime.flush()
+                    runtime.close()         # writes the last step, drains the writer, finishes run.json
                     (jd / "flushed").mkdir(exist_ok=True)
                     (jd / "flushed" / str(os.getpid())).touch()
                     return

@@ -422,7 +422,7 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
             assert len(got) == r["tokens"]                           # every token once
     manifest = json.loads((run / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "verl"
-    assert manifest["attempts"][0]["attempt"] == last[0]["attempt"]
+    assert manifest["attempts"][0]["attempt"] == last[0]["attempt"] and manifest["status"] == "finished"
 
 
 def task_runner_compute_advantage() -> dict:
