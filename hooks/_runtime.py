@@ -122,6 +122,19 @@ def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None) -> in
         return n
 
 
+def in_ray_worker() -> bool:
+    """True inside a Ray worker process (an actor or task), where interpreter-exit hooks do not run."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return False
+    try:
+        return bool(ray.is_initialized()) and ray._private.worker.global_worker.mode == ray.WORKER_MODE
+    except Exception:
+        return False
+
+
 class WorkerRuntime:
     """The live side of one hook in one process: controller, monitor, step counting, step accumulation."""
 
@@ -207,6 +220,10 @@ class WorkerRuntime:
             self.optimizer_steps += 1
             self._calls_since_step = 0
             self.flush()
+            if self._monitor is not None and in_ray_worker():
+                # Ray ends its worker processes without running atexit: the step just logged must reach the disk
+                # now, or the job's last step would be lost with the writer's queue.
+                self._monitor.flush(timeout=300)
 
     # ------------------------------------------------------------- records
     def record(self, step: int, batch, gate_weights: Optional[torch.Tensor] = None,

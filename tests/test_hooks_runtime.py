@@ -40,7 +40,7 @@ def micro_batch(worker: int, step: int, micro: int):
     return learner.clamp(max=-1e-4), sampler, torch.randn(B, generator=g), torch.ones(B, T, dtype=torch.int64)
 
 
-def train(hook_bytes: bytes, worker: int, reship_every_call: bool = True) -> dict:
+def train(hook_bytes: bytes, worker: int, reship_every_call: bool = True, close: bool = True) -> dict:
     """3 optimizer steps of 4 micro-batches; the hook is unpickled again on every call (NeMo RL ships the loss
     object with every train call)."""
     w = torch.nn.Parameter(torch.zeros(()))
@@ -58,7 +58,8 @@ def train(hook_bytes: bytes, worker: int, reship_every_call: bool = True) -> dic
     rt = hook.runtime
     out = {"pid": os.getpid(), "calls": rt.calls, "controller_calls": rt.controller.calls,
            "optimizer_steps": rt.optimizer_steps, "rank": rt.monitor.rank, "state": rt.state_dict()}
-    close_all()
+    if close:
+        close_all()
     return out
 
 
@@ -142,7 +143,8 @@ def test_ray_workers_write_one_run(tmp_path):
         @ray.remote(num_cpus=1)
         class Worker:
             def run(self, hook_bytes, worker):
-                return train(hook_bytes, worker)
+                # no close(): Ray ends workers without atexit, so each optimizer step's records must already be on disk
+                return train(hook_bytes, worker, close=False)
 
         workers = [Worker.remote() for _ in range(2)]
         results = ray.get([w.run.remote(data, i) for i, w in enumerate(workers)])
