@@ -27,8 +27,9 @@ $(VENV)/.frameworks: $(VENV)/.installed requirements-frameworks.txt scripts/inst
 	TORCH_SPEC="$(TORCH_SPEC)" bash scripts/install_frameworks.sh $(BIN)/python
 	touch $@
 
+# the short study: uncorrected NVFP4 sampler vs TRIAGE, side by side (docs/study.md)
 demo: setup
-	$(BIN)/triage-monitor demo --out runs/demo
+	$(BIN)/triage-monitor study --quick --jobs 2 --out runs/demo
 
 test: setup-test
 	$(BIN)/python -m pytest -q

@@ -6,7 +6,7 @@ Start it with ``triage-monitor dashboard RUN_DIR [RUN_DIR ...]`` (or
 given).  It answers "when did direction go wrong, where in the responses, and
 would TRIAGE have caught it": overview, time series with a trailing-window
 toggle, quadrant masses, localisation, one step's δ distribution and segment
-heatmap, a response drill-down with Gate weights, the SPEC.md §3.4 stage table
+heatmap, a response drill-down with Gate weights, the docs/metrics.md#stages stage table
 and overlays of several runs.
 
 Runs are read only through :mod:`triage_monitor.analysis`.  Step-level data
@@ -228,7 +228,7 @@ def metrics_of(path: str) -> pd.DataFrame:
 frames = {labels[p]: metrics_of(p) for p in (overlay or [primary])}
 alert_frames = {labels[p]: runs[p][2] for p in (overlay or [primary])}
 st.header("Time series")
-st.caption(("Pooled trailing-window values (raw sums of the window, SPEC §3)" if window else "Per-step values")
+st.caption(("Pooled trailing-window values (raw sums of the window, docs/metrics.md#steps-and-windows)" if window else "Per-step values")
            + (f" · overlay of {len(frames)} runs" if len(frames) > 1 else "") + " · alerts as ▼ markers")
 # each figure is sent as soon as it is built (the first chart reaches the browser before the others are
 # computed); panels without data are skipped and the two-column grid stays compact
@@ -298,10 +298,10 @@ if toks is not None:
     _chart(views.response_figure(toks[sel], gw_sel, gate_width, step_tau, int(pick)), "response_chart")
     st.caption(f"Segment boundaries every {gate_width} positions (the Gate's W_gate); Gate weight = the weight "
                "TriageController would give each token at this step with the run's Gate settings "
-               "(fixed thresholds, SPEC §4.1).")
+               "(fixed thresholds, docs/metrics.md#gate).")
 
 # ------------------------------------------------------------------ stages
-st.header("Stages (SPEC §3.4)")
+st.header("Stages (docs/metrics.md#stages)")
 from triage_monitor.stages import anchor_steps, format_stage_table  # noqa: E402  (torch-backed, after the charts)
 
 with st.sidebar:

@@ -30,7 +30,7 @@ class TriageLoss:
     """One TRIAGE loss evaluation (N valid tokens).
 
     Attributes:
-        loss: 0-dim float32, differentiable: weighted PPO-clip loss (SPEC.md §4.2) + Repair (§4.3).
+        loss: 0-dim float32, differentiable: weighted PPO-clip loss (docs/metrics.md#normalization) + Repair (§4.3).
         policy_loss: 0-dim float32, the weighted PPO-clip part alone.
         per_token_loss: ``(N,)`` float32 PPO-clip surrogate before weighting.
         output: the controller's :class:`~triage_monitor.controller.TriageOutput`.
@@ -58,7 +58,7 @@ def triage_loss(controller: TriageController, batch: TokenBatch, step: int, old_
         batch: TokenBatch whose ``learner_logp`` is the live (grad-carrying) learner log-prob, nats.
         step: optimizer update index.
         old_logp: ``(N,)`` PPO anchor log-probs (nats); default ``batch.learner_logp.detach()``
-            (one update per rollout).  Also the TIS numerator (SPEC.md §4.5).
+            (one update per rollout).  Also the TIS numerator (docs/metrics.md#baselines).
         clip_low, clip_high: PPO clip range [1 − clip_low, 1 + clip_high].
         normalization: ``"per_response"`` | ``"global_token"``; default the controller's config.
 
@@ -79,7 +79,7 @@ def leading_positions(mask: Tensor) -> Tensor:
 
     For layouts whose per-token tensors span prompt + response (OpenRLHF's action
     mask, NeMo RL's token mask): position 0 is the first response token, tool-output
-    tokens inside the response keep counting (SPEC.md §2: position before masking).
+    tokens inside the response keep counting (docs/metrics.md#terms: position before masking).
     Rows without any valid token get the column index (never read).
     """
     m = mask.bool()

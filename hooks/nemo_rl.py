@@ -1,71 +1,268 @@
-"""NeMo RL hook: monitoring adapter and a ``LossFunction``-protocol object.
+"""NeMo RL hook: the TRIAGE loss as a NeMo RL ``LossFunction`` (replaces ``ClippedPGLossFn`` in GRPO).
 
-NeMo RL (``nemo_rl.algorithms.loss_functions.ClippedPGLossFn``, public repository as of 2026) gets
-``data`` (a ``BatchedDataDict``) with ``prev_logprobs`` (learner recomputation),
-``generation_logprobs`` (vLLM), ``advantages``, ``token_mask`` and ``sample_mask``, all ``(B, S)``
-over prompt + response; the loss drops the first column (``[:, 1:]``) to align log-probs with
-next-token logits.  Prompt and environment/tool tokens carry ``token_mask`` 0 and
-``generation_logprobs`` 0.0; positions are counted from each row's first response token.
+Checked against NeMo RL's public repository at commit ``7ea279abfbeb698b092856d0dab61e7cf39bc909``
+(``nemo_rl/algorithms/loss/{interfaces,loss_functions,utils}.py``, ``nemo_rl/models/automodel/train.py``,
+``nemo_rl/models/policy/{lm_policy.py,workers/dtensor_policy_worker_v2.py}``); NeMo RL does not install on a
+CPU machine, so ``tests/test_hooks_nemo_rl.py`` reproduces its call sites (docs/hooks.md#nemo-rl).
 
-:class:`NemoRLTriageLoss` follows the protocol ``__call__(next_token_logits, data, global_valid_seqs,
-global_valid_toks) -> (loss, metrics)``; it computes the live log-probs from full-vocabulary logits
-(no tensor/vocab parallelism: with a vocab-parallel DTensor use NeMo's own helper first).  NeMo RL
-is not installable on CPU from PyPI: tested against its documented layout.
+The protocol (since 2026-03): a loss has ``input_type`` (here ``LossInputType.LOGPROB``: ``prepare_loss_input``
+turns the logits into next-token log-probs and calls ``loss_fn(data=, global_valid_seqs=, global_valid_toks=,
+next_token_logprobs=)``) and ``loss_type`` (``LossType.TOKEN_LEVEL`` or ``SEQUENCE_LEVEL``), both enums of
+``nemo_rl.algorithms.loss.interfaces``.  ``data`` holds ``(B, S)`` tensors over prompt + response, right padded:
+``prev_logprobs`` (learner, before the update), ``generation_logprobs`` (vLLM), ``reference_policy_logprobs``,
+``advantages``, ``token_mask``, ``sample_mask``; ``next_token_logprobs`` is ``(B, S−1)`` and every loss reads
+``[:, 1:]`` of the data.  The loss of a micro-batch is divided by the **global** valid token count
+(``global_valid_toks``, all micro-batches and data-parallel ranks of the global batch) or sequence count; the
+worker sums the micro-batch losses (backward on each) and sums the metrics, so token-normalised metrics come
+back as global means.  ``policy.train(data, loss_fn)`` ships ``loss_fn`` to every Ray worker on **every** call
+(``common_kwargs``): this object carries configuration only, the controller's calibration and the monitor live
+in each worker process (:mod:`triage_monitor.hooks._runtime`).
+
+What this hook computes: NeMo's clipped PG loss (PPO-clip against ``prev_logprobs``, ``ratio_clip_min/max``,
+dual clip ``ratio_clip_c``, reference KL penalty ``reference_policy_kl_penalty`` of type k1/k2/k3 with NeMo's
+clamps and score-function weight) with the TRIAGE weights, aggregated as NeMo does (token level:
+``token_mean`` over ``global_valid_toks``; sequence level: ``seq_mean_token_mean`` over ``global_valid_seqs``).
+With Gate, TIS and Repair off it equals ``ClippedPGLossFn`` with the same config.  TRIAGE's TIS replaces NeMo's
+importance-sampling correction (``TriageConfig.tis``, ``tis_clip``).  Repair: the update's segment count is taken
+as ``global_valid_toks / repair_width`` (each micro-batch contributes its Σφ over that count).
+Options this path cannot honour raise at construction: ``disable_ppo_ratio``, ``use_cispo``,
+``sequence_level_importance_ratios``, ``use_importance_sampling_correction`` / ``truncated_importance_sampling_*``
+(use TRIAGE's TIS), ``use_on_policy_kl_approximation``, ``positive_example_nll_weight``.
+
+Metrics: NeMo's own (``token_mult_prob_error``, ``gen_kl_error``, ``policy_kl_error``, ``js_divergence_error``,
+``probs_ratio*``, ``kl_penalty``, ``sampling_importance_ratio``, ``num_valid_samples``, ``approx_entropy``, ...)
+with ``ClippedPGLossFn``'s values and normalisation; ours under ``triage/`` (token-normalised like NeMo's).
+Steps: one monitored step per optimizer step of the worker (``self.optimizer.step()`` once per global batch).
 """
 
 from __future__ import annotations
 
+import enum
+import uuid
 from typing import Optional
 
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageController
+from triage_monitor.corrections import reference_kl
+from triage_monitor.loss import agg_loss
+from triage_monitor.monitor import MonitorConfig
 
-from ._common import LossHookSteps, gather_flat, leading_positions, triage_loss
+from ._common import leading_positions
+from ._runtime import HookSettings, LossHook
+
+#: The NeMo RL commit this hook's call-site contract was read from.
+NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
+
+#: ``ClippedPGLossConfig`` fields this hook reads, with NeMo's defaults.
+CLIPPED_PG_DEFAULTS = dict(ratio_clip_min=0.2, ratio_clip_max=0.2, ratio_clip_c=None, reference_policy_kl_penalty=0.01,
+                           reference_policy_kl_type="k3", kl_input_clamp_value=20.0, kl_output_clamp_value=10.0,
+                           use_kl_in_reward=False, token_level_loss=True, force_on_policy_ratio=False)
+#: ``ClippedPGLossConfig`` options the TRIAGE path cannot honour, with the value that is supported.
+UNSUPPORTED = dict(disable_ppo_ratio=False, use_cispo=False, sequence_level_importance_ratios=False,
+                   use_importance_sampling_correction=False, truncated_importance_sampling_type=None,
+                   truncated_importance_sampling_ratio=None, truncated_importance_sampling_ratio_min=None,
+                   use_on_policy_kl_approximation=False, positive_example_nll_weight=0.0)
+#: The controller statistics reported as ``triage/<name>``.
+TRIAGE_STATS = ("gate_weight_mean", "gate_downweighted_frac", "repair_loss", "repair_active_frac", "tis_clip_frac")
+#: NeMo metrics that are per-micro-batch extrema (never rescaled).
+EXTREMA = ("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max")
+
+
+class _LossType(enum.Enum):          # used only where nemo_rl is not importable
+    TOKEN_LEVEL = "token_level"
+    SEQUENCE_LEVEL = "sequence_level"
+
+
+class _LossInputType(enum.Enum):
+    LOGPROB = "logprob"
+
+
+def _nemo_interfaces():
+    """``(LossType, LossInputType, MetricNormalizer)`` of the installed NeMo RL, or local stand-ins."""
+    try:
+        from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType, MetricNormalizer
+        return LossType, LossInputType, MetricNormalizer
+    except ImportError:
+        return _LossType, _LossInputType, None
 
 
 def batch_from_nemo_rl(data, learner_key: str = "prev_logprobs", on_invalid: str = "raise",
                        learner_logp=None) -> TokenBatch:
-    """TokenBatch from a NeMo RL data dict (``(B, S)`` tensors, first column dropped as NeMo does).
+    """TokenBatch from a NeMo RL data dict (``(B, S)`` tensors, first column dropped as NeMo's losses do).
 
-    ``learner_logp`` (``(B, S-1)``, already aligned) overrides ``data[learner_key][:, 1:]``.
+    Valid tokens: ``token_mask[:, 1:] · sample_mask``; positions count from each row's first valid token.
+
+    Args:
+        data: dict-like with ``token_mask``, ``sample_mask``, ``advantages``, ``generation_logprobs`` and
+            ``learner_key`` (``(B, S)``, nats).
+        learner_logp: ``(B, S−1)`` live log-probs (``next_token_logprobs``), overriding ``data[learner_key][:, 1:]``.
+
+    Raises:
+        ValueError: from :meth:`TokenBatch.from_padded` (shapes, non-finite values with ``"raise"``).
     """
     mask = data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
     learner = data[learner_key][:, 1:] if learner_logp is None else learner_logp
-    adv = data["advantages"][:, 1:]
-    return TokenBatch.from_padded(learner, data["generation_logprobs"][:, 1:], adv, mask,
+    return TokenBatch.from_padded(learner, data["generation_logprobs"][:, 1:], data["advantages"][:, 1:], mask,
                                   positions=leading_positions(mask), on_invalid=on_invalid)
 
 
-class NemoRLTriageLoss(LossHookSteps):
-    """TRIAGE loss as a NeMo RL ``LossFunction`` (token-level).
+def _cfg_dict(cfg) -> dict:
+    if cfg is None:
+        return {}
+    if hasattr(cfg, "model_dump"):
+        return cfg.model_dump()
+    return dict(cfg)
 
-    Set ``step`` to the optimizer step (unset, each call counts as a step, warned once); with a
-    ``monitor`` the calls of one step are merged into one ``log_step`` (written when ``step``
-    changes, on ``flush()`` / ``close()``).
+
+class NemoRLTriageLoss(LossHook):
+    """TRIAGE loss following NeMo RL's ``LossFunction`` protocol (``input_type = LossInputType.LOGPROB``).
+
+    Args:
+        loss_cfg: NeMo's ``master_config.loss_fn`` (``ClippedPGLossConfig`` or a dict); missing fields take
+            NeMo's defaults (:data:`CLIPPED_PG_DEFAULTS`).
+        triage: :class:`~triage_monitor.controller.TriageConfig` (or dict); None = NeMo's loss, monitored only.
+        run_dir, monitor, manifest, on_invalid, step_source: :class:`~triage_monitor.hooks._runtime.HookSettings`.
+        use_fused_linear_logprobs: as ``ClippedPGLossFn`` (read by ``prepare_loss_input``).
+
+    Raises:
+        ValueError: an option of :data:`UNSUPPORTED` is set (message names it and the TRIAGE alternative),
+            ``ratio_clip_c`` ≤ 1, or an unknown ``reference_policy_kl_type``.
     """
 
-    loss_type = "token_level"
+    def __init__(self, loss_cfg=None, triage=None, run_dir: Optional[str] = None, monitor=None,
+                 manifest: Optional[dict] = None, on_invalid: str = "raise", step_source: str = "auto",
+                 use_fused_linear_logprobs: bool = False):
+        cfg = _cfg_dict(loss_cfg)
+        for name, ok in UNSUPPORTED.items():
+            value = cfg.get(name, ok)
+            if value is not None and value != ok:
+                alt = " (TRIAGE's TIS replaces it: TriageConfig(tis=True, tis_clip=(lo, hi)))" \
+                    if "importance_sampling" in name else ""
+                raise ValueError(f"NemoRLTriageLoss: loss_fn.{name}={value!r} is not supported with the TRIAGE "
+                                 f"loss; set it to {ok!r}{alt}")
+        c = {k: cfg.get(k, v) for k, v in CLIPPED_PG_DEFAULTS.items()}
+        if c["ratio_clip_c"] is not None and c["ratio_clip_c"] <= 1:
+            raise ValueError(f"NemoRLTriageLoss: loss_fn.ratio_clip_c must be > 1, got {c['ratio_clip_c']}")
+        if c["reference_policy_kl_type"] not in ("k1", "k2", "k3"):
+            raise ValueError("NemoRLTriageLoss: loss_fn.reference_policy_kl_type must be k1, k2 or k3, got "
+                             f"{c['reference_policy_kl_type']!r}")
+        self.clip_low, self.clip_high = float(c["ratio_clip_min"]), float(c["ratio_clip_max"])
+        self.ratio_clip_c = c["ratio_clip_c"]
+        self.reference_policy_kl_penalty = 0.0 if c["use_kl_in_reward"] else float(c["reference_policy_kl_penalty"])
+        self.reference_policy_kl_type = c["reference_policy_kl_type"]
+        self.kl_input_clamp_value, self.kl_output_clamp_value = c["kl_input_clamp_value"], c["kl_output_clamp_value"]
+        self.token_level_loss = bool(c["token_level_loss"])
+        self.force_on_policy_ratio = bool(c["force_on_policy_ratio"])
+        self.use_fused_linear_logprobs = bool(use_fused_linear_logprobs)
+        self.settings = HookSettings(run_dir=run_dir, monitor=monitor or MonitorConfig(), triage=triage,
+                                     manifest={"framework": "nemo-rl", "nemo_rl_commit": NEMO_RL_COMMIT,
+                                               **(manifest or {})},
+                                     on_invalid=on_invalid, step_source=step_source, key=uuid.uuid4().hex)
 
-    def __init__(self, controller: Optional[TriageController] = None, clip_low: float = 0.2, clip_high: float = 0.28,
-                 on_invalid: str = "raise", monitor=None, step: Optional[int] = None):
-        self.controller = controller or TriageController()
-        self.clip_low, self.clip_high, self.on_invalid = clip_low, clip_high, on_invalid
-        self._init_steps(monitor, step)
+    # ------------------------------------------------------------- protocol
+    @property
+    def input_type(self):
+        """``LossInputType.LOGPROB``: NeMo passes ``next_token_logprobs``."""
+        return _nemo_interfaces()[1].LOGPROB
 
-    def __call__(self, next_token_logits, data, global_valid_seqs=None, global_valid_toks=None, **kwargs):
-        logits = next_token_logits[:, :-1].float()
-        ids = data["input_ids"][:, 1:]
-        live = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-        batch = batch_from_nemo_rl(data, on_invalid=self.on_invalid, learner_logp=live)
-        old = gather_flat(batch, data["prev_logprobs"][:, 1:])
-        step = self._call_step()
-        res = triage_loss(self.controller, batch, step, old_logp=old, clip_low=self.clip_low,
-                          clip_high=self.clip_high, normalization="global_token",
-                          global_denominator=None)
-        self._finish_call(step, res)
-        loss = res.loss
-        if global_valid_toks is not None:   # NeMo sums micro-batch losses: scale to the global token mean
-            loss = loss * (batch.num_tokens / torch.as_tensor(global_valid_toks, dtype=torch.float32).clamp(min=1))
-        return loss, {f"triage/{k}": v for k, v in res.output.stats.items()}
+    @property
+    def loss_type(self):
+        """``LossType.TOKEN_LEVEL`` (``loss_fn.token_level_loss``, default) or ``SEQUENCE_LEVEL``."""
+        lt = _nemo_interfaces()[0]
+        return lt.TOKEN_LEVEL if self.token_level_loss else lt.SEQUENCE_LEVEL
+
+    @property
+    def metric_normalizations(self) -> dict:
+        """Per metric, the global denominator it was divided by (NeMo's ``MetricNormalizer``; {} without NeMo)."""
+        mn = _nemo_interfaces()[2]
+        if mn is None:
+            return {}
+        grad = mn.TOKENS if self.token_level_loss else mn.SEQUENCES
+        out = {k: mn.TOKENS for k in ("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
+                                      "policy_kl_error", "js_divergence_error", "approx_entropy",
+                                      "sampling_importance_ratio")}
+        out.update({"loss": grad, "kl_penalty": grad, "num_valid_samples": mn.NONE, "positive_nll_loss": mn.NONE,
+                    **{k: mn.NONE for k in EXTREMA}})
+        if self.settings.triage is not None:
+            out.update({f"triage/{k}": mn.TOKENS for k in TRIAGE_STATS})
+        return out
+
+    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, **kwargs):
+        """Loss of one micro-batch (already divided by the global count) and NeMo's metrics + ``triage/*``.
+
+        Args:
+            next_token_logprobs: ``(B, S−1)`` live log-probs (nats, grad-carrying).
+            data: the micro-batch ``BatchedDataDict`` (``(B, S)`` tensors, module docstring).
+            global_valid_seqs, global_valid_toks: NeMo's global counts (tensors or numbers).
+
+        Returns:
+            ``(loss, metrics)``: 0-dim float32 tensor; dict of floats.
+        """
+        curr = next_token_logprobs
+        batch = batch_from_nemo_rl(data, on_invalid=self.settings.on_invalid, learner_logp=curr)
+        gen = batch.sampler_logp
+        prev = batch.learner_logp.detach() if self.force_on_policy_ratio \
+            else batch.gather(data["prev_logprobs"][:, 1:])
+        toks = _as_float(global_valid_toks, curr.device)
+        seqs = _as_float(global_valid_seqs, curr.device)
+        mode, den = ("token_mean", toks) if self.token_level_loss else ("seq_mean_token_mean", seqs)
+        triage = self.runtime.controller
+        repair_den = toks / triage.config.repair_width if triage is not None else None
+        res = self.compute_loss(batch, old_logp=prev, clip_low=self.clip_low, clip_high=self.clip_high,
+                                dual_clip=self.ratio_clip_c, agg_mode=mode, denominator=den + 1e-8,
+                                repair_denominator=repair_den)
+        kl = torch.zeros((), device=curr.device)
+        if self.reference_policy_kl_penalty != 0:
+            live = batch.learner_logp
+            if "curr_logprobs_unfiltered" in data:
+                live = batch.gather(data["curr_logprobs_unfiltered"])
+            kl_tok = reference_kl(live, batch.gather(data["reference_policy_logprobs"][:, 1:]),
+                                  self.reference_policy_kl_type, self.kl_input_clamp_value, self.kl_output_clamp_value)
+            kl = self.reference_policy_kl_penalty * agg_loss(kl_tok, torch.ones_like(kl_tok), batch, mode,
+                                                             denominator=den + 1e-8)
+        loss = res.loss + kl
+        metrics = self._nemo_metrics(batch, prev, gen, res, loss, kl, toks, data)
+        if triage is not None:
+            share = batch.num_tokens / (float(toks) + 1e-8)
+            for k, v in res.output.stats.items():
+                metrics[f"triage/{k}"] = float(v) if k == "repair_loss" else float(v) * share
+        return loss, metrics
+
+    def _nemo_metrics(self, batch, prev, gen, res, loss, kl, toks, data) -> dict:
+        """``ClippedPGLossFn``'s metrics (same names, same values and normalisation) on this micro-batch."""
+        with torch.no_grad():
+            den = toks + 1e-8
+            tsum = lambda v: float(v.float().sum() / den)  # noqa: E731  (NeMo: masked_mean over global_valid_toks)
+            kl_type = self.reference_policy_kl_type
+            lp, g, p = batch.learner_logp.detach().float(), gen.float(), prev.float()
+            ratio = torch.exp(lp - p)
+            clamped = ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+            log_mix = torch.log(0.5 * torch.exp(p) + 0.5 * torch.exp(g))
+            js = 0.5 * (torch.exp(p - log_mix) - (p - log_mix) - 1) + 0.5 * (torch.exp(g - log_mix) - (g - log_mix) - 1)
+            n = batch.num_tokens
+            out = {
+                "loss": float(loss.detach()),
+                "probs_ratio": tsum(ratio), "probs_ratio_clamped": tsum(clamped),
+                "probs_ratio_min": float(ratio.min()) if n else float("inf"),
+                "probs_ratio_max": float(ratio.max()) if n else float("-inf"),
+                "probs_ratio_clamped_min": float(clamped.min()) if n else float("inf"),
+                "probs_ratio_clamped_max": float(clamped.max()) if n else float("-inf"),
+                "kl_penalty": float(kl) / self.reference_policy_kl_penalty if float(kl) else 0,
+                "token_mult_prob_error": tsum(torch.exp(torch.abs(g - p))),
+                "gen_kl_error": tsum(reference_kl(g, p, kl_type, None, None, score_function=False)),
+                "policy_kl_error": tsum(reference_kl(p, g, kl_type, None, None, score_function=False)),
+                "js_divergence_error": tsum(js),
+                "sampling_importance_ratio": tsum(torch.exp(p - g).nan_to_num(0.0, 0.0, 0.0)),
+                "num_valid_samples": float(data["sample_mask"].sum()),
+                "approx_entropy": -tsum(torch.exp(lp - g) * lp),
+                "positive_nll_loss": 0.0,
+            }
+        return out
+
+
+def _as_float(x, device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float32, device=device)
+
+
+__all__ = ["NEMO_RL_COMMIT", "CLIPPED_PG_DEFAULTS", "UNSUPPORTED", "batch_from_nemo_rl", "NemoRLTriageLoss"]

@@ -1,88 +1,370 @@
-"""OpenRLHF hook: monitoring adapter and a drop-in ``PolicyLoss`` replacement.
+"""OpenRLHF hook: the TRIAGE loss (or monitoring only) inside OpenRLHF's Ray policy actor.
 
-Checked against OpenRLHF 0.11.2 (``openrlhf/models/loss.py``, ``trainer/ray/ppo_actor.py``,
-``trainer/ppo_utils/samples_generator.py``, ``utils/agent.py``):
+Checked against OpenRLHF 0.11.2 (``openrlhf/cli/train_ppo_ray.py``, ``trainer/ray/ppo_actor.py``,
+``models/loss.py``, ``utils/loss_utils.py``, ``trainer/ppo_utils/experience.py``, ``samples_generator.py``).
+Usage and the exact command lines: docs/hooks.md#openrlhf.
 
-* Tensors ``(B, A)``: ``action_log_probs`` (live learner), ``old_action_log_probs`` (learner
-  recomputation), ``experience.rollout_log_probs`` (vLLM), ``advantages`` (per token),
-  ``experience.action_mask``.  The A axis spans prompt + response shifted by one
-  (``sequences[1:]``): prompt and tool-feedback columns hold rollout log-prob **0.0** and
-  ``action_mask`` 0.  Positions are therefore counted from each row's first action column.
-* No registry: ``PPOActor`` calls ``self.actor_loss_fn(log_probs, old_log_probs, advantages,
-  action_mask=, rollout_log_probs=, dp_size=, batch_num_tokens=, global_batch_size=)`` and expects
-  ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``.  :class:`TriagePolicyLoss` has exactly
-  that signature; install it by assigning ``actor.actor_loss_fn = TriagePolicyLoss(...)``.
-* Packed rows (several samples in one row) need ``TokenBatch.from_packed`` with the packed
-  lengths; this adapter handles one sample per row.
+**Where the loss runs.**  ``openrlhf.cli.train_ppo_ray`` starts the Ray actor class ``PolicyModelActor``
+(hard-coded there); its ``init_model_from_pretrained`` builds an ``ActorPPOTrainer`` whose ``actor_loss_fn``
+(an ``openrlhf.models.loss.PolicyLoss``) is called once per micro-batch by ``ActorPPOTrainer.training_step``::
+
+    actor_loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = self.actor_loss_fn(
+        action_log_probs, old_action_log_probs, advantages, action_mask=..., rollout_log_probs=...,
+        dp_size=..., batch_num_tokens=..., global_batch_size=...)
+
+:func:`policy_actor_class` makes a ``PolicyModelActor`` subclass that, inside each Ray actor, replaces
+``trainer.actor_loss_fn`` by an :class:`OpenRLHFTriageLoss` built there from the picklable
+:class:`~triage_monitor.hooks._runtime.HookSettings` (a class attribute, shipped with the class by Ray), and
+:func:`run_cli` / ``python -m triage_monitor.hooks.openrlhf`` run OpenRLHF's own CLI (its argument parser and
+``train``) with that subclass in place of ``PolicyModelActor``.  No OpenRLHF file is changed.
+
+**Tensors** ``(B, A)``, A = T − 1: every row is one sample's prompt + response shifted by one
+(``sequences[1:]``), **right**-padded to the batch's longest row (``zero_pad_sequences(..., "right")``).
+Prompt, tool-output and padding columns have ``action_mask`` 0 and rollout log-prob 0.0; positions count from
+each row's first action column (tool tokens inside the response keep counting).  ``rollout_log_probs`` exist
+only with ``--algo.advantage.is_correction_level token|seq`` (the CLI then asks vLLM for
+``processed_logprobs``); otherwise they are None and the hook refuses to start.
+
+**Loss.**  :func:`~triage_monitor.loss.triage_policy_loss` with OpenRLHF's own conventions, read from the
+trainer's ``PolicyLoss``: clip ``[1 − clip_eps_low, 1 + clip_eps_high]``, ``dual_clip``, ``aggregate_loss``
+(``--actor.loss_agg_mode token-mean`` → ``token_mean`` over ``batch_num_tokens``, ``seq-mean-token-mean`` →
+``seq_mean_token_mean`` over ``global_batch_size``, both × ``dp_size``; plain masked means when those are None)
+and OpenRLHF's train/rollout IS correction (:func:`is_correction_coef`) as a per-token loss factor.  With Gate,
+TIS and Repair off the loss equals ``PolicyLoss`` on the same tensors.  OpenRLHF's own returned metrics
+(``ppo_clip_ratio``, ``ppo_kl``, ``vllm_kl``, ``is_filter_ratio``) are computed by OpenRLHF's ``PolicyLoss``
+itself on the same tensors and keep their meaning; the controller's statistics are added to the actor's
+``fit`` status as ``triage/<name>`` (mean over the step's loss calls and the data-parallel ranks).
+
+**Step.**  ``training_step``'s ``step`` argument is the micro-batch index within one PPO epoch and the actor's
+``fit`` gets no global step, so the monitored step is the number of optimizer steps this actor has taken
+(DeepSpeed steps the torch optimizer once per ``accumulated_gradient`` micro-batches; the hook runtime counts
+those steps).  The step counters and the controller's calibration are stored in OpenRLHF's checkpoint
+(``client_states["triage"]``) and restored on resume.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
 
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageController
 
-from ._common import LossHookSteps, gather_flat, leading_positions, triage_loss
+from ._common import leading_positions
+from ._runtime import HookSettings, LossHook
+
+#: OpenRLHF releases this hook was run against (docs/hooks.md#openrlhf).
+TESTED_VERSIONS = ("0.11.2",)
+
+#: The OpenRLHF flags that make its IS correction a no-op (coefficient 1 on every token) while keeping the
+#: rollout log-probs: needed when TRIAGE's own TIS is on.
+IDENTITY_CORRECTION_FLAGS = ("--algo.advantage.is_correction_level token --algo.advantage.is_correction_mode clip "
+                             "--algo.advantage.is_correction_threshold 1 1")
 
 
 def batch_from_openrlhf(log_probs, rollout_log_probs, advantages, action_mask, on_invalid: str = "raise",
                         sample_ids=None, group_ids=None) -> TokenBatch:
-    """TokenBatch from OpenRLHF ``(B, A)`` tensors (learner ``log_probs``, vLLM ``rollout_log_probs``).
+    """TokenBatch from OpenRLHF ``(B, A)`` tensors (learner ``log_probs``, vLLM ``rollout_log_probs``, nats).
+
+    Positions count from each row's first ``action_mask`` column (module docstring).
 
     Raises:
-        ValueError: ``rollout_log_probs`` is None (the vLLM engine did not return log-probs).
+        ValueError: ``rollout_log_probs`` is None (OpenRLHF keeps vLLM log-probs only with
+            ``--algo.advantage.is_correction_level token|seq``); invalid tokens (``on_invalid="raise"``).
     """
     if rollout_log_probs is None:
-        raise ValueError("rollout_log_probs is None: OpenRLHF only keeps vLLM log-probs when the rollout "
-                         "returns them (vLLM logprobs enabled, e.g. with IS correction on)")
+        raise ValueError("rollout_log_probs is None: OpenRLHF keeps the vLLM log-probs only with "
+                         "--algo.advantage.is_correction_level token|seq (docs/hooks.md#openrlhf)")
     return TokenBatch.from_padded(log_probs, rollout_log_probs, advantages, action_mask,
                                   positions=leading_positions(action_mask), sample_ids=sample_ids,
                                   group_ids=group_ids, on_invalid=on_invalid)
 
 
-class TriagePolicyLoss(LossHookSteps, torch.nn.Module):
-    """Drop-in for ``openrlhf.models.loss.PolicyLoss`` computing the TRIAGE loss.
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    if dim is None:
+        return (x * m).sum() / m.sum().clamp(min=1e-8)
+    return (x * m).sum(dim) / m.sum(dim).clamp(min=1e-8)
 
-    PPO ratio against ``old_log_probs``; TIS weight ``clamp(exp(old − rollout), lo, hi)`` and the
-    Gate from δ = learner − rollout; ``token_level_loss=True`` → ``global_token`` normalisation,
-    else ``per_response``.  ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size`` rescale the
-    micro-batch loss as OpenRLHF's ``aggregate_loss`` does.  Set ``step`` to the optimizer step
-    (unset, each call counts as a step, warned once); with a ``monitor`` the calls of one step are
-    merged into one ``log_step`` (written when ``step`` changes, on ``flush()`` / ``close()``).
+
+def is_correction_coef(policy_loss, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                       action_mask: torch.Tensor) -> torch.Tensor:
+    """OpenRLHF's train/rollout IS-correction coefficient per token, ``(B, A)`` float, detached.
+
+    The factor ``PolicyLoss.forward`` (OpenRLHF 0.11.2) multiplies the per-token PPO loss with, from its
+    ``is_correction_level`` (``token`` | ``seq``), ``is_correction_mode`` (``mask``: out-of-band units 0, the
+    others keep their IS ratio ``exp(old − rollout)``; ``clip``: the token ratio clamped into the band),
+    ``is_correction_gating`` (``ratio``, ``binary_kl``, ``tv``) and ``is_correction_threshold`` (low, high).
+    The equality with ``PolicyLoss`` is tested on OpenRLHF's own function (tests/test_hooks_openrlhf.py).
+
+    Raises:
+        ValueError: ``is_correction_level`` is ``off`` (no coefficient: OpenRLHF then keeps no rollout log-probs).
+    """
+    level = policy_loss.is_correction_level
+    if level == "off":
+        raise ValueError("is_correction_coef: is_correction_level is 'off'")
+    low, high = policy_loss.is_correction_threshold
+    mask = action_mask
+    with torch.no_grad():
+        is_log_ratio = (old_log_probs - rollout_log_probs).detach()
+        token_is = is_log_ratio.exp()
+        if policy_loss.is_correction_gating == "ratio":
+            stat = _masked_mean(is_log_ratio, mask, dim=-1).unsqueeze(-1) if level == "seq" else is_log_ratio
+            stat = stat.exp()
+        else:
+            p = rollout_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+            q = old_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+            if policy_loss.is_correction_gating == "binary_kl":
+                stat = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+            else:
+                stat = (p - q).abs()
+            if level == "seq":
+                stat = _masked_mean(stat, mask, dim=-1).unsqueeze(-1)
+        if policy_loss.is_correction_mode == "clip":
+            coef = stat.clamp(min=low, max=high)
+        else:
+            coef = torch.where((stat >= low) & (stat <= high), token_is, 0.0)
+        return coef.expand_as(old_log_probs)
+
+
+def _is_identity_correction(pl) -> bool:
+    return (pl.is_correction_level == "token" and pl.is_correction_mode == "clip"
+            and pl.is_correction_gating == "ratio" and tuple(pl.is_correction_threshold) == (1.0, 1.0))
+
+
+class OpenRLHFTriageLoss(LossHook):
+    """Replacement of ``ActorPPOTrainer.actor_loss_fn``: the TRIAGE loss with OpenRLHF's conventions.
+
+    Built inside the policy actor from picklable :class:`HookSettings` and the trainer's own ``PolicyLoss``
+    (whose settings it follows and which it calls for OpenRLHF's own metrics); carries no live object, so it
+    survives a cloudpickle round trip.  ``settings.triage`` None = monitoring only (Gate, TIS, Repair off: the
+    loss is OpenRLHF's).
+
+    Args:
+        settings: the hook's :class:`HookSettings`.
+        policy_loss: the trainer's ``openrlhf.models.loss.PolicyLoss`` (``trainer.actor_loss_fn``).
+
+    Raises:
+        ValueError: ``policy_loss_type='gspo'`` (a sequence-level ratio; the controller weights tokens);
+            ``is_correction_level='off'`` (no rollout log-probs); TRIAGE's TIS on together with an OpenRLHF IS
+            correction that is not the identity (both would weight the same ratio).
+        TypeError: ``policy_loss`` is not an OpenRLHF ``PolicyLoss``.
     """
 
-    def __init__(self, controller: Optional[TriageController] = None, clip_eps_low: float = 0.2,
-                 clip_eps_high: float = 0.2, token_level_loss: bool = True, monitor=None, on_invalid: str = "raise",
-                 step: Optional[int] = None):
-        super().__init__()
-        self.controller = controller or TriageController()
-        self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
-        self.normalization = "global_token" if token_level_loss else "per_response"
-        self.on_invalid = on_invalid
-        self._init_steps(monitor, step)
+    def __init__(self, settings: HookSettings, policy_loss):
+        missing = [a for a in ("clip_eps_low", "clip_eps_high", "dual_clip", "token_level_loss", "policy_loss_type",
+                               "is_correction_level", "is_correction_mode", "is_correction_gating",
+                               "is_correction_threshold") if not hasattr(policy_loss, a)]
+        if missing:
+            raise TypeError(f"OpenRLHFTriageLoss: policy_loss must be OpenRLHF's PolicyLoss (trainer.actor_loss_fn); "
+                            f"{type(policy_loss).__name__} lacks {missing}")
+        if policy_loss.policy_loss_type != "ppo":
+            raise ValueError(f"OpenRLHFTriageLoss: --actor.policy_loss_type {policy_loss.policy_loss_type!r} is not "
+                             "supported (GSPO's ratio is per sequence; the TRIAGE controller weights tokens): use ppo")
+        if policy_loss.is_correction_level == "off":
+            raise ValueError("OpenRLHFTriageLoss: --algo.advantage.is_correction_level is 'off', so OpenRLHF keeps no "
+                             "rollout (vLLM) log-probs and nothing can be monitored. Set it to token or seq; with "
+                             f"TRIAGE's TIS on, make OpenRLHF's correction a no-op: {IDENTITY_CORRECTION_FLAGS}")
+        if settings.triage is not None and settings.triage.tis and not _is_identity_correction(policy_loss):
+            raise ValueError(
+                "OpenRLHFTriageLoss: TRIAGE's TIS and OpenRLHF's IS correction (is_correction_level="
+                f"{policy_loss.is_correction_level}, mode={policy_loss.is_correction_mode}, threshold="
+                f"{list(policy_loss.is_correction_threshold)}) would both weight the loss by the train/rollout ratio. "
+                f"Either TriageConfig(tis=False) (OpenRLHF's correction stays), or make OpenRLHF's a no-op: "
+                f"{IDENTITY_CORRECTION_FLAGS}")
+        self.settings = settings
+        self.policy_loss = policy_loss
+        self.agg_mode = "token_mean" if policy_loss.token_level_loss else "seq_mean_token_mean"
 
-    def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None,
-                dp_size: int = 1, batch_num_tokens=None, global_batch_size=None):
+    def __call__(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None,
+                 dp_size: int = 1, batch_num_tokens=None, global_batch_size=None):
+        """``PolicyLoss.forward``'s signature and 5-tuple: ``(loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio)``.
+
+        Args: ``(B, A)`` learner ``log_probs`` (live), ``old_log_probs``, ``advantages``, ``action_mask``,
+        ``rollout_log_probs`` (nats); ``dp_size``, ``batch_num_tokens``, ``global_batch_size`` from OpenRLHF's
+        loss-batch info.  The last four values are OpenRLHF's own, from its ``PolicyLoss`` on the same tensors.
+
+        Raises:
+            ValueError: ``rollout_log_probs`` or ``action_mask`` is None; invalid tokens.
+        """
         if action_mask is None:
-            action_mask = torch.ones_like(log_probs, dtype=torch.bool)
-        batch = batch_from_openrlhf(log_probs, rollout_log_probs, advantages, action_mask, self.on_invalid)
-        old = gather_flat(batch, old_log_probs)
-        step = self._call_step()
-        res = triage_loss(self.controller, batch, step, old_logp=old, clip_low=self.clip_eps_low,
-                          clip_high=self.clip_eps_high, normalization=self.normalization)
-        scale = 1.0
-        if self.normalization == "global_token" and batch_num_tokens is not None:
-            scale = batch.num_tokens / float(batch_num_tokens) * dp_size
-        elif self.normalization == "per_response" and global_batch_size is not None:
-            scale = float((batch.num_valid > 0).sum()) / float(global_batch_size) * dp_size
-        self._finish_call(step, res)
+            raise ValueError("OpenRLHFTriageLoss: action_mask is None (OpenRLHF's training_step always passes it)")
+        pl = self.policy_loss
+        batch = batch_from_openrlhf(log_probs, rollout_log_probs, advantages, action_mask,
+                                    on_invalid=self.settings.on_invalid)
         with torch.no_grad():
-            r = torch.exp(batch.learner_logp.float() - old.float())
-            clip_ratio = ((r < 1 - self.clip_eps_low) | (r > 1 + self.clip_eps_high)).float().mean()
-            ppo_kl = (old.float() - batch.learner_logp.float()).mean()
-            vllm_kl = (batch.sampler_logp.float() - old.float()).mean()
-            filt = torch.tensor(res.output.stats["gate_downweighted_frac"])
-        return res.loss * scale, clip_ratio, ppo_kl, vllm_kl, filt
+            _, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = pl(
+                log_probs.detach(), old_log_probs, advantages, action_mask=action_mask,
+                rollout_log_probs=rollout_log_probs, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+                global_batch_size=global_batch_size)
+        coef = is_correction_coef(pl, old_log_probs, rollout_log_probs, action_mask)
+        denominator = batch_num_tokens if self.agg_mode == "token_mean" else global_batch_size
+        res = self.compute_loss(batch, old_logp=batch.gather(old_log_probs), clip_low=pl.clip_eps_low,
+                                clip_high=pl.clip_eps_high, dual_clip=pl.dual_clip, agg_mode=self.agg_mode,
+                                denominator=denominator, loss_scale=float(dp_size) if denominator is not None else 1.0,
+                                token_scale=batch.gather(coef))
+        if self.runtime.controller is not None:
+            self._stats().append({k: float(v) for k, v in res.output.stats.items()
+                                  if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.numel() == 1)})
+        return res.loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
+
+    def _stats(self) -> list:
+        if not hasattr(self, "_live_stats"):
+            self._live_stats = []
+        return self._live_stats
+
+    def pop_stats(self) -> dict:
+        """Mean of the controller's statistics over the loss calls since the last call (``{}`` when none)."""
+        calls, self._live_stats = self._stats(), []
+        keys = sorted({k for c in calls for k in c})
+        return {k: sum(c[k] for c in calls if k in c) / sum(1 for c in calls if k in c) for k in keys}
+
+
+def install(trainer, settings: HookSettings) -> OpenRLHFTriageLoss:
+    """Replace ``trainer.actor_loss_fn`` (an ``ActorPPOTrainer``'s ``PolicyLoss``) by the TRIAGE loss; returns it.
+
+    Raises:
+        ValueError / TypeError: as :class:`OpenRLHFTriageLoss` (unsupported OpenRLHF options).
+    """
+    current = trainer.actor_loss_fn
+    if isinstance(current, OpenRLHFTriageLoss):
+        return current
+    loss = OpenRLHFTriageLoss(settings, current)
+    trainer.actor_loss_fn = loss
+    return loss
+
+
+class TriagePolicyActorMixin:
+    """What :func:`policy_actor_class` adds to OpenRLHF's ``PolicyModelActor`` (usable with your own subclass).
+
+    ``triage_settings`` (class attribute): the :class:`HookSettings`.  ``init_model_from_pretrained`` installs
+    :class:`OpenRLHFTriageLoss` on ``self.trainer`` (and restores its state from OpenRLHF's checkpoint);
+    ``fit`` adds ``triage/<stat>`` to the status OpenRLHF logs; ``save_checkpoint`` stores the hook's state in
+    ``client_states["triage"]``; ``save_model`` (called once, at the end of ``train``) closes the monitor.
+    """
+
+    triage_settings: Optional[HookSettings] = None
+
+    def init_model_from_pretrained(self, strategy, *args, **kwargs):
+        super().init_model_from_pretrained(strategy, *args, **kwargs)
+        self._install_triage()
+
+    def _install_triage(self) -> None:
+        """Install the loss hook on ``self.trainer``; restore its state from ``self.checkpoint_states``."""
+        if self.triage_settings is None:
+            raise ValueError("TriagePolicyActorMixin: triage_settings is None (build the class with "
+                             "policy_actor_class(settings))")
+        self.triage_loss = install(self.trainer, self.triage_settings)
+        state = (getattr(self, "checkpoint_states", None) or {}).get("triage")
+        if state is not None:
+            self.triage_loss.load_state_dict(state)
+
+    def fit(self, kl_ctl: float = 0):
+        status = super().fit(kl_ctl)
+        stats = self.triage_loss.pop_stats()
+        if stats:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                stats = self.strategy.all_reduce(stats)          # OpenRLHF's own mean over the DP ranks
+            status.update({f"triage/{k}": float(v) for k, v in stats.items()})
+        return status
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        client_states = dict(client_states or {})
+        client_states["triage"] = self.triage_loss.state_dict()
+        return super().save_checkpoint(tag, client_states, metric_value=metric_value, metric_key=metric_key)
+
+    def save_model(self):
+        out = super().save_model()
+        self.triage_loss.close()
+        return out
+
+
+def policy_actor_class(settings: HookSettings, num_gpus: float = 1):
+    """A Ray actor class: OpenRLHF's ``PolicyModelActor`` with :class:`TriagePolicyActorMixin` and ``settings``.
+
+    Pass it wherever OpenRLHF takes the policy actor class (``RayActorGroup(..., ray_actor_type, ...)``), or use
+    :func:`run_cli`.  The class (with its settings) is pickled into the actors by Ray.
+
+    Raises:
+        ImportError: OpenRLHF (and the GPU stack its ``ppo_actor`` module imports) is not installed.
+    """
+    import ray
+    from openrlhf.trainer.ray import ppo_actor
+
+    base = ppo_actor.PolicyModelActor
+    base = getattr(base, "__ray_actor_class__", base)        # the plain class behind @ray.remote
+    cls = type("TriagePolicyModelActor", (TriagePolicyActorMixin, base),
+               {"triage_settings": settings, "__module__": __name__,
+                "__doc__": "OpenRLHF's PolicyModelActor with the triage-monitor loss hook (docs/hooks.md#openrlhf)."})
+    return ray.remote(num_gpus=num_gpus)(cls)
+
+
+def run_cli(settings: HookSettings, argv: Optional[Sequence[str]] = None) -> None:
+    """Run OpenRLHF's ``openrlhf.cli.train_ppo_ray`` (its own parser, checks and ``train``) with the policy actor
+    class of :func:`policy_actor_class` in place of ``PolicyModelActor``; ``argv``: OpenRLHF's arguments.
+
+    The substitution is the module attribute ``openrlhf.trainer.ray.ppo_actor.PolicyModelActor`` for the
+    duration of the call (the CLI imports the class from there); it is restored afterwards.
+    """
+    import runpy
+
+    from openrlhf.trainer.ray import ppo_actor
+
+    original = ppo_actor.PolicyModelActor
+    saved_argv = sys.argv
+    ppo_actor.PolicyModelActor = policy_actor_class(settings)
+    sys.argv = ["openrlhf.cli.train_ppo_ray", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    finally:
+        ppo_actor.PolicyModelActor = original
+        sys.argv = saved_argv
+
+
+def parse_triage_args(argv: Sequence[str]):
+    """Split ``argv`` into this hook's ``--triage.*`` options and OpenRLHF's arguments: ``(HookSettings, rest)``.
+
+    ``--triage.run_dir DIR`` (required), ``--triage.config FILE`` (JSON object of ``TriageConfig`` fields;
+    default: the published TRIAGE configuration), ``--triage.monitor_only`` (no controller: OpenRLHF's loss),
+    ``--triage.manifest FILE`` (JSON facts stored in ``run.json``).
+
+    Raises:
+        SystemExit: (argparse) a missing ``--triage.run_dir`` or a bad value.
+    """
+    p = argparse.ArgumentParser(prog="python -m triage_monitor.hooks.openrlhf", add_help=False)
+    p.add_argument("--triage.run_dir", dest="run_dir", required=True)
+    p.add_argument("--triage.config", dest="config", default=None)
+    p.add_argument("--triage.monitor_only", dest="monitor_only", action="store_true")
+    p.add_argument("--triage.manifest", dest="manifest", default=None)
+    ns, rest = p.parse_known_args(list(argv))
+    if ns.monitor_only and ns.config:
+        p.error("--triage.monitor_only and --triage.config exclude each other")
+    from triage_monitor.controller import TriageConfig
+
+    triage = None if ns.monitor_only else TriageConfig(**(json.loads(open(ns.config).read()) if ns.config else {}))
+    manifest = {"framework": "openrlhf"}
+    if ns.manifest:
+        manifest.update(json.loads(open(ns.manifest).read()))
+    return HookSettings(run_dir=ns.run_dir, triage=triage, manifest=manifest), rest
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m triage_monitor.hooks.openrlhf --triage.run_dir DIR [--triage.*] <train_ppo_ray arguments>``."""
+    settings, rest = parse_triage_args(sys.argv[1:] if argv is None else argv)
+    run_cli(settings, rest)
+
+
+if __name__ == "__main__":
+    from triage_monitor.hooks.openrlhf import main as _main   # the importable module, so Ray pickles by reference
+
+    _main()
+
+
+__all__ = ["batch_from_openrlhf", "is_correction_coef", "OpenRLHFTriageLoss", "install", "TriagePolicyActorMixin",
+           "policy_actor_class", "run_cli", "parse_triage_args", "main", "TESTED_VERSIONS",
+           "IDENTITY_CORRECTION_FLAGS"]

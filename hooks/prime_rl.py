@@ -1,34 +1,86 @@
-"""prime-rl hook: per-sample monitoring adapter and a custom loss importable by path.
+"""prime-rl hook: the TRIAGE loss as prime-rl's custom RL loss (``[trainer.loss] type = "custom"``).
 
-prime-rl ("Bring your own loss", ``prime_rl.trainer.rl.loss``, public repository as of 2026) calls a
-custom loss once **per sample** as ``fn(inputs: LossInputs, **kwargs) -> LossOutputs`` with 1-D
-tensors ``inputs.trainer_logprobs`` (live learner), ``inputs.inference_logprobs`` (vLLM),
-``inputs.advantages`` (per token), ``inputs.loss_mask`` (bool) for one packed sequence.  Point the
-trainer's custom-loss import path at ``triage_monitor.hooks.prime_rl.triage_loss_fn`` (see docs/hooks.md).
+Checked against prime-rl's public repository at commit ``559b44772e471d1538537b8805cc77f3824a5e64``
+(``src/prime_rl/trainer/rl/loss.py``, ``src/prime_rl/trainer/rl/train.py``); prime-rl does not install on a
+CPU machine, so ``tests/test_hooks_prime_rl.py`` reproduces its call site (docs/hooks.md#prime-rl).
 
-Because the call is per sample, the Gate and TIS weights are exactly the core API's (they are per
-response), and the Repair term is the per-response average of φ; prime-rl then sums per-sample
-losses and divides by its loss scale.  prime-rl is not installable on CPU from PyPI: tested
-against its documented per-sample layout.
+How prime-rl calls a custom loss: ``setup_rl_loss_fn`` imports ``[trainer.loss] import_path`` and calls it as
+``fn(inputs, **kwargs)`` once **per sample** (``kwargs`` = ``[trainer.loss] kwargs``); ``inputs`` is a
+``LossInputs`` with 1-D tensors over the packed sample (prompt + completion): ``trainer_logprobs`` (live,
+grad-carrying, nats), ``inference_logprobs`` (vLLM), ``advantages`` (per token), ``loss_mask`` (bool),
+``ref_logprobs`` and ``loss_weights`` (None unless distillation streams are used).  It must return a
+``LossOutputs(loss, metrics)`` whose ``loss`` is the sample's **sum** over its loss tokens (``compute_loss``
+adds the samples and divides by ``rl_scale``, the global loss-token count) and whose metric values are
+**tensors** (0-dim, stacked over samples).
+
+What this hook computes: prime-rl's default loss (DPPO-Binary-TV + squared-log-ratio KL, anchored on the
+inference log-probs; :func:`triage_monitor.corrections.dppo_kl_loss`) with the TRIAGE weights, aggregated as a
+per-sample sum (``agg_mode="token_sum"``, the caller's ``rl_scale`` is the framework denominator, so the
+weights are renormalised per response).  With Gate, TIS and Repair off it is prime-rl's ``default_loss_fn``.
+TIS is the identity here: the anchor *is* the inference log-prob, the DPPO ratio already corrects the
+mismatch.  Repair: each sample contributes ``repair_coef · Σφ · repair_width`` so that after prime-rl's
+division by ``rl_scale`` the update's Repair is ``repair_coef · Σφ / (rl_scale / repair_width)``, i.e. the
+update's segment count is taken as its loss tokens / ``repair_width`` (exact when every response fills whole
+segments; prime-rl never shows a sample the update's token count).
+
+Metrics: the default loss's own metrics under their names and with prime-rl's values
+(``masked_mismatch_kl``, ``unmasked_mismatch_kl``, ``is_masked``, ``is_masked_low``, ``is_masked_high``,
+``masked_advantage_positive``, ``masked_advantage_negative``); prime-rl's trainer computes ``mismatch_kl/*``
+itself, outside the loss, so those stay as they are.  The controller's statistics go under ``triage/``.
+Steps: one monitored step per optimizer step (prime-rl's AdamW / Muon step once per ``progress.step``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
+import uuid
+from dataclasses import dataclass
 from typing import Optional
 
-from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageController
+import torch
 
-from ._common import LossHookSteps, triage_loss
+from triage_monitor.batch import TokenBatch
+from triage_monitor.controller import TriageConfig
+from triage_monitor.corrections import dppo_kl_loss
+from triage_monitor.monitor import MonitorConfig
+
+from ._runtime import HookSettings, LossHook
+
+#: The prime-rl commit this hook's call-site contract was read from.
+PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
+
+#: Metrics of prime-rl's ``default_loss_fn``, kept with prime-rl's values.
+DEFAULT_LOSS_METRICS = ("masked_mismatch_kl", "unmasked_mismatch_kl", "is_masked", "is_masked_low", "is_masked_high",
+                        "masked_advantage_positive", "masked_advantage_negative")
+
+try:  # inside prime-rl, its own result type; elsewhere a structural twin (compute_loss reads .loss / .metrics)
+    from prime_rl.trainer.rl.loss import LossOutputs
+except Exception:  # noqa: BLE001 - prime-rl absent or not importable on this machine
+    @dataclass
+    class LossOutputs:
+        """Structural twin of prime-rl's ``LossOutputs`` (``loss``: 0-dim tensor, ``metrics``: name → tensor)."""
+
+        loss: torch.Tensor
+        metrics: dict
 
 
 def batch_from_prime_rl(trainer_logprobs, inference_logprobs, advantages, loss_mask, on_invalid: str = "raise",
                         sample_ids=None, group_ids=None) -> TokenBatch:
     """TokenBatch from prime-rl 1-D per-sample tensors (one sample, or lists of samples).
 
-    A prime-rl sample spans prompt + completion (prompt: ``loss_mask`` False, inference log-prob 0.0);
-    each sample is cut at its first loss token so that position 0 is the first completion token
-    (SPEC.md §2); later masked tokens (tool output) keep counting.
+    A prime-rl sample spans prompt + completion (prompt: ``loss_mask`` False); each sample is cut at its first
+    loss token so that position 0 is the first completion token; later masked tokens (tool output) keep
+    counting.  ``trainer_logprobs`` keeps its gradient.
+
+    Args:
+        trainer_logprobs, inference_logprobs, advantages: ``(T_i,)`` float, nats (or lists of them).
+        loss_mask: ``(T_i,)`` bool (or a list).
+        on_invalid: ``"raise"`` | ``"quarantine"`` (:class:`~triage_monitor.batch.TokenBatch`).
+
+    Raises:
+        ValueError: from :meth:`TokenBatch.from_list` (lengths differ, non-finite values with ``"raise"``).
     """
     if hasattr(trainer_logprobs, "dim") and trainer_logprobs.dim() == 1:
         trainer_logprobs, inference_logprobs = [trainer_logprobs], [inference_logprobs]
@@ -39,34 +91,112 @@ def batch_from_prime_rl(trainer_logprobs, inference_logprobs, advantages, loss_m
                                 sample_ids=sample_ids, group_ids=group_ids, on_invalid=on_invalid)
 
 
-class PrimeRLTriageLoss(LossHookSteps):
-    """Per-sample TRIAGE loss for prime-rl.
+def _safe_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return values[mask].float().sum() / torch.clamp_min(mask.sum(), 1)
 
-    Set ``step`` to the optimizer step (unset, each call — one **sample** — counts as a step, warned
-    once); with a ``monitor`` the samples of one step are merged into one ``log_step`` (written when
-    ``step`` changes, on ``flush()`` / ``close()``).
+
+class PrimeRLTriageLoss(LossHook):
+    """prime-rl custom RL loss with TRIAGE; picklable configuration, per-process runtime.
+
+    Args:
+        run_dir: shared run directory of the monitor (None = no records).
+        triage: :class:`TriageConfig` (or a dict of its fields); None = prime-rl's default loss, monitored only.
+        monitor: :class:`MonitorConfig` (or dict).
+        manifest: extra facts for ``run.json``.
+        dppo_mask_low, dppo_mask_high, adv_tau, kl_tau: prime-rl's ``DefaultLossConfig`` fields (same defaults).
+        on_invalid, step_source: :class:`~triage_monitor.hooks._runtime.HookSettings`.
+        key: identity across processes (default: random; :func:`triage_loss` derives it from its kwargs).
+
+    Raises:
+        ValueError: a negative DPPO threshold / temperature, or a bad ``on_invalid`` / ``step_source``.
     """
 
-    def __init__(self, controller: Optional[TriageController] = None, clip_low: float = 0.2, clip_high: float = 0.28,
-                 on_invalid: str = "raise", monitor=None, step: Optional[int] = None):
-        self.controller = controller or TriageController()
-        self.clip_low, self.clip_high, self.on_invalid = clip_low, clip_high, on_invalid
-        self._init_steps(monitor, step)
+    def __init__(self, run_dir: Optional[str] = None, triage=None, monitor=None, manifest: Optional[dict] = None,
+                 dppo_mask_low: float = 0.2, dppo_mask_high: float = 0.2, adv_tau: float = 1.0, kl_tau: float = 1e-3,
+                 on_invalid: str = "raise", step_source: str = "auto", key: Optional[str] = None):
+        for name, v in (("dppo_mask_low", dppo_mask_low), ("dppo_mask_high", dppo_mask_high), ("adv_tau", adv_tau),
+                        ("kl_tau", kl_tau)):
+            if float(v) < 0:
+                raise ValueError(f"PrimeRLTriageLoss: {name} must be >= 0 (prime-rl's DefaultLossConfig), got {v}")
+        self.surrogate_kwargs = dict(mask_low=float(dppo_mask_low), mask_high=float(dppo_mask_high),
+                                     adv_tau=float(adv_tau), kl_tau=float(kl_tau))
+        # attempt=None: every torchrun rank builds this object itself; rank 0's attempt id is broadcast
+        self.settings = HookSettings(run_dir=run_dir, monitor=monitor or MonitorConfig(), triage=triage,
+                                     manifest={"framework": "prime-rl", "prime_rl_commit": PRIME_RL_COMMIT,
+                                               **(manifest or {})},
+                                     on_invalid=on_invalid, step_source=step_source, attempt=None,
+                                     key=key or uuid.uuid4().hex)
 
-    def __call__(self, inputs, **kwargs):
-        batch = batch_from_prime_rl(inputs.trainer_logprobs, inputs.inference_logprobs, inputs.advantages,
-                                    inputs.loss_mask, self.on_invalid)
-        step = self._call_step()
-        res = triage_loss(self.controller, batch, step, clip_low=self.clip_low, clip_high=self.clip_high,
-                          normalization="per_response")
-        self._finish_call(step, res)
-        metrics = {f"triage/{k}": v for k, v in res.output.stats.items()}
-        try:
-            from prime_rl.trainer.rl.loss import LossOutputs
-        except ImportError:
-            return res.loss, metrics
+    def __call__(self, inputs, **kwargs) -> LossOutputs:
+        """One sample's loss (sum over its loss tokens) and metrics (0-dim tensors).
+
+        Raises:
+            ValueError: ``inputs.loss_weights`` holds weights other than 0/1 on the loss mask (prime-rl's
+                distillation weight streams; not supported with TRIAGE), or extra ``kwargs`` (configure the
+                object, or use :func:`triage_loss` as the import path).
+        """
+        if kwargs:
+            raise ValueError(f"PrimeRLTriageLoss got [trainer.loss] kwargs {sorted(kwargs)}: point import_path at "
+                             "triage_monitor.hooks.prime_rl.triage_loss to configure by kwargs")
+        t_logp, i_logp, adv, mask = inputs.trainer_logprobs, inputs.inference_logprobs, inputs.advantages, \
+            inputs.loss_mask.bool()
+        w = getattr(inputs, "loss_weights", None)
+        if w is not None and bool((w[mask] != 1).any()):
+            bad = int(torch.nonzero(mask & (w != 1))[0])
+            raise ValueError(f"PrimeRLTriageLoss: inputs.loss_weights[{bad}] = {float(w[bad])}; per-token rl weights "
+                             "other than 0/1 are not supported with the TRIAGE loss")
+        batch = batch_from_prime_rl(t_logp, i_logp, adv, mask, self.settings.on_invalid)
+        triage = self.runtime.controller
+        repair_den = (1.0 / triage.config.repair_width) if triage is not None else None
+        res = self.compute_loss(batch, old_logp=batch.sampler_logp, agg_mode="token_sum", denominator=1.0,
+                                repair_denominator=repair_den, surrogate="dppo_kl",
+                                surrogate_kwargs=self.surrogate_kwargs)
+        with torch.no_grad():
+            metrics = self._default_loss_metrics(t_logp.detach(), i_logp, adv, mask)
+        if triage is not None:
+            dev = res.loss.device
+            metrics.update({f"triage/{k}": torch.tensor(float(v), device=dev) for k, v in res.output.stats.items()})
         return LossOutputs(loss=res.loss, metrics=metrics)
 
+    def _default_loss_metrics(self, t_logp, i_logp, adv, mask) -> dict:
+        """prime-rl ``default_loss_fn``'s metrics for one sample (0-dim tensors, prime-rl's definitions)."""
+        _, (masked, low, high) = dppo_kl_loss(t_logp, i_logp, adv, return_masks=True, **self.surrogate_kwargs)
+        log_ratio = t_logp.float() - i_logp.float()
+        mismatch_kl = torch.exp(log_ratio) - log_ratio - 1
+        keep, drop = mask & ~masked, mask & masked
+        return {"masked_mismatch_kl": _safe_mean(mismatch_kl, drop),
+                "unmasked_mismatch_kl": _safe_mean(mismatch_kl, keep),
+                "is_masked": _safe_mean(masked, mask), "is_masked_low": _safe_mean(low, mask),
+                "is_masked_high": _safe_mean(high, mask),
+                "masked_advantage_positive": _safe_mean(adv > 0, drop),
+                "masked_advantage_negative": _safe_mean(adv < 0, drop)}
 
-#: The import path target: ``triage_monitor.hooks.prime_rl.triage_loss_fn`` (default TriageConfig).
-triage_loss_fn = PrimeRLTriageLoss()
+
+_HOOKS: dict = {}
+_HOOKS_LOCK = threading.Lock()
+
+
+def triage_loss(inputs, **kwargs) -> LossOutputs:
+    """The import-path target ``triage_monitor.hooks.prime_rl.triage_loss``, configured by ``[trainer.loss] kwargs``.
+
+    ``kwargs`` are :class:`PrimeRLTriageLoss`'s arguments (``run_dir``, ``triage`` as a table of
+    :class:`TriageConfig` fields, ``monitor``, ``dppo_mask_low`` ...).  One hook per distinct kwargs per process,
+    keyed by their canonical JSON (the same key on every rank).
+
+    Raises:
+        TypeError: an unknown keyword.  ValueError: from :class:`PrimeRLTriageLoss`.
+    """
+    blob = json.dumps(kwargs, sort_keys=True, default=str)
+    with _HOOKS_LOCK:
+        hook = _HOOKS.get(blob)
+        if hook is None:
+            cfg = dict(kwargs)
+            if isinstance(cfg.get("triage"), dict):
+                cfg["triage"] = TriageConfig(**cfg["triage"])
+            hook = _HOOKS[blob] = PrimeRLTriageLoss(**cfg, key=hashlib.sha1(blob.encode()).hexdigest())
+    return hook(inputs)
+
+
+__all__ = ["PRIME_RL_COMMIT", "DEFAULT_LOSS_METRICS", "LossOutputs", "batch_from_prime_rl", "PrimeRLTriageLoss",
+           "triage_loss"]
+triage_loss_fn = triage_loss   # the import path named by earlier docs

@@ -1,80 +1,211 @@
-"""SkyRL hook: monitoring adapter and TRIAGE as a registered policy loss.
+"""SkyRL hook: the TRIAGE loss (and the monitor) as a policy loss of SkyRL's ``PolicyLossRegistry``.
 
-SkyRL's ``PolicyLossRegistry`` (``skyrl/backends/skyrl_train/utils/ppo_utils.py``, public repository
-as of 2026) calls a policy loss as ``fn(log_probs, old_log_probs, advantages, config, loss_mask=None,
-rollout_logprobs=None) -> (loss, metrics: dict)``; tensors ``(B, T)`` response-aligned and
-right-padded, ``config`` is the ``AlgorithmConfig`` (``eps_clip_low``, ``eps_clip_high``,
-``loss_reduction`` ∈ token_mean | sequence_mean | ...).  ``rollout_logprobs`` is present when the
-generator returns log-probs (off-policy correction enabled).  Select the loss with
-``trainer.algorithm.policy_loss_type=triage`` after :func:`register`.
+Checked against skyrl 0.3.0 (PyPI), ``skyrl/backends/skyrl_train``:
 
-SkyRL does not install on a CPU machine from PyPI; this adapter is exercised against tensors laid
-out as SkyRL lays them out (see docs/hooks.md).
+* **Call site** (``workers/worker.py`` ``PolicyWorkerBase._forward_backward_micro``, and the Megatron
+  wrapper's ``loss_func``): ``policy_loss, loss_metrics = fn(action_log_probs, old_action_log_probs,
+  advantages, config=cfg.trainer.algorithm, loss_mask=loss_mask, rollout_logprobs=rollout_logprobs)``, once per
+  micro-batch, inside a Ray worker.  The worker multiplies the loss by the DP size, adds its own KL / entropy
+  terms, logs every metric as ``loss_metrics/<name>`` (then ``policy/...``), and steps a ``torch.optim``
+  optimizer once per mini-batch (``optim_step``).
+* **Layout**: ``(B, T)`` response tensors are *right-aligned* (``dataset/preprocess.py``: sequences are
+  left-padded, a response occupies the last ``len_i`` columns, the leading columns are padding with mask 0);
+  positions therefore count from each row's first loss-mask column (:func:`batch_from_skyrl`).
+  ``rollout_logprobs`` is present when the generator returns log-probs (``generator.sampling_params.logprobs``,
+  default 1).
+* **Scale**: the trainer has already divided the advantages by the reduction's normaliser
+  (``ppo_utils.apply_loss_reduction_to_advantages_minibatch``: ``token_mean``, ``token_mean_legacy``,
+  ``sequence_mean``, ``seq_mean_token_sum_norm``, ``prompt_mean``) and every SkyRL policy loss returns the
+  **masked sum** ``Σ loss · loss_mask`` (``reduce_loss``); the micro-batch sums add up to the mini-batch loss.
+  This hook does the same (``agg_mode="token_sum"``, normaliser 1): one rule exact under all five modes.
+  Any other ``loss_reduction`` raises.
+* **Registry and workers**: ``PolicyLossRegistry.register`` keeps the object; ``sync_registries()`` (run by
+  ``initialize_ray``) cloudpickles it into a named Ray actor, and each worker's ``PolicyLossRegistry.get``
+  unpickles its own copy.  :class:`SkyRLTriageLoss` therefore carries configuration only
+  (:class:`~triage_monitor.hooks._runtime.HookSettings`); each worker process builds its own monitor and
+  controller (``hooks/_runtime.py``).
+* **Step**: the loss call carries no step (SkyRL's ``global_step`` stays in the trainer's batch metadata), so
+  the monitored step is the worker's optimizer-step count: the micro-batches of one mini-batch are one step.
+* **SkyRL's own metrics**: the trainer's ``policy/rollout_train_logprobs_abs_diff_*`` and the worker's
+  ``minibatch_rollout_logprobs_abs_diff_*`` are computed outside the loss and stay as they are; the loss's own
+  metrics (``clip_ratio`` and, with ``off_policy_correction`` enabled, ``is_ratio_*``, ``tis_*``,
+  ``*_mask_*``) are computed by SkyRL's own ``ppo_policy_loss`` on the same tensors and returned under the
+  same names.  SkyRL's off-policy correction (TIS ratio, sequence / outlier / token masks) is applied as
+  SkyRL applies it; ours are under ``triage/``.
+
+See docs/hooks.md#skyrl for the lines a user copies.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
+import torch
+
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageController
 
-from ._common import LossHookSteps, gather_flat, triage_loss
+from ._common import leading_positions
+from ._runtime import HookSettings, LossHook
 
-REDUCTION_TO_NORMALIZATION = {"token_mean": "global_token", "sequence_mean": "per_response"}
+#: SkyRL 0.3.0's loss reductions (``train/utils/utils.py`` ``validate_cfg``); all are advantage pre-scalings
+#: followed by the masked sum this hook computes.
+SKYRL_LOSS_REDUCTIONS = ("token_mean", "token_mean_legacy", "sequence_mean", "seq_mean_token_sum_norm",
+                         "prompt_mean")
+#: SkyRL's PPO policy losses this hook reproduces (``ppo_utils.ppo_policy_loss``): plain clip, or dual clip
+#: with ``clip_ratio_c``.
+SKYRL_BASE_LOSSES = ("regular", "dual_clip")
 
 
 def batch_from_skyrl(log_probs, rollout_logprobs, advantages, loss_mask, on_invalid: str = "raise") -> TokenBatch:
-    """TokenBatch from SkyRL ``(B, T)`` tensors: learner ``log_probs`` vs generator ``rollout_logprobs``.
+    """TokenBatch from SkyRL's right-aligned ``(B, T)`` response tensors (learner vs generator log-probs).
+
+    Args:
+        log_probs: ``(B, T)`` float learner log-probs (nats), may carry grad.
+        rollout_logprobs: ``(B, T)`` float generator log-probs (nats); SkyRL pads with 0.0.
+        advantages: ``(B, T)`` float, as SkyRL hands them to the loss (already divided by the reduction's
+            normaliser: only their sign and relative size within a response are meaningful to the monitor).
+        loss_mask: ``(B, T)`` 0/1; response tokens occupy the last columns of each row (left padding).
+        on_invalid: ``"raise"`` or ``"quarantine"`` (:meth:`TokenBatch.from_padded`).
+
+    Positions count from each row's first loss-mask column (tool-output tokens inside a response keep
+    counting); a response whose first tokens are masked out starts at its first masked-in token.
 
     Raises:
-        ValueError: ``rollout_logprobs`` is None (generator log-probs not enabled).
+        ValueError: ``rollout_logprobs`` is None (the generator returns no log-probs), shapes disagree, or
+            invalid values (``InvalidTokenError``) with ``on_invalid="raise"``.
     """
     if rollout_logprobs is None:
-        raise ValueError("rollout_logprobs is None: enable generator log-probs (off-policy correction) in SkyRL")
-    return TokenBatch.from_padded(log_probs, rollout_logprobs, advantages, loss_mask, on_invalid=on_invalid)
+        raise ValueError("SkyRL passed rollout_logprobs=None: the generator returns no log-probs. Set "
+                         "generator.sampling_params.logprobs=1 (SkyRL's default) so the mismatch can be measured")
+    mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask > 0
+    return TokenBatch.from_padded(log_probs, rollout_logprobs, advantages, mask,
+                                  positions=leading_positions(mask), on_invalid=on_invalid)
 
 
-def _get(config, name, default):
-    v = getattr(config, name, None) if config is not None else None
-    if v is None and hasattr(config, "get"):
-        v = config.get(name, None)
-    return default if v is None else v
+def _off_policy_enabled(config) -> bool:
+    opc = getattr(config, "off_policy_correction", None)
+    if opc is None:
+        return False
+    from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import off_policy_correction_enabled
+
+    return off_policy_correction_enabled(opc)
 
 
-class SkyRLTriageLoss(LossHookSteps):
-    """A SkyRL policy-loss function computing the TRIAGE loss.
-
-    Set ``step`` to the optimizer step (unset, each call counts as a step, warned once); with a
-    ``monitor`` the calls of one step are merged into one ``log_step`` (written when ``step``
-    changes, on ``flush()`` / ``close()``).
-    """
-
-    def __init__(self, controller: Optional[TriageController] = None, monitor=None, on_invalid: str = "raise",
-                 step: Optional[int] = None):
-        self.controller = controller or TriageController()
-        self.on_invalid = on_invalid
-        self._init_steps(monitor, step)
-
-    def __call__(self, log_probs, old_log_probs, advantages, config=None, loss_mask=None, rollout_logprobs=None):
-        batch = batch_from_skyrl(log_probs, rollout_logprobs, advantages, loss_mask, self.on_invalid)
-        old = gather_flat(batch, old_log_probs)
-        step = self._call_step()
-        norm = REDUCTION_TO_NORMALIZATION.get(_get(config, "loss_reduction", "token_mean"), "global_token")
-        res = triage_loss(self.controller, batch, step, old_logp=old, clip_low=_get(config, "eps_clip_low", 0.2),
-                          clip_high=_get(config, "eps_clip_high", 0.2), normalization=norm)
-        self._finish_call(step, res)
-        return res.loss, {f"triage/{k}": v for k, v in res.output.stats.items()}
-
-
-def register(controller: Optional[TriageController] = None, name: str = "triage", monitor=None) -> SkyRLTriageLoss:
-    """Register the TRIAGE loss in SkyRL's ``PolicyLossRegistry`` under ``name`` and return it.
+def check_algorithm_config(config, settings: HookSettings, base: str) -> None:
+    """Raise on a SkyRL ``AlgorithmConfig`` this loss cannot honour (called at construction and on every call).
 
     Raises:
-        ImportError: SkyRL is not installed.
+        ValueError: ``loss_reduction`` not one of :data:`SKYRL_LOSS_REDUCTIONS`; SkyRL's TIS
+            (``off_policy_correction.tis_ratio_type``) together with TRIAGE's TIS (double correction);
+            ``clip_ratio_c`` ≤ 1 with ``base="dual_clip"``.
+    """
+    red = getattr(config, "loss_reduction", None)
+    if red not in SKYRL_LOSS_REDUCTIONS:
+        raise ValueError(f"SkyRL trainer.algorithm.loss_reduction={red!r} is not supported by the TRIAGE loss: "
+                         f"it supports {SKYRL_LOSS_REDUCTIONS} (skyrl 0.3.0)")
+    opc = getattr(config, "off_policy_correction", None)
+    if (settings.triage is not None and settings.triage.tis and opc is not None
+            and getattr(opc, "tis_ratio_type", None) is not None):
+        raise ValueError("SkyRL off_policy_correction.tis_ratio_type="
+                         f"{opc.tis_ratio_type!r} and TRIAGE's TIS would both reweight by the rollout ratio: set "
+                         "trainer.algorithm.off_policy_correction.tis_ratio_type=null or TriageConfig(tis=False)")
+    if base == "dual_clip" and not float(getattr(config, "clip_ratio_c", 3.0)) > 1.0:
+        raise ValueError(f"SkyRL trainer.algorithm.clip_ratio_c={config.clip_ratio_c} must be > 1 for dual clip")
+
+
+class SkyRLTriageLoss(LossHook):
+    """A SkyRL policy loss computing the TRIAGE loss (or, with ``settings.triage=None``, SkyRL's own PPO loss)
+    and recording every micro-batch for the monitor of the worker process that runs it.
+
+    Called by SkyRL as ``fn(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs)`` with
+    ``(B, T)`` right-aligned tensors (module docstring); returns ``(loss, metrics)``: ``loss`` 0-dim float32,
+    the masked sum of the weighted PPO-clip loss (+ the Repair term), ``metrics`` SkyRL's own loss metrics
+    (computed by SkyRL's ``ppo_policy_loss``) plus ours under ``triage/`` (floats).
+
+    Args:
+        settings: :class:`HookSettings` (run directory, monitor and TRIAGE configuration); default: no
+            monitor, monitoring-only controller (TRIAGE off).
+        base: SkyRL PPO loss reproduced: ``"regular"`` or ``"dual_clip"`` (uses ``clip_ratio_c``).
+        algorithm: SkyRL's ``cfg.trainer.algorithm``, to check it here rather than at the first worker call.
+
+    Raises:
+        ValueError: ``base`` unknown, or ``algorithm`` not supported (:func:`check_algorithm_config`).
+    """
+
+    def __init__(self, settings: Optional[HookSettings] = None, *, base: str = "regular", algorithm=None):
+        if base not in SKYRL_BASE_LOSSES:
+            raise ValueError(f"SkyRLTriageLoss: base must be one of {SKYRL_BASE_LOSSES} (SkyRL's PPO losses), "
+                             f"got {base!r}")
+        self.settings = settings if settings is not None else HookSettings()
+        self.base = base
+        if algorithm is not None:
+            check_algorithm_config(algorithm, self.settings, base)
+
+    def skyrl_metrics(self, log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs) -> dict:
+        """SkyRL's own loss metrics for these tensors, computed by SkyRL's ``ppo_policy_loss`` (no grad)."""
+        from skyrl.backends.skyrl_train.utils.ppo_utils import ppo_policy_loss
+
+        cfg = copy.copy(config)
+        cfg.policy_loss_type = self.base
+        with torch.no_grad():
+            _, metrics = ppo_policy_loss(log_probs.detach(), old_log_probs, advantages, cfg, loss_mask=loss_mask,
+                                         rollout_logprobs=rollout_logprobs)
+        return dict(metrics)
+
+    def __call__(self, log_probs, old_log_probs, advantages, config=None, loss_mask=None, rollout_logprobs=None):
+        if config is None:
+            raise ValueError("SkyRLTriageLoss needs SkyRL's AlgorithmConfig as `config` (SkyRL passes it)")
+        check_algorithm_config(config, self.settings, self.base)
+        if loss_mask is None:
+            loss_mask = torch.ones_like(log_probs)
+        batch = batch_from_skyrl(log_probs, rollout_logprobs, advantages, loss_mask, self.settings.on_invalid)
+        scale = None
+        if _off_policy_enabled(config):       # SkyRL's own TIS ratio × sequence / outlier / token masks
+            from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import apply_off_policy_correction
+
+            with torch.no_grad():
+                factor, mask_after, _ = apply_off_policy_correction(
+                    torch.ones_like(old_log_probs, dtype=torch.float32), old_log_probs, rollout_logprobs,
+                    loss_mask, config.off_policy_correction)
+            scale = batch.gather(factor * mask_after)
+        res = self.compute_loss(batch, old_logp=batch.gather(old_log_probs), agg_mode="token_sum", denominator=1.0,
+                                clip_low=float(config.eps_clip_low), clip_high=float(config.eps_clip_high),
+                                dual_clip=float(config.clip_ratio_c) if self.base == "dual_clip" else None,
+                                token_scale=scale)
+        metrics = self.skyrl_metrics(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs)
+        if self.settings.triage is not None:
+            metrics.update({f"triage/{k}": float(v) for k, v in res.output.stats.items()})
+        return res.loss, metrics
+
+
+def register(settings: Optional[HookSettings] = None, *, name: str = "triage", base: str = "regular",
+             algorithm=None, **settings_kw) -> SkyRLTriageLoss:
+    """Register a :class:`SkyRLTriageLoss` in SkyRL's ``PolicyLossRegistry`` under ``name`` and return it.
+
+    Call it on the driver before SkyRL's ``validate_cfg`` / ``initialize_ray`` (which syncs the registry into
+    the Ray actor the workers read), and select it with ``trainer.algorithm.policy_loss_type=<name>``.
+
+    Args:
+        settings: :class:`HookSettings`; or give its fields as keywords (``run_dir=``, ``triage=``, ...).
+        name: registry name.
+        base, algorithm: as :class:`SkyRLTriageLoss`.
+
+    Raises:
+        ImportError: SkyRL is not installed.  ValueError: ``name`` already registered, or as
+        :class:`SkyRLTriageLoss`.
     """
     from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 
-    fn = SkyRLTriageLoss(controller, monitor=monitor)
+    if settings is None:
+        settings_kw.setdefault("manifest", {"framework": "skyrl"})
+        settings = HookSettings(**settings_kw)
+    elif settings_kw:
+        raise ValueError("register: give either settings or its fields as keywords, not both")
+    fn = SkyRLTriageLoss(settings, base=base, algorithm=algorithm)
     PolicyLossRegistry.register(name, fn)
     return fn
+
+
+__all__ = ["SKYRL_LOSS_REDUCTIONS", "SKYRL_BASE_LOSSES", "batch_from_skyrl", "check_algorithm_config",
+           "SkyRLTriageLoss", "register"]

@@ -1,40 +1,109 @@
-"""slime hook: monitoring adapter for slime's per-sample lists.
+"""slime hook: the TRIAGE loss as slime's ``--custom-loss-function-path``, and a monitoring adapter.
 
-slime (THUDM/slime, public repository as of 2026) keeps the training batch as lists of 1-D
-per-sample tensors over the **response** tokens: ``log_probs`` (learner recomputation),
-``rollout_log_probs`` (SGLang), ``advantages`` (per token), ``loss_masks`` (0 for tool/observation
-tokens), with ``response_lengths`` / ``total_lengths``.  Extension points are dotted import paths:
-``--custom-loss-function-path`` (``fn(args, batch, logits, sum_of_sample_mean) -> (loss, log)``) and
-``--custom-tis-function-path`` (``fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
-total_lengths, response_lengths) -> (pg_loss, loss_masks, metrics)``).
+slime (THUDM/slime; read at commit 624b824a, and its v0.3.1 tag) trains with Megatron ranks.  A micro-batch
+reaches the loss as lists of 1-D per-sample tensors over the **response** tokens: ``rollout_log_probs``
+(SGLang, nats), ``log_probs`` (the learner's recomputation before the update; absent when slime skips that
+pass), ``advantages`` (per token), ``loss_masks`` (0 for tool/observation tokens), with ``response_lengths``,
+``total_lengths`` and ``rollout_mask_sums`` (each sample's rollout's loss-mask total).
 
-Controller: the TIS-function hook receives no advantages, so the Gate (which needs the sign of the
-segment advantage, SPEC.md §4.1) cannot run there; a custom loss function receives Megatron logits
-and must recompute log-probs with slime's internal (version-dependent, tensor-parallel) helper.
-TRIAGE is therefore **not** wired into slime here; monitoring works live (call
-:func:`log_slime_batch` from a custom loss/TIS function or a patched actor) and offline with
-``triage-monitor import slime`` on ``--save-debug-rollout-data`` dumps.  slime is not installable on
-CPU from PyPI: tested against its documented layout.
+**Loss.**  With ``--loss-type custom_loss --custom-loss-function-path mymod.triage_loss``, slime's
+``loss_function`` calls ``triage_loss(args, batch, logits, sum_of_sample_mean) -> (loss, log)`` where
+``triage_loss = SlimeTriageLoss(...)`` is built at import of ``mymod`` in every Megatron rank.
+:class:`SlimeTriageLoss` computes the live log-probs with slime's own ``get_log_probs_and_entropy`` (tensor
+parallel vocab, rollout temperature, top-p replay), then the loss through
+:func:`~triage_monitor.loss.triage_policy_loss` with slime's aggregation: per sample Σ_t m ℓ / rollout_mask_sum
+(``seq_mean_token_mean`` with ``response_denominator``), or a masked sum under
+``--calculate-per-token-loss`` (``token_sum``); PPO clip ``eps_clip`` / ``eps_clip_high``, dual clip
+``eps_clip_c``; minus ``entropy_coef`` × slime's entropy term.  slime then rescales it for Megatron as it does
+its own loss.  With Gate, TIS and Repair off this is slime's ``policy_loss_function`` loss.  slime's own
+metrics keep their names and values (computed with slime's functions: ``pg_loss``, ``pg_clipfrac``,
+``ppo_kl``, ``entropy_loss``, ``train_rollout_logprob_abs_diff``, and ``ois``/``tis``/``tis_clipfrac``/
+``tis_abs`` under ``--get-mismatch-metrics``); the controller's go under ``triage/``.  Options the hook cannot
+honour raise :class:`ValueError` on the first call (the arguments reach the loss only then): context
+parallelism, ``--use-tis`` (TRIAGE's TIS replaces it), a custom TIS or pg-loss reducer, OPSM, GSPO, CISPO,
+``--use-kl-loss``.
+
+**Step and ranks.**  The loss receives no step; the monitored step counts Megatron optimizer steps (the
+global ``torch.optim`` step post-hook of :mod:`triage_monitor.hooks._runtime`).  Every rank runs the
+controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens).
+
+**Offline.**  ``triage-monitor import slime`` reads ``--save-debug-train-data`` dumps
+(:func:`triage_monitor.importers.slime_steps`).  slime is not on PyPI (the PyPI project ``slime`` is another
+package), so CI tests this module against slime's call site and formulas transcribed from commit 624b824a
+(tests/test_hooks_slime.py); docs/hooks.md#slime says what was run against slime's own code.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
+import torch
+
 from triage_monitor.batch import TokenBatch
+from triage_monitor.controller import TriageConfig
+from triage_monitor.monitor import MonitorConfig
+
+from ._runtime import HookSettings, LossHook
+
+#: slime arguments the TRIAGE loss cannot honour: (attribute, value that is fine, why).
+_UNSUPPORTED = (
+    ("use_tis", False, "TRIAGE's TIS replaces slime's; set TriageConfig(tis=True) instead of --use-tis"),
+    ("custom_tis_function_path", None, "a custom TIS function is slime's own loss path"),
+    ("custom_pg_loss_reducer_function_path", None, "the reduction is slime's per-rollout mean or masked sum"),
+    ("use_opsm", False, "OPSM masking is not part of the TRIAGE loss"),
+    ("use_kl_loss", False, "the KL-to-reference loss term is not part of the TRIAGE loss"),
+    ("allgather_cp", False, "context parallelism gives each rank a slice of every response"),
+)
+
+
+def check_slime_args(args) -> None:
+    """Raise when a slime option cannot be honoured by :class:`SlimeTriageLoss`.
+
+    Raises:
+        ValueError: names the option, its value and why (context parallel size > 1, ``--use-tis``, a custom TIS
+            or pg-loss reducer, OPSM, ``--use-kl-loss``, advantage estimator ``gspo`` / ``cispo``, a loss type
+            other than ``custom_loss``).
+    """
+    for name, ok, why in _UNSUPPORTED:
+        value = getattr(args, name, ok)
+        if value != ok and not (ok is False and not value):
+            raise ValueError(f"triage-monitor slime loss: --{name.replace('_', '-')}={value!r} is not supported: {why}")
+    est = getattr(args, "advantage_estimator", "grpo")
+    if est in ("gspo", "cispo"):
+        raise ValueError(f"triage-monitor slime loss: --advantage-estimator {est} is not supported (sequence-level "
+                         "ratio / CISPO loss); use grpo, ppo, reinforce_plus_plus(_baseline)")
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp != 1:
+        raise ValueError(f"triage-monitor slime loss: --context-parallel-size {cp} is not supported: each rank holds "
+                         "a slice of every response, the Gate and Repair need whole responses")
+    loss_type = getattr(args, "loss_type", "custom_loss")
+    if loss_type != "custom_loss":
+        raise ValueError(f"triage-monitor slime loss: --loss-type {loss_type!r}; slime calls a custom loss function "
+                         "only with --loss-type custom_loss")
 
 
 def batch_from_slime(batch: dict, learner_key: str = "log_probs", sampler_key: str = "rollout_log_probs",
-                     on_invalid: str = "raise", sample_ids=None, group_ids=None) -> TokenBatch:
+                     on_invalid: str = "raise", sample_ids=None, group_ids=None,
+                     learner: Optional[Sequence[torch.Tensor]] = None) -> TokenBatch:
     """TokenBatch from a slime batch dict of per-sample lists (``loss_masks`` optional → all valid).
+
+    Args:
+        batch: slime micro-batch / rollout data: lists of S 1-D tensors ``(L_i,)`` over the response tokens.
+        learner_key, sampler_key: keys of the learner and sampler log-probs (nats).
+        learner: live learner log-probs (S tensors ``(L_i,)``) used instead of ``batch[learner_key]``.
 
     Raises:
         KeyError: a required list is missing (names the key and what slime needs to produce it).
+        ValueError: per-sample lengths disagree (TokenBatch).
     """
-    for key in (learner_key, sampler_key, "advantages"):
+    need = (sampler_key, "advantages") + ((learner_key,) if learner is None else ())
+    for key in need:
         if key not in batch:
             raise KeyError(f"slime batch has no {key!r} (rollout_log_probs needs log-probs returned by the "
                            f"rollout engine); keys: {sorted(batch)}")
     masks = batch.get("loss_masks")
-    return TokenBatch.from_list(list(batch[learner_key]), list(batch[sampler_key]), list(batch["advantages"]),
+    lp = list(batch[learner_key]) if learner is None else list(learner)
+    return TokenBatch.from_list(lp, [t.float() for t in batch[sampler_key]], list(batch["advantages"]),
                                 None if masks is None else list(masks), sample_ids=sample_ids,
                                 group_ids=group_ids, on_invalid=on_invalid)
 
@@ -42,3 +111,170 @@ def batch_from_slime(batch: dict, learner_key: str = "log_probs", sampler_key: s
 def log_slime_batch(monitor, step: int, batch: dict, extra=None, **kw) -> dict:
     """``monitor.log_step(step, batch_from_slime(batch, **kw), extra)``; returns the metrics."""
     return monitor.log_step(step, batch_from_slime(batch, **kw), extra=extra)
+
+
+class SlimeTriageLoss(LossHook):
+    """slime ``--custom-loss-function-path`` target: ``(args, batch, logits, sum_of_sample_mean) -> (loss, log)``.
+
+    Holds only :class:`HookSettings` (picklable); each Megatron rank builds its own controller and monitor
+    on first use (module docstring of :mod:`triage_monitor.hooks._runtime`).
+
+    Args:
+        run_dir: shared run directory (every rank writes its files there); None = no monitoring.
+        triage: :class:`TriageConfig`; None = slime's own PPO loss, monitored.
+        monitor: :class:`MonitorConfig`.
+        manifest: facts for ``run.json``.
+        on_invalid: ``"raise"`` or ``"quarantine"``.
+        settings: a ready :class:`HookSettings` instead of the arguments above.
+    """
+
+    def __init__(self, run_dir=None, triage: Optional[TriageConfig] = None, monitor: Optional[MonitorConfig] = None,
+                 manifest: Optional[dict] = None, on_invalid: str = "raise", *,
+                 settings: Optional[HookSettings] = None):
+        self.settings = settings or HookSettings(
+            run_dir=run_dir, monitor=monitor or MonitorConfig(), triage=triage,
+            manifest={"framework": "slime", **(manifest or {})}, on_invalid=on_invalid, step_source="optimizer")
+
+    # ------------------------------------------------------------ the loss
+    def triage_loss(self, args, batch: dict, log_probs: Sequence[torch.Tensor], record: bool = True):
+        """The policy part of one micro-batch from live per-sample log-probs (no slime import).
+
+        Args:
+            args: slime's arguments (``eps_clip``, ``eps_clip_high``, ``eps_clip_c``, ``use_rollout_logprobs``,
+                ``calculate_per_token_loss``).
+            batch: slime micro-batch: ``rollout_log_probs``, ``advantages``, ``loss_masks``, optional
+                ``log_probs`` (old, nats) and ``rollout_mask_sums`` (S,).
+            log_probs: S live learner log-prob tensors ``(L_i,)`` (grad-carrying), nats.
+            record: buffer the tokens for this process's monitor (False on tensor-parallel ranks other than 0,
+                which see the same tokens).
+
+        Returns:
+            :class:`~triage_monitor.loss.TriageLoss`; ``.policy_loss`` is slime's ``pg_loss`` when TRIAGE is off.
+        """
+        tb = batch_from_slime(batch, learner=log_probs, on_invalid=self.settings.on_invalid)
+        old = _old_log_probs(args, batch, log_probs)
+        if getattr(args, "calculate_per_token_loss", False):
+            agg = dict(agg_mode="token_sum", denominator=1.0)
+        else:
+            masks = batch.get("loss_masks")
+            sums = batch.get("rollout_mask_sums")
+            if sums is None:     # slime's reducer without per-rollout totals: each sample's own mask total
+                sums = [torch.as_tensor(m).sum() if masks is not None else len(lp) for m, lp in
+                        zip(masks if masks is not None else log_probs, log_probs)]
+            rd = torch.as_tensor([float(x) for x in sums], dtype=torch.float32)
+            agg = dict(agg_mode="seq_mean_token_mean", denominator=1.0, response_denominator=rd)
+        kw = dict(old_logp=tb.gather([o.to(tb.learner_logp.dtype) for o in old]).detach(),
+                  clip_low=float(args.eps_clip), clip_high=float(args.eps_clip_high),
+                  dual_clip=getattr(args, "eps_clip_c", None), **agg)
+        if record:
+            return self.compute_loss(tb, **kw)
+        from triage_monitor.loss import triage_policy_loss
+
+        rt = self.runtime        # the controller and the step count advance as on rank 0; nothing is written
+        step = rt.step_for_call(None)
+        with rt._lock:           # counted as a call, so that the optimizer step closes this rank's step too
+            rt.calls += 1
+            rt._calls_since_step += 1
+        ctrl = rt.plain_controller if rt.controller is None else rt.controller
+        return triage_policy_loss(ctrl, tb, step, **kw)
+
+    def __call__(self, args, batch: dict, logits: torch.Tensor, sum_of_sample_mean):
+        """slime's custom loss call (``slime/backends/megatron_utils/loss.py`` ``loss_function``).
+
+        Args:
+            args: slime's arguments.
+            batch: the micro-batch (``unconcat_tokens``, ``total_lengths``, ``response_lengths``, ...).
+            logits: ``[1, T, V/tp]`` float32 Megatron logits.
+            sum_of_sample_mean: slime's reducer for this micro-batch (used for slime's own metrics).
+
+        Returns:
+            ``(loss, log)``: 0-dim loss, and a dict of 0-dim tensors (slime's metric names, ``triage/*``).
+
+        Raises:
+            ValueError: an unsupported option (:func:`check_slime_args`).
+            KeyError: the batch has no ``rollout_log_probs`` (the rollout engine must return log-probs).
+        """
+        check_slime_args(args)
+        from slime.backends.megatron_utils.loss import (get_log_probs_and_entropy,
+                                                        get_rollout_top_p_logprob_kwargs)
+        from slime.utils.ppo_utils import compute_policy_loss
+
+        if "rollout_log_probs" not in batch:
+            raise KeyError("slime batch has no 'rollout_log_probs': the rollout engine must return log-probs "
+                           "(slime keeps them when SGLang returns logprobs)")
+        _, out = get_log_probs_and_entropy(
+            logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+            response_lengths=batch["response_lengths"], with_entropy=True,
+            **get_rollout_top_p_logprob_kwargs(args, batch))
+        log_probs, entropy = out["log_probs"], out["entropy"]
+        res = self.triage_loss(args, batch, log_probs, record=_tensor_parallel_rank() == 0)
+
+        # slime's own metrics, with slime's functions and reducer (policy_loss_function, commit 624b824a)
+        old = torch.cat(_old_log_probs(args, batch, log_probs), dim=0)
+        lp = torch.cat(log_probs, dim=0)
+        advantages = torch.cat(batch["advantages"], dim=0)
+        with torch.no_grad():
+            ppo_kl = old - lp.detach()
+            dual = getattr(args, "eps_clip_c", None)       # v0.3.1 has no dual clip (no --eps-clip-c)
+            _, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high,
+                                                 **({} if dual is None else {"eps_clip_c": dual}))
+        entropy_loss = sum_of_sample_mean(torch.cat(entropy, dim=0))
+        loss = res.loss - args.entropy_coef * entropy_loss
+        if lp.numel() == 0:
+            loss = loss + 0 * logits.sum()
+        rollout = torch.cat([t.to(lp.dtype) for t in batch["rollout_log_probs"]], dim=0)
+        compare = lp.detach() if args.use_rollout_logprobs else old
+        log = {"loss": loss.clone().detach(), "pg_loss": res.policy_loss.clone().detach(),
+               "entropy_loss": entropy_loss.clone().detach(), "pg_clipfrac": sum_of_sample_mean(pg_clipfrac),
+               "ppo_kl": sum_of_sample_mean(ppo_kl)}
+        if batch["rollout_log_probs"]:
+            log["train_rollout_logprob_abs_diff"] = sum_of_sample_mean((compare - rollout).abs()).detach()
+        if getattr(args, "get_mismatch_metrics", False):
+            from slime.backends.megatron_utils.loss import vanilla_tis_function
+
+            train_lp = batch.get("log_probs") or [t.detach() for t in log_probs]
+            _, _, tis_metrics = vanilla_tis_function(
+                args, pg_loss=torch.zeros_like(lp), train_log_probs=train_lp,
+                rollout_log_probs=batch["rollout_log_probs"], loss_masks=batch["loss_masks"])
+            log["ois"] = sum_of_sample_mean((-ppo_kl).exp()).detach()
+            log.update({k: sum_of_sample_mean(v) for k, v in tis_metrics.items()})
+        if self.settings.triage is not None:
+            log.update(_triage_log(res, args, batch, logits.device))
+        return loss, log
+
+
+def _tensor_parallel_rank() -> int:
+    """Megatron's tensor-parallel rank (0 when Megatron's parallel state is not initialised)."""
+    try:
+        from megatron.core import mpu
+
+        return int(mpu.get_tensor_model_parallel_rank())
+    except Exception:
+        return 0
+
+
+def _old_log_probs(args, batch: dict, log_probs: Sequence[torch.Tensor]):
+    """slime's PPO anchor: rollout log-probs under ``--use-rollout-logprobs``, else the recomputed ``log_probs``,
+    else (no recompute pass) the live log-probs detached."""
+    if getattr(args, "use_rollout_logprobs", False):
+        return [t.float() for t in batch["rollout_log_probs"]]
+    old = batch.get("log_probs")
+    return [t.detach() for t in (old if old else log_probs)]
+
+
+def _triage_log(res, args, batch: dict, device) -> dict:
+    """The controller's statistics as ``triage/<name>``, scaled so that slime's step reduction (sum over
+    micro-batches and ranks ÷ the step's sample count, or ÷ its token count under
+    ``--calculate-per-token-loss``) yields their sample- (token-) weighted mean."""
+    if getattr(args, "calculate_per_token_loss", False):
+        weight = float(sum(max(int(torch.as_tensor(m).sum()), 1) for m in batch["loss_masks"]))
+    else:
+        weight = float(len(batch["response_lengths"]))
+    out = {}
+    for name, value in res.output.stats.items():
+        v = 0.0 if value != value else float(value)      # NaN (no tokens) adds nothing
+        out[f"triage/{name}"] = torch.tensor(v * weight, device=device)
+    return out
+
+
+__all__ = ["SlimeTriageLoss", "batch_from_slime", "check_slime_args", "log_slime_batch"]

@@ -15,9 +15,39 @@ before=$("$PY" -c 'import torch; print(torch.__version__)')
 "$PY" -m pip install -q -c "$constraints" -r requirements-frameworks.txt
 # verl and OpenRLHF themselves without their GPU stacks (vLLM/SGLang/flash-attn/deepspeed pins)
 "$PY" -m pip install -q -c "$constraints" --no-deps verl==0.9.1 openrlhf==0.11.2
+# --- TRL --- the newest release (1.16.0) is in the main venv (requirements-frameworks.txt); the oldest release the
+# hook claims, 1.13.0, in a side env (same transformers/accelerate, only trl differs): tests/test_hooks_trl.py runs
+# itself again there.
+MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh trl-1.13 trl==1.13.0
+# --- end TRL ---
+# --- skyrl ---
+# SkyRL 0.3.0 pins transformers<=5.8 and ray 2.56 (the main venv holds newer ones): a side environment with the
+# modules its policy-loss registry and workers import (no GPU extras: no vLLM, flash-attn).  Its
+# skyrl/tinker/types.py puts a typing.TypedDict in a pydantic model, which pydantic 2 rejects before Python 3.12
+# although SkyRL declares Python >= 3.11: on 3.11 this env (only) maps it to typing_extensions.TypedDict.
+TORCH_SPEC="$TORCH_SPEC" MAIN_PY="$PY" bash scripts/side_env.sh skyrl-0.3.0 skyrl==0.3.0 ray==2.56.0 \
+  skyrl-gym==0.4.0 jaxtyping loguru omegaconf
+SKYRL_SITE=$(.venv-fw/skyrl-0.3.0/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import sys, typing, typing_extensions; sys.version_info < (3, 12) and setattr(typing, 'TypedDict', typing_extensions.TypedDict)" \
+  > "$SKYRL_SITE/zzz-skyrl-py311-typeddict.pth"
+.venv-fw/skyrl-0.3.0/bin/python -c 'import skyrl.backends.skyrl_train.workers.worker; print("skyrl 0.3.0 ok")'
+# --- end skyrl ---
+# --- openrlhf ---
+# OpenRLHF 0.11.2 pins transformers==5.15.0 (TRL 1.13 in the main venv needs 5.10.4) and imports deepspeed, peft and
+# torchdata (and pylatexenc, aiohttp at import): they live in the side environment .venv-fw/openrlhf-0.11.2 (openrlhf itself comes from the main venv).
+# DeepSpeed is built without its CUDA ops (DS_BUILD_OPS=0), against the main venv's torch (no build isolation).
+# flash-attn and vLLM do not install on a CPU: tests/openrlhf_cpu.py stands in for them.
+MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh openrlhf-0.11.2 wheel==0.48.0 setuptools==84.2.1
+DS_BUILD_OPS=0 MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh openrlhf-0.11.2 --no-build-isolation \
+  deepspeed==0.19.6 transformers==5.15.0 peft==0.21.2 torchdata==0.11.0 pylatexenc==2.10 aiohttp==3.14.5
+.venv-fw/openrlhf-0.11.2/bin/python -c 'import deepspeed, peft, torchdata, transformers, openrlhf; print("openrlhf side env ok: transformers", transformers.__version__, "deepspeed", deepspeed.__version__)'
+# --- end openrlhf ---
 after=$("$PY" -c 'import torch; print(torch.__version__)')
 if [ "$before" != "$after" ]; then
   echo "install_frameworks.sh: torch changed from $before to $after" >&2
   exit 1
 fi
 "$PY" -c 'import trl, verl.trainer.ppo.core_algos, verl.protocol; print("frameworks ok: trl", trl.__version__, "verl", verl.__version__)'
+# --- verl ---  the v1 trainer (register_trainer, TransferQueue) must import: the verl hook's trainer tests use it
+"$PY" -c 'import verl.trainer.ppo.v1.trainer_base, transfer_queue; print("verl v1 trainer ok")'
+# --- end verl ---

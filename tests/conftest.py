@@ -25,3 +25,65 @@ def demo_run_dir(tmp_path_factory):
 def demo_run_dir_none(tmp_path_factory):
     """A second, shorter demo run with ``correction="none"`` (for overlays / comparisons)."""
     return _demo(tmp_path_factory, "demo-none", steps=20, correction="none", seed=1)
+
+
+@pytest.fixture(scope="session")
+def side_env():
+    """``side_env(name) -> Path`` of the python of the side environment ``.venv-fw/<name>`` (made by
+    ``scripts/side_env.sh`` from ``scripts/install_frameworks.sh``), for tests that drive a second release of a
+    framework in a subprocess.  Missing: a skip on a developer machine, a failure under ``CI=true``."""
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def get(name: str) -> Path:
+        py = root / ".venv-fw" / name / "bin" / "python"
+        if not py.exists():
+            msg = f"side environment {name} missing: run scripts/install_frameworks.sh"
+            if os.environ.get("CI") == "true":
+                pytest.fail(msg)
+            pytest.skip(msg)
+        return py
+
+    return get
+
+
+# ----------------------------------------------------------------------------- no silent skips in CI
+def _skip_allowlist():
+    """``(pattern, reason)`` pairs of tests/skip_allowlist.txt: fnmatch patterns on the test's node id."""
+    from pathlib import Path
+
+    out = []
+    for line in (Path(__file__).with_name("skip_allowlist.txt")).read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            pattern, _, reason = line.partition(" # ")
+            out.append((pattern.strip(), reason.strip()))
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under ``CI=true`` a skipped test fails the run unless tests/skip_allowlist.txt names it with a reason: a CI
+    machine missing an install step must not go green without the tests that need it."""
+    import fnmatch
+    import os
+
+    if os.environ.get("CI") != "true":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    allow = _skip_allowlist()
+    bad = []
+    for rep in reporter.stats.get("skipped", []):
+        nodeid = getattr(rep, "nodeid", "") or ""
+        if not any(fnmatch.fnmatch(nodeid, p) for p, _ in allow):
+            reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+            bad.append(f"{nodeid or '<collection>'}: {reason}")
+    if bad:
+        reporter.write_line(f"CI=true: {len(bad)} test(s) skipped without an entry in tests/skip_allowlist.txt "
+                            "(install what they need, or allow-list them with a reason):", red=True)
+        for line in bad:
+            reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = 1

@@ -1,4 +1,4 @@
-"""TRIAGE controller (SPEC.md §4): Gate, Repair, TIS, normalisation, calibration, state.
+"""TRIAGE controller (docs/metrics.md#controller): Gate, Repair, TIS, normalisation, calibration, state.
 
 Expected values are worked by hand (comments) or by plain Python loops over
 responses and segments written here, independent of the vectorised code.
@@ -35,7 +35,7 @@ def make_batch(delta, adv, mask=None, sampler=-3.0, requires_grad=False):
 
 # -------------------------------------------------------------- reference
 def ref_gate(delta, adv, mask, cfg):
-    """Plain-loop Gate (SPEC.md §4.1) over a padded (B, T) layout; returns a (B, T) list of weights."""
+    """Plain-loop Gate (docs/metrics.md#gate) over a padded (B, T) layout; returns a (B, T) list of weights."""
     out = []
     for b in range(len(delta)):
         row = [1.0] * len(delta[b])

@@ -1,4 +1,4 @@
-"""Baseline corrections (SPEC.md §4.5): values worked by hand from the stated formulas."""
+"""Baseline corrections (docs/metrics.md#baselines): values worked by hand from the stated formulas."""
 
 import math
 
@@ -7,7 +7,8 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.corrections import (
-    geometric_mean_ratio, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
+    dppo_kl_loss, geometric_mean_ratio, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
+    reference_kl,
     register_correction, sequence_is_geometric_weights, sequence_is_product_weights, tis_weights,
 )
 
@@ -127,3 +128,40 @@ def test_registry():
         return torch.ones_like(old)
 
     assert get_correction("_test_identity") is ident and "_test_identity" in list_corrections()
+
+
+def test_dppo_kl_loss_by_hand():
+    """prime-rl's default per-token loss on four tokens worked out by hand (probabilities chosen so that the
+    trust-region test is on Δp = p − p_anchor: 0.3 > 0.2 masks A > 0, −0.3 < −0.2 masks A < 0 only)."""
+    p = torch.tensor([0.5, 0.3, 0.1, 0.1])
+    anchor = torch.tensor([0.2, 0.25, 0.4, 0.4])
+    adv = torch.tensor([1.0, 2.0, -1.0, 1.0])
+    logp = p.log().requires_grad_()
+    loss, (masked, low, high) = dppo_kl_loss(logp, anchor.log(), adv, return_masks=True)
+    kl = lambda a, b: 1e-3 * math.log(a / b) ** 2  # noqa: E731
+    expected = [kl(0.5, 0.2), -2 * 1.2 + kl(0.3, 0.25), kl(0.1, 0.4), -0.25 + kl(0.1, 0.4)]
+    assert torch.allclose(loss, torch.tensor(expected), atol=1e-6)
+    assert masked.tolist() == [True, False, True, False]
+    assert low.tolist() == [False, False, True, False] and high.tolist() == [True, False, False, False]
+    loss.sum().backward()                      # d/dlogp of −A·r = −A·r (kept tokens) plus 2·kl_tau·log r
+    assert abs(float(logp.grad[1]) - (-2 * 1.2 + 2e-3 * math.log(1.2))) < 1e-6
+    with pytest.raises(ValueError, match="kl_tau"):
+        dppo_kl_loss(logp, anchor.log(), adv, kl_tau=-1.0)
+
+
+def test_reference_kl_by_hand():
+    """k1/k2/k3 at π = 0.5, π_ref = 0.25 (x = log 0.5); the score-function weight adds k·∇log π to the
+    gradient (k3: 0.1931 + 0.5); the input clamp at 20 and output clamp at 10 bound a huge gap."""
+    x = math.log(0.5)
+    logp = torch.tensor([math.log(0.5)], requires_grad=True)
+    ref = torch.tensor([math.log(0.25)])
+    for kind, value in (("k1", -x), ("k2", x * x / 2), ("k3", math.exp(x) - 1 - x)):
+        assert abs(float(reference_kl(logp, ref, kind)) - value) < 1e-6
+    reference_kl(logp, ref, "k3").sum().backward()
+    assert abs(float(logp.grad) - (math.exp(x) - 1 - x + 0.5)) < 1e-6
+    logp.grad = None
+    reference_kl(logp, ref, "k3", score_function=False).sum().backward()
+    assert abs(float(logp.grad) - 0.5) < 1e-6
+    assert float(reference_kl(torch.tensor([0.0]), torch.tensor([-30.0]))) == 10.0
+    with pytest.raises(ValueError, match="kl_type"):
+        reference_kl(logp, ref, "k4")

@@ -50,7 +50,7 @@ def reference(tokens) -> TokenBatch:
 
 
 def _right_padded(tokens):
-    """(B, T) right-padded response tensors: verl, TRL, SkyRL."""
+    """(B, T) right-padded response tensors: verl, TRL."""
     B, T = len(tokens), max(t["L"] for t in tokens)
     learner = torch.full((B, T), PAD_LEARNER)
     sampler = torch.full((B, T), PAD_SAMPLER)
@@ -102,7 +102,12 @@ def via_trl(tokens):
 
 
 def via_skyrl(tokens):
-    learner, sampler, mask, adv = _right_padded(tokens)
+    """SkyRL right-aligns each response in its (B, T) tensors (left padding)."""
+    learner, sampler, mask, adv = (torch.flip(x, dims=[1]) for x in _right_padded(tokens))
+    for i, t in enumerate(tokens):
+        T, L = learner.shape[1], t["L"]
+        for x in (learner, sampler, mask, adv):
+            x[i, T - L:] = torch.flip(x[i, T - L:], dims=[0])
     return skyrl.batch_from_skyrl(learner, sampler, adv, mask)
 
 

@@ -1,30 +1,49 @@
-"""A real TRL GRPOTrainer run (CPU, tiny local model and tokenizer, no hub download) with the hook attached.
+"""Real TRL GRPOTrainer runs (CPU, tiny local model and tokenizer, no hub download) with the hook attached.
 
-Checks the run directory the MismatchMonitor wrote: token rows (sampler log-probs recorded from
-KV-cached generation vs the learner's teacher-forced recomputation), step metrics and Gate weights;
-and that the TRIAGE loss through TRL equals the core API on the same tensors.
+Runs under the main venv's TRL (the newest release) and, through ``test_same_tests_pass_on_trl_1_13``, again under
+TRL 1.13.0 in the side environment ``.venv-fw/trl-1.13``.  Checks the run directory the per-process monitor wrote
+(sampler log-probs recorded during KV-cached generation vs the learner's recomputation, one row set per optimizer
+step, Gate weights), that the TRIAGE loss with Gate/TIS/Repair off equals TRL's own ``_compute_loss`` (values and
+gradients) for every loss type and per-token option the hook maps, that TRL's metrics are kept, and that options the
+TRIAGE loss cannot honour raise at construction.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-trl = pytest.importorskip("trl")
-transformers = pytest.importorskip("transformers")
-datasets = pytest.importorskip("datasets")
-pd = pytest.importorskip("pandas")
+if os.environ.get("CI") == "true":      # in CI a missing framework is a failure, never a skip
+    import datasets
+    import pandas as pd
+    import transformers
+    import trl
+else:
+    trl = pytest.importorskip("trl")
+    transformers = pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    pd = pytest.importorskip("pandas")
 
+import cloudpickle  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
-from triage_monitor.controller import TriageConfig, TriageController, weighted_policy_loss  # noqa: E402
-from triage_monitor.corrections import ppo_clip_loss  # noqa: E402
-from triage_monitor.hooks.trl import TriageGRPOTrainer  # noqa: E402
-from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+from triage_monitor.batch import TokenBatch  # noqa: E402
+from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
+from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
+from triage_monitor.hooks.trl import LOSS_TYPE_AGG, TriageGRPOTrainer  # noqa: E402
+from triage_monitor.loss import triage_policy_loss  # noqa: E402
+from triage_monitor.monitor import MonitorConfig  # noqa: E402
 
 WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
+GA = 2
+OFF = TriageConfig(gate=False, tis=False, repair=False)
 
 
 def tiny_tokenizer():
@@ -47,33 +66,43 @@ def reward_count_a(completions, **kwargs):
     return [float(c.split().count("a")) - 0.3 * len(c.split()) for c in completions]
 
 
-@pytest.fixture(scope="module")
-def trl_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("trl")
+def make_trainer(tmp, triage: HookSettings | None, *, max_steps=3, n_prompts=16, **cfg):
     tok = tiny_tokenizer()
-    ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i % 8:(i % 8) + 3]) for i in range(16)]})
-    args = trl.GRPOConfig(output_dir=str(tmp / "out"), per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=12, max_steps=3, learning_rate=5e-3, logging_steps=1,
-                          report_to="none", use_cpu=True, beta=0.0, save_strategy="no", seed=0,
-                          gradient_accumulation_steps=2, temperature=1.0)
-    run_dir = tmp / "run"
-    mon = MismatchMonitor(run_dir, MonitorConfig(calibration_steps=1), manifest={"test": "trl"})
-    # the two paths differ by ~1e-4 nats here (fp32 CPU): thresholds at that scale make the Gate fire
-    ctrl = TriageController(TriageConfig(neg_threshold=-1e-6, severe_threshold=-2e-6, delta_bad=-5e-5))
-    trainer = TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=args,
-                                train_dataset=ds, processing_class=tok, triage_monitor=mon, triage_controller=ctrl)
+    ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i % 8:(i % 8) + 3]) for i in range(n_prompts)]})
+    kw = dict(output_dir=str(tmp / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=12,
+              max_steps=max_steps, learning_rate=5e-3, logging_steps=1, report_to="none", use_cpu=True, beta=0.0,
+              save_strategy="no", seed=0, gradient_accumulation_steps=GA, temperature=1.0)
+    kw.update(cfg)
+    return TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=trl.GRPOConfig(**kw),
+                             train_dataset=ds, processing_class=tok, triage=triage)
+
+
+def spy_inputs(trainer) -> list:
+    """Keep every training micro-batch's inputs (what TRL hands ``_compute_loss``)."""
     captured = []
     orig = trainer._compute_loss
 
     def spy(model, inputs):
         loss = orig(model, inputs)
-        captured.append((inputs, trainer.triage_last, loss.detach()))
+        captured.append((dict(inputs), trainer.triage_last, loss.detach()))
         return loss
 
     trainer._compute_loss = spy
+    return captured
+
+
+@pytest.fixture(scope="module")
+def trl_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trl")
+    run_dir = tmp / "run"
+    # the two log-prob paths differ by ~1e-4 nats here (fp32 CPU): thresholds at that scale make the Gate fire
+    cfg = TriageConfig(neg_threshold=-1e-6, severe_threshold=-2e-6, delta_bad=-5e-5)
+    settings = HookSettings(run_dir=str(run_dir), monitor=MonitorConfig(calibration_steps=1), triage=cfg,
+                            manifest={"test": "trl"})
+    trainer = make_trainer(tmp, settings, loss_type="grpo")
+    captured = spy_inputs(trainer)
     trainer.train()
-    mon.close()
-    return dict(run_dir=run_dir, trainer=trainer, captured=captured, ctrl_cfg=ctrl.config)
+    return dict(run_dir=run_dir, trainer=trainer, captured=captured, cfg=cfg)
 
 
 def test_run_directory_tokens_metrics_and_gate(trl_run):
@@ -85,18 +114,19 @@ def test_run_directory_tokens_metrics_and_gate(trl_run):
     # sampler log-probs come from KV-cached generation, learner from teacher forcing: both real log-probs,
     # close (same weights, fp32) but computed independently
     assert (tokens["sampler_logp"] <= 0).all() and (tokens["learner_logp"] <= 0).all()
-    assert tokens["sampler_logp"].abs().max() < 1e3 and tokens["learner_logp"].abs().max() < 1e3
     delta = tokens["learner_logp"] - tokens["sampler_logp"]
-    assert delta.abs().max() < 1e-3
+    assert delta.abs().max() < 1e-2          # TRL 1.16 scores with its own tiled LM head: ~1e-3 nats at most here
     # ... and they are two computations: incremental KV-cached decoding and a full-sequence forward round
-    # differently (~1e-4 nats on CPU fp32).  Recording the recomputed values by mistake would make δ ≡ 0.
+    # differently.  Recording the recomputed values by mistake would make δ ≡ 0.
     assert (delta != 0).any()
     # each step holds the 8 completions of its 2 micro-batches, positions from 0 within each response
     for s, g in tokens.groupby("step"):
         assert g["sample_id"].nunique() == 8
         assert (g.groupby("sample_id")["position"].min() == 0).all()
+    # every token of every training micro-batch once: the mask TRL's loss used, summed
+    masks = [(i["completion_mask"] * i.get("tool_mask", 1)).sum().item() for i, _, _ in trl_run["captured"]]
+    assert len(tokens) == sum(masks)
     # Gate weights recorded per token, in (0, 1]; the low thresholds make the Gate fire on A<0 δ<0 tokens
-    assert "gate_weight" in tokens.columns
     gw = tokens["gate_weight"]
     assert ((gw > 0) & (gw <= 1)).all()
     fired = tokens[gw < 1]
@@ -111,44 +141,361 @@ def test_run_directory_tokens_metrics_and_gate(trl_run):
         assert 0 <= row["gate_weight_mean"] <= 1
 
 
-def test_trl_loss_equals_core_api(trl_run):
-    """Same tensors through the core API (independently flattened) give the same weights, repair and loss."""
-    trainer, captured, cfg = trl_run["trainer"], trl_run["captured"], trl_run["ctrl_cfg"]
-    assert len(captured) == 6                                                   # 3 steps × 2 micro-batches
+def test_sampler_logps_are_the_generation_logits(trl_run):
+    """The recorded sampler log-prob of each token = log_softmax of a fresh KV-cached ``generate``'s raw logits at
+    that token (an independent computation with transformers' own ``output_logits``)."""
+    trainer = trl_run["trainer"]
+    inputs, _, _ = trl_run["captured"][-1]
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    # the last micro-batch's weights changed after generation; regenerate greedily on its prompts and compare
+    # the recorder with output_logits on the same call
+    from triage_monitor.hooks.trl import _SamplerLogps
+
+    prompt_ids, prompt_mask = inputs["prompt_ids"][:2], inputs["prompt_mask"][:2]
+    with torch.no_grad(), _SamplerLogps(model, 1.0) as rec:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=5, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=1)
+    completion = out.sequences[:, prompt_ids.size(1):]
+    ref = torch.stack(out.logits, 1).float().log_softmax(-1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    got = rec.logps([c.tolist() for c in completion])
+    assert torch.allclose(torch.tensor(got), ref, atol=1e-6)
+
+
+def test_tool_loop_call_gets_sampler_logps(trl_run):
+    """TRL's tool loop calls ``_generate_single_turn`` with keywords (TRL 1.16: ``num_generations=1``, both:
+    ``has_tool_images``); the override passes them through and returns one log-prob per returned token."""
+    import inspect
+
+    trainer = trl_run["trainer"]
+    prompt_ids = [[3, 4, 5], [6, 7]]
+    kw = {"has_tool_images": False}
+    if "num_generations" in inspect.signature(trl.GRPOTrainer._generate_single_turn).parameters:
+        kw["num_generations"] = 1
+    ids, logps = trainer._generate_single_turn(prompt_ids, None, {}, **kw)
+    assert len(ids) == len(logps) == 2
+    assert [len(x) for x in ids] == [len(x) for x in logps] and all(v <= 0 for row in logps for v in row)
+
+
+def test_loss_through_trl_equals_core_api(trl_run):
+    """Same tensors through the core API give the same loss; TRL's grpo normaliser worked out by hand:
+    B responses of the micro-batch × gradient-accumulation steps."""
+    trainer, captured, cfg = trl_run["trainer"], trl_run["captured"], trl_run["cfg"]
+    assert len(captured) == 3 * GA                                            # 3 steps × 2 micro-batches
     inputs, res, loss = captured[-1]
     mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()
-    sampler = inputs["sampling_per_token_logps"][mask]
-    learner = res.batch.learner_logp.detach()
-    assert torch.equal(sampler, res.batch.sampler_logp)
-    adv = inputs["advantages"].unsqueeze(1).expand_as(mask)[mask]
-    assert torch.equal(adv, res.batch.advantage)
-    out = TriageController(cfg)(res.batch.detach(), step=2)
-    assert torch.equal(out.gate_weights, res.output.gate_weights)
-    assert torch.allclose(out.repair_loss, res.output.repair_loss.detach(), rtol=0, atol=0)
-    ptl = ppo_clip_loss(learner, learner, adv, trainer.epsilon_low, trainer.epsilon_high)
-    expected = weighted_policy_loss(ptl, out.token_weights, res.batch, "per_response") + out.repair_loss
-    assert torch.allclose(loss * trainer.args.gradient_accumulation_steps, expected, atol=1e-6)
+    assert torch.equal(inputs["sampling_per_token_logps"][mask], res.batch.sampler_logp)
+    assert torch.equal(inputs["advantages"].unsqueeze(1).expand_as(mask)[mask], res.batch.advantage)
+    ctrl = TriageController(cfg)
+    expected = triage_policy_loss(ctrl, res.batch.detach(), 2, agg_mode="seq_mean_token_mean",
+                                  denominator=mask.size(0) * GA, clip_low=0.2, clip_high=0.2)
+    assert torch.equal(expected.output.gate_weights, res.output.gate_weights)
+    assert torch.allclose(loss, expected.loss, atol=1e-7, rtol=1e-6)
+
+
+def test_trl_logs_kept_and_ours_under_triage(trl_run):
+    logs = {k for row in trl_run["trainer"].state.log_history for k in row}
+    for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "reward", "loss"):
+        assert k in logs, k
+    assert {"triage/gate_weight_mean", "triage/gate_downweighted_frac", "triage/repair_loss"} <= logs
+    assert not any(k.startswith("triage/triage/") for k in logs)
 
 
 def test_manifest_says_which_sampler_logps(trl_run):
-    import json
     info = json.loads((trl_run["run_dir"] / "run.json").read_text())["info"]
-    assert info["framework"] == "trl" and "KV-cache" in info["sampler_logp_kind"]
+    assert info["framework"] == "trl" and info["framework_version"] == trl.__version__
+    assert "KV-cache" in info["sampler_logp_kind"] and info["trl_loss_type"] == "grpo"
+
+
+def test_adapter_pickles_to_configuration_only(trl_run):
+    hook = trl_run["trainer"].triage_hook
+    data = cloudpickle.dumps(hook)
+    assert b"MismatchMonitor" not in data and b"TriageController" not in data and b"GRPOTrainer" not in data
+    assert cloudpickle.loads(data).settings.key == hook.settings.key
+
+
+# --------------------------------------------------------- TRIAGE off == TRL's own loss
+@pytest.fixture(scope="module")
+def off_trainer(tmp_path_factory):
+    """A trainer with the controller on but Gate, TIS and Repair off, and the inputs TRL gave its loss."""
+    tmp = tmp_path_factory.mktemp("trl-off")
+    trainer = make_trainer(tmp, HookSettings(triage=OFF), max_steps=1, n_prompts=8)
+    captured = spy_inputs(trainer)
+    trainer.train()
+    inputs = dict(captured[-1][0])
+    # a PPO anchor away from the live log-probs, so that clipping (and the dual clip) bite
+    g = torch.Generator().manual_seed(0)
+    samp = inputs["sampling_per_token_logps"]
+    old = samp + 0.4 * torch.randn(samp.shape, generator=g)
+    old[:, 0] = samp[:, 0] - 1.0                          # ratio e ≈ 2.7 on each first token: clipped, dual-clipped
+    inputs["old_per_token_logps"] = old
+    inputs["advantages"] = torch.linspace(-1.0, 1.0, samp.size(0))
+    trainer._compute_loss = TriageGRPOTrainer._compute_loss.__get__(trainer)
+    trainer.model.train()
+    return trainer, inputs
+
+
+CASES = {
+    "dapo (TRL's default)": ("dapo", {}),
+    "grpo": ("grpo", {}),
+    "bnpo": ("bnpo", {}),
+    "dr_grpo": ("dr_grpo", {}),
+    "luspo": ("luspo", {}),
+    "dapo + delta (dual clip)": ("dapo", {"args.delta": 1.5}),
+    "grpo + top_entropy_quantile": ("grpo", {"top_entropy_quantile": 0.5}),
+    "dapo + off_policy_mask_threshold": ("dapo", {"off_policy_mask_threshold": 0.0}),
+    "grpo + vLLM importance sampling": ("grpo", {"use_vllm": True, "vllm_importance_sampling_correction": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triage_off_equals_trls_own_loss(off_trainer, case):
+    """TRIAGE with Gate, TIS and Repair off = TRL's real ``GRPOTrainer._compute_loss`` on the same inputs: value,
+    gradient, and every metric TRL logs."""
+    trainer, inputs = off_trainer
+    loss_type, opts = CASES[case]
+    inputs = dict(inputs)
+    if opts.get("use_vllm"):
+        g = torch.Generator().manual_seed(1)
+        inputs["importance_sampling_ratio"] = torch.exp(0.3 * torch.randn(inputs["completion_ids"].shape, generator=g))
+    saved = {"loss_type": trainer.loss_type, **{k: (getattr(trainer.args, k[5:]) if k.startswith("args.")
+                                                    else getattr(trainer, k)) for k in opts}}
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def run(fn):
+        before = {k: len(v) for k, v in trainer._metrics["train"].items()}
+        loss = fn(trainer, trainer.model, inputs)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        logged = {k: v[before.get(k, 0):] for k, v in trainer._metrics["train"].items() if len(v) > before.get(k, 0)}
+        return loss.detach(), grads, logged
+
+    try:
+        trainer.loss_type = loss_type
+        for k, v in opts.items():
+            setattr(trainer.args, k[5:], v) if k.startswith("args.") else setattr(trainer, k, v)
+        trainer._check_triage()                              # the combination is accepted at construction
+        theirs, g_theirs, m_theirs = run(trl.GRPOTrainer._compute_loss)
+        ours, g_ours, m_ours = run(TriageGRPOTrainer._compute_loss)
+    finally:
+        for k, v in saved.items():
+            setattr(trainer.args, k[5:], v) if k.startswith("args.") else setattr(trainer, k, v)
+    assert theirs.abs() > 1e-4
+    assert torch.allclose(ours, theirs, atol=1e-7, rtol=1e-6), (ours.item(), theirs.item())
+    for a, b in zip(g_ours, g_theirs):
+        if b is None:
+            assert a is None or a.abs().max() == 0
+        else:
+            assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
+    assert {k: v for k, v in m_ours.items() if not k.startswith("triage/")} == m_theirs   # TRL's metrics kept
+    assert any(k.startswith("triage/") for k in m_ours) and not any(k.startswith("triage/") for k in m_theirs)
+    assert trainer.triage_last.agg_mode == LOSS_TYPE_AGG[loss_type]
+
+
+def test_the_options_change_trls_loss(off_trainer):
+    """The options above are not no-ops on these inputs (each comparison tests something)."""
+    trainer, inputs = off_trainer
+    trainer.loss_type = "grpo"
+    base = trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
+    trainer.top_entropy_quantile = 0.5
+    try:
+        masked = trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
+    finally:
+        trainer.top_entropy_quantile = 1.0
+    trainer.args.delta = 1.5
+    try:
+        dual = trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs).item()
+    finally:
+        trainer.args.delta = None
+    assert masked != pytest.approx(base) and dual != pytest.approx(base)
+
+
+# ------------------------------------------------------------- unsupported options
+@pytest.mark.parametrize("cfg,match", [
+    (dict(loss_type="sapo"), "loss_type='sapo'"),
+    (dict(loss_type="cispo"), "loss_type='cispo'"),
+    (dict(loss_type="vespo"), "loss_type='vespo'"),
+    (dict(entropy_coef=0.01), "entropy bonus"),
+    (dict(importance_sampling_level="sequence"), "importance_sampling_level='sequence'"),
+    (dict(delta=1.1, epsilon_high=0.28), "delta=1.1"),
+])
+def test_unsupported_options_raise_at_construction(tmp_path, cfg, match):
+    with pytest.raises(ValueError, match=match):
+        make_trainer(tmp_path, HookSettings(triage=TriageConfig()), **cfg)
+    make_trainer(tmp_path, HookSettings(run_dir=str(tmp_path / "mon")), **cfg)    # monitoring alone is fine
+
+
+def test_vllm_correction_with_triage_tis_and_other_runtime_flags_raise(tmp_path):
+    trainer = make_trainer(tmp_path, HookSettings(triage=TriageConfig(tis=True)))
+    trainer.beta = 0.04             # (a KL term needs a reference model from the hub at construction)
+    with pytest.raises(ValueError, match="beta=0.04"):
+        trainer._check_triage()
+    trainer.beta = 0.0
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    with pytest.raises(ValueError, match="two importance corrections"):
+        trainer._check_triage()
+    trainer.use_vllm = False
+    trainer._is_vlm = True
+    with pytest.raises(ValueError, match="vision-language"):
+        trainer._check_triage()
+    trainer._is_vlm = False
+    trainer.args.use_liger_kernel = True       # (liger-kernel itself is not installed: the flag alone is checked)
+    if hasattr(trl.GRPOTrainer, "compute_liger_loss"):          # TRL 1.13: the loss is Liger's, not _compute_loss
+        with pytest.raises(ValueError, match="use_liger_kernel"):
+            trainer._check_monitoring()
+    else:                                                       # TRL 1.16: only layer kernels, the loss is TRL's
+        trainer._check_monitoring()
+        trainer._check_triage()
+
+
+def test_no_sampler_logps_raise_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="record_sampler_logps=False"):
+        tok = tiny_tokenizer()
+        ds = datasets.Dataset.from_dict({"prompt": ["a b", "c d"]})
+        args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                              max_completion_length=4, report_to="none", use_cpu=True, beta=0.0)
+        TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=args, train_dataset=ds,
+                          processing_class=tok, triage=HookSettings(run_dir=str(tmp_path / "r")),
+                          record_sampler_logps=False)
 
 
 def test_monitor_only_keeps_trl_loss(tmp_path):
     """Without a controller the trainer keeps TRL's own loss and still records every step's tokens."""
-    tok = tiny_tokenizer()
-    ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i % 8:(i % 8) + 2]) for i in range(8)]})
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=8, max_steps=2, learning_rate=1e-3, report_to="none", use_cpu=True,
-                          beta=0.0, save_strategy="no", seed=1, logging_steps=1)
-    with MismatchMonitor(tmp_path / "run", MonitorConfig()) as mon:
-        trainer = TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=args,
-                                    train_dataset=ds, processing_class=tok, triage_monitor=mon)
-        trainer.train()
+    trainer = make_trainer(tmp_path, HookSettings(run_dir=str(tmp_path / "run")), max_steps=2, n_prompts=8,
+                           gradient_accumulation_steps=1)
+    captured = spy_inputs(trainer)
+    trainer.train()
     tokens = pd.read_parquet(tmp_path / "run" / "tokens")
     assert sorted(tokens["step"].astype(int).unique()) == [0, 1]
     assert "gate_weight" not in tokens.columns
-    assert (tokens["learner_logp"] - tokens["sampler_logp"]).abs().max() < 1e-3
-    assert not any(k.startswith("triage/") for k in trainer._metrics["train"])
+    assert (tokens["learner_logp"] - tokens["sampler_logp"]).abs().max() < 1e-2
+    assert not any(k.startswith("triage/") for row in trainer.state.log_history for k in row)
+    assert trainer.triage_last is None and len(captured) == 2
+
+
+def test_rollout_func_logprobs_are_the_sampler_logps(tmp_path):
+    """With a ``rollout_func`` (TRL's hook for a custom generator), the sampler log-probs are exactly the ones it
+    returns: TRL turns them into ``sampling_per_token_logps``, the hook records them unchanged."""
+    returned = []
+
+    def rollout(prompts, trainer):
+        tok, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for p in prompts:
+            ids = tok(p)["input_ids"]
+            with torch.no_grad():
+                gen = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=6, do_sample=True,
+                                     output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=1)
+            comp = gen.sequences[0, len(ids):].tolist()
+            comp = comp[:comp.index(1) + 1] if 1 in comp else comp
+            lp = torch.stack(gen.logits, 1)[0].float().log_softmax(-1)
+            lps = [lp[i, t].item() - 0.05 for i, t in enumerate(comp)]    # offset: not what the learner gives
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(comp)
+            out["logprobs"].append(lps)
+            returned.extend(lps)
+        return out
+
+    tok = tiny_tokenizer()
+    ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i:i + 2]) for i in range(4)]})
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, max_steps=1, report_to="none", use_cpu=True, beta=0.0,
+                          save_strategy="no", seed=0)
+    trainer = TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=args,
+                                train_dataset=ds, processing_class=tok, rollout_func=rollout,
+                                triage=HookSettings(run_dir=str(tmp_path / "run")))
+    trainer.train()
+    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
+    assert sorted(tokens["sampler_logp"].tolist()) == pytest.approx(sorted(returned), abs=1e-6)
+    delta = tokens["learner_logp"] - tokens["sampler_logp"]
+    assert delta.mean() == pytest.approx(0.05, abs=5e-3)
+    info = json.loads((tmp_path / "run" / "run.json").read_text())["info"]
+    assert info["sampler_logp_kind"] == "rollout_func logprobs"
+
+
+def test_checkpoint_keeps_controller_state(tmp_path):
+    """The controller's calibration data is saved in TRL's checkpoint folder and restored when TRL resumes from it:
+    with a 1-step calibration window, the resumed run calibrates on its first call from the saved step-0 values
+    (a fresh controller would only start collecting)."""
+    settings = HookSettings(triage=TriageConfig(calibration=dict(window=1)), run_dir=str(tmp_path / "run"))
+    trainer = make_trainer(tmp_path, settings, max_steps=1, n_prompts=8, save_strategy="steps", save_steps=1,
+                           gradient_accumulation_steps=1)
+    trainer.train()
+    ckpt = Path(trainer.args.output_dir) / "checkpoint-1"
+    state = torch.load(ckpt / "triage_monitor_state_rank0.pt", weights_only=False)
+    assert state["controller"]["calib_steps"] == [0] and state["controller"]["thresholds"] is None
+    resumed = make_trainer(tmp_path, HookSettings(triage=settings.triage, run_dir=str(tmp_path / "run2")),
+                           max_steps=2, n_prompts=8, gradient_accumulation_steps=1)
+    seen = []
+    orig = resumed._compute_loss
+
+    def spy(model, inputs):
+        ctrl = resumed.triage_hook.controller
+        before = (resumed.state.global_step, ctrl.calls)
+        loss = orig(model, inputs)
+        seen.append((*before, ctrl.thresholds))
+        return loss
+
+    resumed._compute_loss = spy
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    step, calls, thresholds = seen[0]
+    assert (step, calls) == (1, state["controller"]["calls"]) and thresholds is not None
+    assert sorted(pd.read_parquet(tmp_path / "run2" / "tokens")["step"].astype(int).unique()) == [1]
+
+
+TWO_RANKS = """
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+import torch.distributed as dist
+import test_hooks_trl as T
+from triage_monitor.controller import TriageConfig
+from triage_monitor.hooks.trl import HookSettings
+
+out = Path({out!r})
+trainer = T.make_trainer(out / f"r{{dist.get_rank() if dist.is_initialized() else 'x'}}",
+                         HookSettings(run_dir=str(out / "run"), triage=TriageConfig()), max_steps=2, n_prompts=8)
+trainer.train()
+print("RANK", dist.get_rank(), dist.get_world_size(), trainer.triage_hook.settings.attempt, flush=True)
+"""
+
+
+def test_two_accelerate_ranks_write_one_run(tmp_path):
+    """Two trainer processes (torchrun, gloo on CPU), each building its own HookSettings as a user script does:
+    rank files from both ranks for each of the 2 optimizer steps, one run.json, one attempt id (rank 0's)."""
+    if os.environ.get("TRIAGE_TRL_SIDE") == "1":
+        pytest.skip("version-independent; run once, under the main venv")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(port), str(script)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RANK"))
+    assert [r[:2] for r in ranks] == [["0", "2"], ["1", "2"]] and ranks[0][2] == ranks[1][2]
+    run = tmp_path / "run"
+    manifest = json.loads((run / "run.json").read_text())
+    assert [a["attempt"] for a in manifest["attempts"]] == [int(ranks[0][2])]
+    for step in (0, 1):
+        assert sorted(p.name for p in (run / "tokens" / f"step={step}").iterdir()) == ["rank=0", "rank=1"]
+    tokens = pd.read_parquet(run / "tokens")
+    assert set(tokens["attempt"].astype(int)) == {int(ranks[0][2])}
+
+
+# -------------------------------------------------------------- the oldest TRL claimed
+def test_same_tests_pass_on_trl_1_13(side_env):
+    """This module again, under TRL 1.13.0 (side environment ``trl-1.13``, same transformers and accelerate)."""
+    if os.environ.get("TRIAGE_TRL_SIDE") == "1":
+        pytest.skip("already the side run")
+    py = side_env("trl-1.13")
+    version = subprocess.run([str(py), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    assert version == "1.13.0"
+    env = {**os.environ, "TRIAGE_TRL_SIDE": "1"}
+    proc = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], capture_output=True,
+                          text=True, env=env, cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout

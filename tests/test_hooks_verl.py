@@ -1,24 +1,31 @@
-"""verl hook against the real installed verl package: a real DataProto through the monitoring adapter,
-the TRIAGE loss registered in verl's own registry and called through verl's lookup, and the bypass-mode
-route by which the rollout log-probs reach it (verl's own ``apply_bypass_mode``)."""
+"""verl 0.9.1 hook against the installed package: the TRIAGE loss through verl's registry and verl's own worker
+loss entry ``ppo_loss`` (v1 nested layout), compared with verl's own policy losses on the same tensors; verl's
+metrics kept; steps from the published ``global_steps``; the loss module imported in Ray workers the way
+``external_lib`` does; monitoring from the v1 trainer's TransferQueue batches."""
 
 from __future__ import annotations
 
-import math
+import os
 
 import numpy as np
 import pytest
 import torch
 
+if os.environ.get("CI") == "true":
+    import verl  # noqa: F401 — a missing framework install fails under CI, never skips
 verl = pytest.importorskip("verl")
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 pd = pytest.importorskip("pandas")
 
 from triage_monitor.batch import TokenBatch  # noqa: E402
-from triage_monitor.controller import TriageConfig, TriageController, weighted_policy_loss  # noqa: E402
-from triage_monitor.corrections import ppo_clip_loss  # noqa: E402
+from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
 from triage_monitor.hooks import verl as hook  # noqa: E402
+from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
+from triage_monitor.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+OFF = dict(gate=False, tis=False, repair=False)
 
 
 @pytest.fixture
@@ -30,227 +37,558 @@ def registry():
     core_algos.POLICY_LOSS_REGISTRY.update(saved)
 
 
-def make_actor_batch(seed=0, B=6, T=150):
-    """Tensors laid out as verl's agent loop + old-log-prob pass leave them (right-padded, 0.0 rollout padding)."""
+def make_actor_batch(seed=0, B=6, T=40):
+    """Bypass-mode tensors as verl's ppo_loss hands them to a policy loss: ``old`` = rollout log-probs (0.0
+    padding), ``live`` = the learner's; tool tokens masked; some A<0 tokens with ratio > clip_ratio_c = 3."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([150, 90, 7, 128, 64, 33])[:B]
-    valid = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    lengths = torch.tensor([40, 31, 7, 28, 19, 12])[:B]
+    valid = torch.arange(T)[None] < lengths[:, None]
     mask = valid.clone()
-    mask[1, 30:40] = False                                   # tool-response tokens of a multi-turn rollout
-    rollout = torch.where(valid, -torch.rand(B, T, generator=g) * 3 - 1e-3, torch.zeros(()))
+    mask[1, 10:14] = False                                     # tool-response tokens of a multi-turn rollout
+    rollout = torch.where(valid, -torch.rand(B, T, generator=g) * 3 - 0.05, torch.zeros(()))
     delta = torch.randn(B, T, generator=g) * 0.2
-    delta[:, ::13] -= 8.0
-    old = torch.where(valid, (rollout + delta).clamp(max=-1e-4), torch.zeros(()))
-    scores = torch.randn(B, generator=g)
-    adv = torch.where(valid, scores.unsqueeze(1), torch.zeros(()))
-    uid = np.array(["p0", "p0", "p1", "p1", "p2", "p2"][:B], dtype=object)
-    return old, rollout, adv, mask, uid
+    delta[:, ::9] -= 4.0                                       # learner far below the sampler: Gate territory
+    delta[:, 4::11] += 1.6                                     # ratio e^1.6 ≈ 5 > 3: dual clip territory
+    live = torch.where(valid, (rollout + delta).clamp(max=-1e-4), torch.zeros(()))
+    scores = torch.tensor([1.0, -0.7, 0.4, -1.2, 0.9, -0.3])[:B]
+    adv = torch.where(valid, scores[:, None].expand(B, T), torch.zeros(()))
+    return live, rollout, adv, mask
 
 
-def actor_config():
-    from verl.workers.config import FSDPActorConfig
-    return FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
-                           clip_ratio_low=0.2, clip_ratio_high=0.28)
+def actor_config(**kw):
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+    args = dict(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
+                clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                policy_loss=PolicyLossConfig(loss_mode="triage"))
+    args.update(kw)
+    return FSDPActorConfig(**args)
 
 
-def test_monitoring_from_real_dataproto(tmp_path):
-    old, rollout, adv, mask, uid = make_actor_batch()
-    data = verl.DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": rollout, "advantages": adv,
-                                             "response_mask": mask.long()}, non_tensors={"uid": uid})
-    with MismatchMonitor(tmp_path / "run", MonitorConfig(), manifest={"framework": "verl"}) as mon:
-        metrics = hook.log_dataproto(mon, 7, data)
-    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
-    assert len(tokens) == int(mask.sum())                                 # padding and tool tokens excluded
-    assert set(tokens["step"].astype(int)) == {7}
-    r1 = tokens[tokens["sample_id"] == 1]
-    assert not set(range(30, 40)) & set(r1["position"]) and 40 in set(r1["position"])
-    assert torch.equal(torch.tensor(r1["sampler_logp"].to_numpy()), rollout[1][mask[1]])
-    assert tokens.groupby("sample_id")["group_id"].first().tolist() == [0, 0, 1, 1, 2, 2]
-    d = (old - rollout)[mask]
-    assert abs(metrics["delta_mean"] - float(d.mean())) < 1e-6
-    assert metrics["zero_logp_count"] == 0                               # 0.0 padding never read as data
+def global_info(cfg, mask, dp=2, share=2):
+    """What verl's ppo_loss stores before calling the policy loss: this micro-batch is 1/share of the rank's
+    mini-batch, dp ranks."""
+    cfg.global_batch_info.update({"dp_size": dp, "batch_num_tokens": int(mask.sum()) * share * dp,
+                                  "global_batch_size": mask.shape[0] * share * dp, "loss_scale_factor": None})
+    return cfg
+
+
+def call(fn, live, rollout, adv, mask, agg, cfg):
+    """Exactly how verl's ppo_loss calls a registered policy loss (bypass mode: old_log_prob = rollout)."""
+    return fn(old_log_prob=rollout, log_prob=live, advantages=adv, response_mask=mask, loss_agg_mode=agg,
+              config=cfg, rollout_is_weights=None)
+
+
+# ------------------------------------------------------------------ loss = verl's own, TRIAGE off
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("with_global", [False, True])
+def test_triage_off_equals_verls_own_default_policy_loss(registry, agg, with_global):
+    """TRIAGE with Gate/Repair/TIS off = verl's compute_policy_loss_vanilla (loss_mode 'vanilla', the v1 default),
+    dual clip included, value and gradient, on the same tensors, in every loss_agg_mode, with and without verl's
+    global-batch / dp scaling."""
+    hook.register(HookSettings(triage=TriageConfig(**OFF)))
+    live, rollout, adv, mask = make_actor_batch()
+    cfg_ours, cfg_verl = actor_config(), actor_config(policy_loss={"loss_mode": "vanilla"})
+    if with_global:
+        global_info(cfg_ours, mask), global_info(cfg_verl, mask)
+    a, b = live.clone().requires_grad_(True), live.clone().requires_grad_(True)
+    ours, m_ours = call(core_algos.get_policy_loss_fn("triage"), a, rollout, adv, mask, agg, cfg_ours)
+    ref, m_ref = call(core_algos.get_policy_loss_fn("vanilla"), b, rollout, adv, mask, agg, cfg_verl)
+    assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-7), (float(ours), float(ref))
+    ours.backward(), ref.backward()
+    assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-8)
+    for k, v in m_ref.items():                                       # verl's own metrics kept, same values
+        assert m_ours[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
+    assert m_ref["actor/pg_clipfrac_lower"] > 0                      # dual clip is active on these tensors
+
+
+def test_dual_clip_is_honoured(registry):
+    """Without clip_ratio_c the loss differs from verl's (the A<0, ratio>3 tokens); with it they agree."""
+    live, rollout, adv, mask = make_actor_batch()
+    cfg = actor_config()
+    fn = hook.register(HookSettings(triage=None))
+    ours, _ = call(fn, live, rollout, adv, mask, "token-mean", cfg)
+    ref, _ = core_algos.compute_policy_loss_vanilla(rollout, live, adv, mask, "token-mean", cfg)
+    batch = TokenBatch.from_padded(live, rollout, adv, mask)
+    no_dual = triage_policy_loss(TriageController(TriageConfig(**OFF)), batch, 0, old_logp=batch.sampler_logp,
+                                 clip_low=0.2, clip_high=0.28, agg_mode="token_mean").loss
+    assert torch.allclose(ours, ref, atol=1e-7)
+    assert float(no_dual) > 1.5 * float(ref) > 0                     # the dual clip caps those tokens' loss
+
+
+def test_triage_off_equals_verls_bypass_mode_loss_and_rollout_corr(registry):
+    """Against verl's own bypass-mode loss (ppo_clip): same loss, and the same rollout_corr/* metrics, computed
+    by verl's rollout_corr_helper on the same tensors (token IS weights for metrics, as verl's ppo_clip)."""
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import PolicyLossConfig
+
+    rc = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, bypass_mode=True)
+    live, rollout, adv, mask = make_actor_batch(seed=3)
+    cfg_ours = global_info(actor_config(policy_loss=PolicyLossConfig(loss_mode="triage", rollout_correction=rc)), mask)
+    cfg_verl = global_info(actor_config(policy_loss=PolicyLossConfig(loss_mode="bypass_mode",
+                                                                     rollout_correction=rc)), mask)
+    fn = hook.register(HookSettings(triage=None))
+    ours, m_ours = call(fn, live, rollout, adv, mask, "seq-mean-token-mean", cfg_ours)
+    ref, m_ref = call(core_algos.get_policy_loss_fn("bypass_mode"), live, rollout, adv, mask,
+                      "seq-mean-token-mean", cfg_verl)
+    assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-7)
+    corr = [k for k in m_ref if k.startswith("rollout_corr/")]
+    assert len(corr) > 10 and "rollout_corr/rollout_is_mean" in corr and "rollout_corr/kl" in corr
+    assert {k: m_ours[k] for k in m_ref} == pytest.approx(m_ref, rel=1e-6, abs=1e-9, nan_ok=True)
+
+
+# ------------------------------------------------------------------ TRIAGE on: verl's normaliser, micro-batches
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_triage_on_uses_verls_normaliser_and_adds_up_over_micro_batches(registry, agg):
+    """Gate + TIS on (Repair off for an exact sum): the loss is the core's triage_policy_loss with verl's
+    normaliser as denominator and dp_size as loss_scale; two micro-batches of one mini-batch add up to the loss
+    of the whole mini-batch (same global counts), as verl's gradient accumulation needs."""
+    cfg_t = TriageConfig(repair=False, gate_width=8)
+    fn = hook.register(HookSettings(triage=cfg_t))
+    live, rollout, adv, mask = make_actor_batch(seed=1)
+    cfg = global_info(actor_config(), mask, dp=2, share=1)
+    whole, metrics = call(fn, live, rollout, adv, mask, agg, cfg)
+    assert float(fn.last.output.gate_weights.min()) < 1.0 and "triage/gate_weight_mean" in metrics
+    batch = TokenBatch.from_padded(live, rollout, adv, mask)
+    spec = hook.verl_aggregation(agg, mask, cfg)
+    expected = triage_policy_loss(TriageController(cfg_t), batch, 0, old_logp=batch.sampler_logp, clip_low=0.2,
+                                  clip_high=0.28, dual_clip=3.0, **spec).loss
+    assert torch.allclose(whole, expected, rtol=1e-6, atol=1e-7)
+    parts = [call(fn, live[r], rollout[r], adv[r], mask[r], agg, cfg)[0] for r in (slice(0, 2), slice(2, 6))]
+    if agg == "seq-mean-token-sum-norm":          # verl's horizon is each micro-batch's padded width: same T here
+        assert mask[0:2].shape[-1] == mask.shape[-1]
+    assert torch.allclose(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-7)
+
+
+def test_verl_normalisers_by_hand():
+    """D for each mode on a 2×4 mask with 3 + 0 valid tokens (a fully masked row), global counts absent, dp 1."""
+    from types import SimpleNamespace
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])
+    cfg = SimpleNamespace(global_batch_info={}, loss_scale_factor=None)
+    assert hook.verl_aggregation("token-mean", mask, cfg)["denominator"] == 3.0
+    assert hook.verl_aggregation("token-sum", mask, cfg)["denominator"] == 1.0
+    assert hook.verl_aggregation("seq-mean-token-sum", mask, cfg)["denominator"] == 1.0
+    assert hook.verl_aggregation("seq-mean-token-sum-norm", mask, cfg)["denominator"] == 4.0   # 1 seq × T=4
+    cfg.global_batch_info = {"dp_size": 4, "batch_num_tokens": 40, "global_batch_size": 16, "loss_scale_factor": 7}
+    assert hook.verl_aggregation("token-mean", mask, cfg) == {"agg_mode": "token_mean", "denominator": 40.0,
+                                                              "loss_scale": 4.0}
+    assert hook.verl_aggregation("seq-mean-token-sum-norm", mask, cfg)["denominator"] == 16.0 * 7
+    cfg.global_batch_info = {"dp_size": 2}
+    with pytest.raises(ValueError, match="batch_num_tokens is required when dp_size > 1"):
+        hook.verl_aggregation("token-mean", mask, cfg)
+    with pytest.raises(ValueError, match="'weird'"):
+        hook.verl_aggregation("weird", mask, cfg)
+
+
+# ------------------------------------------------------------------ verl's real worker call site (v1 layout)
+def v1_micro_batch(seed=5):
+    """A v1 micro-batch as the FSDP engine hands it to ppo_loss: nested (jagged) prompts / responses / response
+    fields from the TransferQueue, and the remove-padding model output (one log-prob per prompt+response token,
+    of the *next* token) as a nested tensor."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, resp_lens = [4, 2, 3], [30, 13, 21]
+    B, T = 3, max(resp_lens)
+    live = [(-torch.rand(n, generator=g) * 2 - 1e-3) for n in resp_lens]
+    rollout = [(x + 0.5 * torch.randn(len(x), generator=g)).clamp(max=-1e-4) for x in live]
+    for x, r in zip(live, rollout):
+        x[3], r[3] = -0.9, -2.5                                    # ratio e^1.6 ≈ 5 > 3: a dual-clip token
+    adv_row = [-1.0, 0.5, -0.3]
+    nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
+    flat = torch.cat([torch.cat([-torch.rand(p - 1, generator=g), lv, torch.zeros(1)])
+                      for p, lv in zip(prompt_lens, live)])
+    data = TensorDict({
+        "prompts": nested([torch.ones(p, dtype=torch.long) for p in prompt_lens]),
+        "responses": nested([torch.ones(n, dtype=torch.long) for n in resp_lens]),
+        "response_mask": nested([torch.ones(n, dtype=torch.long) for n in resp_lens]),
+        "old_log_probs": nested(rollout),
+        "advantages": nested([torch.full((n,), a) for n, a in zip(resp_lens, adv_row)]),
+    }, batch_size=[B])
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=sum(resp_lens), global_batch_size=B, max_response_len=T)
+    padded = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, T - len(x))) for x in xs])  # noqa: E731
+    mask = padded([torch.ones(n) for n in resp_lens]).bool()
+    adv = padded([torch.full((n,), a) for n, a in zip(resp_lens, adv_row)])
+    return data, flat, padded(live), padded(rollout), adv, mask
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_through_verls_ppo_loss_v1_layout(registry, agg):
+    """verl's worker loss entry (workers.utils.losses.ppo_loss) looks the loss up by policy_loss.loss_mode, slices
+    the nested model output back to (B, T) and passes the global counts: TRIAGE off gives verl's own ppo_loss
+    with loss_mode=vanilla; TRIAGE on gives the core loss on the same (B, T) tensors."""
+    from verl.workers.config import PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    hook.register(HookSettings(triage=None), name="triage_off")
+    fn_on = hook.register(HookSettings(triage=TriageConfig(gate_width=8)))
+    losses = {}
+    for mode in ("triage_off", "vanilla", "triage"):
+        data, flat, live, rollout, adv, mask = v1_micro_batch()
+        out = flat.clone().requires_grad_(True)
+        cfg = actor_config(loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=mode))
+        loss, metrics = ppo_loss(cfg, {"log_probs": out}, data)
+        loss.backward()
+        losses[mode] = (loss.detach(), out.grad, {k: v.aggregate() if hasattr(v, "aggregate") else v
+                                              for k, v in metrics.items()})
+    assert torch.allclose(losses["triage_off"][0], losses["vanilla"][0], rtol=1e-6, atol=1e-7)
+    assert torch.allclose(losses["triage_off"][1], losses["vanilla"][1], rtol=1e-5, atol=1e-8)
+    assert losses["triage_off"][2]["actor/pg_clipfrac_lower"] == losses["vanilla"][2]["actor/pg_clipfrac_lower"] > 0
+    assert torch.equal(fn_on.last.batch.learner_logp.detach(), live[mask])
+    assert torch.equal(fn_on.last.batch.sampler_logp, rollout[mask])
+    batch = TokenBatch.from_padded(live, rollout, adv, mask)
+    spec = hook.verl_aggregation(agg, mask, actor_config())
+    expected = triage_policy_loss(TriageController(TriageConfig(gate_width=8)), batch, 0, old_logp=batch.sampler_logp,
+                                  clip_low=0.2, clip_high=0.28, dual_clip=3.0, **spec).loss
+    assert torch.allclose(losses["triage"][0], expected, rtol=1e-6, atol=1e-7)
+    assert "rollout_corr/kl" in losses["triage"][2] and "triage/repair_loss" in losses["triage"][2]
+
+
+# ------------------------------------------------------------------ unsupported options raise
+def test_unsupported_options_raise_clearly(registry):
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import PolicyLossConfig
+
+    fn = hook.register(HookSettings(triage=TriageConfig()))
+    live, rollout, adv, mask = make_actor_batch()
+    with pytest.raises(ValueError, match="bypass_mode=True"):
+        fn(rollout, live, adv, mask, "token-mean", actor_config(), torch.ones_like(live))
+    rs = RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0")
+    with pytest.raises(ValueError, match="rollout_rs='token_k1'"):
+        call(fn, live, rollout, adv, mask, "token-mean", actor_config(policy_loss=PolicyLossConfig(
+            loss_mode="triage", rollout_correction=rs)))
+    rf = RolloutCorrectionConfig(loss_type="reinforce")
+    with pytest.raises(ValueError, match="loss_type='reinforce'"):
+        call(fn, live, rollout, adv, mask, "token-mean", actor_config(policy_loss=PolicyLossConfig(
+            loss_mode="triage", rollout_correction=rf)))
+    with pytest.raises(ValueError, match="not one of"):
+        call(fn, live, rollout, adv, mask, "mean", actor_config())
+
+
+def test_settings_from_env(tmp_path):
+    s = hook.settings_from_env({"TRIAGE_MONITOR_RUN_DIR": str(tmp_path / "run"),
+                                "TRIAGE_MONITOR_TRIAGE": '{"gate_width": 32, "repair": false}',
+                                "TRIAGE_MONITOR_CONFIG": '{"window": 7}', "TRIAGE_MONITOR_ON_INVALID": "quarantine"})
+    assert s.run_dir == str(tmp_path / "run") and s.triage.gate_width == 32 and not s.triage.repair
+    assert s.monitor.window == 7 and s.on_invalid == "quarantine" and s.manifest["verl_version"] == "0.9.1"
+    assert hook.settings_from_env({"TRIAGE_MONITOR_TRIAGE": "off"}).triage is None
+    assert hook.settings_from_env({}).triage == TriageConfig() and hook.settings_from_env({}).run_dir is None
+    with pytest.raises(ValueError, match="TRIAGE_MONITOR_TRIAGE='gate_width=3' is not JSON"):
+        hook.settings_from_env({"TRIAGE_MONITOR_TRIAGE": "gate_width=3"})
+    with pytest.raises(ValueError, match="gate_width"):
+        hook.settings_from_env({"TRIAGE_MONITOR_TRIAGE": '{"gate_width": 0}'})
+
+
+def test_loss_object_pickles_as_configuration(tmp_path, registry):
+    """What a worker holds pickles to its settings only; a copy finds the same per-process runtime."""
+    import cloudpickle
+
+    fn = hook.register(HookSettings(run_dir=str(tmp_path / "run"), triage=TriageConfig()))
+    live, rollout, adv, mask = make_actor_batch()
+    call(fn, live.requires_grad_(True), rollout, adv, mask, "token-mean", actor_config())
+    data = cloudpickle.dumps(fn)
+    assert b"MismatchMonitor" not in data and b"TriageController" not in data and len(data) < 4000
+    copy = cloudpickle.loads(data)
+    assert copy.runtime is fn.runtime and copy.controller.calls == 1
+    fn.close()
+
+
+# ------------------------------------------------------------------ steps from verl's global_steps
+def test_published_global_steps_make_the_monitored_steps(tmp_path, registry):
+    """The trainer publishes global_steps; every micro-batch / mini-batch of one global step is ONE monitored step
+    (optimizer steps in between do not split it); the tokens are the union of the calls', once each."""
+    run = tmp_path / "run"
+    fn = hook.register(HookSettings(run_dir=str(run), triage=TriageConfig(gate_width=8),
+                                    monitor=MonitorConfig(calibration_steps=1)))
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    live, rollout, adv, mask = make_actor_batch()
+    for step in (7, 8):
+        hook.publish_step(str(run), step)
+        for mini in (slice(0, 3), slice(3, 6)):                      # two optimizer steps per global step
+            for micro in (slice(mini.start, mini.start + 1), slice(mini.start + 1, mini.stop)):
+                loss, _ = call(fn, (live[micro] + w).clamp(max=-1e-4), rollout[micro], adv[micro], mask[micro],
+                               "token-mean", global_info(actor_config(), mask[micro], dp=1, share=3))
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    fn.close()
+    steps = pd.read_parquet(run / "steps")
+    assert sorted(steps["step"].astype(int)) == [7, 8]
+    tokens = pd.read_parquet(run / "tokens")
+    assert (tokens.groupby(tokens["step"].astype(int)).size() == int(mask.sum())).all()
+    assert "gate_weight" in tokens.columns
+
+
+def test_without_published_step_counts_optimizer_steps_and_says_so(tmp_path, registry, caplog):
+    run = tmp_path / "run"
+    fn = hook.register(HookSettings(run_dir=str(run), triage=None))
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    live, rollout, adv, mask = make_actor_batch()
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        for _ in range(2):
+            call(fn, (live + w).clamp(max=-1e-4), rollout, adv, mask, "token-mean", actor_config())[0].backward()
+            opt.step()
+    fn.close()
+    assert caplog.text.count("global_steps is not published") == 1 and "triage_sync" in caplog.text
+    assert sorted(pd.read_parquet(run / "steps")["step"].astype(int)) == [0, 1]
+
+
+# ------------------------------------------------------------------ Ray workers, the way external_lib reaches them
+WORKER_STEPS, MINI, MICRO = 3, 2, 2
+
+
+def ray_worker_train(worker: int, steps_done) -> dict:
+    """One verl worker: verl's own import_external_libs loads the plugin (as HFModelConfig does for
+    actor_rollout_ref.model.external_lib), then 2 mini-batches (optimizer steps) × 2 micro-batches per global step
+    through verl's real ppo_loss."""
+    from verl.utils.import_utils import import_external_libs
+    from verl.workers.config import PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    import_external_libs("triage_monitor.hooks.verl_plugin")
+    from triage_monitor.hooks import verl_plugin
+
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w], lr=0.01)
+    cfg = actor_config(policy_loss=PolicyLossConfig(loss_mode="triage"))
+    n_tokens = 0
+    step = steps_done
+    for mini in range(MINI):
+        for micro in range(MICRO):
+            data, flat, *_ = v1_micro_batch(seed=1000 * worker + 100 * step + 10 * mini + micro)
+            loss, _ = ppo_loss(cfg, {"log_probs": (flat + w).clamp(max=-1e-4)}, data)
+            loss.backward()
+            n_tokens += int(sum(data["response_mask"].offsets().diff()))
+        opt.step()
+        opt.zero_grad()
+    rt = verl_plugin.LOSS.runtime
+    return {"pid": os.getpid(), "tokens": n_tokens, "rank": rt.monitor.rank, "attempt": rt.settings.attempt,
+            "trainers": verl_plugin.TRAINERS}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """One real local Ray cluster (2 CPUs) for the worker and trainer tests, the TRIAGE_MONITOR_* variables of the
+    workers' run in the job's runtime_env (as ``ray_kwargs.ray_init.runtime_env.env_vars`` sets them in verl)."""
+    ray = pytest.importorskip("ray")
+    run = tmp_path_factory.mktemp("ray") / "workers-run"
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+           "TRIAGE_MONITOR_RUN_DIR": str(run), "TRIAGE_MONITOR_TRIAGE": '{"gate_width": 8}',
+           "TRIAGE_MONITOR_CONFIG": '{"window": 2, "calibration_steps": 1}', "VERL_USE_EXTERNAL_PLUGINS": "none"}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": env})
+    try:
+        yield run
+    finally:
+        ray.shutdown()
+
+
+def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_cluster):
+    """2 Ray worker processes load the loss as external_lib does; 3 global steps published by the driver (as the
+    triage_* trainer's step() does), then finish_workers (as its fit() does; Ray ends workers without atexit)
+    → exactly 3 monitored steps numbered 1..3, every token once, rank files from both workers, one run.json,
+    one attempt."""
+    import json
+
+    import ray
+
+    run = ray_cluster
+
+    @ray.remote(num_cpus=1)
+    class Worker:
+        def train(self, worker, step):
+            import test_hooks_verl as t
+            return t.ray_worker_train(worker, step)
+
+    workers = [Worker.remote() for _ in range(2)]
+    results = []
+    for step in range(1, WORKER_STEPS + 1):
+        hook.publish_step(str(run), step)
+        results.append(ray.get([w.train.remote(i, step) for i, w in enumerate(workers)]))
+    assert hook.finish_workers(str(run), timeout=60)                  # the trainer's fit() ends with this
+    last = results[-1]
+    assert {r["rank"] for r in last} == {0, 1} and len({r["pid"] for r in last}) == 2
+    assert len({r["attempt"] for r in last}) == 1
+    assert last[0]["trainers"] == ["triage_sync", "triage_colocate_async", "triage_separate_async"]
+    steps = pd.read_parquet(run / "steps")
+    assert sorted(set(steps["step"].astype(int))) == [1, 2, 3]
+    tokens = pd.read_parquet(run / "tokens")
+    for s, per_worker in enumerate(results, start=1):
+        for r in per_worker:
+            got = tokens[(tokens["step"].astype(int) == s) & (tokens["rank"].astype(int) == r["rank"])]
+            assert len(got) == r["tokens"]                           # every token once
+    manifest = json.loads((run / "run.json").read_text())
+    assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "verl"
+    assert manifest["attempts"][0]["attempt"] == last[0]["attempt"]
+
+
+def task_runner_compute_advantage() -> dict:
+    """In a Ray actor, as verl's TaskRunnerV1: ``import verl`` loads the plugin from VERL_USE_EXTERNAL_MODULES,
+    verl's ppo_trainer config selects trainer.v1.trainer_mode=triage_sync, TransferQueue as the TaskRunner starts
+    it; samples put as verl's agent loop puts them, old_log_probs as _compute_old_log_prob writes them; then
+    verl's own _compute_advantage (GRPO)."""
+    from hydra import compose, initialize_config_dir
+    from tensordict import TensorDict
+    import transfer_queue as tq
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            "actor_rollout_ref.rollout.calculate_log_probs=True", "trainer.v1.trainer_mode=triage_sync",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "data.train_batch_size=2",
+            "trainer.logger=[console]", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"])
+    tq.init(cfg.transfer_queue)
+    try:
+        trainer = get_trainer_cls(cfg.trainer.v1.trainer_mode)(cfg)
+        g = torch.Generator().manual_seed(0)
+        lens, keys, fields, tags = [9, 5, 12, 7], [], [], []
+        for i, n in enumerate(lens):                                 # as AgentLoopWorkerTQ puts its outputs
+            rm = torch.zeros(n)
+            rm[-1] = float(i % 2)
+            keys.append(f"p{i // 2}_{i % 2}_0")
+            fields.append({"prompts": torch.ones(3, dtype=torch.int64), "responses": torch.ones(n, dtype=torch.int64),
+                           "response_mask": torch.ones(n, dtype=torch.int64), "rm_scores": rm, "uid": f"p{i // 2}",
+                           "rollout_log_probs": -torch.rand(n, generator=g) - 0.01})
+            tags.append({"status": "success", "prompt_len": 3, "response_len": n, "seq_len": 3 + n,
+                         "global_steps": 1, "min_global_steps": 0, "max_global_steps": 0})
+        tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields), tags=tags)
+        old = [(f["rollout_log_probs"] + 0.1 * torch.randn(len(f["rollout_log_probs"]), generator=g)).clamp(max=-1e-4)
+               for f in fields]
+        tq.kv_batch_put(keys=keys, partition_id="train", fields=TensorDict(
+            {"old_log_probs": torch.nested.as_nested_tensor(old, layout=torch.jagged)}, batch_size=[4]))
+        trainer.global_steps = 3
+        metrics = {}
+        trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
+        adv = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages"])["advantages"]
+        logged = trainer.triage_monitor.flush()
+        trainer.triage_monitor.close()
+    finally:
+        tq.close()
+    return {"cls": type(trainer).__name__, "mode": trainer.trainer_mode, "metrics": sorted(metrics),
+            "logged": {k: logged[k] for k in ("step", "n_tokens")}, "lens": lens,
+            "old": torch.cat(old), "rollout": torch.cat([f["rollout_log_probs"] for f in fields]),
+            "adv": [a.clone() for a in adv.unbind()]}
+
+
+def test_triage_trainer_monitors_the_transfer_queue_batch(ray_cluster, tmp_path):
+    """verl's real v1 trainer class, registered as triage_sync by the plugin that VERL_USE_EXTERNAL_MODULES loads
+    on ``import verl`` in a Ray actor (where verl's TaskRunnerV1 looks the trainer up), over a real TransferQueue:
+    the step's tokens are monitored under global_steps with verl's own GRPO advantages and uid groups, and
+    verl's rollout_corr/* metrics are untouched."""
+    import ray
+
+    run = tmp_path / "run"
+    env = {"VERL_USE_EXTERNAL_MODULES": "triage_monitor.hooks.verl_plugin", "TRIAGE_MONITOR_RUN_DIR": str(run),
+           "TRIAGE_MONITOR_CONFIG": '{"calibration_steps": 1}'}
+
+    @ray.remote(num_cpus=1)
+    def task_runner():
+        import test_hooks_verl as t
+        return t.task_runner_compute_advantage()
+
+    got = ray.get(task_runner.options(runtime_env={"env_vars": env}).remote())
+    assert got["cls"] == "TriagePPOTrainerSync" and got["mode"] == "sync"     # verl still branches on "sync"
+    assert "rollout_corr/kl" in got["metrics"]                       # verl's own metrics, computed by verl
+    assert got["logged"] == {"step": 3, "n_tokens": float(sum(got["lens"]))}
+    tokens = pd.read_parquet(run / "tokens").sort_values(["sample_id", "position"])
+    assert set(tokens["step"].astype(int)) == {3}
+    assert torch.equal(torch.tensor(tokens["learner_logp"].to_numpy()), got["old"])
+    assert torch.equal(torch.tensor(tokens["sampler_logp"].to_numpy()), got["rollout"])
+    assert np.allclose(tokens["advantage"].to_numpy(), torch.cat(got["adv"]).numpy())
+    assert tokens.groupby("sample_id")["group_id"].first().tolist() == [0, 0, 1, 1]
+    assert abs(float(got["adv"][0][0]) + float(got["adv"][1][0])) < 1e-5   # GRPO: ± within a group
+
+
+def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path):
+    """TriageTrainerMixin.step around a trainer's step: global_steps published before, the monitored step flushed
+    after, its metrics in verl's metrics dict as triage/<name>."""
+    from triage_monitor.hooks.verl import TriageTrainerMixin, VerlBatchMonitor
+
+    run = str(tmp_path / "run")
+    live, rollout, adv, mask = make_actor_batch()
+    seen = {}
+
+    class OwnStep:                                  # stands for verl's PPOTrainer.step (our test double)
+        def step(self, metrics, timing_raw):
+            seen["published"] = hook.read_step(run)
+            self.triage_monitor.runtime.record(self.global_steps, TokenBatch.from_padded(live, rollout, adv, mask))
+            return "batch-meta"
+
+    class T(TriageTrainerMixin, OwnStep):
+        pass
+
+    t = T.__new__(T)
+    t.triage_settings = HookSettings(run_dir=run)
+    t.triage_monitor = VerlBatchMonitor(t.triage_settings)
+    t.global_steps = 12
+    metrics = {}
+    assert t.step(metrics, {}) == "batch-meta"
+    t.triage_monitor.close()
+    assert seen["published"] == 12 and metrics["triage/n_tokens"] == int(mask.sum())
+    assert sorted(pd.read_parquet(tmp_path / "run" / "steps")["step"].astype(int)) == [12]
+
+
+# ------------------------------------------------------------------ monitoring from the v1 trainer's batches
+def test_monitoring_from_transfer_queue_fields(tmp_path):
+    """Fields as tq.kv_batch_get returns them (nested response fields, non-tensor uid), padding rows tagged:
+    the padding row is left out, group ids from uid, tool tokens out, positions = column index."""
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorStack
+
+    live, rollout, adv, mask = make_actor_batch()
+    lengths = [40, 31, 7, 28, 19, 12]
+    nested = lambda x: torch.nested.as_nested_tensor([x[i, :n] for i, n in enumerate(lengths)],  # noqa: E731
+                                                     layout=torch.jagged)
+    fields = TensorDict({"old_log_probs": nested(live), "rollout_log_probs": nested(rollout),
+                         "advantages": nested(adv), "response_mask": nested(mask.long())}, batch_size=[6])
+    fields["uid"] = NonTensorStack(*["p0", "p0", "p1", "p1", "p2", "pad"])
+    tags = [{}, {}, {}, {}, {}, {"is_padding": True}]
+    batch = hook.batch_from_transfer_queue(fields, tags)
+    keep = mask[:5]
+    assert batch.num_tokens == int(keep.sum()) and batch.num_samples == 5
+    assert torch.equal(batch.learner_logp, live[:5][keep]) and torch.equal(batch.sampler_logp, rollout[:5][keep])
+    assert batch.group_id.tolist() == [0, 0, 1, 1, 2]
+    assert 10 not in batch.position[batch.sample_index == 1].tolist()
+    with MismatchMonitor(tmp_path / "run", MonitorConfig()) as mon:
+        metrics = mon.log_step(1, batch)
+    assert abs(metrics["delta_mean"] - float((live - rollout)[:5][keep].mean())) < 1e-6
 
 
 def test_missing_rollout_log_probs_names_the_setting():
-    old, rollout, adv, mask, _ = make_actor_batch()
-    data = verl.DataProto.from_dict(tensors={"old_log_probs": old, "advantages": adv, "response_mask": mask.long()})
+    live, rollout, adv, mask = make_actor_batch()
+    data = verl.DataProto.from_dict(tensors={"old_log_probs": live, "advantages": adv, "response_mask": mask.long()})
     with pytest.raises(KeyError, match="calculate_log_probs"):
         hook.batch_from_dataproto(data)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_registered_loss_equals_core_api(registry, agg):
-    cfg = TriageConfig()
-    fn = hook.register(TriageController(cfg))
-    assert core_algos.get_policy_loss_fn("triage") is fn
-    old, rollout, adv, mask, _ = make_actor_batch()
-    live = old.clone().requires_grad_(True)
-    loss, metrics = core_algos.get_policy_loss_fn("triage")(     # exactly how verl's ppo_loss calls it (bypass mode)
-        old_log_prob=rollout, log_prob=live, advantages=adv, response_mask=mask, loss_agg_mode=agg,
-        config=actor_config(), rollout_is_weights=None)
-    batch = TokenBatch.from_padded(old.clone().requires_grad_(True), rollout, adv, mask)
-    out = TriageController(cfg)(batch, step=0, old_logp=batch.sampler_logp)
-    assert torch.equal(fn.last.output.gate_weights, out.gate_weights)
-    assert float(out.gate_weights.min()) < 1.0
-    assert torch.equal(fn.last.output.repair_loss.detach(), out.repair_loss.detach())
-    norm = {"token-mean": "global_token", "seq-mean-token-mean": "per_response"}[agg]
-    ptl = ppo_clip_loss(batch.learner_logp, batch.sampler_logp, batch.advantage, 0.2, 0.28)
-    expected = weighted_policy_loss(ptl, out.token_weights, batch, norm) + out.repair_loss
-    assert torch.allclose(loss, expected, atol=1e-6)
-    loss.backward()
-    assert live.grad is not None and bool((live.grad[~mask] == 0).all()) and bool((live.grad[mask] != 0).any())
-    assert set(metrics) >= {"triage/gate_weight_mean", "triage/repair_loss"}
-
-
-def test_bypass_mode_route_through_verl(registry):
-    """verl's own apply_bypass_mode copies rollout_log_probs into old_log_probs and forces loss_mode
-    'bypass_mode'; with as_bypass_mode=True the lookup then returns the TRIAGE loss."""
+def test_check_config_refuses_what_cannot_work():
     from omegaconf import OmegaConf
-    from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode
-
-    fn = hook.register(as_bypass_mode=True)
-    old, rollout, adv, mask, _ = make_actor_batch()
-    data = verl.DataProto.from_dict(tensors={"rollout_log_probs": rollout, "advantages": adv,
-                                             "response_mask": mask.long()})
-    policy_loss_cfg = OmegaConf.create({"loss_mode": "triage"})
-    apply_bypass_mode(data, OmegaConf.create({"bypass_mode": True, "loss_type": "ppo_clip"}), policy_loss_cfg)
-    assert torch.equal(data.batch["old_log_probs"], rollout)
-    assert core_algos.get_policy_loss_fn(policy_loss_cfg["loss_mode"]) is fn
-    loss, _ = fn(data.batch["old_log_probs"], old, adv, mask, "token-mean", actor_config(), None)
-    assert torch.isfinite(loss)
+    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "triage"}},
+                                                  "rollout": {"calculate_log_probs": True}},
+                            "algorithm": {"rollout_correction": {"bypass_mode": False}}})
+    with pytest.raises(ValueError, match="bypass_mode=True"):
+        hook.check_config(cfg)
+    cfg.algorithm.rollout_correction.bypass_mode = True
+    hook.check_config(cfg)
+    cfg.actor_rollout_ref.rollout.calculate_log_probs = False
+    with pytest.raises(ValueError, match="calculate_log_probs=True"):
+        hook.check_config(cfg)
 
 
-def test_global_batch_info_scaling(registry):
-    """verl's agg_loss divides by the global token count × dp: the micro-batch share is n_local / N · dp."""
-    fn = hook.register()
-    old, rollout, adv, mask, _ = make_actor_batch()
-    cfg = actor_config()
-    local, _ = fn(rollout, old, adv, mask, "token-mean", cfg, None)
-    cfg.global_batch_info.update({"dp_size": 2, "batch_num_tokens": int(mask.sum()) * 4})
-    scaled, _ = fn(rollout, old, adv, mask, "token-mean", cfg, None)
-    assert torch.allclose(scaled, local * 0.5)
-
-
-def test_unsupported_agg_mode_is_named(registry):
-    fn = hook.register()
-    old, rollout, adv, mask, _ = make_actor_batch()
-    with pytest.raises(ValueError, match="token-sum"):
-        fn(rollout, old, adv, mask, "token-sum", actor_config(), None)
-
-
-def test_called_by_verls_own_ppo_loss(registry):
-    """verl's worker loss entry (workers.utils.losses.ppo_loss) looks the TRIAGE loss up by
-    config.policy_loss.loss_mode and feeds it the unpadded model output sliced back to (B, T)."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
-    from verl.workers.utils.losses import ppo_loss
-
-    fn = hook.register()
-    g = torch.Generator().manual_seed(5)
-    B, P, T = 3, 4, 70
-    resp_lens, prompt_lens = torch.tensor([70, 33, 51]), torch.tensor([4, 2, 3])
-    att = torch.zeros(B, P + T, dtype=torch.long)
-    for i in range(B):                        # left-padded prompts, right-padded responses (verl's layout)
-        att[i, P - prompt_lens[i]:P] = 1
-        att[i, P:P + resp_lens[i]] = 1
-    resp_mask = (torch.arange(T)[None] < resp_lens[:, None]).long()
-    live_resp = (-torch.rand(B, T, generator=g) - 1e-3) * resp_mask
-    # remove-padding model output: one value per real token, log-prob of the *next* token
-    flat = torch.cat([torch.cat([-torch.rand(int(prompt_lens[i]) - 1, generator=g), live_resp[i, :resp_lens[i]],
-                                 torch.zeros(1)]) for i in range(B)]).requires_grad_(True)
-    rollout = ((live_resp + 0.4 * torch.randn(B, T, generator=g)).clamp(max=-1e-4)) * resp_mask
-    adv = torch.tensor([[-1.0], [0.5], [-0.3]]).expand(B, T).contiguous()
-    data = TensorDict({"prompts": torch.ones(B, P, dtype=torch.long), "responses": torch.ones(B, T, dtype=torch.long),
-                       "attention_mask": att, "response_mask": resp_mask, "old_log_probs": rollout,
-                       "advantages": adv}, batch_size=[B])
-    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
-    cfg = FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1,
-                          clip_ratio_low=0.2, clip_ratio_high=0.28, policy_loss=PolicyLossConfig(loss_mode="triage"))
-    loss, _ = ppo_loss(cfg, {"log_probs": flat}, data)
-    assert fn.calls == 1
-    mask = resp_mask.bool()
-    assert torch.equal(fn.last.batch.learner_logp.detach(), live_resp[mask])
-    batch = TokenBatch.from_padded(live_resp, rollout, adv, mask)
-    out = TriageController()(batch, step=0, old_logp=batch.sampler_logp)
-    expected = weighted_policy_loss(ppo_clip_loss(batch.learner_logp, batch.sampler_logp, batch.advantage, 0.2, 0.28),
-                                    out.token_weights, batch, "global_token") + out.repair_loss
-    assert torch.allclose(loss, expected, atol=1e-6)
-    loss.backward()
-    assert float(flat.grad.abs().sum()) > 0
-
-
-def _same_metrics(got: dict, ref: dict):
-    for k, v in ref.items():
-        assert k in got, k
-        assert (math.isnan(v) and math.isnan(got[k])) or got[k] == pytest.approx(v, rel=1e-6, abs=1e-9), k
-
-
-def test_micro_batches_of_a_step_are_one_monitored_step(registry, tmp_path, caplog):
-    """Two loss calls (micro-batches) with fn.step = 3 → ONE step on disk: the union of the tokens (sample ids
-    kept distinct), Gate weights in call order, and the metrics of one log_step on the concatenated rows —
-    an empty response and a quarantined token included; a new step value flushes it, close() writes the last."""
-    old, rollout, adv, mask, _ = make_actor_batch()
-    mask[4] = False                                              # a response with no valid token (micro-batch 2)
-    old[1, 5] = 0.5                                              # an impossible learner log-prob: quarantined
-    mon = MismatchMonitor(tmp_path / "run", MonitorConfig(calibration_steps=2))
-    fn = hook.register(monitor=mon, on_invalid="quarantine")
-    fn.step = 3
-    rows = (slice(0, 3), slice(3, 6))
-    gates, stats = [], []
-    for r in rows:                                               # how verl's ppo_loss calls it per micro-batch
-        core_algos.get_policy_loss_fn("triage")(old_log_prob=rollout[r], log_prob=old[r].clone().requires_grad_(True),
-                                                advantages=adv[r], response_mask=mask[r], loss_agg_mode="token-mean",
-                                                config=actor_config(), rollout_is_weights=None)
-        gates.append(fn.last.output.gate_weights.detach())
-        stats.append(fn.last.output.stats["repair_loss"])
-    assert fn.calls == 2 and mon.steps_logged == 0              # nothing logged until the step is over
-    fn.step = 4
-    fn(rollout[:2], old[:2], adv[:2], mask[:2], "token-mean", actor_config(), None)
-    assert mon.steps_logged == 1                                 # the new step value flushed step 3
+def test_step_channel_io_failures_never_stop_the_job(tmp_path, caplog):
+    """A run directory that cannot be written (here: a regular file): settings, publishing and finishing warn and
+    go on; reading gives no step (the workers then count optimizer steps)."""
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")
     with caplog.at_level("WARNING", logger="triage_monitor"):
-        merged = dict(fn.close() or {})
-        assert mon.steps_logged == 2
-        assert fn.close() is None                                # nothing left to write
-        mon.close()
-    assert "logged twice" not in caplog.text
-    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
-    t3 = tokens[tokens["step"].astype(int) == 3].sort_values(["sample_id", "position"])
-    keep = mask.clone()
-    keep[1, 5] = False
-    assert len(t3) == int(keep.sum()) and sorted(set(t3["sample_id"])) == [0, 1, 2, 3, 5]
-    assert torch.equal(torch.tensor(t3["sampler_logp"].to_numpy()), rollout[keep])
-    assert torch.equal(torch.tensor(t3["gate_weight"].to_numpy()), torch.cat(gates))
-    assert len(tokens[tokens["step"].astype(int) == 4]) == int(mask[:2].sum()) - 1
-    steps = pd.read_parquet(tmp_path / "run" / "steps")
-    assert sorted(steps["step"].astype(int)) == [3, 4]
-    # reference: one log_step on all six rows at once, in a fresh run
-    with MismatchMonitor(tmp_path / "ref", MonitorConfig(calibration_steps=2)) as ref_mon:
-        ref = ref_mon.log_step(3, TokenBatch.from_padded(old, rollout, adv, mask, on_invalid="quarantine"))
-        ref_mon.log_step(4, TokenBatch.from_padded(old[:2], rollout[:2], adv[:2], mask[:2], on_invalid="quarantine"))
-    s3 = steps[steps["step"].astype(int) == 3].iloc[0]
-    assert ref["empty_response_count"] == 1 and ref["quarantined_count"] == 1 and ref["positive_logp_count"] == 1
-    compared = {k: v for k, v in ref.items() if k in s3 and k not in ("step", "writer_dropped_rows")}
-    assert len(compared) > 40 and "window/rho_asym" in compared
-    _same_metrics({k: float(s3[k]) for k in compared}, compared)
-    assert merged["step"] == 4 and "gate_weight_mean" in merged
-    assert stats[0] != stats[1] and float(s3["repair_loss"]) == pytest.approx(sum(stats) / 2)  # mean over calls
-    q = pd.read_parquet(tmp_path / "run" / "quarantine")
-    q3 = q[q["step"].astype(int) == 3]
-    assert q3[["sample_id", "position"]].values.tolist() == [[1, 5]]
-
-
-def test_step_unset_counts_calls_and_warns_once(registry, tmp_path, caplog):
-    """Without fn.step every loss call is its own step (controller and monitor), and a warning says so once."""
-    old, rollout, adv, mask, _ = make_actor_batch()
-    with MismatchMonitor(tmp_path / "run", MonitorConfig()) as mon:
-        fn = hook.register(monitor=mon)
-        with caplog.at_level("WARNING", logger="triage_monitor"):
-            for i, r in enumerate((slice(0, 3), slice(3, 6), slice(0, 2))):
-                fn(rollout[r], old[r], adv[r], mask[r], "token-mean", actor_config(), None)
-                assert mon.steps_logged == i + 1                 # nothing to merge: logged at once
-        assert fn.close() is None
-    assert caplog.text.count(".step is not set") == 1
-    assert fn.controller.last_step == 2
-    steps = pd.read_parquet(tmp_path / "run" / "steps")
-    assert sorted(steps["step"].astype(int)) == [0, 1, 2]
+        s = hook.settings_from_env({"TRIAGE_MONITOR_RUN_DIR": str(blocked)})
+        hook.publish_step(str(blocked), 3)
+        assert hook.finish_workers(str(blocked), timeout=1) is False
+    assert s.attempt > 0 and hook.read_step(str(blocked)) is None
+    assert caplog.text.count("triage-monitor: cannot") == 3

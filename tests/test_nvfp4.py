@@ -18,7 +18,7 @@ f32 = np.float32
 
 # ------------------------------------------------------------ hand implementation (scalar, numpy float32)
 def e2m1_rne(v: float) -> float:
-    """Nearest E2M1 magnitude, ties to the even code (SPEC §6), sign kept; |v| > 6 saturates."""
+    """Nearest E2M1 magnitude, ties to the even code (docs/metrics.md#nvfp4), sign kept; |v| > 6 saturates."""
     a = min(abs(v), 6.0)
     dists = [abs(a - g) for g in GRID]
     best = min(dists)

@@ -1,4 +1,4 @@
-"""Bad input (SPEC.md §8): every hazard has a clear outcome, checked with hand-made values.
+"""Bad input (docs/reliability.md): every hazard has a clear outcome, checked with hand-made values.
 
 Invalid values raise naming the field, sample and position, or are quarantined and counted in
 alertable per-step metrics; padding leaks and one-position shifts are detected and reported;

@@ -227,3 +227,21 @@ def test_failed_init_is_reported_once_and_not_retried(offline, caplog):
     assert [r.getMessage() for r in caplog.records].count(
         "WandbLogger: wandb.init failed; skipped (further failures are counted, not reported)") == 1
     assert lg._guard.failures == {"wandb.init": 1}
+
+
+def test_user_config_and_monitor_manifest_both_kept(offline):
+    """The user's WandbLogger(config=...) and the monitor's manifest share the ``triage`` config entry: both
+    survive in the final W&B config (the manifest used to replace the user's dict)."""
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    run = init(offline, config={"lr": 1e-6})
+    lg = WandbLogger(run, config={"model": "4B", "recipe": "nvfp4"})
+    with MismatchMonitor(offline / "run", MonitorConfig(), manifest={"framework": "test"}, loggers=[lg]) as mon:
+        s = -torch.rand(2, 4) - 0.01
+        mon.log_step(0, TokenBatch.from_padded(s, s, torch.tensor([1.0, -1.0]), torch.ones(2, 4)))
+    run.finish()
+    cfg = config_items(logged(offline))
+    assert cfg["lr"] == 1e-6
+    assert cfg["triage"]["model"] == "4B" and cfg["triage"]["recipe"] == "nvfp4"      # the user's
+    assert cfg["triage"]["tool"] == "triage-monitor" and cfg["triage"]["info"] == {"framework": "test"}  # ours

@@ -3,7 +3,7 @@
 Data flows one way: hooks → :class:`TokenBatch` → :class:`MismatchMonitor`
 (metrics, Parquet records, alerts) and :class:`TriageController` (per-token
 loss weights); offline, :mod:`triage_monitor.analysis` reads the run directory.
-See SPEC.md for every term.
+docs/metrics.md defines every term.
 """
 
 __version__ = "0.1.0"

@@ -8,7 +8,8 @@ SPEC.md §3) and tests one condition every step:
 ``above``       value > threshold
 ``below``       value < threshold
 ``rising``      the value at t, t-w, ..., t-k·w (w = ``window`` steps) strictly increases
-                and v(t) - v(t-k·w) > threshold (``relative``: divided by |v(t-k·w)|)
+                and v(t) - v(t-k·w) > threshold (``relative``: divided by |v(t-k·w)|);
+                with ``full_window`` no look-back lies before the first full window
 ``falling``     mirror of ``rising``: strictly decreasing, drop > threshold
 ``excess``      value - baseline > threshold; baseline = median of the value over the
                 first ``baseline_steps`` steps of the run (or given as ``baseline``)
@@ -22,6 +23,16 @@ aggregates the per-step values of the trailing ``window`` steps (inclusive)
 with ``agg`` (mean, sum, min, max, last; NaN values are ignored).  Averaging
 per-step ratios is not the SPEC's pooled window: prefer ``window/<name>``
 metrics where the monitor provides them.
+
+Noise guard: a rule with a ``guard_metric`` is evaluated only on steps where
+that metric is at least ``guard_min``.  The shipped direction rules (and the
+other ratio rules) guard on ``window/delta_abs_mean`` >= :data:`NOISE_FLOOR_NATS`:
+below it the learner and sampler agree to float rounding (a bit-exact
+pipeline: |δ| ≈ 1e-8 nats), ρ_asym is a ratio of two rounding-noise masses
+and swings between ~0.6 and ~1.9 with no meaning, so the step is reported as
+*noise level* (:attr:`AlertEngine.noise_steps`), the rule's streak restarts
+and it never fires there.  A step whose guard value is missing is evaluated
+normally (a foreign history without the guard column keeps its alerts).
 
 Hysteresis: a rule fires when its condition has held on ``hold`` consecutive
 evaluated steps and at least ``cooldown`` steps have passed since it last
@@ -69,6 +80,9 @@ LEVELS = ("INFO", "WARN", "ERROR")
 AGGS = {"mean": np.nanmean, "sum": np.nansum, "min": np.nanmin, "max": np.nanmax, "last": None}
 WINDOW_PREFIX = "window/"
 DEFAULT_RULES_FILE = "default_alert_rules.toml"
+#: Mean |δ| (nats) below which direction metrics are float-rounding noise: 1e-4 nats sits ~1000× above a
+#: bit-exact fp32 pipeline (|δ| ~ 1e-8–1e-7) and ~100× below an NVFP4 sampler (|δ| ~ 0.01–0.1); docs/alerts.md#noise-guard
+NOISE_FLOOR_NATS = 1e-4
 
 
 # ----------------------------------------------------------------------------------------- rules
@@ -98,6 +112,11 @@ class Rule:
         wait_s: W&B ``wait_duration`` in seconds (server-side de-duplication per title).
         group: free label (``direction``, ``magnitude``, ...), shown in docs and tables.
         note: one sentence appended to the alert text (why the rule exists).
+        guard_metric: optional metric that must be >= ``guard_min`` for the rule to be
+            evaluated at a step (the noise guard; see the module docstring).  Empty: no guard.
+        guard_min: the guard's threshold, in ``guard_metric``'s units (nats for ``window/delta_abs_mean``).
+        full_window: rising/falling only: a look-back before step ``first_step + window − 1``
+            (the monitor's first full window) is not a reference (the rule waits for one).
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -119,6 +138,9 @@ class Rule:
     wait_s: float = 600.0
     group: str = ""
     note: str = ""
+    guard_metric: str = ""
+    guard_min: float = 0.0
+    full_window: bool = False
 
     def __post_init__(self):
         def bad(f, why):
@@ -147,6 +169,17 @@ class Rule:
             bad("baseline", "must be a finite number or omitted")
         if not float(self.wait_s) >= 0:
             bad("wait_s", "must be >= 0")
+        if not isinstance(self.guard_metric, str):
+            bad("guard_metric", "must be a metric name or empty")
+        try:
+            guard_ok = math.isfinite(float(self.guard_min))
+        except (TypeError, ValueError):
+            guard_ok = False
+        if not guard_ok:
+            bad("guard_min", "must be a finite number")
+        object.__setattr__(self, "guard_min", float(self.guard_min))
+        if not isinstance(self.full_window, bool):
+            bad("full_window", "must be true or false")
         object.__setattr__(self, "threshold", float(self.threshold))
 
     @property
@@ -298,7 +331,7 @@ class AlertEngine:
         if len(set(names)) != len(names):
             raise ValueError(f"AlertEngine: duplicate rule names in {names}")
         self.sinks = list(sinks)
-        self._metrics = sorted({r.metric for r in self.rules})
+        self._metrics = sorted({r.metric for r in self.rules} | {r.guard_metric for r in self.rules if r.guard_metric})
         self._failed: dict[int, int] = {}  # id(sink) -> failure count
         self.fired: list[Alert] = []
         self._reset()
@@ -309,6 +342,8 @@ class AlertEngine:
         self._cols = {m: [] for m in self._metrics}         # raw per-step values
         self._vals = {r.name: [] for r in self.rules}         # tested value per step
         self._state = {r.name: _State(baseline=r.baseline) for r in self.rules}
+        #: rule name -> steps at which its guard held it back (noise level), in order
+        self.noise_steps: dict[str, list[int]] = {r.name: [] for r in self.rules if r.guard_metric}
 
     @property
     def active(self) -> list[str]:
@@ -373,12 +408,22 @@ class AlertEngine:
         return float(xs[np.isfinite(xs)][-1]) if r.agg == "last" else float(AGGS[r.agg](xs))
 
     def _lookback(self, r: Rule, i: int) -> float:
-        """Tested value at the latest step <= t - i*window (NaN if before the first step)."""
-        j = bisect.bisect_right(self._steps, self._steps[-1] - i * r.window) - 1
+        """Tested value at the latest step <= t - i*window (NaN if before the first step, or, with
+        ``full_window``, before step first + window - 1: a partial window is not a reference)."""
+        target = self._steps[-1] - i * r.window
+        if r.full_window and target < self._steps[0] + r.window - 1:
+            return math.nan
+        j = bisect.bisect_right(self._steps, target) - 1
         return self._vals[r.name][j] if j >= 0 else math.nan
 
     def _step_rule(self, r: Rule, step: int, v: float) -> Optional[Alert]:
         st = self._state[r.name]
+        if r.guard_metric:
+            g = self._cols[r.guard_metric][-1]
+            if math.isfinite(g) and g < r.guard_min:   # noise level: never fires, the streak restarts
+                self.noise_steps[r.name].append(step)
+                st.streak, st.active = 0, False
+                return None
         holds, score, detail = self._evaluate(r, st, step, v)
         if holds is None:
             return None
@@ -489,6 +534,11 @@ def _as_float(x: Any) -> float:
 
 # ---------------------------------------------------------------------------------------- replay
 def replay(rules: Optional[Sequence[Rule]], metrics_frame, step_column: str = "step") -> list[Alert]:
+    """The alerts of :func:`replay_engine` (same arguments, same errors), in order."""
+    return replay_engine(rules, metrics_frame, step_column).fired
+
+
+def replay_engine(rules: Optional[Sequence[Rule]], metrics_frame, step_column: str = "step") -> "AlertEngine":
     """Run ``rules`` over a metrics history with the live engine, row by row, in frame order.
 
     Args:
@@ -498,7 +548,8 @@ def replay(rules: Optional[Sequence[Rule]], metrics_frame, step_column: str = "s
             Rows are fed in frame order, so a repeated step rewinds exactly as live; rows whose
             step is missing (NaN) are skipped.
     Returns:
-        the alerts that would have fired, in order.
+        the engine after the last row: ``.fired`` holds the alerts that would have fired, in
+        order; ``.noise_steps`` the steps each guarded rule spent at noise level.
     Raises:
         ValueError: the step column is missing or holds a non-integer value, or a metric column
             holds a non-numeric value (names the column and row).
@@ -526,7 +577,7 @@ def replay(rules: Optional[Sequence[Rule]], metrics_frame, step_column: str = "s
         eng.observe(int(f), {m: data[m][i] for m in cols})
     if skipped:
         log.info("replay: skipped %d row(s) without a %s value", skipped, step_column)
-    return eng.fired
+    return eng
 
 
 def pd_numeric(col) -> np.ndarray:
@@ -582,7 +633,8 @@ def run_cli(args: argparse.Namespace) -> int:
             frame, step_col = load_run_metrics(args.run_dir), "step"
         else:
             raise ValueError("give RUN_DIR or --from-csv CSV")
-        alerts = replay(rules, frame, step_column=step_col)
+        engine = replay_engine(rules, frame, step_column=step_col)
+        alerts = engine.fired
     except (OSError, ValueError, ImportError) as e:
         print(f"triage-monitor alerts: error: {e}", file=sys.stderr)
         return 2
@@ -595,6 +647,12 @@ def run_cli(args: argparse.Namespace) -> int:
             sys.stdout, index=False)
     else:
         _print_table(rows, len(frame), len(rules))
+    noise = {name: steps for name, steps in engine.noise_steps.items() if steps}
+    if noise:
+        guards = {(r.guard_metric, r.guard_min) for r in rules if r.name in noise}
+        how = "; ".join(f"{m} < {_fmt(t)}" for m, t in sorted(guards))
+        print(f"note: noise level ({how}: the learner and sampler agree to rounding, direction ratios are "
+              f"noise) held back " + ", ".join(f"{n} on {len(s)} step(s)" for n, s in noise.items()), file=sys.stderr)
     if absent:
         print(f"note: metric(s) absent from the history, their rules never evaluated: {absent}", file=sys.stderr)
     return 0
@@ -620,5 +678,5 @@ def alerts_cli(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["Rule", "Alert", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
-           "replay", "normalize_columns", "load_run_metrics", "add_arguments", "run_cli", "alerts_cli",
+           "replay", "replay_engine", "normalize_columns", "NOISE_FLOOR_NATS", "load_run_metrics", "add_arguments", "run_cli", "alerts_cli",
            "CONDITIONS", "LEVELS"]

@@ -1,11 +1,11 @@
-"""Input-alignment diagnostics (SPEC.md §8): one-position shifts and padding leaks.
+"""Input-alignment diagnostics (docs/reliability.md): one-position shifts and padding leaks.
 
 Two checks that :class:`~triage_monitor.batch.TokenBatch` validation cannot
 make token by token, because each token looks plausible on its own:
 
 * :func:`check_alignment` -- a one-token shift between the learner's and the
   sampler's log-probs (an off-by-one after a label-shift change).  The gap
-  then looks like noise.  SPEC.md §8: "detect it by checking whether shifting
+  then looks like noise.  docs/reliability.md: "detect it by checking whether shifting
   one side by one position shrinks |δ| markedly".
 * :func:`padding_diagnostics` -- padding values read as log-probs inside the
   valid region that are *not* caught as sentinels (``|logp| >= 1e3`` is
@@ -33,7 +33,7 @@ from .batch import TokenBatch
 Tensor = torch.Tensor
 
 #: The best one-position shift must bring the mean |δ| below this fraction of
-#: the unshifted mean |δ| to call the batch misaligned ("markedly", SPEC.md §8).
+#: the unshifted mean |δ| to call the batch misaligned ("markedly", docs/reliability.md).
 SHIFT_RATIO_THRESHOLD = 0.5
 #: Below this unshifted mean |δ| (nats) the paths agree already; no shift is reported.
 MIN_ALIGNED_ABS_DELTA = 0.05
@@ -84,7 +84,7 @@ class AlignmentReport:
 def check_alignment(batch_or_learner: Union[TokenBatch, Tensor], sampler_logp: Optional[Tensor] = None,
                     mask: Optional[Tensor] = None, *, ratio_threshold: float = SHIFT_RATIO_THRESHOLD,
                     min_pairs: int = MIN_PAIRS) -> AlignmentReport:
-    """Test whether the learner and sampler log-probs are shifted by one position (SPEC.md §8).
+    """Test whether the learner and sampler log-probs are shifted by one position (docs/reliability.md).
 
     Over every pair of valid tokens at positions t and t+1 of the same response
     (masked gaps break pairs), compare the mean |δ| of the aligned pairing
@@ -168,7 +168,7 @@ def check_alignment(batch_or_learner: Union[TokenBatch, Tensor], sampler_logp: O
 
 def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
                         min_run: int = PADDING_MIN_RUN, run_gap: float = 0.05) -> dict:
-    """Padding values that leak into the valid region without being sentinels (SPEC.md §8).
+    """Padding values that leak into the valid region without being sentinels (docs/reliability.md).
 
     * ``zero_logp_count``: valid tokens whose log-prob is exactly 0.0 (probability 1,
       the usual pad value) on one side while the other side is below ``−zero_gap``
@@ -183,7 +183,7 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
 
     * ``offset_response_count``: responses whose first valid token is not at position 0:
       left padding (or a prompt kept in the tensor) without ``positions=``, so positions
-      and the segments cut from them (SPEC.md §3.3) are shifted.  A response that really
+      and the segments cut from them (docs/metrics.md#localisation) are shifted.  A response that really
       starts with masked tokens also counts.
 
     Entirely masked-out padding is never read, so these count only leaks.  Sentinels

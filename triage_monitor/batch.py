@@ -1,6 +1,6 @@
 """TokenBatch: one step's valid tokens in the canonical flat layout.
 
-Every framework lays its per-token tensors out differently (SPEC.md §7):
+Every framework lays its per-token tensors out differently (docs/hooks.md):
 padded ``(B, T)`` with a loss mask, packed 1-D with ``cu_seqlens``, or a list
 of 1-D per-sample tensors.  :class:`TokenBatch` turns each of them into one
 flat layout that metrics, records and the controller share:
@@ -9,14 +9,14 @@ flat layout that metrics, records and the controller share:
 * ``S`` responses (samples), ordered by ``sample_id``;
 * per token: ``learner_logp``, ``sampler_logp``, ``advantage`` (float, nats
   for the log-probs), ``sample_index`` (int64 in ``[0, S)``) and ``position``
-  (zero-based index inside the response *before* masking, SPEC.md §2);
+  (zero-based index inside the response *before* masking, docs/metrics.md#terms);
 * per sample: ``sample_id``, ``group_id`` (int64) and ``num_valid`` (n_i).
 
 The batch remembers where each flat token came from, so per-token results
 (Gate weights, ...) can be scattered back to the caller's layout with
 :meth:`TokenBatch.scatter`.
 
-Validation follows SPEC.md §8: shapes, dtypes and devices are checked with
+Validation follows docs/reliability.md: shapes, dtypes and devices are checked with
 errors naming the argument and the shapes; invalid values (non-finite or
 positive log-probs, padding sentinels, non-finite advantages) either raise a
 :class:`InvalidTokenError` naming the field, the sample, the position and the
@@ -56,7 +56,7 @@ INVALID_REASONS = (
 
 
 class InvalidTokenError(ValueError):
-    """A valid (masked-in) token carries an impossible value (SPEC.md §8).
+    """A valid (masked-in) token carries an impossible value (docs/reliability.md).
 
     Attributes: ``field`` (argument name), ``sample`` (caller's row / sample
     index; the ``sample_id`` for :meth:`TokenBatch.from_flat`), ``position`` (token position inside the response), ``value``
@@ -122,7 +122,7 @@ class TokenBatch:
 
     @property
     def delta(self) -> Tensor:
-        """``(N,)`` float32, detached: δ = learner_logp − sampler_logp (nats, SPEC.md §2)."""
+        """``(N,)`` float32, detached: δ = learner_logp − sampler_logp (nats, docs/metrics.md#terms)."""
         return self.learner_logp.detach().float() - self.sampler_logp.float()
 
     def detach(self) -> "TokenBatch":
@@ -424,7 +424,7 @@ class TokenBatch:
             raise ValueError(f"positions must be >= 0 (index inside the response), got {int(pos[i])} "
                              f"for a valid token of sample {int(rows[i])}")
 
-        # --- value validation (SPEC.md §8): one fused check, reasons only when something is wrong ---
+        # --- value validation (docs/reliability.md): one fused check, reasons only when something is wrong ---
         ld = learner.detach()
         ok = ((ld <= POSITIVE_LOGP_TOLERANCE) & (ld > -SENTINEL_ABS_LOGP) & (sampler <= POSITIVE_LOGP_TOLERANCE)
               & (sampler > -SENTINEL_ABS_LOGP) & torch.isfinite(adv))

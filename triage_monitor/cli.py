@@ -1,4 +1,4 @@
-"""``triage-monitor`` command line: demo | analyze | report | dashboard | alerts | import.
+"""``triage-monitor`` command line: demo | study | analyze | report | dashboard | alerts | import.
 
 Each sub-command's options live next to its implementation (an
 ``add_arguments(parser)`` / ``run_cli(args)`` pair); this module only wires
@@ -18,6 +18,7 @@ from pathlib import Path
 # (for demo and analyze: this module's <command>_add_arguments / <command>_run_cli)
 COMMANDS = (
     ("demo", "triage_monitor.cli", "run the built-in GRPO job (NVFP4 sampler vs learner) with monitoring"),
+    ("study", "triage_monitor.cli", "run the built-in job's arms (none/tis/triage/fp32 control) x seeds and compare"),
     ("analyze", "triage_monitor.cli", "recompute every metric of a run from its token Parquet files"),
     ("report", "triage_monitor.report", "write a self-contained HTML post-mortem of a run"),
     ("dashboard", "triage_monitor.dashboard", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
@@ -50,6 +51,54 @@ def demo_run_cli(args: argparse.Namespace) -> int:
         print(f"triage-monitor demo: {exc}", file=sys.stderr)
         return 2
     run_demo(cfg, args.out)
+    return 0
+
+
+# ---------------------------------------------------------------------------- study
+def study_add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``triage-monitor study``: arms, seeds, jobs, --quick, --out and every DemoConfig field
+    (defaulting to the study's job, :data:`triage_monitor.demo.study.STUDY_BASE`)."""
+    from .demo import add_arguments as demo_options
+    from .demo.study import ARMS, QUICK, STUDY_BASE
+
+    parser.add_argument("--out", default="runs/study", help="output directory (default: %(default)s)")
+    parser.add_argument("--arms", default=None,
+                        help=f"comma-separated arms out of {','.join(ARMS)} (default: all)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process each (default: 1)")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="run nothing: judge the run directories already in OUT/runs again and rewrite the report")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the short version (`make demo`): arms {','.join(QUICK['arms'])}, seed "
+                             f"{QUICK['seeds'][0]}, {QUICK['steps']} steps, unless given explicitly")
+    demo_options(parser)
+    parser.set_defaults(**{**STUDY_BASE, "steps": None})
+
+
+def study_run_cli(args: argparse.Namespace) -> int:
+    """Run the study into ``args.out``; exit 2 on a bad option."""
+    from .demo import config_from_args
+    from .demo.study import ARMS, QUICK, STUDY_BASE, rejudge, run_study
+
+    try:
+        quick = args.quick
+        arms = (args.arms or ",".join(QUICK["arms"] if quick else ARMS)).split(",")
+        arms = [a.strip() for a in arms if a.strip()]
+        try:
+            seeds = [int(s) for s in (args.seeds or ",".join(map(str, QUICK["seeds"] if quick else (0, 1, 2)))
+                                      ).split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+        if args.steps is None:
+            args.steps = QUICK["steps"] if quick else STUDY_BASE["steps"]
+        cfg = config_from_args(args)
+        if args.rejudge:
+            rejudge(cfg, args.out)
+            return 0
+        run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs)
+    except ValueError as exc:
+        print(f"triage-monitor study: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The TRIAGE controller: Gate weights, bounded Repair, TIS and loss normalisation (SPEC.md §4).
+"""The TRIAGE controller: Gate weights, bounded Repair, TIS and loss normalisation (docs/metrics.md#controller).
 
 One call per (micro-)batch::
 
@@ -10,16 +10,15 @@ One call per (micro-)batch::
 The controller changes the loss only.  All segment reductions go through
 :mod:`triage_monitor.segments` (no Python loop over segments or responses).
 
-Decisions that SPEC.md leaves open (documented here and in the docstrings):
+Decisions the definitions in docs/metrics.md leave open (documented here and in the docstrings):
 
-* **Valid repair segments** (SPEC.md §4.3 "Σφ / number of valid repair
-  segments"): the *in-scope* segments, i.e. the repair segments (≥ 1 valid
+* **Valid repair segments** (docs/metrics.md#repair "Σφ / number of in-scope
+  repair segments"): the *in-scope* segments, i.e. the repair segments (≥ 1 valid
   token) that can carry gradient: mean advantage > 0 for scopes
   ``adv_positive`` and ``q2``, every segment for ``whole``.  Both Σφ and the
   count run over these segments, so out-of-scope segments (whose φ would be a
-  constant) neither add to the loss value nor dilute the pull-up.  Source:
-  SPEC.md §4.3 ("only segments whose mean advantage is > 0 carry gradient")
-  read together with the task brief ("e.g. the in-scope ones").
+  constant) neither add to the loss value nor dilute the pull-up (in the published
+  runs only segments whose mean advantage is > 0 carry gradient).
 * **per_response** normalisation averages over responses with ≥ 1 valid token;
   a response whose weight sum Σ_t w is 0 (all tokens gated or masked to 0)
   contributes 0 to the numerator and still counts in the denominator, so
@@ -31,7 +30,7 @@ Decisions that SPEC.md leaves open (documented here and in the docstrings):
   gradients over W ranks (DDP/FSDP) then divides by W; multiply the loss by W
   if you want the exact global gradient (verl does the same for its
   ``global_token`` mode).
-* **Calibration** (SPEC.md §4.4): during the reference window the fixed
+* **Calibration** (docs/metrics.md#gate): during the reference window the fixed
   thresholds are used; calibrated ones apply from the first step after it.
 """
 
@@ -58,7 +57,7 @@ STATE_VERSION = 1
 # ------------------------------------------------------------------ config
 @dataclass
 class CalibrationConfig:
-    """Calibrated Gate thresholds from a reference window (SPEC.md §4.4).
+    """Calibrated Gate thresholds from a reference window (docs/metrics.md#gate).
 
     Over the first ``window`` distinct steps the controller collects (a
     deterministic, evenly strided subsample of at most ``max_values_per_step``
@@ -91,7 +90,7 @@ class CalibrationConfig:
 
 @dataclass
 class TriageConfig:
-    """TRIAGE settings; defaults are the published configuration (SPEC.md §4).
+    """TRIAGE settings; defaults are the published configuration (docs/metrics.md#controller).
 
     Gate (§4.1): ``gate_width`` W_gate tokens; ``neg_threshold`` / ``severe_threshold``
     (nats, on the segment mean δ) with weights ``neg_weight`` / ``severe_weight``;
@@ -204,7 +203,7 @@ class TriageOutput:
 def gate_segment_weights(delta: Tensor, advantage: Tensor, seg: Segments, neg_threshold: float,
                          severe_threshold: float, delta_bad: float, neg_weight: float, severe_weight: float,
                          tail_count: int, tail_floor: float) -> Tensor:
-    """Gate weight per segment ``(K,)`` float32 (SPEC.md §4.1).
+    """Gate weight per segment ``(K,)`` float32 (docs/metrics.md#gate).
 
     Over each segment's valid tokens: ``seg_adv`` = mean A, ``seg_delta`` = mean δ,
     ``k`` = #(δ < ``delta_bad``).  Mean tier = ``severe_weight`` if seg_delta < severe_threshold,
@@ -224,13 +223,13 @@ def gate_segment_weights(delta: Tensor, advantage: Tensor, seg: Segments, neg_th
 
 
 def pseudo_huber(q: Tensor, beta: float) -> Tensor:
-    """``φ(q) = β²(sqrt(1 + (q/β)²) − 1)`` (SPEC.md §4.3); ``|dφ/dq| = |q|/sqrt(1+(q/β)²) < β``."""
+    """``φ(q) = β²(sqrt(1 + (q/β)²) − 1)`` (docs/metrics.md#repair); ``|dφ/dq| = |q|/sqrt(1+(q/β)²) < β``."""
     return beta * beta * (torch.sqrt(1.0 + (q / beta) ** 2) - 1.0)
 
 
 def repair_terms(learner_logp: Tensor, sampler_logp: Tensor, advantage: Tensor, seg: Segments, tau: float,
                  beta: float, scope: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """Per-segment Repair penalty (SPEC.md §4.3).
+    """Per-segment Repair penalty (docs/metrics.md#repair).
 
     ``d_S`` = mean over the segment's valid tokens of δ = learner_logp − sampler_logp with the
     **live** ``learner_logp`` for in-scope tokens and a detached copy for the others
@@ -304,7 +303,7 @@ def policy_loss_denominator(token_weights: Tensor, batch: TokenBatch, normalizat
 def weighted_policy_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch,
                          normalization: str = "per_response", group=None,
                          global_denominator: Optional[Union[Tensor, float]] = None) -> Tensor:
-    """Normalised weighted policy loss, 0-dim float32 (SPEC.md §4.2).
+    """Normalised weighted policy loss, 0-dim float32 (docs/metrics.md#normalization).
 
     * ``per_response`` (the paper's form): ``(1/R) Σ_s [Σ_{t∈s} w_t ℓ_t / Σ_{t∈s} w_t]``,
       R = responses with ≥ 1 valid token; a response with Σ w = 0 contributes 0.
@@ -360,7 +359,7 @@ def _strided(values: Tensor, cap: int) -> Tensor:
 
 # -------------------------------------------------------------- controller
 class TriageController:
-    """Per-token TRIAGE weights and the Repair loss for one (micro-)batch (SPEC.md §4).
+    """Per-token TRIAGE weights and the Repair loss for one (micro-)batch (docs/metrics.md#controller).
 
     Args:
         config: :class:`TriageConfig` (default: the published configuration).
@@ -430,7 +429,7 @@ class TriageController:
 
         Args:
             batch: TokenBatch (N valid tokens); ``learner_logp`` may carry grad (Repair).
-            step: optimizer update index (SPEC.md §2).
+            step: optimizer update index (docs/metrics.md#terms).
             old_logp: ``(N,)`` learner log-probs at rollout time for TIS (nats, detached);
                 default ``batch.learner_logp.detach()``.
             repair_denominator: optional number of valid repair segments of the whole

@@ -1,4 +1,4 @@
-"""Baseline off-policy corrections the TRIAGE controller sits beside (SPEC.md §4.5).
+"""Baseline off-policy corrections the TRIAGE controller sits beside (docs/metrics.md#baselines).
 
 Pure tensor functions in the style of verl's ``core_algos.py``: every input is
 a flat per-token tensor ``(N,)`` (the :class:`~triage_monitor.batch.TokenBatch`
@@ -18,11 +18,11 @@ valid tokens only (the flat layout holds nothing else).
 Framework defaults (as documented by the frameworks; each option is configurable):
 
 * PPO clip: symmetric ε = 0.2 (PPO paper, verl ``clip_ratio``); DAPO
-  "clip-higher" [1 − 0.2, 1 + 0.28] is the default here because SPEC.md §5
+  "clip-higher" [1 − 0.2, 1 + 0.28] is the default here because docs/metrics.md#published-reference
   (published TRIAGE runs) uses it.
-* TIS: clamp(ratio, 0, C), C = 2 (SPEC.md §4.5, the published runs; verl
+* TIS: clamp(ratio, 0, C), C = 2 (docs/metrics.md#baselines, the published runs; verl
   ``rollout_is_threshold`` default 2.0, truncation only from above).
-* IcePop: ratio kept inside [0.5, 2], zero outside (SPEC.md §4.5; the Ring/
+* IcePop: ratio kept inside [0.5, 2], zero outside (docs/metrics.md#baselines; the Ring/
   IcePop paper used [0.5, 5]).
 * MIS / geometric sequence masking: band [1/1.001, 1.001] on the geometric
   mean ratio (verl ``rollout_rs: geometric``, typical threshold 1.0002–1.001,
@@ -120,7 +120,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: f
 
     ``r = exp(logp − old_logp)``;
     ``loss = −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)`` (Schulman et al. 2017, with
-    DAPO's asymmetric "clip-higher"; default [0.8, 1.28] as in SPEC.md §5).  With
+    DAPO's asymmetric "clip-higher"; default [0.8, 1.28] as in docs/metrics.md#published-reference).  With
     ``dual_clip = c > 1`` (Ye et al. 2020, verl ``clip_ratio_c`` = 3.0) tokens with A < 0 use
     ``min(loss, −c·A)``.  Reduce with
     :func:`triage_monitor.controller.weighted_policy_loss`.
@@ -145,9 +145,85 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: f
     return loss
 
 
+@register_correction("dppo_kl")
+def dppo_kl_loss(logp: Tensor, anchor_logp: Tensor, advantage: Tensor, mask_low: float = 0.2,
+                 mask_high: float = 0.2, adv_tau: float = 1.0, kl_tau: float = 1e-3,
+                 return_masks: bool = False):
+    """Per-token DPPO-Binary-TV policy loss with a squared-log-ratio KL term, ``(N,)`` float32 (prime-rl's
+    default RL loss; docs/hooks.md#prime-rl).
+
+    ``r = exp(logp − anchor_logp)``, ``Δp = exp(logp) − exp(anchor_logp)`` (probabilities, not log-probs);
+    a token is *masked* (trust-region violation in the direction its advantage pushes) when
+    ``A > 0 and Δp > mask_high`` or ``A ≤ 0 and Δp < −mask_low``;
+    ``loss = −keep · adv_tau · A · r + kl_tau · (log r)²`` with ``keep = not masked``.
+    The KL term applies to every token, masked or not.  No clamp on ``log r`` (prime-rl applies none).
+
+    Args: ``logp`` (live, nats), ``anchor_logp`` (nats; prime-rl: the inference engine's log-probs),
+        ``advantage``: all ``(N,)``.  ``return_masks``: also return ``(is_masked, is_masked_low,
+        is_masked_high)``, ``(N,)`` bool (``_low``: A < 0 and Δp < −mask_low; ``_high``: A > 0 and Δp > mask_high).
+
+    Raises:
+        ValueError: shapes differ, or a threshold / temperature is negative.
+    """
+    if not (logp.shape == anchor_logp.shape == advantage.shape):
+        raise ValueError(f"dppo_kl_loss: logp {tuple(logp.shape)}, anchor_logp {tuple(anchor_logp.shape)} and "
+                         f"advantage {tuple(advantage.shape)} must have the same shape")
+    for name, v in (("mask_low", mask_low), ("mask_high", mask_high), ("adv_tau", adv_tau), ("kl_tau", kl_tau)):
+        if v < 0:
+            raise ValueError(f"dppo_kl_loss: {name} must be >= 0, got {v}")
+    lp, anchor, adv = logp.float(), anchor_logp.detach().float(), advantage.detach().float()
+    log_ratio = lp - anchor
+    probs_diff = torch.exp(lp) - torch.exp(anchor)
+    high, low = probs_diff > mask_high, probs_diff < -mask_low
+    pos, neg = adv > 0, adv < 0
+    masked = torch.where(pos, high, low)
+    loss = -(~masked).float() * (adv_tau * adv) * torch.exp(log_ratio) + kl_tau * log_ratio ** 2
+    if return_masks:
+        return loss, (masked.detach(), (neg & low).detach(), (pos & high).detach())
+    return loss
+
+
+@register_correction("reference_kl")
+def reference_kl(logp: Tensor, ref_logp: Tensor, kl_type: str = "k3", input_clamp: Optional[float] = 20.0,
+                 output_clamp: Optional[float] = 10.0, score_function: bool = True) -> Tensor:
+    """Per-token KL(π_θ ‖ π_ref) estimate, ``(N,)`` float32, differentiable w.r.t. ``logp`` (Schulman's k1/k2/k3,
+    NeMo RL's reference-policy KL penalty).
+
+    ``x = clamp(ref_logp − logp, ±input_clamp)``; k1 = −x, k2 = x²/2, k3 = eˣ − 1 − x; with ``score_function``
+    the estimate is multiplied by ``w = exp(logp − sg(logp))`` (value 1, adds the score-function gradient
+    k·∇log π; ``w`` is detached where the input clamp is active); then clamped to ±output_clamp.
+
+    Raises:
+        ValueError: shapes differ or an unknown ``kl_type``.
+    """
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"reference_kl: logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ")
+    lp = logp.float()
+    x = ref_logp.detach().float() - lp
+    w = torch.exp(lp - lp.detach()) if score_function else None
+    if input_clamp is not None:
+        xc = x.clamp(-input_clamp, input_clamp)
+        if w is not None:
+            w = torch.where(x == xc, w, w.detach())
+        x = xc
+    if kl_type == "k1":
+        kl = -x
+    elif kl_type == "k2":
+        kl = x * x / 2
+    elif kl_type == "k3":
+        kl = torch.exp(x) - 1 - x
+    else:
+        raise ValueError(f"reference_kl: kl_type must be 'k1', 'k2' or 'k3', got {kl_type!r}")
+    if w is not None:
+        kl = w * kl
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
 @register_correction("tis")
 def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: float = 2.0) -> Tensor:
-    """Truncated importance sampling weight ``(N,)`` float32, detached (SPEC.md §4.5).
+    """Truncated importance sampling weight ``(N,)`` float32, detached (docs/metrics.md#baselines).
 
     ``w = clamp(exp(old_logp − sampler_logp), low, high)``, default [0, 2] (published runs;
     verl's default truncates at 2.0 from above).  ``exp`` of a large gap gives ``inf`` → ``high``.
@@ -162,11 +238,11 @@ def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: 
 @register_correction("icepop")
 def icepop_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.5, high: float = 2.0,
                    keep_ratio: bool = True) -> Tensor:
-    """IcePop token masking ``(N,)`` float32, detached (SPEC.md §4.5; Ring-1T/IcePop).
+    """IcePop token masking ``(N,)`` float32, detached (docs/metrics.md#baselines; Ring-1T/IcePop).
 
     ``r = exp(old_logp − sampler_logp)``; ``w = r`` (``keep_ratio=True``, IcePop's
     ``M(r) = r·1[low ≤ r ≤ high]``) or ``1`` (``keep_ratio=False``, a pure mask) inside the
-    closed band ``[low, high]``, and ``0`` outside.  Default band [0.5, 2] (SPEC.md §4.5).
+    closed band ``[low, high]``, and ``0`` outside.  Default band [0.5, 2] (docs/metrics.md#baselines).
 
     Raises:
         ValueError: shapes differ or not ``0 <= low < high``.
@@ -192,7 +268,7 @@ def geometric_mean_ratio(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec) -
 @register_correction("mis")
 def mis_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: float = 1.001,
                 low: Optional[float] = None) -> Tensor:
-    """MIS / geometric sequence masking ``(N,)`` float32 in {0, 1}, detached (SPEC.md §4.5).
+    """MIS / geometric sequence masking ``(N,)`` float32 in {0, 1}, detached (docs/metrics.md#baselines).
 
     ``g_s = exp(mean_{t∈s}(old_logp − sampler_logp))`` (geometric-mean ratio of sequence s);
     every token of s gets ``1`` if ``low ≤ g_s ≤ high`` else ``0`` (the sequence is dropped).
@@ -213,7 +289,7 @@ def mis_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: floa
 @register_correction("seq_is_product")
 def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
                                 high: float = 2.0) -> Tensor:
-    """Sequence IS, **product form**, ``(N,)`` float32, detached (SPEC.md §4.5).
+    """Sequence IS, **product form**, ``(N,)`` float32, detached (docs/metrics.md#baselines).
 
     ``w_s = min(exp(clamp(Σ_{t∈s}(old_logp − sampler_logp), −20, 20)), high)`` = truncated
     ``Π_t r_t``, broadcast to every token of s.  Default ``high = 2`` (verl
@@ -233,7 +309,7 @@ def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: Seq
 @register_correction("seq_is_geometric")
 def sequence_is_geometric_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
                                   high: float = 2.0) -> Tensor:
-    """Sequence IS, **geometric form**, ``(N,)`` float32, detached (SPEC.md §4.5; GSPO-style).
+    """Sequence IS, **geometric form**, ``(N,)`` float32, detached (docs/metrics.md#baselines; GSPO-style).
 
     ``w_s = min(exp(mean_{t∈s}(old_logp − sampler_logp)), high)`` = truncated
     ``(Π_t r_t)^(1/n_s)``, broadcast to every token of s.  Unlike the product form it does

@@ -2,12 +2,11 @@
 
 Two sources (docs/hooks.md, "Importing existing logs"):
 
-* ``slime`` — files written by slime's ``--save-debug-train-data PATH_{rollout_id}_{rank}.pt``:
-  ``torch.save(dict(rollout_id=, rank=, rollout_data=))`` where ``rollout_data`` holds per-sample
-  lists over the response tokens: ``log_probs`` (learner recomputation), ``rollout_log_probs``
-  (SGLang), ``advantages``, ``loss_masks`` (and ``response_lengths``, ...).  All ranks of one
-  ``rollout_id`` become one step.  slime's ``--save-debug-rollout-data`` files hold only the
-  sampler side (no learner log-probs, no advantages) and cannot be imported alone.
+* ``slime`` — files written by slime's ``--save-debug-train-data``: the one-file-per-rollout
+  ``format_version 2`` dumps (2026-08 on) and the per-rank files of slime v0.3.1 (every rank writes,
+  tensor-parallel replicas are imported once); :func:`slime_steps`.  One ``rollout_id`` is one step.
+  slime's ``--save-debug-rollout-data`` files hold only the sampler side (no learner log-probs, no
+  advantages) and cannot be imported alone.
 * ``table`` — a Parquet file/directory or JSONL file of per-token log-probs, long format (one row
   per token) or wide (one row per response whose log-prob columns are lists).  A column mapping
   (``--map field=column``) names the columns; required fields: ``step``, ``sample_id``,
@@ -39,41 +38,186 @@ OPTIONAL = ("position", "mask", "group_id")
 
 
 # ------------------------------------------------------------------- slime
+#: Per-sample keys an importable slime train dump must carry (learner, sampler, advantage).
+SLIME_REQUIRED = ("log_probs", "rollout_log_probs", "advantages")
+
+
 def _cpu_list(values) -> List[torch.Tensor]:
     return [torch.as_tensor(v).detach().to("cpu", torch.float32).reshape(-1) for v in values]
 
 
-def slime_steps(paths: Iterable[str], on_invalid: str = "quarantine") -> Iterator[Tuple[int, TokenBatch]]:
-    """Yield ``(rollout_id, TokenBatch)`` per rollout from slime debug train-data files (ranks merged).
+def _load_slime_dump(path: str) -> dict:
+    try:   # tensors, lists, dicts and numbers only: a dump is never unpickled as arbitrary code
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError / RuntimeError for disallowed types
+        raise ValueError(f"{path}: cannot be read as plain tensors/lists/dicts ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: not a slime train dump (a {type(obj).__name__}, not a dict)")
+    return obj
+
+
+def _slime_part_v2(path: str, obj: dict) -> Tuple[int, List[dict]]:
+    """Samples of one ``format_version 2`` file: one file per rollout, every DP shard, CP restored."""
+    samples = obj.get("samples")
+    if not isinstance(samples, (list, tuple)) or "rollout_id" not in obj:
+        raise ValueError(f"{path}: format_version 2 dump without a 'samples' list or 'rollout_id' "
+                         f"(keys: {sorted(obj)})")
+    out = []
+    for i, smp in enumerate(samples):
+        missing = [k for k in SLIME_REQUIRED if k not in smp]
+        if missing:
+            raise ValueError(f"{path}: samples[{i}] has no {missing} (keys: {sorted(smp)}); "
+                             + _NO_LOG_PROBS_HINT * ("log_probs" in missing))
+        out.append(dict(smp, _where=f"{path}: samples[{i}]"))
+    return int(obj["rollout_id"]), out
+
+
+_NO_LOG_PROBS_HINT = ("slime skips the learner log-prob pass in some configurations (one micro-batch, "
+                      "--use-rollout-logprobs); dumps written since format_version 2 capture it during training")
+
+
+def _sample_key(data: dict, i: int) -> tuple:
+    """Identity of the i-th sample of a per-rank dump: index, response length, token ids, sampler log-probs
+    (the last two come from the rollout, equal on every replica of a data-parallel shard)."""
+    def values(key):
+        col = data.get(key)
+        return None if col is None else torch.as_tensor(col[i]).reshape(-1).double().numpy().tobytes()
+    idx = data.get("sample_indices")
+    index = None if idx is None or idx[i] is None else int(idx[i])
+    return (index, int(data["response_lengths"][i]), values("tokens"), values("rollout_log_probs"))
+
+
+def _slime_parts_v031(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
+    """Samples of the per-rank files of one rollout, each sample once.
+
+    The v0.3.1 writer saves ``rollout_data`` on **every** rank: tensor-parallel ranks (and pipeline stages)
+    of one data-parallel shard hold the same samples.  Files are grouped by their samples' identity
+    (:func:`_sample_key`); of each group the lowest rank with learner log-probs is kept (the last
+    pipeline stage computes them; earlier stages hold none).  A context-parallel shard holds only a slice of
+    each response and is refused.
+    """
+    groups: Dict[tuple, List[Tuple[int, str, dict]]] = {}
+    for path, obj in files:
+        data = obj["rollout_data"]
+        if not isinstance(data, dict) or "response_lengths" not in data:
+            raise ValueError(f"{path}: rollout_data has no 'response_lengths' "
+                             f"(keys: {sorted(data) if isinstance(data, dict) else type(data).__name__})")
+        n = len(data["response_lengths"])
+        key = tuple(_sample_key(data, i) for i in range(n))
+        groups.setdefault(key, []).append((int(obj.get("rank", 0)), path, data))
+    samples, dropped = [], 0
+    for members in groups.values():
+        members.sort(key=lambda m: m[0])
+        with_lp = [m for m in members if all(k in m[2] for k in SLIME_REQUIRED)]
+        if not with_lp:
+            rank, path, data = members[0]
+            missing = [k for k in SLIME_REQUIRED if k not in data]
+            raise ValueError(f"{path}: rollout_data has no {missing} (keys: {sorted(data)}), nor has any other "
+                             f"rank's file with the same samples ({', '.join(m[1] for m in members[1:]) or 'none'}); "
+                             + _NO_LOG_PROBS_HINT)
+        rank, path, data = with_lp[0]
+        dropped += len(members) - 1
+        lens = [int(x) for x in data["response_lengths"]]
+        for i, length in enumerate(lens):
+            got = int(torch.as_tensor(data["log_probs"][i]).numel())
+            if got != length:
+                raise ValueError(f"{path}: rollout_data log_probs[{i}] has {got} values for a response of {length} "
+                                 "tokens: a context-parallel shard (the v0.3.1 writer saves each CP rank's slice); "
+                                 "re-dump with context parallel size 1 or with slime's format_version 2 writer, which "
+                                 "restores full responses")
+            smp = {k: data[k][i] for k in (*SLIME_REQUIRED, "loss_masks") if k in data}
+            idx = data.get("sample_indices")
+            smp["sample_index"] = None if idx is None else idx[i]
+            smp["_where"] = f"{path}: sample {i}"
+            smp["_order"] = (rank, i)
+            samples.append(smp)
+    if all(s["sample_index"] is not None for s in samples):
+        samples.sort(key=lambda s: int(s["sample_index"]))
+    else:
+        samples.sort(key=lambda s: s["_order"])
+    return samples, {"replica_files_dropped": dropped}
+
+
+def _slime_batch(samples: List[dict], on_invalid: str) -> TokenBatch:
+    lp, rlp, adv, masks, ids = [], [], [], [], []
+    for s in samples:
+        a, b = _cpu_list([s["log_probs"], s["rollout_log_probs"]])
+        if a.shape != b.shape:
+            raise ValueError(f"{s['_where']}: log_probs has {a.numel()} values, rollout_log_probs {b.numel()}")
+        lp.append(a)
+        rlp.append(b)
+        adv.append(_cpu_list([s["advantages"]])[0])
+        m = s.get("loss_masks")
+        masks.append(torch.ones(a.numel(), dtype=torch.bool) if m is None else _cpu_list([m])[0] != 0)
+        pos = s.get("rollout_position", s.get("sample_index"))
+        ids.append(None if pos is None else int(pos))
+    sample_ids = torch.tensor(ids, dtype=torch.int64) if ids and None not in ids and len(set(ids)) == len(ids) else None
+    return TokenBatch.from_list(lp, rlp, adv, masks, sample_ids=sample_ids, on_invalid=on_invalid)
+
+
+def slime_steps(paths: Iterable[str], on_invalid: str = "quarantine",
+                info: Optional[dict] = None) -> Iterator[Tuple[int, TokenBatch]]:
+    """Yield ``(rollout_id, TokenBatch)`` per rollout from slime ``--save-debug-train-data`` files.
+
+    Two writers are read (docs/hooks.md#slime):
+
+    * ``format_version 2`` (slime's ``observability/train_data_utils.py``, since 2026-08): one file per
+      rollout, ``{"format_version": 2, "rollout_id", "rank", "samples": [per-sample dict], "dp_shards", ...}``,
+      every data-parallel shard gathered, context-parallel slices restored, written by tensor-parallel rank 0
+      of the last pipeline stage only.  ``sample_ids`` are the samples' ``rollout_position``.
+    * per-rank files (slime v0.3.1 ``utils/train_dump_utils.py``): ``{"rollout_id", "rank", "rollout_data"}``
+      on **every** rank; replicas of one data-parallel shard (tensor-parallel ranks, pipeline stages) are
+      imported once (:func:`_slime_parts_v031`).
+
+    Per sample: ``log_probs`` (learner, nats), ``rollout_log_probs`` (sampler, nats), ``advantages`` (per token),
+    ``loss_masks`` (optional; 0 drops the token), all 1-D over the response tokens.
+
+    Args:
+        paths: dump files (a rollout may mix nothing: all its files of one format).
+        on_invalid: ``"quarantine"`` or ``"raise"`` (:class:`TokenBatch`).
+        info: filled with ``{"formats": [...], "replica_files_dropped": n}`` when given.
 
     Raises:
-        ValueError: a file is not a slime train-data dump (names the file and the missing key).
+        ValueError: a file cannot be read, is not a slime train dump, lacks a per-sample key, holds a
+            context-parallel slice, has an unknown ``format_version``, or two files claim one rollout in
+            format 2.  Every message starts with the file's path.
     """
-    by_step: Dict[int, list] = {}
+    v2: Dict[int, Tuple[str, List[dict]]] = {}
+    v031: Dict[int, List[Tuple[str, dict]]] = {}
     for p in sorted(set(paths)):
-        try:   # tensors, lists, dicts and numbers only: a dump is never unpickled as arbitrary code
-            obj = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises UnpicklingError / RuntimeError for disallowed types
-            raise ValueError(f"{p}: cannot be read as plain tensors/lists/dicts ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0]})") from exc
-        if not isinstance(obj, dict) or "rollout_data" not in obj:
-            raise ValueError(f"{p}: not a slime --save-debug-train-data file (no 'rollout_data'); "
-                             "rollout-data dumps hold no learner log-probs and cannot be imported alone")
-        data = obj["rollout_data"]
-        for key in ("log_probs", "rollout_log_probs", "advantages"):
-            if key not in data:
-                raise ValueError(f"{p}: rollout_data has no {key!r} (keys: {sorted(data)})")
-        by_step.setdefault(int(obj["rollout_id"]), []).append((int(obj.get("rank", 0)), data))
-    for step in sorted(by_step):
-        parts = sorted(by_step[step], key=lambda x: x[0])
-        lp, rlp, adv, masks = [], [], [], []
-        for _, d in parts:
-            lp += _cpu_list(d["log_probs"])
-            rlp += _cpu_list(d["rollout_log_probs"])
-            adv += _cpu_list(d["advantages"])
-            masks += ([m.bool() for m in _cpu_list(d["loss_masks"])] if "loss_masks" in d
-                      else [torch.ones(len(x), dtype=torch.bool) for x in _cpu_list(d["log_probs"])])
-        yield step, TokenBatch.from_list(lp, rlp, adv, masks, on_invalid=on_invalid)
+        obj = _load_slime_dump(p)
+        version = obj.get("format_version")
+        if version == 2:
+            step, samples = _slime_part_v2(p, obj)
+            if step in v2:
+                raise ValueError(f"{p}: rollout_id {step} is also in {v2[step][0]} (format_version 2 writes one "
+                                 "file per rollout)")
+            v2[step] = (p, samples)
+        elif version is not None:
+            raise ValueError(f"{p}: unknown slime dump format_version {version!r} (readable: 2, and the per-rank "
+                             "files without format_version)")
+        elif "rollout_data" in obj and "rollout_id" in obj:
+            v031.setdefault(int(obj["rollout_id"]), []).append((p, obj))
+        else:
+            raise ValueError(f"{p}: not a slime --save-debug-train-data file (no 'samples' with format_version 2, "
+                             f"no 'rollout_data'; keys: {sorted(obj)}); --save-debug-rollout-data dumps hold no "
+                             "learner log-probs and cannot be imported alone")
+    clash = sorted(set(v2) & set(v031))
+    if clash:
+        raise ValueError(f"{v031[clash[0]][0][0]}: rollout_id {clash[0]} is also in the format_version 2 file "
+                         f"{v2[clash[0]][0]}; import one of the two dumps")
+    if info is not None:
+        info.update(formats=[f for f, on in (("format_version_2", v2), ("per_rank_v0.3.1", v031)) if on],
+                    replica_files_dropped=0)
+    for step in sorted(set(v2) | set(v031)):
+        if step in v2:
+            samples = v2[step][1]
+        else:
+            samples, extra = _slime_parts_v031(v031[step])
+            if info is not None:
+                info["replica_files_dropped"] += extra["replica_files_dropped"]
+        yield step, _slime_batch(samples, on_invalid)
 
 
 # ------------------------------------------------------------------- table
@@ -191,8 +335,10 @@ def run_cli(args: argparse.Namespace) -> int:
             missing = [f for f in files if not Path(f).exists()]
             if missing:
                 raise ValueError(f"no such file: {missing[0]}")
-            steps = slime_steps(files, args.on_invalid)
-            manifest = {"framework": "slime", "imported_from": files[:50], "import_source": "save_debug_train_data"}
+            info: dict = {}
+            steps = list(slime_steps(files, args.on_invalid, info=info))   # read first: run.json records how
+            manifest = {"framework": "slime", "imported_from": files[:50], "import_source": "save_debug_train_data",
+                        **info}
         else:
             mapping = parse_mapping(args.map)
             steps = table_steps(read_table(args.path, args.format), mapping, args.on_invalid)

@@ -129,10 +129,14 @@ class MismatchMonitor:
         rank: this process's rank (default: torch.distributed rank, else 0).
         group: torch.distributed process group for global metrics (default:
             the world group when torch.distributed is initialised).
+        attempt: attempt id shared by every process of this job start (default: rank 0's, broadcast
+            over torch.distributed, or a new one).  Framework hooks pass the id drawn on the driver so
+            that Ray workers without a process group still write one attempt.
     """
 
     def __init__(self, run_dir, config: Optional[MonitorConfig] = None, *, manifest: Optional[dict] = None,
-                 loggers: Sequence = (), alerts=None, rank: Optional[int] = None, group=None):
+                 loggers: Sequence = (), alerts=None, rank: Optional[int] = None, group=None,
+                 attempt: Optional[int] = None):
         import torch.distributed as dist
 
         self.run_dir = Path(run_dir)
@@ -141,7 +145,10 @@ class MismatchMonitor:
         self.rank = int(rank if rank is not None else (dist.get_rank() if dist_on else 0))
         self.world_size = dist.get_world_size() if dist_on else 1
         self.group = group
-        self.attempt = _shared_attempt_id(group) if dist_on and self.world_size > 1 else new_attempt_id()
+        if attempt is not None:
+            self.attempt = int(attempt)
+        else:
+            self.attempt = _shared_attempt_id(group) if dist_on and self.world_size > 1 else new_attempt_id()
         self.loggers = list(loggers)
         self.alerts = alerts
         self._failed_sinks: set = set()

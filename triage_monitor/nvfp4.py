@@ -1,6 +1,6 @@
 """NVFP4 fake quantization (emulation on any device) and W4A4 linear layers.
 
-NVFP4 (SPEC.md §6) stores a tensor as
+NVFP4 (docs/metrics.md#nvfp4) stores a tensor as
 
 * elements in FP4 **E2M1**: sign bit and magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6};
 * one **FP8 E4M3** scale (max 448) per block of 16 consecutive elements along
@@ -84,7 +84,7 @@ def _round_e2m1(v: Tensor) -> Tensor:
 
 def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = True,
                         block_shape: str = "1x16", backend: str = "torchao") -> Tensor:
-    """Round ``x`` onto the NVFP4 grid and return the dequantized values (SPEC.md §6).
+    """Round ``x`` onto the NVFP4 grid and return the dequantized values (docs/metrics.md#nvfp4).
 
     Args:
         x: ``(..., K)`` float tensor (float32, bfloat16 or float16); blocks run
@@ -194,7 +194,7 @@ class NVFP4Recipe:
 #: Named recipes.  ``None`` means full precision (no quantization).
 RECIPES: dict[str, Optional[NVFP4Recipe]] = {
     "fp32": None,
-    # inference-engine style: 1x16 blocks everywhere, two-level scaling (SPEC §6), through torchao
+    # inference-engine style: 1x16 blocks everywhere, two-level scaling (docs/metrics.md#nvfp4), through torchao
     "nvfp4": NVFP4Recipe("nvfp4"),
     # training style: 16x16 weight tiles, single-level E4M3 scales for weights and activations
     "nvfp4_16x16": NVFP4Recipe("nvfp4_16x16", weight_block="16x16", weight_two_level=False, act_two_level=False,
@@ -270,7 +270,7 @@ def quantize_linears_(model: nn.Module, patterns: Sequence[str] = ("*mlp*",),
     """Swap, in place, each ``nn.Linear`` whose qualified name matches a glob in ``patterns`` for an NVFP4Linear.
 
     The default pattern picks the MLP projections, the layers the published
-    native-NVFP4 runs quantized (SPEC.md §6); attention, norms, embeddings and
+    native-NVFP4 runs quantized (docs/metrics.md#nvfp4); attention, norms, embeddings and
     the LM head stay in full precision.  Parameters are shared, so optimizers
     and state dicts are unaffected.
 

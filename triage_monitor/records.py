@@ -1,6 +1,6 @@
 """The run directory on disk: Arrow schemas, manifest and the background Parquet writer.
 
-Layout (DESIGN.md "Run directory"), every file readable by pyarrow, pandas,
+Layout (README "The run directory"), every file readable by pyarrow, pandas,
 DuckDB, Polars or Spark::
 
     run.json                                   manifest (schema version, tool version, config, attempts)

@@ -2,7 +2,7 @@
 
 The file holds the overview (manifest facts, steps, tokens, alerts), the key
 time series (ρ_asym raw and length-normalised, small-gap share, δ q0.05, k3 KL,
-reward), the quadrant-mass chart, the localisation chart and the SPEC.md §3.4
+reward), the quadrant-mass chart, the localisation chart and the docs/metrics.md#stages
 stage table with the C_tok shuffle null.  plotly.js is embedded inline, so the
 file opens without any network access and can be attached to a ticket.
 Several run directories are overlaid in the time series; the first one is
@@ -75,7 +75,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
     Args:
         run_dirs: one or more run directories; the first is the subject, all are overlaid in the time series.
         anchors: stage anchor steps (None: 25/50/75/100 %); window: trailing window in steps (None: the run's).
-        draws, seed: C_tok shuffle-null draws and seed (SPEC.md §3.3).
+        draws, seed: C_tok shuffle-null draws and seed (docs/metrics.md#localisation).
 
     Raises:
         RunDirError: a path is not a run directory; ValueError: the first run has no recorded step,
@@ -139,10 +139,10 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
 <table class="facts" style="margin-top:14px">{facts}</table>
 {alert_html}
 <h2>Time series, quadrants and localisation</h2>
-<div class="note">Pooled trailing {win}-step windows (raw sums of the window, SPEC §3); reward and controller
+<div class="note">Pooled trailing {win}-step windows (raw sums of the window, docs/metrics.md#steps-and-windows); reward and controller
 columns are trailing means of the per-step values; alerts as ▼ markers.</div>
 <div class="grid">{charts}</div>
-<h2>Stages (SPEC §3.4)</h2>
+<h2>Stages (docs/metrics.md#stages)</h2>
 {_stage_html(table)}
 <div class="note">Trailing {win}-step windows ending at each anchor. C_tok null: tail labels shuffled uniformly
 within each A&lt;0 response ({draws} draws, seed {seed}); 95 % = central interval; excess = C_tok − null median

@@ -1,4 +1,4 @@
-"""Position-based segments and vectorised segment reductions (SPEC.md §3.3, §4.1, §4.3).
+"""Position-based segments and vectorised segment reductions (docs/metrics.md#localisation, docs/metrics.md#gate, docs/metrics.md#repair).
 
 A response is cut by ``position`` into non-overlapping segments of ``width``
 tokens: segment k holds positions ``[k·W, (k+1)·W)``.  Masked positions are

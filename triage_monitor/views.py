@@ -6,7 +6,7 @@ token rows, alerts) and returns a ``plotly.graph_objects.Figure``; nothing here
 reads files.  Trace names and ``meta`` fields are stable so tests can read the
 plotted series back from a figure's JSON.
 
-Ratios are plotted in % where SPEC.md reports them in % (small_gap_share,
+Ratios are plotted in % where docs/metrics.md reports them in % (small_gap_share,
 quadrant shares, c_tok, r_amp, h_seg); log-probability gaps in nats.
 """
 
@@ -21,7 +21,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-#: The four regions of SPEC.md §2, as in :data:`triage_monitor.metrics.REGIONS` (repeated here so the
+#: The four regions of docs/metrics.md#terms, as in :data:`triage_monitor.metrics.REGIONS` (repeated here so the
 #: dashboard's first charts need no torch import; tests/test_dashboard.py checks they agree).
 REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
@@ -128,7 +128,7 @@ def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool
 
 
 def quadrant_shares(df: pd.DataFrame, window: bool = False) -> pd.DataFrame:
-    """Share (%) of the |A| mass of the four regions (SPEC.md §2) per step: columns :data:`REGIONS`.
+    """Share (%) of the |A| mass of the four regions (docs/metrics.md#terms) per step: columns :data:`REGIONS`.
 
     The denominator is the sum of the four masses (tokens with A = 0 or δ = 0 carry none); NaN when it is 0.
     """
@@ -289,7 +289,7 @@ def gate_weights(batch, manifest: dict):
 
     Uses :class:`~triage_monitor.controller.TriageController` with the Gate
     settings found in the manifest (``info.triage_config`` or
-    ``info.demo_config``, fields of ``TriageConfig``), the SPEC.md §4.1
+    ``info.demo_config``, fields of ``TriageConfig``), the docs/metrics.md#gate
     defaults otherwise; no calibration state (fixed thresholds).
     """
     from .controller import TriageConfig, TriageController

@@ -68,7 +68,8 @@ class WandbLogger:
         run: a ``wandb.Run``; None uses the active run (``wandb.run``) or, with
             ``start=True``, starts one with ``wandb.init(**init_kwargs)`` on the
             first call and finishes it in :meth:`close`.
-        config: recorded in the run config under ``triage`` (e.g. the run manifest).
+        config: recorded in the run config under ``triage`` (your own facts: model, recipe ...); the
+            monitor's manifest is merged into the same ``triage`` entry, so both are kept.
         prefix: key prefix (default ``"triage/"``).
         init_kwargs: passed to ``wandb.init`` (default ``project="triage-monitor"``).
         start: allow starting a run when none is given or active (tried once; a failure
@@ -84,6 +85,7 @@ class WandbLogger:
         self.init_kwargs = dict(init_kwargs or {"project": "triage-monitor"})
         self._run, self._owned, self._defined = run, False, False
         self._pending_config = dict(config) if config else None
+        self._config: dict = {}            # everything recorded under "triage" so far (merged, never replaced)
         self._guard = _Guard("WandbLogger")
         self._wandb = import_wandb()
 
@@ -99,10 +101,15 @@ class WandbLogger:
         return self._run
 
     def log_config(self, config: Mapping) -> None:
-        """Record ``config`` (JSON-able mapping, e.g. the run manifest) under ``triage`` in the run config."""
+        """Merge ``config`` (JSON-able mapping, e.g. the run manifest) into the run config's ``triage`` entry.
+
+        Earlier calls' keys are kept (the user's ``config=`` and the monitor's manifest both survive); a key given
+        again takes the newer value.
+        """
         run = self.run
         if run is not None:
-            self._guard("config.update", run.config.update, {"triage": dict(config)}, allow_val_change=True)
+            self._config.update(config)
+            self._guard("config.update", run.config.update, {"triage": dict(self._config)}, allow_val_change=True)
 
     def _setup(self, run) -> None:
         self._defined = True

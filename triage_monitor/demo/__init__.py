@@ -1,11 +1,14 @@
-"""The built-in demo RL job: ``triage-monitor demo``.
+"""The built-in demo RL job: ``triage-monitor demo`` (one run) and ``triage-monitor study`` (arms × seeds).
 
 A real (small) GRPO run on CPU: a tiny causal transformer learns multi-digit
-addition with an exact reward, sampling with NVFP4 W4A4 MLP projections and
-learning with a different numeric recipe, every step recorded through the
-public API (:class:`~triage_monitor.TokenBatch`,
+addition with an exact reward, or 64-token walks with partial credit (a task
+that keeps its entropy), sampling with NVFP4 W4A4 linears and learning with a
+different numeric recipe, every step recorded through the public API
+(:class:`~triage_monitor.TokenBatch`,
 :class:`~triage_monitor.controller.TriageController`,
-:class:`~triage_monitor.monitor.MismatchMonitor`).  See :mod:`.grpo`.
+:class:`~triage_monitor.monitor.MismatchMonitor`, the default alert rules).
+See :mod:`.grpo` and, for the comparison of corrections, :mod:`.study`
+(docs/study.md).
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ _HELP = {
     "threads": "torch CPU threads",
     "log_every": "print a metrics row every k steps",
     "eval_size": "held-out problems scored greedily every step (the accuracy column)",
+    "task": "addition (exact answer) or walk (long responses, many valid answers, partial credit: keeps entropy)",
+    "response_len": "walk task: response length in tokens",
+    "alphabet": "walk task: allowed digits per prompt",
+    "quantize": "linears that run the recipes: mlp (as the published NVFP4 runs), mlp+attn, all (+ LM head: "
+                "exaggerated)",
+    "sampler_lag": "the sampler generates with the weights of this many updates ago (asynchronous rollout)",
+    "gate_thresholds": "TRIAGE Gate thresholds: fixed (published) or calibrated on the first --calibration-steps",
+    "nvfp4_backend": "torchao (reference) or native (bit-identical, faster on CPU)",
 }
 
 
@@ -58,7 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add one ``--option`` per :class:`DemoConfig` field (``--out`` is the caller's); returns ``parser``."""
     from ..nvfp4 import RECIPES
 
+    from .grpo import GATE_THRESHOLDS, QUANTIZE
+    from .task import TASKS
+
     choices = {"sampler_recipe": sorted(RECIPES), "learner_recipe": sorted(RECIPES), "correction": list(CORRECTIONS),
+               "task": list(TASKS), "quantize": list(QUANTIZE), "gate_thresholds": list(GATE_THRESHOLDS),
+               "nvfp4_backend": ["torchao", "native"],
                "normalization": ["per_response", "global_token"], "gate_scope": ["q3", "whole"],
                "repair_scope": ["adv_positive", "q2", "whole"]}
     for f in fields(DemoConfig):

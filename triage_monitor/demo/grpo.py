@@ -25,6 +25,7 @@ TIS corrects the learner/sampler gap ``exp(old_logp − sampler_logp)``.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import time
@@ -39,17 +40,23 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..alerts import AlertEngine, CallbackSink, default_rules
 from ..batch import TokenBatch
-from ..controller import TriageConfig, TriageController, weighted_policy_loss
+from ..controller import CalibrationConfig, TriageConfig, TriageController, weighted_policy_loss
 from ..corrections import ppo_clip_loss, tis_weights
 from ..metrics import MetricConfig
 from ..monitor import MismatchMonitor, MonitorConfig
 from ..nvfp4 import get_recipe, use_recipe
 from .model import GPTConfig, TinyGPT
-from .task import EOS, VOCAB_SIZE, AdditionTask
+from .task import EOS, TASKS, VOCAB_SIZE, AdditionTask, WalkTask
 
 Tensor = torch.Tensor
 CORRECTIONS = ("none", "tis", "triage")
+#: ``quantize`` choices: the linears whose sampler (and learner) recipe applies
+QUANTIZE = {"mlp": ("blocks.*.mlp.*",),
+            "mlp+attn": ("blocks.*.mlp.*", "blocks.*.attn.*"),
+            "all": ("blocks.*.mlp.*", "blocks.*.attn.*", "head")}
+GATE_THRESHOLDS = ("fixed", "calibrated")
 SFT_CHECK_EVERY = 25
 
 
@@ -76,6 +83,16 @@ class DemoConfig:
     threads during the run; the same seed and thread count give the same run).
     Display: ``log_every`` steps per printed row; ``eval_size`` held-out
     problems scored greedily every step (the ``accuracy`` column).
+    Task: ``task`` = ``addition`` (``digits``) or ``walk``
+    (:class:`~triage_monitor.demo.task.WalkTask`: ``response_len`` tokens over
+    ``alphabet`` allowed digits, partial credit, keeps its entropy).
+    Mismatch mechanism: ``quantize`` (which linears run the recipes: ``mlp`` as
+    in the published NVFP4 runs, or more), ``sampler_lag`` (the sampler
+    generates with the weights of ``sampler_lag`` updates ago: asynchronous
+    rollout).  ``nvfp4_backend``: ``torchao`` (reference) or ``native``
+    (bit-identical, faster on CPU).  Gate thresholds: ``gate_thresholds`` = ``fixed`` (published
+    values) or ``calibrated`` from the first ``calibration_steps`` steps
+    (:class:`~triage_monitor.controller.CalibrationConfig`).
 
     Raises:
         ValueError: on construction, naming the field and value (the TRIAGE
@@ -114,6 +131,13 @@ class DemoConfig:
     threads: int = 1
     log_every: int = 5
     eval_size: int = 128
+    task: str = "addition"
+    response_len: int = 64
+    alphabet: int = 4
+    quantize: str = "mlp"
+    sampler_lag: int = 0
+    gate_thresholds: str = "fixed"
+    nvfp4_backend: str = "torchao"
 
     def __post_init__(self):
         for name in ("steps", "group_size", "prompts_per_step", "sft_batch", "gate_width", "repair_width",
@@ -133,14 +157,46 @@ class DemoConfig:
         for name in ("sampler_recipe", "learner_recipe"):
             get_recipe(getattr(self, name))
         self.tis_clip = tuple(float(v) for v in self.tis_clip)
-        AdditionTask(self.digits)
+        for name, allowed in (("task", tuple(TASKS)), ("quantize", tuple(QUANTIZE)),
+                              ("gate_thresholds", GATE_THRESHOLDS), ("nvfp4_backend", ("torchao", "native"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"DemoConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.sampler_lag < 0:
+            raise ValueError(f"DemoConfig.sampler_lag must be >= 0, got {self.sampler_lag}")
+        self.make_task()
         self.triage_config()
         self.monitor_config()
 
     def triage_config(self) -> TriageConfig:
         """The TRIAGE controller settings: published defaults, toy segment widths, this run's TIS clip."""
+        calibration = CalibrationConfig(window=self.calibration_steps) if self.gate_thresholds == "calibrated" else None
         return TriageConfig(gate_width=self.gate_width, gate_scope=self.gate_scope, repair_width=self.repair_width,
-                            repair_scope=self.repair_scope, normalization=self.normalization, tis_clip=self.tis_clip)
+                            repair_scope=self.repair_scope, normalization=self.normalization, tis_clip=self.tis_clip,
+                            calibration=calibration)
+
+    def make_task(self):
+        """The task object (:class:`AdditionTask` or :class:`WalkTask`); raises ValueError on bad sizes."""
+        if self.task == "walk":
+            return WalkTask(self.response_len, self.alphabet)
+        return AdditionTask(self.digits)
+
+    def mechanism(self) -> str:
+        """One plain sentence on how this run's mismatch compares with NVFP4 as deployed (for manifests and CLIs)."""
+        if self.sampler_recipe == "fp32" and self.sampler_lag == 0:
+            parts = ["no quantization on the sampler path: the only learner/sampler gap is float32 rounding "
+                     "(KV-cache decoding vs one full forward), a bit-exact control"]
+        else:
+            parts = [f"sampler {self.sampler_recipe} W4A4 on the {self.quantize} linears, learner "
+                     f"{self.learner_recipe}"]
+        if self.quantize == "mlp":
+            parts.append("MLP-only quantization as in the published NVFP4 runs")
+        else:
+            parts.append(f"EXAGGERATED beyond NVFP4 as deployed: the published runs quantize only the MLP "
+                         f"projections, this one quantizes {self.quantize}")
+        if self.sampler_lag:
+            parts.append(f"EXAGGERATED: the sampler generates with weights {self.sampler_lag} update(s) stale "
+                         f"(asynchronous rollout), on top of the numeric gap")
+        return "; ".join(parts) + "."
 
     def monitor_config(self) -> MonitorConfig:
         """The monitor settings: SPEC.md §3 thresholds with this run's segment width, window and calibration."""
@@ -209,7 +265,7 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
 
 
-def sft_warm_start(model: TinyGPT, task: AdditionTask, cfg: DemoConfig, gen: torch.Generator,
+def sft_warm_start(model: TinyGPT, task, cfg: DemoConfig, gen: torch.Generator,
                    on_step=None, accuracy=None) -> tuple[int, float]:
     """Supervised warm start on reference answers (mean cross-entropy over answer tokens, Adam ``cfg.sft_lr``).
 
@@ -230,7 +286,7 @@ def sft_warm_start(model: TinyGPT, task: AdditionTask, cfg: DemoConfig, gen: tor
                 and accuracy() >= cfg.sft_target:
             return i, float(loss.detach())
         ops, prompts = task.sample(cfg.sft_batch, gen)
-        answers, length = task.answers(ops)
+        answers, length = task.answers(ops, gen)
         mask = torch.arange(answers.shape[1]) < length[:, None]
         logp = teacher_forced_logp(model, prompts, answers)
         loss = -(logp * mask).sum() / mask.sum()
@@ -243,8 +299,8 @@ def sft_warm_start(model: TinyGPT, task: AdditionTask, cfg: DemoConfig, gen: tor
 
 
 @torch.no_grad()
-def greedy_accuracy(model: TinyGPT, task: AdditionTask, ops: Tensor, prompts: Tensor) -> float:
-    """Exact-match accuracy of greedy decoding (current recipe) on fixed problems."""
+def greedy_accuracy(model: TinyGPT, task, ops: Tensor, prompts: Tensor) -> float:
+    """Mean reward of greedy decoding (current recipe) on fixed problems (exact-match accuracy for addition)."""
     responses, _, _ = generate(model, prompts, 1, task.max_answer_len, 1.0, None, greedy=True)
     return float(task.reward(responses, ops).mean())
 
@@ -298,7 +354,7 @@ def _fmt(v, spec) -> str:
     return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else spec.format(v)
 
 
-def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> pd.DataFrame:
+def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None, on_step=None) -> pd.DataFrame:
     """Run the demo GRPO job and record it with :class:`MismatchMonitor` in ``out_dir``.
 
     Args:
@@ -307,6 +363,7 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> 
             existing run there is continued as a new attempt (:class:`MismatchMonitor`), with a warning.
         quiet: no terminal output.
         console: a ``rich.console.Console`` (default: a new one on stdout).
+        on_step: optional ``fn(metrics: dict)`` called after every GRPO step (progress bars of callers).
 
     Returns:
         One row per GRPO step: ``step``, ``reward`` (mean exact-match reward of
@@ -314,6 +371,8 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> 
         ``eval_size`` fixed held-out problems under the sampler recipe, with
         the policy that generated the step's rollout), ``mixed_groups`` (share of groups with both outcomes, the
         ones that carry gradient), ``loss``, ``seconds``, the controller stats
+        ``grad_norm`` (total gradient norm before clipping), ``sampler_nll`` (mean −log-prob of the sampled
+        tokens under the sampler: its entropy estimate, nats), ``response_len``,
         and every metric ``log_step`` returned (``rho_asym``,
         ``small_gap_share``, ``c_tok``, ``delta_q05``, ``window/...``).
         ``df.attrs`` holds ``eval_before`` / ``eval_after`` (greedy accuracy
@@ -323,7 +382,7 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg, Path(out_dir), console)
+        return _run(cfg, Path(out_dir), console, on_step)
     finally:
         torch.set_num_threads(threads)
 
@@ -343,23 +402,29 @@ def _progress(console) -> Progress:
                     TimeElapsedColumn(), console=console, transient=True)
 
 
-def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
+def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None) -> pd.DataFrame:
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     data_gen = torch.Generator().manual_seed(cfg.seed)
     sample_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    task = AdditionTask(cfg.digits)
+    task = cfg.make_task()
     model = TinyGPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=task.prompt_len + task.max_answer_len,
-                              n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model))
+                              n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model,
+                              quantized=QUANTIZE[cfg.quantize]))
     sampler, learner = _recipe(cfg.sampler_recipe, console), _recipe(cfg.learner_recipe, console)
+    if cfg.nvfp4_backend == "native":  # the bit-identical vectorised backend (tests/test_nvfp4.py), faster on CPU
+        sampler, learner = (replace(r, backend="native") if r is not None else None for r in (sampler, learner))
     eval_ops, eval_prompts = task.sample(cfg.eval_size, torch.Generator().manual_seed(cfg.seed + 2))
     n_params = sum(p.numel() for p in model.parameters())
     if (out_dir / "run.json").exists():
         console.print(f"[yellow]{out_dir} already holds a run: this one is recorded as a new attempt (its steps "
                       f"replace the older ones with the same numbers); use a fresh --out for a clean run[/]")
-    console.print(f"[bold]triage-monitor demo[/]: GRPO on {cfg.digits}-digit addition, TinyGPT {n_params:,} params "
+    task_text = (f"{cfg.digits}-digit addition" if cfg.task == "addition"
+                 else f"{cfg.response_len}-token walks over {cfg.alphabet} allowed digits")
+    console.print(f"[bold]triage-monitor demo[/]: GRPO on {task_text}, TinyGPT {n_params:,} params "
                   f"({cfg.n_layer} layers, d={cfg.d_model}); sampler [cyan]{cfg.sampler_recipe}[/], learner "
                   f"[cyan]{cfg.learner_recipe}[/], correction [cyan]{cfg.correction}[/] → {out_dir}")
+    console.print(f"mismatch: {cfg.mechanism()}")
 
     with _progress(console) as progress:
         bar = progress.add_task("SFT warm start", total=cfg.sft_steps)
@@ -373,8 +438,12 @@ def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
 
     triage = TriageController(cfg.triage_config())
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, MLP projections NVFP4-capable)",
-                "task": f"{cfg.digits}-digit addition, reversed answer, exact-match reward",
+    manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, NVFP4-capable: "
+                         f"{', '.join(model.quantized)})",
+                "task": (f"{cfg.digits}-digit addition, reversed answer, exact-match reward" if cfg.task == "addition"
+                         else f"{cfg.response_len}-token walk over {cfg.alphabet} allowed digits, no repeats, "
+                              f"partial-credit reward"),
+                "mismatch_mechanism": cfg.mechanism(), "sampler_lag": cfg.sampler_lag,
                 "sampler_recipe": cfg.sampler_recipe, "learner_recipe": cfg.learner_recipe,
                 "recipes": {"sampler": asdict(sampler) if sampler else None,
                             "learner": asdict(learner) if learner else None},
@@ -383,17 +452,26 @@ def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
                 f"{cfg.temperature} (no top-p/top-k)", "demo_config": asdict(cfg),
                 "framework": "triage-monitor demo"}
     P, G = cfg.prompts_per_step, cfg.group_size
+    # asynchronous rollout: the sampler generates with a copy of the weights from `sampler_lag` updates ago
+    stale = copy.deepcopy(model) if cfg.sampler_lag else model
+    history = [copy.deepcopy(model.state_dict())] if cfg.sampler_lag else []
     rows = []
     table_cols = [("step", "{:d}")] + [(k, f) for k, _, f in DISPLAY]
-    with MismatchMonitor(out_dir, cfg.monitor_config(), manifest=manifest) as mon, _progress(console) as progress:
+    # the shipped default alert rules watch the run live (the run directory's alerts/ table, the console)
+    alerts = AlertEngine(default_rules(), sinks=[CallbackSink(lambda a: console.print(
+        f"[yellow]alert[/] step {a.step}: [bold]{a.rule}[/] ({a.metric} {a.value:.4g}, threshold {a.threshold:.4g})"))])
+    with MismatchMonitor(out_dir, cfg.monitor_config(), manifest=manifest, alerts=alerts) as mon, \
+            _progress(console) as progress:
         bar = progress.add_task("GRPO", total=cfg.steps)
         console.print(" ".join(f"{h:>7}" for h in ["step"] + [h for _, h, _ in DISPLAY]), style="bold")
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             ops, prompts = task.sample(P, data_gen)
-            with use_recipe(model, sampler):
-                accuracy = greedy_accuracy(model, task, eval_ops, eval_prompts)
-                responses, sampler_logp, mask = generate(model, prompts, G, task.max_answer_len, cfg.temperature,
+            if cfg.sampler_lag:
+                stale.load_state_dict(history[0])
+            with use_recipe(stale, sampler):
+                accuracy = greedy_accuracy(stale, task, eval_ops, eval_prompts)
+                responses, sampler_logp, mask = generate(stale, prompts, G, task.max_answer_len, cfg.temperature,
                                                          sample_gen)
             ops_rep, prompts_rep = ops.repeat_interleave(G, 0), prompts.repeat_interleave(G, 0)
             rewards = task.reward(responses, ops_rep)
@@ -407,17 +485,22 @@ def _run(cfg: DemoConfig, out_dir: Path, console) -> pd.DataFrame:
             loss, weights, stats = policy_loss(batch, cfg, triage, step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
             opt.step()
+            if cfg.sampler_lag:
+                history = (history + [copy.deepcopy(model.state_dict())])[-(cfg.sampler_lag + 1):]
 
             groups = rewards.view(P, G)
             extra = {"reward": float(rewards.mean()), "accuracy": accuracy,
                      "mixed_groups": float(((groups.min(1).values == 0) & (groups.max(1).values == 1)).float().mean()),
                      "response_len": float(mask.sum(1).float().mean()), "loss": float(loss.detach()),
+                     "grad_norm": grad_norm, "sampler_nll": float(-sampler_logp[mask].mean()),
                      **stats, "seconds": time.perf_counter() - t0}
             metrics = mon.log_step(step, batch, extra=extra, token_extras={"token_weight": weights})
             rows.append(metrics)
             progress.update(bar, advance=1)
+            if on_step is not None:
+                on_step(metrics)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 console.print(" ".join(f"{_fmt(metrics.get(k), f):>7}" for k, f in table_cols))
 

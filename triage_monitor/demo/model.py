@@ -33,6 +33,8 @@ class GPTConfig:
     n_layer: int = 2
     n_head: int = 4
     d_model: int = 64
+    #: glob patterns of the linears made NVFP4-capable (default: the MLP projections)
+    quantized: tuple = ("blocks.*.mlp.*",)
 
 
 class CausalSelfAttention(nn.Module):
@@ -98,7 +100,7 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
-        self.quantized = quantize_linears_(self, ("blocks.*.mlp.*",))
+        self.quantized = quantize_linears_(self, tuple(cfg.quantized))
 
     @staticmethod
     def _init(m: nn.Module) -> None:

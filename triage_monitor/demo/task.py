@@ -1,4 +1,4 @@
-"""The demo's verifiable task: multi-digit addition with an exact reward.
+"""The demo's verifiable tasks: multi-digit addition (exact reward) and a free walk (partial credit).
 
 A prompt is ``BOS a + b =`` with both operands written with exactly
 ``digits`` decimal digits (leading zeros kept, so every prompt has the same
@@ -7,6 +7,12 @@ digit first (no leading zeros), then ``EOS``: reversed order lets a
 left-to-right model compute each digit from the carry it has just produced,
 so a small transformer learns it in minutes on a CPU.  The reward is exact:
 1.0 when the response up to its first ``EOS`` equals the answer, else 0.0.
+
+:class:`WalkTask` is the long-response task of the mismatch study: 64-token
+responses with many valid answers and partial credit, so the policy keeps its
+entropy under RL (on a task with one right answer GRPO sharpens the policy
+until learner and sampler agree on almost every token and the mismatch heals
+itself).
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ class AdditionTask:
         prompts = torch.cat([col(BOS), digs[:, 0], col(PLUS), digs[:, 1], col(EQUALS)], dim=1)
         return ops, prompts
 
-    def answers(self, ops: Tensor) -> tuple[Tensor, Tensor]:
-        """Reference answers for operands ``(n, 2)``.
+    def answers(self, ops: Tensor, generator: torch.Generator = None) -> tuple[Tensor, Tensor]:
+        """Reference answers for operands ``(n, 2)`` (``generator`` is unused: the answer is unique).
 
         Returns tokens ``(n, max_answer_len)`` int64 (sum digits least
         significant first, ``EOS``, then ``EOS`` padding) and lengths ``(n,)``
@@ -79,3 +85,75 @@ class AdditionTask:
     def render(tokens: Tensor) -> str:
         """Text form of a 1-D token tensor (``$`` = EOS, ``^`` = BOS), for logs and tests."""
         return "".join(_CHARS[int(t)] for t in tokens)
+
+
+class WalkTask:
+    """A long-response task that keeps its entropy under RL: a free walk over an allowed alphabet.
+
+    A prompt is ``BOS d₁ … d_k =``: ``k = alphabet`` distinct decimal digits
+    (sorted), the allowed symbols.  The response is exactly ``length`` tokens
+    (no ``EOS``; every position is a scored token).  A token is *valid* when it
+    is one of the allowed digits and differs from the token before it (the
+    first token only has to be allowed).  The reward is noisy partial credit:
+    the share of valid tokens, in [0, 1].  Every walk through the allowed
+    digits that never repeats a symbol scores 1, so an optimal policy keeps
+    ``ln(alphabet − 1)`` nats of entropy per token (ln 3 ≈ 1.10 for the
+    default 4 symbols): GRPO has no reason to collapse it to one answer.
+
+    Args:
+        length: response tokens (>= 1; 64 gives one 64-token segment per response).
+        alphabet: allowed digits per prompt (2..9).
+
+    Attributes:
+        prompt_len: ``alphabet + 2``; max_answer_len: ``length``.
+    """
+
+    def __init__(self, length: int = 64, alphabet: int = 4):
+        if not isinstance(length, int) or length < 1:
+            raise ValueError(f"WalkTask: length must be an integer >= 1, got {length!r}")
+        if not 2 <= alphabet <= 9:
+            raise ValueError(f"WalkTask: alphabet must be in 2..9, got {alphabet}")
+        self.length, self.alphabet = length, alphabet
+        self.prompt_len = alphabet + 2
+        self.max_answer_len = length
+
+    def sample(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """``n`` random problems: allowed digits ``(n, alphabet)`` int64 (sorted) and prompts ``(n, prompt_len)``."""
+        allowed = torch.rand(n, 10, generator=generator).argsort(1)[:, :self.alphabet].sort(1).values
+        col = lambda v: torch.full((n, 1), v, dtype=torch.long)
+        return allowed, torch.cat([col(BOS), allowed, col(EQUALS)], dim=1)
+
+    def valid(self, responses: Tensor, allowed: Tensor) -> Tensor:
+        """Per-token validity ``(n, T)`` bool of ``responses`` ``(n, T)`` int64 for ``allowed`` ``(n, alphabet)``."""
+        ok = (responses.unsqueeze(2) == allowed.unsqueeze(1)).any(2)
+        repeat = torch.zeros_like(ok)
+        repeat[:, 1:] = responses[:, 1:] == responses[:, :-1]
+        return ok & ~repeat
+
+    def reward(self, responses: Tensor, allowed: Tensor) -> Tensor:
+        """Partial-credit reward ``(n,)`` float32: the share of valid tokens among the first ``length``
+        (missing positions count as invalid)."""
+        r = responses[:, :self.length]
+        return self.valid(r, allowed).float().sum(1) / self.length
+
+    def answers(self, allowed: Tensor, generator: torch.Generator = None) -> tuple[Tensor, Tensor]:
+        """Reference walks for the warm start: uniform over the allowed digits, never repeating one.
+
+        Returns tokens ``(n, length)`` int64 and lengths ``(n,)`` (all ``length``).
+        """
+        n = allowed.shape[0]
+        idx = torch.randint(0, self.alphabet, (n,), generator=generator)
+        cols = [idx]
+        for _ in range(self.length - 1):  # step to one of the other alphabet − 1 symbols
+            idx = (idx + torch.randint(1, self.alphabet, (n,), generator=generator)) % self.alphabet
+            cols.append(idx)
+        return allowed.gather(1, torch.stack(cols, 1)), torch.full((n,), self.length, dtype=torch.long)
+
+    @staticmethod
+    def render(tokens: Tensor) -> str:
+        """Text form of a 1-D token tensor."""
+        return AdditionTask.render(tokens)
+
+
+#: The demo's tasks by name.
+TASKS = {"addition": AdditionTask, "walk": WalkTask}

@@ -1,0 +1,401 @@
+"""Per-process state of a framework hook: adapters carry configuration, each process builds its own monitor.
+
+In verl, OpenRLHF, SkyRL and NeMo RL the loss runs in Ray workers, and the loss object is pickled into them
+(NeMo RL re-pickles it on every ``policy.train`` call).  A hook object therefore holds only picklable
+:class:`HookSettings`; everything live — the :class:`~triage_monitor.monitor.MismatchMonitor`, the
+:class:`~triage_monitor.controller.TriageController` with its calibration, the step counter and the tokens of
+the step being accumulated — lives in a :class:`WorkerRuntime`, one per process and per hook (keyed by
+``HookSettings.key``).  Every unpickled copy of the same hook in a process shares that runtime, so re-pickling
+loses and duplicates nothing.
+
+**Rank and run directory.**  Every process writes its own rank's files into the shared run directory (rank:
+``HookSettings.rank``, else the ``torch.distributed`` rank, else the ``RANK`` environment variable, else the
+first free rank claimed atomically in ``<run_dir>/.ranks/<attempt>/``).  All processes of one job share the
+attempt id drawn when the hook was built (on the driver), so readers see one attempt.  Rank 0 owns ``run.json``.
+
+**Step.**  The monitored step is, in this order: the framework's own step metadata when the hook passes it
+(``framework_step``: verl's ``global_steps``, TRL's ``state.global_step``, SkyRL's ``global_step``); otherwise the
+number of optimizer steps this process has taken (a global ``torch.optim`` step post-hook; the first optimizer
+that steps after a loss call is the one counted).  All loss calls (micro-batches, mini-batches of PPO epochs)
+between two optimizer steps are one monitored step, logged by the optimizer step.  If no optimizer step is ever
+seen, every step so far is one step: the runtime says so once, loudly, with the fix.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from triage_monitor.controller import TriageConfig, TriageController
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+from triage_monitor.records import new_attempt_id
+
+from ._common import StepAccumulator
+
+log = logging.getLogger("triage_monitor")
+
+STEP_SOURCES = ("auto", "framework", "optimizer")
+#: Loss calls without an optimizer step after which the runtime warns that steps are not being counted.
+CALLS_WITHOUT_OPTIMIZER_WARNING = 10_000
+#: Controller used by loss hooks without a TriageConfig: Gate, TIS and Repair off, so the loss is the
+#: framework's own PPO loss and the hook only monitors.
+PLAIN_PPO = TriageConfig(gate=False, tis=False, repair=False)
+
+
+@dataclass
+class HookSettings:
+    """Everything a hook needs in a worker process: plain, picklable configuration (no live objects).
+
+    Attributes:
+        run_dir: the shared run directory; None = no monitoring (controller only).
+        monitor: :class:`MonitorConfig` of the per-process monitor.
+        triage: :class:`TriageConfig` of the controller; None = monitoring only (the framework's own loss).
+        manifest: facts stored in ``run.json`` (framework, model, ...); JSON-serialisable.
+        on_invalid: ``"raise"`` or ``"quarantine"`` (:class:`~triage_monitor.batch.TokenBatch`).
+        step_source: ``"auto"`` (framework step when the hook has one, else optimizer steps), ``"framework"``
+            (require it), ``"optimizer"`` (always count optimizer steps).
+        rank: fixed rank for this process's files; None = resolved in the worker (module docstring).
+        attempt: attempt id shared by every process of this job (drawn at construction, on the driver);
+            None = resolved in each worker: rank 0's id broadcast over ``torch.distributed`` when a process
+            group is up (processes that build their hook themselves, e.g. torchrun ranks), else a new id.
+        key: identity of the hook across pickling: copies with the same key share one runtime per process.
+    """
+
+    run_dir: Optional[str] = None
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    triage: Optional[TriageConfig] = None
+    manifest: dict = field(default_factory=dict)
+    on_invalid: str = "raise"
+    step_source: str = "auto"
+    rank: Optional[int] = None
+    attempt: Optional[int] = field(default_factory=new_attempt_id)
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self):
+        if self.step_source not in STEP_SOURCES:
+            raise ValueError(f"HookSettings.step_source must be one of {STEP_SOURCES}, got {self.step_source!r}")
+        if self.on_invalid not in ("raise", "quarantine"):
+            raise ValueError(f"HookSettings.on_invalid must be 'raise' or 'quarantine', got {self.on_invalid!r}")
+        if isinstance(self.monitor, dict):
+            self.monitor = MonitorConfig.from_dict(self.monitor)
+        if isinstance(self.triage, dict):
+            self.triage = TriageConfig(**self.triage)
+        if self.run_dir is not None:
+            self.run_dir = str(self.run_dir)
+
+
+def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None) -> int:
+    """This process's rank for the run's files: ``fixed``, the torch.distributed rank, ``$RANK``, else a claim.
+
+    The claim is the smallest n for which ``<run_dir>/.ranks/<attempt>/<n>`` can be created exclusively, so two
+    worker processes of one job never share a rank (and only one is rank 0, the owner of ``run.json``).
+    """
+    if fixed is not None:
+        return int(fixed)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    if os.environ.get("RANK", "").isdigit():
+        return int(os.environ["RANK"])
+    claims = Path(run_dir) / ".ranks" / str(attempt)
+    claims.mkdir(parents=True, exist_ok=True)
+    n = 0
+    while True:
+        try:
+            fd = os.open(claims / str(n), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            n += 1
+            continue
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
+        return n
+
+
+class WorkerRuntime:
+    """The live side of one hook in one process: controller, monitor, step counting, step accumulation."""
+
+    def __init__(self, settings: HookSettings):
+        self.settings = settings
+        self.controller: Optional[TriageController] = (
+            TriageController(settings.triage) if settings.triage is not None else None)
+        self.plain_controller = TriageController(PLAIN_PPO)
+        self._monitor: Optional[MismatchMonitor] = None
+        self._acc: Optional[StepAccumulator] = None
+        self.optimizer_steps = 0           # optimizer steps seen (the bound optimizer's)
+        self.step_offset = 0               # added to optimizer steps (resume)
+        self.calls = 0
+        self._calls_since_step = 0
+        self._bound_optimizer: Optional[weakref.ref] = None
+        self._framework_step_seen = False
+        self._warned: set = set()
+        self._lock = threading.RLock()
+        self.closed = False
+
+    # ------------------------------------------------------------- monitor
+    @property
+    def monitor(self) -> Optional[MismatchMonitor]:
+        """This process's monitor, built on first use (None without ``run_dir``)."""
+        s = self.settings
+        if self._monitor is None and s.run_dir is not None:
+            run_dir = Path(s.run_dir)
+            attempt = s.attempt if s.attempt is not None else _worker_attempt()
+            rank = resolve_rank(run_dir, attempt, s.rank)
+            manifest = {**s.manifest, "hook_pid": os.getpid()} if rank == 0 else dict(s.manifest)
+            if self.controller is not None:
+                manifest.setdefault("triage", _plain(self.controller.config))
+            self._monitor = MismatchMonitor(run_dir, s.monitor, manifest=manifest, rank=rank, attempt=attempt,
+                                            group=None)
+            self._acc = StepAccumulator(self._monitor)
+        return self._monitor
+
+    # --------------------------------------------------------------- steps
+    def step_for_call(self, framework_step: Optional[int] = None) -> int:
+        """The monitored step of the loss call now starting (module docstring for the order of sources).
+
+        Raises:
+            ValueError: ``step_source="framework"`` and the hook passed no framework step.
+        """
+        src = self.settings.step_source
+        if framework_step is not None and src != "optimizer":
+            self._framework_step_seen = True
+            return int(framework_step)
+        if src == "framework":
+            raise ValueError("triage-monitor: step_source='framework' but this framework call carries no step "
+                             "metadata; use step_source='auto' (count optimizer steps)")
+        if self._calls_since_step >= CALLS_WITHOUT_OPTIMIZER_WARNING:
+            self._warn_no_optimizer()
+        return self.step_offset + self.optimizer_steps
+
+    def _warn_no_optimizer(self) -> None:
+        if "no-optimizer" not in self._warned:
+            self._warned.add("no-optimizer")
+            log.warning(
+                "triage-monitor: %d loss calls and no torch.optim optimizer step seen in this process (pid %d): all of "
+                "them are being logged as ONE step (%d). Fix: pass the step yourself (hook.set_step(step) before each "
+                "update, or step_source='framework' where the hook reads the framework's step), or make sure the "
+                "optimizer is a torch.optim.Optimizer stepping in this process (docs/hooks.md#steps)",
+                self._calls_since_step, os.getpid(), self.step_offset + self.optimizer_steps)
+
+    def set_step(self, step: int) -> None:
+        """Start counting from ``step``: the next loss calls belong to ``step`` (e.g. after a resume)."""
+        with self._lock:
+            self.flush()
+            self.step_offset = int(step) - self.optimizer_steps
+
+    def on_optimizer_step(self, optimizer) -> None:
+        """Called by the global optimizer post-hook: closes the step when this runtime's optimizer stepped."""
+        with self._lock:
+            if self.settings.step_source != "optimizer" and self._framework_step_seen:
+                return
+            if self._bound_optimizer is None:
+                if self._calls_since_step == 0:      # an optimizer stepping before any loss call is not ours
+                    return
+                self._bound_optimizer = weakref.ref(optimizer)
+            elif self._bound_optimizer() is not optimizer:
+                return
+            self.optimizer_steps += 1
+            self._calls_since_step = 0
+            self.flush()
+
+    # ------------------------------------------------------------- records
+    def record(self, step: int, batch, gate_weights: Optional[torch.Tensor] = None,
+               extra: Optional[dict] = None) -> None:
+        """Buffer one loss call's tokens under ``step`` (logged when the step closes). Never raises on I/O."""
+        with self._lock:
+            self.calls += 1
+            self._calls_since_step += 1
+            if self.monitor is None:
+                return
+            token_extras = {"gate_weight": gate_weights} if gate_weights is not None else None
+            self._acc.add(step, batch, token_extras, extra)
+
+    def flush(self) -> Optional[dict]:
+        """Log the step being accumulated now; returns its metrics (None when nothing was buffered)."""
+        with self._lock:
+            return self._acc.flush() if self._acc is not None else None
+
+    def close(self) -> None:
+        """Log the last step, close the monitor (drains its writer); idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self._acc is not None and self.optimizer_steps == 0 and not self._framework_step_seen and self.calls:
+                self._calls_since_step = max(self._calls_since_step, self.calls)
+                self._warn_no_optimizer()
+            self.flush()
+            if self._monitor is not None:
+                self._monitor.close()
+
+    # --------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Controller calibration, step counters and monitor calibration (``torch.save``-able)."""
+        return {"controller": self.controller.state_dict() if self.controller is not None else None,
+                "optimizer_steps": self.optimizer_steps, "step_offset": self.step_offset, "calls": self.calls,
+                "monitor": self.monitor.state_dict() if self.monitor is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output (a resumed job continues identically)."""
+        with self._lock:
+            if self.controller is not None and state.get("controller") is not None:
+                self.controller.load_state_dict(state["controller"])
+            self.step_offset = int(state["step_offset"]) + int(state["optimizer_steps"]) - self.optimizer_steps
+            self.calls = int(state["calls"])
+            if self.monitor is not None and state.get("monitor") is not None:
+                self.monitor.load_state_dict(state["monitor"])
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+
+def _worker_attempt() -> int:
+    """Rank 0's attempt id broadcast over the default process group when one is up, else a new id."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from triage_monitor.monitor import _shared_attempt_id
+        return _shared_attempt_id(None)
+    return new_attempt_id()
+
+
+def _plain(obj):
+    from dataclasses import asdict, is_dataclass
+    return asdict(obj) if is_dataclass(obj) else obj
+
+
+# ------------------------------------------------------------ process registry
+_RUNTIMES: dict = {}
+_REGISTRY_LOCK = threading.Lock()
+_HOOK_HANDLE = None
+
+
+def _on_optimizer_step(optimizer, args, kwargs) -> None:
+    for rt in list(_RUNTIMES.values()):
+        try:
+            rt.on_optimizer_step(optimizer)
+        except Exception as exc:     # monitoring never breaks the optimizer step
+            rt._warn_once("optimizer-hook", "triage-monitor: logging the step failed (%s: %s); training continues",
+                          type(exc).__name__, exc)
+
+
+def runtime_for(settings: HookSettings) -> WorkerRuntime:
+    """The :class:`WorkerRuntime` of ``settings.key`` in this process (created on first use)."""
+    global _HOOK_HANDLE
+    with _REGISTRY_LOCK:
+        rt = _RUNTIMES.get(settings.key)
+        if rt is None or rt.closed:
+            rt = _RUNTIMES[settings.key] = WorkerRuntime(settings)
+        if _HOOK_HANDLE is None:
+            _HOOK_HANDLE = register_optimizer_step_post_hook(_on_optimizer_step)
+        return rt
+
+
+def close_all() -> None:
+    """Log every hook's last step and close its monitor in this process (also run at interpreter exit)."""
+    for rt in list(_RUNTIMES.values()):
+        try:
+            rt.close()
+        except Exception as exc:
+            log.warning("triage-monitor: closing a hook failed (%s: %s)", type(exc).__name__, exc)
+
+
+atexit.register(close_all)
+
+
+class HookAdapter:
+    """Base of every framework adapter: picklable settings outside, a per-process runtime inside.
+
+    Subclasses keep only plain attributes (numbers, strings, :class:`HookSettings`); the live objects are
+    reached through :attr:`runtime`.  A cloudpickle round trip (Ray) keeps ``settings.key``, so the copy in a
+    worker finds that worker's runtime again.
+    """
+
+    settings: HookSettings
+
+    @property
+    def runtime(self) -> WorkerRuntime:
+        """This process's runtime for this hook."""
+        return runtime_for(self.settings)
+
+    @property
+    def controller(self) -> Optional[TriageController]:
+        """This process's controller (None for monitoring-only hooks)."""
+        return self.runtime.controller
+
+    @property
+    def monitor(self) -> Optional[MismatchMonitor]:
+        """This process's monitor (built on first use; None without ``run_dir``)."""
+        return self.runtime.monitor
+
+    def set_step(self, step: int) -> None:
+        """Tell the hook the step of the coming loss calls (only needed where neither the framework nor an
+        optimizer step gives it)."""
+        self.runtime.set_step(step)
+
+    def flush(self) -> Optional[dict]:
+        """Log the step being accumulated now."""
+        return self.runtime.flush()
+
+    def close(self) -> None:
+        """Log the last step and close this process's monitor."""
+        self.runtime.close()
+
+    def state_dict(self) -> dict:
+        """This process's controller calibration, step counters and monitor calibration."""
+        return self.runtime.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output in this process."""
+        self.runtime.load_state_dict(state)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_live")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+class LossHook(HookAdapter):
+    """Base of the hooks that replace a framework's policy loss (verl, OpenRLHF, SkyRL, prime-rl, NeMo RL).
+
+    :meth:`compute_loss` is the whole per-call path: step of the call → :func:`~triage_monitor.loss.triage_policy_loss`
+    (the controller of ``settings.triage``, or plain PPO when it is None) → the call's tokens buffered for the
+    monitored step.
+    """
+
+    def compute_loss(self, batch, *, old_logp=None, framework_step: Optional[int] = None, **loss_kwargs):
+        """The TRIAGE (or plain PPO) loss of one framework call, recorded for the monitor.
+
+        Args:
+            batch: the call's :class:`~triage_monitor.batch.TokenBatch` (live learner log-probs, nats).
+            old_logp: ``(N,)`` PPO anchor log-probs in the batch's flat order, nats.
+            framework_step: the framework's step metadata for this call, when it has one.
+            loss_kwargs: ``clip_low``, ``clip_high``, ``dual_clip``, ``agg_mode``, ``denominator``,
+                ``loss_scale``, ``token_scale``, ``repair_denominator`` of
+                :func:`~triage_monitor.loss.triage_policy_loss`.
+
+        Returns:
+            :class:`~triage_monitor.loss.TriageLoss`.
+        """
+        from triage_monitor.loss import triage_policy_loss
+
+        rt = self.runtime
+        step = rt.step_for_call(framework_step)
+        plain = rt.controller is None
+        ctrl = rt.plain_controller if plain else rt.controller
+        res = triage_policy_loss(ctrl, batch, step, old_logp=old_logp, **loss_kwargs)
+        rt.record(step, res.batch, None if plain else res.output.gate_weights, None if plain else res.output.stats)
+        return res

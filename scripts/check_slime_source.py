@@ -1,0 +1,161 @@
+"""Check the slime hook and importer against slime's OWN code (a source checkout), on CPU.  Not run by CI:
+slime is not on PyPI.  Prints the figures quoted in docs/hooks.md#slime.
+
+    python scripts/check_slime_source.py --slime SLIME_CHECKOUT --megatron MEGATRON_CORE_SITE [--out DIR]
+
+SLIME_CHECKOUT: a tree of THUDM/slime (e.g. ``git archive 624b824a | tar -x -C /tmp/slime``; the tag v0.3.1
+works too).  MEGATRON_CORE_SITE: a directory holding ``megatron`` (``pip install --target DIR --no-deps
+megatron-core==0.16.1``; 0.17+ needs Python 3.12).  Runs on a gloo world of 4 CPU processes (DP 2 × TP 2, real
+``megatron.core.parallel_state``): slime's ``save_debug_train_data`` writes the dumps of tests/test_hooks_slime.py's
+two rollouts, which are compared with the transcription in tests/slime_contract.py and imported; then
+``SlimeTriageLoss`` is compared with slime's ``policy_loss_function`` on the same logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _paths(opts):
+    sys.path[:0] = [opts.slime, opts.megatron, str(ROOT / "tests")]
+
+
+def _writer(rank, world, opts, port):
+    _paths(opts)
+    from argparse import Namespace
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        from slime.observability.train_data_utils import save_debug_train_data
+        head = True
+    except ImportError:
+        from slime.utils.train_dump_utils import save_debug_train_data
+        head = False
+    from test_hooks_slime import dp_shard, rollout
+    for rid in (0, 1):
+        save_debug_train_data(Namespace(save_debug_train_data=f"{opts.out}/real/{{rollout_id}}_{{rank}}.pt"),
+                              rollout_id=rid, rollout_data=dp_shard(rollout(rid), ps.get_data_parallel_rank(),
+                                                                    head=head))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _same(a, b):
+    import torch
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def check_writers(opts):
+    import torch
+    import torch.multiprocessing as mp
+    mp.spawn(_writer, args=(4, opts, 29500 + os.getpid() % 400), nprocs=4, join=True)
+    _paths(opts)
+    import pandas as pd
+    from test_hooks_slime import rollout, valid_tokens, write_v031, write_v2
+    real = sorted(Path(opts.out, "real").glob("*.pt"))
+    rollouts = {0: rollout(0), 1: rollout(1)}
+    tmp = Path(tempfile.mkdtemp(dir=opts.out))
+    head = len(real) == 2
+    mine = write_v2(tmp, rollouts) if head else write_v031(tmp, rollouts)
+    same = len(mine) == len(real) and all(
+        _same(torch.load(r, weights_only=True), torch.load(m, weights_only=True)) for r, m in zip(real, sorted(mine)))
+    print(f"writer: {len(real)} file(s) ({'format_version 2' if head else 'per-rank'}); "
+          f"identical to tests/slime_contract.py's: {same}")
+    out = Path(opts.out, "imported")
+    r = subprocess.run([sys.executable, "-m", "triage_monitor", "import", "slime", *map(str, real), "--out", str(out),
+                        "--calibration-steps", "1"], capture_output=True, text=True)
+    got = pd.read_parquet(out / "steps").set_index("step")["n_tokens"].to_dict() if r.returncode == 0 else r.stderr
+    print(f"import: n_tokens {got}; valid tokens {({k: valid_tokens(v) for k, v in rollouts.items()})}")
+
+
+def check_loss(opts):
+    _paths(opts)
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29900 + os.getpid() % 90))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(1, 1)
+    from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, policy_loss_function
+    from test_hooks_slime import micro_batch, rollout, slime_args
+
+    from triage_monitor.controller import TriageConfig
+    from triage_monitor.hooks.slime import SlimeTriageLoss
+
+    has_dual = "eps_clip_c" in Path(opts.slime, "slime/backends/megatron_utils/loss.py").read_text()
+    extra = dict(rollout_temperature=1.0, log_probs_chunk_size=-1, rollout_top_p=1.0, kl_loss_coef=0.0,
+                 use_unbiased_kl=False, custom_pg_loss_reducer_function_path=None, tis_clip=2.0, tis_clip_low=0.0)
+
+    def args_of(**kw):
+        a = slime_args(**kw)
+        for k, v in extra.items():
+            setattr(a, k, v)
+        if not has_dual:
+            del a.eps_clip_c
+        return a
+
+    mb = micro_batch(rollout(6), [0, 2, 3, 5])
+    g = torch.Generator().manual_seed(1)
+    mb["unconcat_tokens"] = [torch.randint(0, 50, (t,), generator=g) for t in mb["total_lengths"]]
+    mb["loss_masks"] = [m.to(torch.int) for m in mb["loss_masks"]]
+    logits = torch.randn(1, sum(mb["total_lengths"]), 50, generator=g)
+    _, out = get_log_probs_and_entropy(logits.clone(), args=args_of(), unconcat_tokens=mb["unconcat_tokens"],
+                                       total_lengths=mb["total_lengths"], response_lengths=mb["response_lengths"])
+    mb["log_probs"] = [lp.detach() + 0.3 * torch.randn(len(lp), generator=g) for lp in out["log_probs"]]
+    mb["rollout_log_probs"] = [lp + 0.1 * torch.randn(len(lp), generator=g) for lp in mb["log_probs"]]
+    cases = [{}, {"calculate_per_token_loss": True}, {"entropy_coef": 0.01}, {"get_mismatch_metrics": True}]
+    if has_dual:
+        cases.insert(1, {"eps_clip_c": 1.05})
+    print(f"logits {tuple(logits.shape)}, {len(mb['response_lengths'])} samples")
+    for kw in cases:
+        args = args_of(**kw)
+        ssm = get_sum_of_sample_mean(mb["total_lengths"], mb["response_lengths"], mb["loss_masks"],
+                                     mb["rollout_mask_sums"], args.calculate_per_token_loss)
+        l1, l2 = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+        ref, ref_log = policy_loss_function(args, mb, l1, ssm)
+        ours, log = SlimeTriageLoss()(args, mb, l2, ssm)
+        ref.backward()
+        ours.backward()
+        diff = {k: abs(float(ref_log[k]) - float(log[k])) for k in ref_log}
+        print(f"{kw or 'default'}: loss slime {float(ref):.9g} ours {float(ours):.9g}; "
+              f"max|dgrad| {float((l1.grad - l2.grad).abs().max()):.2g}; metrics missing "
+              f"{sorted(set(ref_log) - set(log))}; metrics differing > 1e-6 "
+              f"{ {k: round(v, 6) for k, v in diff.items() if v > 1e-6} }")
+    loss, log = SlimeTriageLoss(tempfile.mkdtemp(dir=opts.out), triage=TriageConfig())(
+        args_of(), mb, logits.clone().requires_grad_(True), ssm)
+    vals = torch.tensor([0] + list(log.values()))          # what slime's loss_function does with the log
+    print(f"TriageConfig(): loss {float(loss):.6g}, keys {sorted(log)}, all finite {bool(torch.isfinite(vals).all())}")
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--slime", required=True)
+    p.add_argument("--megatron", required=True)
+    p.add_argument("--out", default=None)
+    opts = p.parse_args()
+    opts.out = opts.out or tempfile.mkdtemp(prefix="slime-check-")
+    check_writers(opts)
+    check_loss(opts)
+
+
+if __name__ == "__main__":
+    main()

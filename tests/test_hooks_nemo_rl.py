@@ -1,0 +1,523 @@
+"""NeMo RL contract test: our LossFunction driven through NeMo RL's own call sites, transcribed.
+
+NeMo RL does not install on a CPU machine (its PyPI entry is a placeholder; the workers need CUDA, Megatron /
+nemo_automodel), so the calling code is reproduced here from its public repository at commit
+7ea279abfbeb698b092856d0dab61e7cf39bc909 (NVIDIA-NeMo/RL):
+
+- ``nemo_rl/algorithms/loss/interfaces.py`` L23-57: ``LossType``, ``MetricNormalizer``, ``LossInputType`` (the
+  enums our loss must expose as ``loss_type`` / ``input_type``; registered below under their real module name,
+  as the hook reads them from there inside NeMo);
+- ``nemo_rl/algorithms/utils.py`` L42-101 ``calculate_kl``, L212-224 ``masked_mean``;
+- ``nemo_rl/algorithms/loss/loss_functions.py`` L374-788 ``ClippedPGLossFn.__call__`` (NeMo's default GRPO loss;
+  the branches of options our hook refuses at construction are left out: CISPO, sequence-level IS ratios,
+  disable_ppo_ratio, importance-sampling correction / TIS, on-policy KL approximation, positive-example NLL);
+- ``nemo_rl/algorithms/loss/utils.py`` L71-120 ``prepare_loss_input`` (LOGPROB branch) with
+  ``nemo_rl/distributed/model_utils.py`` L1677-1693 (next-token log-probs, no vocab parallelism);
+- ``nemo_rl/models/automodel/data.py`` L404-420 ``process_global_batch`` (global valid seqs / tokens,
+  all-reduced over data-parallel ranks);
+- ``nemo_rl/models/automodel/train.py`` L525-548 (metrics ÷ num_global_batches, ``loss * dp_size * cp_size``,
+  backward per micro-batch) and L642-651 (``LossPostProcessor``: ``prepare_loss_input`` then
+  ``loss_fn(data=, global_valid_seqs=, global_valid_toks=, **loss_input)``);
+- ``nemo_rl/models/policy/workers/dtensor_policy_worker_v2.py`` L478-566 (per global batch: zero_grad, the
+  micro-batches, ``loss_metrics["num_valid_samples"]``, ``optimizer.step()``);
+- ``nemo_rl/models/policy/lm_policy.py`` L779-816 (``policy.train``: the data sharded over data-parallel workers,
+  ``loss_fn`` passed in ``common_kwargs`` to every worker on every call, i.e. re-pickled each time);
+- ``nemo_rl/algorithms/grpo.py`` L3466-3492 (the micro-batch metric lists summed, extrema min/max'd).
+"""
+
+import enum
+import json
+import os
+import socket
+import sys
+import types
+
+import cloudpickle
+import pandas as pd
+import pytest
+import torch
+
+from triage_monitor.controller import TriageConfig
+from triage_monitor.hooks import nemo_rl
+from triage_monitor.hooks._runtime import close_all, runtime_for
+from triage_monitor.monitor import MonitorConfig
+
+COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
+assert nemo_rl.NEMO_RL_COMMIT == COMMIT
+
+
+# ------------------------------------------------------------------ transcription of NeMo RL @ 7ea279ab
+class LossType(enum.Enum):                                          # interfaces.py L23-25
+    TOKEN_LEVEL = "token_level"
+    SEQUENCE_LEVEL = "sequence_level"
+
+
+class MetricNormalizer(enum.Enum):                                  # interfaces.py L28-49
+    TOKENS = "tokens"
+    SEQUENCES = "sequences"
+    NONE = "none"
+
+
+class LossInputType(enum.Enum):                                     # interfaces.py L52-57
+    LOGIT = "logit"
+    LOGPROB = "logprob"
+    DISTILLATION = "distillation"
+    DISTILLATION_CROSS_TOKENIZER = "distillation_cross_tokenizer"
+    DRAFT = "draft"
+
+
+def install_nemo_interfaces():
+    """Make ``nemo_rl.algorithms.loss.interfaces`` resolve to the transcription above (as in a NeMo worker)."""
+    mods = {}
+    for name in ("nemo_rl", "nemo_rl.algorithms", "nemo_rl.algorithms.loss", "nemo_rl.algorithms.loss.interfaces"):
+        mods[name] = sys.modules.get(name)
+        sys.modules[name] = types.ModuleType(name)
+    iface = sys.modules["nemo_rl.algorithms.loss.interfaces"]
+    iface.LossType, iface.MetricNormalizer, iface.LossInputType = LossType, MetricNormalizer, LossInputType
+    return mods
+
+
+@pytest.fixture
+def nemo_interfaces():
+    saved = install_nemo_interfaces()
+    yield
+    for name, mod in saved.items():
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+
+
+def calculate_kl(logprobs, logprobs_reference, kl_type="k3", input_clamp_value=20.0, output_clamp_value=10.0,
+                 importance_sampling_weights=None):                 # algorithms/utils.py L42-101
+    logr = logprobs_reference - logprobs
+    if input_clamp_value is not None:
+        logr_clamped = logr.clamp(min=-input_clamp_value, max=input_clamp_value)
+        if importance_sampling_weights is not None:
+            importance_sampling_weights = torch.where(
+                logr == logr_clamped, importance_sampling_weights, importance_sampling_weights.detach())
+        logr = logr_clamped
+    if kl_type == "k1":
+        kl = -logr
+    elif kl_type == "k2":
+        kl = torch.square(logr) / 2
+    elif kl_type == "k3":
+        kl = torch.exp(logr) - 1 - logr
+    else:
+        raise ValueError(f"Invalid KL type: {kl_type}")
+    if importance_sampling_weights is not None:
+        kl = importance_sampling_weights * kl
+    if output_clamp_value is not None:
+        kl = kl.clamp(min=-output_clamp_value, max=output_clamp_value)
+    return kl
+
+
+def masked_mean(values, mask, dim=None, global_normalization_factor=None):   # algorithms/utils.py L212-224
+    normalization_factor = (torch.sum(mask, dim=dim) if global_normalization_factor is None
+                            else global_normalization_factor)
+    return torch.sum(values * mask, dim=dim) / (normalization_factor + 1e-8)
+
+
+class ClippedPGLossFn:                                              # loss_functions.py L180-788 (default path)
+    input_type = LossInputType.LOGPROB
+
+    def __init__(self, cfg: dict):
+        cfg = {**nemo_rl.CLIPPED_PG_DEFAULTS, **cfg}
+        self.use_fused_linear_logprobs = False
+        self.ratio_clip_min, self.ratio_clip_max = cfg["ratio_clip_min"], cfg["ratio_clip_max"]
+        self.ratio_clip_c = cfg["ratio_clip_c"]
+        self.reference_policy_kl_penalty = cfg["reference_policy_kl_penalty"] if not cfg["use_kl_in_reward"] else 0
+        self.reference_policy_kl_type = cfg["reference_policy_kl_type"]
+        self.kl_input_clamp_value, self.kl_output_clamp_value = cfg["kl_input_clamp_value"], cfg["kl_output_clamp_value"]
+        self.force_on_policy_ratio = cfg["force_on_policy_ratio"]
+        self.loss_type = LossType.TOKEN_LEVEL if cfg["token_level_loss"] else LossType.SEQUENCE_LEVEL
+
+    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks):
+        curr_logprobs = next_token_logprobs
+        token_mask = data["token_mask"][:, 1:]
+        sample_mask = data["sample_mask"]
+        advantages = data["advantages"][:, 1:]
+        prev_logprobs = None if self.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
+        generation_logprobs = data["generation_logprobs"][:, 1:]
+        if self.reference_policy_kl_penalty != 0:
+            reference_policy_logprobs = data["reference_policy_logprobs"][:, 1:]
+            curr_logprobs_unfiltered = data.get("curr_logprobs_unfiltered", curr_logprobs)
+        mask = token_mask * sample_mask.unsqueeze(-1)
+        if self.force_on_policy_ratio:
+            prev_logprobs = curr_logprobs.detach()
+        lp_error = torch.abs(generation_logprobs - prev_logprobs)
+        mult_prob_error = masked_mean(torch.exp(lp_error * mask), mask,
+                                      global_normalization_factor=global_valid_toks).item()
+        gen_kl_error = calculate_kl(logprobs=generation_logprobs, logprobs_reference=prev_logprobs,
+                                    kl_type=self.reference_policy_kl_type, input_clamp_value=None,
+                                    output_clamp_value=None)
+        gen_kl_error = masked_mean(gen_kl_error, mask, global_normalization_factor=global_valid_toks).item()
+        policy_kl_error = calculate_kl(logprobs=prev_logprobs, logprobs_reference=generation_logprobs,
+                                       kl_type=self.reference_policy_kl_type, input_clamp_value=None,
+                                       output_clamp_value=None)
+        policy_kl_error = masked_mean(policy_kl_error, mask, global_normalization_factor=global_valid_toks).item()
+        log_mixture = torch.log(0.5 * torch.exp(prev_logprobs) + 0.5 * torch.exp(generation_logprobs))
+        kl_prev_to_mixture = torch.exp(prev_logprobs - log_mixture) - (prev_logprobs - log_mixture) - 1
+        kl_gen_to_mixture = (torch.exp(generation_logprobs - log_mixture) - (generation_logprobs - log_mixture) - 1)
+        js_divergence_error = masked_mean(0.5 * kl_prev_to_mixture + 0.5 * kl_gen_to_mixture, mask,
+                                          global_normalization_factor=global_valid_toks).item()
+        if self.reference_policy_kl_penalty != 0:
+            kl_importance_weights = torch.exp(curr_logprobs_unfiltered - curr_logprobs_unfiltered.detach())
+            kl_importance_weights = torch.nan_to_num(kl_importance_weights, nan=0.0, posinf=0.0, neginf=0.0)
+            kl = self.reference_policy_kl_penalty * calculate_kl(
+                logprobs=curr_logprobs_unfiltered, logprobs_reference=reference_policy_logprobs,
+                kl_type=self.reference_policy_kl_type, input_clamp_value=self.kl_input_clamp_value,
+                output_clamp_value=self.kl_output_clamp_value, importance_sampling_weights=kl_importance_weights)
+            if self.loss_type == LossType.TOKEN_LEVEL:
+                kl = masked_mean(kl, mask, global_normalization_factor=global_valid_toks)
+            else:
+                kl = masked_mean(masked_mean(kl, token_mask, dim=-1), sample_mask,
+                                 global_normalization_factor=global_valid_seqs)
+        else:
+            kl = torch.tensor(0.0)
+        if self.force_on_policy_ratio:
+            log_ratios = curr_logprobs - curr_logprobs.detach()
+            ratios = log_ratios.exp()
+            ratios_clamped = ratios
+        else:
+            log_ratios = curr_logprobs - prev_logprobs
+            ratios = log_ratios.exp()
+            ratios_clamped = ratios.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
+        loss1 = -advantages * ratios
+        loss2 = -advantages * ratios_clamped
+        clip_loss = torch.max(loss1, loss2)
+        if self.ratio_clip_c is not None:
+            loss3 = -advantages * self.ratio_clip_c
+            clip_loss = torch.where(advantages < 0, torch.min(clip_loss, loss3), clip_loss)
+        actor_importance_weights = torch.nan_to_num(torch.exp(prev_logprobs - generation_logprobs),
+                                                    nan=0.0, posinf=0.0, neginf=0.0)
+        importance_weights_to_use = torch.ones_like(prev_logprobs)
+        if self.loss_type == LossType.TOKEN_LEVEL:
+            actor_loss = masked_mean(importance_weights_to_use * clip_loss, mask,
+                                     global_normalization_factor=global_valid_toks)
+        else:
+            actor_loss = masked_mean(masked_mean(importance_weights_to_use * clip_loss, token_mask, dim=-1),
+                                     sample_mask, global_normalization_factor=global_valid_seqs)
+        sample_importance_ratio = masked_mean(actor_importance_weights, mask,
+                                              global_normalization_factor=global_valid_toks)
+        with torch.no_grad():
+            seq_entropy_approx = -masked_mean(torch.exp(curr_logprobs - generation_logprobs) * curr_logprobs, mask,
+                                              global_normalization_factor=global_valid_toks)
+        nll_loss = torch.tensor(0.0, device=mask.device)
+        loss = actor_loss + kl + 0.0 * nll_loss
+        with torch.no_grad():
+            probs_ratio = masked_mean(ratios.detach(), mask, global_normalization_factor=global_valid_toks).item()
+            probs_ratio_clamped = masked_mean(ratios_clamped.detach(), mask,
+                                              global_normalization_factor=global_valid_toks).item()
+            masked_ratios = ratios.detach()[mask.bool()]
+            masked_ratios_clamped = ratios_clamped.detach()[mask.bool()]
+            probs_ratio_min, probs_ratio_max = masked_ratios.min().item(), masked_ratios.max().item()
+            probs_ratio_clamped_min = masked_ratios_clamped.min().item()
+            probs_ratio_clamped_max = masked_ratios_clamped.max().item()
+        return (loss, {
+            "loss": loss.item(), "probs_ratio": probs_ratio, "probs_ratio_clamped": probs_ratio_clamped,
+            "probs_ratio_min": probs_ratio_min, "probs_ratio_max": probs_ratio_max,
+            "probs_ratio_clamped_min": probs_ratio_clamped_min, "probs_ratio_clamped_max": probs_ratio_clamped_max,
+            "kl_penalty": kl.item() / self.reference_policy_kl_penalty if kl else 0,
+            "token_mult_prob_error": mult_prob_error, "gen_kl_error": gen_kl_error,
+            "policy_kl_error": policy_kl_error, "js_divergence_error": js_divergence_error,
+            "sampling_importance_ratio": sample_importance_ratio.item(),
+            "num_valid_samples": sample_mask.sum().item(), "approx_entropy": seq_entropy_approx.item(),
+            "positive_nll_loss": nll_loss.item()})
+
+
+def get_next_token_logprobs_from_logits(input_ids, next_token_logits):   # model_utils.py L1649, L1677-1693
+    next_token_logits = next_token_logits.to(torch.float32)
+    next_token_logits_wo_last = next_token_logits[:, :-1]
+    next_token_logprobs = torch.nn.functional.log_softmax(next_token_logits_wo_last, dim=-1)
+    next_tokens = input_ids[:, 1:]
+    return next_token_logprobs.gather(dim=-1, index=next_tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def prepare_loss_input(logits, data, loss_fn):                      # loss/utils.py L71-120 (LOGPROB, unfused)
+    if loss_fn.input_type == LossInputType.LOGIT:
+        loss_input = {"logits": logits}
+    elif loss_fn.input_type == LossInputType.LOGPROB:
+        if hasattr(loss_fn, "use_fused_linear_logprobs") and loss_fn.use_fused_linear_logprobs:
+            logprobs = logits.to(torch.float32)[:, : data["input_ids"].shape[1] - 1]
+        else:
+            logprobs = get_next_token_logprobs_from_logits(input_ids=data["input_ids"], next_token_logits=logits)
+        loss_input = {"next_token_logprobs": logprobs}
+    else:
+        raise ValueError(f"Unknown loss function input type: {loss_fn.input_type}")
+    return loss_input, data
+
+
+def process_global_batch(batch, loss_fn, all_reduce=None):          # automodel/data.py L404-431
+    assert "sample_mask" in batch, "sample_mask must be present in the data!"
+    local_valid_seqs = torch.sum(batch["sample_mask"])
+    local_valid_toks = torch.sum(batch["token_mask"][:, 1:] * batch["sample_mask"].unsqueeze(-1))
+    to_reduce = torch.tensor([local_valid_seqs, local_valid_toks])
+    if all_reduce is not None:
+        all_reduce(to_reduce)                                       # torch.distributed.all_reduce(dp_group)
+    if hasattr(loss_fn, "loss_type") and loss_fn.loss_type == LossType.TOKEN_LEVEL:
+        assert "token_mask" in batch, "token_mask must be present in the data when using token-level loss"
+    return {"batch": batch, "global_valid_seqs": to_reduce[0], "global_valid_toks": to_reduce[1]}
+
+
+def worker_train(model, optimizer, data, loss_fn, gbs, mbs, dp_size=1, all_reduce=None):
+    """dtensor_policy_worker_v2.py L478-566 with automodel/train.py L505-548 and L642-651 (num_global_batches
+    from the local data, cp_size = 1)."""
+    num_global_batches = data["input_ids"].shape[0] * dp_size // gbs
+    local_gbs = gbs // dp_size
+    all_mb_metrics, losses = [], []
+    for gb_idx in range(num_global_batches):
+        batch = {k: v[gb_idx * local_gbs:(gb_idx + 1) * local_gbs] for k, v in data.items()}
+        gb = process_global_batch(batch, loss_fn, all_reduce)
+        optimizer.zero_grad()
+        mb_losses = []
+        for start in range(0, local_gbs, mbs):
+            mb = {k: v[start:start + mbs] for k, v in gb["batch"].items()}
+            logits = model(mb["input_ids"])
+            loss_input, mb = prepare_loss_input(logits, mb, loss_fn)           # LossPostProcessor L642-651
+            result, metrics = loss_fn(data=mb, global_valid_seqs=gb["global_valid_seqs"],
+                                      global_valid_toks=gb["global_valid_toks"], **loss_input)
+            for k in metrics.keys():                                         # train.py L525-533
+                if "_min" in k or "_max" in k:
+                    continue
+                metrics[k] /= num_global_batches
+            loss = result * dp_size * 1                                      # L547: dp_size * cp_size
+            loss.backward()
+            if metrics["num_valid_samples"] > 0:                             # worker L527-537
+                mb_losses.append(loss.item())
+                all_mb_metrics.append(metrics)
+        optimizer.step()                                                     # worker L563
+        losses.append(sum(mb_losses))
+    return losses, all_mb_metrics
+
+
+def grpo_aggregate(all_mb_metrics):                                 # grpo.py L3466-3492 (train metrics part)
+    lists = {}
+    for m in all_mb_metrics:
+        for k, v in m.items():
+            lists.setdefault(k, []).append(v)
+    out = {}
+    for k, v in lists.items():
+        if k in {"probs_ratio_min", "probs_ratio_clamped_min"}:
+            out[k] = min(x for x in v if abs(x) != float("inf"))
+        elif k in {"probs_ratio_max", "probs_ratio_clamped_max"}:
+            out[k] = max(x for x in v if abs(x) != float("inf"))
+        else:
+            out[k] = sum(v)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- data
+V, S, PROMPT = 16, 24, 5
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(V, V)
+
+    def forward(self, input_ids):
+        return self.emb(input_ids) * 2.0
+
+
+def make_data(seed: int, rows: int = 8, model=None):
+    """GRPO-shaped data: prompt (token_mask 0), right-padded responses of different lengths, an environment span
+    (token_mask 0) inside row 1; prev / reference log-probs around the model's (PPO ratios well outside the clip
+    range, some beyond the dual clip), generation log-probs below prev."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (rows, S), generator=g)
+    lengths = torch.randint(S - 8, S + 1, (rows,), generator=g)
+    token_mask = torch.zeros(rows, S)
+    for r in range(rows):
+        token_mask[r, PROMPT:int(lengths[r])] = 1
+    token_mask[1, 12:15] = 0
+    model = model or TinyLM()
+    with torch.no_grad():
+        live = get_next_token_logprobs_from_logits(ids, model(ids))
+    prev = torch.zeros(rows, S)
+    prev[:, 1:] = (live + 0.7 * torch.randn(rows, S - 1, generator=g)).clamp(max=-1e-3)   # ratios far from 1
+    gen = torch.where(token_mask > 0, (prev - 0.3 * torch.rand(rows, S, generator=g)).clamp(max=-1e-3),
+                      torch.zeros(()))
+    ref = torch.zeros(rows, S)
+    ref[:, 1:] = live + 0.2 * torch.randn(rows, S - 1, generator=g)
+    adv = (torch.randn(rows, 1, generator=g) * token_mask).expand(rows, S).contiguous()
+    sample_mask = torch.ones(rows)
+    sample_mask[-1] = 0                                             # one invalid sample
+    return {"input_ids": ids, "prev_logprobs": prev, "generation_logprobs": gen, "reference_policy_logprobs": ref,
+            "advantages": adv, "token_mask": token_mask, "sample_mask": sample_mask}
+
+
+OFF = TriageConfig(gate=False, tis=False, repair=False)
+NEMO_KEYS = ("loss", "probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max",
+             "probs_ratio_clamped_min", "probs_ratio_clamped_max", "kl_penalty", "token_mult_prob_error",
+             "gen_kl_error", "policy_kl_error", "js_divergence_error", "sampling_importance_ratio",
+             "num_valid_samples", "approx_entropy", "positive_nll_loss")
+
+
+def run(loss_fn, cfg_seed=0, data=None):
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    losses, mb = worker_train(model, opt, data or make_data(cfg_seed), loss_fn, gbs=8, mbs=2)
+    return losses, mb, model.emb.weight.grad.clone()
+
+
+# ------------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("cfg", [{}, {"ratio_clip_c": 3.0, "ratio_clip_max": 0.28},
+                                 {"token_level_loss": False, "reference_policy_kl_type": "k2"},
+                                 {"force_on_policy_ratio": True, "reference_policy_kl_penalty": 0.0}],
+                         ids=["default", "dual-clip", "sequence-level", "on-policy-no-kl"])
+@pytest.mark.parametrize("triage", [None, OFF], ids=["monitor-only", "triage-off"])
+def test_triage_off_equals_clipped_pg_loss_through_the_worker(cfg, triage, nemo_interfaces):
+    """Through prepare_loss_input → loss_fn(...) → backward per micro-batch → optimizer step: the loss, the
+    gradient and every metric NeMo's ClippedPGLossFn reports agree on the same tensors."""
+    data = make_data(1)
+    ours = nemo_rl.NemoRLTriageLoss(cfg, triage=triage)
+    assert ours.input_type is LossInputType.LOGPROB
+    assert ours.loss_type is (LossType.TOKEN_LEVEL if cfg.get("token_level_loss", True) else LossType.SEQUENCE_LEVEL)
+    lo, mo, go = run(ours, data=data)
+    lr, mr, gr = run(ClippedPGLossFn(cfg), data=data)
+    assert len(mo) == len(mr) == 4
+    assert lo == pytest.approx(lr, rel=1e-6, abs=1e-7)
+    assert torch.allclose(go, gr, atol=1e-6) and float(gr.abs().sum()) > 0
+    for a, b in zip(mo, mr):
+        for k in NEMO_KEYS:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
+    assert bool([k for k in mo[0] if k.startswith("triage/")]) == (triage is not None)
+    close_all()
+
+
+def test_triage_on_keeps_nemos_metrics_and_sums_ours_to_step_means(nemo_interfaces, tmp_path):
+    """With the controller on: NeMo's mismatch metrics are unchanged (they describe prev vs generation); our
+    statistics are token-normalised like NeMo's, so grpo.py's sum over micro-batches is the step's token mean
+    (checked against the gate weights the monitor recorded per token)."""
+    data = make_data(2)
+    late = torch.where(torch.arange(S) > 15, 2.0, 0.05)              # learner far below the sampler late on
+    data["generation_logprobs"] = torch.where(data["token_mask"] > 0,
+                                              (data["prev_logprobs"] + late).clamp(max=-1e-3), torch.zeros(()))
+    ours = nemo_rl.NemoRLTriageLoss({}, triage=TriageConfig(gate_width=4), run_dir=str(tmp_path / "run"))
+    _, mo, _ = run(ours, data=data)
+    _, mr, _ = run(ClippedPGLossFn({}), data=data)
+    for k in ("token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error"):
+        assert [m[k] for m in mo] == pytest.approx([m[k] for m in mr], rel=1e-6), k
+    agg = grpo_aggregate(mo)
+    close_all()
+    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
+    assert len(tokens) == int((data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)).sum())
+    assert agg["triage/gate_weight_mean"] == pytest.approx(float(tokens.gate_weight.mean()), rel=1e-5)
+    assert agg["triage/gate_weight_mean"] < 1
+    assert ours.metric_normalizations["triage/gate_weight_mean"] is MetricNormalizer.TOKENS
+    assert ours.metric_normalizations["token_mult_prob_error"] is MetricNormalizer.TOKENS
+
+
+def test_unsupported_options_raise_at_construction():
+    with pytest.raises(ValueError, match=r"loss_fn.use_cispo=True .*set it to False"):
+        nemo_rl.NemoRLTriageLoss({"use_cispo": True})
+    with pytest.raises(ValueError, match=r"use_importance_sampling_correction=True.*TRIAGE's TIS"):
+        nemo_rl.NemoRLTriageLoss({"use_importance_sampling_correction": True})
+    with pytest.raises(ValueError, match="ratio_clip_c must be > 1"):
+        nemo_rl.NemoRLTriageLoss({"ratio_clip_c": 1.0})
+    nemo_rl.NemoRLTriageLoss({"use_kl_in_reward": True, "truncated_importance_sampling_type": None})
+
+
+def test_pickles_to_configuration_only(tmp_path):
+    hook = nemo_rl.NemoRLTriageLoss({}, triage=TriageConfig(), run_dir=str(tmp_path / "run"))
+    rt = hook.runtime
+    assert rt.controller is not None
+    data = cloudpickle.dumps(hook)
+    assert b"MismatchMonitor" not in data and b"TriageController" not in data
+    assert cloudpickle.loads(data).runtime is rt
+    rt.close()
+
+
+# ------------------------------------------------------------------------- real Ray cluster, 2 workers
+STEPS, GBS, MBS = 3, 16, 2
+
+
+def ray_worker_class(ray):
+    @ray.remote(num_cpus=1)
+    class PolicyWorker:
+        """A data-parallel NeMo policy worker: a gloo process group (NeMo: NCCL), a model and an optimizer that
+        live across train calls (lm_policy.train reuses the same workers)."""
+
+        def setup(self, rank, world, port):
+            import torch.distributed as dist
+
+            import test_hooks_nemo_rl as t
+            t.install_nemo_interfaces()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+            self.t, self.rank, self.world = t, rank, world
+            self.model = t.TinyLM()
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+            return os.getpid()
+
+        def train(self, data, loss_fn, gbs, mbs):
+            import torch.distributed as dist
+
+            _, mb = self.t.worker_train(self.model, self.opt, data, loss_fn, gbs, mbs, dp_size=self.world,
+                                        all_reduce=dist.all_reduce)
+            rt = loss_fn.runtime
+            return {"pid": os.getpid(), "mb_metrics": mb, "calls": rt.calls, "controller_calls": rt.controller.calls,
+                    "optimizer_steps": rt.optimizer_steps, "thresholds": rt.controller.state_dict()["thresholds"],
+                    "runtime_id": id(rt)}
+
+        def finish(self):
+            import torch.distributed as dist
+
+            close_all()
+            dist.destroy_process_group()
+
+    return PolicyWorker
+
+
+def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp_path):
+    """lm_policy.train ships loss_fn to both workers on every call: 3 calls (3 optimizer steps) × 4 micro-batches
+    per worker give 3 monitored steps, each valid token once per rank, one run.json, and each worker's controller
+    calibrates once and keeps its thresholds across the re-pickled copies."""
+    import ray                          # installed by make setup-test (requirements-frameworks.txt): never skipped
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}})
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        loss_fn = nemo_rl.NemoRLTriageLoss({}, triage=TriageConfig(gate_width=4, calibration=dict(window=1)),
+                                           run_dir=str(tmp_path / "run"), monitor=MonitorConfig(window=2))
+        Worker = ray_worker_class(ray)
+        workers = [Worker.remote() for _ in range(2)]
+        pids = ray.get([w.setup.remote(r, 2, port) for r, w in enumerate(workers)])
+        valid = [[], []]
+        results = []
+        for step in range(STEPS):
+            full = make_data(100 + step, rows=GBS)
+            shards = [{k: v[r * GBS // 2:(r + 1) * GBS // 2] for k, v in full.items()} for r in range(2)]
+            for r, sh in enumerate(shards):
+                valid[r].append(int((sh["token_mask"][:, 1:] * sh["sample_mask"].unsqueeze(-1)).sum()))
+            # lm_policy.py L798-816: common_kwargs={"loss_fn": loss_fn, ...} → pickled into each worker, per call
+            results.append(ray.get([w.train.remote(sh, loss_fn=loss_fn, gbs=GBS, mbs=MBS)
+                                    for w, sh in zip(workers, shards)]))
+        ray.get([w.finish.remote() for w in workers])
+    finally:
+        ray.shutdown()
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    for r in range(2):
+        per_call = [res[r] for res in results]
+        assert len({c["runtime_id"] for c in per_call}) == 1        # every unpickled copy found the same runtime
+        assert [c["calls"] for c in per_call] == [4, 8, 12]
+        assert [c["controller_calls"] for c in per_call] == [4, 8, 12]
+        assert [c["optimizer_steps"] for c in per_call] == [1, 2, 3]
+        # window=1: step 0's δ (first shipped copy) calibrates the thresholds at step 1 (second copy), kept at step 2
+        assert per_call[0]["thresholds"] is None and per_call[1]["thresholds"] is not None
+        assert per_call[2]["thresholds"] == per_call[1]["thresholds"]
+        for c in per_call:
+            assert all(f"triage/{k}" in m for m in c["mb_metrics"] for k in nemo_rl.TRIAGE_STATS)
+    assert runtime_for(loss_fn.settings).calls == 0                 # the driver never ran the loss
+    tokens = pd.read_parquet(tmp_path / "run" / "tokens")
+    counts = tokens.groupby(["step", "rank"]).size()
+    for step in range(STEPS):
+        for r in range(2):
+            assert counts[(step, r)] == valid[r][step]              # every valid token once, none duplicated
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "nemo-rl"
+    assert set(tokens.attempt) == {manifest["attempts"][0]["attempt"]}
