@@ -114,7 +114,10 @@ def _map_ray(fn, items, address, advance, prefetch) -> list:
     except ImportError as exc:
         raise ImportError("engine='ray' needs Ray: pip install 'triage-monitor[ray]' (or pip install ray)") from exc
     if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+        import os
+
+        local = address is None and not os.environ.get("RAY_ADDRESS")     # start a new local cluster
+        ray.init(address=address, log_to_driver=False, **({"include_dashboard": False} if local else {}))
     task = ray.remote(num_cpus=1)(_call_single_threaded)
     refs = [task.remote(_prefetched, (fn, prefetch, args)) for args in items]
     index = {r: i for i, r in enumerate(refs)}
