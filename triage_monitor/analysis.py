@@ -473,7 +473,7 @@ def _part(state, cfg):
 
     from .metrics import MismatchStats, _calibration_part
 
-    return _calibration_part(MismatchStats(cfg, state=torch.from_numpy(state)))
+    return _calibration_part(MismatchStats(cfg, state=torch.tensor(state)))    # a copy: Ray's arrays are read-only
 
 
 def _candidate_taus(run: Run, mode: str, steps: list, calib: list) -> Optional[dict]:
