@@ -8,7 +8,9 @@ inside a task do not depend on how many cores the machine has either.
 
 * ``engine="local", workers=1``: in this process; the next task's arguments can be prepared by a
   background thread (``prefetch``), e.g. decoding the next step's Parquet files while this one computes;
-* ``engine="local", workers=N``: N spawned processes (``concurrent.futures``);
+* ``engine="local", workers=N``: N spawned processes (``concurrent.futures``); like every spawned
+  process they import the program's ``__main__`` first, so a script calling this keeps its work under
+  ``if __name__ == "__main__":``;
 * ``engine="ray"``: one Ray task per item on the cluster at ``address`` (None: a running cluster
   found through ``RAY_ADDRESS``, else a new local one).  Ray is optional: ``pip install
   triage-monitor[ray]``.  The run directory must be readable at the same path on every node.
