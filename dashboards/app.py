@@ -261,7 +261,9 @@ with st.sidebar:
     step = int(st.select_slider("Step for the δ histogram, heatmap and drill-down", step_list,
                                 value=step_list[-1], key="step"))
 row = steps.set_index("step").loc[step]
-step_tau = float(row.get("tau_tail", math.nan))
+# the run's one frozen tau_tail (the live row holds a provisional value on the first steps)
+frozen_tau = loc_frame.set_index("step")["tau_tail"] if "tau_tail" in loc_frame.columns else pd.Series(dtype=float)
+step_tau = float(frozen_tau[step]) if step in frozen_tau.index else float(row.get("tau_tail", math.nan))
 cfg = manifest.get("monitor_config", {}).get("metrics", {})
 width = int(cfg.get("segment_width", manifest.get("segment_width", 64)))
 small_gap = float(cfg.get("small_gap_threshold", manifest.get("small_gap_threshold", 0.05)))

@@ -95,7 +95,7 @@ class Run:
         return read_manifest(self.path)
 
     def metric_config(self):
-        """The :class:`~triage_monitor.metrics.MetricConfig` the live monitor used (SPEC.md defaults if absent)."""
+        """The :class:`~triage_monitor.metrics.MetricConfig` the live monitor used (the documented defaults if absent)."""
         from .metrics import MetricConfig
 
         mc = self.manifest.get("monitor_config", {}).get("metrics", {})
@@ -182,7 +182,7 @@ class Run:
         return self._table("alerts")
 
     def quarantine(self) -> pd.DataFrame:
-        """Quarantined tokens (SPEC.md §8), with a ``step`` column (empty when none)."""
+        """Quarantined tokens (docs/reliability.md), with a ``step`` column (empty when none)."""
         return self._table("quarantine")
 
 
@@ -215,7 +215,7 @@ def load_steps(run_dir) -> pd.DataFrame:
 
 #: Columns the metrics read from the token files.
 TOKEN_COLUMNS = ("sample_id", "position", "learner_logp", "sampler_logp", "advantage")
-#: Metrics that depend on τ_tail (docs/metrics.md#tau-tail): provisional on a live step with tau_tail_frozen = 0.
+#: Metrics that depend on τ_tail (docs/metrics.md#tau_tail): provisional on a live step with tau_tail_frozen = 0.
 TAU_DEPENDENT = ("r_amp", "h_seg", "c_tok", "p_adj", "dilution", "tau_tail")
 TAU_MODES = ("frozen", "live")
 
@@ -473,7 +473,7 @@ def _part(state, cfg):
 
     from .metrics import MismatchStats, _calibration_part
 
-    return _calibration_part(MismatchStats(cfg, state=torch.from_numpy(state)))
+    return _calibration_part(MismatchStats(cfg, state=torch.tensor(state)))    # a copy: Ray's arrays are read-only
 
 
 def _candidate_taus(run: Run, mode: str, steps: list, calib: list) -> Optional[dict]:
@@ -507,7 +507,7 @@ def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[floa
     Args:
         tau_mode: "frozen" (default, the post-mortem): one τ_tail for every step, the first
             ``calibration_steps`` included; "live": the provisional τ_tail the live monitor used on the
-            reference steps, so every live value is reproduced (docs/metrics.md#tau-tail).
+            reference steps, so every live value is reproduced (docs/metrics.md#tau_tail).
         engine, workers, address: where the steps are mapped (:func:`triage_monitor.engines.map_ordered`):
             this process, ``workers`` local processes, or a Ray cluster; the result is bit-identical.
         progress: show a progress bar.

@@ -8,7 +8,9 @@ inside a task do not depend on how many cores the machine has either.
 
 * ``engine="local", workers=1``: in this process; the next task's arguments can be prepared by a
   background thread (``prefetch``), e.g. decoding the next step's Parquet files while this one computes;
-* ``engine="local", workers=N``: N spawned processes (``concurrent.futures``);
+* ``engine="local", workers=N``: N spawned processes (``concurrent.futures``); like every spawned
+  process they import the program's ``__main__`` first, so a script calling this keeps its work under
+  ``if __name__ == "__main__":``;
 * ``engine="ray"``: one Ray task per item on the cluster at ``address`` (None: a running cluster
   found through ``RAY_ADDRESS``, else a new local one).  Ray is optional: ``pip install
   triage-monitor[ray]``.  The run directory must be readable at the same path on every node.
@@ -114,7 +116,10 @@ def _map_ray(fn, items, address, advance, prefetch) -> list:
     except ImportError as exc:
         raise ImportError("engine='ray' needs Ray: pip install 'triage-monitor[ray]' (or pip install ray)") from exc
     if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
+        import os
+
+        local = address is None and not os.environ.get("RAY_ADDRESS")     # start a new local cluster
+        ray.init(address=address, log_to_driver=False, **({"include_dashboard": False} if local else {}))
     task = ray.remote(num_cpus=1)(_call_single_threaded)
     refs = [task.remote(_prefetched, (fn, prefetch, args)) for args in items]
     index = {r: i for i, r in enumerate(refs)}

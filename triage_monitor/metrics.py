@@ -1,4 +1,4 @@
-"""Direction-aware mismatch metrics (SPEC.md §3), live and offline from one implementation.
+"""Direction-aware mismatch metrics (docs/metrics.md), live and offline from one implementation.
 
 Two layers, in the style of torchmetrics:
 
@@ -39,9 +39,9 @@ from .segments import segment_tokens
 
 Tensor = torch.Tensor
 
-#: Quantiles of δ reported per step / window (SPEC.md §3.1), name → q.
+#: Quantiles of δ reported per step / window (docs/metrics.md#delta_quantiles), name → q.
 DELTA_QUANTILES = {"delta_q01": 0.01, "delta_q05": 0.05, "delta_q50": 0.50}
-#: r = learner − sampler is clamped to ±R before exp() in k3_kl and chi2_token, as verl / slime do (SPEC.md §3.1).
+#: r = learner − sampler is clamped to ±R before exp() in k3_kl and chi2_token, as verl / slime do (docs/metrics.md#chi2_token).
 LOG_RATIO_CLAMP = 20.0
 REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
@@ -51,7 +51,7 @@ SUM_FIELDS = (
     "k3_sum", "exp_r_sq_sum", "log_ppl_diff_sum", "abs_adv_sum",
     *(f"mass_{r}" for r in REGIONS), *(f"count_{r}" for r in REGIONS),
     "lennorm_amp_neg", "lennorm_amp_pos",
-    # localisation (SPEC.md §3.3), over responses with A < 0
+    # localisation (docs/metrics.md#localisation), over responses with A < 0
     "neg_valid_tokens", "tail_tokens", "segments", "heavy_segments",
     "pairs", "pairs_heavy", "pairs_prev_heavy", "pairs_both_heavy",
     "responses_with_heavy", "responses_diluted",
@@ -69,15 +69,15 @@ METRIC_NAMES = (
 
 @dataclass(frozen=True)
 class MetricConfig:
-    """Thresholds of SPEC.md §3 (defaults are the SPEC's).
+    """Thresholds of docs/metrics.md (defaults are the documented ones).
 
     Attributes:
-        small_gap_threshold: |δ| below this (nats) counts as a small gap (§3.1).
-        segment_width: W, tokens per localisation segment (§3.3).
-        tail_quantile: τ_tail is this quantile of δ over the reference window (§3.3).
-        heavy_fraction: a segment is tail-heavy when its tail fraction exceeds this (§3.3).
+        small_gap_threshold: |δ| below this (nats) counts as a small gap (docs/metrics.md#small_gap_share).
+        segment_width: W, tokens per localisation segment (docs/metrics.md#localisation).
+        tail_quantile: τ_tail is this quantile of δ over the reference window (docs/metrics.md#tau_tail).
+        heavy_fraction: a segment is tail-heavy when its tail fraction exceeds this (docs/metrics.md#h_seg).
         top_fraction: C_tok counts tail tokens inside the top ``ceil(top_fraction · segments)`` segments.
-        dilution_threshold: |mean δ| of a response below this is "diluted" (§3.3).
+        dilution_threshold: |mean δ| of a response below this is "diluted" (docs/metrics.md#dilution).
     """
 
     small_gap_threshold: float = 0.05
@@ -111,7 +111,7 @@ class MetricResult:
 def region_codes(delta: Tensor, advantage: Tensor) -> Tensor:
     """``(N,)`` int64 region of each token: 0 amp_neg, 1 amp_pos, 2 con_neg, 3 con_pos, 4 none.
 
-    Regions of SPEC.md §2 ("Quadrants"): amp_neg A<0, δ<0; amp_pos A>0, δ>0; con_neg A<0, δ>0;
+    Regions of docs/metrics.md#regions: amp_neg A<0, δ<0; amp_pos A>0, δ>0; con_neg A<0, δ>0;
     con_pos A>0, δ<0.  Tokens with A = 0 or δ = 0 belong to no region.  One code per token, for ``bincount``.
     """
     a_neg, a_pos = advantage < 0, advantage > 0
@@ -165,7 +165,7 @@ def segment_tail_stats(batch: TokenBatch, tau_tail: float, width: int, heavy_fra
 
 
 def c_tok_from_segments(seg_tail: Tensor, seg_valid: Tensor, top_fraction: float = 0.05) -> float:
-    """C_tok (SPEC.md §3.3): share of all amplifying-tail tokens inside the top segments.
+    """C_tok (docs/metrics.md#c_tok): share of all amplifying-tail tokens inside the top segments.
 
     Segments are ranked by tail fraction ``seg_tail / seg_valid`` (descending),
     ties broken by tail count (descending), so the result does not depend on
@@ -323,7 +323,7 @@ class MismatchStats:
     The state is one float64 vector (:attr:`state`) laid out by :func:`state_layout`: the additive
     sums of :data:`SUM_FIELDS`, the δ quantile sketch (:mod:`triage_monitor.sketch`), the table of
     segment counts by (valid tokens, tail tokens) for C_tok, and δ's min and max.  Its size depends
-    only on the segment width (about 165 KB at W = 64), never on the tokens.
+    only on the segment width (about 161 KB at W = 64), never on the tokens.
 
     ``update(batch, tau_tail)`` adds one batch; ``merge(other)`` adds another accumulator (a step of
     another rank, or the steps of a window); ``compute()`` turns the state into metrics;
@@ -596,7 +596,7 @@ def tau_from_calibration(parts: Sequence[Tensor], q: float) -> float:
 class MetricTracker:
     """Per-step and trailing-window metrics over a stream of steps, with τ_tail calibration.
 
-    τ_tail (docs/metrics.md#tau-tail) is ``tau_tail`` when given; otherwise the
+    τ_tail (docs/metrics.md#tau_tail) is ``tau_tail`` when given; otherwise the
     ``config.tail_quantile`` quantile of δ pooled over every valid token of the first
     ``calibration_steps`` steps, read from the merged δ sketches of those steps.  While the reference
     window is still filling, the steps use the provisional value computed from the steps seen so far

@@ -310,7 +310,7 @@ class MismatchMonitor:
 
     # -------------------------------------------------------------- resuming
     def state_dict(self) -> dict:
-        """Calibration state for a checkpoint: τ_tail, frozen or with the reference δ values gathered so far.
+        """Calibration state for a checkpoint: τ_tail, frozen or with the reference steps' δ sketches so far.
 
         Plain Python values and CPU tensors (``torch.save(..., weights_only=True)``-loadable).
         """

@@ -1,4 +1,5 @@
-"""Stage table of a run's post-mortem (SPEC.md §3.4) with the C_tok shuffle null (§3.3).
+"""Stage table of a run's post-mortem (docs/metrics.md#stages) with the C_tok shuffle null
+(docs/metrics.md#shuffle_null).
 
 Anchors sit at 25 %, 50 %, 75 % and 100 % of the run's recorded steps (or at
 user-given steps); each anchor reports the trailing-window metrics ending
@@ -30,16 +31,16 @@ from .segments import segment_tokens
 
 Tensor = torch.Tensor
 
-#: Default anchor fractions of the run's horizon (SPEC.md §3.4).
+#: Default anchor fractions of the run's horizon (docs/metrics.md#stages).
 DEFAULT_FRACTIONS = (0.25, 0.50, 0.75, 1.00)
-#: Window metrics shown in the stage table, in display order (SPEC.md §3.1-3.3).
+#: Window metrics shown in the stage table, in display order (docs/metrics.md).
 STAGE_METRICS = ("n_tokens", "small_gap_share", "delta_q05", "k3_kl", "rho_asym", "rho_asym_lennorm", "amp_share",
                  "r_amp", "h_seg", "c_tok", "p_adj", "dilution", "tau_tail")
 
 
 @dataclass(frozen=True)
 class TailLayout:
-    """Segments of the A<0 responses of one or more steps with their tail counts (SPEC.md §3.3).
+    """Segments of the A<0 responses of one or more steps with their tail counts (docs/metrics.md#localisation).
 
     Attributes (K segments, in (response, k) order):
         response: ``(K,)`` int64, response of each segment, ascending (responses
@@ -113,7 +114,7 @@ def null_segment_counts(layout: TailLayout, draws: int = 499, seed: int = 0) -> 
 
     Each response keeps its valid positions and its number of tail tokens
     ``t_i``; the labels are placed uniformly at random among its ``n_i``
-    valid positions (SPEC.md §3.3).  Only the per-segment counts matter for
+    valid positions (docs/metrics.md#shuffle_null).  Only the per-segment counts matter for
     C_tok, and those follow a multivariate hypergeometric law, drawn exactly
     as a chain of univariate hypergeometric draws: segment j of a response
     gets ``Hypergeom(tails left, tokens left - tails left, n_ij)``.  The loop
@@ -146,7 +147,7 @@ def null_segment_counts(layout: TailLayout, draws: int = 499, seed: int = 0) -> 
 
 def shuffle_null_c_tok(layout: TailLayout, draws: int = 499, seed: int = 0, top_fraction: float = 0.05
                        ) -> np.ndarray:
-    """C_tok under the shuffle null (SPEC.md §3.3): ``(draws,)`` float64 in [0, 1].
+    """C_tok under the shuffle null (docs/metrics.md#shuffle_null): ``(draws,)`` float64 in [0, 1].
 
     Tail counts per segment come from :func:`null_segment_counts`; each draw
     is ranked like :func:`~triage_monitor.metrics.c_tok_from_segments`
@@ -171,7 +172,7 @@ def shuffle_null_c_tok(layout: TailLayout, draws: int = 499, seed: int = 0, top_
 
 
 def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS) -> list:
-    """Anchor steps at ``fractions`` of the run's horizon (SPEC.md §3.4).
+    """Anchor steps at ``fractions`` of the run's horizon (docs/metrics.md#stages).
 
     With the ``n`` recorded steps sorted, the anchor of fraction ``f`` is the
     ``ceil(f·n)``-th step (so 25 % of a 100-step run ends at its 25th step).
