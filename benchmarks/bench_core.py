@@ -1,4 +1,4 @@
-"""Cost of monitoring and of the TRIAGE controller relative to a plain PPO-clip loss (issue 2 benchmark).
+"""Cost of monitoring and of the TRIAGE controller relative to a plain PPO-clip loss .
 
 On a batch of B responses × T tokens (default 256 × 4,096, ~1M tokens) it times
   * the plain PPO-clip loss (forward + backward) : the reference;

@@ -1,5 +1,5 @@
 """Alert rules: hysteresis, cooldown, clearing, calibration, rewind; live == replay; defaults on
-synthetic trajectories shaped like the SPEC.md reference values; rule files; the CLI."""
+synthetic trajectories shaped like the published reference values (docs/metrics.md); rule files; the CLI."""
 
 import json
 import logging
@@ -223,7 +223,7 @@ def synthetic_history(kind: str, n_steps: int = 301, seed: int = 0) -> pd.DataFr
 
     ``trajectory``: window/rho_asym passes 1.02 (step 75, healthy), 1.50 (150, drift), 2.32 (225,
     pre-terminal) like the dense-4B reference; small_gap_share stays >= 0.83 until pre-terminal and
-    magnitude metrics only move at the terminal collapse (SPEC.md §3.1).  ``flat``: healthy throughout.
+    magnitude metrics only move at the terminal collapse (docs/metrics.md#magnitude).  ``flat``: healthy throughout.
     """
     rng = np.random.default_rng(seed)
     steps = np.arange(n_steps)

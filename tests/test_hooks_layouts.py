@@ -1,5 +1,5 @@
 """Every framework adapter, fed the same tokens in its framework's own layout, yields the same batch,
-the same metrics and the same controller weights (issue 5 acceptance).
+the same metrics and the same controller weights.
 
 Each layout is built the way that framework builds it (see hooks/<framework>.py docstrings):
 padding values are framework sentinels (0.0 for rollout log-probs, -1e10 for learner padding) and

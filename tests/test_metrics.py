@@ -1,4 +1,4 @@
-"""Metrics of SPEC.md §3 on hand-built batches; expected values worked out by hand in the comments."""
+"""Metrics of docs/metrics.md#steps-and-windows on hand-built batches; expected values worked out by hand in the comments."""
 
 import math
 
@@ -72,7 +72,7 @@ def test_empty_region_is_nan_with_reason():
 
 
 def test_k3_and_chi2_clamp_log_ratio():
-    # δ = -50 is clamped to -20 before exp (SPEC §3.1)
+    # δ = -50 is clamped to -20 before exp (docs/metrics.md#magnitude)
     res = compute_step_metrics(_list_batch([[-50.0]], [1.], sampler=-60.0)).values
     assert res["k3_kl"] == pytest.approx(math.exp(-20) + 20 - 1)
     assert res["chi2_token"] == pytest.approx(math.exp(-40) - 1)

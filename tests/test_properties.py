@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) over the TokenBatch constructors and the metrics (SPEC.md §2-§3).
+"""Property-based tests (hypothesis) over the TokenBatch constructors and the metrics (docs/metrics.md#terms, docs/metrics.md#steps-and-windows).
 
 Invariants, each checked against an independent numpy computation or a re-arranged input:
 the four quadrant masses add up to the total |A| mass of the tokens with A != 0 and δ != 0; metrics

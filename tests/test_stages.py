@@ -1,4 +1,4 @@
-"""Stage table (SPEC §3.4) and the C_tok shuffle null (SPEC §3.3)."""
+"""Stage table (docs/metrics.md#stages) and the C_tok shuffle null (docs/metrics.md#localisation)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A :class:`Rule` watches one metric (a name from the monitor's metric dict,
 e.g. ``"window/rho_asym"`` for the monitor's pooled 25-step window value,
-SPEC.md §3) and tests one condition every step:
+docs/metrics.md#steps-and-windows) and tests one condition every step:
 
 ==============  =========================================================================
 ``above``       value > threshold
@@ -18,10 +18,10 @@ SPEC.md §3) and tests one condition every step:
 
 The value a rule tests is the metric itself when the metric already is a
 trailing-window value (name starting ``window/``: the monitor pools the raw
-sums of the window, SPEC.md §3) or when ``window == 1``; otherwise the engine
+sums of the window, docs/metrics.md#steps-and-windows) or when ``window == 1``; otherwise the engine
 aggregates the per-step values of the trailing ``window`` steps (inclusive)
 with ``agg`` (mean, sum, min, max, last; NaN values are ignored).  Averaging
-per-step ratios is not the SPEC's pooled window: prefer ``window/<name>``
+per-step ratios is not the pooled window of docs/metrics.md: prefer ``window/<name>``
 metrics where the monitor provides them.
 
 Noise guard: a rule with a ``guard_metric`` is evaluated only on steps where

@@ -6,7 +6,7 @@
         metrics = mon.log_step(step, batch, extra={"reward": reward_mean})
     mon.close()
 
-Per step it computes the SPEC.md §3 metrics (per step and over the trailing
+Per step it computes the docs/metrics.md#steps-and-windows metrics (per step and over the trailing
 window, keys ``name`` and ``window/name``), queues the valid tokens and the
 metric row for the background Parquet writer (the caller only pays for a
 host copy), and feeds the optional loggers (W&B, ...) and alert engine.
@@ -49,7 +49,7 @@ from .records import (MANIFEST, SCHEMA_VERSION, TOKEN_SCHEMA, ParquetSink, new_a
 
 log = logging.getLogger("triage_monitor")
 
-#: Step-level counters taken from TokenBatch.quarantine (SPEC.md §8), always present in the metrics.
+#: Step-level counters taken from TokenBatch.quarantine (docs/reliability.md), always present in the metrics.
 QUARANTINE_METRICS = {
     "nonfinite_count": ("nonfinite_learner_logp", "nonfinite_sampler_logp"),
     "positive_logp_count": ("positive_learner_logp", "positive_sampler_logp"),
@@ -57,7 +57,7 @@ QUARANTINE_METRICS = {
     "nonfinite_advantage_count": ("nonfinite_advantage",),
 }
 
-#: Input-integrity and writer-health metrics every step carries besides SPEC.md §3 (all counts, alertable;
+#: Input-integrity and writer-health metrics every step carries besides docs/metrics.md#steps-and-windows (all counts, alertable;
 #: docs/reliability.md): the quarantine counters above, ``quarantined_count``, the padding-leak counters of
 #: :func:`~triage_monitor.alignment.padding_diagnostics`, ``empty_response_count`` (responses with no valid
 #: token) and ``writer_dropped_rows`` (rows the background writer dropped so far: full/read-only disk or
@@ -78,9 +78,9 @@ class MonitorConfig:
     """Settings of :class:`MismatchMonitor`.
 
     Attributes:
-        metrics: thresholds of SPEC.md §3 (:class:`~triage_monitor.metrics.MetricConfig`, or a dict of its fields).
-        window: trailing window in steps (SPEC.md §3: 25 updates, inclusive).
-        calibration_steps: τ_tail reference window, the first N steps (SPEC.md §3.3).
+        metrics: thresholds of docs/metrics.md#steps-and-windows (:class:`~triage_monitor.metrics.MetricConfig`, or a dict of its fields).
+        window: trailing window in steps (docs/metrics.md#steps-and-windows: 25 updates, inclusive).
+        calibration_steps: τ_tail reference window, the first N steps (docs/metrics.md#localisation).
         tau_tail: explicit τ_tail in nats; None calibrates it.
         record_tokens: write the token rows (False keeps only step metrics).
         max_queue_bytes: bound of the writer's queue.
@@ -174,7 +174,7 @@ class MismatchMonitor:
             old = None
         calib = (old or {}).get("calibration") or {}
         if self.config.tau_tail is None and calib.get("tau_tail") is not None:
-            # resumed job: keep the τ_tail the earlier attempt froze (SPEC.md §3.3) instead of re-calibrating
+            # resumed job: keep the τ_tail the earlier attempt froze (docs/metrics.md#localisation) instead of re-calibrating
             # on post-resume steps.  MismatchMonitor.load_state_dict (from the user's checkpoint) overrides this.
             self.tracker.load_state_dict({"tau_tail": calib["tau_tail"], "tau_frozen": True})
             log.info("triage-monitor: resumed run, tau_tail = %.6g nats from %s", calib["tau_tail"], path)
@@ -271,7 +271,7 @@ class MismatchMonitor:
         return metrics
 
     def _diagnose(self, step: int, batch: TokenBatch) -> dict:
-        """SPEC.md §8 input diagnostics and writer health for one step (see :data:`INTEGRITY_METRICS`)."""
+        """docs/reliability.md input diagnostics and writer health for one step (see :data:`INTEGRITY_METRICS`)."""
         out = padding_diagnostics(batch)
         out["empty_response_count"] = float((batch.num_valid == 0).sum())
         if out["zero_logp_count"] or out["padding_run_count"]:

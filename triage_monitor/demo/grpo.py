@@ -1,6 +1,6 @@
 """The demo's GRPO loop: an NVFP4 sampler, a learner with other numerics, monitored like a user's job.
 
-One step (SPEC.md §1, §5 setup scaled down):
+One step (docs/metrics.md#terms, docs/metrics.md#published-reference setup scaled down):
 
 1. **Sampler path** (``torch.no_grad``, sampler recipe, KV cache): for each of
    ``prompts_per_step`` addition problems generate ``group_size`` responses at
@@ -76,9 +76,9 @@ class DemoConfig:
     Numerics: ``sampler_recipe`` / ``learner_recipe`` (keys of
     :data:`triage_monitor.nvfp4.RECIPES`).  Correction: ``correction`` in
     ``none | tis | triage``, ``tis_clip`` (lo, hi), ``normalization``
-    (SPEC.md §4.2), ``gate_width`` / ``repair_width`` (TRIAGE segment sizes,
+    (docs/metrics.md#normalization), ``gate_width`` / ``repair_width`` (TRIAGE segment sizes,
     scaled down to the short responses) and ``gate_scope`` / ``repair_scope``.
-    Monitoring: ``segment_width`` (SPEC.md §3.3 W), ``window``,
+    Monitoring: ``segment_width`` (docs/metrics.md#localisation W), ``window``,
     ``calibration_steps``.  Reproducibility: ``seed``, ``threads`` (torch CPU
     threads during the run; the same seed and thread count give the same run).
     Display: ``log_every`` steps per printed row; ``eval_size`` held-out
@@ -199,7 +199,7 @@ class DemoConfig:
         return "; ".join(parts) + "."
 
     def monitor_config(self) -> MonitorConfig:
-        """The monitor settings: SPEC.md §3 thresholds with this run's segment width, window and calibration."""
+        """The monitor settings: docs/metrics.md#steps-and-windows thresholds with this run's segment width, window and calibration."""
         return MonitorConfig(metrics=MetricConfig(segment_width=self.segment_width), window=self.window,
                              calibration_steps=self.calibration_steps)
 
@@ -313,7 +313,7 @@ def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, st
     :func:`~triage_monitor.controller.weighted_policy_loss` (``cfg.normalization``),
     plus the Repair loss for ``triage``.  Weights: ``none`` → 1, ``tis`` →
     ``clamp(exp(old_logp − sampler_logp), *cfg.tis_clip)``, ``triage`` → the
-    controller's Gate × TIS weights (SPEC.md §4).  ``old_logp`` is the
+    controller's Gate × TIS weights (docs/metrics.md#controller).  ``old_logp`` is the
     learner's log-prob at rollout time, here ``batch.learner_logp.detach()``.
 
     Returns:

@@ -6,7 +6,7 @@ Pre-norm blocks of multi-head causal self-attention and a GELU MLP
 switched per computation path (sampler vs learner) with
 :func:`~triage_monitor.nvfp4.use_recipe`; attention, norms, embeddings and
 the LM head stay in full precision, as in the published native-NVFP4 runs
-(SPEC.md §6).
+(docs/metrics.md#nvfp4).
 """
 
 from __future__ import annotations
