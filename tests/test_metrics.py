@@ -71,11 +71,32 @@ def test_empty_region_is_nan_with_reason():
     assert not any(math.isinf(x) for x in res.values.values() if isinstance(x, float))
 
 
-def test_k3_and_chi2_clamp_log_ratio():
-    # δ = -50 is clamped to -20 before exp (docs/metrics.md#magnitude)
+def test_k3_unclamped_chi2_clamped():
+    # δ = −50: k3 = e^−50 + 50 − 1 (no clamp, as verl); chi2 clamps r to −20 before exp (verl's SAFETY_BOUND)
     res = compute_step_metrics(_list_batch([[-50.0]], [1.], sampler=-60.0)).values
-    assert res["k3_kl"] == pytest.approx(math.exp(-20) + 20 - 1)
+    assert res["k3_kl"] == pytest.approx(math.exp(-50) + 50 - 1)
     assert res["chi2_token"] == pytest.approx(math.exp(-40) - 1)
+
+
+def test_k3_log_ppl_diff_chi2_equal_verls_own_offpolicy_metrics():
+    """Same tensors through verl 0.9.1's ``compute_offpolicy_metrics`` (rollout_corr/*): k3_kl (beyond |δ| > 20,
+    where a clamp would differ), log_ppl_diff (sign) and chi2_token agree."""
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    g = torch.Generator().manual_seed(3)
+    sampler = -torch.rand(3, 6, generator=g, dtype=torch.float64) * 3 - 0.01
+    delta = torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.5
+    delta[0, 2], delta[1, 4] = -42.75, 25.0                                # the collapse regime
+    sampler[1, 4] = -30.0                                                  # so that learner = −5 stays ≤ 0
+    learner = (sampler + delta).clamp(max=-1e-6)
+    mask = torch.ones(3, 6)
+    mask[2, 4:] = 0
+    theirs = helper.compute_offpolicy_metrics(learner, sampler, mask)
+    ours = compute_step_metrics(TokenBatch.from_padded(learner.float(), sampler.float(), torch.ones(3), mask)).values
+    theirs32 = helper.compute_offpolicy_metrics(learner.float().double(), sampler.float().double(), mask)
+    assert ours["k3_kl"] == pytest.approx(theirs32["k3_kl"], rel=1e-6)
+    assert ours["log_ppl_diff"] == pytest.approx(theirs32["log_ppl_diff"], rel=1e-6)
+    assert ours["chi2_token"] == pytest.approx(theirs32["chi2_token"], rel=1e-6)
+    assert theirs["k3_kl"] > 1e9 and ours["k3_kl"] > 1e9    # e^25 / 17 tokens: a ±20 clamp would give ~3e7
 
 
 # ---------------------------------------------------------------- localisation

@@ -41,7 +41,8 @@ Tensor = torch.Tensor
 
 #: Quantiles of δ reported per step / window (docs/metrics.md#delta_quantiles), name → q.
 DELTA_QUANTILES = {"delta_q01": 0.01, "delta_q05": 0.05, "delta_q50": 0.50}
-#: r = learner − sampler is clamped to ±R before exp() in k3_kl and chi2_token, as verl / slime do (docs/metrics.md#chi2_token).
+#: r = learner − sampler is clamped to ±R before exp() in chi2_token, as verl does (its SAFETY_BOUND; docs/metrics.md#chi2_token).
+#: k3_kl is not clamped (verl does not clamp it); float64 keeps it finite for r ≤ 709 nats.
 LOG_RATIO_CLAMP = 20.0
 REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
@@ -411,7 +412,7 @@ class MismatchStats:
         abs_a = advantage.double().abs()
         abs_d = d64.abs()
         r = d64.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        exp_r = torch.exp(r)
+        exp_r = torch.exp(r)                                                  # chi2_token: clamped r
         nv = torch.bincount(sample_index, minlength=S)
         per_resp = torch.bincount(sample_index, weights=d64, minlength=S)      # Σδ per response
         nonempty = nv > 0
@@ -430,7 +431,7 @@ class MismatchStats:
         parts = [
             f64(float(delta.numel())), f64(float(S)), nonempty.sum().double(),
             (abs_d < cfg.small_gap_threshold).sum().double(), d64.sum(), abs_d.sum(),
-            (exp_r - r - 1).sum(), (exp_r * exp_r).sum(),
+            (torch.exp(d64) - d64 - 1).sum(), (exp_r * exp_r).sum(),           # k3 on the unclamped δ
             # verl's rollout_corr sign: mean log-prob (sampler) − mean log-prob (learner), per response
             -(per_resp[nonempty] / nv[nonempty].double()).sum(), abs_a.sum(),
             mass, count, lennorm,
