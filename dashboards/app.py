@@ -28,6 +28,7 @@ import pandas as pd
 import streamlit as st
 
 from triage_monitor.analysis import RunDirError, open_run, recompute
+from triage_monitor.config import MonitorConfig
 from triage_monitor import views
 
 TOKEN_COLUMNS = ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"]
@@ -54,7 +55,7 @@ def _signature(path: str) -> tuple:
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def load_run(path: str, sig: tuple) -> tuple:
-    """(manifest, live step metrics, alerts) of a run; raises RunDirError for a non-run directory."""
+    """(RunManifest, live step metrics, alerts) of a run; raises RunDirError for a non-run directory."""
     run = open_run(path)
     return run.manifest, run.steps(), run.alerts()
 
@@ -168,7 +169,8 @@ with st.sidebar:
     st.header("View")
     view = st.radio("Values", ["per step", "trailing window"], index=1, horizontal=True, key="view")
     manifest, steps, alerts = runs[primary]
-    run_window = int(manifest.get("window") or 25)
+    run_config = MonitorConfig.from_dict(manifest.monitor_config)
+    run_window = run_config.window
     window_steps = int(st.number_input("Trailing window (steps)", 1, 100000, run_window, key="window_steps",
                                        help="The run's window uses the live pooled values; another window is "
                                             "recomputed from the token files (slower on large runs)."))
@@ -201,7 +203,7 @@ facts = {k: ov[k] for k in ("model", "task", "sampler_recipe", "learner_recipe",
 if facts:
     st.markdown(" · ".join(f"**{k.replace('_', ' ')}**: {v}" for k, v in facts.items()))
 with st.expander("Manifest (run.json)"):
-    st.json(manifest, expanded=1)
+    st.json(manifest.to_dict(), expanded=1)
 if ov["alerts"]:
     with st.expander(f"Alerts raised ({ov['alerts']})", expanded=True):
         cols = [c_ for c_ in ("step", "level", "rule", "metric", "value", "threshold", "title") if c_ in alerts]
@@ -213,7 +215,7 @@ window = view == "trailing window"
 
 def metrics_of(path: str) -> pd.DataFrame:
     man, live, _ = runs[path]
-    if window and window_steps != int(man.get("window") or 25):
+    if window and window_steps != MonitorConfig.from_dict(man.monitor_config).window:
         with st.spinner(f"recomputing {labels[path]} with a {window_steps}-step window…"):
             rec = load_recomputed(path, window_steps, _signature(path))
         if rec.empty:
@@ -264,9 +266,8 @@ row = steps.set_index("step").loc[step]
 # the run's one frozen tau_tail (the live row holds a provisional value on the first steps)
 frozen_tau = loc_frame.set_index("step")["tau_tail"] if "tau_tail" in loc_frame.columns else pd.Series(dtype=float)
 step_tau = float(frozen_tau[step]) if step in frozen_tau.index else float(row.get("tau_tail", math.nan))
-cfg = manifest.get("monitor_config", {}).get("metrics", {})
-width = int(cfg.get("segment_width", manifest.get("segment_width", 64)))
-small_gap = float(cfg.get("small_gap_threshold", manifest.get("small_gap_threshold", 0.05)))
+width = run_config.metrics.segment_width
+small_gap = run_config.metrics.small_gap_threshold
 try:
     with st.spinner(f"loading the tokens of step {step}…"):
         delta, layout, sample_ids, gw, gate_width = step_detail(primary, step, step_tau, width, sig)

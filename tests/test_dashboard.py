@@ -155,7 +155,7 @@ def test_widgets_change_what_is_shown(monkeypatch, demo_run_dir):
     np.testing.assert_allclose(tr["y"], (mine["learner_logp"].astype(np.float64)
                                          - mine["sampler_logp"].astype(np.float64)).to_numpy())
     batch = run.token_batch(step)
-    cfg = run.manifest["info"]["demo_config"]
+    cfg = run.manifest.info["demo_config"]
     gw = TriageController(TriageConfig(gate_width=cfg["gate_width"], gate_scope=cfg["gate_scope"]))(
         batch, step=0).gate_weights
     sel = batch.sample_id[batch.sample_index] == pick

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("torchao")
 
+from triage_monitor.analysis import open_run  # noqa: E402
 from triage_monitor.demo import DemoConfig, add_arguments, config_from_args, run_demo  # noqa: E402
 from triage_monitor.demo.grpo import generate, group_advantages, teacher_forced_logp  # noqa: E402
 from triage_monitor.demo.model import GPTConfig, TinyGPT  # noqa: E402
@@ -104,7 +105,7 @@ def test_short_run_reads_back_and_is_reproducible(tmp_path, correction):
     manifest = json.loads((run / "run.json").read_text())
     info = manifest["info"]
     assert (info["sampler_recipe"], info["learner_recipe"], info["correction"]) == ("nvfp4", "fp32", correction)
-    assert info["demo_config"]["steps"] == cfg.steps and manifest["segment_width"] == cfg.segment_width
+    assert info["demo_config"]["steps"] == cfg.steps and open_run(run).config.metrics.segment_width == cfg.segment_width
 
     steps = pd.read_parquet(run / "steps")
     steps = steps.sort_values("step").reset_index(drop=True)

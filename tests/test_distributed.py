@@ -134,8 +134,8 @@ def test_many_ranks_equal_single_process(world, tmp_path):
 
     # --- each rank wrote its own shard; the union is the global batch
     run = open_run(tmp_path / "run")
-    assert run.manifest["attempts"][0]["world_size"] == world
-    attempt = run.manifest["attempts"][0]["attempt"]                 # rank 0's id, shared by every rank
+    assert run.manifest.attempts[0]["world_size"] == world
+    attempt = run.manifest.attempts[0]["attempt"]                 # rank 0's id, shared by every rank
     assert set(run.steps(rank=None)["attempt"]) == {attempt}
     for step in range(STEPS):
         for table in ("tokens", "steps"):

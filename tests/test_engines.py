@@ -98,7 +98,7 @@ def test_one_tau_for_the_run_and_the_state_cache(one_rank_run, capsys):
     assert len(cached) == 1
     df = pd.read_csv(one_rank_run / "analysis" / "metrics.csv")
     assert df["tau_tail"].nunique() == 1
-    assert df["tau_tail"].iloc[0] == run.manifest["calibration"]["tau_tail"]
+    assert df["tau_tail"].iloc[0] == run.manifest.calibration["tau_tail"]
     again = recompute_states(run, cache=True)                # read back, not recomputed
     assert np.array_equal(again.states, recompute_states(run).states)
     live = run.steps()

@@ -130,7 +130,7 @@ def test_sigkill_while_writing_leaves_only_complete_files(tmp_path):
           f"{len(steps_on_disk)} complete on disk, rows lost {lost} "
           f"(= the {len(submitted) - len(steps_on_disk)} step(s) still queued), temp files left {len(tmp_left)}")
     assert lost == sum(n for s, n in submitted.items() if s not in steps_on_disk)
-    assert run.manifest["status"] == "running"               # the manifest shows the job never closed
+    assert run.manifest.status == "running"               # the manifest shows the job never closed
 
 
 # ============================================================================== unwritable
@@ -348,7 +348,7 @@ def test_analysis_uses_latest_attempt_per_step(tmp_path):
     with MismatchMonitor(d) as mon:                     # resumed from the step-2 checkpoint, died after step 4
         redo = {s: mon.log_step(s, batch(s, B=4, seed=9)) for s in (3, 4)}
     run = open_run(d)
-    attempts = [a["attempt"] for a in run.manifest["attempts"]]
+    attempts = [a["attempt"] for a in run.manifest.attempts]
     assert len(attempts) == 2 and attempts[1] > attempts[0]
     steps = run.steps().set_index("step")
     for s in range(6):

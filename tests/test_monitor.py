@@ -75,7 +75,10 @@ def test_run_directory_readable_with_plain_pyarrow_and_pandas(run_dir):
     assert steps.sort_values("step")["reward"].tolist() == pytest.approx([s / 10 for s in range(7)])
     manifest = json.loads((d / "run.json").read_text())
     assert manifest["status"] == "finished" and manifest["info"]["framework"] == "unit-test"
-    assert manifest["segment_width"] == 64 and manifest["window"] == 4
+    assert manifest["monitor_config"]["metrics"]["segment_width"] == 64 and manifest["monitor_config"]["window"] == 4
+    assert "segment_width" not in manifest and "tau_tail_calibrated" not in manifest     # one home per setting
+    from triage_monitor.analysis import open_run
+    assert open_run(d).config.window == 4 and open_run(d).config.metrics.segment_width == 64
     # quarantined NaN token: counted in the metrics and visible in the records
     assert live[2]["nonfinite_count"] == 1 and live[2]["quarantined_count"] == 1
     q = pq.read_table(next((d / "quarantine").rglob("*.parquet"))).to_pandas()
@@ -100,7 +103,7 @@ def test_resumed_run_keeps_latest_attempt(tmp_path):
     with MismatchMonitor(d) as mon:                     # restart from the step-1 checkpoint
         again = mon.log_step(1, _batch(11))
     run = open_run(d)
-    assert len(run.manifest["attempts"]) == 2
+    assert len(run.manifest.attempts) == 2
     assert run.steps().set_index("step").loc[1, "n_tokens"] == again["n_tokens"]
     assert len(run.tokens(1)) == again["n_tokens"]
 

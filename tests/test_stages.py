@@ -112,7 +112,7 @@ def test_stage_table_on_demo_run(demo_run_dir):
     t = stage_table(run, draws=99)
     assert list(t["stage"]) == ["25%", "50%", "75%", "100%"]
     assert list(t["step"]) == anchor_steps(run.step_numbers())
-    window = run.manifest["window"]
+    window = run.config.window
     from triage_monitor.analysis import recompute
     frozen = recompute(run).set_index("step")                   # one tau_tail for every step
     assert frozen["tau_tail"].nunique() == 1 and t["tau_frozen"].all()

@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 # Public names, imported on first use (PEP 562): `import triage_monitor.analysis` (the dashboard's step-level
 # path) then does not import torch.
 _LAZY = {"TokenBatch": "batch", "InvalidTokenError": "batch", "TriageConfig": "controller",
-         "TriageController": "controller", "MetricConfig": "metrics", "MismatchStats": "metrics",
-         "MismatchMonitor": "monitor", "MonitorConfig": "monitor"}
+         "TriageController": "controller", "MetricConfig": "config", "MismatchStats": "metrics",
+         "MismatchMonitor": "monitor", "MonitorConfig": "config"}
 
 
 def __getattr__(name):

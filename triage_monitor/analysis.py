@@ -24,7 +24,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .records import MANIFEST, read_manifest
+from .records import MANIFEST, RunManifest, read_manifest
 
 # torch-backed modules (batch, metrics) are imported inside the functions that need them, so that reading
 # step-level data (Run.steps, the dashboard's first charts) does not pay for importing torch.
@@ -90,16 +90,26 @@ class Run:
         self.path = Path(path)
 
     @cached_property
-    def manifest(self) -> dict:
-        """The parsed ``run.json``."""
+    def manifest(self) -> RunManifest:
+        """The run's :class:`~triage_monitor.records.RunManifest` (``run.json``)."""
         return read_manifest(self.path)
 
-    def metric_config(self):
-        """The :class:`~triage_monitor.metrics.MetricConfig` the live monitor used (the documented defaults if absent)."""
-        from .metrics import MetricConfig
+    @cached_property
+    def config(self):
+        """The :class:`~triage_monitor.monitor.MonitorConfig` the live monitor used (window, calibration steps,
+        metric thresholds, a given τ_tail); the documented defaults for what the manifest lacks."""
+        from .config import MonitorConfig
 
-        mc = self.manifest.get("monitor_config", {}).get("metrics", {})
-        return MetricConfig(**mc)
+        return MonitorConfig.from_dict(self.manifest.monitor_config)
+
+    @property
+    def tau_tail(self) -> Optional[float]:
+        """The run's one τ_tail (nats): the given one, else the calibrated one; None before calibration."""
+        return self.manifest.tau_tail
+
+    def metric_config(self):
+        """The :class:`~triage_monitor.metrics.MetricConfig` the live monitor used (``self.config.metrics``)."""
+        return self.config.metrics
 
     def step_numbers(self) -> list:
         """Sorted steps that have token files."""
@@ -203,7 +213,7 @@ def open_run(path) -> Run:
     run = Run(p)
     try:
         run.manifest
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:
         raise RunDirError(f"{p / MANIFEST}: unreadable manifest ({exc})") from exc
     return run
 
@@ -377,11 +387,11 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
 
     if tau_mode not in TAU_MODES:
         raise ValueError(f"tau_mode must be one of {TAU_MODES}, got {tau_mode!r}")
-    mc = run.manifest.get("monitor_config", {})
-    cfg = config or run.metric_config()
-    win = int(window if window is not None else mc.get("window", 25))
-    explicit = tau_tail if tau_tail is not None else mc.get("tau_tail")
-    n_calib = int(calibration_steps if calibration_steps is not None else mc.get("calibration_steps", 25))
+    mc = run.config
+    cfg = config or mc.metrics
+    win = int(window if window is not None else mc.window)
+    explicit = tau_tail if tau_tail is not None else mc.tau_tail
+    n_calib = int(calibration_steps if calibration_steps is not None else mc.calibration_steps)
     MetricTracker(cfg, win, explicit, n_calib)                       # validates window, τ_tail, calibration
     parts_by_step = _parts(run.path / "tokens")
     all_steps = sorted(parts_by_step)
@@ -484,7 +494,7 @@ def _candidate_taus(run: Run, mode: str, steps: list, calib: list) -> Optional[d
             return None
         rec = dict(zip(live["step"].astype(int), live["tau_tail"].astype(float)))
         return {s: rec.get(s, math.nan) for s in steps} if all(s in rec for s in calib) else None
-    tau = (run.manifest.get("calibration") or {}).get("tau_tail")
+    tau = run.tau_tail
     if tau is None and calib and "tau_tail" in live.columns:
         # the live value at the last reference step pools the same steps as the frozen one (also when the
         # run stopped before its reference window was complete)
@@ -564,7 +574,7 @@ def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
     window_prov = pd.Series(False, index=common)
     if recomputed.attrs.get("tau_mode", "frozen") == "frozen" and "tau_tail_frozen" in live.columns:
         prov_steps = [int(s) for s in live.index[live["tau_tail_frozen"].astype(float) == 0]]
-        w = int(recomputed.attrs.get("window") or run.manifest.get("monitor_config", {}).get("window", 25))
+        w = int(recomputed.attrs.get("window") or run.config.window)
         provisional = pd.Series([s in set(prov_steps) for s in common], index=common)
         window_prov = pd.Series([any(s - w < p <= s for p in prov_steps) for s in common], index=common)
     out = []

@@ -182,7 +182,7 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
         else:
             console.print(f"[yellow]{len(bad)} metrics differ from the live values:[/yellow]")
             console.print(bad.to_string(index=False))
-            attempts = len(run.manifest.get("attempts", []))
+            attempts = len(run.manifest.attempts)
             if attempts > 1:
                 console.print(f"this run has {attempts} attempts (a resumed job or a re-run into the same directory): "
                               "after a resume the live monitor restored tau_tail from run.json and restarted its "

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -35,7 +34,7 @@ import torch
 
 from . import sketch
 from .batch import TokenBatch
-from .segments import segment_tokens
+from .config import MetricConfig
 
 Tensor = torch.Tensor
 
@@ -66,37 +65,6 @@ METRIC_NAMES = (
     "rho_asym", "rho_asym_lennorm", "amp_share",
     "r_amp", "h_seg", "c_tok", "p_adj", "dilution", "tau_tail",
 )
-
-
-@dataclass(frozen=True)
-class MetricConfig:
-    """Thresholds of docs/metrics.md (defaults are the documented ones).
-
-    Attributes:
-        small_gap_threshold: |δ| below this (nats) counts as a small gap (docs/metrics.md#small_gap_share).
-        segment_width: W, tokens per localisation segment (docs/metrics.md#localisation).
-        tail_quantile: τ_tail is this quantile of δ over the reference window (docs/metrics.md#tau_tail).
-        heavy_fraction: a segment is tail-heavy when its tail fraction exceeds this (docs/metrics.md#h_seg).
-        top_fraction: C_tok counts tail tokens inside the top ``ceil(top_fraction · segments)`` segments.
-        dilution_threshold: |mean δ| of a response below this is "diluted" (docs/metrics.md#dilution).
-    """
-
-    small_gap_threshold: float = 0.05
-    segment_width: int = 64
-    tail_quantile: float = 0.05
-    heavy_fraction: float = 0.10
-    top_fraction: float = 0.05
-    dilution_threshold: float = 0.05
-
-    def __post_init__(self):
-        for name in ("small_gap_threshold", "segment_width", "heavy_fraction", "top_fraction", "dilution_threshold"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"MetricConfig.{name} must be > 0, got {getattr(self, name)}")
-        if isinstance(self.segment_width, bool) or not isinstance(self.segment_width, numbers.Integral):
-            raise ValueError(f"MetricConfig.segment_width must be an integer (tokens), got {self.segment_width!r}")
-        if not 0 < self.tail_quantile < 1 or not self.top_fraction <= 1:
-            raise ValueError(f"MetricConfig: tail_quantile must lie in (0, 1) and top_fraction in (0, 1], got "
-                             f"{self.tail_quantile}, {self.top_fraction}")
 
 
 @dataclass

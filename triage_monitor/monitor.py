@@ -26,26 +26,19 @@ resume to keep τ_tail; without it, a τ_tail frozen by an earlier attempt is re
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import platform
-import socket
-import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from . import __version__
 from .alignment import check_alignment, padding_diagnostics
-from .batch import INVALID_REASONS, TokenBatch
-from .metrics import METRIC_NAMES, MetricConfig, MetricTracker
-from .records import (MANIFEST, SCHEMA_VERSION, TOKEN_SCHEMA, ParquetSink, new_attempt_id, read_manifest,
-                      write_json_atomic)
+from .batch import TokenBatch
+from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
+from .metrics import METRIC_NAMES, MetricTracker
+from .records import MANIFEST, TOKEN_SCHEMA, RunWriter, new_attempt_id
 
 log = logging.getLogger("triage_monitor")
 
@@ -71,47 +64,6 @@ STATE_VERSION = 1
 #: Keys the monitor computes; an ``extra`` passed to log_step may not reuse them.
 RESERVED_KEYS = frozenset({"step", "tau_tail_frozen", "alignment_suspect", "alignment_shift", "alignment_ratio",
                            *INTEGRITY_METRICS, *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)})
-
-
-@dataclass
-class MonitorConfig:
-    """Settings of :class:`MismatchMonitor`.
-
-    Attributes:
-        metrics: thresholds of docs/metrics.md#steps-and-windows (:class:`~triage_monitor.metrics.MetricConfig`, or a dict of its fields).
-        window: trailing window in steps (docs/metrics.md#steps-and-windows: 25 updates, inclusive).
-        calibration_steps: τ_tail reference window, the first N steps (docs/metrics.md#localisation).
-        tau_tail: explicit τ_tail in nats; None calibrates it.
-        record_tokens: write the token rows (False keeps only step metrics).
-        max_queue_bytes: bound of the writer's queue.
-        backpressure: "block" (wait for the disk) or "drop" (drop and count rows) when the queue is full.
-        metrics_device: device for the metric state; None = the batch's device.
-        alignment_check_steps: run :func:`~triage_monitor.alignment.check_alignment` on this many
-            first steps of each process start (0 disables); a suspected shift logs a warning.
-    """
-
-    metrics: MetricConfig = field(default_factory=MetricConfig)
-    window: int = 25
-    calibration_steps: int = 25
-    tau_tail: Optional[float] = None
-    record_tokens: bool = True
-    max_queue_bytes: int = 256 << 20
-    backpressure: str = "block"
-    metrics_device: Optional[str] = None
-    alignment_check_steps: int = 3
-
-    def __post_init__(self):
-        if isinstance(self.metrics, dict):
-            self.metrics = MetricConfig(**self.metrics)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MonitorConfig":
-        d = dict(d)
-        d["metrics"] = MetricConfig(**d.get("metrics", {}))
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 class MismatchMonitor:
@@ -157,54 +109,29 @@ class MismatchMonitor:
         self.steps_logged = 0
         self._last_step: Optional[int] = None
         self._warned: set = set()          # warn-once keys (alignment, padding, dropped rows)
-        self._write_manifest(manifest or {})
-        self.sink = ParquetSink(self.run_dir, self.attempt, self.config.max_queue_bytes, self.config.backpressure)
+        self.writer = RunWriter(self.run_dir, self.attempt, self.rank, self.world_size, self.config.to_dict(),
+                                dict(manifest or {}), {"tool_version": __version__, "torch": torch.__version__},
+                                self.config.max_queue_bytes, self.config.backpressure)
+        if self.writer.resumed_tau_tail is not None:
+            # resumed job: keep the τ_tail the earlier attempt froze (docs/metrics.md#tau_tail) instead of
+            # re-calibrating on post-resume steps.  MismatchMonitor.load_state_dict (from the user's checkpoint)
+            # overrides this.
+            self.tracker.load_state_dict({"tau_tail": self.writer.resumed_tau_tail, "tau_frozen": True})
+            log.info("triage-monitor: resumed run, tau_tail = %.6g nats from %s", self.writer.resumed_tau_tail,
+                     self.run_dir / MANIFEST)
         for lg in self.loggers:            # record the run's config (manifest) with each logger that takes one
             if hasattr(lg, "log_config"):
-                self._guard(lg, "log_config", getattr(self, "manifest", {}))
+                self._guard(lg, "log_config", self.manifest)
 
-    # ---------------------------------------------------------------- manifest
-    def _write_manifest(self, extra: dict) -> None:
-        path = self.run_dir / MANIFEST
-        attempt = {"attempt": self.attempt, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                   "host": socket.gethostname(), "pid": os.getpid(), "world_size": self.world_size}
-        try:
-            old = read_manifest(self.run_dir) if path.exists() else None
-        except (OSError, json.JSONDecodeError):
-            old = None
-        calib = (old or {}).get("calibration") or {}
-        if self.config.tau_tail is None and calib.get("tau_tail") is not None:
-            # resumed job: keep the τ_tail the earlier attempt froze (docs/metrics.md#localisation) instead of re-calibrating
-            # on post-resume steps.  MismatchMonitor.load_state_dict (from the user's checkpoint) overrides this.
-            self.tracker.load_state_dict({"tau_tail": calib["tau_tail"], "tau_frozen": True})
-            log.info("triage-monitor: resumed run, tau_tail = %.6g nats from %s", calib["tau_tail"], path)
-        if self.rank != 0:
-            return
-        if old:
-            old.setdefault("attempts", []).append(attempt)
-            old.setdefault("info", {}).update(extra)
-            old["status"] = "running"
-            self.manifest = old
-        else:
-            self.manifest = {
-                "schema_version": SCHEMA_VERSION, "tool": "triage-monitor", "tool_version": __version__,
-                "created": attempt["started"], "monitor_config": self.config.to_dict(),
-                "segment_width": self.config.metrics.segment_width,
-                "small_gap_threshold": self.config.metrics.small_gap_threshold,
-                "tau_tail": self.config.tau_tail, "window": self.config.window,
-                "calibration_steps": self.config.calibration_steps,
-                "python": platform.python_version(), "torch": torch.__version__,
-                "attempts": [attempt], "status": "running", "info": extra,
-            }
-        self._save_manifest()
+    @property
+    def sink(self):
+        """The background Parquet writer (:class:`~triage_monitor.records.ParquetSink`)."""
+        return self.writer.sink
 
-    def _save_manifest(self) -> None:
-        """Write run.json (rank 0); an OSError is reported once (key "manifest") and monitoring continues."""
-        try:
-            write_json_atomic(self.manifest, self.run_dir / MANIFEST)
-        except OSError as exc:
-            self._warn_once("manifest", "triage-monitor could not write %s (%s); monitoring continues",
-                            self.run_dir / MANIFEST, exc)
+    @property
+    def manifest(self) -> dict:
+        """The run's manifest as the JSON object of ``run.json`` (:class:`~triage_monitor.records.RunManifest`)."""
+        return self.writer.manifest.to_dict()
 
     # ---------------------------------------------------------------- per step
     def log_step(self, step: int, batch: TokenBatch, extra: Optional[dict] = None,
@@ -301,12 +228,8 @@ class MismatchMonitor:
             log.warning(msg, *args)
 
     def _save_calibration(self, step: int) -> None:
-        """Persist the frozen τ_tail in run.json (rank 0) so a resumed job keeps it."""
-        if self.rank != 0:
-            return
-        self.manifest["calibration"] = {"tau_tail": self.tracker.tau_tail, "frozen_at_step": int(step),
-                                        "attempt": self.attempt}
-        self._save_manifest()
+        """Persist the frozen τ_tail in run.json so a resumed job keeps it."""
+        self.writer.save_calibration(self.tracker.tau_tail, step)
 
     # -------------------------------------------------------------- resuming
     def state_dict(self) -> dict:
@@ -327,45 +250,14 @@ class MismatchMonitor:
         self.tracker.load_state_dict(state["tracker"])
 
     def _record(self, step, batch: TokenBatch, metrics: dict, reasons: dict, token_extras) -> None:
-        if self.config.record_tokens and batch.num_tokens:
-            cols = {
-                "sample_id": batch.sample_id[batch.sample_index].cpu().numpy(),
-                "group_id": batch.group_id[batch.sample_index].cpu().numpy(),
-                "position": batch.position.cpu().numpy().astype(np.int32),
-                "learner_logp": batch.learner_logp.float().cpu().numpy(),
-                "sampler_logp": batch.sampler_logp.float().cpu().numpy(),
-                "advantage": batch.advantage.float().cpu().numpy(),
-                "attempt": np.full(batch.num_tokens, self.attempt, dtype=np.int64),
-            }
-            schema = TOKEN_SCHEMA
-            for k, v in (token_extras or {}).items():
-                cols[k] = torch.as_tensor(v).detach().float().cpu().numpy().reshape(-1)
-                schema = schema.append(pa.field(k, pa.float32()))
-            self.sink.submit("tokens", step, self.rank, cols, schema)
-        if batch.quarantined is not None:
-            qd = {k: v.numpy() for k, v in batch.quarantined.items()}
-            qd["reason"] = np.array([INVALID_REASONS[int(c)] for c in qd["reason"]])
-            qd["attempt"] = np.full(len(qd["position"]), self.attempt, dtype=np.int64)
-            self.sink.submit("quarantine", step, self.rank, qd)
-        row = {k: (float(v) if k != "step" else None) for k, v in metrics.items() if k != "step"}
-        row["attempt"] = self.attempt
-        row["wall_time"] = time.time()
-        row["nan_reasons"] = json.dumps(reasons)
-        row["writer_dropped_rows"] = float(self.sink.dropped_rows)
-        self.sink.submit("steps", step, self.rank, [row])
+        self.writer.record_step(step, batch, metrics, reasons, token_extras, self.config.record_tokens)
 
     def _report(self, step: int, metrics: dict) -> None:
         for lg in self.loggers:
             self._guard(lg, "log_metrics", step, metrics)
         if self.alerts is not None:
             fired = self._guard(self.alerts, "observe", step, metrics) or []
-            rows = []
-            for a in fired:
-                row = a.to_row() if hasattr(a, "to_row") else dict(a)
-                row["attempt"] = self.attempt
-                rows.append(row)
-            if rows:
-                self.sink.submit("alerts", step, self.rank, rows)
+            self.writer.record_alerts(step, [a.to_row() if hasattr(a, "to_row") else dict(a) for a in fired])
 
     def _guard(self, obj, method: str, *args):
         key = (id(obj), method)
@@ -387,17 +279,11 @@ class MismatchMonitor:
     def close(self, status: str = "finished") -> None:
         """Drain the writer, close loggers and alerts, mark the manifest ``status``
         ("finished"; "failed" when the ``with`` block raised)."""
-        self.sink.close()
+        self.writer.sink.close()
         for obj in [*self.loggers, self.alerts]:
             if obj is not None and hasattr(obj, "close"):
                 self._guard(obj, "close")
-        if self.rank == 0:
-            self.manifest["status"] = status
-            self.manifest["steps_logged"] = self.steps_logged
-            self.manifest["tau_tail_calibrated"] = self.tracker.tau_tail
-            self.manifest["writer"] = {"written_rows": self.sink.written_rows, "dropped_rows": self.sink.dropped_rows,
-                                       "last_error": self.sink.last_error}
-            self._save_manifest()
+        self.writer.close(status, self.steps_logged)
 
     def __enter__(self) -> "MismatchMonitor":
         return self

@@ -90,7 +90,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
         raise ValueError(f"{run.path}: the run has no recorded steps yet, nothing to report")
     alerts = run.alerts()
     ov = views.run_overview(run, steps, alerts)
-    win = int(window or run.manifest.get("window") or 25)
+    win = int(window or run.config.window)
     frames, alert_frames = {}, {}
     names = [r.path.name for r in runs]
     subject_states = None

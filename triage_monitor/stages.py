@@ -75,7 +75,7 @@ class TailLayout:
         return TailLayout(cat(resp), cat([p.valid for p in parts]), cat([p.tail for p in parts]), numbers)
 
 
-def tail_layout(batch: TokenBatch, tau_tail: float, width: int = 64) -> TailLayout:
+def tail_layout(batch: TokenBatch, tau_tail: float, width: int) -> TailLayout:
     """Per-segment valid and tail counts of the A<0 responses of ``batch``.
 
     ``response`` holds the sample index in ``batch`` (``batch.sample_id[response]``
@@ -88,7 +88,7 @@ def tail_layout(batch: TokenBatch, tau_tail: float, width: int = 64) -> TailLayo
                    tau_tail, width)
 
 
-def tail_layout_from_tokens(tokens: pd.DataFrame, tau_tail: float, width: int = 64) -> TailLayout:
+def tail_layout_from_tokens(tokens: pd.DataFrame, tau_tail: float, width: int) -> TailLayout:
     """:func:`tail_layout` of a step's token rows as :meth:`Run.tokens` returns them (sorted by
     ``sample_id``, ``position``), without building a validated TokenBatch (the fast offline path).
     δ is computed in float32 as :attr:`TokenBatch.delta` does, so the counts are identical."""
@@ -224,8 +224,7 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
     """
     from .analysis import read_token_arrays, recompute_states
 
-    mc = run.manifest.get("monitor_config", {})
-    run_window = int(mc.get("window", run.manifest.get("window", 25)))
+    run_window = run.config.window
     window = run_window if window is None else int(window)
     if window < 1:
         raise ValueError(f"window must be >= 1 step, got {window}")

@@ -284,17 +284,17 @@ def response_figure(tokens: pd.DataFrame, gate_weight: Optional[np.ndarray], wid
     return fig
 
 
-def gate_weights(batch, manifest: dict):
+def gate_weights(batch, manifest):
     """Gate weight each token of ``batch`` would get (``(N,)`` float32 numpy, TokenBatch order).
 
     Uses :class:`~triage_monitor.controller.TriageController` with the Gate
-    settings found in the manifest (``info.triage_config`` or
+    settings found in the :class:`~triage_monitor.records.RunManifest` (``info.triage_config`` or
     ``info.demo_config``, fields of ``TriageConfig``), the docs/metrics.md#gate
     defaults otherwise; no calibration state (fixed thresholds).
     """
     from .controller import TriageConfig, TriageController
 
-    info = manifest.get("info", {}) if isinstance(manifest.get("info"), dict) else {}
+    info = manifest.info if isinstance(manifest.info, dict) else {}
     src = info.get("triage_config") or info.get("demo_config") or {}
     names = {f.name for f in fields(TriageConfig)} - {"calibration", "repair", "tis"}
     kw = {k: v for k, v in src.items() if k in names}
@@ -309,16 +309,15 @@ def run_overview(run, steps: pd.DataFrame, alerts: Optional[pd.DataFrame] = None
     """Headline facts of a run: name, status, steps, tokens, alerts, and the manifest's model /
     recipe / correction / config entries (strings)."""
     m = run.manifest
-    info = m.get("info", {}) if isinstance(m.get("info"), dict) else {}
+    info = m.info if isinstance(m.info, dict) else {}
     n_steps = int(len(steps))
     tokens = int(np.nansum(steps["n_tokens"].to_numpy(dtype=float))) if "n_tokens" in steps.columns else 0
-    out = {"run": run.path.name, "path": str(run.path), "status": str(m.get("status", "unknown")),
+    out = {"run": run.path.name, "path": str(run.path), "status": str(m.status or "unknown"),
            "steps": n_steps, "first_step": int(steps["step"].min()) if n_steps else None,
            "last_step": int(steps["step"].max()) if n_steps else None, "tokens": tokens,
            "alerts": int(len(alerts)) if alerts is not None and "rule" in alerts.columns else 0,
-           "window": m.get("window"), "segment_width": m.get("segment_width"),
-           "tau_tail": m.get("tau_tail") if m.get("tau_tail") is not None else m.get("tau_tail_calibrated"),
-           "created": m.get("created"), "tool_version": m.get("tool_version")}
+           "window": run.config.window, "segment_width": run.config.metrics.segment_width,
+           "tau_tail": run.tau_tail, "created": m.created, "tool_version": m.tool_version}
     for k in ("model", "task", "framework", "sampler_recipe", "learner_recipe", "correction", "sampler_logp"):
         if k in info:
             out[k] = str(info[k])

@@ -339,7 +339,7 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
             continue
         live = load_run_metrics(d)
         run = open_run(d)
-        if int(run.manifest.get("window") or 25) != base.window:
+        if run.config.window != base.window:
             rec = recompute(run, window=base.window)
             live = rec.merge(live[["step", *[c for c in live.columns if c not in rec.columns]]], on="step",
                              how="left")

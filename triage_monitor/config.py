@@ -1,0 +1,84 @@
+"""The settings of the monitor and its metrics: plain dataclasses, importable without torch.
+
+:class:`MetricConfig` holds the thresholds of docs/metrics.md, :class:`MonitorConfig` the monitor's own settings
+(window, τ_tail calibration, records); ``run.json`` stores ``MonitorConfig.to_dict()`` and
+``triage_monitor.analysis.Run.config`` reads it back.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class MetricConfig:
+    """Thresholds of docs/metrics.md (defaults are the documented ones).
+
+    Attributes:
+        small_gap_threshold: |δ| below this (nats) counts as a small gap (docs/metrics.md#small_gap_share).
+        segment_width: W, tokens per localisation segment (docs/metrics.md#localisation).
+        tail_quantile: τ_tail is this quantile of δ over the reference window (docs/metrics.md#tau_tail).
+        heavy_fraction: a segment is tail-heavy when its tail fraction exceeds this (docs/metrics.md#h_seg).
+        top_fraction: C_tok counts tail tokens inside the top ``ceil(top_fraction · segments)`` segments.
+        dilution_threshold: |mean δ| of a response below this is "diluted" (docs/metrics.md#dilution).
+    """
+
+    small_gap_threshold: float = 0.05
+    segment_width: int = 64
+    tail_quantile: float = 0.05
+    heavy_fraction: float = 0.10
+    top_fraction: float = 0.05
+    dilution_threshold: float = 0.05
+
+    def __post_init__(self):
+        for name in ("small_gap_threshold", "segment_width", "heavy_fraction", "top_fraction", "dilution_threshold"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MetricConfig.{name} must be > 0, got {getattr(self, name)}")
+        if isinstance(self.segment_width, bool) or not isinstance(self.segment_width, numbers.Integral):
+            raise ValueError(f"MetricConfig.segment_width must be an integer (tokens), got {self.segment_width!r}")
+        if not 0 < self.tail_quantile < 1 or not self.top_fraction <= 1:
+            raise ValueError(f"MetricConfig: tail_quantile must lie in (0, 1) and top_fraction in (0, 1], got "
+                             f"{self.tail_quantile}, {self.top_fraction}")
+
+
+@dataclass
+class MonitorConfig:
+    """Settings of :class:`MismatchMonitor`.
+
+    Attributes:
+        metrics: thresholds of docs/metrics.md#steps-and-windows (:class:`~triage_monitor.metrics.MetricConfig`, or a dict of its fields).
+        window: trailing window in steps (docs/metrics.md#steps-and-windows: 25 updates, inclusive).
+        calibration_steps: τ_tail reference window, the first N steps (docs/metrics.md#localisation).
+        tau_tail: explicit τ_tail in nats; None calibrates it.
+        record_tokens: write the token rows (False keeps only step metrics).
+        max_queue_bytes: bound of the writer's queue.
+        backpressure: "block" (wait for the disk) or "drop" (drop and count rows) when the queue is full.
+        metrics_device: device for the metric state; None = the batch's device.
+        alignment_check_steps: run :func:`~triage_monitor.alignment.check_alignment` on this many
+            first steps of each process start (0 disables); a suspected shift logs a warning.
+    """
+
+    metrics: MetricConfig = field(default_factory=MetricConfig)
+    window: int = 25
+    calibration_steps: int = 25
+    tau_tail: Optional[float] = None
+    record_tokens: bool = True
+    max_queue_bytes: int = 256 << 20
+    backpressure: str = "block"
+    metrics_device: Optional[str] = None
+    alignment_check_steps: int = 3
+
+    def __post_init__(self):
+        if isinstance(self.metrics, dict):
+            self.metrics = MetricConfig(**self.metrics)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MonitorConfig":
+        d = dict(d)
+        d["metrics"] = MetricConfig(**d.get("metrics", {}))
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
