@@ -9,8 +9,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from triage_monitor.alerts import (AlertEngine, CallbackSink, LoggingSink, Rule, alerts_cli,
-                                   default_rules, load_rules, replay)
+from triage_monitor.alerts import AlertEngine, CallbackSink, LoggingSink, Rule, default_rules, load_rules, replay
+from triage_monitor.cli import alerts_cli
 
 
 def run(rule_or_rules, values, steps=None, metric=None):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from triage_monitor.dashboard import build_command
+from triage_monitor.dashboards.launch import build_command
 
 ARTIFACTS = Path(os.environ.get("TRIAGE_MONITOR_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts"))
 

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from triage_monitor import dashboard  # noqa: E402
+from triage_monitor.dashboards import launch as dashboard  # noqa: E402
 from triage_monitor.analysis import open_run, recompute  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
@@ -309,7 +309,8 @@ def test_app_ships_in_the_wheel(tmp_path):
     wheel = next(tmp_path.glob("triage_monitor-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "triage_monitor/dashboards/app.py" in names
-    for mod in ("dashboard", "report", "stages", "views"):
+    assert "triage_monitor/dashboards/launch.py" in names
+    for mod in ("report", "stages", "views"):
         assert f"triage_monitor/{mod}.py" in names
 
 

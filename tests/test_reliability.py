@@ -321,7 +321,7 @@ def test_nothing_is_unpickled_from_a_run_directory():
 
 
 def test_dashboard_binds_localhost_by_default():
-    dash = pytest.importorskip("triage_monitor.dashboard")
+    dash = pytest.importorskip("triage_monitor.dashboards.launch")
     assert dash.DEFAULT_HOST == "127.0.0.1"
     cmd = dash.build_command([str(ROOT)])
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1"

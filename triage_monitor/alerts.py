@@ -1,38 +1,10 @@
-"""Early-warning alert rules over the per-step metric stream; sinks; offline replay.
+"""The alert engine: evaluates :class:`~triage_monitor.alert_rules.Rule` s on the per-step metric stream,
+hands fired alerts to sinks, and replays a recorded history offline.
 
-A :class:`Rule` watches one metric (a name from the monitor's metric dict,
-e.g. ``"window/rho_asym"`` for the monitor's pooled 25-step window value,
-docs/metrics.md#steps-and-windows) and tests one condition every step:
-
-==============  =========================================================================
-``above``       value > threshold
-``below``       value < threshold
-``rising``      the value at t, t-w, ..., t-k·w (w = ``window`` steps) strictly increases
-                and v(t) - v(t-k·w) > threshold (``relative``: divided by |v(t-k·w)|);
-                with ``full_window`` no look-back lies before the first full window
-``falling``     mirror of ``rising``: strictly decreasing, drop > threshold
-``excess``      value - baseline > threshold; baseline = median of the value over the
-                first ``baseline_steps`` steps of the run (or given as ``baseline``)
-``deficit``     baseline - value > threshold
-==============  =========================================================================
-
-The value a rule tests is the metric itself when the metric already is a
-trailing-window value (name starting ``window/``: the monitor pools the raw
-sums of the window, docs/metrics.md#steps-and-windows) or when ``window == 1``; otherwise the engine
-aggregates the per-step values of the trailing ``window`` steps (inclusive)
-with ``agg`` (mean, sum, min, max, last; NaN values are ignored).  Averaging
-per-step ratios is not the pooled window of docs/metrics.md: prefer ``window/<name>``
-metrics where the monitor provides them.
-
-Noise guard: a rule with a ``guard_metric`` is evaluated only on steps where
-that metric is at least ``guard_min``.  The shipped direction rules (and the
-other ratio rules) guard on ``window/delta_abs_mean`` >= :data:`NOISE_FLOOR_NATS`:
-below it the learner and sampler agree to float rounding (a bit-exact
-pipeline: |δ| ≈ 1e-8 nats), ρ_asym is a ratio of two rounding-noise masses
-and swings between ~0.6 and ~1.9 with no meaning, so the step is reported as
-*noise level* (:attr:`AlertEngine.noise_steps`), the rule's streak restarts
-and it never fires there.  A step whose guard value is missing is evaluated
-normally (a foreign history without the guard column keeps its alerts).
+The rules themselves (fields, conditions, noise guard, rule files, the shipped
+defaults) live in :mod:`triage_monitor.alert_rules`; they are re-exported here
+(``from triage_monitor.alerts import Rule, default_rules, load_rules``).
+The command ``triage-monitor alerts`` is :func:`triage_monitor.cli.alerts_cli`.
 
 Hysteresis: a rule fires when its condition has held on ``hold`` consecutive
 evaluated steps and at least ``cooldown`` steps have passed since it last
@@ -60,192 +32,18 @@ alerts never raise into the training loop.
 
 from __future__ import annotations
 
-import argparse
 import bisect
-import json
 import logging
 import math
-import sys
-from dataclasses import asdict, dataclass, fields
-from importlib import resources
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+# the rules are re-exported: ``from triage_monitor.alerts import Rule, default_rules, load_rules`` keeps working
+from .alert_rules import AGGS, CONDITIONS, LEVELS, NOISE_FLOOR_NATS, Rule, default_rules, load_rules  # noqa: F401
+
 log = logging.getLogger("triage_monitor.alerts")
-
-CONDITIONS = ("above", "below", "rising", "falling", "excess", "deficit")
-LEVELS = ("INFO", "WARN", "ERROR")
-AGGS = {"mean": np.nanmean, "sum": np.nansum, "min": np.nanmin, "max": np.nanmax, "last": None}
-WINDOW_PREFIX = "window/"
-DEFAULT_RULES_FILE = "default_alert_rules.toml"
-#: Mean |δ| (nats) below which direction metrics are float-rounding noise: 1e-4 nats sits ~1000× above a
-#: bit-exact fp32 pipeline (|δ| ~ 1e-8–1e-7) and ~100× below an NVFP4 sampler (|δ| ~ 0.01–0.1); docs/alerts.md#noise-guard
-NOISE_FLOOR_NATS = 1e-4
-
-
-# ----------------------------------------------------------------------------------------- rules
-@dataclass(frozen=True)
-class Rule:
-    """One alert rule (see the module docstring for the semantics of each field).
-
-    Args:
-        name: unique id; the W&B alert title is derived from it.
-        metric: key in the per-step metric dict (``"window/rho_asym"``, ``"nonfinite_count"``).
-        condition: one of :data:`CONDITIONS`.
-        threshold: level (above/below), minimum rise/drop (rising/falling) or minimum
-            distance from the baseline (excess/deficit), in the metric's units
-            (or a fraction of the reference value when ``relative``).
-        window: trailing window in steps: the aggregation length for a per-step metric,
-            and the spacing of the look-back for rising/falling.  For ``window/<name>``
-            metrics it should equal the monitor's window (25).
-        agg: aggregation of per-step values over the window (ignored for ``window/`` metrics).
-        k: number of windows a rising/falling condition spans.
-        baseline_steps: calibration length N for excess/deficit: steps
-            ``[first_step, first_step + N)``.
-        baseline: explicit baseline (skips calibration).
-        relative: threshold is relative to the reference value (look-back or baseline).
-        hold: consecutive evaluated steps the condition must hold before firing (>= 1).
-        cooldown: minimum steps between two firings of this rule (>= 0).
-        level: ``INFO``, ``WARN`` or ``ERROR``.
-        wait_s: W&B ``wait_duration`` in seconds (server-side de-duplication per title).
-        group: free label (``direction``, ``magnitude``, ...), shown in docs and tables.
-        note: one sentence appended to the alert text (why the rule exists).
-        guard_metric: optional metric that must be >= ``guard_min`` for the rule to be
-            evaluated at a step (the noise guard; see the module docstring).  Empty: no guard.
-        guard_min: the guard's threshold, in ``guard_metric``'s units (nats for ``window/delta_abs_mean``).
-        full_window: rising/falling only: a look-back before step ``first_step + window − 1``
-            (the monitor's first full window) is not a reference (the rule waits for one).
-
-    Raises:
-        ValueError: naming the field and the bad value.
-    """
-
-    name: str
-    metric: str
-    condition: str
-    threshold: float
-    window: int = 1
-    agg: str = "mean"
-    k: int = 2
-    baseline_steps: int = 50
-    baseline: Optional[float] = None
-    relative: bool = False
-    hold: int = 1
-    cooldown: int = 0
-    level: str = "WARN"
-    wait_s: float = 600.0
-    group: str = ""
-    note: str = ""
-    guard_metric: str = ""
-    guard_min: float = 0.0
-    full_window: bool = False
-
-    def __post_init__(self):
-        def bad(f, why):
-            raise ValueError(f"alert rule {self.name!r}: {f}={getattr(self, f)!r} {why}")
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"alert rule: name={self.name!r} must be a non-empty string")
-        if not isinstance(self.metric, str) or not self.metric:
-            bad("metric", "must be a non-empty string")
-        if self.condition not in CONDITIONS:
-            bad("condition", f"must be one of {CONDITIONS}")
-        if self.level not in LEVELS:
-            bad("level", f"must be one of {LEVELS}")
-        if self.agg not in AGGS:
-            bad("agg", f"must be one of {tuple(AGGS)}")
-        try:
-            threshold_ok = math.isfinite(float(self.threshold))
-        except (TypeError, ValueError):
-            threshold_ok = False
-        if not threshold_ok:
-            bad("threshold", "must be a finite number")
-        for f, lo in (("window", 1), ("k", 1), ("baseline_steps", 1), ("hold", 1), ("cooldown", 0)):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                bad(f, f"must be an integer >= {lo}")
-        if self.baseline is not None and not math.isfinite(float(self.baseline)):
-            bad("baseline", "must be a finite number or omitted")
-        if not float(self.wait_s) >= 0:
-            bad("wait_s", "must be >= 0")
-        if not isinstance(self.guard_metric, str):
-            bad("guard_metric", "must be a metric name or empty")
-        try:
-            guard_ok = math.isfinite(float(self.guard_min))
-        except (TypeError, ValueError):
-            guard_ok = False
-        if not guard_ok:
-            bad("guard_min", "must be a finite number")
-        object.__setattr__(self, "guard_min", float(self.guard_min))
-        if not isinstance(self.full_window, bool):
-            bad("full_window", "must be true or false")
-        object.__setattr__(self, "threshold", float(self.threshold))
-
-    @property
-    def pooled(self) -> bool:
-        """True when the metric already is a trailing-window value (no engine aggregation)."""
-        return self.metric.startswith(WINDOW_PREFIX) or self.window == 1
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "rule") -> "Rule":
-        """Build a rule from a mapping (one TOML/YAML table); unknown keys raise ValueError naming ``where``."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: expected a table of rule fields, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
-        missing = [f for f in ("name", "metric", "condition", "threshold") if f not in d]
-        if missing:
-            raise ValueError(f"{where}: missing required field(s) {missing}")
-        try:
-            return cls(**d)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
-
-
-def load_rules(path) -> list[Rule]:
-    """Read rules from a TOML (``.toml``, :mod:`tomllib`) or YAML (``.yaml``/``.yml``) file.
-
-    Layout: a top-level list ``rules`` of tables (TOML ``[[rules]]``), each holding
-    :class:`Rule` fields.  Raises ValueError (file, rule index, field) on bad content,
-    FileNotFoundError when the file is missing.
-    """
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:  # pragma: no cover - pyyaml comes with wandb
-            raise ImportError(f"{path}: reading YAML rules needs PyYAML (pip install pyyaml)") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
-    else:
-        try:
-            import tomllib
-        except ImportError:  # pragma: no cover - Python 3.10
-            import tomli as tomllib
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path}: not valid TOML: {e}") from None
-    if not isinstance(data, Mapping) or not isinstance(data.get("rules"), list):
-        raise ValueError(f"{path}: expected a top-level list 'rules' ([[rules]] tables in TOML)")
-    rules = [Rule.from_dict(d, where=f"{path}: rules[{i}]") for i, d in enumerate(data["rules"])]
-    names = [r.name for r in rules]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"{path}: duplicate rule name(s) {dup}")
-    return rules
-
-
-def default_rules() -> list[Rule]:
-    """The shipped defaults (``triage_monitor/default_alert_rules.toml``; justified in docs/alerts.md)."""
-    with resources.as_file(resources.files("triage_monitor") / DEFAULT_RULES_FILE) as p:
-        return load_rules(p)
 
 
 # ---------------------------------------------------------------------------------------- alerts
@@ -599,84 +397,5 @@ def normalize_columns(frame):
     return frame.rename(columns=ren) if ren else frame
 
 
-def load_run_metrics(run_dir):
-    """Per-step live metrics of a run directory (rank 0, latest attempt of each step, sorted by step),
-    via :func:`triage_monitor.analysis.load_steps`.  Raises ``RunDirError`` (a ValueError)."""
-    from .analysis import load_steps  # lazy: analysis imports torch
-    return load_steps(run_dir)
-
-
-# ------------------------------------------------------------------------------------------- CLI
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of ``triage-monitor alerts``."""
-    parser.add_argument("run_dir", nargs="?", help="run directory (its steps/ table is replayed)")
-    parser.add_argument("--rules", help="rules file (.toml, .yaml); default: the shipped default rules")
-    parser.add_argument("--from-csv", dest="from_csv", metavar="CSV",
-                        help="replay a metrics history CSV (e.g. a W&B history export) instead of RUN_DIR")
-    parser.add_argument("--step-column", dest="step_column", default="step",
-                        help="step column of the CSV (default: step; 'triage/step' is accepted as 'step')")
-    parser.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
-    return parser
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    """Replay the rules and print when each would have fired.  Returns the exit code
-    (0; 2 on bad input, with the message on stderr)."""
-    import pandas as pd
-    try:
-        rules = load_rules(args.rules) if args.rules else default_rules()
-        if args.from_csv:
-            frame = normalize_columns(pd.read_csv(args.from_csv))
-            step_col = args.step_column[len("triage/"):] if args.step_column.startswith("triage/") \
-                and args.step_column not in frame.columns else args.step_column
-        elif args.run_dir:
-            frame, step_col = load_run_metrics(args.run_dir), "step"
-        else:
-            raise ValueError("give RUN_DIR or --from-csv CSV")
-        engine = replay_engine(rules, frame, step_column=step_col)
-        alerts = engine.fired
-    except (OSError, ValueError, ImportError) as e:
-        print(f"triage-monitor alerts: error: {e}", file=sys.stderr)
-        return 2
-    absent = sorted({r.metric for r in rules} - set(frame.columns))
-    rows = [a.to_row() for a in alerts]
-    if args.format == "json":
-        print(json.dumps(rows, indent=1, default=float))
-    elif args.format == "csv":
-        pd.DataFrame(rows, columns=[f.name for f in fields(Alert) if f.name != "wait_s"]).to_csv(
-            sys.stdout, index=False)
-    else:
-        _print_table(rows, len(frame), len(rules))
-    noise = {name: steps for name, steps in engine.noise_steps.items() if steps}
-    if noise:
-        guards = {(r.guard_metric, r.guard_min) for r in rules if r.name in noise}
-        how = "; ".join(f"{m} < {_fmt(t)}" for m, t in sorted(guards))
-        print(f"note: noise level ({how}: the learner and sampler agree to rounding, direction ratios are "
-              f"noise) held back " + ", ".join(f"{n} on {len(s)} step(s)" for n, s in noise.items()), file=sys.stderr)
-    if absent:
-        print(f"note: metric(s) absent from the history, their rules never evaluated: {absent}", file=sys.stderr)
-    return 0
-
-
-def _print_table(rows: list[dict], n_steps: int, n_rules: int) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"{len(rows)} alert(s) from {n_rules} rule(s) over {n_steps} step(s)")
-    for c in ("step", "level", "rule", "metric", "value", "threshold", "text"):
-        t.add_column(c, overflow="fold")
-    for r in rows:
-        t.add_row(str(r["step"]), r["level"], r["rule"], r["metric"], _fmt(r["value"]), _fmt(r["threshold"]),
-                  r["text"])
-    Console(width=160).print(t)
-
-
-def alerts_cli(argv: Optional[Sequence[str]] = None) -> int:
-    """``triage-monitor alerts RUN_DIR [--rules FILE] [--from-csv CSV --step-column step]``."""
-    p = add_arguments(argparse.ArgumentParser(
-        prog="triage-monitor alerts", description="Replay alert rules over a finished run or a metrics CSV."))
-    return run_cli(p.parse_args(argv))
-
-
 __all__ = ["Rule", "Alert", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
-           "replay", "replay_engine", "normalize_columns", "NOISE_FLOOR_NATS", "load_run_metrics", "add_arguments", "run_cli", "alerts_cli",
-           "CONDITIONS", "LEVELS"]
+           "replay", "replay_engine", "normalize_columns", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS"]

@@ -13,16 +13,17 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Optional, Sequence
 
 # (command, module, help); the module provides add_arguments(parser) and run_cli(args)
-# (for demo and analyze: this module's <command>_add_arguments / <command>_run_cli)
+# (for demo, study, analyze and alerts: this module's <command>_add_arguments / <command>_run_cli)
 COMMANDS = (
     ("demo", "triage_monitor.cli", "run the built-in GRPO job (NVFP4 sampler vs learner) with monitoring"),
     ("study", "triage_monitor.cli", "run the built-in job's arms (none/tis/triage/fp32 control) x seeds and compare"),
     ("analyze", "triage_monitor.cli", "recompute every metric of a run from its token Parquet files"),
     ("report", "triage_monitor.report", "write a self-contained HTML post-mortem of a run"),
-    ("dashboard", "triage_monitor.dashboard", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
-    ("alerts", "triage_monitor.alerts", "replay the alert rules over a finished run or a metrics CSV"),
+    ("dashboard", "triage_monitor.dashboards.launch", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
+    ("alerts", "triage_monitor.cli", "replay the alert rules over a finished run or a metrics CSV"),
     ("import", "triage_monitor.importers", "turn a framework's dumped rollouts / a per-token table into a run directory"),
 )
 
@@ -197,6 +198,86 @@ def _fmt(v) -> str:
             return "nan"
         return f"{v:,.0f}" if abs(v) >= 1000 or v == int(v) else f"{v:.3g}"
     return str(v)
+
+
+# ---------------------------------------------------------------------------- alerts
+def alerts_add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of ``triage-monitor alerts``; returns ``parser``."""
+    parser.add_argument("run_dir", nargs="?", help="run directory (its steps/ table is replayed)")
+    parser.add_argument("--rules", help="rules file (.toml, .yaml); default: the shipped default rules")
+    parser.add_argument("--from-csv", dest="from_csv", metavar="CSV",
+                        help="replay a metrics history CSV (e.g. a W&B history export) instead of RUN_DIR")
+    parser.add_argument("--step-column", dest="step_column", default="step",
+                        help="step column of the CSV (default: step; 'triage/step' is accepted as 'step')")
+    parser.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
+    return parser
+
+
+def alerts_run_cli(args: argparse.Namespace) -> int:
+    """Replay the rules over ``args.run_dir`` (its live per-step metrics, ``open_run(run_dir).steps()``)
+    or ``args.from_csv`` and print when each would have fired.  Returns the exit code
+    (0; 2 on bad input, with the message on stderr)."""
+    import json
+    from dataclasses import fields
+
+    import pandas as pd
+
+    from .alerts import Alert, default_rules, load_rules, normalize_columns, replay_engine
+
+    try:
+        rules = load_rules(args.rules) if args.rules else default_rules()
+        if args.from_csv:
+            frame = normalize_columns(pd.read_csv(args.from_csv))
+            step_col = args.step_column[len("triage/"):] if args.step_column.startswith("triage/") \
+                and args.step_column not in frame.columns else args.step_column
+        elif args.run_dir:
+            from .analysis import open_run  # lazy: analysis imports torch
+            frame, step_col = open_run(args.run_dir).steps(), "step"
+        else:
+            raise ValueError("give RUN_DIR or --from-csv CSV")
+        engine = replay_engine(rules, frame, step_column=step_col)
+        alerts = engine.fired
+    except (OSError, ValueError, ImportError) as e:
+        print(f"triage-monitor alerts: error: {e}", file=sys.stderr)
+        return 2
+    absent = sorted({r.metric for r in rules} - set(frame.columns))
+    rows = [a.to_row() for a in alerts]
+    if args.format == "json":
+        print(json.dumps(rows, indent=1, default=float))
+    elif args.format == "csv":
+        pd.DataFrame(rows, columns=[f.name for f in fields(Alert) if f.name != "wait_s"]).to_csv(
+            sys.stdout, index=False)
+    else:
+        _print_alert_table(rows, len(frame), len(rules))
+    noise = {name: steps for name, steps in engine.noise_steps.items() if steps}
+    if noise:
+        guards = {(r.guard_metric, r.guard_min) for r in rules if r.name in noise}
+        how = "; ".join(f"{m} < {t:.4g}" for m, t in sorted(guards))
+        print(f"note: noise level ({how}: the learner and sampler agree to rounding, direction ratios are "
+              f"noise) held back " + ", ".join(f"{n} on {len(s)} step(s)" for n, s in noise.items()), file=sys.stderr)
+    if absent:
+        print(f"note: metric(s) absent from the history, their rules never evaluated: {absent}", file=sys.stderr)
+    return 0
+
+
+def _print_alert_table(rows: list, n_steps: int, n_rules: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"{len(rows)} alert(s) from {n_rules} rule(s) over {n_steps} step(s)")
+    for c in ("step", "level", "rule", "metric", "value", "threshold", "text"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(str(r["step"]), r["level"], r["rule"], r["metric"], f"{r['value']:.4g}", f"{r['threshold']:.4g}",
+                  r["text"])
+    Console(width=160).print(t)
+
+
+def alerts_cli(argv: Optional[Sequence[str]] = None) -> int:
+    """``triage-monitor alerts RUN_DIR [--rules FILE] [--from-csv CSV --step-column step]`` without the
+    top-level options; returns the exit code (see :func:`alerts_run_cli`)."""
+    p = alerts_add_arguments(argparse.ArgumentParser(
+        prog="triage-monitor alerts", description="Replay alert rules over a finished run or a metrics CSV."))
+    return alerts_run_cli(p.parse_args(argv))
 
 
 # ---------------------------------------------------------------------------- main

@@ -317,7 +317,7 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
     """Judge the run directories of a finished study in ``out/runs`` again and rewrite its outputs.
 
     For new alert rules or definitions without re-running: each ``<arm>-s<seed>``
-    directory's per-step table is read back (:func:`triage_monitor.alerts.load_run_metrics`);
+    directory's per-step table is read back (``open_run(run_dir).steps()``);
     when ``base.window`` differs from the run's monitor window, the metrics are
     recomputed from the token records with ``base.window``
     (:func:`triage_monitor.analysis.recompute`) and the training-loop columns
@@ -327,7 +327,6 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
     Raises:
         ValueError: ``out/runs`` holds no ``<arm>-s<seed>`` run directory.
     """
-    from ..alerts import load_run_metrics
     from ..analysis import open_run, recompute
 
     console = console or _console()
@@ -337,8 +336,8 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
         arm, _, seed = d.name.rpartition("-s")
         if not (arm in ARMS and seed.isdigit() and (d / "run.json").exists()):
             continue
-        live = load_run_metrics(d)
         run = open_run(d)
+        live = run.steps()
         if run.config.window != base.window:
             rec = recompute(run, window=base.window)
             live = rec.merge(live[["step", *[c for c in live.columns if c not in rec.columns]]], on="step",

@@ -1,7 +1,8 @@
 """``triage-monitor dashboard RUN_DIR [RUN_DIR ...]``: start the Streamlit post-mortem app.
 
-The app is ``app.py`` of the installed package ``triage_monitor.dashboards``
-(the repository's ``dashboards/`` folder), so the command works the same
+This launcher and the app it starts, ``app.py``, are the package
+``triage_monitor.dashboards`` (the repository's ``dashboards/`` folder); the
+app is found through the installed package, so the command works the same
 after an editable or a regular ``pip install .[dashboard]``.  Run paths are
 checked first (:func:`triage_monitor.analysis.open_run`), so a typo is
 reported at once instead of inside the page.
@@ -17,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .analysis import RunDirError, open_run
+from triage_monitor.analysis import RunDirError, open_run
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
