@@ -218,11 +218,6 @@ def open_run(path) -> Run:
     return run
 
 
-def load_steps(run_dir) -> pd.DataFrame:
-    """Live per-step metrics of a run (rank 0, latest attempt), one row per step."""
-    return open_run(run_dir).steps()
-
-
 #: Columns the metrics read from the token files.
 TOKEN_COLUMNS = ("sample_id", "position", "learner_logp", "sampler_logp", "advantage")
 #: Metrics that depend on τ_tail (docs/metrics.md#tau_tail): provisional on a live step with tau_tail_frozen = 0.

@@ -47,7 +47,7 @@ REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
 # The additive state of MismatchStats, one float64 each (reduced with SUM across ranks).
 SUM_FIELDS = (
-    "n_tokens", "n_samples", "n_samples_nonempty", "small_gap_count", "delta_sum", "delta_abs_sum",
+    "n_tokens", "n_responses_all", "n_responses_nonempty", "small_gap_count", "delta_sum", "delta_abs_sum",
     "k3_sum", "exp_r_sq_sum", "log_ppl_diff_sum", "abs_adv_sum",
     *(f"mass_{r}" for r in REGIONS), *(f"count_{r}" for r in REGIONS),
     "lennorm_amp_neg", "lennorm_amp_pos",
@@ -473,7 +473,7 @@ class MismatchStats:
         n = s["n_tokens"]
         # n_samples counts responses with >= 1 valid token (a fully masked response leaves no record,
         # so this is what a recomputation from the records can reproduce; see empty_response_count)
-        v["n_tokens"], v["n_samples"] = n, s["n_samples_nonempty"]
+        v["n_tokens"], v["n_samples"] = n, s["n_responses_nonempty"]
         ratio("small_gap_share", s["small_gap_count"], n, "no valid tokens")
         ratio("delta_mean", s["delta_sum"], n, "no valid tokens")
         ratio("delta_abs_mean", s["delta_abs_sum"], n, "no valid tokens")
@@ -487,7 +487,7 @@ class MismatchStats:
         if not n:
             why["delta_min"] = "no valid tokens"
         ratio("k3_kl", s["k3_sum"], n, "no valid tokens")
-        ratio("log_ppl_diff", s["log_ppl_diff_sum"], s["n_samples_nonempty"], "no response with a valid token")
+        ratio("log_ppl_diff", s["log_ppl_diff_sum"], s["n_responses_nonempty"], "no response with a valid token")
         if n:
             v["chi2_token"] = s["exp_r_sq_sum"] / n - 1.0
         else:
