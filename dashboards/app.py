@@ -287,9 +287,11 @@ if toks is not None:
 
     st.subheader("Response drill-down")
     adv = toks.groupby("sample_id", sort=True)["advantage"].mean()
-    d = toks["learner_logp"].astype(np.float64) - toks["sampler_logp"].astype(np.float64)
-    tails = ((toks["advantage"] < 0) & (d < step_tau)).groupby(toks["sample_id"]).sum() if math.isfinite(
-        step_tau) else adv * 0
+    # tail tokens per response from the step's tail layout (one definition: metrics.segment_tail_counts)
+    tails = pd.Series(0, index=adv.index, dtype=np.int64)
+    if layout is not None and layout.num_segments:
+        per_id = pd.Series(layout.tail).groupby(sample_ids[layout.response]).sum()
+        tails = tails.add(per_id, fill_value=0).astype(np.int64)
     order = sorted(adv.index, key=lambda i: (-int(tails[i]), float(adv[i]), int(i)))
     pick = st.selectbox("Response (most amplifying-tail tokens first)", order, key="response",
                         format_func=lambda i: f"id {i} · A {adv[i]:+.3f} · {int(tails[i])} tail tokens")

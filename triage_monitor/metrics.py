@@ -688,6 +688,47 @@ def _chunks(sample_index: Tensor, S: int, device) -> list:
     return [(toks[i], toks[i + 1], samples[i], samples[i + 1]) for i in range(len(samples) - 1)]
 
 
+def segment_tail_counts(delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Tensor,
+                        response_advantage: Tensor, tau_tail: float, width: int) -> tuple:
+    """The one definition of segments and amplifying-tail tokens (docs/metrics.md#localisation), used by the
+    metrics, the stage table's shuffle null and the dashboard.
+
+    Segments of ``width`` positions are cut over every response and those of A<0 responses (mean advantage of the
+    valid tokens < 0, ``response_advantage``) kept; a tail token has A < 0 and δ < ``tau_tail`` (nats).
+
+    Args:
+        delta, advantage: ``(N,)`` per valid token, ordered by sample, then position (float32 δ, as
+            :attr:`TokenBatch.delta <triage_monitor.batch.TokenBatch.delta>`).
+        sample_index, position: ``(N,)`` int64.
+        response_advantage: ``(S,)`` mean advantage of each response's valid tokens.
+
+    Returns:
+        ``(sample, number, valid, tail)``: ``(K,)`` int64 per kept segment (K in (sample, number) order): its
+        response index, its index k (positions [kW, (k+1)W)), its valid tokens and its tail tokens.
+    """
+    dev = delta.device
+    N = delta.numel()
+    if N == 0:
+        e = torch.zeros(0, dtype=torch.long, device=dev)
+        return e, e, e, e
+    if width & (width - 1) == 0:                                  # positions are >= 0: a shift is a floor division
+        number = position >> (width.bit_length() - 1)
+    else:
+        number = torch.div(position, width, rounding_mode="floor")
+    start = torch.ones(N, dtype=torch.bool, device=dev)          # first token of each segment
+    torch.ne(number[1:], number[:-1], out=start[1:])
+    start[1:] |= sample_index[1:] != sample_index[:-1]
+    first = torch.nonzero(start).squeeze(1)
+    seg_sample, seg_number = sample_index[first], number[first]
+    bounds = torch.cat([first, torch.tensor([N], device=dev)])
+    count = bounds[1:] - bounds[:-1]                              # (K,) valid tokens per segment
+    tail_cum = torch.zeros(N + 1, dtype=torch.int64, device=dev)
+    torch.cumsum((advantage < 0) & (delta < tau_tail), 0, out=tail_cum[1:])
+    seg_tail = tail_cum[bounds[1:]] - tail_cum[bounds[:-1]]       # (K,) amplifying-tail tokens per segment
+    keep = response_advantage[seg_sample] < 0                     # (K,) segment of an A<0 response
+    return seg_sample[keep], seg_number[keep], count[keep], seg_tail[keep]
+
+
 def _localisation(delta: Tensor, adv: Tensor, sample_index: Tensor, position: Tensor, S: int, tau_tail: float,
                   width: int, heavy_fraction: float, dilution_threshold: float,
                   prepared: Optional[dict] = None) -> dict:
@@ -702,28 +743,11 @@ def _localisation(delta: Tensor, adv: Tensor, sample_index: Tensor, position: Te
     if resp_adv is None:
         resp_adv = torch.bincount(sample_index, weights=adv.double(), minlength=S)
     nv = prepared["nv"].clamp(min=1).double()
-    resp_neg = resp_adv / nv < 0                                  # (S,) A<0 responses (mean advantage)
-    N = delta.numel()
-    if N == 0:
+    if delta.numel() == 0:
         e = torch.zeros(0, dtype=torch.long, device=dev)
         return {"seg_tail": e, "seg_valid": e, **{k: 0.0 for k in _LOC_FIELDS}}
-    if width & (width - 1) == 0:                                  # positions are >= 0: a shift is a floor division
-        number = position >> (width.bit_length() - 1)
-    else:
-        number = torch.div(position, width, rounding_mode="floor")
-    start = torch.ones(N, dtype=torch.bool, device=dev)          # first token of each segment
-    torch.ne(number[1:], number[:-1], out=start[1:])
-    start[1:] |= sample_index[1:] != sample_index[:-1]
-    first = torch.nonzero(start).squeeze(1)
-    seg_sample, seg_number = sample_index[first], number[first]
-    bounds = torch.cat([first, torch.tensor([N], device=dev)])
-    count = bounds[1:] - bounds[:-1]                              # (K,) valid tokens per segment
-    tail_cum = torch.zeros(N + 1, dtype=torch.int64, device=dev)
-    torch.cumsum((adv < 0) & (delta < tau_tail), 0, out=tail_cum[1:])
-    seg_tail_all = tail_cum[bounds[1:]] - tail_cum[bounds[:-1]]   # (K,) amplifying-tail tokens per segment
-    keep = resp_neg[seg_sample]                                   # (K,) segment of an A<0 response
-    seg_tail, seg_valid = seg_tail_all[keep], count[keep]
-    sample_k, number_k = seg_sample[keep], seg_number[keep]
+    sample_k, number_k, seg_valid, seg_tail = segment_tail_counts(delta, adv, sample_index, position, resp_adv / nv,
+                                                                  tau_tail, width)
     heavy = seg_tail.double() > heavy_fraction * seg_valid.double()
     has_prev = torch.zeros_like(heavy)
     prev_heavy = torch.zeros_like(heavy)

@@ -26,8 +26,7 @@ import torch
 
 from .analysis import Run
 from .batch import TokenBatch
-from .metrics import c_tok_from_segments
-from .segments import segment_tokens
+from .metrics import c_tok_from_segments, segment_tail_counts
 
 Tensor = torch.Tensor
 
@@ -102,11 +101,10 @@ def _layout(sample_index: Tensor, position: Tensor, advantage: Tensor, delta: Te
             tau_tail: float, width: int) -> TailLayout:
     nv = torch.bincount(sample_index, minlength=num_samples).clamp(min=1).double()
     resp_adv = torch.zeros(num_samples, dtype=torch.float64).index_add(0, sample_index, advantage.double()) / nv
-    idx = torch.nonzero(resp_adv[sample_index] < 0).squeeze(1)
-    seg = segment_tokens(sample_index[idx], position[idx], width)
-    tail = seg.sum(((advantage[idx] < 0) & (delta[idx].detach() < tau_tail)).long())
-    return TailLayout(seg.sample.numpy().astype(np.int64), seg.count.numpy().astype(np.int64),
-                      tail.numpy().astype(np.int64), seg.number.numpy().astype(np.int64))
+    sample, number, valid, tail = segment_tail_counts(delta.detach(), advantage, sample_index, position, resp_adv,
+                                                      tau_tail, width)
+    as_np = (lambda t: t.numpy().astype(np.int64))
+    return TailLayout(as_np(sample), as_np(valid), as_np(tail), as_np(number))
 
 
 def null_segment_counts(layout: TailLayout, draws: int = 499, seed: int = 0) -> np.ndarray:
