@@ -43,6 +43,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .batch import TokenBatch
+from .calibration import ReferenceWindow, part_of
 from .corrections import tis_weights as _tis_weights
 from .segments import Segments, segment_tokens
 
@@ -51,7 +52,7 @@ Tensor = torch.Tensor
 GATE_SCOPES = ("q3", "whole")
 REPAIR_SCOPES = ("adv_positive", "q2", "whole")
 NORMALIZATIONS = ("per_response", "global_token")
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 # ------------------------------------------------------------------ config
@@ -59,22 +60,19 @@ STATE_VERSION = 1
 class CalibrationConfig:
     """Calibrated Gate thresholds from a reference window (docs/metrics.md#gate).
 
-    Over the first ``window`` distinct steps the controller collects (a
-    deterministic, evenly strided subsample of at most ``max_values_per_step``
-    per step of) the gate-segment mean δ and the token δ; at the first later
-    step it sets ``neg_threshold`` / ``severe_threshold`` to the
-    ``neg_quantile`` / ``severe_quantile`` of the segment means and
-    ``delta_bad`` to the ``bad_quantile`` of the token δ (nats).  With a
-    process group the three values are averaged across ranks.  All micro-batch
-    calls of a step in the window contribute; a step number seen again (a
-    resumed job repeating steps) contributes again.
+    Over the first ``window`` steps the controller keeps the quantile sketches of the gate-segment mean δ and
+    of the token δ (:class:`~triage_monitor.calibration.ReferenceWindow`, the same reference-window
+    implementation as the monitor's τ_tail); at the first later step it sets ``neg_threshold`` /
+    ``severe_threshold`` to the ``neg_quantile`` / ``severe_quantile`` of the segment means and ``delta_bad`` to
+    the ``bad_quantile`` of the token δ (nats), read from the sketches (error bound: docs/metrics.md#accuracy).
+    With a process group the sketches are summed across ranks first (global quantiles).  The micro-batch calls of
+    one step add up; a step counts once.
     """
 
     window: int = 25
     neg_quantile: float = 0.05
     severe_quantile: float = 0.01
     bad_quantile: float = 0.001
-    max_values_per_step: int = 65536
 
     def __post_init__(self):
         if int(self.window) <= 0:
@@ -84,8 +82,6 @@ class CalibrationConfig:
                              f"severe_quantile={self.severe_quantile}, neg_quantile={self.neg_quantile}")
         if not (0.0 < self.bad_quantile < 1.0):
             raise ValueError(f"CalibrationConfig.bad_quantile must be in (0, 1), got {self.bad_quantile}")
-        if int(self.max_values_per_step) <= 0:
-            raise ValueError(f"CalibrationConfig.max_values_per_step must be > 0, got {self.max_values_per_step}")
 
 
 @dataclass
@@ -350,13 +346,6 @@ def _check_loss_args(per_token_loss, token_weights, batch, normalization):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({n},) = the batch's valid tokens")
 
 
-def _strided(values: Tensor, cap: int) -> Tensor:
-    values = values.detach().float().reshape(-1)
-    if values.numel() > cap:
-        values = values[torch.linspace(0, values.numel() - 1, cap, device=values.device).round().long()]
-    return values.cpu()
-
-
 # -------------------------------------------------------------- controller
 class TriageController:
     """Per-token TRIAGE weights and the Repair loss for one (micro-)batch (docs/metrics.md#controller).
@@ -373,9 +362,8 @@ class TriageController:
         self.calls = 0
         self.last_step: Optional[int] = None
         self.thresholds: Optional[dict] = None     # calibrated {neg_threshold, severe_threshold, delta_bad}
-        self._calib_steps: list = []
-        self._calib_seg: list = []
-        self._calib_tok: list = []
+        window = self.config.calibration.window if self.config.calibration is not None else 1
+        self.reference = ReferenceWindow(window, streams=2, repeated="accumulate")   # segment-mean δ, token δ
 
     # ------------------------------------------------------------ thresholds
     def effective_thresholds(self) -> dict:
@@ -388,24 +376,10 @@ class TriageController:
         cal = self.config.calibration
         if cal is None or self.thresholds is not None:
             return
-        if step not in self._calib_steps and len(self._calib_steps) >= cal.window:
-            # torch.quantile takes at most 2**24 values: stride down evenly beyond that
-            seg_vals = _strided(torch.cat(self._calib_seg), 1 << 24)
-            tok_vals = _strided(torch.cat(self._calib_tok), 1 << 24)
-            th = torch.stack([torch.quantile(seg_vals, cal.neg_quantile),
-                              torch.quantile(seg_vals, cal.severe_quantile),
-                              torch.quantile(tok_vals, cal.bad_quantile)]).to(delta.device)
-            if self.group is not None:
-                import torch.distributed as dist
-                th = _all_reduce_sum(th, self.group) / dist.get_world_size(self.group)
-            neg, sev, bad = (float(x) for x in th.tolist())
+        if self.reference.add(step, [part_of(seg.mean(delta)), part_of(delta)]):   # first step after the window
+            neg, sev = self.reference.quantiles(0, [cal.neg_quantile, cal.severe_quantile], self.group)
+            bad = self.reference.quantiles(1, [cal.bad_quantile], self.group)[0]
             self.thresholds = dict(neg_threshold=neg, severe_threshold=min(sev, neg), delta_bad=bad)
-            self._calib_seg, self._calib_tok = [], []
-            return
-        if step not in self._calib_steps:
-            self._calib_steps.append(step)
-        self._calib_seg.append(_strided(seg.mean(delta), cal.max_values_per_step))
-        self._calib_tok.append(_strided(delta, cal.max_values_per_step))
 
     # ------------------------------------------------------------------ call
     def repair_segment_count(self, batch: TokenBatch) -> Tensor:
@@ -512,9 +486,7 @@ class TriageController:
             "calls": self.calls,
             "last_step": self.last_step,
             "thresholds": dict(self.thresholds) if self.thresholds else None,
-            "calib_steps": list(self._calib_steps),
-            "calib_seg": torch.cat(self._calib_seg) if self._calib_seg else torch.zeros(0),
-            "calib_tok": torch.cat(self._calib_tok) if self._calib_tok else torch.zeros(0),
+            "reference": self.reference.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -528,9 +500,7 @@ class TriageController:
         self.calls = int(state["calls"])
         self.last_step = state["last_step"]
         self.thresholds = dict(state["thresholds"]) if state["thresholds"] else None
-        self._calib_steps = list(state["calib_steps"])
-        self._calib_seg = [state["calib_seg"].clone()] if state["calib_seg"].numel() else []
-        self._calib_tok = [state["calib_tok"].clone()] if state["calib_tok"].numel() else []
+        self.reference.load_state_dict(state["reference"])
 
 
 __all__ = [

@@ -32,7 +32,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from . import sketch
+from . import calibration, sketch
 from .batch import TokenBatch
 from .config import MetricConfig
 
@@ -537,28 +537,10 @@ def _calibration_part(stats: MismatchStats) -> Tensor:
     return torch.cat([stats.part("delta_sketch"), stats.part("delta_min"), stats.part("delta_max")]).clone()
 
 
-def _sync_calibration(part: Tensor, group=None) -> Tensor:
-    """All-reduce a calibration part: SUM of the sketch, MIN of min, MAX of max (fixed size)."""
-    import torch.distributed as dist
-
-    k = sketch.SIZE
-    counts = part[:k].contiguous()
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-    ext = torch.stack([-part[k], part[k + 1]])
-    dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
-    return torch.cat([counts, -ext[:1], ext[1:]])
-
-
 def tau_from_calibration(parts: Sequence[Tensor], q: float) -> float:
     """τ_tail (nats): the ``q`` quantile of the merged calibration parts (sketch, min, max), read from the
     sketch (docs/metrics.md#quantile-sketch); NaN when they hold no token."""
-    k = sketch.SIZE
-    counts = parts[0][:k].detach().cpu().clone()
-    lo, hi = float(parts[0][k]), float(parts[0][k + 1])
-    for p in parts[1:]:
-        counts += p[:k].detach().cpu()
-        lo, hi = min(lo, float(p[k])), max(hi, float(p[k + 1]))
-    return sketch.sketch_quantiles(counts, [q], lo, hi)[0]
+    return calibration.part_quantiles(calibration.merge_parts(parts), [q])[0]
 
 
 # --------------------------------------------------------------------------- streaming tracker
@@ -591,24 +573,17 @@ class MetricTracker:
         self.tau_given = tau_tail is not None
         self.tau_tail = float(tau_tail) if tau_tail is not None else math.nan
         self.tau_frozen = self.tau_given
-        self._calib: list = []          # calibration part (sketch, min, max) of each reference step
-        self._calib_steps: list = []    # step number of each entry of _calib
+        self.reference = calibration.ReferenceWindow(self.calibration_steps, 1, repeated="replace")
         self._history: list = []        # [(step, MismatchStats)] of the trailing window
 
     def _calibrate(self, step: int, part: Tensor) -> None:
-        if self.tau_frozen or float(part[:sketch.SIZE].sum()) == 0:
-            return          # a step without valid tokens (no token file either) is no reference step
-        part = part.detach().cpu()
-        if self._calib_steps and self._calib_steps[-1] == step:
-            self._calib[-1] = part                               # a repeated step replaces the earlier one
-        elif len(self._calib) >= self.calibration_steps:
-            self.tau_frozen = True                               # first step after the reference window
-            self._calib, self._calib_steps = [], []
+        if self.tau_frozen:
             return
-        else:
-            self._calib.append(part)
-            self._calib_steps.append(step)
-        self.tau_tail = tau_from_calibration(self._calib, self.config.tail_quantile)
+        if self.reference.add(step, [part]):                     # first step after the reference window
+            self.tau_frozen = True
+            return
+        if self.reference.parts:
+            self.tau_tail = calibration.part_quantiles(self.reference.merged(0), [self.config.tail_quantile])[0]
 
     def step(self, step: int, batch: TokenBatch, group=None) -> tuple:
         """Add one step; returns ``(step_result, window_result)`` (:class:`MetricResult` each).
@@ -625,7 +600,7 @@ class MetricTracker:
         distributed = group is not None or _dist_ready()
         if not self.tau_frozen:
             part = _calibration_part(stats)
-            self._calibrate(step, _sync_calibration(part, group) if distributed else part)
+            self._calibrate(step, calibration.sync_part(part, group) if distributed else part)
         if not math.isnan(self.tau_tail):
             stats.add_localisation(delta, adv, sample_index, batch.position.to(dev), batch.num_samples,
                                    self.tau_tail, prepared)
@@ -651,7 +626,8 @@ class MetricTracker:
         float64 CPU tensor per step, at most ``calibration_steps``), so a resumed job calibrates the same τ_tail."""
         return {"tau_tail": self.tau_tail, "tau_frozen": self.tau_frozen, "config": asdict(self.config),
                 "window": self.window, "calibration_steps": self.calibration_steps, "calib_format": "sketch",
-                "calib": [c.clone() for c in self._calib], "calib_steps": list(self._calib_steps)}
+                "calib": [] if self.tau_frozen else [ps[0].clone() for ps in self.reference.parts],
+                "calib_steps": [] if self.tau_frozen else list(self.reference.step_numbers)}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore :meth:`state_dict` output (``calib`` optional; δ values saved by older versions are
@@ -662,8 +638,10 @@ class MetricTracker:
             calib = [_calibration_part(MismatchStats(self.config).update_flat(
                 torch.as_tensor(c).float().cpu(), torch.zeros(len(c)), torch.zeros(len(c), dtype=torch.long),
                 torch.arange(len(c)), 1)) for c in calib]
-        self._calib = [torch.as_tensor(c, dtype=torch.float64).cpu() for c in calib]
-        self._calib_steps = list(sd.get("calib_steps", range(-len(self._calib), 0)))
+        self.reference = calibration.ReferenceWindow(self.calibration_steps, 1, repeated="replace")
+        self.reference.frozen = self.tau_frozen
+        self.reference.parts = [[torch.as_tensor(c, dtype=torch.float64).cpu()] for c in calib]
+        self.reference.step_numbers = list(sd.get("calib_steps", range(-len(calib), 0)))
 
 
 #: Tokens per piece of a CPU update: the batch is cut at response boundaries into pieces of about this
