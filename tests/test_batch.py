@@ -73,7 +73,7 @@ def test_padding_values_outside_mask_are_never_read():
     lp = torch.where(m, lp, torch.tensor(0.0))          # 0.0 padding
     s = torch.where(m, s, torch.tensor(-1e10))          # sentinel padding
     b = TokenBatch.from_padded(lp, s, a, m)
-    assert b.num_tokens == int(m.sum()) and not b.quarantine
+    assert b.num_tokens == int(m.sum()) and not b.quarantine_counts
 
 
 def test_quarantine_counts_and_keeps_bad_tokens_visible():
@@ -82,8 +82,8 @@ def test_quarantine_counts_and_keeps_bad_tokens_visible():
     s[1, 2] = -9999.0
     b = TokenBatch.from_padded(lp, s, a, m, on_invalid="quarantine")
     assert b.num_tokens == int(m.sum()) - 2
-    assert b.quarantine == {"nonfinite_learner_logp": 1, "sentinel_sampler_logp": 1}
-    assert sorted(b.quarantined["position"].tolist()) == [1, 2]
+    assert b.quarantine_counts == {"nonfinite_learner_logp": 1, "sentinel_sampler_logp": 1}
+    assert sorted(b.quarantine_rows["position"].tolist()) == [1, 2]
     # scatter still maps the kept tokens to their own places
     back = b.scatter(torch.ones(b.num_tokens), fill=0.0)
     assert back[0, 1] == 0 and back[1, 2] == 0 and back[0, 0] == 1

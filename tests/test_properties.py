@@ -176,8 +176,8 @@ def test_quarantine_accounts_for_every_masked_in_token(p, poison, on_sampler):
     invalid = ~torch.isfinite(target) | (target > 1e-3) | (target.abs() >= 1e3)
     expect_bad = int((invalid & m).sum())
     b = TokenBatch.from_padded(lp2, s2, a, m, sample_ids=ids, on_invalid="quarantine")
-    assert b.num_tokens + sum(b.quarantine.values()) == int(m.sum())
-    assert sum(b.quarantine.values()) == expect_bad
+    assert b.num_tokens + sum(b.quarantine_counts.values()) == int(m.sum())
+    assert sum(b.quarantine_counts.values()) == expect_bad
     assert bool(torch.isfinite(b.delta).all())
     if expect_bad:
         with pytest.raises(InvalidTokenError):

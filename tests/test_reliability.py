@@ -81,7 +81,7 @@ def test_quarantine_counts_excludes_and_keeps_records(field, value, reason, metr
     make, args = _poisoned(field, value, "padded")
     b = make(*args, on_invalid="quarantine")
     n_bad = 80 if field == "advantages" else 1
-    assert b.quarantine == {reason: n_bad} and b.num_tokens == 6 * 80 - n_bad
+    assert b.quarantine_counts == {reason: n_bad} and b.num_tokens == 6 * 80 - n_bad
     # excluded from the metrics: equal to the clean batch with those tokens masked out
     lp, s, a, m = healthy()
     m = m.clone()

@@ -22,13 +22,14 @@ positive log-probs, padding sentinels, non-finite advantages) either raise a
 :class:`InvalidTokenError` naming the field, the sample, the position and the
 value (``on_invalid="raise"``, the default) or are quarantined
 (``on_invalid="quarantine"``): excluded from the flat tokens, counted in
-:attr:`TokenBatch.quarantine` and kept visible in
-:attr:`TokenBatch.quarantined` for the records.  Nothing is silently
+:attr:`TokenBatch.quarantine_counts` and kept visible in
+:attr:`TokenBatch.quarantine_rows` for the records.  Nothing is silently
 neutralised.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -73,6 +74,21 @@ class InvalidTokenError(ValueError):
             f"({count} such token(s) in this batch; pass on_invalid='quarantine' to exclude and count them)")
 
 
+@dataclass(frozen=True)
+class SourceLayout:
+    """The caller's layout a :class:`TokenBatch` was built from (for :meth:`TokenBatch.scatter` / ``gather``).
+
+    Attributes:
+        kind: ``"padded"`` | ``"packed"`` | ``"list"`` | ``"flat"``.
+        size: elements of the caller's flattened tensor (``B·T``, ``N_total``; 0 for ``flat``).
+        shape: ``(B, T)`` for ``padded``, the per-sample lengths for ``list``.
+    """
+
+    kind: str
+    size: int = 0
+    shape: Optional[tuple] = None
+
+
 @dataclass
 class TokenBatch:
     """One step's valid tokens, flat (see module docstring).
@@ -87,8 +103,8 @@ class TokenBatch:
         sample_id: ``(S,)`` int64, unique within the step, ascending.
         group_id: ``(S,)`` int64 (prompt / GRPO group); ``-1`` when unknown.
         num_valid: ``(S,)`` int64, valid tokens per sample (n_i); can be 0.
-        quarantine: counts of quarantined tokens per reason.
-        quarantined: ``dict`` of flat tensors (sample_id, position,
+        quarantine_counts: counts of quarantined tokens per reason.
+        quarantine_rows: ``dict`` of flat tensors (sample_id, position,
             learner_logp, sampler_logp, advantage, reason code) of the
             quarantined tokens, for the records.
     """
@@ -101,11 +117,11 @@ class TokenBatch:
     sample_id: Tensor
     group_id: Tensor
     num_valid: Tensor
-    quarantine: dict = field(default_factory=dict)
-    quarantined: Optional[dict] = None
-    # where each flat token sits in the caller's flattened layout
+    quarantine_counts: dict = field(default_factory=dict)
+    quarantine_rows: Optional[dict] = None
+    # where each flat token sits in the caller's flattened layout, and what that layout was
     _source_index: Optional[Tensor] = None
-    _layout: tuple = ("flat",)
+    _layout: "SourceLayout" = field(default_factory=lambda: SourceLayout("flat"))
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -155,18 +171,16 @@ class TokenBatch:
         """
         if values.shape != (self.num_tokens,):
             raise ValueError(f"scatter: values has shape {tuple(values.shape)}, expected ({self.num_tokens},)")
-        kind = self._layout[0]
+        kind = self._layout.kind
         if kind == "flat":
             return values
-        total = self._layout[1]
-        out = torch.full((total,), fill, dtype=values.dtype, device=values.device)
+        out = torch.full((self._layout.size,), fill, dtype=values.dtype, device=values.device)
         out = out.index_put((self._source_index.to(values.device),), values)
         if kind == "padded":
-            return out.view(self._layout[2])
+            return out.view(self._layout.shape)
         if kind == "packed":
             return out
-        lengths = self._layout[2]
-        return list(torch.split(out, lengths))
+        return list(torch.split(out, list(self._layout.shape)))
 
     def gather(self, values: Union[Tensor, Sequence[Tensor]]) -> Tensor:
         """Read a tensor laid out like the caller's input at the batch's valid tokens: ``(N,)``.
@@ -181,13 +195,13 @@ class TokenBatch:
         """
         if isinstance(values, (list, tuple)):
             values = torch.cat(list(values))
-        if self._layout[0] == "flat":
+        if self._layout.kind == "flat":
             if values.shape != (self.num_tokens,):
                 raise ValueError(f"gather: values has shape {tuple(values.shape)}, expected ({self.num_tokens},)")
             return values
         flat = values.reshape(-1)
-        if flat.numel() != self._layout[1]:
-            raise ValueError(f"gather: values has {flat.numel()} elements, the batch was built from {self._layout[1]}")
+        if flat.numel() != self._layout.size:
+            raise ValueError(f"gather: values has {flat.numel()} elements, the batch was built from {self._layout.size}")
         return flat[self._source_index.to(values.device)]
 
     # ----------------------------------------------------------- constructors
@@ -214,9 +228,9 @@ class TokenBatch:
         quarantine: Counter = Counter()
         rows = []
         for b, off in zip(parts, offsets):
-            quarantine.update(b.quarantine)
-            if b.quarantined is not None:             # caller's sample ids → merged ids (rank in the part + offset)
-                q = dict(b.quarantined)
+            quarantine.update(b.quarantine_counts)
+            if b.quarantine_rows is not None:             # caller's sample ids → merged ids (rank in the part + offset)
+                q = dict(b.quarantine_rows)
                 q["sample_id"] = torch.searchsorted(b.sample_id.cpu(), q["sample_id"]) + int(off)
                 rows.append(q)
         quarantined = {k: torch.cat([q[k] for q in rows]) for k in rows[0]} if rows else None
@@ -226,7 +240,7 @@ class TokenBatch:
             advantage=cat("advantage"), position=cat("position"),
             sample_index=torch.cat([b.sample_index + int(off) for b, off in zip(parts, offsets)]),
             sample_id=torch.arange(sum(counts), device=dev), group_id=cat("group_id"), num_valid=cat("num_valid"),
-            quarantine=dict(quarantine), quarantined=quarantined)
+            quarantine_counts=dict(quarantine), quarantine_rows=quarantined)
 
     @classmethod
     def from_padded(
@@ -277,7 +291,7 @@ class TokenBatch:
         return cls._build(
             learner_logp.reshape(-1)[source], sampler_logp.reshape(-1)[source], adv.reshape(-1)[source],
             rows.reshape(-1)[source], positions.reshape(-1)[source].long(), B,
-            sample_ids, group_ids, on_invalid, source, ("padded", B * T, (B, T)))
+            sample_ids, group_ids, on_invalid, source, SourceLayout("padded", B * T, (B, T)))
 
     @classmethod
     def from_packed(
@@ -332,7 +346,7 @@ class TokenBatch:
         source = torch.nonzero(mask, as_tuple=False).squeeze(1)
         return cls._build(
             learner_logp[source], sampler_logp[source], adv[source], rows[source], pos[source], S,
-            sample_ids, group_ids, on_invalid, source, ("packed", n_total))
+            sample_ids, group_ids, on_invalid, source, SourceLayout("packed", n_total))
 
     @classmethod
     def from_list(
@@ -395,8 +409,7 @@ class TokenBatch:
         batch = cls.from_packed(cat(learner_logp), cat(sampler_logp), cat(adv_list).to(dev), cu,
                                 None if mask is None else mask.to(dev),
                                 sample_ids=sample_ids, group_ids=group_ids, on_invalid=on_invalid)
-        batch._layout = ("list", batch._layout[1], lengths)
-        return batch
+        return dataclasses.replace(batch, _layout=SourceLayout("list", batch._layout.size, tuple(lengths)))
 
     @classmethod
     def from_flat(
@@ -437,7 +450,7 @@ class TokenBatch:
             g[inverse] = group_id.long()
             gid = g
         return cls._build(learner_logp[order], sampler_logp[order], advantage[order], inverse[order], pos[order],
-                          uniq.numel(), uniq, gid, on_invalid, None, ("flat",), presorted=True)
+                          uniq.numel(), uniq, gid, on_invalid, None, SourceLayout("flat"), presorted=True)
 
     # ------------------------------------------------------------------ core
     @classmethod
@@ -483,7 +496,7 @@ class TokenBatch:
                     reason.split("_")[1] if "logp" in reason else "advantage"]
                 val = {"learner_logp": learner, "sampler_logp": sampler, "advantages": adv}[fld][first]
                 # the caller's sample: its row / list index, or its sample_id for flat rows (from_flat)
-                sample = int(ids[rows[first]]) if layout[0] == "flat" else int(rows[first])
+                sample = int(ids[rows[first]]) if layout.kind == "flat" else int(rows[first])
                 raise InvalidTokenError(fld, sample, int(pos[first]), float(val), reason, int(bad.sum()))
             quarantined = {
                 "sample_id": ids[rows[bad]].cpu(), "position": pos[bad].cpu(),
@@ -512,8 +525,8 @@ class TokenBatch:
         num_valid = torch.bincount(rows, minlength=num_rows) if rows.numel() else torch.zeros(
             num_rows, dtype=torch.long, device=dev)
         return cls(learner_logp=learner, sampler_logp=sampler, advantage=adv, sample_index=rows.long(),
-                   position=pos.long(), sample_id=ids, group_id=gids, num_valid=num_valid, quarantine=counts,
-                   quarantined=quarantined, _source_index=source, _layout=layout)
+                   position=pos.long(), sample_id=ids, group_id=gids, num_valid=num_valid, quarantine_counts=counts,
+                   quarantine_rows=quarantined, _source_index=source, _layout=layout)
 
 
 # ---------------------------------------------------------------- validation

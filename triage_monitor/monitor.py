@@ -42,7 +42,7 @@ from .records import MANIFEST, TOKEN_SCHEMA, RunWriter, new_attempt_id
 
 log = logging.getLogger("triage_monitor")
 
-#: Step-level counters taken from TokenBatch.quarantine (docs/reliability.md), always present in the metrics.
+#: Step-level counters taken from TokenBatch.quarantine_counts (docs/reliability.md), always present in the metrics.
 QUARANTINE_METRICS = {
     "nonfinite_count": ("nonfinite_learner_logp", "nonfinite_sampler_logp"),
     "positive_logp_count": ("positive_learner_logp", "positive_sampler_logp"),
@@ -182,7 +182,7 @@ class MismatchMonitor:
             self._save_calibration(step)
         metrics = {"step": step}
         metrics.update(step_res.values)
-        q = batch.quarantine
+        q = batch.quarantine_counts
         for name, reasons in QUARANTINE_METRICS.items():
             metrics[name] = float(sum(q.get(r, 0) for r in reasons))
         metrics["quarantined_count"] = float(sum(q.values()))

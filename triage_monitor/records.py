@@ -381,8 +381,8 @@ class RunWriter:
                 cols[k] = torch.as_tensor(v).detach().float().cpu().numpy().reshape(-1)
                 schema = schema.append(pa.field(k, pa.float32()))
             self.sink.submit("tokens", step, self.rank, cols, schema)
-        if batch.quarantined is not None:
-            qd = {k: v.numpy() for k, v in batch.quarantined.items()}
+        if batch.quarantine_rows is not None:
+            qd = {k: v.numpy() for k, v in batch.quarantine_rows.items()}
             qd["reason"] = np.array([INVALID_REASONS[int(c)] for c in qd["reason"]])
             qd["attempt"] = np.full(len(qd["position"]), self.attempt, dtype=np.int64)
             self.sink.submit("quarantine", step, self.rank, qd)
