@@ -22,7 +22,8 @@ import torch
 
 from triage_monitor.analysis import open_run, recompute
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig, TriageController, weighted_policy_loss
+from triage_monitor.controller import TriageConfig, TriageController
+from triage_monitor.loss import weighted_policy_loss
 from triage_monitor.corrections import ppo_clip_loss
 from triage_monitor.metrics import MetricConfig, MismatchStats
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig

@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import (
-    CalibrationConfig, TriageConfig, TriageController, policy_loss_denominator, pseudo_huber,
-    weighted_policy_loss,
+    CalibrationConfig, TriageConfig, TriageController, pseudo_huber,
 )
+from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss
 
 GATE_ONLY = dict(repair=False, tis=False)
 BETA = math.sqrt(5e-4)

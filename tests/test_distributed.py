@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from triage_monitor.batch import TokenBatch  # noqa: E402
-from triage_monitor.controller import (TriageConfig, TriageController, policy_loss_denominator,  # noqa: E402
-                                       weighted_policy_loss)
+from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
+from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss  # noqa: E402
 from triage_monitor.metrics import METRIC_NAMES, MetricConfig, MetricTracker  # noqa: E402
 
 B, T, STEPS = 12, 150, 3

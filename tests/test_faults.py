@@ -362,7 +362,8 @@ def test_analysis_uses_latest_attempt_per_step(tmp_path):
 
 def _tiny_training(steps, ckpt_at=None, state=None, load_controller=True):
     """A tiny policy trained with TRIAGE weights + Repair (calibrated Gate), SGD; returns (params, checkpoint)."""
-    from triage_monitor.controller import CalibrationConfig, TriageConfig, TriageController, weighted_policy_loss
+    from triage_monitor.controller import CalibrationConfig, TriageConfig, TriageController
+    from triage_monitor.loss import weighted_policy_loss
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 16)

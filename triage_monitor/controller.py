@@ -1,11 +1,9 @@
-"""The TRIAGE controller: Gate weights, bounded Repair, TIS and loss normalisation (docs/metrics.md#controller).
+"""The TRIAGE controller: Gate weights, bounded Repair, TIS and their calibration (docs/metrics.md#controller).
 
-One call per (micro-)batch::
+One call per (micro-)batch; the loss itself is assembled by :func:`triage_monitor.loss.triage_policy_loss`::
 
     ctrl = TriageController(TriageConfig())
-    out = ctrl(batch, step=step)                       # batch: TokenBatch (flat, N valid tokens)
-    pg = ppo_clip_loss(batch.learner_logp, old_logp, batch.advantage)
-    loss = weighted_policy_loss(pg, out.token_weights, batch) + out.repair_loss
+    res = triage_policy_loss(ctrl, batch, step, old_logp=batch.gather(old_logp))   # controller + PPO + agg_loss
 
 The controller changes the loss only.  All segment reductions go through
 :mod:`triage_monitor.segments` (no Python loop over segments or responses).
@@ -262,90 +260,6 @@ def _all_reduce_sum(t: Tensor, group) -> Tensor:
     return t
 
 
-def _global_ratio(num: Tensor, den: Tensor, group, den_given: bool) -> Tensor:
-    """``num / den`` with ``num`` (and ``den`` unless given) summed over ``group``; 0 where den == 0.
-
-    The value is global; the gradient flows through the local ``num`` only.
-    """
-    if group is not None:
-        red = _all_reduce_sum(torch.stack([num.detach(), den.detach().to(num.dtype)]), group)
-        num = num + (red[0] - num.detach())
-        if not den_given:
-            den = red[1]
-    den = den.to(num.dtype)
-    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), num * 0.0)
-
-
-def policy_loss_denominator(token_weights: Tensor, batch: TokenBatch, normalization: str = "per_response",
-                            group=None) -> Tensor:
-    """The denominator :func:`weighted_policy_loss` uses for ``batch``, 0-dim float32.
-
-    ``per_response``: number of responses with ≥ 1 valid token; ``global_token``: Σ_t w_t.
-    Summed over ``group`` when given.  For gradient accumulation, call it on the whole
-    update (or sum it over the micro-batches) and pass it as ``global_denominator`` to every
-    micro-batch call: the micro-batch losses then add up to the full-batch loss.
-
-    Raises:
-        ValueError: unknown ``normalization`` or ``token_weights`` not ``(N,)``.
-    """
-    _check_loss_args(token_weights, token_weights, batch, normalization)
-    if normalization == "per_response":
-        den = (batch.num_valid > 0).sum().float()
-    else:
-        den = token_weights.detach().float().sum()
-    return _all_reduce_sum(den, group) if group is not None else den
-
-
-def weighted_policy_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch,
-                         normalization: str = "per_response", group=None,
-                         global_denominator: Optional[Union[Tensor, float]] = None) -> Tensor:
-    """Normalised weighted policy loss, 0-dim float32 (docs/metrics.md#normalization).
-
-    * ``per_response`` (the paper's form): ``(1/R) Σ_s [Σ_{t∈s} w_t ℓ_t / Σ_{t∈s} w_t]``,
-      R = responses with ≥ 1 valid token; a response with Σ w = 0 contributes 0.
-    * ``global_token`` (released code's form): ``Σ_t w_t ℓ_t / Σ_t w_t``; 0 if Σ w = 0.
-
-    With ``group`` the numerator and denominator are all-reduced (sum) across ranks (see the
-    module docstring for what that means for gradients).  ``global_denominator`` (from
-    :func:`policy_loss_denominator` over the whole update) replaces the local denominator so
-    that micro-batch losses sum to the full-batch loss; it is used as given (not reduced again).
-
-    Args:
-        per_token_loss: ``(N,)`` differentiable (e.g. :func:`~triage_monitor.corrections.ppo_clip_loss`).
-        token_weights: ``(N,)`` detached weights (``TriageOutput.token_weights``).
-        batch: the TokenBatch the tokens belong to (for ``sample_index``).
-
-    Raises:
-        ValueError: shapes are not ``(N,)`` or ``normalization`` unknown.
-    """
-    _check_loss_args(per_token_loss, token_weights, batch, normalization)
-    w = token_weights.detach().float()
-    wl = w * per_token_loss.float()
-    if normalization == "per_response":
-        S = batch.num_samples
-        idx = batch.sample_index
-        num_s = torch.zeros(S, dtype=wl.dtype, device=wl.device).index_add(0, idx, wl)
-        den_s = torch.zeros(S, dtype=w.dtype, device=w.device).index_add(0, idx, w)
-        per_resp = torch.where(den_s > 0, num_s / torch.where(den_s > 0, den_s, torch.ones_like(den_s)), num_s * 0.0)
-        num = per_resp.sum()
-        den = (batch.num_valid > 0).sum().to(num.device, num.dtype)
-    else:
-        num = wl.sum()
-        den = w.sum()
-    if global_denominator is not None:
-        den = torch.as_tensor(global_denominator, dtype=num.dtype, device=num.device)
-    return _global_ratio(num, den, group, den_given=global_denominator is not None)
-
-
-def _check_loss_args(per_token_loss, token_weights, batch, normalization):
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-    n = batch.num_tokens
-    for name, t in (("per_token_loss", per_token_loss), ("token_weights", token_weights)):
-        if tuple(t.shape) != (n,):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({n},) = the batch's valid tokens")
-
-
 # -------------------------------------------------------------- controller
 class TriageController:
     """Per-token TRIAGE weights and the Repair loss for one (micro-)batch (docs/metrics.md#controller).
@@ -504,6 +418,6 @@ class TriageController:
 
 
 __all__ = [
-    "TriageConfig", "CalibrationConfig", "TriageController", "TriageOutput", "weighted_policy_loss",
-    "policy_loss_denominator", "gate_segment_weights", "repair_terms", "pseudo_huber",
+    "TriageConfig", "CalibrationConfig", "TriageController", "TriageOutput", "gate_segment_weights", "repair_terms",
+    "pseudo_huber",
 ]

@@ -123,7 +123,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: f
     DAPO's asymmetric "clip-higher"; default [0.8, 1.28] as in docs/metrics.md#published-reference).  With
     ``dual_clip = c > 1`` (Ye et al. 2020, verl ``clip_ratio_c`` = 3.0) tokens with A < 0 use
     ``min(loss, −c·A)``.  Reduce with
-    :func:`triage_monitor.controller.weighted_policy_loss`.
+    :func:`triage_monitor.loss.agg_loss`.
 
     Args: ``logp`` (live, nats), ``old_logp`` (nats), ``advantage``: all ``(N,)``.
 

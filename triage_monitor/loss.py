@@ -52,7 +52,7 @@ from typing import Optional, Union
 import torch
 
 from .batch import TokenBatch
-from .controller import TriageController, TriageOutput, _global_ratio
+from .controller import NORMALIZATIONS, TriageController, TriageOutput, _all_reduce_sum
 from .corrections import dppo_kl_loss, ppo_clip_loss
 
 Tensor = torch.Tensor
@@ -70,6 +70,20 @@ NORMALIZATION_TO_AGG = {"global_token": "token_mean", "per_response": "seq_mean_
 def _per_response(values: Tensor, batch: TokenBatch) -> Tensor:
     return torch.zeros(batch.num_samples, dtype=values.dtype, device=values.device).index_add(
         0, batch.sample_index, values)
+
+
+def _global_ratio(num: Tensor, den: Tensor, group, den_given: bool) -> Tensor:
+    """``num / den`` with ``num`` (and ``den`` unless given) summed over ``group``; 0 where den == 0.
+
+    The value is global; the gradient flows through the local ``num`` only.
+    """
+    if group is not None:
+        red = _all_reduce_sum(torch.stack([num.detach(), den.detach().to(num.dtype)]), group)
+        num = num + (red[0] - num.detach())
+        if not den_given:
+            den = red[1]
+    den = den.to(num.dtype)
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), num * 0.0)
 
 
 def agg_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch, mode: str = "token_mean", *,
@@ -242,4 +256,44 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
                       output=out, batch=batch, agg_mode=mode)
 
 
-__all__ = ["AGG_MODES", "SURROGATES", "agg_loss", "renormalize_per_response", "TriageLoss", "triage_policy_loss"]
+__all__ = ["AGG_MODES", "SURROGATES", "agg_loss", "renormalize_per_response", "TriageLoss", "triage_policy_loss",
+           "weighted_policy_loss", "policy_loss_denominator"]
+
+
+def _normalization_mode(normalization: str) -> str:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    return NORMALIZATION_TO_AGG[normalization]
+
+
+def weighted_policy_loss(per_token_loss: Tensor, token_weights: Tensor, batch: TokenBatch,
+                         normalization: str = "per_response", group=None,
+                         global_denominator: Optional[Union[Tensor, float]] = None) -> Tensor:
+    """The TRIAGE-normalised policy loss (docs/metrics.md#normalization), 0-dim float32: :func:`agg_loss` with
+    ``per_response`` → ``seq_mean_token_mean`` (mean over responses of Σ w ℓ / Σ w) or ``global_token`` →
+    ``token_mean`` (Σ w ℓ / Σ w); ``global_denominator`` (from :func:`policy_loss_denominator` over the whole
+    update) is used as given, so micro-batch losses add up to the update's loss.
+
+    Raises:
+        ValueError: unknown ``normalization``, or shapes not ``(N,)``.
+    """
+    return agg_loss(per_token_loss, token_weights, batch, _normalization_mode(normalization),
+                    denominator=global_denominator, group=group)
+
+
+def policy_loss_denominator(token_weights: Tensor, batch: TokenBatch, normalization: str = "per_response",
+                            group=None) -> Tensor:
+    """The denominator :func:`weighted_policy_loss` uses for ``batch``, 0-dim float32: ``per_response`` the
+    number of responses with ≥ 1 valid token, ``global_token`` Σ_t w_t; summed over ``group`` when given.
+
+    Raises:
+        ValueError: unknown ``normalization`` or ``token_weights`` not ``(N,)``.
+    """
+    _normalization_mode(normalization)
+    if tuple(token_weights.shape) != (batch.num_tokens,):
+        raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, expected ({batch.num_tokens},)")
+    if normalization == "per_response":
+        den = (batch.num_valid > 0).sum().float()
+    else:
+        den = token_weights.detach().float().sum()
+    return _all_reduce_sum(den, group) if group is not None else den

@@ -15,7 +15,7 @@ One step (docs/metrics.md#terms, docs/metrics.md#published-reference setup scale
    ``tis``: :func:`~triage_monitor.corrections.tis_weights`; ``triage``:
    :class:`~triage_monitor.controller.TriageController`) →
    :func:`~triage_monitor.corrections.ppo_clip_loss` reduced by
-   :func:`~triage_monitor.controller.weighted_policy_loss` (+ Repair loss) →
+   :func:`~triage_monitor.loss.weighted_policy_loss` (+ Repair loss) →
    one Adam update per rollout → :meth:`MismatchMonitor.log_step`.
 
 With one update per rollout the PPO ratio is 1 at the update
@@ -42,7 +42,8 @@ from rich.table import Table
 
 from ..alerts import AlertEngine, CallbackSink, default_rules
 from ..batch import TokenBatch
-from ..controller import CalibrationConfig, TriageConfig, TriageController, weighted_policy_loss
+from ..controller import CalibrationConfig, TriageConfig, TriageController
+from ..loss import weighted_policy_loss
 from ..corrections import ppo_clip_loss, tis_weights
 from ..metrics import MetricConfig
 from ..monitor import MismatchMonitor, MonitorConfig
@@ -310,7 +311,7 @@ def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, st
     """The step's loss, as a user's training job would write it with this package.
 
     ``per-token PPO loss × token weights``, normalised by
-    :func:`~triage_monitor.controller.weighted_policy_loss` (``cfg.normalization``),
+    :func:`~triage_monitor.loss.weighted_policy_loss` (``cfg.normalization``),
     plus the Repair loss for ``triage``.  Weights: ``none`` → 1, ``tis`` →
     ``clamp(exp(old_logp − sampler_logp), *cfg.tis_clip)``, ``triage`` → the
     controller's Gate × TIS weights (docs/metrics.md#controller).  ``old_logp`` is the
