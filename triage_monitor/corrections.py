@@ -226,7 +226,7 @@ def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: 
     """Truncated importance sampling weight ``(N,)`` float32, detached (docs/metrics.md#baselines).
 
     ``w = clamp(exp(old_logp − sampler_logp), low, high)``, default [0, 2] (published runs;
-    verl's default truncates at 2.0 from above).  ``exp`` of a large gap gives ``inf`` → ``high``.
+    verl 0.9.1's ``rollout_is: token`` with ``rollout_is_threshold: 2.0`` truncates at 2.0 from above).  ``exp`` of a large gap gives ``inf`` → ``high``.
 
     Raises:
         ValueError: shapes differ or not ``0 <= low < high``.
@@ -295,7 +295,7 @@ def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: Seq
     """Sequence IS, **product form**, ``(N,)`` float32, detached (docs/metrics.md#baselines).
 
     ``w_s = min(exp(clamp(Σ_{t∈s}(old_logp − sampler_logp), −20, 20)), high)`` = truncated
-    ``Π_t r_t``, broadcast to every token of s.  Default ``high = 2`` (verl
+    ``Π_t r_t``, broadcast to every token of s.  Default ``high = 2`` (verl 0.9.1
     ``rollout_is: sequence``, ``rollout_is_threshold`` 2.0).  Grows with length: a 1000-token
     response with a mean log-ratio of 0.001 already has Π r = e ≈ 2.72.
 

@@ -113,13 +113,13 @@ def quantiles(values: Tensor, qs: Sequence[float]) -> list:
 
 
 def segment_tail_stats(batch: TokenBatch, tau_tail: float, width: int, heavy_fraction: float,
-                       dilution_threshold: float, delta: Optional[Tensor] = None) -> dict:
+                       dilution_threshold: float) -> dict:
     """Localisation quantities of one batch (docs/metrics.md#localisation), over responses with A < 0.
 
     A response's advantage is the mean advantage of its valid tokens (the GRPO
     per-response value when advantages are broadcast).  A token is an
     amplifying-tail token when its A < 0 and δ < τ_tail.  Segments are cut by
-    position (``width`` tokens) with :func:`~triage_monitor.segments.segment_tokens`.
+    position (``width`` tokens) by :func:`segment_tail_counts`.
 
     Returns a dict with ``seg_tail`` and ``seg_valid`` (``(K,)`` int64 per
     segment of the A<0 responses, in (sample, k) order) and the float sums
@@ -128,8 +128,7 @@ def segment_tail_stats(batch: TokenBatch, tau_tail: float, width: int, heavy_fra
     ``pairs_heavy``, ``pairs_prev_heavy``, ``pairs_both_heavy``,
     ``responses_with_heavy`` and ``responses_diluted``.
     """
-    delta = batch.delta if delta is None else delta         # (N,) float32; the caller may pass it precomputed
-    return _localisation(delta, batch.advantage.float(), batch.sample_index, batch.position, batch.num_samples,
+    return _localisation(batch.delta, batch.advantage.float(), batch.sample_index, batch.position, batch.num_samples,
                          float(tau_tail), width, heavy_fraction, dilution_threshold)
 
 
