@@ -301,7 +301,7 @@ def test_checkpoint_state_round_trip(orl, tmp_path):
     fresh = make_actor(orl, tmp_path, hook_settings=s2, checkpoint_states={"triage": saved["triage"]})
     assert fresh.triage_loss.runtime.step_for_call() == 3
     mine, theirs = fresh.triage_loss.state_dict()["controller"], saved["triage"]["controller"]
-    assert mine["calls"] == theirs["calls"] > 0 and mine["calib_steps"] == theirs["calib_steps"]
+    assert mine["calls"] == theirs["calls"] > 0 and mine["reference"]["steps"] == theirs["reference"]["steps"]
     fresh.triage_loss.close()
 
 
