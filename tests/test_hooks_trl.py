@@ -454,7 +454,9 @@ out = Path({out!r})
 trainer = T.make_trainer(out / f"r{{dist.get_rank() if dist.is_initialized() else 'x'}}",
                          HookSettings(run_dir=str(out / "run"), triage=TriageConfig()), max_steps=2, n_prompts=8)
 trainer.train()
-print("RANK", dist.get_rank(), dist.get_world_size(), trainer.triage_hook.settings.attempt, flush=True)
+# one file per rank: two processes printing to one pipe can interleave their lines
+with open(out / f"rank-{{dist.get_rank()}}.txt", "w") as f:
+    print("RANK", dist.get_rank(), dist.get_world_size(), trainer.triage_hook.settings.attempt, file=f)
 """
 
 
@@ -474,7 +476,7 @@ def test_two_accelerate_ranks_write_one_run(tmp_path):
                            "127.0.0.1", "--master_port", str(port), str(script)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RANK"))
+    ranks = sorted((tmp_path / f"rank-{r}.txt").read_text().split()[1:] for r in (0, 1))
     assert [r[:2] for r in ranks] == [["0", "2"], ["1", "2"]] and ranks[0][2] == ranks[1][2]
     run = tmp_path / "run"
     manifest = json.loads((run / "run.json").read_text())
