@@ -552,7 +552,8 @@ def postmortem_frame(run: Run, window: Optional[int] = None, live: Optional[pd.D
 
 def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
                  live: Optional[pd.DataFrame] = None) -> pd.DataFrame:
-    """Per metric, the largest relative difference between live and recomputed values.
+    """Per metric, the largest relative difference ``|live − rec| / max(|live|, |rec|)`` between live and
+    recomputed values (``inf`` when one side is NaN and the other is not).
 
     NaN in both counts as equal; ``live`` (from :meth:`Run.steps`) saves a second read of the step rows.
     When ``recomputed`` used one frozen τ_tail (``attrs["tau_mode"] == "frozen"``, :func:`recompute`'s
@@ -583,7 +584,9 @@ def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
         a = live.loc[keep, c].astype(float)
         b = rec.loc[keep, c].astype(float)
         both_nan = a.isna() & b.isna()
-        diff = ((a - b).abs() / b.abs().clip(lower=1e-300)).where(~both_nan, 0.0)
+        # relative to the larger magnitude: bounded (<= 2) when one side is 0, never 1e298
+        diff = ((a - b).abs() / pd.concat([a.abs(), b.abs()], axis=1).max(axis=1).clip(lower=1e-300)
+                ).where(~both_nan, 0.0)
         mismatch_nan = a.isna() ^ b.isna()
         m = math.inf if bool(mismatch_nan.any()) else float(diff.max()) if len(diff) else 0.0
         out.append({"metric": c, "max_rel_diff": m, "equal": m <= rtol, "compared": len(keep),

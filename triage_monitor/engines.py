@@ -15,7 +15,7 @@ inside a task do not depend on how many cores the machine has either.
   found through ``RAY_ADDRESS``, else a new local one).  Ray is optional: ``pip install
   triage-monitor[ray]``.  The run directory must be readable at the same path on every node.
 
-A progress bar (rich) is shown when ``progress`` is true.
+A progress bar (rich, on stderr) is shown when ``progress`` is true.
 """
 
 from __future__ import annotations
@@ -138,9 +138,11 @@ def _progress(show: bool, total: int, description: str):
     if not show:
         yield lambda: None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    # on stderr, so that stdout keeps only the command's result (a pipe or a file gets no bar at all)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  transient=True) as bar:
+                  transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(description, total=total)
         yield lambda: bar.advance(task)
