@@ -327,7 +327,7 @@ try:
     st.dataframe(shown, hide_index=True, width="stretch",
                  column_config={c_: st.column_config.NumberColumn(format="%.2f" if "%" in c_ or "pts" in c_
                                                                                else "%.3f") for c_ in shown.columns
-                                if c_ not in ("stage", "step", "window", "tokens", "null 95% %")})
+                                if c_ not in ("stage", "step", "window", "tokens", "null 95% interval (%)")})
     st.caption(f"Trailing {window_steps}-step windows ending at each anchor. C_tok null: tail labels shuffled "
                f"within each A<0 response ({draws} draws, seed 0); excess = C_tok − null median, in points. "
                "Dilution: A<0 responses with a tail-heavy segment whose mean |δ| < 0.05.")

@@ -231,7 +231,7 @@ def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
     warnings = " ".join(w.value for w in at.warning)
     assert "Token records of step 3" in warnings
     table = at.dataframe[-1].value                                   # live window values, null "-"
-    assert table["step"].tolist() == [0, 1, 2, 3] and table["null 95% %"].tolist() == ["-"] * 4
+    assert table["step"].tolist() == [0, 1, 2, 3] and table["null 95% interval (%)"].tolist() == ["-"] * 4
     live = open_run(tmp_path / "steps_only").steps()
     np.testing.assert_allclose(table["ρ_asym"].to_numpy(float), live["window/rho_asym"].to_numpy(float))
     at.number_input(key="window_steps").set_value(3).run()

@@ -43,7 +43,7 @@ def test_report_is_self_contained_with_charts_and_stage_table(demo_run_dir, demo
         cells = re.findall(r"<td>(.*?)</td>", row)
         assert cells[0] == r["stage"] and cells[1] == str(r["step"])
         assert f"{100 * r['c_tok']:.2f}" in cells and f"{100 * r['c_tok_null_median']:.2f}" in cells
-    for head in ("C_tok %", "null median %", "null 95% %", "excess (pts)", "dilution %", "ρ_asym"):
+    for head in ("C_tok %", "null median %", "null 95% interval (%)", "excess (pts)", "dilution %", "ρ_asym"):
         assert f"<th>{head}</th>" in text
     assert "Overview" in text and "triage" in text and "Steps" in text
 
@@ -65,5 +65,6 @@ def test_report_options_and_errors(demo_run_dir, tmp_path, capsys):
     assert "not recorded" in capsys.readouterr().err
     assert not (tmp_path / "x.html").exists() and not (tmp_path / "z.html").exists()
     (tmp_path / "afile").write_text("")
-    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "afile" / "r.html"), "--draws", "9"])) == 2
-    assert "afile" in capsys.readouterr().err
+    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "afile" / "r.html"), "--draws", "9"])) == 3
+    err = capsys.readouterr().err
+    assert "triage-monitor report: error: cannot write" in err and "afile" in err

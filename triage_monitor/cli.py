@@ -182,7 +182,7 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
     console.print(f"recomputed {n_tokens:,} tokens in {elapsed:.2f} s "
                   f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
     live = run.steps() if args.window is None and args.tau_tail is None else None
-    _report_unreadable("analyze", run)
+    exits.report_unreadable("analyze", run)
     if live is None or live.empty:
         return exits.OK
     cmp = compare_live(run, df, live=live)
@@ -284,17 +284,6 @@ def resume_explanations(run, live, rec) -> tuple:
     return explained, reasons
 
 
-def _report_unreadable(command: str, run) -> list:
-    """Print the count and names of the run's unreadable files (``Run.unreadable``) on stderr; returns them."""
-    from .exits import note
-
-    bad = list(getattr(run, "unreadable", []) or [])
-    if bad:
-        names = "; ".join(f"{p} ({why})" for p, why in bad[:5]) + (f"; … {len(bad) - 5} more" if len(bad) > 5 else "")
-        note(command, f"warning: {len(bad)} unreadable file(s) in {run.path} skipped: {names}")
-    return bad
-
-
 def _fmt(v) -> str:
     if isinstance(v, float):
         if v != v:
@@ -359,7 +348,7 @@ def alerts_run_cli(args: argparse.Namespace) -> int:
         exits.error("alerts", e)
         return exits.INPUT_ERROR
     if run is not None:
-        _report_unreadable("alerts", run)
+        exits.report_unreadable("alerts", run)
     absent = sorted({r.metric for r in rules} - set(frame.columns))
     rows = [a.to_row() for a in alerts]
     if args.format == "json":

@@ -8,7 +8,8 @@ One convention, so a script or CI job can tell the outcomes apart without parsin
       (beyond the expected consequence of a resume), ``alerts`` replayed at least one alert
  2    usage or input error: a bad option, a path that is not a run, a run with no recorded step,
       an input file that cannot be read or parsed; nothing was written
- 3    output error: the command could not write its output (the OS reason is in the message)
+ 3    I/O error: the OS refused a read or a write (permission, disk full, a path that is a file);
+      the message names the path and the OS reason
 130   interrupted (Ctrl-C / SIGINT), stopped cleanly with one line on stderr
 ====  ==========================================================================================
 
@@ -31,7 +32,7 @@ EPILOG = """exit statuses (every command):
   1    a finding: analyze's live and recomputed values differ, alerts replayed at least one alert
   2    usage or input error (bad option, not a run directory, a run with no recorded step,
        an unreadable or malformed input file); nothing was written
-  3    output error: the output could not be written (the message names the path and the OS reason)
+  3    I/O error: the OS refused a read or write (the message names the path and the OS reason)
   130  interrupted (Ctrl-C)
 errors are printed as: triage-monitor COMMAND: error: MESSAGE"""
 
@@ -52,3 +53,13 @@ def error(command: str, message) -> None:
 def note(command: str, message) -> None:
     """Print a one-line note / progress line of ``command`` to stderr."""
     print(f"triage-monitor {command}: {message}", file=sys.stderr, flush=True)
+
+
+def report_unreadable(command: str, run) -> list:
+    """Print the count and names of a run's unreadable files (``Run.unreadable``: ``(path, reason)`` pairs,
+    counted by the reader as it met them) as one warning line on stderr; returns them."""
+    bad = list(getattr(run, "unreadable", []) or [])
+    if bad:
+        names = "; ".join(f"{p} ({why})" for p, why in bad[:5]) + (f"; … {len(bad) - 5} more" if len(bad) > 5 else "")
+        note(command, f"warning: {len(bad)} unreadable file(s) in {run.path} skipped: {names}")
+    return bad
