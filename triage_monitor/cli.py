@@ -46,13 +46,14 @@ def demo_run_cli(args: argparse.Namespace) -> int:
     """Run the built-in GRPO job into ``args.out``."""
     from .demo import config_from_args, run_demo
 
+    from . import exits
+
     try:
         cfg = config_from_args(args)
     except ValueError as exc:
-        print(f"triage-monitor demo: {exc}", file=sys.stderr)
-        return 2
+        raise exits.CommandError(str(exc)) from None
     run_demo(cfg, args.out)
-    return 0
+    return exits.OK
 
 
 # ---------------------------------------------------------------------------- study
@@ -77,9 +78,10 @@ def study_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def study_run_cli(args: argparse.Namespace) -> int:
-    """Run the study into ``args.out``; exit 2 on a bad option."""
+    """Run the study into ``args.out``; exit 2 on a bad option (docs/cli.md#exit-statuses)."""
     from .demo import config_from_args
     from .demo.study import ARMS, QUICK, STUDY_BASE, rejudge, run_study
+    from .exits import CommandError
 
     try:
         quick = args.quick
@@ -98,8 +100,7 @@ def study_run_cli(args: argparse.Namespace) -> int:
             return 0
         run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs)
     except ValueError as exc:
-        print(f"triage-monitor study: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(str(exc)) from None
     return 0
 
 

@@ -296,8 +296,11 @@ def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callab
     import queue as queue_mod
     from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
 
+    from ..engines import ignore_sigint, stop_pool
+
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
+                                                       initializer=ignore_sigint) as pool, stop_pool(pool):
         q = manager.Queue()
         pending = {pool.submit(_run_one, (key, asdict(cfg), str(path), q)) for key, (cfg, path) in plan.items()}
         while pending:
