@@ -14,6 +14,7 @@ so ``recompute(run)`` reproduces the live per-step values.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 from functools import cached_property
@@ -25,6 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .records import MANIFEST, RunManifest, read_manifest
+
+log = logging.getLogger("triage_monitor.analysis")
 
 # torch-backed modules (batch, metrics) are imported inside the functions that need them, so that reading
 # step-level data (Run.steps, the dashboard's first charts) does not pay for importing torch.
@@ -84,10 +87,34 @@ def _latest_attempt(files: list) -> list:
 
 
 class Run:
-    """A run directory opened for reading (see :func:`open_run`)."""
+    """A run directory opened for reading (see :func:`open_run`).
+
+    Attributes:
+        path: the run directory.
+        unreadable: ``[(path, reason), ...]`` (both str) of every table file a read of this object found
+            corrupt or unreadable (truncated Parquet, no permission, a column missing) and skipped, in the
+            order found; each is also logged once as a WARNING.  Reads fill it as they go: after ``steps()``
+            it names the bad ``steps/`` files, after ``tokens(s)`` the bad token files of step ``s``.
+    """
 
     def __init__(self, path):
         self.path = Path(path)
+        self.unreadable: list = []
+
+    def _skip_unreadable(self, f, reason: str) -> None:
+        """Record ``f`` in :attr:`unreadable` (once) and log a WARNING naming it."""
+        if any(p == str(f) for p, _ in self.unreadable):
+            return
+        self.unreadable.append((str(f), reason))
+        log.warning("triage-monitor: skipped unreadable file %s (%s)", f, reason)
+
+    def _read(self, f, columns: Optional[Sequence[str]] = None) -> Optional[pa.Table]:
+        """``pq.read_table(f, columns)``, or None (recorded in :attr:`unreadable`) when it fails."""
+        try:
+            return pq.read_table(f, columns=list(columns) if columns else None)
+        except (OSError, pa.ArrowException, ValueError) as exc:
+            self._skip_unreadable(f, f"{type(exc).__name__}: {exc}")
+            return None
 
     @cached_property
     def manifest(self) -> RunManifest:
@@ -116,14 +143,24 @@ class Run:
         return sorted(_parts(self.path / "tokens"))
 
     def tokens(self, step: int, columns: Optional[Sequence[str]] = None) -> pd.DataFrame:
-        """Token rows of one step (all ranks, latest attempt) as a DataFrame, sorted by (sample_id, position)."""
+        """Token rows of one step (all ranks, latest attempt) as a DataFrame, sorted by (sample_id, position).
+
+        A rank file that cannot be read is skipped and named in :attr:`unreadable` (with a WARNING).
+
+        Raises:
+            KeyError: the step has no token file, or none of its token files is readable.
+        """
         files = _latest_attempt(_parts(self.path / "tokens").get(int(step), []))
         if not files:
             raise KeyError(f"step {step} has no token records in {self.path}")
         tables = []
         for f in files:
-            t = pq.read_table(f, columns=list(columns) if columns else None)
+            t = self._read(f, columns)
+            if t is None:
+                continue
             tables.append(t.append_column("rank", pa.array([int(f.parent.name[5:])] * t.num_rows, pa.int32())))
+        if not tables:
+            raise KeyError(f"step {step}: every token file is unreadable ({', '.join(map(str, files))})")
         df = pa.concat_tables(tables, promote_options="default").to_pandas()
         sort = [c for c in ("sample_id", "position") if c in df.columns]
         return df.sort_values(sort, kind="stable").reset_index(drop=True) if sort else df
@@ -163,9 +200,11 @@ class Run:
                 r = _hive_int(f.parent, "rank=")
                 if rank is not None and r != rank:
                     continue
-                try:
-                    t = pq.read_table(f)
-                except (OSError, pa.ArrowInvalid):
+                t = self._read(f)
+                if t is None:
+                    continue
+                if t.num_rows != 1:
+                    self._skip_unreadable(f, f"{t.num_rows} rows, a steps file holds one")
                     continue
                 d = t.to_pylist()[0]
                 d["step"], d["rank"] = step, r
@@ -182,7 +221,10 @@ class Run:
         frames = []
         for step, files in sorted(_parts(self.path / name).items()):
             for f in _latest_attempt(files):
-                df = pq.read_table(f).to_pandas()
+                t = self._read(f)
+                if t is None:
+                    continue
+                df = t.to_pandas()
                 df["step"] = step
                 frames.append(df)
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": []})
