@@ -119,3 +119,19 @@ def test_ctrl_c_stops_with_one_line_and_status_130(tmp_path):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert lines[-1] == "triage-monitor demo: interrupted (Ctrl-C); stopped", err
     assert sum("interrupted" in ln for ln in lines) == 1
+
+
+def test_every_command_names_unreadable_files(tmp_path, capsys):
+    """A truncated steps/ Parquet file: analyze, alerts and report say how many files were skipped and
+    which; the report shows them in the page too."""
+    run = tmp_path / "run"
+    _write(run, range(8))
+    bad = next(f for f in sorted((run / "steps").rglob("*.parquet")) if "3" in f.relative_to(run / "steps").parts[0]
+               or "-3-" in f.name)
+    bad.write_bytes(bad.read_bytes()[: len(bad.read_bytes()) // 2])
+    for cmd, extra in (("analyze", []), ("alerts", []), ("report", ["-o", str(tmp_path / "r.html"), "--draws", "9"])):
+        main([cmd, str(run), *extra])
+        err = capsys.readouterr().err
+        assert f"triage-monitor {cmd}: warning: 1 unreadable file(s)" in err and str(bad) in err, (cmd, err)
+    html = (tmp_path / "r.html").read_text()
+    assert "1 unreadable file(s)" in html and bad.name in html

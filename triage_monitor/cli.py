@@ -438,6 +438,16 @@ def run_command(command: str, fn, args) -> int:
     except OSError as exc:          # a read or write the OS refused (the message names the path)
         exits.error(command, exc)
         return exits.OUTPUT_ERROR
+    except Exception as exc:
+        # the run writer's start checks (records.OutputError): an unwritable output is an I/O error (3); a
+        # directory holding another run, or a rank another live process writes, is a usage error (2)
+        from . import records
+
+        if not isinstance(exc, getattr(records, "OutputError", ())):
+            raise
+        exits.error(command, exc)
+        return exits.OUTPUT_ERROR if isinstance(exc, getattr(records, "UnwritableOutputError", ())) \
+            else exits.INPUT_ERROR
 
 
 def main(argv=None) -> int:
