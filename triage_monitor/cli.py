@@ -198,7 +198,9 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
         console.print(f"[green]all {len(cmp)} metrics equal the live values[/green]")
         return exits.OK
     explained, reasons = resume_explanations(run, live, df)
-    unexplained = [m for m in bad["metric"] if _differing_steps(live, df, m) - explained.get(m, set())]
+    skipped = _provisional_skips(live, df, int(df.attrs.get("window") or run.config.window))
+    unexplained = [m for m in bad["metric"]
+                   if _differing_steps(live, df, m) - explained.get(m, set()) - skipped.get(m, set())]
     console.print(f"[yellow]{len(bad)} metrics differ from the live values:[/yellow]")
     console.print(bad.to_string(index=False))
     for line in reasons:
@@ -221,6 +223,19 @@ def _differing_steps(live, rec, metric: str, rtol: float = 1e-9) -> set:
     with np.errstate(invalid="ignore", divide="ignore"):
         same = (np.isnan(a) & np.isnan(b)) | (np.abs(a - b) <= rtol * np.maximum(np.abs(a), np.abs(b)))
     return set(m["step"].to_numpy()[~same].tolist())
+
+
+def _provisional_skips(live, rec, window: int) -> dict:
+    """{metric: steps} that :func:`~triage_monitor.analysis.compare_live` leaves out: the τ-dependent metrics
+    of live steps with a provisional τ_tail, and of the windows holding one (frozen τ mode only)."""
+    from .analysis import TAU_DEPENDENT
+
+    if rec.attrs.get("tau_mode", "frozen") != "frozen" or "tau_tail_frozen" not in live.columns:
+        return {}
+    prov = set(live.loc[live["tau_tail_frozen"].astype(float) == 0, "step"].astype(int))
+    steps = set(live["step"].astype(int))
+    win = {s for s in steps if any(s - window < p <= s for p in prov)}
+    return {**{m: prov for m in TAU_DEPENDENT}, **{f"window/{m}": win for m in TAU_DEPENDENT}}
 
 
 def resume_explanations(run, live, rec) -> tuple:
@@ -255,6 +270,9 @@ def resume_explanations(run, live, rec) -> tuple:
     tau_steps = set()
     if "tau_tail" in live.columns and "tau_tail" in rec.columns:
         tau_steps = _differing_steps(live, rec, "tau_tail")
+        if "tau_tail_frozen" in live.columns:      # provisional steps are left out by compare_live already
+            frozen = set(live.loc[live["tau_tail_frozen"].astype(float) == 1, "step"].astype(int))
+            tau_steps &= frozen
     if tau_steps:
         n_cal = int(run.config.calibration_steps)
         replaced = [s for s in steps[:n_cal] if cal.get("attempt") is not None and att[s] != cal.get("attempt")]
