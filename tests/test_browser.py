@@ -250,6 +250,10 @@ def test_report_renders_offline(demo_run_dir, tmp_path):
         b.wait_for("document.readyState == 'complete'", timeout=60)
         assert b.wait_for(f"({CHARTS_JS} >= 8) && {CHARTS_JS}", timeout=30) == 8
         assert b.eval("document.querySelectorAll('table.stage-table tbody tr').length") == 4
+        # the whole stage table fits a 1,500 px window: no column is cut off behind a scroll bar
+        fit = b.eval("(() => { const t = document.querySelector('table.stage-table');"
+                     " return [t.scrollWidth, t.parentElement.clientWidth]; })()")
+        assert fit[0] <= fit[1], fit
         b.screenshot(ARTIFACTS / "browser" / "report.png")
     finally:
         b.close()
