@@ -51,3 +51,97 @@ def test_truncated_parquet_files_are_counted_named_and_logged(tmp_path, caplog):
     assert all(reason for _, reason in run.unreadable)
     warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
     assert len(warned) == 2 and str(bad_step) in warned[0] and str(bad_tok) in warned[1]
+
+
+# ============================================================================ four plain readers
+def _run_with_every_table(d):
+    """Two ranks, steps 0-11 (step 2 quarantines a NaN token, an alert fires at steps >= 9), then a resumed
+    attempt that redoes steps 10-11 on rank 0 alone."""
+    from triage_monitor.alerts import AlertEngine
+    from triage_monitor.alert_rules import Rule
+
+    def batch(step, rank):
+        b = _batch(10 * step + rank)
+        if step == 2:
+            lp = b.learner_logp.clone()
+            lp[0] = float("nan")
+            return TokenBatch.from_flat(lp, b.sampler_logp, b.advantage, b.sample_id[b.sample_index], b.position,
+                                        on_invalid="quarantine")
+        return b
+
+    cfg = MonitorConfig(window=2, calibration_steps=2)
+    rule = Rule(name="late", metric="reward", condition="above", threshold=8.5, level="WARN")
+    for rank in (0, 1):
+        with MismatchMonitor(d, cfg, rank=rank, attempt=1, alerts=AlertEngine([rule], sinks=[])) as mon:
+            for s in range(12):
+                mon.log_step(s, batch(s, rank), extra={"reward": float(s)})
+    with MismatchMonitor(d, cfg, rank=0, attempt=2, alerts=AlertEngine([rule], sinks=[])) as mon:
+        for s in (10, 11):
+            mon.log_step(s, batch(s, 0), extra={"reward": float(s) - 5})     # no alert any more
+
+
+def test_every_table_reads_with_pandas_pyarrow_duckdb_and_polars(tmp_path):
+    import duckdb
+    import numpy as np
+    import pandas as pd
+    import polars as pl
+    import pyarrow.dataset as ds
+
+    d = tmp_path / "run"
+    _run_with_every_table(d)
+    run = open_run(d)
+    # what each table holds, worked out from the writes above: steps 0-9 on both ranks from attempt 1, steps
+    # 10-11 of rank 0 from attempt 2 (replacing attempt 1's), steps 10-11 of rank 1 still from attempt 1
+    expected_steps = sorted([(s, r, 1) for s in range(10) for r in (0, 1)] + [(s, 0, 2) for s in (10, 11)]
+                            + [(s, 1, 1) for s in (10, 11)])
+    expected = {
+        "steps": expected_steps,
+        "tokens": expected_steps,
+        "quarantine": [(2, 0, 1), (2, 1, 1)],
+        "alerts": [(9, 0, 1), (9, 1, 1)],           # the rule fires once when reward crosses 8.5
+    }
+    def n_rows(table, step):         # 4 × 32 tokens a step, one of step 2 quarantined; one row in the others
+        return (4 * 32 - (step == 2)) if table == "tokens" else 1
+
+    for table, keys in expected.items():
+        path = d / table
+        frames = {
+            "pandas": pd.read_parquet(path),
+            "pyarrow": ds.dataset(path, format="parquet").to_table().to_pandas(),
+            "duckdb": duckdb.sql(f"SELECT * FROM read_parquet('{path}/*.parquet')").df(),
+            "polars": pl.read_parquet(path).to_pandas(),
+        }
+        for reader, df in frames.items():
+            where = f"{table} read by {reader}"
+            for col in ("step", "rank", "attempt"):
+                assert df[col].dtype == np.int64, (where, col, df[col].dtype)
+            got = df.groupby(["step", "rank", "attempt"]).size()
+            assert sorted(got.index) == keys, where
+            assert got.tolist() == [n_rows(table, k[0]) for k in sorted(got.index)], where
+            assert len(df.columns) == len(frames["pandas"].columns), where      # one schema per table
+            assert (df.sort_values("step")["step"].diff().dropna() >= 0).all()  # numeric order, not 0, 1, 10, 11
+            assert len(df[df.step > 9]) == sum(n_rows(table, k[0]) for k in keys if k[0] > 9), where
+    steps = pd.read_parquet(d / "steps")
+    assert steps["reward"].dtype == np.float64 and steps["alignment_suspect"].isna().sum() > 0
+    latest = steps[steps.attempt == steps.groupby("step").attempt.transform("max")]    # the reader's rule
+    live = run.steps(rank=None)
+    assert sorted(zip(latest.step, latest["rank"])) == sorted(zip(live.step, live["rank"]))
+    assert live.set_index(["step", "rank"]).loc[(10, 0), "reward"] == 5.0
+    assert sorted(run.alerts()["step"]) == [9, 9]
+
+
+def test_old_hive_layout_still_reads(tmp_path):
+    import pyarrow as pa
+
+    from triage_monitor.records import write_json_atomic, write_table_atomic
+
+    d = tmp_path / "old"
+    write_json_atomic({"schema_version": 2, "tool": "triage-monitor", "monitor_config": {}}, d / "run.json")
+    for step in range(3):
+        for attempt in (1, 2) if step == 1 else (1,):
+            write_table_atomic(pa.table({"x": [float(10 * step + attempt)], "attempt": [attempt]}),
+                               d / "steps" / f"step={step}" / "rank=0" / f"part-{attempt}.parquet")
+    run = open_run(d)
+    assert run.steps()["x"].tolist() == [1.0, 12.0, 21.0] and run.steps()["step"].tolist() == [0, 1, 2]
+    with pytest.raises(Exception, match="older step=/rank= directory layout"):
+        MismatchMonitor(d)
