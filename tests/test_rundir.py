@@ -145,3 +145,112 @@ def test_old_hive_layout_still_reads(tmp_path):
     assert run.steps()["x"].tolist() == [1.0, 12.0, 21.0] and run.steps()["step"].tolist() == [0, 1, 2]
     with pytest.raises(Exception, match="older step=/rank= directory layout"):
         MismatchMonitor(d)
+
+
+# ============================================================================ one writer per rank
+HOLDER = """
+import sys, time
+from triage_monitor.monitor import MismatchMonitor
+mon = MismatchMonitor(sys.argv[1], rank=int(sys.argv[2]))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(d, rank=0):
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(d), str(rank)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line.strip() == "ready", p.stderr.read()
+    return p
+
+
+def test_a_second_process_writing_the_same_rank_is_refused_at_start(tmp_path):
+    import signal
+
+    from triage_monitor.records import RunLockedError
+
+    d = tmp_path / "run"
+    p = _holder(d, rank=0)
+    try:
+        with pytest.raises(RunLockedError, match=f"rank 0 .*pid {p.pid}") as err:
+            MismatchMonitor(d, rank=0)
+        assert str(d) in str(err.value)
+        with MismatchMonitor(d, rank=1) as mon:         # another rank of the same run: allowed
+            mon.log_step(0, _batch(0))
+        # the holder is killed (no close, no cleanup): the OS releases its lock, the next writer starts
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        assert p.returncode == -signal.SIGKILL
+        with MismatchMonitor(d, rank=0) as mon:
+            mon.log_step(0, _batch(0))
+        assert open_run(d).steps()["step"].tolist() == [0]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_monitor_left_open_in_this_process_is_taken_over(tmp_path, caplog):
+    d = tmp_path / "run"
+    MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)).log_step(0, _batch(0))   # never closed (a notebook cell run twice)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        _write(d, steps=1)
+    assert any("was not closed" in r.getMessage() for r in caplog.records)
+
+
+# ============================================================================ one run per directory
+def test_another_configuration_is_refused_naming_the_keys_and_the_way_out(tmp_path):
+    from triage_monitor.records import RunConflictError
+
+    d = tmp_path / "run"
+    _write(d, steps=3, manifest={"correction": "triage", "seed": 1})
+    before = sorted(p.name for p in (d / "steps").iterdir())
+    with pytest.raises(RunConflictError) as err:               # what was trained differs
+        _write(d, steps=1, manifest={"correction": "none", "seed": 5})
+    msg = str(err.value)
+    assert "correction: 'triage' -> 'none'" in msg and "seed: 1 -> 5" in msg
+    assert "--resume" in msg and "--force" in msg and "new directory" in msg
+    assert err.value.differences == {"correction": ("triage", "none"), "seed": (1, 5)}
+    with pytest.raises(RunConflictError, match=r"monitor_config.window: 2 -> 3") as err:   # how it is measured
+        with MismatchMonitor(d, MonitorConfig(window=3, calibration_steps=2),
+                             manifest={"correction": "triage", "seed": 1}):
+            pass
+    assert "--resume" not in str(err.value)                # a metric configuration cannot be resumed into
+    assert sorted(p.name for p in (d / "steps").iterdir()) == before     # nothing written by the refused ones
+    assert len(open_run(d).manifest.attempts) == 1
+
+
+def test_same_configuration_continues_as_a_new_attempt_and_resume_records_changes(tmp_path):
+    d = tmp_path / "run"
+    _write(d, steps=4, manifest={"correction": "triage", "seed": 1, "note": "free text"})
+    _write(d, steps=2, manifest={"correction": "triage", "seed": 1, "note": "other text"})   # not an identity key
+    _write(d, steps=2, manifest={"correction": "none", "seed": 1}, resume=True)
+    run = open_run(d)
+    assert [a.get("changed") for a in run.manifest.attempts] == [None, None, {"correction": ["triage", "none"]}]
+    assert run.steps()["step"].tolist() == [0, 1, 2, 3]
+    assert run.steps()["attempt"].nunique() == 2            # steps 0-1 of the last attempt, 2-3 of the first
+
+
+def test_force_moves_the_old_run_aside_and_starts_a_new_one(tmp_path):
+    d = tmp_path / "run"
+    _write(d, steps=6, manifest={"correction": "triage"})
+    _write(d, steps=3, manifest={"correction": "none"}, force=True)
+    run = open_run(d)
+    assert run.steps()["step"].tolist() == [0, 1, 2] and len(run.manifest.attempts) == 1
+    assert run.manifest.info["correction"] == "none"
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1
+    old = open_run(aside[0])
+    assert old.steps()["step"].tolist() == list(range(6)) and old.manifest.info["correction"] == "triage"
+
+
+def test_unwritable_output_names_the_path_and_reason(tmp_path):
+    from triage_monitor.records import OutputError, UnwritableOutputError, probe_writable
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UnwritableOutputError, match=r"file/out: cannot write the output directory: Not a directory"):
+        probe_writable(tmp_path / "file" / "out")
+    assert issubclass(UnwritableOutputError, OutputError)
