@@ -254,3 +254,66 @@ def test_unwritable_output_names_the_path_and_reason(tmp_path):
     with pytest.raises(UnwritableOutputError, match=r"file/out: cannot write the output directory: Not a directory"):
         probe_writable(tmp_path / "file" / "out")
     assert issubclass(UnwritableOutputError, OutputError)
+
+
+# ============================================================================ the commands that write a run
+def _token_table(path, steps=3, shift=0.0):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(int(shift * 10))
+    n = 4 * 16
+    df = pd.DataFrame({"step": np.repeat(np.arange(steps), n), "sample_id": np.tile(np.repeat(np.arange(4), 16), steps),
+                       "position": np.tile(np.arange(16), 4 * steps),
+                       "sampler_logp": -rng.random(n * steps), "advantage": np.ones(n * steps)})
+    df["learner_logp"] = (df["sampler_logp"] + shift).clip(upper=0)
+    df.to_parquet(path)
+    return path
+
+
+def test_import_into_a_run_of_another_source_is_refused_then_forced(tmp_path, capsys):
+    from triage_monitor.cli import main
+
+    a, b, out = _token_table(tmp_path / "a.parquet"), _token_table(tmp_path / "b.parquet", 2, 0.1), tmp_path / "run"
+    assert main(["import", "table", str(a), "--out", str(out)]) == 0
+    assert main(["import", "table", str(b), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"imported_from: '{a}' -> '{b}'" in err and "--force" in err
+    assert open_run(out).steps()["step"].tolist() == [0, 1, 2]           # untouched
+    assert main(["import", "table", str(a), "--out", str(out)]) == 0     # the same import again: a new attempt
+    assert len(open_run(out).manifest.attempts) == 2
+    assert main(["import", "table", str(b), "--out", str(out), "--force"]) == 0
+    assert open_run(out).steps()["step"].tolist() == [0, 1]
+    assert len(list(tmp_path.glob("run.replaced-*"))) == 1
+
+
+def test_import_into_a_read_only_directory_fails_at_start_naming_path_and_reason(tmp_path, capsys):
+    from triage_monitor.cli import main
+
+    src = _token_table(tmp_path / "a.parquet")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["import", "table", str(src), "--out", str(blocker / "run")]) == 2
+    out = capsys.readouterr()
+    assert f"{blocker / 'run'}: cannot write the output directory: Not a directory" in out.err
+    assert "imported" not in out.out
+
+
+def test_demo_into_a_run_of_another_correction_is_refused_before_training(tmp_path, capsys):
+    import time
+
+    from triage_monitor.cli import main
+
+    out = tmp_path / "demo"
+    small = ["--steps", "3", "--sft-steps", "5", "--prompts-per-step", "2", "--group-size", "4", "--eval-size", "4",
+             "--calibration-steps", "2", "--window", "2"]
+    assert main(["demo", "--out", str(out), *small]) == 0
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    assert main(["demo", "--out", str(out), *small, "--correction", "none", "--seed", "5"]) == 2
+    took = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert "correction: 'triage' -> 'none'" in err and "demo_config.seed: 0 -> 5" in err and "--resume" in err
+    assert took < 5                                      # refused before the SFT warm start and the GRPO steps
+    run = open_run(out)
+    assert run.manifest.info["correction"] == "triage" and run.steps()["step"].tolist() == [0, 1, 2]

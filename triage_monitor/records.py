@@ -524,6 +524,18 @@ def check_run_dir(run_dir, monitor_config: dict, info: dict, *, resume: bool = F
     return old
 
 
+def add_existing_run_arguments(parser) -> None:
+    """``--resume`` / ``--force`` (mutually exclusive) of the commands that write a run directory (``demo``,
+    ``import``): what to do with a run already in ``--out`` (:func:`check_run_dir`)."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run already in --out as a new attempt even if its model / task / correction / "
+                        "seed / source differ (the changes are recorded in run.json); the metric configuration "
+                        "must match")
+    g.add_argument("--force", action="store_true",
+                   help="start a new run in --out; a run already there is moved to <out>.replaced-<UTC time>")
+
+
 def _lock_path(run_dir, rank: int) -> Path:
     return Path(run_dir) / f".writer-rank-{int(rank)}.lock"
 
