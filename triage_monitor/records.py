@@ -495,11 +495,12 @@ def check_run_dir(run_dir, monitor_config: dict, info: dict, *, resume: bool = F
         RunLockedError: ``force`` while a process is writing the run.
     """
     p = probe_writable(run_dir)
-    if force and rank == 0 and _holds_run(p):
-        for lock in sorted(p.glob(".writer-rank-*.lock")):
-            _probe_lock(lock)
-        dest = _move_aside(p)
-        log.warning("triage-monitor: --force: the run that was in %s is now in %s; a new run starts", p, dest)
+    if force:                # rank 0 moves an existing run aside; the other ranks follow it without a check
+        if rank == 0 and _holds_run(p):
+            for lock in sorted(p.glob(".writer-rank-*.lock")):
+                _probe_lock(lock)
+            dest = _move_aside(p)
+            log.warning("triage-monitor: --force: the run that was in %s is now in %s; a new run starts", p, dest)
         return None
     if not (p / MANIFEST).exists():
         return None
@@ -659,7 +660,7 @@ class RunWriter:
                 old = check_run_dir(self.run_dir, monitor_config, info, resume=resume, force=True, rank=self.rank)
                 self._lock = acquire_writer_lock(self.run_dir, self.rank, self.attempt)
             else:
-                old = check_run_dir(self.run_dir, monitor_config, info, resume=resume, rank=self.rank)
+                old = check_run_dir(self.run_dir, monitor_config, info, resume=resume, force=force, rank=self.rank)
         except BaseException:
             release_writer_lock(self._lock)
             raise
