@@ -299,9 +299,8 @@ def test_import_into_a_read_only_directory_fails_at_start_naming_path_and_reason
     assert "imported" not in out.out
 
 
-def test_demo_into_a_run_of_another_correction_is_refused_before_training(tmp_path, capsys):
-    import time
-
+def test_demo_into_a_run_of_another_correction_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    import triage_monitor.demo.grpo as grpo
     from triage_monitor.cli import main
 
     out = tmp_path / "demo"
@@ -309,11 +308,28 @@ def test_demo_into_a_run_of_another_correction_is_refused_before_training(tmp_pa
              "--calibration-steps", "2", "--window", "2"]
     assert main(["demo", "--out", str(out), *small]) == 0
     capsys.readouterr()
-    t0 = time.perf_counter()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the SFT warm start ran although --out holds another run")
+
+    monkeypatch.setattr(grpo, "sft_warm_start", no_training)     # refused before any training work
     assert main(["demo", "--out", str(out), *small, "--correction", "none", "--seed", "5"]) == 2
-    took = time.perf_counter() - t0
     err = capsys.readouterr().err
     assert "correction: 'triage' -> 'none'" in err and "demo_config.seed: 0 -> 5" in err and "--resume" in err
-    assert took < 5                                      # refused before the SFT warm start and the GRPO steps
     run = open_run(out)
     assert run.manifest.info["correction"] == "triage" and run.steps()["step"].tolist() == [0, 1, 2]
+
+
+def test_a_hook_into_a_run_of_another_framework_is_refused_when_its_monitor_starts(tmp_path):
+    from triage_monitor.hooks._runtime import HookSettings, WorkerRuntime
+    from triage_monitor.records import RunConflictError
+
+    d = tmp_path / "run"
+    _write(d, steps=2, manifest={"framework": "trl"})
+    cfg = MonitorConfig(window=2, calibration_steps=2)
+    with pytest.raises(RunConflictError, match="framework: 'trl' -> 'verl'"):
+        WorkerRuntime(HookSettings(run_dir=str(d), monitor=cfg, manifest={"framework": "verl"}, rank=0)).monitor
+    rt = WorkerRuntime(HookSettings(run_dir=str(d), monitor=cfg, manifest={"framework": "verl"}, rank=0, resume=True))
+    assert rt.monitor is not None
+    rt.close()
+    assert open_run(d).manifest.attempts[-1]["changed"] == {"framework": ["trl", "verl"]}
