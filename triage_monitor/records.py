@@ -25,7 +25,7 @@ Files appear atomically: each is written under a hidden temporary name (``.tmp-*
 dataset discovery skips) and renamed, so a killed job leaves only complete files.  Writes happen on a
 background thread behind a queue bounded in bytes; once started, the writer never raises into the training
 loop: it counts, warns once and degrades (:class:`ParquetSink`).  What can be checked before training does
-raise, at start (:class:`RunWriter`, :class:`RunDirWriteError`): an unwritable directory, a directory that
+raise, at start (:class:`RunWriter`, :class:`OutputError`): an unwritable directory, a directory that
 holds a run of another configuration, a second live writer of the same rank.
 """
 
