@@ -25,7 +25,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .records import MANIFEST, RunManifest, read_manifest
+from .records import MANIFEST, RunManifest, parse_table_file, read_manifest
 
 log = logging.getLogger("triage_monitor.analysis")
 
@@ -48,17 +48,23 @@ def _hive_int(p: Path, prefix: str):
 
 
 def _parts(root: Path) -> dict:
-    """{step: [(rank, path), ...]} of the complete (non-hidden) Parquet files under ``root``.
+    """{step: [(rank, path), ...]} of the complete (non-hidden) Parquet files of table directory ``root``.
 
-    Entries that are not ``step=<int>/rank=<int>/*.parquet`` files are skipped."""
+    Reads the flat layout (``step-<S>-rank-<R>.parquet``, manifest schema 3) and the older hive layout
+    (``step=<S>/rank=<R>/part-<attempt>.parquet``); other entries are skipped."""
     out: dict = {}
     if not root.is_dir():
         return out
-    for step_dir in root.iterdir():
-        step = _hive_int(step_dir, "step=")
+    for entry in root.iterdir():
+        key = parse_table_file(entry.name)
+        if key is not None:
+            if entry.is_file():
+                out.setdefault(key[0], []).append((key[1], entry))
+            continue
+        step = _hive_int(entry, "step=")
         if step is None:
             continue
-        for rank_dir in step_dir.iterdir():
+        for rank_dir in entry.iterdir():
             rank = _hive_int(rank_dir, "rank=")
             if rank is None:
                 continue
@@ -68,14 +74,25 @@ def _parts(root: Path) -> dict:
     return out
 
 
-def _latest_attempt(files: list) -> list:
-    """The files of the step's latest attempt (``part-<attempt>.parquet``), every rank of it, by rank.
+def _rank_of(f: Path) -> int:
+    """The rank of a table file of either layout."""
+    key = parse_table_file(f.name)
+    return key[1] if key is not None else int(f.parent.name[5:])
 
-    All ranks of one process start share one attempt id (MismatchMonitor broadcasts rank 0's), so a
-    step redone by a resumed job, even on fewer ranks, is read from the new attempt alone.
-    Files whose name is not ``part-<int>.parquet`` are skipped."""
+
+def _latest_attempt(files: list) -> list:
+    """The files to read of one step, every rank, by rank.
+
+    The files of the step's latest attempt (``...-attempt-<A>.parquet``, or ``part-<A>.parquet`` in the older
+    hive layout): all ranks of one process start share one attempt id, so a step redone by a resumed job, even
+    on fewer ranks, is read from the new attempt alone; hive files whose name is not ``part-<int>.parquet`` are
+    skipped."""
     parsed = []
     for rank, f in files:
+        key = parse_table_file(f.name)
+        if key is not None:
+            parsed.append((key[2], rank, f))
+            continue
         try:
             parsed.append((int(f.stem.split("-", 1)[1]), rank, f))
         except (IndexError, ValueError):
@@ -158,7 +175,9 @@ class Run:
             t = self._read(f, columns)
             if t is None:
                 continue
-            tables.append(t.append_column("rank", pa.array([int(f.parent.name[5:])] * t.num_rows, pa.int32())))
+            if "rank" not in t.column_names:      # hive layout: the rank is in the directory name
+                t = t.append_column("rank", pa.array([_rank_of(f)] * t.num_rows, pa.int64()))
+            tables.append(t)
         if not tables:
             raise KeyError(f"step {step}: every token file is unreadable ({', '.join(map(str, files))})")
         df = pa.concat_tables(tables, promote_options="default").to_pandas()
@@ -197,7 +216,7 @@ class Run:
         rows = []
         for step, files in sorted(_parts(self.path / "steps").items()):
             for f in _latest_attempt(files):
-                r = _hive_int(f.parent, "rank=")
+                r = _rank_of(f)
                 if rank is not None and r != rank:
                     continue
                 t = self._read(f)
@@ -225,7 +244,7 @@ class Run:
                 if t is None:
                     continue
                 df = t.to_pandas()
-                df["step"] = step
+                df["step"], df["rank"] = step, _rank_of(f)
                 frames.append(df)
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": []})
 

@@ -32,6 +32,7 @@ import torch
 
 from .batch import TokenBatch
 from .monitor import MismatchMonitor, MonitorConfig
+from .records import OutputError, UnwritableOutputError, add_existing_run_arguments, probe_writable
 
 REQUIRED = ("step", "sample_id", "learner_logp", "sampler_logp", "advantage")
 OPTIONAL = ("position", "mask", "group_id")
@@ -317,10 +318,15 @@ def table_steps(df: pd.DataFrame, mapping: Dict[str, str],
 
 # ------------------------------------------------------------------- write
 def write_run(steps: Iterable[Tuple[int, TokenBatch]], run_dir, manifest: dict,
-              config: Optional[MonitorConfig] = None) -> int:
-    """Log every ``(step, batch)`` through a MismatchMonitor into ``run_dir``; returns the number of steps."""
+              config: Optional[MonitorConfig] = None, *, resume: bool = False, force: bool = False) -> int:
+    """Log every ``(step, batch)`` through a MismatchMonitor into ``run_dir``; returns the number of steps.
+
+    Raises:
+        triage_monitor.records.OutputError: ``run_dir`` cannot be written or holds another run (``resume`` /
+            ``force``: :class:`~triage_monitor.monitor.MismatchMonitor`), before the first step is logged.
+    """
     n = 0
-    with MismatchMonitor(run_dir, config or MonitorConfig(), manifest=manifest) as mon:
+    with MismatchMonitor(run_dir, config or MonitorConfig(), manifest=manifest, resume=resume, force=force) as mon:
         for step, batch in steps:
             mon.log_step(step, batch)
             n += 1
@@ -342,6 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"column of each field; fields: {', '.join(REQUIRED + OPTIONAL)} (default: same name)")
     for p in (s, t):
         p.add_argument("--out", required=True, help="run directory to write")
+        add_existing_run_arguments(p)
         p.add_argument("--on-invalid", default="quarantine", choices=("quarantine", "raise"),
                        help="invalid tokens (NaN, positive, sentinel log-probs): count and exclude, or stop")
         p.add_argument("--window", type=int, default=25, help="trailing window in steps (default: %(default)s)")
@@ -367,6 +374,7 @@ def run_cli(args: argparse.Namespace) -> int:
         exits.error("import", exc)
         return exits.INPUT_ERROR
     try:
+        probe_writable(args.out)                 # an unwritable --out fails before the input is read
         if args.source == "slime":
             files = sorted({f for p in args.paths for f in (glob.glob(p) or [p])})
             missing = [f for f in files if not Path(f).exists()]
@@ -385,11 +393,11 @@ def run_cli(args: argparse.Namespace) -> int:
             manifest = {"framework": "table", "imported_from": str(args.path), "column_map": mapping}
         if not steps:
             raise ValueError(f"{getattr(args, 'path', None) or ', '.join(args.paths)}: no step to import (no rows)")
-        n = write_run(_with_progress(steps), args.out, manifest, cfg)
-    except PermissionError as exc:
+        n = write_run(_with_progress(steps), args.out, manifest, cfg, resume=args.resume, force=args.force)
+    except (PermissionError, UnwritableOutputError) as exc:
         exits.error("import", exc)
         return exits.OUTPUT_ERROR
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, OutputError) as exc:     # OutputError here: another run in --out, a locked rank
         exits.error("import", exc)
         return exits.INPUT_ERROR
     print(f"imported {n} step(s) into {args.out}")
