@@ -152,7 +152,7 @@ def test_import_table_csv_format_help_and_monitor_options(tmp_path, capsys):
     assert main(["import", "table", str(tmp_path / "x.csv"), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "triage-monitor import: error: " in err and "x.csv" in err and "Parquet" in err
-    assert "magic bytes" not in err and not (tmp_path / "o").exists()
+    assert "magic bytes" not in err and not (tmp_path / "o" / "run.json").exists()
     (tmp_path / "fake.parquet").write_text("step,sample_id\n0,0\n")
     assert main(["import", "table", str(tmp_path / "fake.parquet"), "--out", str(tmp_path / "o")]) == 2
     assert "fake.parquet: not readable as parquet" in capsys.readouterr().err
