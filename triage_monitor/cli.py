@@ -64,8 +64,10 @@ def study_add_arguments(parser: argparse.ArgumentParser) -> None:
     (defaulting to the study's job, :data:`triage_monitor.demo.study.STUDY_BASE`)."""
     from .demo import add_arguments as demo_options
     from .demo.study import ARMS, QUICK, STUDY_BASE
+    from .records import add_existing_run_arguments
 
     parser.add_argument("--out", default="runs/study", help="output directory (default: %(default)s)")
+    add_existing_run_arguments(parser)
     parser.add_argument("--arms", default=None,
                         help=f"comma-separated arms out of {','.join(ARMS)} (default: all)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2)")
@@ -100,7 +102,7 @@ def study_run_cli(args: argparse.Namespace) -> int:
         if args.rejudge:
             rejudge(cfg, args.out)
             return 0
-        run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs)
+        run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs, resume=args.resume, force=args.force)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     return 0
@@ -445,7 +447,7 @@ def run_command(command: str, fn, args) -> int:
     """Run one command's ``run_cli(args)`` under the exit-status convention of :mod:`triage_monitor.exits`:
     :class:`~triage_monitor.exits.CommandError` → its code, an OS error → 3, Ctrl-C → 130, each as one
     line on stderr (``triage-monitor <command>: ...``), never a traceback."""
-    from . import exits
+    from . import exits, records
 
     try:
         return int(fn(args) or 0)
@@ -458,16 +460,11 @@ def run_command(command: str, fn, args) -> int:
     except OSError as exc:          # a read or write the OS refused (the message names the path)
         exits.error(command, exc)
         return exits.OUTPUT_ERROR
-    except Exception as exc:
-        # the run writer's start checks (records.OutputError): an unwritable output is an I/O error (3); a
-        # directory holding another run, or a rank another live process writes, is a usage error (2)
-        from . import records
-
-        if not isinstance(exc, getattr(records, "OutputError", ())):
-            raise
+    except records.OutputError as exc:
+        # the run writer's start checks: an unwritable output is an I/O error (3); a directory holding another
+        # run, or a rank another live process writes, is a usage error (2)
         exits.error(command, exc)
-        return exits.OUTPUT_ERROR if isinstance(exc, getattr(records, "UnwritableOutputError", ())) \
-            else exits.INPUT_ERROR
+        return exits.OUTPUT_ERROR if isinstance(exc, records.UnwritableOutputError) else exits.INPUT_ERROR
 
 
 def main(argv=None) -> int:
