@@ -251,31 +251,27 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "") -
         ValueError: a (sample_id, position) pair occurs twice in a file (named by ``path_hint``).
     """
     import numpy as np
-    import torch
 
-    from .metrics import MismatchStats
+    from .metrics import SUM_FIELDS, MismatchStats
+    from .state_kernel import BOTH, MAGNITUDE, OK, update_state
 
     stats = MismatchStats(config)
+    state = stats.state.numpy()
+    kw = dict(mode=MAGNITUDE if math.isnan(tau_tail) else BOTH, tau_tail=tau_tail, width=config.segment_width,
+              small_gap_threshold=config.small_gap_threshold, heavy_fraction=config.heavy_fraction,
+              dilution_threshold=config.dilution_threshold)
     for sid, pos, lp, sp, adv in parts:
         if sid.size == 0:
             continue
-        dsid, dpos = np.diff(sid), np.diff(pos)
-        if not bool(((dsid > 0) | ((dsid == 0) & (dpos > 0))).all()):
-            order = np.lexsort((pos, sid))
-            sid, pos, lp, sp, adv = sid[order], pos[order], lp[order], sp[order], adv[order]
-            dsid, dpos = np.diff(sid), np.diff(pos)
-            if bool(((dsid == 0) & (dpos == 0)).any()):
-                raise ValueError(f"{path_hint}: a (sample_id, position) pair occurs twice in the token records")
-        new = np.empty(sid.size, dtype=np.int64)
-        new[0] = 0
-        np.not_equal(sid[1:], sid[:-1], out=new[1:])
-        sample_index = np.cumsum(new)
-        with warnings.catch_warnings():      # pyarrow's arrays are read-only; the tensors are only read
-            warnings.simplefilter("ignore", UserWarning)
-            f32 = (lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
-            delta = f32(lp) - f32(sp)
-            stats.update_flat(delta, f32(adv), torch.from_numpy(sample_index), torch.from_numpy(pos.astype(np.int64)),
-                              int(sample_index[-1]) + 1, tau_tail)
+        # δ in float32 exactly as TokenBatch.delta; a response is a run of equal sample ids (the kernel checks
+        # the (sample_id, position) order and refuses other orders, which are sorted here first)
+        delta = np.subtract(lp, sp, dtype=np.float32)
+        if update_state(state, stats.layout.slices, SUM_FIELDS, delta, adv, sid, pos, -1, **kw) == OK:
+            continue
+        order = np.lexsort((pos, sid))
+        sid, pos, delta, adv = sid[order], pos[order], delta[order], adv[order]
+        if update_state(state, stats.layout.slices, SUM_FIELDS, delta, adv, sid, pos, -1, **kw) != OK:
+            raise ValueError(f"{path_hint}: a (sample_id, position) pair occurs twice in the token records")
     return stats.state.numpy()
 
 

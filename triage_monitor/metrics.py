@@ -32,7 +32,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from . import calibration, sketch
+from . import calibration, sketch, state_kernel
 from .batch import TokenBatch
 from .config import MetricConfig
 
@@ -351,16 +351,43 @@ class MismatchStats:
             num_samples: S.
             tau_tail: τ_tail (nats) or NaN (no localisation).
         """
+        if self._fused(delta, advantage, sample_index, position, num_samples,
+                       state_kernel.MAGNITUDE if math.isnan(tau_tail) else state_kernel.BOTH, tau_tail):
+            self.tau_tail = float(tau_tail)
+            return self
         prepared = self.add_magnitude(delta, advantage, sample_index, num_samples)
         if not math.isnan(tau_tail):
             self.add_localisation(delta, advantage, sample_index, position, num_samples, tau_tail, prepared)
         self.tau_tail = float(tau_tail)
         return self
 
+    #: Update a CPU state with the one-pass kernel of :mod:`triage_monitor.state_kernel` (False: the torch
+    #: operations, as on an accelerator; the tests compare the two).
+    use_kernel = True
+
+    def _fused(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Optional[Tensor],
+               num_samples: int, mode: int, tau_tail: float = math.nan) -> bool:
+        """Apply the one-pass CPU kernel when the state and the inputs live on the CPU; False otherwise
+        (the caller then runs the torch operations)."""
+        if not (self.use_kernel and self.device.type == "cpu" and delta.device.type == "cpu"):
+            return False
+        cfg = self.config
+        pos = position if position is not None else torch.zeros_like(sample_index)
+        as_np = (lambda t, dt: t.detach().to(dt).contiguous().numpy())
+        status = state_kernel.update_state(
+            self.state.numpy(), self.layout.slices, SUM_FIELDS, as_np(delta, torch.float32),
+            as_np(advantage, torch.float32), as_np(sample_index, torch.int64), as_np(pos, torch.int64),
+            int(num_samples), mode=mode, tau_tail=tau_tail, width=cfg.segment_width,
+            small_gap_threshold=cfg.small_gap_threshold, heavy_fraction=cfg.heavy_fraction,
+            dilution_threshold=cfg.dilution_threshold)
+        return status == state_kernel.OK
+
     def add_magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, num_samples: int) -> dict:
         """The τ-independent part of :meth:`update_flat` (magnitude, direction, sketch, min/max).
 
         Returns the per-response intermediates that :meth:`add_localisation` reuses (``prepared``)."""
+        if self._fused(delta, advantage, sample_index, None, num_samples, state_kernel.MAGNITUDE):
+            return {"fused": True}
         chunks = _chunks(sample_index, int(num_samples), delta.device)
         prepared = []
         for a, b, s0, s1 in chunks:
@@ -411,9 +438,12 @@ class MismatchStats:
                          num_samples: int, tau_tail: float, prepared: Optional[dict] = None) -> None:
         """The τ_tail-dependent part of :meth:`update_flat`: segment sums and the C_tok table
         (``prepared``: what :meth:`add_magnitude` returned for the same batch, to skip recomputing it)."""
+        if self._fused(delta, advantage, sample_index, position, num_samples, state_kernel.LOCALISATION,
+                       tau_tail):
+            return
         cfg = self.config
         W = cfg.segment_width
-        if prepared is None:
+        if prepared is None or "chunks" not in prepared:
             prepared = {"chunks": _chunks(sample_index, int(num_samples), delta.device)}
         per_chunk = prepared.get("per_chunk") or [None] * len(prepared["chunks"])
         cells, sums = [], torch.zeros(len(_LOC_FIELDS), dtype=torch.float64)
