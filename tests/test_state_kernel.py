@@ -92,3 +92,20 @@ def test_unsorted_rows_fall_back_to_torch_order_check():
     status = K.update_state(st.state.numpy(), st.layout.slices, SUM_FIELDS, *args, mode=K.BOTH, tau_tail=-0.2,
                             width=16, small_gap_threshold=0.05, heavy_fraction=0.1, dilution_threshold=0.05)
     assert status == K.UNSORTED and np.array_equal(st.state.numpy(), before)
+
+
+def test_pieces_and_threads_do_not_change_the_state(monkeypatch):
+    """A batch is cut into response-aligned pieces whose sums are added in piece order: the state is the same
+    bits on 1 or 2 threads, and its counts equal the one-piece state's."""
+    from triage_monitor import state_kernel as K
+
+    cfg = MetricConfig(segment_width=16)
+    b = _batch(5, B=80, T=300)
+    whole = MismatchStats(cfg).update(b, -0.2)
+    monkeypatch.setattr(K, "PIECE_TOKENS", 500)
+    assert len(K._cuts(b.sample_index.numpy(), 500)) > 10
+    one = MismatchStats(cfg).update(b, -0.2)
+    monkeypatch.setattr(K, "THREADS", 2)
+    two = MismatchStats(cfg).update(b, -0.2)
+    assert np.array_equal(one.state.numpy(), two.state.numpy())
+    _assert_same(one, whole)

@@ -479,6 +479,8 @@ def _part(state, cfg):
 
 def _candidate_taus(run: Run, mode: str, steps: list, calib: list) -> Optional[dict]:
     """A guess of each step's τ_tail from what the live monitor recorded (None: nothing usable)."""
+    if mode != "live" and run.tau_tail is not None:         # the manifest's: no need to read the step rows
+        return {s: float(run.tau_tail) for s in steps}
     live = run.steps()
     if mode == "live":
         if "tau_tail" not in live.columns:

@@ -18,6 +18,7 @@ and the number of responses, not with their product.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 
 import numpy as np
@@ -33,6 +34,8 @@ OK, UNSORTED = 0, 1
 _SHIFT = np.int32(23 - sketch.MANTISSA_BITS)
 _KEY_LO = np.int32(sketch._KEY_LO - 1)
 _HALF = np.int32(sketch.HALF)
+_E20_SQ = math.exp(20.0) * math.exp(20.0)
+_EM20_SQ = math.exp(-20.0) * math.exp(-20.0)
 
 
 @njit(nogil=True, cache=True)
@@ -69,6 +72,7 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
     t_ln0 = 0.0
     t_ln1 = 0.0
     racc = np.zeros(9)
+    ebuf = np.empty(N)
     rcnt = np.zeros(9, np.int64)
     nonempty = 0
     l_valid = 0
@@ -99,7 +103,13 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
             for q in range(9):
                 racc[q] = 0.0
                 rcnt[q] = 0
-            while j < N and sid[j] == s:
+            # exp(δ) of the response first, in a loop of its own: a libm call inside the main loop would
+            # spill every accumulator around it
+            end = i
+            while end < N and sid[end] == s:
+                ebuf[end] = math.exp(np.float64(delta[end]))
+                end += 1
+            while j < end:
                 d32 = delta[j]
                 d = np.float64(d32)
                 a32 = adv[j]
@@ -109,11 +119,12 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
                 r_sad += ad
                 r_absa += aa
                 r_small += ad < small_thr
-                e = math.exp(d)
+                e = ebuf[j]
                 r_k3 += e - d - 1.0
-                if d > 20.0 or d < -20.0:                    # chi2_token clamps r = δ to ±20 before exp
-                    er = math.exp(20.0 if d > 0.0 else -20.0)
-                    r_e2 += er * er
+                if d > 20.0:                                 # chi2_token clamps r = δ to ±20 before exp
+                    r_e2 += _E20_SQ
+                elif d < -20.0:
+                    r_e2 += _EM20_SQ
                 else:
                     r_e2 += e * e
                 # quadrant key 3·sign(A) + sign(δ) + 4, as the torch path: 0 amp_neg, 8 amp_pos, 2 con_neg,
@@ -255,6 +266,43 @@ KERNEL_FIELDS = (
 )
 
 
+#: Tokens per piece: a batch is cut at the first response start at or after every multiple of this, the
+#: pieces are updated on :data:`THREADS` threads and their float sums added in piece order, so the state
+#: does not depend on the thread count (live and offline updates of one batch add the same partial sums).
+PIECE_TOKENS = 1 << 16
+#: Threads updating the pieces of one batch (the kernel releases the GIL).  1 by default: the offline map
+#: already overlaps the next step's Parquet decode with this update, and on a shared 2-core machine a
+#: second lane cost more CPU time than it saved wall time; raise it on an idle many-core machine.
+THREADS = 1
+
+_pool = None
+
+
+def _threads():
+    global _pool
+    if _pool is None:
+        _pool = cf.ThreadPoolExecutor(THREADS, thread_name_prefix="triage-monitor-state")
+    return _pool
+
+
+@njit(nogil=True, cache=True)
+def _cuts(sid, step):                                        # pragma: no cover - compiled
+    """Piece bounds: 0, the first response start at or after each multiple of ``step``, N."""
+    N = sid.shape[0]
+    out = [0]
+    t = step
+    i = step
+    while i < N:
+        while i < N and sid[i] == sid[i - 1]:
+            i += 1
+        if i < N:
+            out.append(i)
+        t = max(t + step, i + 1)
+        i = t
+    out.append(N)
+    return np.array(out, dtype=np.int64)
+
+
 def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.ndarray, advantage: np.ndarray,
                  sample: np.ndarray, position: np.ndarray, num_samples: int, *, mode: int, tau_tail: float,
                  width: int, small_gap_threshold: float, heavy_fraction: float, dilution_threshold: float) -> int:
@@ -279,18 +327,43 @@ def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.n
         or a pair repeats (with :data:`MAGNITUDE` alone, only the sample order is checked and ``position``
         is not read).
     """
+    delta = np.ascontiguousarray(delta, dtype=np.float32)
+    advantage = np.ascontiguousarray(advantage, dtype=np.float32)
     sample = np.ascontiguousarray(sample, dtype=np.int64)
     position = np.ascontiguousarray(position, dtype=np.int64)
-    if delta.shape[0] and not _sorted(sample, position, bool(mode & LOCALISATION)):
+    N = delta.shape[0]
+    if N and not _sorted(sample, position, bool(mode & LOCALISATION)):
         return UNSORTED
     where = {name: i for i, name in enumerate(sum_fields)}
     idx = np.array([where[n] for n in KERNEL_FIELDS], dtype=np.int64)
-    ext = np.array([state[slices["delta_min"]][0], state[slices["delta_max"]][0]])
-    _kernel(np.ascontiguousarray(delta, dtype=np.float32), np.ascontiguousarray(advantage, dtype=np.float32),
-            np.ascontiguousarray(sample, dtype=np.int64), np.ascontiguousarray(position, dtype=np.int64),
-            int(num_samples), int(mode), np.float32(tau_tail), int(width), float(small_gap_threshold),
-            float(heavy_fraction), float(dilution_threshold),
-            state[slices["sums"]], idx, state[slices["delta_sketch"]], state[slices["c_tok_table"]], ext)
-    state[slices["delta_min"]] = ext[0]
-    state[slices["delta_max"]] = ext[1]
+    sums, sk, table = state[slices["sums"]], state[slices["delta_sketch"]], state[slices["c_tok_table"]]
+    cuts = _cuts(sample, PIECE_TOKENS) if N else np.array([0, 0], dtype=np.int64)
+    pieces = len(cuts) - 1
+    partial = np.zeros((pieces, sums.shape[0]))             # each piece's float sums, added in piece order
+    ext = np.tile(np.array([[state[slices["delta_min"]][0], state[slices["delta_max"]][0]]]), (pieces, 1))
+    lanes = min(THREADS, pieces)
+    # integer counts (sketch, C_tok table) go to one private copy per lane: exact whatever the lane
+    sks = [sk] + [np.zeros_like(sk) for _ in range(lanes - 1)]
+    tables = [table] + [np.zeros_like(table) for _ in range(lanes - 1)]
+    args = (int(mode), np.float32(tau_tail), int(width), float(small_gap_threshold), float(heavy_fraction),
+            float(dilution_threshold))
+
+    def lane(k):
+        for p in range(k, pieces, lanes):
+            a, b = cuts[p], cuts[p + 1]
+            _kernel(delta[a:b], advantage[a:b], sample[a:b], position[a:b],
+                    int(num_samples) if p == 0 else (0 if num_samples >= 0 else -1), *args,
+                    partial[p], idx, sks[k], tables[k], ext[p])
+
+    if lanes == 1:
+        lane(0)
+    else:
+        list(_threads().map(lane, range(lanes)))
+    for p in range(pieces):
+        sums += partial[p]
+    for k in range(1, lanes):
+        sk += sks[k]
+        table += tables[k]
+    state[slices["delta_min"]] = ext[:, 0].min()
+    state[slices["delta_max"]] = ext[:, 1].max()
     return OK
