@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+from typing import Optional
 
 import numpy as np
 from numba import njit
@@ -48,7 +49,7 @@ def _sorted(sid, pos, check_pos):                           # pragma: no cover -
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_frac, dil_thr,
-            sums, idx, sk, table, ext):                      # pragma: no cover - compiled
+            sums, idx, sk, table, ext, rec_seg, rec_resp, rec_n):    # pragma: no cover - compiled
     N = delta.shape[0]
     bits = delta.view(np.int32)
     shift = -1
@@ -76,6 +77,9 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
     rcnt = np.zeros(9, np.int64)
     nonempty = 0
     l_valid = 0
+    record = rec_seg.shape[0] > 0
+    n_rec_seg = 0
+    n_rec_resp = 0
     l_tail = 0
     l_seg = 0
     l_heavy = 0
@@ -183,6 +187,8 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
             resp_heavy = False
             valid = 0
             tail = 0
+            r_tail = 0
+            seg0 = n_rec_seg
             for t in range(i, j + 1):
                 if t < j:
                     p = pos[t]
@@ -206,6 +212,10 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
                                 if heavy:
                                     l_pairs_bh += 1
                         table[valid * W1 + tail] += 1.0
+                        r_tail += tail
+                        if record:
+                            rec_seg[n_rec_seg] = valid
+                            n_rec_seg += 1
                         prev = cur
                         prev_heavy = heavy
                     if t == j:
@@ -215,6 +225,13 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
                     tail = 0
                 valid += 1
                 tail += (adv[t] < 0) & (delta[t] < tau)
+            if record:
+                if r_tail > 0:                      # a response the shuffle null can move tails in
+                    rec_resp[n_rec_resp, 0] = n_rec_seg - seg0
+                    rec_resp[n_rec_resp, 1] = r_tail
+                    n_rec_resp += 1
+                else:
+                    n_rec_seg = seg0
             if resp_heavy:
                 l_resp_h += 1
                 if abs(r_sd / nv) < dil_thr:
@@ -250,6 +267,8 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
         sums[idx[27]] += l_pairs_bh
         sums[idx[28]] += l_resp_h
         sums[idx[29]] += l_dil
+    rec_n[0] = n_rec_seg
+    rec_n[1] = n_rec_resp
     return OK
 
 
@@ -305,7 +324,8 @@ def _cuts(sid, step):                                        # pragma: no cover 
 
 def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.ndarray, advantage: np.ndarray,
                  sample: np.ndarray, position: np.ndarray, num_samples: int, *, mode: int, tau_tail: float,
-                 width: int, small_gap_threshold: float, heavy_fraction: float, dilution_threshold: float) -> int:
+                 width: int, small_gap_threshold: float, heavy_fraction: float, dilution_threshold: float,
+                 null_input: Optional[list] = None) -> int:
     """Add one batch to a metric state vector in place, in one pass (docs/metrics.md#state).
 
     Args:
@@ -321,6 +341,10 @@ def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.n
         tau_tail: τ_tail (nats), compared with δ in float32 as the torch path does; ignored without
             :data:`LOCALISATION`.
         width: segment width W (tokens).
+        null_input: a list to which the batch's shuffle-null input is appended (with
+            :data:`LOCALISATION`): ``(segment_valid, response_segments, response_tails)`` int32 arrays --
+            the valid tokens of each segment of every A < 0 response holding a tail token, in order, and per
+            such response its number of segments and of tail tokens (:func:`shuffle_null_c_tok`).
 
     Returns:
         :data:`OK`, or :data:`UNSORTED` (nothing added) when the rows are not in (sample, position) order
@@ -348,12 +372,18 @@ def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.n
     args = (int(mode), np.float32(tau_tail), int(width), float(small_gap_threshold), float(heavy_fraction),
             float(dilution_threshold))
 
+    record = null_input is not None and bool(mode & LOCALISATION)
+    rec_seg = np.empty(N if record else 0, dtype=np.int32)
+    rec_resp = np.empty((N if record else 0, 2), dtype=np.int32)
+    rec_n = np.zeros((pieces, 2), dtype=np.int64)
+
     def lane(k):
         for p in range(k, pieces, lanes):
             a, b = cuts[p], cuts[p + 1]
             _kernel(delta[a:b], advantage[a:b], sample[a:b], position[a:b],
                     int(num_samples) if p == 0 else (0 if num_samples >= 0 else -1), *args,
-                    partial[p], idx, sks[k], tables[k], ext[p])
+                    partial[p], idx, sks[k], tables[k], ext[p], rec_seg[a:b] if record else rec_seg,
+                    rec_resp[a:b] if record else rec_resp, rec_n[p])
 
     if lanes == 1:
         lane(0)
@@ -366,4 +396,10 @@ def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.n
         table += tables[k]
     state[slices["delta_min"]] = ext[:, 0].min()
     state[slices["delta_max"]] = ext[:, 1].max()
+    if record:
+        segs = [rec_seg[cuts[p]:cuts[p] + rec_n[p, 0]] for p in range(pieces)]
+        resp = [rec_resp[cuts[p]:cuts[p] + rec_n[p, 1]] for p in range(pieces)]
+        null_input.append((np.concatenate(segs) if segs else np.zeros(0, np.int32),
+                           np.concatenate([r[:, 0] for r in resp]) if resp else np.zeros(0, np.int32),
+                           np.concatenate([r[:, 1] for r in resp]) if resp else np.zeros(0, np.int32)))
     return OK
