@@ -8,9 +8,12 @@ On steps of B × T tokens (default 256 × 4,096 with lengths uniform in [T/4, T]
      the call) ÷ the metric update alone (MismatchStats.update);
   4. analyze (one process) tokens/s ÷ a bare pyarrow decode (rows/s) of the same columns of the same run;
   5. analyze on a local Ray cluster with 2 workers ÷ one process, on the same run (>= 20M tokens by default);
-  6. bytes handed to the collectives per rank per step by the multi-rank sync at 64k and 1M tokens per rank.
+  6. bytes handed to the collectives per rank per step by the multi-rank sync at 64k and 1M tokens per rank;
+  7. the stage table of a ~50M-token run from its cached per-step states, and the ratio to the former path
+     (re-reading the windows' token records for the C_tok shuffle null) at equal draws.
 
     python benchmarks/bench_state.py [--batch 256] [--seq 4096] [--run-steps 32] [--rss-steps 50] [--no-ray]
+                                       [--stage-steps 80] [--old-draws 49]
 
 Every line prints a ratio measured here, now, on this machine; timings are medians.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -129,6 +133,36 @@ def bare_decode(run) -> tuple:
     return time.perf_counter() - t, rows
 
 
+def stage_table_cost(tmp: Path, B: int, T: int, steps: int, old_draws: int) -> None:
+    """7. Stage table of a run of ``steps`` steps (default ~50M tokens) from its cached per-step states, and
+    the former path (the windows' token records re-read, the token-shuffle null) at ``old_draws`` draws."""
+    from triage_monitor.analysis import StepStates
+    from triage_monitor.stages import stage_table
+
+    path = tmp / "stages"
+    t = time.perf_counter()
+    n = write_run(path, B, T, steps)
+    print(f"   wrote a {steps}-step run of {n:,} tokens in {time.perf_counter() - t:.0f} s")
+    run = open_run(path)
+    t = time.perf_counter()
+    states = recompute_states(run, cache=True)
+    t_states = time.perf_counter() - t
+    stage_table(run, draws=2, states=states)                            # compile / load the null kernel once
+    t = time.perf_counter()
+    stage_table(run)                                                    # states from the cache, 499 draws
+    t_new = time.perf_counter() - t
+    t = time.perf_counter()
+    stage_table(run, draws=old_draws, states=states)
+    t_new_few = time.perf_counter() - t
+    bare = StepStates(states.steps, states.states, states.taus, states.config, states.window, states.tau_mode)
+    t = time.perf_counter()
+    stage_table(run, draws=old_draws, states=bare)                      # no null inputs: the former path
+    t_old_few = time.perf_counter() - t
+    print(f"7. stage table of {n / 1e6:.0f} M tokens: {t_new:.1f} s (499 draws, states cached; computing them "
+          f"took {t_states:.1f} s once); at {old_draws} draws {t_new_few:.1f} s vs {t_old_few:.1f} s re-reading "
+          f"the windows' tokens: ratio {t_old_few / t_new_few:.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -138,6 +172,9 @@ def main() -> None:
     ap.add_argument("--run-steps", type=int, default=32, help="steps of the analysed run (32 x 655k = 21M tokens)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved decode / analyze rounds (figure 4)")
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--stage-steps", type=int, default=80, help="steps of the stage-table run (80 x 620k = 50M "
+                    "tokens); 0 skips figure 7")
+    ap.add_argument("--old-draws", type=int, default=49, help="null draws when timing the former path")
     args = ap.parse_args()
     B, T = args.batch, args.seq
     batch = batch_of(B, T)
@@ -218,6 +255,9 @@ def main() -> None:
             same = np.array_equal(on_ray.states, local.states) and on_ray.taus == local.taus
             print(f"5. analyze Ray 2 workers / one process    {t_an / t_ray:6.3f}   ({t_ray:.1f} s vs {t_an:.1f} s on "
                   f"{n / 1e6:.1f} M tokens, workers started beforehand ({t_warm:.1f} s); bit-identical: {same})")
+        if args.stage_steps:
+            shutil.rmtree(run_path, ignore_errors=True)                   # room on the disk for the next run
+            stage_table_cost(tmp, B, T, args.stage_steps, args.old_draws)
 
 
 if __name__ == "__main__":
