@@ -16,7 +16,9 @@ Pure analysis on top of :mod:`triage_monitor.analysis` and
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -252,50 +254,56 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
                              f"(recorded: {steps[0] if steps else '-'}..{steps[-1] if steps else '-'})")
         labels = [f"step {a}" for a in anchors]
     layouts: dict = {}
-    rows = []
+    rows, nulls = [], []
     for label, a in zip(labels, anchors):
         win = [s for s in steps if a - window < s <= a]
         row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win)}
-        null = np.full(draws, math.nan)
+        nulls.append(None)
         if states is not None:
             values = states.window_stats(a, window).compute().values
             row.update({name: float(values[name]) for name in STAGE_METRICS})
             row["tau_frozen"] = True
             tau = values["tau_tail"]
             if not math.isnan(tau):
-                null = _window_null(run, states, win, a, window, tau, cfg, draws, seed, layouts)
+                nulls[-1] = _window_null(run, states, win, a, window, tau, cfg, draws, seed, layouts)
         else:
             for name in STAGE_METRICS:
                 col = f"window/{name}"
                 row[name] = float(frame.at[a, col]) if col in frame.columns else math.nan
             row["tau_frozen"] = bool(frame["tau_tail_frozen"].loc[win].astype(float).eq(1).all()) \
                 if "tau_tail_frozen" in frame.columns else False
+        rows.append(row)
+    # the windows' nulls are independent draws (the compiled sampler releases the GIL): one thread each
+    with cf.ThreadPoolExecutor(max(1, min(len(nulls), os.cpu_count() or 1))) as pool:
+        nulls = list(pool.map(lambda f: f() if f is not None else np.full(draws, math.nan), nulls))
+    for row, null in zip(rows, nulls):
         if np.isnan(null).all():
             row.update(c_tok_null_median=math.nan, c_tok_null_lo=math.nan, c_tok_null_hi=math.nan)
         else:
             lo, med, hi = np.quantile(null, [0.025, 0.5, 0.975])
             row.update(c_tok_null_median=float(med), c_tok_null_lo=float(lo), c_tok_null_hi=float(hi))
         row["c_tok_excess"] = row["c_tok"] - row["c_tok_null_median"]
-        rows.append(row)
     return pd.DataFrame(rows)
 
 
 def _window_null(run: Run, states, win: list, anchor: int, window: int, tau: float, cfg, draws: int, seed: int,
                  layouts: dict) -> np.ndarray:
-    """The C_tok shuffle null of one stage window: from the steps' states and recorded null inputs when every
-    step of the window was computed with the window's τ_tail (:func:`shuffle_null_from_state`), else from the
-    window's token records (:func:`shuffle_null_c_tok`)."""
+    """The C_tok shuffle null of one stage window, as a function returning its ``(draws,)`` values: from the
+    steps' states and recorded null inputs when every step of the window was computed with the window's
+    τ_tail (:func:`shuffle_null_from_state`), else from the window's token records (:func:`shuffle_null_c_tok`,
+    the tokens read now)."""
     from .analysis import read_token_arrays
 
     idx = [states.steps.index(s) for s in win]
     if states.null_inputs is not None and all(states.taus[i] == tau for i in idx):
         null_input = NullInput.concat([NullInput(*states.null_inputs[i]) for i in idx])
-        table = states.window_stats(anchor, window).part("c_tok_table")
-        return shuffle_null_from_state(null_input, table.numpy(), cfg.segment_width, draws, seed, cfg.top_fraction)
+        table = states.window_stats(anchor, window).part("c_tok_table").numpy()
+        return lambda: shuffle_null_from_state(null_input, table, cfg.segment_width, draws, seed, cfg.top_fraction)
     for s in win:
         if s not in layouts:
             layouts[s] = tail_layout_from_arrays(read_token_arrays(run.token_files(s)), tau, cfg.segment_width)
-    return shuffle_null_c_tok(TailLayout.concat([layouts[s] for s in win]), draws, seed, cfg.top_fraction)
+    layout = TailLayout.concat([layouts[s] for s in win])
+    return lambda: shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction)
 
 
 def tail_layout_from_arrays(parts: list, tau_tail: float, width: int = 64) -> TailLayout:
