@@ -625,8 +625,13 @@ class MetricTracker:
         stats = MismatchStats(self.config, dev)
         delta, adv = batch.delta.to(dev), batch.advantage.to(dev)
         sample_index = batch.sample_index.to(dev)
-        prepared = stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
         distributed = group is not None or _dist_ready()
+        if self.tau_frozen:                                      # one pass: both parts with the frozen τ_tail
+            stats.update_flat(delta, adv, sample_index, batch.position.to(dev), batch.num_samples, self.tau_tail)
+            if distributed:
+                stats.sync(group)
+            return self.push(step, stats)
+        prepared = stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
         if not self.tau_frozen:
             part = _calibration_part(stats)
             self._calibrate(step, calibration.sync_part(part, group) if distributed else part)
