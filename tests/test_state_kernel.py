@@ -109,3 +109,21 @@ def test_pieces_and_threads_do_not_change_the_state(monkeypatch):
     two = MismatchStats(cfg).update(b, -0.2)
     assert np.array_equal(one.state.numpy(), two.state.numpy())
     _assert_same(one, whole)
+
+
+def test_tracker_window_equals_the_ordered_merge_bit_for_bit():
+    """The tracker keeps the window's integer count fields as a running sum (added on entry, subtracted on
+    expiry or replacement): its window state equals the in-order merge of the window's step states exactly."""
+    from triage_monitor.metrics import state_layout
+
+    cfg = MetricConfig(segment_width=16)
+    tr = MetricTracker(cfg, window=3, tau_tail=-0.2)
+    for step in (0, 1, 2, 2, 3, 5, 6, 7, 7, 9):                    # repeated steps replace, gaps expire
+        b = _batch(100 + step)
+        tr.step(step, b)
+        hist = [st.state for _, st in tr._history]
+        ref = state_layout(16).reduce(hist)
+        window = MismatchStats(cfg, state=ref, tau_tail=-0.2).compute().values
+        _, got = tr.push(step, tr._history[-1][1])                  # the same step again: replaced, recomputed
+        for k, v in window.items():
+            assert got.values[k] == v or (math.isnan(v) and math.isnan(got.values[k])), (step, k)

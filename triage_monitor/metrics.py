@@ -235,7 +235,14 @@ class StateLayout:
 
     def merge_into(self, out: Tensor, other: Tensor) -> Tensor:
         """``out`` ⊕= ``other`` (in place) by each field's reduction; returns ``out``."""
+        return self.merge_into_range(out, other, 0, self.size)
+
+    def merge_into_range(self, out: Tensor, other: Tensor, lo: int, hi: int) -> Tensor:
+        """:meth:`merge_into` restricted to the entries ``[lo, hi)`` of the state vector."""
         for red, (a, b) in self.ranges.items():
+            a, b = max(a, lo), min(b, hi)
+            if a >= b:
+                continue
             if red == "sum":
                 out[a:b] += other[a:b]
             elif red == "min":
@@ -604,6 +611,7 @@ class MetricTracker:
         self.tau_frozen = self.tau_given
         self.reference = calibration.ReferenceWindow(self.calibration_steps, 1, repeated="replace")
         self._history: list = []        # [(step, MismatchStats)] of the trailing window
+        self._running = None            # Σ of the window's integer count fields (sketch, C_tok table)
 
     def _calibrate(self, step: int, part: Tensor) -> None:
         if self.tau_frozen:
@@ -646,12 +654,30 @@ class MetricTracker:
     def push(self, step: int, stats: MismatchStats) -> tuple:
         """Append a step's finished (synced) state to the trailing window; returns ``(step_result,
         window_result)``.  A repeated step replaces the earlier one."""
+        layout = stats.layout
+        counts = slice(layout.slices["delta_sketch"].start, layout.slices["c_tok_table"].stop)
+        if self._running is None or self._running.device != stats.state.device:
+            self._running = torch.zeros(counts.stop - counts.start, dtype=torch.float64, device=stats.state.device)
+            for _, st in self._history:
+                self._running += st.state[counts]
         if self._history and self._history[-1][0] == step:
-            self._history.pop()
+            self._running -= self._history.pop()[1].state[counts]
         self._history.append((step, stats))
+        self._running += stats.state[counts]
+        for s, st in self._history:
+            if s <= step - self.window:
+                self._running -= st.state[counts]
         self._history = [(s, st) for s, st in self._history if s > step - self.window]
-        window = MismatchStats(self.config, state=stats.layout.reduce([st.state for _, st in self._history]),
-                               tau_tail=stats.tau_tail)
+        # the window's state, equal to layout.reduce of its steps' states in step order: the sketch and the C_tok
+        # table are integer counts (exact in any order, so kept as a running sum: the cost does not grow with the
+        # window), the other fields are reduced in step order
+        state = layout.identity(stats.state.device)
+        rest = [(0, counts.start), (counts.stop, layout.size)]
+        for _, st in self._history:
+            for a, b in rest:
+                layout.merge_into_range(state, st.state, a, b)
+        state[counts] = self._running
+        window = MismatchStats(self.config, state=state, tau_tail=stats.tau_tail)
         return stats.compute(), window.compute()
 
     def state_dict(self) -> dict:
