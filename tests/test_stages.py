@@ -172,3 +172,60 @@ def test_tail_layout_from_tokens_equals_batch_path(demo_run_dir):
         b = tail_layout_from_tokens(run.tokens(step), -0.05, 4)
         for f in ("response", "valid", "tail", "number"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+
+
+def test_null_from_state_hand_worked_distribution():
+    """Three A<0 responses, W = 4: r0 has segments of 2 and 2 valid tokens and 2 tail tokens, r1 segments of 4 and
+    1 and 1 tail token, r2 one segment of 3 and no tail; top = ceil(0.3 · 5) = 2 segments, 3 tail tokens.
+    r0's two tails share a segment with probability 2/6 (cell (2,2), fraction 1): the top two then hold all 3
+    tails whatever r1 does (C_tok = 1).  Otherwise r0 gives two (2,1) cells (fraction 1/2): with r1's tail in its
+    1-token segment (fraction 1) the top two are (1,1) and one (2,1), else the two (2,1): C_tok = 2/3.
+    So P(C_tok = 1) = 1/3, P(2/3) = 2/3 -- for the new sampler and the token-shuffle one alike (4 σ)."""
+    from triage_monitor.stages import NullInput, shuffle_null_from_state
+
+    resp, valid, tail = np.array([0, 0, 1, 1, 2]), np.array([2, 2, 4, 1, 3]), np.array([2, 0, 1, 0, 0])
+    table = np.zeros(25)
+    np.add.at(table, valid * 5 + tail, 1)
+    null_input = NullInput(np.array([2, 2, 4, 1], np.int32), np.array([2, 2], np.int32), np.array([2, 1], np.int32))
+    n = 6000
+    new = shuffle_null_from_state(null_input, table, 4, draws=n, seed=3, top_fraction=0.3)
+    old = shuffle_null_c_tok(TailLayout(resp, valid, tail), draws=n, seed=3, top_fraction=0.3)
+    sigma = math.sqrt(1 / 3 * 2 / 3 / n)
+    for draws in (new, old):
+        assert set(np.round(draws, 12)) <= {round(2 / 3, 12), 1.0}
+        assert abs(np.mean(draws == 1.0) - 1 / 3) < 4 * sigma
+    # reproducible for a seed, different for another
+    again = shuffle_null_from_state(null_input, table, 4, draws=n, seed=3, top_fraction=0.3)
+    assert np.array_equal(new, again)
+    assert not np.array_equal(new, shuffle_null_from_state(null_input, table, 4, draws=n, seed=4, top_fraction=0.3))
+
+
+def test_null_from_states_equals_token_shuffle_in_distribution(demo_run_dir):
+    """On a real run, the stage window's null drawn from the recorded states equals the token-shuffle null of
+    the window's token records in distribution: two-sample Kolmogorov-Smirnov statistic below its 0.1 %
+    critical value (1.95 · sqrt(2/n)), and their medians within 3 Monte-Carlo standard errors."""
+    from triage_monitor.analysis import read_token_arrays, recompute_states
+    from triage_monitor.stages import NullInput, shuffle_null_from_state, tail_layout_from_arrays
+
+    run = open_run(demo_run_dir)
+    states = recompute_states(run)
+    cfg = run.config.metrics
+    win = states.steps[-10:]
+    tau = states.taus[-1]
+    layout = TailLayout.concat([tail_layout_from_arrays(read_token_arrays(run.token_files(s)), tau,
+                                                        cfg.segment_width) for s in win])
+    idx = [states.steps.index(s) for s in win]
+    null_input = NullInput.concat([NullInput(*states.null_inputs[i]) for i in idx])
+    # the recorded input is the token layout's tail-holding responses, segment for segment
+    keep = np.bincount(layout.response, weights=layout.tail)[layout.response] > 0
+    np.testing.assert_array_equal(null_input.segment_valid, layout.valid[keep])
+    assert null_input.response_tails.sum() == layout.tail.sum()
+    table = states.window_stats(win[-1], 10).part("c_tok_table").numpy()
+    n = 1000
+    new = shuffle_null_from_state(null_input, table, cfg.segment_width, draws=n, seed=1, top_fraction=cfg.top_fraction)
+    old = shuffle_null_c_tok(layout, draws=n, seed=1, top_fraction=cfg.top_fraction)
+    grid = np.union1d(new, old)
+    ks = np.max(np.abs(np.searchsorted(np.sort(new), grid, side="right") / n
+                       - np.searchsorted(np.sort(old), grid, side="right") / n))
+    assert ks < 1.95 * math.sqrt(2 / n)
+    assert abs(np.median(new) - np.median(old)) < 3 * 1.253 * np.std(old) / math.sqrt(n) * math.sqrt(2) + 1e-12

@@ -297,13 +297,17 @@ def read_token_arrays(files: Sequence) -> list:
     return out
 
 
-def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "") -> "np.ndarray":
+def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
+                    null_input: Optional[list] = None) -> "np.ndarray":
     """The :class:`~triage_monitor.metrics.MismatchStats` state vector of one step from its decoded rank files
     (:func:`read_token_arrays`), with τ_tail ``tau_tail`` (nats, NaN: no localisation).
 
     Each rank file is one batch, exactly as the live monitor updated it on that rank; the ranks merge by the
     state's declared reductions.  Rows must be ordered by (sample_id, position) as the monitor writes them;
     other orders are sorted first.
+
+    With ``null_input`` (a list), each rank file's C_tok shuffle-null input is appended to it
+    (:func:`triage_monitor.state_kernel.update_state`).
 
     Returns:
         ``(state_layout(W).size,)`` float64 numpy array.
@@ -312,31 +316,27 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "") -
         ValueError: a (sample_id, position) pair occurs twice in a file (named by ``path_hint``).
     """
     import numpy as np
-    import torch
 
-    from .metrics import MismatchStats
+    from .metrics import SUM_FIELDS, MismatchStats
+    from .state_kernel import BOTH, MAGNITUDE, OK, update_state
 
     stats = MismatchStats(config)
+    state = stats.state.numpy()
+    kw = dict(mode=MAGNITUDE if math.isnan(tau_tail) else BOTH, tau_tail=tau_tail, width=config.segment_width,
+              small_gap_threshold=config.small_gap_threshold, heavy_fraction=config.heavy_fraction,
+              dilution_threshold=config.dilution_threshold, null_input=null_input)
     for sid, pos, lp, sp, adv in parts:
         if sid.size == 0:
             continue
-        dsid, dpos = np.diff(sid), np.diff(pos)
-        if not bool(((dsid > 0) | ((dsid == 0) & (dpos > 0))).all()):
-            order = np.lexsort((pos, sid))
-            sid, pos, lp, sp, adv = sid[order], pos[order], lp[order], sp[order], adv[order]
-            dsid, dpos = np.diff(sid), np.diff(pos)
-            if bool(((dsid == 0) & (dpos == 0)).any()):
-                raise ValueError(f"{path_hint}: a (sample_id, position) pair occurs twice in the token records")
-        new = np.empty(sid.size, dtype=np.int64)
-        new[0] = 0
-        np.not_equal(sid[1:], sid[:-1], out=new[1:])
-        sample_index = np.cumsum(new)
-        with warnings.catch_warnings():      # pyarrow's arrays are read-only; the tensors are only read
-            warnings.simplefilter("ignore", UserWarning)
-            f32 = (lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)))
-            delta = f32(lp) - f32(sp)
-            stats.update_flat(delta, f32(adv), torch.from_numpy(sample_index), torch.from_numpy(pos.astype(np.int64)),
-                              int(sample_index[-1]) + 1, tau_tail)
+        # δ in float32 exactly as TokenBatch.delta; a response is a run of equal sample ids (the kernel checks
+        # the (sample_id, position) order and refuses other orders, which are sorted here first)
+        delta = np.subtract(lp, sp, dtype=np.float32)
+        if update_state(state, stats.layout.slices, SUM_FIELDS, delta, adv, sid, pos, -1, **kw) == OK:
+            continue
+        order = np.lexsort((pos, sid))
+        sid, pos, delta, adv = sid[order], pos[order], delta[order], adv[order]
+        if update_state(state, stats.layout.slices, SUM_FIELDS, delta, adv, sid, pos, -1, **kw) != OK:
+            raise ValueError(f"{path_hint}: a (sample_id, position) pair occurs twice in the token records")
     return stats.state.numpy()
 
 
@@ -344,6 +344,18 @@ def step_state(files: Sequence, tau_tail: float, config) -> "np.ndarray":
     """:func:`state_of_arrays` of the step's token ``files`` (decode + metric state: the map of
     :func:`recompute`, run by any engine of :mod:`triage_monitor.engines`)."""
     return state_of_arrays(read_token_arrays(files), tau_tail, config, str(files[0]) if files else "")
+
+
+def _step_result(parts: list, tau_tail: float, config, path_hint: str = "") -> tuple:
+    """``(state, null_input)`` of one step: :func:`state_of_arrays` and the step's C_tok shuffle-null input
+    (``(segment_valid, response_segments, response_tails)`` int32 arrays, the ranks' concatenated; empty
+    without τ_tail).  What the engines map."""
+    import numpy as np
+
+    nulls: list = []
+    state = state_of_arrays(parts, tau_tail, config, path_hint, nulls)
+    cat = (lambda k: np.concatenate([n[k] for n in nulls]) if nulls else np.zeros(0, np.int32))
+    return state, (cat(0), cat(1), cat(2))
 
 
 def _prefetch(files, tau_tail, config):
@@ -361,10 +373,13 @@ class StepStates:
         config: the :class:`~triage_monitor.metrics.MetricConfig`.
         window: the trailing window in steps.
         tau_mode: "frozen" (one τ_tail for the run) or "live" (the live provisional values replayed).
+        null_inputs: per step, the C_tok shuffle-null input recorded with its state
+            (``(segment_valid, response_segments, response_tails)``, :func:`_step_result`), or None.
     """
 
-    def __init__(self, steps, states, taus, config, window: int, tau_mode: str):
+    def __init__(self, steps, states, taus, config, window: int, tau_mode: str, null_inputs=None):
         self.steps, self.states, self.taus = list(steps), states, list(taus)
+        self.null_inputs = null_inputs
         self.config, self.window, self.tau_mode = config, int(window), tau_mode
         self._index = {s: i for i, s in enumerate(self.steps)}
 
@@ -465,10 +480,13 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
         if hit is not None:
             return hit
 
+    nulls: dict = {}
+
     def run_map(which, taus, what):
-        states = map_ordered(state_of_arrays, [(files[s], taus[s], cfg) for s in which], prefetch=_prefetch,
-                             description=what, **kw)
-        return dict(zip(which, states))
+        results = map_ordered(_step_result, [(files[s], taus[s], cfg) for s in which], prefetch=_prefetch,
+                              description=what, **kw)
+        nulls.update(zip(which, (r[1] for r in results)))
+        return {s: r[0] for s, r in zip(which, results)}
 
     if explicit is not None:
         taus = {s: float(explicit) for s in todo}
@@ -490,7 +508,7 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
 
     size = MismatchStats(cfg).state.numel()
     mat = np.stack([states[s] for s in todo]) if todo else np.zeros((0, size))
-    out = StepStates(todo, mat, [taus[s] for s in todo], cfg, win, tau_mode)
+    out = StepStates(todo, mat, [taus[s] for s in todo], cfg, win, tau_mode, [nulls[s] for s in todo])
     if path is not None:
         _save_states(path, out)
     return out
@@ -502,7 +520,8 @@ def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: s
 
     from . import sketch
 
-    h = hashlib.sha256(json.dumps([asdict(cfg), explicit, n_calib, tau_mode, todo, sketch.SIZE]).encode())
+    h = hashlib.sha256(json.dumps([asdict(cfg), explicit, n_calib, tau_mode, todo, sketch.SIZE,
+                                   _CACHE_FORMAT]).encode())
     for s in sorted(files):
         for f in files[s]:
             st = Path(f).stat()
@@ -510,12 +529,24 @@ def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: s
     return h.hexdigest()[:20]
 
 
+#: Version of the cached states file (part of its key): 2 adds the shuffle-null inputs.
+_CACHE_FORMAT = 2
+
+
 def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepStates]:
     import numpy as np
 
     try:
         with np.load(path) as z:
-            return StepStates(z["steps"].tolist(), z["states"], z["taus"].tolist(), cfg, window, tau_mode)
+            nulls = []
+            seg, resp = np.cumsum(z["null_seg_len"]), np.cumsum(z["null_resp_len"])
+            for i in range(len(seg)):
+                a, b = (seg[i - 1] if i else 0), seg[i]
+                c, d = (resp[i - 1] if i else 0), resp[i]
+                nulls.append((z["null_seg"][a:b], z["null_nseg"][c:d], z["null_tails"][c:d]))
+            steps = z["steps"].tolist()
+            return StepStates(steps, z["states"], z["taus"].tolist(), cfg, window, tau_mode,
+                              nulls if len(nulls) == len(steps) else None)
     except (OSError, KeyError, ValueError):
         return None
 
@@ -527,8 +558,12 @@ def _save_states(path: Path, states: StepStates) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp-{path.name}")
         with open(tmp, "wb") as fh:
+            nulls = states.null_inputs or []
+            cat = (lambda k: np.concatenate([n[k] for n in nulls]) if nulls else np.zeros(0, np.int32))
             np.savez_compressed(fh, steps=np.asarray(states.steps, dtype=np.int64), states=states.states,
-                                taus=np.asarray(states.taus, dtype=np.float64))
+                                taus=np.asarray(states.taus, dtype=np.float64), null_seg=cat(0), null_nseg=cat(1),
+                                null_tails=cat(2), null_seg_len=np.array([len(n[0]) for n in nulls], np.int64),
+                                null_resp_len=np.array([len(n[1]) for n in nulls], np.int64))
         tmp.replace(path)
     except OSError:
         pass
@@ -544,6 +579,8 @@ def _part(state, cfg):
 
 def _candidate_taus(run: Run, mode: str, steps: list, calib: list) -> Optional[dict]:
     """A guess of each step's τ_tail from what the live monitor recorded (None: nothing usable)."""
+    if mode != "live" and run.tau_tail is not None:         # the manifest's: no need to read the step rows
+        return {s: float(run.tau_tail) for s in steps}
     live = run.steps()
     if mode == "live":
         if "tau_tail" not in live.columns:

@@ -32,7 +32,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from . import calibration, sketch
+from . import calibration, sketch, state_kernel
 from .batch import TokenBatch
 from .config import MetricConfig
 
@@ -235,7 +235,14 @@ class StateLayout:
 
     def merge_into(self, out: Tensor, other: Tensor) -> Tensor:
         """``out`` ⊕= ``other`` (in place) by each field's reduction; returns ``out``."""
+        return self.merge_into_range(out, other, 0, self.size)
+
+    def merge_into_range(self, out: Tensor, other: Tensor, lo: int, hi: int) -> Tensor:
+        """:meth:`merge_into` restricted to the entries ``[lo, hi)`` of the state vector."""
         for red, (a, b) in self.ranges.items():
+            a, b = max(a, lo), min(b, hi)
+            if a >= b:
+                continue
             if red == "sum":
                 out[a:b] += other[a:b]
             elif red == "min":
@@ -351,16 +358,43 @@ class MismatchStats:
             num_samples: S.
             tau_tail: τ_tail (nats) or NaN (no localisation).
         """
+        if self._fused(delta, advantage, sample_index, position, num_samples,
+                       state_kernel.MAGNITUDE if math.isnan(tau_tail) else state_kernel.BOTH, tau_tail):
+            self.tau_tail = float(tau_tail)
+            return self
         prepared = self.add_magnitude(delta, advantage, sample_index, num_samples)
         if not math.isnan(tau_tail):
             self.add_localisation(delta, advantage, sample_index, position, num_samples, tau_tail, prepared)
         self.tau_tail = float(tau_tail)
         return self
 
+    #: Update a CPU state with the one-pass kernel of :mod:`triage_monitor.state_kernel` (False: the torch
+    #: operations, as on an accelerator; the tests compare the two).
+    use_kernel = True
+
+    def _fused(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Optional[Tensor],
+               num_samples: int, mode: int, tau_tail: float = math.nan) -> bool:
+        """Apply the one-pass CPU kernel when the state and the inputs live on the CPU; False otherwise
+        (the caller then runs the torch operations)."""
+        if not (self.use_kernel and self.device.type == "cpu" and delta.device.type == "cpu"):
+            return False
+        cfg = self.config
+        pos = position if position is not None else torch.zeros_like(sample_index)
+        as_np = (lambda t, dt: t.detach().to(dt).contiguous().numpy())
+        status = state_kernel.update_state(
+            self.state.numpy(), self.layout.slices, SUM_FIELDS, as_np(delta, torch.float32),
+            as_np(advantage, torch.float32), as_np(sample_index, torch.int64), as_np(pos, torch.int64),
+            int(num_samples), mode=mode, tau_tail=tau_tail, width=cfg.segment_width,
+            small_gap_threshold=cfg.small_gap_threshold, heavy_fraction=cfg.heavy_fraction,
+            dilution_threshold=cfg.dilution_threshold)
+        return status == state_kernel.OK
+
     def add_magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, num_samples: int) -> dict:
         """The τ-independent part of :meth:`update_flat` (magnitude, direction, sketch, min/max).
 
         Returns the per-response intermediates that :meth:`add_localisation` reuses (``prepared``)."""
+        if self._fused(delta, advantage, sample_index, None, num_samples, state_kernel.MAGNITUDE):
+            return {"fused": True}
         chunks = _chunks(sample_index, int(num_samples), delta.device)
         prepared = []
         for a, b, s0, s1 in chunks:
@@ -411,9 +445,12 @@ class MismatchStats:
                          num_samples: int, tau_tail: float, prepared: Optional[dict] = None) -> None:
         """The τ_tail-dependent part of :meth:`update_flat`: segment sums and the C_tok table
         (``prepared``: what :meth:`add_magnitude` returned for the same batch, to skip recomputing it)."""
+        if self._fused(delta, advantage, sample_index, position, num_samples, state_kernel.LOCALISATION,
+                       tau_tail):
+            return
         cfg = self.config
         W = cfg.segment_width
-        if prepared is None:
+        if prepared is None or "chunks" not in prepared:
             prepared = {"chunks": _chunks(sample_index, int(num_samples), delta.device)}
         per_chunk = prepared.get("per_chunk") or [None] * len(prepared["chunks"])
         cells, sums = [], torch.zeros(len(_LOC_FIELDS), dtype=torch.float64)
@@ -574,6 +611,7 @@ class MetricTracker:
         self.tau_frozen = self.tau_given
         self.reference = calibration.ReferenceWindow(self.calibration_steps, 1, repeated="replace")
         self._history: list = []        # [(step, MismatchStats)] of the trailing window
+        self._running = None            # Σ of the window's integer count fields (sketch, C_tok table)
 
     def _calibrate(self, step: int, part: Tensor) -> None:
         if self.tau_frozen:
@@ -595,8 +633,13 @@ class MetricTracker:
         stats = MismatchStats(self.config, dev)
         delta, adv = batch.delta.to(dev), batch.advantage.to(dev)
         sample_index = batch.sample_index.to(dev)
-        prepared = stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
         distributed = group is not None or _dist_ready()
+        if self.tau_frozen:                                      # one pass: both parts with the frozen τ_tail
+            stats.update_flat(delta, adv, sample_index, batch.position.to(dev), batch.num_samples, self.tau_tail)
+            if distributed:
+                stats.sync(group)
+            return self.push(step, stats)
+        prepared = stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
         if not self.tau_frozen:
             part = _calibration_part(stats)
             self._calibrate(step, calibration.sync_part(part, group) if distributed else part)
@@ -611,12 +654,30 @@ class MetricTracker:
     def push(self, step: int, stats: MismatchStats) -> tuple:
         """Append a step's finished (synced) state to the trailing window; returns ``(step_result,
         window_result)``.  A repeated step replaces the earlier one."""
+        layout = stats.layout
+        counts = slice(layout.slices["delta_sketch"].start, layout.slices["c_tok_table"].stop)
+        if self._running is None or self._running.device != stats.state.device:
+            self._running = torch.zeros(counts.stop - counts.start, dtype=torch.float64, device=stats.state.device)
+            for _, st in self._history:
+                self._running += st.state[counts]
         if self._history and self._history[-1][0] == step:
-            self._history.pop()
+            self._running -= self._history.pop()[1].state[counts]
         self._history.append((step, stats))
+        self._running += stats.state[counts]
+        for s, st in self._history:
+            if s <= step - self.window:
+                self._running -= st.state[counts]
         self._history = [(s, st) for s, st in self._history if s > step - self.window]
-        window = MismatchStats(self.config, state=stats.layout.reduce([st.state for _, st in self._history]),
-                               tau_tail=stats.tau_tail)
+        # the window's state, equal to layout.reduce of its steps' states in step order: the sketch and the C_tok
+        # table are integer counts (exact in any order, so kept as a running sum: the cost does not grow with the
+        # window), the other fields are reduced in step order
+        state = layout.identity(stats.state.device)
+        rest = [(0, counts.start), (counts.stop, layout.size)]
+        for _, st in self._history:
+            for a, b in rest:
+                layout.merge_into_range(state, st.state, a, b)
+        state[counts] = self._running
+        window = MismatchStats(self.config, state=state, tau_tail=stats.tau_tail)
         return stats.compute(), window.compute()
 
     def state_dict(self) -> dict:

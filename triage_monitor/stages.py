@@ -16,13 +16,16 @@ Pure analysis on top of :mod:`triage_monitor.analysis` and
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
+from numba import njit
 
 from .analysis import Run
 from .batch import TokenBatch
@@ -195,8 +198,9 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
     Every value uses one τ_tail for the whole run (the frozen calibration, the first steps included):
     the window metrics are merges of the per-step states of
     :func:`~triage_monitor.analysis.recompute_states` (shared through its cache with ``analyze``, the
-    report and the dashboard), and the C_tok shuffle null is built from the window's token records with
-    that τ_tail.
+    report and the dashboard), and the C_tok shuffle null is drawn from the window's states and the
+    shuffle-null inputs recorded with them (:func:`shuffle_null_from_state`; the token records are read
+    again only for states computed without them, or with another τ_tail).
 
     Args:
         run: an opened run.
@@ -214,15 +218,15 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
         window), the window values of :data:`STAGE_METRICS` under their plain names (ratios as fractions,
         not %), ``c_tok_null_median``, ``c_tok_null_lo``, ``c_tok_null_hi`` (2.5 % / 97.5 % quantiles of
         the null), ``c_tok_excess`` (``c_tok - null median``), ``tau_frozen`` (the row's localisation
-        metrics use the run's one frozen τ_tail) and ``max_segments`` (most segments of one A<0 response in
-        the window; 1 makes the null degenerate, :func:`degenerate_notice`).  Without token records the null
+        metrics use the run's one frozen τ_tail) and ``max_segments`` (most segments of one A<0 response
+        holding tail tokens in the window; 1 makes the null degenerate, :func:`degenerate_notice`).  Without token records the null
         and ``max_segments`` are NaN.
 
     Raises:
         ValueError: no recorded step, an anchor step that was not recorded, or another window asked of a
             run without token records.
     """
-    from .analysis import read_token_arrays, recompute_states
+    from .analysis import recompute_states
 
     run_window = run.config.window
     window = run_window if window is None else int(window)
@@ -252,45 +256,46 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
                              f"(recorded: {steps[0] if steps else '-'}..{steps[-1] if steps else '-'})")
         labels = [f"step {a}" for a in anchors]
     layouts: dict = {}
-    rows = []
+    rows, nulls = [], []
     for label, a in zip(labels, anchors):
         win = [s for s in steps if a - window < s <= a]
         row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win), "max_segments": math.nan}
-        null = np.full(draws, math.nan)
+        nulls.append(None)
         if states is not None:
             values = states.window_stats(a, window).compute().values
             row.update({name: float(values[name]) for name in STAGE_METRICS})
             row["tau_frozen"] = True
             tau = values["tau_tail"]
             if not math.isnan(tau):
-                for s in win:
-                    if s not in layouts:
-                        parts = read_token_arrays(run.token_files(s))
-                        layouts[s] = tail_layout_from_arrays(parts, tau, cfg.segment_width)
-                pooled = TailLayout.concat([layouts[s] for s in win])
-                null = shuffle_null_c_tok(pooled, draws, seed, cfg.top_fraction)
-                row["max_segments"] = max_segments_per_response(pooled)
+                nulls[-1], row["max_segments"] = _window_null(run, states, win, a, window, tau, cfg, draws, seed,
+                                                              layouts)
         else:
             for name in STAGE_METRICS:
                 col = f"window/{name}"
                 row[name] = float(frame.at[a, col]) if col in frame.columns else math.nan
             row["tau_frozen"] = bool(frame["tau_tail_frozen"].loc[win].astype(float).eq(1).all()) \
                 if "tau_tail_frozen" in frame.columns else False
+        rows.append(row)
+    # the windows' nulls are independent draws (the compiled sampler releases the GIL): one thread each
+    with cf.ThreadPoolExecutor(max(1, min(len(nulls), os.cpu_count() or 1))) as pool:
+        nulls = list(pool.map(lambda f: f() if f is not None else np.full(draws, math.nan), nulls))
+    for row, null in zip(rows, nulls):
         if np.isnan(null).all():
             row.update(c_tok_null_median=math.nan, c_tok_null_lo=math.nan, c_tok_null_hi=math.nan)
         else:
             lo, med, hi = np.quantile(null, [0.025, 0.5, 0.975])
             row.update(c_tok_null_median=float(med), c_tok_null_lo=float(lo), c_tok_null_hi=float(hi))
         row["c_tok_excess"] = row["c_tok"] - row["c_tok_null_median"]
-        rows.append(row)
     return pd.DataFrame(rows)
 
 
 def max_segments_per_response(layout: TailLayout) -> int:
-    """The largest number of segments of one response in ``layout`` (0 when it has none)."""
-    if layout.num_segments == 0:
+    """The largest number of segments of one response holding tail tokens in ``layout`` (0 when none does):
+    the responses whose tails the shuffle null moves, as :class:`NullInput` records them."""
+    holding = np.unique(layout.response[layout.tail > 0])
+    if holding.size == 0:
         return 0
-    _, counts = np.unique(layout.response, return_counts=True)
+    _, counts = np.unique(layout.response[np.isin(layout.response, holding)], return_counts=True)
     return int(counts.max())
 
 
@@ -314,6 +319,30 @@ def degenerate_notice(table: pd.DataFrame, width: int) -> Optional[str]:
             f"(W = {width} positions), so the shuffle null cannot move a tail token to another segment "
             "(null = C_tok, excess 0.00 by construction) and no segment has a predecessor (P_adj undefined, "
             "shown as -). These values say nothing about localisation; use a smaller --segment-width.")
+
+
+def _window_null(run: Run, states, win: list, anchor: int, window: int, tau: float, cfg, draws: int, seed: int,
+                 layouts: dict) -> tuple:
+    """The C_tok shuffle null of one stage window, as a function returning its ``(draws,)`` values, and the
+    most segments of one A<0 response holding tail tokens (the responses whose tails the null moves;
+    ``max_segments <= 1`` is the degenerate case of :func:`degenerate_notice`): from the steps' states and
+    recorded null inputs when every step of the window was computed with the window's τ_tail
+    (:func:`shuffle_null_from_state`), else from the window's token records (:func:`shuffle_null_c_tok`, the
+    tokens read now)."""
+    from .analysis import read_token_arrays
+
+    idx = [states.steps.index(s) for s in win]
+    if states.null_inputs is not None and all(states.taus[i] == tau for i in idx):
+        null_input = NullInput.concat([NullInput(*states.null_inputs[i]) for i in idx])
+        table = states.window_stats(anchor, window).part("c_tok_table").numpy()
+        most = int(null_input.response_segments.max()) if len(null_input.response_segments) else 0
+        return (lambda: shuffle_null_from_state(null_input, table, cfg.segment_width, draws, seed, cfg.top_fraction),
+                most)
+    for s in win:
+        if s not in layouts:
+            layouts[s] = tail_layout_from_arrays(read_token_arrays(run.token_files(s)), tau, cfg.segment_width)
+    layout = TailLayout.concat([layouts[s] for s in win])
+    return lambda: shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction), max_segments_per_response(layout)
 
 
 def tail_layout_from_arrays(parts: list, tau_tail: float, width: int = 64) -> TailLayout:
@@ -356,3 +385,147 @@ def format_stage_table(table: pd.DataFrame) -> pd.DataFrame:
              "dilution": "dilution %", "tau_tail": "τ_tail", "n_tokens": "tokens"}
     t["n_tokens"] = t["n_tokens"].map(lambda v: "-" if math.isnan(v) else f"{int(v):,}")
     return t[cols].rename(columns=names)
+
+
+# --------------------------------------------------------------------------- shuffle null from the states
+@dataclass(frozen=True)
+class NullInput:
+    """What the C_tok shuffle null of a window needs beyond its state (docs/metrics.md#shuffle_null), recorded
+    by the state update (:func:`triage_monitor.state_kernel.update_state`) while it cuts the segments.
+
+    Attributes:
+        segment_valid: ``(M,)`` int32, valid tokens of each segment of every A<0 response holding at least one
+            amplifying-tail token, response by response.
+        response_segments: ``(R,)`` int32, segments of each such response.
+        response_tails: ``(R,)`` int32, its amplifying-tail tokens.
+    """
+
+    segment_valid: np.ndarray
+    response_segments: np.ndarray
+    response_tails: np.ndarray
+
+    @staticmethod
+    def concat(parts: Sequence["NullInput"]) -> "NullInput":
+        cat = (lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32))
+        return NullInput(cat([p.segment_valid for p in parts]), cat([p.response_segments for p in parts]),
+                         cat([p.response_tails for p in parts]))
+
+
+def shuffle_null_from_state(null_input: NullInput, c_tok_table, width: int, draws: int = 499, seed: int = 0,
+                            top_fraction: float = 0.05) -> np.ndarray:
+    """C_tok under the shuffle null (docs/metrics.md#shuffle_null) from a window's state: ``(draws,)`` float64.
+
+    The same law as :func:`shuffle_null_c_tok` (each A<0 response keeps its valid positions and its number of
+    tail tokens ``t_i``, placed uniformly at random among its ``n_i`` valid positions), drawn differently:
+    per draw and response, ``t_i`` distinct positions are drawn (Floyd's algorithm, from a seeded
+    xorshift64* generator; an index in [0, m) is the high word of m times 32 random bits,
+    uniform to within m / 2³², under 10⁻⁵ for responses under 40k tokens) and counted into the response's segments, and the segments of responses without tail tokens stay at 0 tails; C_tok is then read
+    from the (valid, tail) segment table exactly as :func:`~triage_monitor.metrics.c_tok_from_table` does.
+    Cost per draw: O(tail tokens + (W+1)²), not O(tokens).
+
+    Args:
+        null_input: the window's :class:`NullInput` (its steps' concatenated).
+        c_tok_table: ``((W+1)²,)`` the window's segment counts by (valid, tail) (the state's ``c_tok_table``):
+            gives every A<0 segment's valid count, those of responses without tail tokens included.
+        width: W.
+
+    Returns:
+        NaN values when there is no tail token.
+    """
+    from .metrics import _cell_order
+
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    W1 = width + 1
+    table = np.asarray(c_tok_table, dtype=np.float64).reshape(W1, W1)
+    by_valid = np.rint(table.sum(1)).astype(np.int64)          # segments by valid count
+    K = int(by_valid.sum())
+    tails = np.asarray(null_input.response_tails, dtype=np.int64)
+    total = int(tails.sum())
+    if K == 0 or total == 0:
+        return np.full(draws, math.nan)
+    seg_valid = np.asarray(null_input.segment_valid, dtype=np.int64)
+    nseg = np.asarray(null_input.response_segments, dtype=np.int64)
+    starts = np.r_[0, np.cumsum(nseg)]
+    cum = np.cumsum(seg_valid)                    # valid tokens of its response up to each segment's end
+    cum -= np.repeat(np.r_[0, cum][starts[:-1]], nseg)
+    order, order_tails = _cell_order(int(width))
+    return _null_draws(seg_valid, cum, starts, tails, by_valid, order.astype(np.int64),
+                       order_tails.astype(np.int64), int(width), math.ceil(top_fraction * K), float(total),
+                       int(draws), int(seed))
+
+
+@njit(cache=True, nogil=True)
+def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, width, top, total, draws,
+                seed):                                       # pragma: no cover - compiled
+    W1 = width + 1
+    R = tails.shape[0]
+    M = seg_valid.shape[0]
+    out = np.empty(draws)
+    hist = np.zeros(W1 * W1, np.int64)
+    cnt = np.zeros(M, np.int64)
+    # each valid token of the tail-holding responses -> its segment, and each response's first token
+    tok0 = np.zeros(R + 1, np.int64)
+    for r in range(R):
+        tok0[r + 1] = tok0[r] + (cum[starts[r + 1] - 1] if starts[r + 1] > starts[r] else 0)
+    seg_of = np.empty(tok0[R], np.int32)
+    k = 0
+    for s in range(M):
+        for _ in range(seg_valid[s]):
+            seg_of[k] = s
+            k += 1
+    taken = np.zeros(tok0[R], np.bool_)
+    longest = 0
+    for r in range(R):
+        longest = max(longest, tails[r])
+    chosen = np.empty(longest + 1, np.int64)
+    # xorshift64* generator, seeded by splitmix64 of the seed
+    x = np.uint64(seed) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    if x == 0:
+        x = np.uint64(1)
+    for d in range(draws):
+        hist[:] = 0
+        for v in range(W1):
+            hist[v * W1] = by_valid[v]
+        for r in range(R):
+            base = tok0[r]
+            n = tok0[r + 1] - base
+            t = tails[r]
+            for j in range(n - t, n):                         # Floyd: t distinct positions of the n
+                x ^= x >> np.uint64(12)
+                x ^= x << np.uint64(25)
+                x ^= x >> np.uint64(27)
+                # top 32 random bits times the range, high word: uniform up to (j+1)/2^32 (< 1e-5 here)
+                u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
+                p = base + np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
+                if taken[p]:
+                    p = base + j
+                taken[p] = True
+                chosen[j - (n - t)] = p
+            for i in range(t):
+                p = chosen[i]
+                taken[p] = False
+                cnt[seg_of[p]] += 1
+            for i in range(t):
+                sg = seg_of[chosen[i]]
+                c = cnt[sg]
+                if c:
+                    v = seg_valid[sg]
+                    hist[v * W1] -= 1
+                    hist[v * W1 + c] += 1
+                    cnt[sg] = 0
+        left = top
+        got = 0.0
+        for i in range(order.shape[0]):
+            c = hist[order[i]]
+            if c:
+                take = min(c, left)
+                got += take * order_tails[i]
+                left -= take
+                if left == 0:
+                    break
+        out[d] = got / total
+    return out

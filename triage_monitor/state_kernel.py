@@ -1,0 +1,405 @@
+"""One-pass CPU update of the metric state (docs/metrics.md#performance), compiled with numba.
+
+:class:`~triage_monitor.metrics.MismatchStats` keeps one fixed-size float64 state vector
+(docs/metrics.md#state).  On an accelerator it is updated by a sequence of torch operations; on the
+CPU -- the live monitor on a CPU job and every offline recomputation -- this module updates it in one
+pass over the tokens, response by response, with no intermediate arrays: each token's δ is read once
+for the magnitude sums, the region masses, the δ sketch, min and max, and once more (while still in
+cache) for the segments of an A < 0 response.  Both paths compute the same definitions: the counts
+(tokens, responses, regions, segments, the C_tok table, the sketch) are equal, the float64 sums agree
+to rounding (tests/test_state_kernel.py checks one against the other).
+
+The kernel releases the GIL, so the offline map decodes the next step's Parquet files on another
+thread while this one computes.
+
+Sums are accumulated per response, then added to the totals, so rounding grows with the response length
+and the number of responses, not with their product.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+from typing import Optional
+
+import numpy as np
+from numba import njit
+
+from . import sketch
+
+#: Modes of :func:`update_state`: the τ-independent part, the τ-dependent part, or both.
+MAGNITUDE, LOCALISATION, BOTH = 1, 2, 3
+#: :func:`update_state` status codes.
+OK, UNSORTED = 0, 1
+
+_SHIFT = np.int32(23 - sketch.MANTISSA_BITS)
+_KEY_LO = np.int32(sketch._KEY_LO - 1)
+_HALF = np.int32(sketch.HALF)
+_E20_SQ = math.exp(20.0) * math.exp(20.0)
+_EM20_SQ = math.exp(-20.0) * math.exp(-20.0)
+
+
+@njit(nogil=True, cache=True)
+def _sorted(sid, pos, check_pos):                           # pragma: no cover - compiled
+    for i in range(1, sid.shape[0]):
+        if sid[i] < sid[i - 1] or (check_pos and sid[i] == sid[i - 1] and pos[i] <= pos[i - 1]):
+            return False
+    return True
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_frac, dil_thr,
+            sums, idx, sk, table, ext, rec_seg, rec_resp, rec_n):    # pragma: no cover - compiled
+    N = delta.shape[0]
+    bits = delta.view(np.int32)
+    shift = -1
+    if width & (width - 1) == 0:
+        shift = 0
+        while (1 << shift) < width:
+            shift += 1
+    W1 = width + 1
+    do_mag = mode & 1
+    do_loc = mode & 2
+    # totals
+    t_small = 0
+    t_sd = 0.0
+    t_sad = 0.0
+    t_k3 = 0.0
+    t_e2 = 0.0
+    t_lpd = 0.0
+    t_absa = 0.0
+    t_mass = np.zeros(4)
+    t_cnt = np.zeros(4, np.int64)
+    t_ln0 = 0.0
+    t_ln1 = 0.0
+    racc = np.zeros(9)
+    ebuf = np.empty(N)
+    rcnt = np.zeros(9, np.int64)
+    nonempty = 0
+    l_valid = 0
+    record = rec_seg.shape[0] > 0
+    n_rec_seg = 0
+    n_rec_resp = 0
+    l_tail = 0
+    l_seg = 0
+    l_heavy = 0
+    l_pairs = 0
+    l_pairs_h = 0
+    l_pairs_ph = 0
+    l_pairs_bh = 0
+    l_resp_h = 0
+    l_dil = 0
+    mn = math.inf
+    mx = -math.inf
+    i = 0
+    while i < N:
+        s = sid[i]
+        j = i
+        r_sd = 0.0
+        r_pos = 0.0                 # Σ|A| of the response's A > 0 tokens
+        r_neg = 0.0                 # Σ|A| of its A < 0 tokens
+        if do_mag:
+            r_sad = 0.0
+            r_k3 = 0.0
+            r_e2 = 0.0
+            r_absa = 0.0
+            r_small = 0
+            for q in range(9):
+                racc[q] = 0.0
+                rcnt[q] = 0
+            # exp(δ) of the response first, in a loop of its own: a libm call inside the main loop would
+            # spill every accumulator around it
+            end = i
+            while end < N and sid[end] == s:
+                ebuf[end] = math.exp(np.float64(delta[end]))
+                end += 1
+            while j < end:
+                d32 = delta[j]
+                d = np.float64(d32)
+                a32 = adv[j]
+                aa = abs(np.float64(a32))
+                ad = abs(d)
+                r_sd += d
+                r_sad += ad
+                r_absa += aa
+                r_small += ad < small_thr
+                e = ebuf[j]
+                r_k3 += e - d - 1.0
+                if d > 20.0:                                 # chi2_token clamps r = δ to ±20 before exp
+                    r_e2 += _E20_SQ
+                elif d < -20.0:
+                    r_e2 += _EM20_SQ
+                else:
+                    r_e2 += e * e
+                # quadrant key 3·sign(A) + sign(δ) + 4, as the torch path: 0 amp_neg, 8 amp_pos, 2 con_neg,
+                # 6 con_pos; |A| mass and count per key (an index, not branches: δ's sign is unpredictable)
+                q = 3 * ((a32 > 0) - (a32 < 0)) + (d32 > 0) - (d32 < 0) + 4
+                racc[q] += aa
+                rcnt[q] += 1
+                mn = min(mn, d)
+                mx = max(mx, d)
+                u = bits[j]
+                k = ((u & 0x7FFFFFFF) >> _SHIFT) - _KEY_LO
+                if k < 0:
+                    k = 0
+                elif k > _HALF:
+                    k = _HALF
+                sg = u >> 31
+                sk[(k ^ sg) - sg + _HALF] += 1.0
+                j += 1
+            nv = j - i
+            inv = 1.0 / nv
+            t_small += r_small
+            t_sd += r_sd
+            t_sad += r_sad
+            t_k3 += r_k3
+            t_e2 += r_e2
+            t_absa += r_absa
+            t_lpd -= r_sd / nv
+            t_mass[0] += racc[0]
+            t_mass[1] += racc[8]
+            t_mass[2] += racc[2]
+            t_mass[3] += racc[6]
+            t_cnt[0] += rcnt[0]
+            t_cnt[1] += rcnt[8]
+            t_cnt[2] += rcnt[2]
+            t_cnt[3] += rcnt[6]
+            t_ln0 += racc[0] * inv
+            t_ln1 += racc[8] * inv
+            r_pos = racc[6] + racc[7] + racc[8]
+            r_neg = racc[0] + racc[1] + racc[2]
+        else:
+            while j < N and sid[j] == s:
+                a = np.float64(adv[j])
+                r_sd += np.float64(delta[j])
+                if a < 0.0:
+                    r_neg -= a
+                elif a > 0.0:
+                    r_pos += a
+                j += 1
+            nv = j - i
+        nonempty += 1
+        if do_loc and r_pos - r_neg < 0.0:          # an A < 0 response: its segments
+            cur = np.int64(-1)
+            num = cur
+            prev = np.int64(-2)
+            prev_heavy = False
+            resp_heavy = False
+            valid = 0
+            tail = 0
+            r_tail = 0
+            seg0 = n_rec_seg
+            for t in range(i, j + 1):
+                if t < j:
+                    p = pos[t]
+                    num = p >> shift if shift >= 0 else p // width
+                if t == j or num != cur:
+                    if valid > 0:                   # close segment `cur`
+                        heavy = tail > heavy_frac * valid
+                        has_prev = prev == cur - 1
+                        l_seg += 1
+                        l_valid += valid
+                        l_tail += tail
+                        if heavy:
+                            l_heavy += 1
+                            resp_heavy = True
+                        if has_prev:
+                            l_pairs += 1
+                            if heavy:
+                                l_pairs_h += 1
+                            if prev_heavy:
+                                l_pairs_ph += 1
+                                if heavy:
+                                    l_pairs_bh += 1
+                        table[valid * W1 + tail] += 1.0
+                        r_tail += tail
+                        if record:
+                            rec_seg[n_rec_seg] = valid
+                            n_rec_seg += 1
+                        prev = cur
+                        prev_heavy = heavy
+                    if t == j:
+                        break
+                    cur = num
+                    valid = 0
+                    tail = 0
+                valid += 1
+                tail += (adv[t] < 0) & (delta[t] < tau)
+            if record:
+                if r_tail > 0:                      # a response the shuffle null can move tails in
+                    rec_resp[n_rec_resp, 0] = n_rec_seg - seg0
+                    rec_resp[n_rec_resp, 1] = r_tail
+                    n_rec_resp += 1
+                else:
+                    n_rec_seg = seg0
+            if resp_heavy:
+                l_resp_h += 1
+                if abs(r_sd / nv) < dil_thr:
+                    l_dil += 1
+        i = j
+    if do_mag:
+        sums[idx[0]] += N
+        sums[idx[1]] += n_samples if n_samples >= 0 else nonempty
+        sums[idx[2]] += nonempty
+        sums[idx[3]] += t_small
+        sums[idx[4]] += t_sd
+        sums[idx[5]] += t_sad
+        sums[idx[6]] += t_k3
+        sums[idx[7]] += t_e2
+        sums[idx[8]] += t_lpd
+        sums[idx[9]] += t_absa
+        for r in range(4):
+            sums[idx[10 + r]] += t_mass[r]
+            sums[idx[14 + r]] += t_cnt[r]
+        sums[idx[18]] += t_ln0
+        sums[idx[19]] += t_ln1
+        if N > 0:
+            ext[0] = min(ext[0], mn)
+            ext[1] = max(ext[1], mx)
+    if do_loc:
+        sums[idx[20]] += l_valid
+        sums[idx[21]] += l_tail
+        sums[idx[22]] += l_seg
+        sums[idx[23]] += l_heavy
+        sums[idx[24]] += l_pairs
+        sums[idx[25]] += l_pairs_h
+        sums[idx[26]] += l_pairs_ph
+        sums[idx[27]] += l_pairs_bh
+        sums[idx[28]] += l_resp_h
+        sums[idx[29]] += l_dil
+    rec_n[0] = n_rec_seg
+    rec_n[1] = n_rec_resp
+    return OK
+
+
+#: Order in which :func:`_kernel` writes the sums (names of :data:`triage_monitor.metrics.SUM_FIELDS`).
+KERNEL_FIELDS = (
+    "n_tokens", "n_responses_all", "n_responses_nonempty", "small_gap_count", "delta_sum", "delta_abs_sum",
+    "k3_sum", "exp_r_sq_sum", "log_ppl_diff_sum", "abs_adv_sum",
+    "mass_amp_neg", "mass_amp_pos", "mass_con_neg", "mass_con_pos",
+    "count_amp_neg", "count_amp_pos", "count_con_neg", "count_con_pos",
+    "lennorm_amp_neg", "lennorm_amp_pos",
+    "neg_valid_tokens", "tail_tokens", "segments", "heavy_segments",
+    "pairs", "pairs_heavy", "pairs_prev_heavy", "pairs_both_heavy",
+    "responses_with_heavy", "responses_diluted",
+)
+
+
+#: Tokens per piece: a batch is cut at the first response start at or after every multiple of this, the
+#: pieces are updated on :data:`THREADS` threads and their float sums added in piece order, so the state
+#: does not depend on the thread count (live and offline updates of one batch add the same partial sums).
+PIECE_TOKENS = 1 << 16
+#: Threads updating the pieces of one batch (the kernel releases the GIL).  1 by default: the offline map
+#: already overlaps the next step's Parquet decode with this update, and on a shared 2-core machine a
+#: second lane cost more CPU time than it saved wall time; raise it on an idle many-core machine.
+THREADS = 1
+
+_pool = None
+
+
+def _threads():
+    global _pool
+    if _pool is None:
+        _pool = cf.ThreadPoolExecutor(THREADS, thread_name_prefix="triage-monitor-state")
+    return _pool
+
+
+@njit(nogil=True, cache=True)
+def _cuts(sid, step):                                        # pragma: no cover - compiled
+    """Piece bounds: 0, the first response start at or after each multiple of ``step``, N."""
+    N = sid.shape[0]
+    out = [0]
+    t = step
+    i = step
+    while i < N:
+        while i < N and sid[i] == sid[i - 1]:
+            i += 1
+        if i < N:
+            out.append(i)
+        t = max(t + step, i + 1)
+        i = t
+    out.append(N)
+    return np.array(out, dtype=np.int64)
+
+
+def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.ndarray, advantage: np.ndarray,
+                 sample: np.ndarray, position: np.ndarray, num_samples: int, *, mode: int, tau_tail: float,
+                 width: int, small_gap_threshold: float, heavy_fraction: float, dilution_threshold: float,
+                 null_input: Optional[list] = None) -> int:
+    """Add one batch to a metric state vector in place, in one pass (docs/metrics.md#state).
+
+    Args:
+        state: ``(size,)`` float64, C-contiguous, laid out by ``slices`` (the ``sums``, ``delta_sketch``,
+            ``c_tok_table``, ``delta_min``, ``delta_max`` fields of
+            :func:`~triage_monitor.metrics.state_layout`); ``sum_fields`` names the ``sums`` entries.
+        delta: ``(N,)`` float32 δ (nats); advantage: ``(N,)`` float32.
+        sample: ``(N,)`` int64 response id of each token; position: ``(N,)`` int64.  Rows must be ordered by
+            (sample, position) with unique pairs; a response is a run of equal ids.
+        num_samples: S, the responses of the batch (empty ones included: ``n_responses_all``); -1: the
+            responses holding a token (a run of ids), as a recomputation from the records counts them.
+        mode: :data:`MAGNITUDE`, :data:`LOCALISATION` or :data:`BOTH`.
+        tau_tail: τ_tail (nats), compared with δ in float32 as the torch path does; ignored without
+            :data:`LOCALISATION`.
+        width: segment width W (tokens).
+        null_input: a list to which the batch's shuffle-null input is appended (with
+            :data:`LOCALISATION`): ``(segment_valid, response_segments, response_tails)`` int32 arrays --
+            the valid tokens of each segment of every A < 0 response holding a tail token, in order, and per
+            such response its number of segments and of tail tokens (:func:`shuffle_null_c_tok`).
+
+    Returns:
+        :data:`OK`, or :data:`UNSORTED` (nothing added) when the rows are not in (sample, position) order
+        or a pair repeats (with :data:`MAGNITUDE` alone, only the sample order is checked and ``position``
+        is not read).
+    """
+    delta = np.ascontiguousarray(delta, dtype=np.float32)
+    advantage = np.ascontiguousarray(advantage, dtype=np.float32)
+    sample = np.ascontiguousarray(sample, dtype=np.int64)
+    position = np.ascontiguousarray(position, dtype=np.int64)
+    N = delta.shape[0]
+    if N and not _sorted(sample, position, bool(mode & LOCALISATION)):
+        return UNSORTED
+    where = {name: i for i, name in enumerate(sum_fields)}
+    idx = np.array([where[n] for n in KERNEL_FIELDS], dtype=np.int64)
+    sums, sk, table = state[slices["sums"]], state[slices["delta_sketch"]], state[slices["c_tok_table"]]
+    cuts = _cuts(sample, PIECE_TOKENS) if N else np.array([0, 0], dtype=np.int64)
+    pieces = len(cuts) - 1
+    partial = np.zeros((pieces, sums.shape[0]))             # each piece's float sums, added in piece order
+    ext = np.tile(np.array([[state[slices["delta_min"]][0], state[slices["delta_max"]][0]]]), (pieces, 1))
+    lanes = min(THREADS, pieces)
+    # integer counts (sketch, C_tok table) go to one private copy per lane: exact whatever the lane
+    sks = [sk] + [np.zeros_like(sk) for _ in range(lanes - 1)]
+    tables = [table] + [np.zeros_like(table) for _ in range(lanes - 1)]
+    args = (int(mode), np.float32(tau_tail), int(width), float(small_gap_threshold), float(heavy_fraction),
+            float(dilution_threshold))
+
+    record = null_input is not None and bool(mode & LOCALISATION)
+    rec_seg = np.empty(N if record else 0, dtype=np.int32)
+    rec_resp = np.empty((N if record else 0, 2), dtype=np.int32)
+    rec_n = np.zeros((pieces, 2), dtype=np.int64)
+
+    def lane(k):
+        for p in range(k, pieces, lanes):
+            a, b = cuts[p], cuts[p + 1]
+            _kernel(delta[a:b], advantage[a:b], sample[a:b], position[a:b],
+                    int(num_samples) if p == 0 else (0 if num_samples >= 0 else -1), *args,
+                    partial[p], idx, sks[k], tables[k], ext[p], rec_seg[a:b] if record else rec_seg,
+                    rec_resp[a:b] if record else rec_resp, rec_n[p])
+
+    if lanes == 1:
+        lane(0)
+    else:
+        list(_threads().map(lane, range(lanes)))
+    for p in range(pieces):
+        sums += partial[p]
+    for k in range(1, lanes):
+        sk += sks[k]
+        table += tables[k]
+    state[slices["delta_min"]] = ext[:, 0].min()
+    state[slices["delta_max"]] = ext[:, 1].max()
+    if record:
+        segs = [rec_seg[cuts[p]:cuts[p] + rec_n[p, 0]] for p in range(pieces)]
+        resp = [rec_resp[cuts[p]:cuts[p] + rec_n[p, 1]] for p in range(pieces)]
+        null_input.append((np.concatenate(segs) if segs else np.zeros(0, np.int32),
+                           np.concatenate([r[:, 0] for r in resp]) if resp else np.zeros(0, np.int32),
+                           np.concatenate([r[:, 1] for r in resp]) if resp else np.zeros(0, np.int32)))
+    return OK
