@@ -1,10 +1,10 @@
 """The metric constants of docs/metrics.md pinned by values worked out independently of the product.
 
 Every test here runs the product with its **defaults** (``MetricConfig()``, ``MetricTracker()``) and compares it
-with a value worked out by hand in the comments, or with the reference implementation ``_reference`` below: a
+with a value worked out by hand in the comments, or with the reference implementation of tests/reference_metrics.py: a
 plain-Python loop over responses and segments written from docs/metrics.md#localisation, with the documented
 constants typed in (W = 64, small gap 0.05 nats, heavy fraction 10 %, top fraction 5 %, dilution 0.05 nats).  It
-calls no product helper.  Changing a default or a comparison (``<`` for ``<=``) in the product makes one of them
+lives in tests/reference_metrics.py and imports nothing from the product.  Changing a default or a comparison (``<`` for ``<=``) in the product makes one of them
 fail; docs/testing.md lists which test pins which constant.
 """
 
@@ -17,6 +17,8 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.config import MonitorConfig
 from triage_monitor.metrics import MetricConfig, MetricTracker, compute_step_metrics
+
+from reference_metrics import reference_metrics
 
 # the documented constants, typed in (docs/metrics.md)
 W = 64
@@ -47,50 +49,9 @@ def _batch(deltas, advs, positions=None):
     return TokenBatch.from_list(learner, sampler, torch.tensor(advs, dtype=torch.float32), masks)
 
 
-def _reference(responses, tau, width=W, heavy=HEAVY, top=TOP, dilution=DILUTION, small=SMALL_GAP):
-    """docs/metrics.md#localisation, one response and one segment at a time.
-
-    ``responses``: list of (δ float64 array as the product sees it (float32 values), positions, A).
-    """
-    n_tok = sum(len(d) for d, _, _ in responses)
-    small_n = sum(int(np.sum(np.abs(d) < small)) for d, _, _ in responses)
-    segs = []                                     # (response, k, valid, tail)
-    neg_valid = tails = 0
-    resp_heavy, resp_diluted = 0, 0
-    for r, (d, pos, a) in enumerate(responses):
-        if not a < 0:
-            continue
-        neg_valid += len(d)
-        by_k = {}
-        for x, p in zip(d, pos):
-            v, t = by_k.get(p // width, (0, 0))
-            by_k[p // width] = (v + 1, t + (1 if x < tau else 0))
-        any_heavy = False
-        for k in sorted(by_k):
-            v, t = by_k[k]
-            segs.append((r, k, v, t))
-            tails += t
-            any_heavy |= t > heavy * v
-        if any_heavy:
-            resp_heavy += 1
-            resp_diluted += abs(float(np.mean(d))) < dilution
-    is_heavy = {(r, k): t > heavy * v for r, k, v, t in segs}
-    K = len(segs)
-    ranked = sorted(segs, key=lambda s: (-(s[3] / s[2]), -s[3]))
-    n_top = math.ceil(top * K)
-    pairs = [(is_heavy[(r, k - 1)], is_heavy[(r, k)]) for r, k, _, _ in segs if (r, k - 1) in is_heavy]
-    prev_heavy = [cur for prev, cur in pairs if prev]
-    p_adj = (np.mean(prev_heavy) / np.mean([cur for _, cur in pairs])) if prev_heavy and any(
-        cur for _, cur in pairs) else math.nan
-    return {
-        "small_gap_share": small_n / n_tok,
-        "r_amp": tails / neg_valid,
-        "h_seg": sum(is_heavy.values()) / K,
-        "c_tok": sum(s[3] for s in ranked[:n_top]) / tails if tails else math.nan,
-        "p_adj": p_adj,
-        "dilution": resp_diluted / resp_heavy if resp_heavy else math.nan,
-        "segments": K,
-    }
+def _reference(responses, tau, **kw):
+    """The independent implementation of tests/reference_metrics.py (documented constants as defaults)."""
+    return reference_metrics(responses, tau, **kw)
 
 
 def _planted_run(seed=0, n_neg=40):
@@ -120,7 +81,8 @@ def _planted_run(seed=0, n_neg=40):
         deltas.append(d)
         positions.append(pos)
         advs.append(a)
-        resp.append((d.astype(np.float64), pos, a))
+        seen = ((d + np.float32(-3.0)) - np.float32(-3.0)).astype(np.float64)   # δ as the product sees it
+        resp.append((seen, pos, a))
     return deltas, positions, advs, resp
 
 
@@ -131,7 +93,8 @@ def test_localisation_defaults_equal_an_independent_loop():
     tau = -0.5
     ref = _reference(resp, tau)
     got = compute_step_metrics(_batch(deltas, advs, positions), tau, MetricConfig()).values
-    for k in ("small_gap_share", "r_amp", "h_seg", "c_tok", "p_adj", "dilution"):
+    for k in ("small_gap_share", "delta_mean", "delta_abs_mean", "k3_kl", "mass_amp_neg", "mass_amp_pos",
+              "mass_con_neg", "mass_con_pos", "rho_asym", "r_amp", "h_seg", "c_tok", "p_adj", "dilution"):
         assert got[k] == pytest.approx(ref[k], rel=1e-12, abs=0), k
     # the data distinguish each documented constant from a neighbouring value (else the test would be blind)
     assert ref["segments"] >= 40 and math.ceil(TOP * ref["segments"]) != math.ceil(0.10 * ref["segments"])
