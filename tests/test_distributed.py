@@ -108,6 +108,9 @@ def close(a, b, rel=1e-12):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_many_ranks_equal_single_process(world, tmp_path):
+    """Agreement test: every rank's synced metrics vs one process on the concatenated batch (both
+    ``MetricTracker``), and live vs offline; the single-process values are checked against the independent loop
+    of tests/reference_metrics.py at the end."""
     from triage_monitor.analysis import open_run
 
     results = spawn(world, tmp_path)

@@ -107,6 +107,8 @@ def test_anchor_steps():
 
 
 def test_stage_table_on_demo_run(demo_run_dir):
+    """Agreement test: stage rows vs ``recompute`` windows and the live step table, all from
+    ``MismatchStats`` states; independent check: test_stage_row_equals_an_independent_computation_from_the_records."""
     run = open_run(demo_run_dir)
     live = run.steps().set_index("step")
     t = stage_table(run, draws=99)
@@ -146,6 +148,8 @@ def test_stage_table_on_demo_run(demo_run_dir):
 
 
 def test_null_ranking_equals_c_tok_from_segments_per_draw():
+    """Agreement test: the vectorised null ranking vs ``metrics.c_tok_from_segments`` (both product code);
+    independent checks: test_two_segment_null_is_hypergeometric (by hand) and tests/test_constants_metrics.py."""
     # the vectorised O(K) ranking of shuffle_null_c_tok equals metrics.c_tok_from_segments applied to each draw
     rng = np.random.default_rng(7)
     resp = np.repeat(np.arange(300), rng.integers(1, 5, 300))
@@ -164,6 +168,8 @@ def test_null_ranking_equals_c_tok_from_segments_per_draw():
 
 
 def test_tail_layout_from_tokens_equals_batch_path(demo_run_dir):
+    """Agreement test: token-table path vs TokenBatch path of ``tail_layout``; independent check:
+    test_tail_layout_matches_metrics_segments and the hand-worked null tests above."""
     from triage_monitor.stages import tail_layout_from_tokens
 
     run = open_run(demo_run_dir)
