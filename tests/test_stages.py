@@ -178,3 +178,20 @@ def test_tail_layout_from_tokens_equals_batch_path(demo_run_dir):
         b = tail_layout_from_tokens(run.tokens(step), -0.05, 4)
         for f in ("response", "valid", "tail", "number"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+
+
+def test_stage_row_equals_an_independent_computation_from_the_records(demo_run_dir):
+    """Independent check of the stage table: each anchor's window metrics recomputed from the token records of the
+    window's steps by tests/reference_metrics.py (plain loops, no product code), with the row's frozen τ_tail and
+    the run's segment width."""
+    from reference_metrics import reference_metrics, responses_from_tokens
+
+    run = open_run(demo_run_dir)
+    t = stage_table(run, draws=19)
+    width = run.config.metrics.segment_width
+    for _, row in t.iterrows():
+        resp = [r for s in range(int(row["first_step"]), int(row["step"]) + 1)
+                for r in responses_from_tokens(run.tokens(s))]
+        ref = reference_metrics(resp, float(row["tau_tail"]), width=width)
+        for k in ("rho_asym", "small_gap_share", "r_amp", "h_seg", "c_tok", "dilution"):
+            assert (math.isnan(row[k]) and math.isnan(ref[k])) or row[k] == pytest.approx(ref[k], rel=1e-9), (row["step"], k)
