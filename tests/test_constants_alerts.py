@@ -1,7 +1,7 @@
 """Alert thresholds and scores (docs/alerts.md#conditions) pinned by values worked out by hand: each comparison is
 strict (a value exactly on the threshold does not hold), each score is divided by the documented reference
 (|look-back| for rising/falling, |baseline| for excess/deficit), and the shipped rules carry the documented
-thresholds (docs/alerts.md#default-rules)."""
+thresholds (docs/alerts.md#default-rules-and-why)."""
 
 import math
 
@@ -64,7 +64,7 @@ def test_hold_and_cooldown_counts():
 
 
 DEFAULTS = {
-    # name: (metric, condition, threshold, window, k, relative, hold, cooldown, level), docs/alerts.md#default-rules
+    # name: (metric, condition, threshold, window, k, relative, hold, cooldown, level), docs/alerts.md#default-rules-and-why
     "rho_asym_rising": ("window/rho_asym", "rising", 0.15, 25, 2, True, 5, 100, "WARN"),
     "rho_asym_high": ("window/rho_asym", "above", 1.45, 25, None, False, 5, 100, "WARN"),
     "c_tok_excess": ("window/c_tok", "excess", 0.03, 25, None, False, 10, 100, "WARN"),
