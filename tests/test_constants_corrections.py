@@ -96,3 +96,26 @@ def test_mis_band_is_closed_at_both_ends():
     old, samp = _ratios([-x for x in xs])
     w = mis_weights(old, samp, (torch.arange(6), 6), high=2.0, low=0.5)
     assert w.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_sequence_forms_default_caps():
+    """Sequence mask (product form): kept with weight ρ_s = exp(Σ log r) up to 3.0, dropped above (float64 ρ of a
+    float32 log-ratio: no ρ equals 3 exactly, so the neighbours on each side pin it); no lower bound.  Sequence IS,
+    product and geometric forms: capped at 2.  Two-token sequences with log-ratios (a, a)."""
+    from triage_monitor.corrections import (sequence_is_geometric_weights, sequence_is_product_weights,
+                                            sequence_mask_weights)
+
+    def rho(x):                                    # x = the float32 log-ratio of a one-token sequence
+        return math.exp(float(np.float32(x)))
+
+    below, above = _around(3.0, rho)
+    old, samp = _ratios([below, above, -40.0])
+    w = sequence_mask_weights(old, samp, (torch.arange(3), 3))
+    assert w.tolist() == [pytest.approx(rho(below), rel=1e-6), 0.0, pytest.approx(math.exp(-40.0), rel=1e-5)]
+    old, samp = _ratios([0.5, 0.5, 0.25, 0.25])    # sequence 0: Σ = 1 (e = 2.72 → 2), mean 0.5 (1.65); seq 1: Σ 0.5
+    seq = (torch.tensor([0, 0, 1, 1]), 2)
+    assert sequence_is_product_weights(old, samp, seq).tolist() == pytest.approx(
+        [2.0, 2.0, math.exp(0.5), math.exp(0.5)], rel=1e-6)
+    old, samp = _ratios([1.0, 1.0, 0.25, 0.25])    # geometric: mean 1 → e → 2; mean 0.25 → 1.28
+    assert sequence_is_geometric_weights(old, samp, seq).tolist() == pytest.approx(
+        [2.0, 2.0, math.exp(0.25), math.exp(0.25)], rel=1e-6)
