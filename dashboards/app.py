@@ -46,7 +46,7 @@ def _signature(path: str) -> tuple:
         man = None
     try:
         with os.scandir(p / "steps") as it:
-            entries = [e.name for e in it if e.name.startswith("step=")]
+            entries = [e.name for e in it if e.name.startswith(("step-", "step="))]   # flat files / old hive dirs
         newest = max(((p / "steps" / e).stat().st_mtime_ns for e in entries), default=0)
     except OSError:
         entries, newest = [], 0

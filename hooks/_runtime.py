@@ -8,6 +8,10 @@ the step being accumulated — lives in a :class:`WorkerRuntime`, one per proces
 ``HookSettings.key``).  Every unpickled copy of the same hook in a process shares that runtime, so re-pickling
 loses and duplicates nothing.
 
+**Run directory checks.**  The monitor is built at the first monitored step; there, before anything is written,
+an unwritable ``run_dir``, a run of another configuration in it or a second live writer of the same rank raise
+(``triage_monitor.records.OutputError``); later I/O errors never reach the training loop.
+
 **Rank and run directory.**  Every process writes its own rank's files into the shared run directory (rank:
 ``HookSettings.rank``, else the ``torch.distributed`` rank, else the ``RANK`` environment variable, else the
 first free rank claimed atomically in ``<run_dir>/.ranks/<attempt>/``).  All processes of one job share the
@@ -38,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage_monitor.controller import TriageConfig, TriageController
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-from triage_monitor.records import new_attempt_id
+from triage_monitor.records import new_attempt_id, probe_writable
 
 from ._common import StepAccumulator
 
@@ -69,6 +73,9 @@ class HookSettings:
             None = resolved in each worker: rank 0's id broadcast over ``torch.distributed`` when a process
             group is up (processes that build their hook themselves, e.g. torchrun ranks), else a new id.
         key: identity of the hook across pickling: copies with the same key share one runtime per process.
+        resume: continue a run in ``run_dir`` whose model / task / correction / seed differ (``MismatchMonitor``'s
+            ``resume``); a run of the same configuration is continued without it, another one is refused with
+            ``triage_monitor.records.RunConflictError`` when the monitor starts (the first monitored step).
     """
 
     run_dir: Optional[str] = None
@@ -80,6 +87,7 @@ class HookSettings:
     rank: Optional[int] = None
     attempt: Optional[int] = field(default_factory=new_attempt_id)
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    resume: bool = False
 
     def __post_init__(self):
         if self.step_source not in STEP_SOURCES:
@@ -161,14 +169,14 @@ class WorkerRuntime:
         """This process's monitor, built on first use (None without ``run_dir``)."""
         s = self.settings
         if self._monitor is None and s.run_dir is not None:
-            run_dir = Path(s.run_dir)
+            run_dir = probe_writable(s.run_dir)      # an unwritable run_dir: a clear error at the first step
             attempt = s.attempt if s.attempt is not None else _worker_attempt()
             rank = resolve_rank(run_dir, attempt, s.rank)
             manifest = {**s.manifest, "hook_pid": os.getpid()} if rank == 0 else dict(s.manifest)
             if self.controller is not None:
                 manifest.setdefault("triage", _plain(self.controller.config))
             self._monitor = MismatchMonitor(run_dir, s.monitor, manifest=manifest, rank=rank, attempt=attempt,
-                                            group=None)
+                                            group=None, resume=s.resume)
             self._acc = StepAccumulator(self._monitor)
         return self._monitor
 

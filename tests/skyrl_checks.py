@@ -323,12 +323,13 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
     assert {"policy_loss", "final_loss", "loss_metrics/clip_ratio", "loss_metrics/triage/gate_weight_mean",
             "minibatch_rollout_logprobs_abs_diff_mean"} <= keys
     n_tokens = sum(sum(m) for m in rollout()["mask_lists"])
-    steps = sorted(int(p.name.split("=")[1]) for p in (run_dir / "tokens").iterdir())
+    from triage_monitor.records import parse_table_file
+    files = {parse_table_file(p.name): p for p in (run_dir / "tokens").iterdir()}
+    steps = sorted({s for s, _, _ in files})
     assert steps == list(range(STEPS))
     for s in steps:
-        for rank in (0, 1):
-            files = list((run_dir / "tokens" / f"step={s}" / f"rank={rank}").glob("*.parquet"))
-            assert len(files) == 1 and pq.read_table(files[0]).num_rows == n_tokens
+        assert sorted(r for st, r, _ in files if st == s) == [0, 1]           # one file per (step, rank)
+        assert all(pq.read_table(f).num_rows == n_tokens for (st, _, _), f in files.items() if st == s)
     manifest = json.loads((run_dir / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "skyrl"
 

@@ -326,15 +326,15 @@ def test_live_and_replay_identical_including_resume():
 
 # ------------------------------------------------------------------------------------------- CLI
 def _write_steps(run_dir, df, attempt):
-    """The records.py layout: run.json + steps/step=S/rank=R/part-<attempt>.parquet, one row each."""
+    """The hive layout of manifest schemas 1-2 (still read): run.json + steps/step=S/rank=R/part-<attempt>.parquet."""
     import pyarrow as pa
-    from triage_monitor.records import partition_dir, write_json_atomic, write_table_atomic
+    from triage_monitor.records import write_json_atomic, write_table_atomic
     write_json_atomic({"schema_version": 1, "tool": "triage-monitor"}, run_dir / "run.json")
     for row in df.to_dict("records"):
         step = int(row.pop("step"))
         for rank in (0, 1):
             write_table_atomic(pa.Table.from_pylist([{**row, "attempt": attempt}]),
-                               partition_dir(run_dir, "steps", step, rank) / f"part-{attempt}.parquet")
+                               run_dir / "steps" / f"step={step}" / f"rank={rank}" / f"part-{attempt}.parquet")
 
 
 def test_cli_run_dir_and_wandb_csv_match_replay(tmp_path, capsys):

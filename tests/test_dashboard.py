@@ -212,7 +212,7 @@ def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
         mon.log_step(s, TokenBatch.from_padded(lp + 0.1 * torch.randn(6, 20, generator=g).clamp(max=0), lp,
                                                torch.randn(6, generator=g), torch.ones(6, 20)))
     mon.flush()
-    for f in (tmp_path / "empty" / "tokens" / "step=2").rglob("*.parquet"):
+    for f in (tmp_path / "empty" / "tokens").glob("step-00000002-*.parquet"):
         f.unlink()
     at = app(monkeypatch, tmp_path / "empty")
     assert not at.exception and not at.error

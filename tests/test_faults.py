@@ -35,6 +35,7 @@ from triage_monitor.alerts import AlertEngine, CallbackSink, Rule  # noqa: E402
 from triage_monitor.analysis import open_run, recompute  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+from triage_monitor.records import UnwritableOutputError  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -61,7 +62,7 @@ def assert_all_readable(d: Path, table: str = "tokens") -> int:
     rows = 0
     for p in visible_files(d):
         t = pq.read_table(p)
-        if table is None or p.parts[-4] == table:
+        if table is None or p.parts[-2] == table:
             rows += t.num_rows
     return rows
 
@@ -151,40 +152,49 @@ def assert_warned_once(caplog):
     assert len(msgs) <= 2, msgs
 
 
-def _train_into(d, steps, caplog):
-    caplog.set_level(logging.WARNING)
-    mon, fired = _alerting_monitor(d)
-    metrics = []
-    for step in range(steps):
-        metrics.append(mon.log_step(step, batch(step)))
-        mon.flush()                      # let the writer fail now, so the next step sees the count
-    mon.close()
-    return mon, metrics, fired
-
-
-def test_run_dir_under_a_regular_file_training_continues(tmp_path, caplog):
+def test_run_dir_under_a_regular_file_is_an_error_at_start(tmp_path):
+    # unwritable from the start: the monitor refuses at construction (before any training step), naming the
+    # path and the OS reason; this holds for any user (root included)
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a regular file")
-    mon, metrics, fired = _train_into(blocker / "run", 4, caplog)
-    assert len(metrics) == 4 and all(not math.isnan(m["rho_asym"]) for m in metrics)
-    total = sum(m["n_tokens"] for m in metrics)
-    assert metrics[0]["writer_dropped_rows"] == 0 and metrics[1]["writer_dropped_rows"] >= metrics[0]["n_tokens"]
-    assert mon.sink.dropped_rows >= total and mon.sink.written_rows == 0
-    assert_warned_once(caplog)
-    assert "NotADirectoryError" in mon.sink.last_error
-    assert [a.rule for a in fired] == ["writer_dropping"]
+    with pytest.raises(UnwritableOutputError, match="Not a directory") as err:
+        MismatchMonitor(blocker / "run")
+    assert str(blocker / "run") in str(err.value) and err.value.path == blocker / "run"
 
 
-def test_read_only_mount_training_continues(tmp_path, caplog):
+def test_read_only_mount_is_an_error_at_start(tmp_path):
     ro = tmp_path / "ro"
     with tmpfs(ro, "ro") as ok:
         if not ok:
             pytest.skip("mount not permitted here (the regular-file test covers unwritable directories)")
-        mon, metrics, fired = _train_into(ro / "run", 3, caplog)
+        with pytest.raises(UnwritableOutputError, match="Read-only file system") as err:
+            MismatchMonitor(ro / "run")
+        assert str(ro / "run") in str(err.value) and not list(ro.iterdir())
+
+
+def test_read_only_mount_mid_run_training_continues(tmp_path, caplog):
+    # the disk turns read-only while training: no exception reaches the training loop; rows are counted
+    # as dropped, warned once, and the writer_dropping alert fires
+    mnt = tmp_path / "rw"
+    with tmpfs(mnt, "size=64m") as ok:
+        if not ok:
+            pytest.skip("mount not permitted here (the RLIMIT_FSIZE test covers failing writes mid-run)")
+        caplog.set_level(logging.WARNING)
+        mon, fired = _alerting_monitor(mnt / "run")
+        metrics = [mon.log_step(0, batch(0))]
+        mon.flush()
+        assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
+        for step in range(1, 4):
+            metrics.append(mon.log_step(step, batch(step)))
+            mon.flush()                  # let the writer fail now, so the next step sees the count
+        mon.close()
+        assert len(metrics) == 4 and all(not math.isnan(m["rho_asym"]) for m in metrics)
         assert "Read-only file system" in mon.sink.last_error
-        assert mon.sink.dropped_rows >= sum(m["n_tokens"] for m in metrics)
+        assert mon.sink.dropped_rows >= sum(m["n_tokens"] for m in metrics[1:])
+        assert metrics[0]["writer_dropped_rows"] == 0 and metrics[2]["writer_dropped_rows"] >= metrics[1]["n_tokens"]
         assert_warned_once(caplog)
-        assert fired and not list(ro.iterdir())
+        assert [a.rule for a in fired] == ["writer_dropping"]
+        assert open_run(mnt / "run").step_numbers() == [0]
 
 
 def test_full_tmpfs_counts_dropped_rows_and_keeps_files_whole(tmp_path, caplog):

@@ -335,10 +335,12 @@ def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
         assert a["triage/gate_downweighted_frac"] == pytest.approx(b["triage/gate_downweighted_frac"])
         assert a["vllm_kl"] == pytest.approx(b["vllm_kl"]) and "is_filter_ratio" in a
     run = tmp_path / "run"
-    steps = sorted(int(p.name.split("=")[1]) for p in (run / "tokens").iterdir())
+    from triage_monitor.records import parse_table_file
+    keys = [parse_table_file(p.name) for p in (run / "tokens").iterdir()]
+    steps = sorted({s for s, _, _ in keys})
     assert steps == [0, 1, 2, 3]
     for st in steps:
-        assert sorted(p.name for p in (run / "tokens" / f"step={st}").iterdir()) == ["rank=0", "rank=1"]
+        assert sorted(r for s, r, _ in keys if s == st) == [0, 1]
     tok = pd.read_parquet(run / "tokens")
     per_rank = tok.groupby(tok["rank"].astype(int)).size().to_dict()
     # each rank: 2 fits × the action tokens of its 16 samples (made in the actor with seed 100·rank)

@@ -69,15 +69,14 @@ def _settings(tmp_path, **kw):
 
 
 def _check_run(run_dir, ranks):
-    steps = sorted(int(p.name.split("=")[1]) for p in (run_dir / "tokens").iterdir())
-    assert steps == list(range(STEPS))
+    from triage_monitor.records import parse_table_file
+    files = {parse_table_file(p.name): p for p in (run_dir / "tokens").iterdir()}
+    assert sorted({s for s, _, _ in files}) == list(range(STEPS))
     for s in range(STEPS):
-        got = sorted(int(p.name.split("=")[1]) for p in (run_dir / "tokens" / f"step={s}").iterdir())
-        assert got == ranks
-        for r in ranks:
-            files = list((run_dir / "tokens" / f"step={s}" / f"rank={r}").glob("*.parquet"))
-            assert len(files) == 1
-            assert pq.read_table(files[0]).num_rows == MICRO * B * T      # every token once, no duplicate
+        assert sorted(r for st, r, _ in files if st == s) == ranks      # one file per (step, rank)
+        for (st, r, _), f in files.items():
+            if st == s:                                                  # every token once, no duplicate
+                assert pq.read_table(f).num_rows == MICRO * B * T
     manifest = json.loads((run_dir / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "toy"
     attempts = {int(pd.read_parquet(f).attempt.iloc[0]) for f in (run_dir / "tokens").rglob("*.parquet")}

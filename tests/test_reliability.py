@@ -331,7 +331,9 @@ def test_analysis_skips_malformed_entries_in_a_run_directory(tmp_path):
     d = tmp_path / "run"
     with MismatchMonitor(d) as mon:
         mon.log_step(0, TokenBatch.from_padded(*healthy()))
-    (d / "tokens" / "step=0" / "rank=x").mkdir()
+    (d / "tokens" / "step=0" / "rank=x").mkdir(parents=True)
     (d / "tokens" / "step=7").write_text("not a directory")
+    (d / "tokens" / "step-00000009-rank-0000-attempt-1.parquet").mkdir()       # a directory with a table file's name
+    (d / "tokens" / "notes.txt").write_text("not a table file")
     run = open_run(d)
     assert run.step_numbers() == [0]

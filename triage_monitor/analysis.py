@@ -14,6 +14,7 @@ so ``recompute(run)`` reproduces the live per-step values.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 from functools import cached_property
@@ -24,7 +25,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .records import MANIFEST, RunManifest, read_manifest
+from .records import MANIFEST, RunManifest, parse_table_file, read_manifest
+
+log = logging.getLogger("triage_monitor.analysis")
 
 # torch-backed modules (batch, metrics) are imported inside the functions that need them, so that reading
 # step-level data (Run.steps, the dashboard's first charts) does not pay for importing torch.
@@ -45,17 +48,23 @@ def _hive_int(p: Path, prefix: str):
 
 
 def _parts(root: Path) -> dict:
-    """{step: [(rank, path), ...]} of the complete (non-hidden) Parquet files under ``root``.
+    """{step: [(rank, path), ...]} of the complete (non-hidden) Parquet files of table directory ``root``.
 
-    Entries that are not ``step=<int>/rank=<int>/*.parquet`` files are skipped."""
+    Reads the flat layout (``step-<S>-rank-<R>.parquet``, manifest schema 3) and the older hive layout
+    (``step=<S>/rank=<R>/part-<attempt>.parquet``); other entries are skipped."""
     out: dict = {}
     if not root.is_dir():
         return out
-    for step_dir in root.iterdir():
-        step = _hive_int(step_dir, "step=")
+    for entry in root.iterdir():
+        key = parse_table_file(entry.name)
+        if key is not None:
+            if entry.is_file():
+                out.setdefault(key[0], []).append((key[1], entry))
+            continue
+        step = _hive_int(entry, "step=")
         if step is None:
             continue
-        for rank_dir in step_dir.iterdir():
+        for rank_dir in entry.iterdir():
             rank = _hive_int(rank_dir, "rank=")
             if rank is None:
                 continue
@@ -65,14 +74,25 @@ def _parts(root: Path) -> dict:
     return out
 
 
-def _latest_attempt(files: list) -> list:
-    """The files of the step's latest attempt (``part-<attempt>.parquet``), every rank of it, by rank.
+def _rank_of(f: Path) -> int:
+    """The rank of a table file of either layout."""
+    key = parse_table_file(f.name)
+    return key[1] if key is not None else int(f.parent.name[5:])
 
-    All ranks of one process start share one attempt id (MismatchMonitor broadcasts rank 0's), so a
-    step redone by a resumed job, even on fewer ranks, is read from the new attempt alone.
-    Files whose name is not ``part-<int>.parquet`` are skipped."""
+
+def _latest_attempt(files: list) -> list:
+    """The files to read of one step, every rank, by rank.
+
+    The files of the step's latest attempt (``...-attempt-<A>.parquet``, or ``part-<A>.parquet`` in the older
+    hive layout): all ranks of one process start share one attempt id, so a step redone by a resumed job, even
+    on fewer ranks, is read from the new attempt alone; hive files whose name is not ``part-<int>.parquet`` are
+    skipped."""
     parsed = []
     for rank, f in files:
+        key = parse_table_file(f.name)
+        if key is not None:
+            parsed.append((key[2], rank, f))
+            continue
         try:
             parsed.append((int(f.stem.split("-", 1)[1]), rank, f))
         except (IndexError, ValueError):
@@ -84,10 +104,34 @@ def _latest_attempt(files: list) -> list:
 
 
 class Run:
-    """A run directory opened for reading (see :func:`open_run`)."""
+    """A run directory opened for reading (see :func:`open_run`).
+
+    Attributes:
+        path: the run directory.
+        unreadable: ``[(path, reason), ...]`` (both str) of every table file a read of this object found
+            corrupt or unreadable (truncated Parquet, no permission, a column missing) and skipped, in the
+            order found; each is also logged once as a WARNING.  Reads fill it as they go: after ``steps()``
+            it names the bad ``steps/`` files, after ``tokens(s)`` the bad token files of step ``s``.
+    """
 
     def __init__(self, path):
         self.path = Path(path)
+        self.unreadable: list = []
+
+    def _skip_unreadable(self, f, reason: str) -> None:
+        """Record ``f`` in :attr:`unreadable` (once) and log a WARNING naming it."""
+        if any(p == str(f) for p, _ in self.unreadable):
+            return
+        self.unreadable.append((str(f), reason))
+        log.warning("triage-monitor: skipped unreadable file %s (%s)", f, reason)
+
+    def _read(self, f, columns: Optional[Sequence[str]] = None) -> Optional[pa.Table]:
+        """``pq.read_table(f, columns)``, or None (recorded in :attr:`unreadable`) when it fails."""
+        try:
+            return pq.read_table(f, columns=list(columns) if columns else None)
+        except (OSError, pa.ArrowException, ValueError) as exc:
+            self._skip_unreadable(f, f"{type(exc).__name__}: {exc}")
+            return None
 
     @cached_property
     def manifest(self) -> RunManifest:
@@ -116,14 +160,26 @@ class Run:
         return sorted(_parts(self.path / "tokens"))
 
     def tokens(self, step: int, columns: Optional[Sequence[str]] = None) -> pd.DataFrame:
-        """Token rows of one step (all ranks, latest attempt) as a DataFrame, sorted by (sample_id, position)."""
+        """Token rows of one step (all ranks, latest attempt) as a DataFrame, sorted by (sample_id, position).
+
+        A rank file that cannot be read is skipped and named in :attr:`unreadable` (with a WARNING).
+
+        Raises:
+            KeyError: the step has no token file, or none of its token files is readable.
+        """
         files = _latest_attempt(_parts(self.path / "tokens").get(int(step), []))
         if not files:
             raise KeyError(f"step {step} has no token records in {self.path}")
         tables = []
         for f in files:
-            t = pq.read_table(f, columns=list(columns) if columns else None)
-            tables.append(t.append_column("rank", pa.array([int(f.parent.name[5:])] * t.num_rows, pa.int32())))
+            t = self._read(f, columns)
+            if t is None:
+                continue
+            if "rank" not in t.column_names:      # hive layout: the rank is in the directory name
+                t = t.append_column("rank", pa.array([_rank_of(f)] * t.num_rows, pa.int64()))
+            tables.append(t)
+        if not tables:
+            raise KeyError(f"step {step}: every token file is unreadable ({', '.join(map(str, files))})")
         df = pa.concat_tables(tables, promote_options="default").to_pandas()
         sort = [c for c in ("sample_id", "position") if c in df.columns]
         return df.sort_values(sort, kind="stable").reset_index(drop=True) if sort else df
@@ -160,12 +216,14 @@ class Run:
         rows = []
         for step, files in sorted(_parts(self.path / "steps").items()):
             for f in _latest_attempt(files):
-                r = _hive_int(f.parent, "rank=")
+                r = _rank_of(f)
                 if rank is not None and r != rank:
                     continue
-                try:
-                    t = pq.read_table(f)
-                except (OSError, pa.ArrowInvalid):
+                t = self._read(f)
+                if t is None:
+                    continue
+                if t.num_rows != 1:
+                    self._skip_unreadable(f, f"{t.num_rows} rows, a steps file holds one")
                     continue
                 d = t.to_pylist()[0]
                 d["step"], d["rank"] = step, r
@@ -182,8 +240,11 @@ class Run:
         frames = []
         for step, files in sorted(_parts(self.path / name).items()):
             for f in _latest_attempt(files):
-                df = pq.read_table(f).to_pandas()
-                df["step"] = step
+                t = self._read(f)
+                if t is None:
+                    continue
+                df = t.to_pandas()
+                df["step"], df["rank"] = step, _rank_of(f)
                 frames.append(df)
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": []})
 

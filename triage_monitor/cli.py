@@ -38,20 +38,24 @@ def demo_add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``triage-monitor demo``: ``--out`` plus every DemoConfig field."""
     from .demo import add_arguments as demo_options
 
+    from .records import add_existing_run_arguments
+
     parser.add_argument("--out", default="runs/demo", help="run directory to write (default: %(default)s)")
+    add_existing_run_arguments(parser)
     demo_options(parser)
 
 
 def demo_run_cli(args: argparse.Namespace) -> int:
     """Run the built-in GRPO job into ``args.out``."""
     from .demo import config_from_args, run_demo
+    from .records import OutputError
 
     try:
         cfg = config_from_args(args)
-    except ValueError as exc:
+        run_demo(cfg, args.out, resume=args.resume, force=args.force)
+    except (ValueError, OutputError) as exc:
         print(f"triage-monitor demo: {exc}", file=sys.stderr)
         return 2
-    run_demo(cfg, args.out)
     return 0
 
 

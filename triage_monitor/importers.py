@@ -32,6 +32,7 @@ import torch
 
 from .batch import TokenBatch
 from .monitor import MismatchMonitor, MonitorConfig
+from .records import OutputError, add_existing_run_arguments, probe_writable
 
 REQUIRED = ("step", "sample_id", "learner_logp", "sampler_logp", "advantage")
 OPTIONAL = ("position", "mask", "group_id")
@@ -296,10 +297,15 @@ def table_steps(df: pd.DataFrame, mapping: Dict[str, str],
 
 # ------------------------------------------------------------------- write
 def write_run(steps: Iterable[Tuple[int, TokenBatch]], run_dir, manifest: dict,
-              config: Optional[MonitorConfig] = None) -> int:
-    """Log every ``(step, batch)`` through a MismatchMonitor into ``run_dir``; returns the number of steps."""
+              config: Optional[MonitorConfig] = None, *, resume: bool = False, force: bool = False) -> int:
+    """Log every ``(step, batch)`` through a MismatchMonitor into ``run_dir``; returns the number of steps.
+
+    Raises:
+        triage_monitor.records.OutputError: ``run_dir`` cannot be written or holds another run (``resume`` /
+            ``force``: :class:`~triage_monitor.monitor.MismatchMonitor`), before the first step is logged.
+    """
     n = 0
-    with MismatchMonitor(run_dir, config or MonitorConfig(), manifest=manifest) as mon:
+    with MismatchMonitor(run_dir, config or MonitorConfig(), manifest=manifest, resume=resume, force=force) as mon:
         for step, batch in steps:
             mon.log_step(step, batch)
             n += 1
@@ -319,6 +325,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"column of each field; fields: {', '.join(REQUIRED + OPTIONAL)} (default: same name)")
     for p in (s, t):
         p.add_argument("--out", required=True, help="run directory to write")
+        add_existing_run_arguments(p)
         p.add_argument("--on-invalid", default="quarantine", choices=("quarantine", "raise"),
                        help="invalid tokens (NaN, positive, sentinel log-probs): count and exclude, or stop")
         p.add_argument("--window", type=int, default=25, help="trailing window in steps (default: %(default)s)")
@@ -330,6 +337,7 @@ def run_cli(args: argparse.Namespace) -> int:
     """Run ``triage-monitor import``; prints what was written, returns an exit code (2 on bad input)."""
     cfg = MonitorConfig(window=args.window, calibration_steps=args.calibration_steps)
     try:
+        probe_writable(args.out)                 # an unwritable --out fails before the input is read
         if args.source == "slime":
             files = sorted({f for p in args.paths for f in (glob.glob(p) or [p])})
             missing = [f for f in files if not Path(f).exists()]
@@ -343,8 +351,8 @@ def run_cli(args: argparse.Namespace) -> int:
             mapping = parse_mapping(args.map)
             steps = table_steps(read_table(args.path, args.format), mapping, args.on_invalid)
             manifest = {"framework": "table", "imported_from": str(args.path), "column_map": mapping}
-        n = write_run(steps, args.out, manifest, cfg)
-    except (ValueError, OSError, KeyError) as exc:
+        n = write_run(steps, args.out, manifest, cfg, resume=args.resume, force=args.force)
+    except (ValueError, OSError, KeyError, OutputError) as exc:
         print(f"triage-monitor import: {exc}", file=sys.stderr)
         return 2
     print(f"imported {n} step(s) into {args.out}")

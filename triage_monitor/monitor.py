@@ -19,6 +19,10 @@ metrics (``quarantined_count``, ``nonfinite_count``, ...) and written to the
 ``quarantine/`` table.  Input diagnostics (padding leaks, one-position shifts on the first steps) and the
 writer's dropped rows are per-step metrics too (:data:`INTEGRITY_METRICS`, docs/reliability.md).
 
+One run per directory: a new monitor continues an existing run only when its configuration matches
+(``resume=True`` / ``force=True`` for the other cases); one live writer per rank (a lock file).  These checks,
+and whether the directory is writable, raise at construction, never later.
+
 Resuming: every process start is a new attempt (one id shared by all ranks); put
 :meth:`MismatchMonitor.state_dict` in your checkpoint and :meth:`~MismatchMonitor.load_state_dict` it on
 resume to keep τ_tail; without it, a τ_tail frozen by an earlier attempt is read back from ``run.json``.
@@ -70,8 +74,9 @@ class MismatchMonitor:
     """Records per-token log-probs and computes direction-aware metrics each step.
 
     Args:
-        run_dir: the run directory (created; an existing run is resumed as a
-            new attempt, its manifest kept and the attempt appended).
+        run_dir: the run directory (created; an existing run of the same configuration is resumed as a
+            new attempt, its manifest kept and the attempt appended; one of another configuration is refused,
+            docs/reliability.md#one-run-per-directory).
         config: :class:`MonitorConfig`.
         manifest: free-form facts stored in ``run.json`` (model, recipes,
             correction, framework, user config ...).  Must be JSON-serialisable.
@@ -84,11 +89,20 @@ class MismatchMonitor:
         attempt: attempt id shared by every process of this job start (default: rank 0's, broadcast
             over torch.distributed, or a new one).  Framework hooks pass the id drawn on the driver so
             that Ray workers without a process group still write one attempt.
+        resume: continue an existing run even though its :data:`~triage_monitor.records.IDENTITY_KEYS`
+            (model, task, correction, seed, ...) differ; the new attempt records the changes.
+        force: start a new run; an existing one is moved to ``<run_dir>.replaced-<UTC time>`` (rank 0).
+
+    Raises:
+        triage_monitor.records.OutputError: at construction, before any step: the run directory cannot be
+            written (``UnwritableOutputError``, naming the path and the OS reason), holds a run of another
+            configuration (``RunConflictError``, naming the differing keys), or another live process writes
+            this rank (``RunLockedError``).  After construction, monitoring I/O never raises.
     """
 
     def __init__(self, run_dir, config: Optional[MonitorConfig] = None, *, manifest: Optional[dict] = None,
                  loggers: Sequence = (), alerts=None, rank: Optional[int] = None, group=None,
-                 attempt: Optional[int] = None):
+                 attempt: Optional[int] = None, resume: bool = False, force: bool = False):
         import torch.distributed as dist
 
         self.run_dir = Path(run_dir)
@@ -111,7 +125,7 @@ class MismatchMonitor:
         self._warned: set = set()          # warn-once keys (alignment, padding, dropped rows)
         self.writer = RunWriter(self.run_dir, self.attempt, self.rank, self.world_size, self.config.to_dict(),
                                 dict(manifest or {}), {"tool_version": __version__, "torch": torch.__version__},
-                                self.config.max_queue_bytes, self.config.backpressure)
+                                self.config.max_queue_bytes, self.config.backpressure, resume=resume, force=force)
         if self.writer.resumed_tau_tail is not None:
             # resumed job: keep the τ_tail the earlier attempt froze (docs/metrics.md#tau_tail) instead of
             # re-calibrating on post-resume steps.  MismatchMonitor.load_state_dict (from the user's checkpoint)

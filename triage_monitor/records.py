@@ -1,25 +1,32 @@
-"""The run directory on disk: Arrow schemas, manifest and the background Parquet writer.
+"""The run directory on disk: Arrow schemas, manifest, the background Parquet writer and its start checks.
 
-Layout (README "The run directory"), every file readable by pyarrow, pandas,
-DuckDB, Polars or Spark::
+Layout (README "The run directory"), every table readable as a whole by ``pandas.read_parquet(dir)``,
+``pyarrow.dataset.dataset(dir)``, DuckDB or Polars, with ``step``, ``rank`` and ``attempt`` int64 columns::
 
-    run.json                                   manifest (:class:`RunManifest`: versions, config, attempts, τ_tail)
-    tokens/step=<S>/rank=<R>/part-<attempt>.parquet      valid tokens of one step on one rank
-    steps/step=<S>/rank=<R>/part-<attempt>.parquet       one row of live metrics
-    quarantine/step=<S>/rank=<R>/part-<attempt>.parquet  tokens excluded by on_invalid="quarantine"
-    alerts/step=<S>/rank=<R>/part-<attempt>.parquet      alerts raised at that step
+    run.json                                                  manifest (:class:`RunManifest`)
+    tokens/step-<S:08d>-rank-<R:04d>-attempt-<A>.parquet      valid tokens of one step on one rank
+    steps/step-<S:08d>-rank-<R:04d>-attempt-<A>.parquet       one row of live metrics
+    quarantine/step-<S:08d>-rank-<R:04d>-attempt-<A>.parquet  tokens excluded by on_invalid="quarantine"
+    alerts/step-<S:08d>-rank-<R:04d>-attempt-<A>.parquet      alerts raised at that step
+    .writer-rank-<R>.lock                                     held (flock) by the process writing rank R
 
-``step`` and ``rank`` live in the hive directory names only (pyarrow and
-pandas add them as columns when reading the folder).  ``attempt`` (int64,
-nanoseconds since the epoch at monitor start) is a column: a job resumed from
-a checkpoint repeats step numbers under a newer attempt, and readers keep the
-latest attempt of each step.
+One schema per table (:data:`TOKEN_SCHEMA`, :data:`ALERT_SCHEMA`, :data:`QUARANTINE_SCHEMA`; the steps table:
+int64 ``step``/``rank``/``attempt``, float64 metrics, a string ``nan_reasons``).  ``attempt`` (nanoseconds
+since the epoch at monitor start, shared by the ranks of one job start) is in the name and a column: a job
+resumed from a checkpoint writes a repeated step under its newer attempt, then removes that rank's files of
+the step from earlier attempts, so one (step, rank) has one file once the write is done.  Ranks an earlier
+attempt had and the resumed job has not stay on disk under the older attempt: readers keep each step's latest
+attempt (``analysis.open_run``; with plain pandas ``df[df.attempt == df.groupby("step").attempt.transform("max")]``).
+Zero-padded names sort in step order.  Runs written before manifest schema 3 used hive directories
+``<table>/step=<S>/rank=<R>/part-<attempt>.parquet``; the reader still reads them, the writer does not
+continue them.
 
-Files appear atomically: each is written under a hidden temporary name
-(``.tmp-*``, which pyarrow's dataset discovery skips) and renamed, so a killed
-job leaves only complete files.  Writes happen on a background thread behind
-a queue bounded in bytes; the writer never raises into the training loop: it
-counts, warns once and degrades (:class:`ParquetSink`).
+Files appear atomically: each is written under a hidden temporary name (``.tmp-*``, which pyarrow's
+dataset discovery skips) and renamed, so a killed job leaves only complete files.  Writes happen on a
+background thread behind a queue bounded in bytes; once started, the writer never raises into the training
+loop: it counts, warns once and degrades (:class:`ParquetSink`).  What can be checked before training does
+raise, at start (:class:`RunWriter`, :class:`OutputError`): an unwritable directory, a directory that
+holds a run of another configuration, a second live writer of the same rank.
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ import math
 import logging
 import os
 import queue
+import re
 import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -42,20 +50,42 @@ import pyarrow.parquet as pq
 
 log = logging.getLogger("triage_monitor.records")
 
-SCHEMA_VERSION = 2             # of run.json (1: the same plus duplicated top-level config keys, still read)
+SCHEMA_VERSION = 3             # of run.json (3: flat table files; 2: hive step=/rank= dirs; 1: + duplicated config keys)
 MANIFEST = "run.json"
 
-#: Columns every token file has (step and rank come from the directory names).
+#: Columns every token file has (``token_extras`` add float32 columns after them).
 TOKEN_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("rank", pa.int64()),
     ("sample_id", pa.int64()), ("group_id", pa.int64()), ("position", pa.int32()),
     ("learner_logp", pa.float32()), ("sampler_logp", pa.float32()), ("advantage", pa.float32()),
     ("attempt", pa.int64()),
 ])
+#: Columns of the alerts table (one row per fired rule: ``alerts.Alert.to_row()`` plus rank and attempt).
+ALERT_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("rank", pa.int64()), ("rule", pa.string()), ("metric", pa.string()),
+    ("value", pa.float64()), ("threshold", pa.float64()), ("window", pa.int64()), ("level", pa.string()),
+    ("title", pa.string()), ("text", pa.string()), ("attempt", pa.int64()),
+])
+#: Columns of the quarantine table (docs/reliability.md): the excluded tokens and why.
+QUARANTINE_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("rank", pa.int64()), ("sample_id", pa.int64()), ("position", pa.int64()),
+    ("learner_logp", pa.float32()), ("sampler_logp", pa.float32()), ("advantage", pa.float32()),
+    ("reason", pa.string()), ("attempt", pa.int64()),
+])
+TABLES = ("tokens", "steps", "quarantine", "alerts")
+_FILE_RE = re.compile(r"^step-(-?\d+)-rank-(\d+)-attempt-(\d+)\.parquet$")
 
 
-def partition_dir(run_dir, table: str, step: int, rank: int) -> Path:
-    """``run_dir/table/step=<step>/rank=<rank>``."""
-    return Path(run_dir) / table / f"step={int(step)}" / f"rank={int(rank)}"
+def table_file(run_dir, table: str, step: int, rank: int, attempt: int) -> Path:
+    """``run_dir/<table>/step-<step:08d>-rank-<rank:04d>-attempt-<attempt>.parquet``: the file of (table, step,
+    rank) written by ``attempt``."""
+    return Path(run_dir) / table / f"step-{int(step):08d}-rank-{int(rank):04d}-attempt-{int(attempt)}.parquet"
+
+
+def parse_table_file(name: str) -> Optional[tuple]:
+    """``(step, rank, attempt)`` of a :func:`table_file` name, None for any other name."""
+    m = _FILE_RE.match(name)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
@@ -241,6 +271,15 @@ class ParquetSink:
         self._q.put((table, int(step), int(rank), columns, schema, nbytes, nrows))
         return True
 
+    def submit_delete(self, table: str, step: int, rank: int, attempt: int) -> None:
+        """Queue the removal of ``table``'s file of (step, rank) written by an earlier ``attempt``, after the files
+        queued before it (a resumed job's step replaces the earlier attempt's).  A missing file is no error."""
+        with self._cv:
+            if self._closed:
+                return
+            self._queued_bytes += 1
+        self._q.put((table, int(step), int(rank), None, int(attempt), 1, 0))
+
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait until every queued file is written (or dropped)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -273,11 +312,17 @@ class ParquetSink:
                 return
             table, step, rank, columns, schema, nbytes, nrows = item
             try:
+                if columns is None:      # a removal: ``schema`` holds the earlier attempt
+                    table_file(self.run_dir, table, step, rank, schema).unlink(missing_ok=True)
+                    continue
+                path = table_file(self.run_dir, table, step, rank, self.attempt)
                 if isinstance(columns, list):
                     tab = pa.Table.from_pylist(columns, schema=schema)
                 else:
                     tab = pa.table(columns, schema=schema)
-                path = partition_dir(self.run_dir, table, step, rank) / f"part-{self.attempt}.parquet"
+                for i, key, value in ((0, "step", step), (1, "rank", rank)):   # plain readers get int64 step/rank
+                    if key not in tab.column_names:
+                        tab = tab.add_column(i, key, pa.array(np.full(tab.num_rows, value, dtype=np.int64)))
                 write_table_atomic(tab, path)
                 self.written_rows += nrows
                 self.written_files += 1
@@ -301,11 +346,285 @@ def _size_of(columns) -> tuple:
     return max(nbytes, 1), nrows
 
 
+# ------------------------------------------------------------------------------------------ start checks
+class OutputError(Exception):
+    """An output (a run directory, a file) cannot be written as asked; raised at start, before any work.
+
+    Subclasses: :class:`UnwritableOutputError`, :class:`RunConflictError`, :class:`RunLockedError`.
+    ``path`` is the output concerned."""
+
+    def __init__(self, message: str, path=None):
+        super().__init__(message)
+        self.path = None if path is None else Path(path)
+
+
+class UnwritableOutputError(OutputError):
+    """The output path cannot be created or written (the message names the path and the OS reason)."""
+
+
+class RunConflictError(OutputError):
+    """The directory holds another run (another configuration, an older layout, an unreadable manifest).
+
+    ``differences``: ``{key: (old, new)}`` of the configuration keys that differ (docs/reliability.md#one-run-per-directory)."""
+
+    def __init__(self, message: str, path=None, differences: Optional[dict] = None):
+        super().__init__(message, path)
+        self.differences = dict(differences or {})
+
+
+class RunLockedError(OutputError):
+    """Another live process is writing the same rank of the run (it holds ``.writer-rank-<R>.lock``)."""
+
+
+#: ``MonitorConfig`` keys that steer only I/O, devices or start-up checks: attempts of one run may differ in them.
+IO_CONFIG_KEYS = frozenset({"record_tokens", "max_queue_bytes", "backpressure", "metrics_device",
+                            "alignment_check_steps"})
+#: Manifest (``info``) keys that say what was trained or imported: an existing run continues only when they match
+#: (besides the metric configuration); a key set on one side only counts as a difference.
+IDENTITY_KEYS = ("framework", "model", "task", "correction", "seed", "demo_config", "imported_from", "column_map")
+
+
+def probe_writable(path) -> Path:
+    """Create directory ``path`` (and parents) and write + remove a hidden probe file in it.
+
+    Returns:
+        ``Path(path)``.
+
+    Raises:
+        UnwritableOutputError: naming the path and the OS reason (read-only file system, permission denied,
+            a parent that is a regular file, ...).
+    """
+    p = Path(path)
+    probe = p / f".tmp-probe-{uuid.uuid4().hex}"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != p else ""
+        raise UnwritableOutputError(f"{p}: cannot write the output directory: {reason}{where}", p) from exc
+    return p
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _normalised(obj):
+    """``obj`` as it reads back from run.json (tuples → lists, NaN → None, Paths → str)."""
+    return json.loads(json.dumps(_json_safe(obj), default=_json_default, allow_nan=False))
+
+
+def config_differences(old: "RunManifest", monitor_config: dict, info: dict) -> tuple:
+    """``(metric, identity)``: two ``{key: (old, new)}`` dicts of how a new writer's configuration differs from
+    the run ``old``: ``monitor_config.<key>`` for the metric configuration (:data:`IO_CONFIG_KEYS` ignored), the
+    :data:`IDENTITY_KEYS` of the manifest for what was trained."""
+    new_mc = _flat(_normalised({k: v for k, v in monitor_config.items() if k not in IO_CONFIG_KEYS}))
+    old_mc = _flat({k: v for k, v in old.monitor_config.items() if k not in IO_CONFIG_KEYS})
+    metric = {f"monitor_config.{k}": (old_mc.get(k), new_mc.get(k)) for k in sorted(set(new_mc) | set(old_mc))
+              if old_mc.get(k) != new_mc.get(k)}
+    new_info = _normalised({k: info[k] for k in IDENTITY_KEYS if k in info})
+    identity = {}
+    for k in IDENTITY_KEYS:
+        if k in new_info or k in old.info:
+            a, b = old.info.get(k), new_info.get(k)
+            if isinstance(a, dict) and isinstance(b, dict):
+                fa, fb = _flat(a), _flat(b)
+                identity.update({f"{k}.{j}": (fa.get(j), fb.get(j)) for j in sorted(set(fa) | set(fb))
+                                 if fa.get(j) != fb.get(j)})
+            elif a != b:
+                identity[k] = (a, b)
+    return metric, identity
+
+
+def _describe(diffs: dict, limit: int = 8) -> str:
+    items = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items()]
+    more = f"; and {len(items) - limit} more" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more
+
+
+def _holds_run(p: Path) -> bool:
+    return (p / MANIFEST).exists() or any((p / t).is_dir() for t in TABLES)
+
+
+def _move_aside(p: Path) -> Path:
+    """Rename run directory ``p`` to a new sibling ``<name>.replaced-<UTC time>[-n]`` and recreate ``p`` empty."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = p.with_name(f"{p.name}.replaced-{stamp}")
+    n = 1
+    while dest.exists():
+        dest, n = p.with_name(f"{p.name}.replaced-{stamp}-{n}"), n + 1
+    os.rename(p, dest)
+    p.mkdir()
+    return dest
+
+
+def check_run_dir(run_dir, monitor_config: dict, info: dict, *, resume: bool = False, force: bool = False,
+                  rank: int = 0) -> Optional["RunManifest"]:
+    """The start checks of a writer of ``run_dir`` (before any training work): writable, one run per directory.
+
+    * the directory is created and probed (:func:`probe_writable`);
+    * ``force``: an existing run (run.json or a table directory) is moved, whole, to the sibling
+      ``<dir>.replaced-<UTC time>`` (rank 0 only) and a new run starts in the empty directory; refused while
+      a process holds one of its writer locks;
+    * otherwise an existing run continues as a new attempt when its metric configuration (``monitor_config``
+      minus :data:`IO_CONFIG_KEYS`) and its :data:`IDENTITY_KEYS` match; with ``resume`` the identity keys may
+      differ (the new attempt records the changes); the metric configuration never may.
+
+    Args:
+        run_dir: the run directory.
+        monitor_config: ``MonitorConfig.to_dict()`` of the new writer.
+        info: the new writer's manifest facts (``MismatchMonitor(manifest=...)``).
+        resume, force: see above (the CLI's ``--resume`` / ``--force``).
+        rank: the writer's rank (only rank 0 moves a run aside).
+
+    Returns:
+        The existing run's :class:`RunManifest` to continue, or None for a new run.
+
+    Raises:
+        UnwritableOutputError: the directory cannot be created or written.
+        RunConflictError: another configuration, a run in the pre-schema-3 layout or an unreadable run.json
+            (the message names the differing keys and the way out).
+        RunLockedError: ``force`` while a process is writing the run.
+    """
+    p = probe_writable(run_dir)
+    if force:                # rank 0 moves an existing run aside; the other ranks follow it without a check
+        if rank == 0 and _holds_run(p):
+            for lock in sorted(p.glob(".writer-rank-*.lock")):
+                _probe_lock(lock)
+            dest = _move_aside(p)
+            log.warning("triage-monitor: --force: the run that was in %s is now in %s; a new run starts", p, dest)
+        return None
+    if not (p / MANIFEST).exists():
+        return None
+    way_out = (f"write to a new directory, or start over with --force / force=True (the old run is moved to "
+               f"{p.name}.replaced-<time>)")
+    try:
+        old = read_manifest(p)
+    except (OSError, ValueError) as exc:
+        raise RunConflictError(f"{p} holds a run whose {MANIFEST} is unreadable ({exc}): {way_out}", p) from exc
+    if old.schema_version < 3:
+        raise RunConflictError(f"{p} holds a run in the older step=/rank= directory layout (manifest schema "
+                               f"{old.schema_version}); this version reads it but does not continue it: {way_out}", p)
+    metric, identity = config_differences(old, monitor_config, info)
+    if metric:
+        raise RunConflictError(f"{p} holds a run with another metric configuration ({_describe(metric)}); one run "
+                               f"uses one (offline recomputation and windows span its attempts): {way_out}", p,
+                               {**metric, **identity})
+    if identity and not resume:
+        raise RunConflictError(f"{p} holds another run ({_describe(identity)}): continue it as a new attempt with "
+                               f"--resume / resume=True (the changes are recorded in run.json's attempt), or "
+                               f"{way_out}", p, identity)
+    return old
+
+
+def add_existing_run_arguments(parser) -> None:
+    """``--resume`` / ``--force`` (mutually exclusive) of the commands that write a run directory (``demo``,
+    ``import``): what to do with a run already in ``--out`` (:func:`check_run_dir`)."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run already in --out as a new attempt even if its model / task / correction / "
+                        "seed / source differ (the changes are recorded in run.json); the metric configuration "
+                        "must match")
+    g.add_argument("--force", action="store_true",
+                   help="start a new run in --out; a run already there is moved to <out>.replaced-<UTC time>")
+
+
+def _lock_path(run_dir, rank: int) -> Path:
+    return Path(run_dir) / f".writer-rank-{int(rank)}.lock"
+
+
+def _probe_lock(path: Path) -> None:
+    """Raise RunLockedError when a process holds the writer lock ``path``."""
+    fd = _try_lock(path)
+    if fd is not None:
+        os.close(fd)
+
+
+def _try_lock(path: Path) -> Optional[int]:
+    """An fd holding ``flock(LOCK_EX)`` on ``path`` (None where the platform or file system has no flock).
+
+    Raises:
+        RunLockedError: another open file holds it (its pid / host / attempt in the message).
+    """
+    try:
+        import fcntl
+    except ImportError:          # not POSIX: no lock
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)   # read-only: a later remount read-only is not blocked
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown process"
+        finally:
+            os.close(fd)
+        raise RunLockedError(f"{path.parent}: another process is writing this run's rank {path.name[13:-5]} "
+                             f"({holder}); one writer per rank: stop it, or write to another directory "
+                             f"(a killed writer's lock is released by the OS)", path.parent) from None
+    except OSError as exc:       # a file system without flock (some network mounts): go on without the lock
+        os.close(fd)
+        log.warning("triage-monitor: cannot lock %s (%s); a second writer of this rank would not be detected",
+                    path, exc.strerror or exc)
+        return None
+    return fd
+
+
+#: writer locks this process holds: {resolved lock path: fd}
+_HELD: dict = {}
+
+
+def acquire_writer_lock(run_dir, rank: int, attempt: int) -> Optional[int]:
+    """Hold ``run_dir/.writer-rank-<rank>.lock`` (``flock``, released by the OS when the process dies) and write
+    ``pid host attempt`` into it.  Returns the fd to pass to :func:`release_writer_lock` (None: no flock here).
+
+    A lock this process already holds (a monitor of the same rank and run that was never closed, e.g. a
+    notebook cell run twice) is taken over with a warning: the lock guards against other processes.
+
+    Raises:
+        RunLockedError: another live process holds it.
+    """
+    import socket
+
+    path = _lock_path(run_dir, rank)
+    key = str(path.resolve())
+    if key in _HELD:
+        log.warning("triage-monitor: an earlier writer of rank %d of %s in this process was not closed; the new "
+                    "one takes over (close monitors, or use them in a with-block)", int(rank), run_dir)
+        release_writer_lock(_HELD[key])
+    fd = _try_lock(path)
+    if fd is not None:
+        _HELD[key] = fd
+    if fd is not None:
+        path.write_text(f"pid {os.getpid()} on {socket.gethostname()}, attempt {int(attempt)}, since "
+                        f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+    return fd
+
+
+def release_writer_lock(fd: Optional[int]) -> None:
+    """Release a lock of :func:`acquire_writer_lock` (closing the fd drops the flock)."""
+    if fd is not None:
+        for k in [k for k, v in _HELD.items() if v == fd]:
+            del _HELD[k]
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 class RunWriter:
     """Everything the monitor puts on disk: the manifest (rank 0 writes it) and the Parquet columns of each step.
 
     Args:
-        run_dir: the run directory; an existing run is continued as a new attempt (its manifest kept).
+        run_dir: the run directory; an existing run of the same configuration is continued as a new attempt
+            (its manifest kept), another one is refused (:func:`check_run_dir`).
         attempt: this process start's attempt id (shared by all ranks).
         rank, world_size: this process's rank and the job's size.
         monitor_config: ``MonitorConfig.to_dict()``.
@@ -313,27 +632,52 @@ class RunWriter:
         versions: ``{"tool_version", "python", "torch"}`` for a new manifest.
         max_queue_bytes, backpressure: of the :class:`ParquetSink`.
 
-    ``manifest`` exists on every rank; only rank 0 writes it.  I/O errors never raise: they are logged once.
+        resume, force: for an existing run of another configuration (:func:`check_run_dir`).
+
+    ``manifest`` exists on every rank; only rank 0 writes it.  The start checks raise (below); after them,
+    I/O errors never raise: they are logged once.  The writer holds ``.writer-rank-<rank>.lock`` until
+    :meth:`close` (or the process's death).
+
+    Raises:
+        UnwritableOutputError, RunConflictError, RunLockedError: at start (:class:`OutputError`).
     """
 
     def __init__(self, run_dir, attempt: int, rank: int, world_size: int, monitor_config: dict, info: dict,
-                 versions: dict, max_queue_bytes: int = 256 << 20, backpressure: str = "block"):
+                 versions: dict, max_queue_bytes: int = 256 << 20, backpressure: str = "block", *,
+                 resume: bool = False, force: bool = False):
         import platform
         import socket
 
         self.run_dir, self.attempt, self.rank = Path(run_dir), int(attempt), int(rank)
         self._warned: set = set()
+        self._step_columns: dict = {}
+        probe_writable(self.run_dir)
+        self._lock = acquire_writer_lock(self.run_dir, self.rank, self.attempt)
+        try:
+            if force and self.rank == 0:     # moving the run aside moves this lock file with it: lock anew after
+                release_writer_lock(self._lock)
+                self._lock = None
+                old = check_run_dir(self.run_dir, monitor_config, info, resume=resume, force=True, rank=self.rank)
+                self._lock = acquire_writer_lock(self.run_dir, self.rank, self.attempt)
+            else:
+                old = check_run_dir(self.run_dir, monitor_config, info, resume=resume, force=force, rank=self.rank)
+        except BaseException:
+            release_writer_lock(self._lock)
+            raise
         entry = {"attempt": self.attempt, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "host": socket.gethostname(), "pid": os.getpid(), "world_size": int(world_size)}
-        try:
-            old = read_manifest(self.run_dir) if (self.run_dir / MANIFEST).exists() else None
-        except (OSError, ValueError):
-            old = None
+        #: attempt ids of the run's earlier attempts: a repeated step's files of this rank from them are removed
+        #: once this attempt's are written
+        self.earlier_attempts = [int(a["attempt"]) for a in (old.attempts if old is not None else [])
+                                 if a.get("attempt") is not None and int(a["attempt"]) != self.attempt]
         #: τ_tail an earlier attempt froze (None for a new run or a given τ_tail): the resumed job keeps it
         self.resumed_tau_tail: Optional[float] = (
             old.calibration.get("tau_tail") if old is not None and old.calibration and
             monitor_config.get("tau_tail") is None else None)
         if old is not None:
+            _, changed = config_differences(old, monitor_config, info)
+            if changed:
+                entry["changed"] = {k: list(v) for k, v in changed.items()}
             old.attempts.append(entry)
             old.info.update(info)
             old.status = "running"
@@ -366,15 +710,17 @@ class RunWriter:
 
         from .batch import INVALID_REASONS
 
-        if record_tokens and batch.num_tokens:
+        step, n = int(step), batch.num_tokens
+        if record_tokens and n:
             cols = {
+                "step": np.full(n, step, dtype=np.int64), "rank": np.full(n, self.rank, dtype=np.int64),
                 "sample_id": batch.sample_id[batch.sample_index].cpu().numpy(),
                 "group_id": batch.group_id[batch.sample_index].cpu().numpy(),
                 "position": batch.position.cpu().numpy().astype(np.int32),
                 "learner_logp": batch.learner_logp.float().cpu().numpy(),
                 "sampler_logp": batch.sampler_logp.float().cpu().numpy(),
                 "advantage": batch.advantage.float().cpu().numpy(),
-                "attempt": np.full(batch.num_tokens, self.attempt, dtype=np.int64),
+                "attempt": np.full(n, self.attempt, dtype=np.int64),
             }
             schema = TOKEN_SCHEMA
             for k, v in (token_extras or {}).items():
@@ -383,20 +729,44 @@ class RunWriter:
             self.sink.submit("tokens", step, self.rank, cols, schema)
         if batch.quarantine_rows is not None:
             qd = {k: v.numpy() for k, v in batch.quarantine_rows.items()}
+            m = len(qd["position"])
             qd["reason"] = np.array([INVALID_REASONS[int(c)] for c in qd["reason"]])
-            qd["attempt"] = np.full(len(qd["position"]), self.attempt, dtype=np.int64)
-            self.sink.submit("quarantine", step, self.rank, qd)
-        row = {k: (float(v) if k != "step" else None) for k, v in metrics.items() if k != "step"}
+            qd.update(step=np.full(m, step, dtype=np.int64), rank=np.full(m, self.rank, dtype=np.int64),
+                      attempt=np.full(m, self.attempt, dtype=np.int64))
+            self.sink.submit("quarantine", step, self.rank, {f.name: qd[f.name] for f in QUARANTINE_SCHEMA},
+                             QUARANTINE_SCHEMA)
+        row = {"step": step, "rank": self.rank}
+        row.update((k, float(v)) for k, v in metrics.items() if k != "step")
         row["attempt"] = self.attempt
         row["wall_time"] = time.time()
         row["nan_reasons"] = json.dumps(reasons)
         row["writer_dropped_rows"] = float(self.sink.dropped_rows)
-        self.sink.submit("steps", step, self.rank, [row])
+        self.sink.submit("steps", step, self.rank, [self._step_row(step, row)])
+        for a in self.earlier_attempts:       # a repeated step replaces the earlier attempts' files of this rank
+            for table in TABLES:
+                self.sink.submit_delete(table, step, self.rank, a)
+
+    def _step_row(self, step: int, row: dict) -> dict:
+        """``row`` with every column of this writer's earlier rows (NaN where absent), so that the steps table
+        has one schema: the alignment checks of the first steps are NaN later; a key first seen late is warned."""
+        cols = self._step_columns
+        if not cols:
+            cols.update(dict.fromkeys(row))
+            cols.update(dict.fromkeys(("alignment_suspect", "alignment_shift", "alignment_ratio")))
+        new = [k for k in row if k not in cols]
+        if new:
+            self._warn_once("columns", "triage-monitor: step %d brings new metric column(s) %s (extra keys not "
+                            "passed at the first step): files of the steps/ table differ in columns; "
+                            "open_run().steps() unites them, plain readers may take the first file's columns",
+                            step, new)
+            cols.update(dict.fromkeys(new))
+        return {k: row.get(k, math.nan) for k in cols}
 
     def record_alerts(self, step: int, rows: list) -> None:
         """Queue the alert rows raised at ``step`` (each gets this attempt's id)."""
         if rows:
-            self.sink.submit("alerts", step, self.rank, [{**r, "attempt": self.attempt} for r in rows])
+            self.sink.submit("alerts", step, self.rank, [{**r, "step": int(step), "rank": self.rank,
+                                                          "attempt": self.attempt} for r in rows], ALERT_SCHEMA)
 
     def close(self, status: str, steps_logged: int) -> None:
         """Drain the writer and mark the manifest ``status`` with the writer's counts."""
@@ -406,6 +776,8 @@ class RunWriter:
         self.manifest.writer = {"written_rows": self.sink.written_rows, "dropped_rows": self.sink.dropped_rows,
                                 "last_error": self.sink.last_error}
         self.save_manifest()
+        release_writer_lock(self._lock)
+        self._lock = None
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:

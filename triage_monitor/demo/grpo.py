@@ -47,6 +47,7 @@ from ..loss import weighted_policy_loss
 from ..corrections import ppo_clip_loss, tis_weights
 from ..metrics import MetricConfig
 from ..monitor import MismatchMonitor, MonitorConfig
+from ..records import check_run_dir
 from ..nvfp4 import get_recipe, use_recipe
 from .model import GPTConfig, TinyGPT
 from .task import EOS, TASKS, VOCAB_SIZE, AdditionTask, WalkTask
@@ -355,16 +356,20 @@ def _fmt(v, spec) -> str:
     return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else spec.format(v)
 
 
-def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None, on_step=None) -> pd.DataFrame:
+def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None, on_step=None, resume: bool = False,
+             force: bool = False) -> pd.DataFrame:
     """Run the demo GRPO job and record it with :class:`MismatchMonitor` in ``out_dir``.
 
     Args:
         cfg: :class:`DemoConfig`.
         out_dir: run directory (created; Parquet ``tokens/``, ``steps/`` and ``run.json``).  An
-            existing run there is continued as a new attempt (:class:`MismatchMonitor`), with a warning.
+            existing run there of the same configuration is continued as a new attempt, with a warning; one of
+            another configuration is refused before any work (docs/reliability.md#one-run-per-directory).
         quiet: no terminal output.
         console: a ``rich.console.Console`` (default: a new one on stdout).
         on_step: optional ``fn(metrics: dict)`` called after every GRPO step (progress bars of callers).
+        resume: continue a run of another correction / demo config in ``out_dir`` as a new attempt.
+        force: start over: a run in ``out_dir`` is moved to ``<out_dir>.replaced-<UTC time>``.
 
     Returns:
         One row per GRPO step: ``step``, ``reward`` (mean exact-match reward of
@@ -378,12 +383,16 @@ def run_demo(cfg: DemoConfig, out_dir, *, quiet: bool = False, console=None, on_
         ``small_gap_share``, ``c_tok``, ``delta_q05``, ``window/...``).
         ``df.attrs`` holds ``eval_before`` / ``eval_after`` (greedy accuracy
         under the sampler recipe) and ``seconds_total``.
+
+    Raises:
+        triage_monitor.records.OutputError: ``out_dir`` cannot be written, holds another run, or is being
+            written by another process (before the SFT warm start).
     """
     console = console or Console(quiet=quiet)
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _run(cfg, Path(out_dir), console, on_step)
+        return _run(cfg, Path(out_dir), console, on_step, resume, force)
     finally:
         torch.set_num_threads(threads)
 
@@ -403,7 +412,8 @@ def _progress(console) -> Progress:
                     TimeElapsedColumn(), console=console, transient=True)
 
 
-def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None) -> pd.DataFrame:
+def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None, resume: bool = False,
+         force: bool = False) -> pd.DataFrame:
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     data_gen = torch.Generator().manual_seed(cfg.seed)
@@ -417,9 +427,18 @@ def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None) -> pd.DataFrame:
         sampler, learner = (replace(r, backend="native") if r is not None else None for r in (sampler, learner))
     eval_ops, eval_prompts = task.sample(cfg.eval_size, torch.Generator().manual_seed(cfg.seed + 2))
     n_params = sum(p.numel() for p in model.parameters())
-    if (out_dir / "run.json").exists():
-        console.print(f"[yellow]{out_dir} already holds a run: this one is recorded as a new attempt (its steps "
-                      f"replace the older ones with the same numbers); use a fresh --out for a clean run[/]")
+    # what the run is (compared with a run already in out_dir before the costly SFT warm start: one run per directory)
+    manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, NVFP4-capable: "
+                         f"{', '.join(model.quantized)})",
+                "task": (f"{cfg.digits}-digit addition, reversed answer, exact-match reward" if cfg.task == "addition"
+                         else f"{cfg.response_len}-token walk over {cfg.alphabet} allowed digits, no repeats, "
+                              f"partial-credit reward"),
+                "correction": cfg.correction, "demo_config": asdict(cfg), "framework": "triage-monitor demo"}
+    existing = check_run_dir(out_dir, cfg.monitor_config().to_dict(), manifest, resume=resume, force=force)
+    if existing is not None:
+        console.print(f"[yellow]{out_dir} already holds this run (same configuration): this one is recorded as a new "
+                      f"attempt (its steps replace the older ones with the same numbers); use --force or a fresh "
+                      f"--out for a clean run[/]")
     task_text = (f"{cfg.digits}-digit addition" if cfg.task == "addition"
                  else f"{cfg.response_len}-token walks over {cfg.alphabet} allowed digits")
     console.print(f"[bold]triage-monitor demo[/]: GRPO on {task_text}, TinyGPT {n_params:,} params "
@@ -439,19 +458,12 @@ def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None) -> pd.DataFrame:
 
     triage = TriageController(cfg.triage_config())
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, NVFP4-capable: "
-                         f"{', '.join(model.quantized)})",
-                "task": (f"{cfg.digits}-digit addition, reversed answer, exact-match reward" if cfg.task == "addition"
-                         else f"{cfg.response_len}-token walk over {cfg.alphabet} allowed digits, no repeats, "
-                              f"partial-credit reward"),
-                "mismatch_mechanism": cfg.mechanism(), "sampler_lag": cfg.sampler_lag,
+    manifest.update({"mismatch_mechanism": cfg.mechanism(), "sampler_lag": cfg.sampler_lag,
                 "sampler_recipe": cfg.sampler_recipe, "learner_recipe": cfg.learner_recipe,
                 "recipes": {"sampler": asdict(sampler) if sampler else None,
                             "learner": asdict(learner) if learner else None},
-                "correction": cfg.correction, "sft_steps_run": sft_done, "sft_greedy_accuracy": eval_before,
-                "sampler_logp": "raw log-softmax at temperature "
-                f"{cfg.temperature} (no top-p/top-k)", "demo_config": asdict(cfg),
-                "framework": "triage-monitor demo"}
+                "sft_steps_run": sft_done, "sft_greedy_accuracy": eval_before,
+                "sampler_logp": f"raw log-softmax at temperature {cfg.temperature} (no top-p/top-k)"})
     P, G = cfg.prompts_per_step, cfg.group_size
     # asynchronous rollout: the sampler generates with a copy of the weights from `sampler_lag` updates ago
     stale = copy.deepcopy(model) if cfg.sampler_lag else model
@@ -461,7 +473,7 @@ def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None) -> pd.DataFrame:
     # the shipped default alert rules watch the run live (the run directory's alerts/ table, the console)
     alerts = AlertEngine(default_rules(), sinks=[CallbackSink(lambda a: console.print(
         f"[yellow]alert[/] step {a.step}: [bold]{a.rule}[/] ({a.metric} {a.value:.4g}, threshold {a.threshold:.4g})"))])
-    with MismatchMonitor(out_dir, cfg.monitor_config(), manifest=manifest, alerts=alerts) as mon, \
+    with MismatchMonitor(out_dir, cfg.monitor_config(), manifest=manifest, alerts=alerts, resume=resume) as mon, \
             _progress(console) as progress:
         bar = progress.add_task("GRPO", total=cfg.steps)
         console.print(" ".join(f"{h:>7}" for h in ["step"] + [h for _, h, _ in DISPLAY]), style="bold")

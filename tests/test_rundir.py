@@ -1,0 +1,335 @@
+"""The run directory as a unit of storage: readers name what they cannot read, every table reads with plain
+pandas / pyarrow / DuckDB / Polars, one run per directory, one writer per rank, unwritable outputs fail at start."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from triage_monitor.analysis import open_run
+from triage_monitor.batch import TokenBatch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+
+def _batch(step, B=4, T=32):
+    g = torch.Generator().manual_seed(step)
+    s = -torch.rand(B, T, generator=g) * 4
+    lp = (s + torch.randn(B, T, generator=g) * .1).clamp(max=0)
+    return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), torch.ones(B, T, dtype=torch.bool),
+                                  sample_ids=torch.arange(B) + 100 * step)
+
+
+def _write(d, steps=5, **kw):
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), **kw) as mon:
+        return [mon.log_step(s, _batch(s)) for s in range(steps)]
+
+
+def _table_file(d, table, step):
+    return next(p for p in (d / table).rglob("*.parquet") if f"step-{step:08d}" in p.name or f"step={step}" in str(p))
+
+
+# ============================================================================ corrupt files are named
+def test_truncated_parquet_files_are_counted_named_and_logged(tmp_path, caplog):
+    d = tmp_path / "run"
+    _write(d)
+    bad_step, bad_tok = _table_file(d, "steps", 3), _table_file(d, "tokens", 2)
+    for f in (bad_step, bad_tok):
+        data = f.read_bytes()
+        f.write_bytes(data[: len(data) // 2])                # a truncated file, as a killed copy leaves it
+    run = open_run(d)
+    assert run.unreadable == []
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        steps = run.steps()
+        assert steps["step"].tolist() == [0, 1, 2, 4]        # step 3 left out, and said so
+        with pytest.raises(KeyError, match="unreadable"):
+            run.tokens(2)
+        assert len(run.tokens(1)) == 4 * 32
+        run.steps()                                           # read again: named once
+    assert [p for p, _ in run.unreadable] == [str(bad_step), str(bad_tok)]
+    assert all(reason for _, reason in run.unreadable)
+    warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(warned) == 2 and str(bad_step) in warned[0] and str(bad_tok) in warned[1]
+
+
+# ============================================================================ four plain readers
+def _run_with_every_table(d):
+    """Two ranks, steps 0-11 (step 2 quarantines a NaN token, an alert fires at steps >= 9), then a resumed
+    attempt that redoes steps 10-11 on rank 0 alone."""
+    from triage_monitor.alerts import AlertEngine
+    from triage_monitor.alert_rules import Rule
+
+    def batch(step, rank):
+        b = _batch(10 * step + rank)
+        if step == 2:
+            lp = b.learner_logp.clone()
+            lp[0] = float("nan")
+            return TokenBatch.from_flat(lp, b.sampler_logp, b.advantage, b.sample_id[b.sample_index], b.position,
+                                        on_invalid="quarantine")
+        return b
+
+    cfg = MonitorConfig(window=2, calibration_steps=2)
+    rule = Rule(name="late", metric="reward", condition="above", threshold=8.5, level="WARN")
+    for rank in (0, 1):
+        with MismatchMonitor(d, cfg, rank=rank, attempt=1, alerts=AlertEngine([rule], sinks=[])) as mon:
+            for s in range(12):
+                mon.log_step(s, batch(s, rank), extra={"reward": float(s)})
+    with MismatchMonitor(d, cfg, rank=0, attempt=2, alerts=AlertEngine([rule], sinks=[])) as mon:
+        for s in (10, 11):
+            mon.log_step(s, batch(s, 0), extra={"reward": float(s) - 5})     # no alert any more
+
+
+def test_every_table_reads_with_pandas_pyarrow_duckdb_and_polars(tmp_path):
+    import duckdb
+    import numpy as np
+    import pandas as pd
+    import polars as pl
+    import pyarrow.dataset as ds
+
+    d = tmp_path / "run"
+    _run_with_every_table(d)
+    run = open_run(d)
+    # what each table holds, worked out from the writes above: steps 0-9 on both ranks from attempt 1, steps
+    # 10-11 of rank 0 from attempt 2 (replacing attempt 1's), steps 10-11 of rank 1 still from attempt 1
+    expected_steps = sorted([(s, r, 1) for s in range(10) for r in (0, 1)] + [(s, 0, 2) for s in (10, 11)]
+                            + [(s, 1, 1) for s in (10, 11)])
+    expected = {
+        "steps": expected_steps,
+        "tokens": expected_steps,
+        "quarantine": [(2, 0, 1), (2, 1, 1)],
+        "alerts": [(9, 0, 1), (9, 1, 1)],           # the rule fires once when reward crosses 8.5
+    }
+    def n_rows(table, step):         # 4 × 32 tokens a step, one of step 2 quarantined; one row in the others
+        return (4 * 32 - (step == 2)) if table == "tokens" else 1
+
+    for table, keys in expected.items():
+        path = d / table
+        frames = {
+            "pandas": pd.read_parquet(path),
+            "pyarrow": ds.dataset(path, format="parquet").to_table().to_pandas(),
+            "duckdb": duckdb.sql(f"SELECT * FROM read_parquet('{path}/*.parquet')").df(),
+            "polars": pl.read_parquet(path).to_pandas(),
+        }
+        for reader, df in frames.items():
+            where = f"{table} read by {reader}"
+            for col in ("step", "rank", "attempt"):
+                assert df[col].dtype == np.int64, (where, col, df[col].dtype)
+            got = df.groupby(["step", "rank", "attempt"]).size()
+            assert sorted(got.index) == keys, where
+            assert got.tolist() == [n_rows(table, k[0]) for k in sorted(got.index)], where
+            assert len(df.columns) == len(frames["pandas"].columns), where      # one schema per table
+            assert (df.sort_values("step")["step"].diff().dropna() >= 0).all()  # numeric order, not 0, 1, 10, 11
+            assert len(df[df.step > 9]) == sum(n_rows(table, k[0]) for k in keys if k[0] > 9), where
+    steps = pd.read_parquet(d / "steps")
+    assert steps["reward"].dtype == np.float64 and steps["alignment_suspect"].isna().sum() > 0
+    latest = steps[steps.attempt == steps.groupby("step").attempt.transform("max")]    # the reader's rule
+    live = run.steps(rank=None)
+    assert sorted(zip(latest.step, latest["rank"])) == sorted(zip(live.step, live["rank"]))
+    assert live.set_index(["step", "rank"]).loc[(10, 0), "reward"] == 5.0
+    assert sorted(run.alerts()["step"]) == [9, 9]
+
+
+def test_old_hive_layout_still_reads(tmp_path):
+    import pyarrow as pa
+
+    from triage_monitor.records import write_json_atomic, write_table_atomic
+
+    d = tmp_path / "old"
+    write_json_atomic({"schema_version": 2, "tool": "triage-monitor", "monitor_config": {}}, d / "run.json")
+    for step in range(3):
+        for attempt in (1, 2) if step == 1 else (1,):
+            write_table_atomic(pa.table({"x": [float(10 * step + attempt)], "attempt": [attempt]}),
+                               d / "steps" / f"step={step}" / "rank=0" / f"part-{attempt}.parquet")
+    run = open_run(d)
+    assert run.steps()["x"].tolist() == [1.0, 12.0, 21.0] and run.steps()["step"].tolist() == [0, 1, 2]
+    with pytest.raises(Exception, match="older step=/rank= directory layout"):
+        MismatchMonitor(d)
+
+
+# ============================================================================ one writer per rank
+HOLDER = """
+import sys, time
+from triage_monitor.monitor import MismatchMonitor
+mon = MismatchMonitor(sys.argv[1], rank=int(sys.argv[2]))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(d, rank=0):
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(d), str(rank)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line.strip() == "ready", p.stderr.read()
+    return p
+
+
+def test_a_second_process_writing_the_same_rank_is_refused_at_start(tmp_path):
+    import signal
+
+    from triage_monitor.records import RunLockedError
+
+    d = tmp_path / "run"
+    p = _holder(d, rank=0)
+    try:
+        with pytest.raises(RunLockedError, match=f"rank 0 .*pid {p.pid}") as err:
+            MismatchMonitor(d, rank=0)
+        assert str(d) in str(err.value)
+        with MismatchMonitor(d, rank=1) as mon:         # another rank of the same run: allowed
+            mon.log_step(0, _batch(0))
+        # the holder is killed (no close, no cleanup): the OS releases its lock, the next writer starts
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        assert p.returncode == -signal.SIGKILL
+        with MismatchMonitor(d, rank=0) as mon:
+            mon.log_step(0, _batch(0))
+        assert open_run(d).steps()["step"].tolist() == [0]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_monitor_left_open_in_this_process_is_taken_over(tmp_path, caplog):
+    d = tmp_path / "run"
+    MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)).log_step(0, _batch(0))   # never closed (a notebook cell run twice)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        _write(d, steps=1)
+    assert any("was not closed" in r.getMessage() for r in caplog.records)
+
+
+# ============================================================================ one run per directory
+def test_another_configuration_is_refused_naming_the_keys_and_the_way_out(tmp_path):
+    from triage_monitor.records import RunConflictError
+
+    d = tmp_path / "run"
+    _write(d, steps=3, manifest={"correction": "triage", "seed": 1})
+    before = sorted(p.name for p in (d / "steps").iterdir())
+    with pytest.raises(RunConflictError) as err:               # what was trained differs
+        _write(d, steps=1, manifest={"correction": "none", "seed": 5})
+    msg = str(err.value)
+    assert "correction: 'triage' -> 'none'" in msg and "seed: 1 -> 5" in msg
+    assert "--resume" in msg and "--force" in msg and "new directory" in msg
+    assert err.value.differences == {"correction": ("triage", "none"), "seed": (1, 5)}
+    with pytest.raises(RunConflictError, match=r"monitor_config.window: 2 -> 3") as err:   # how it is measured
+        with MismatchMonitor(d, MonitorConfig(window=3, calibration_steps=2),
+                             manifest={"correction": "triage", "seed": 1}):
+            pass
+    assert "--resume" not in str(err.value)                # a metric configuration cannot be resumed into
+    assert sorted(p.name for p in (d / "steps").iterdir()) == before     # nothing written by the refused ones
+    assert len(open_run(d).manifest.attempts) == 1
+
+
+def test_same_configuration_continues_as_a_new_attempt_and_resume_records_changes(tmp_path):
+    d = tmp_path / "run"
+    _write(d, steps=4, manifest={"correction": "triage", "seed": 1, "note": "free text"})
+    _write(d, steps=2, manifest={"correction": "triage", "seed": 1, "note": "other text"})   # not an identity key
+    _write(d, steps=2, manifest={"correction": "none", "seed": 1}, resume=True)
+    run = open_run(d)
+    assert [a.get("changed") for a in run.manifest.attempts] == [None, None, {"correction": ["triage", "none"]}]
+    assert run.steps()["step"].tolist() == [0, 1, 2, 3]
+    assert run.steps()["attempt"].nunique() == 2            # steps 0-1 of the last attempt, 2-3 of the first
+
+
+def test_force_moves_the_old_run_aside_and_starts_a_new_one(tmp_path):
+    d = tmp_path / "run"
+    _write(d, steps=6, manifest={"correction": "triage"})
+    _write(d, steps=3, manifest={"correction": "none"}, force=True)
+    run = open_run(d)
+    assert run.steps()["step"].tolist() == [0, 1, 2] and len(run.manifest.attempts) == 1
+    assert run.manifest.info["correction"] == "none"
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1
+    old = open_run(aside[0])
+    assert old.steps()["step"].tolist() == list(range(6)) and old.manifest.info["correction"] == "triage"
+
+
+def test_unwritable_output_names_the_path_and_reason(tmp_path):
+    from triage_monitor.records import OutputError, UnwritableOutputError, probe_writable
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UnwritableOutputError, match=r"file/out: cannot write the output directory: Not a directory"):
+        probe_writable(tmp_path / "file" / "out")
+    assert issubclass(UnwritableOutputError, OutputError)
+
+
+# ============================================================================ the commands that write a run
+def _token_table(path, steps=3, shift=0.0):
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(int(shift * 10))
+    n = 4 * 16
+    df = pd.DataFrame({"step": np.repeat(np.arange(steps), n), "sample_id": np.tile(np.repeat(np.arange(4), 16), steps),
+                       "position": np.tile(np.arange(16), 4 * steps),
+                       "sampler_logp": -rng.random(n * steps), "advantage": np.ones(n * steps)})
+    df["learner_logp"] = (df["sampler_logp"] + shift).clip(upper=0)
+    df.to_parquet(path)
+    return path
+
+
+def test_import_into_a_run_of_another_source_is_refused_then_forced(tmp_path, capsys):
+    from triage_monitor.cli import main
+
+    a, b, out = _token_table(tmp_path / "a.parquet"), _token_table(tmp_path / "b.parquet", 2, 0.1), tmp_path / "run"
+    assert main(["import", "table", str(a), "--out", str(out)]) == 0
+    assert main(["import", "table", str(b), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"imported_from: '{a}' -> '{b}'" in err and "--force" in err
+    assert open_run(out).steps()["step"].tolist() == [0, 1, 2]           # untouched
+    assert main(["import", "table", str(a), "--out", str(out)]) == 0     # the same import again: a new attempt
+    assert len(open_run(out).manifest.attempts) == 2
+    assert main(["import", "table", str(b), "--out", str(out), "--force"]) == 0
+    assert open_run(out).steps()["step"].tolist() == [0, 1]
+    assert len(list(tmp_path.glob("run.replaced-*"))) == 1
+
+
+def test_import_into_a_read_only_directory_fails_at_start_naming_path_and_reason(tmp_path, capsys):
+    from triage_monitor.cli import main
+
+    src = _token_table(tmp_path / "a.parquet")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["import", "table", str(src), "--out", str(blocker / "run")]) == 2
+    out = capsys.readouterr()
+    assert f"{blocker / 'run'}: cannot write the output directory: Not a directory" in out.err
+    assert "imported" not in out.out
+
+
+def test_demo_into_a_run_of_another_correction_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    import triage_monitor.demo.grpo as grpo
+    from triage_monitor.cli import main
+
+    out = tmp_path / "demo"
+    small = ["--steps", "3", "--sft-steps", "5", "--prompts-per-step", "2", "--group-size", "4", "--eval-size", "4",
+             "--calibration-steps", "2", "--window", "2"]
+    assert main(["demo", "--out", str(out), *small]) == 0
+    capsys.readouterr()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the SFT warm start ran although --out holds another run")
+
+    monkeypatch.setattr(grpo, "sft_warm_start", no_training)     # refused before any training work
+    assert main(["demo", "--out", str(out), *small, "--correction", "none", "--seed", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "correction: 'triage' -> 'none'" in err and "demo_config.seed: 0 -> 5" in err and "--resume" in err
+    run = open_run(out)
+    assert run.manifest.info["correction"] == "triage" and run.steps()["step"].tolist() == [0, 1, 2]
+
+
+def test_a_hook_into_a_run_of_another_framework_is_refused_when_its_monitor_starts(tmp_path):
+    from triage_monitor.hooks._runtime import HookSettings, WorkerRuntime
+    from triage_monitor.records import RunConflictError
+
+    d = tmp_path / "run"
+    _write(d, steps=2, manifest={"framework": "trl"})
+    cfg = MonitorConfig(window=2, calibration_steps=2)
+    with pytest.raises(RunConflictError, match="framework: 'trl' -> 'verl'"):
+        WorkerRuntime(HookSettings(run_dir=str(d), monitor=cfg, manifest={"framework": "verl"}, rank=0)).monitor
+    rt = WorkerRuntime(HookSettings(run_dir=str(d), monitor=cfg, manifest={"framework": "verl"}, rank=0, resume=True))
+    assert rt.monitor is not None
+    rt.close()
+    assert open_run(d).manifest.attempts[-1]["changed"] == {"framework": ["trl", "verl"]}
