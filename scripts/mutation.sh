@@ -32,6 +32,9 @@ for m in "$@"; do
   esac
 done
 echo "mutation run of $(git -C "$ROOT" rev-parse --short HEAD) in $WORK: ${patterns[*]:-all modules}"
+# one intra-op thread: mutmut forks a child per mutant, and a fork taken after torch's OpenMP pool has started can
+# hang in the child (every mutant then times out); it also keeps the run to JOBS cores
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 start=$(date +%s)
 nice -n "$NICE" "$PY" -m mutmut run --max-children "$JOBS" "${patterns[@]}" || true
 echo "wall time: $(( $(date +%s) - start )) s"
