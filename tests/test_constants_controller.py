@@ -202,3 +202,22 @@ def test_repair_segment_count_for_accumulation_skips_all_equal_groups():
     q = TAU - 100 * D1 / 128
     out = ctrl(batch, step=0, repair_denominator=ctrl.repair_segment_count(batch))
     assert out.repair_loss.item() == pytest.approx(COEF * phi(q) / 2, rel=1e-5)
+
+
+def test_calibration_config_and_state_version_validation():
+    """CalibrationConfig: window ≥ 1 (1 is accepted), 0 < severe < neg < 1 (equal quantiles are refused), 0 < bad < 1;
+    a controller state of another version is refused with both versions in the message."""
+    from triage_monitor.controller import STATE_VERSION, CalibrationConfig
+
+    assert CalibrationConfig(window=1).window == 1
+    c = CalibrationConfig()
+    assert (c.window, c.neg_quantile, c.severe_quantile, c.bad_quantile) == (25, 0.05, 0.01, 0.001)
+    for kw in ({"window": 0}, {"severe_quantile": 0.05}, {"severe_quantile": 0.0}, {"neg_quantile": 1.0},
+               {"bad_quantile": 0.0}, {"bad_quantile": 1.0}):
+        with pytest.raises(ValueError, match="CalibrationConfig"):
+            CalibrationConfig(**kw)
+    ctrl = TriageController()
+    state = ctrl.state_dict()
+    state["version"] = STATE_VERSION + 7
+    with pytest.raises(ValueError, match=rf"state version {STATE_VERSION + 7} is not {STATE_VERSION}"):
+        ctrl.load_state_dict(state)

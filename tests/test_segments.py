@@ -9,20 +9,21 @@ from triage_monitor.segments import segment_tokens
 def test_segments_by_position_with_masked_gaps_and_predecessors():
     """W = 4.  Response 0: positions 0,1,2,3,4,9 → segments k = 0 (4 tokens), 1 (1), 2 (1); k = 1 and 2 are
     consecutive.  Response 1: positions 0, 8 → k = 0 and k = 2 (no k = 1: not consecutive).  Response 2: none.
-    Response 3: position 5 → k = 1 alone."""
-    sample = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 3])
-    pos = torch.tensor([0, 1, 2, 3, 4, 9, 0, 8, 5])
+    Response 3: positions 5, 9 → k = 1 and k = 2, consecutive."""
+    sample = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 3, 3])
+    pos = torch.tensor([0, 1, 2, 3, 4, 9, 0, 8, 5, 9])
     seg = segment_tokens(sample, pos, 4)
-    assert seg.index.tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5]
-    assert seg.sample.tolist() == [0, 0, 0, 1, 1, 3]
-    assert seg.number.tolist() == [0, 1, 2, 0, 2, 1]
-    assert seg.count.tolist() == [4, 1, 1, 1, 1, 1]
-    assert seg.num_segments == 6 and seg.width == 4
-    assert seg.predecessor().tolist() == [-1, 0, 1, -1, -1, -1]
-    v = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])
-    assert seg.sum(v).tolist() == [10.0, 5.0, 6.0, 7.0, 8.0, 9.0]
-    assert seg.mean(v).tolist() == [2.5, 5.0, 6.0, 7.0, 8.0, 9.0]
-    assert seg.broadcast(torch.arange(6.0)).tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5]
+    assert seg.index.tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
+    assert seg.sample.tolist() == [0, 0, 0, 1, 1, 3, 3]
+    assert seg.number.tolist() == [0, 1, 2, 0, 2, 1, 2]
+    assert seg.count.tolist() == [4, 1, 1, 1, 1, 1, 1]
+    assert seg.num_segments == 7 and seg.width == 4
+    prev = seg.predecessor()
+    assert prev.dtype == torch.long and prev.tolist() == [-1, 0, 1, -1, -1, -1, 5]
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    assert seg.sum(v).tolist() == [10.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    assert seg.mean(v).tolist() == [2.5, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    assert seg.broadcast(torch.arange(7.0)).tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
 
 
 def test_single_segment_and_empty_and_errors():
