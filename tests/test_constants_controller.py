@@ -221,3 +221,24 @@ def test_calibration_config_and_state_version_validation():
     state["version"] = STATE_VERSION + 7
     with pytest.raises(ValueError, match=rf"state version {STATE_VERSION + 7} is not {STATE_VERSION}"):
         ctrl.load_state_dict(state)
+
+
+def test_repair_terms_return_types_and_state_dict_config():
+    """repair_terms returns (φ float32, in_scope bool, q float32) for every scope (docstring contract), and the
+    controller's state_dict records its config under "config"."""
+    from dataclasses import asdict
+
+    from triage_monitor.controller import repair_terms
+    from triage_monitor.segments import segment_tokens
+
+    batch, _ = _batch([_two_segment_response(), [-0.5] * 50], [1.0, 0.0])
+    seg = segment_tokens(batch.sample_index, batch.position, 128)
+    for scope, want in (("whole", [True, True, True]), ("adv_positive", [True, True, False]),
+                        ("q2", [True, True, False])):
+        phi_, in_scope, q = repair_terms(batch.learner_logp, batch.sampler_logp, batch.advantage, seg, TAU,
+                                         BETA2 ** 0.5, scope)
+        assert in_scope.dtype == torch.bool and in_scope.tolist() == want, scope
+        assert phi_.dtype == torch.float32 and q.dtype == torch.float32
+        assert q.tolist() == pytest.approx([TAU - 100 * D1 / 128, 0.0, 0.47], rel=1e-5)
+    cfg = TriageConfig(repair_coef=0.02)
+    assert TriageController(cfg).state_dict()["config"] == asdict(cfg)
