@@ -179,15 +179,23 @@ def test_tis_clip_at_two_and_clip_fraction_strict():
     """TIS weight clamp(exp(old − sampler), 0, 2): ratios just below 2, exactly 2 and just above 2, and e⁻¹;
     only the one above 2 counts as clipped (tis_clip_frac = 1/4)."""
     lo, at, hi = _exact_log_ratio(2.0)
-    samp = torch.zeros(4, dtype=torch.float32)          # old − sampler = old exactly
-    old = torch.tensor([lo, at, hi, -1.0], dtype=torch.float32)
+    samp = torch.zeros(5, dtype=torch.float32)          # old − sampler = old exactly
+    old = torch.tensor([lo, at, hi, -1.0, -200.0], dtype=torch.float32)   # exp(−200) = 0 in float32: on lo = 0
     batch = TokenBatch.from_list([samp.clone()], [samp], torch.tensor([1.0]))
     ctrl = TriageController(TriageConfig(gate=False, repair=False))
     out = ctrl(batch, step=0, old_logp=old)
     raw = torch.exp(old - samp)
-    assert out.tis_weights.tolist() == pytest.approx([raw[0].item(), 2.0, 2.0, math.exp(-1.0)], rel=1e-6)
-    assert raw[0].item() < 2.0 and raw[1].item() == 2.0 and raw[2].item() > 2.0
-    assert out.stats["tis_clip_frac"] == 0.25
+    assert out.tis_weights.tolist() == pytest.approx([raw[0].item(), 2.0, 2.0, math.exp(-1.0), 0.0], rel=1e-6)
+    assert raw[0].item() < 2.0 and raw[1].item() == 2.0 and raw[2].item() > 2.0 and raw[4].item() == 0.0
+    assert out.stats["tis_clip_frac"] == pytest.approx(0.2, rel=1e-6)
+    # a configured clip is used for the weights and the fraction: [0, 3] clips e^1.5 = 4.48 to 3
+    out = TriageController(TriageConfig(gate=False, repair=False, tis_clip=(0.0, 3.0)))(
+        batch, step=0, old_logp=torch.tensor([1.5, 0.0, 0.0, 0.0, 0.0]))
+    assert out.tis_weights.tolist() == pytest.approx([3.0, 1.0, 1.0, 1.0, 1.0])
+    assert out.stats["tis_clip_frac"] == pytest.approx(0.2, rel=1e-6)
+    with pytest.raises(ValueError, match=r"old_logp has shape \(3,\), expected \(5,\) = the batch's valid tokens "
+                                         r"\(batch.gather\(old_logp\) reads a tensor of your layout at them\)"):
+        ctrl(batch, step=0, old_logp=torch.zeros(3))
 
 
 def test_repair_segment_count_for_accumulation_skips_all_equal_groups():

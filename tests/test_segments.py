@@ -37,3 +37,16 @@ def test_single_segment_and_empty_and_errors():
         segment_tokens(torch.tensor([0]), torch.tensor([0]), 0)
     with pytest.raises(ValueError, match="differ"):
         segment_tokens(torch.tensor([0, 0]), torch.tensor([0]), 4)
+
+
+def test_width_one_float64_sums_and_empty_fields():
+    """W = 1 is a valid width (one segment per position); sums keep the values' dtype (float64 stays float64);
+    an empty batch has empty index, sample, number and count."""
+    seg = segment_tokens(torch.tensor([0, 0, 1]), torch.tensor([0, 2, 0]), 1)
+    assert seg.number.tolist() == [0, 2, 0] and seg.sample.tolist() == [0, 0, 1]
+    v = torch.tensor([0.5, 0.25, 1e-300], dtype=torch.float64)
+    s = seg.sum(v)
+    assert s.dtype == torch.float64 and s.tolist() == [0.5, 0.25, 1e-300]
+    assert seg.mean(v).dtype == torch.float64
+    empty = segment_tokens(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 4)
+    assert [t.tolist() for t in (empty.index, empty.sample, empty.number, empty.count)] == [[], [], [], []]
