@@ -250,3 +250,34 @@ def test_repair_terms_return_types_and_state_dict_config():
         assert q.tolist() == pytest.approx([TAU - 100 * D1 / 128, 0.0, 0.47], rel=1e-5)
     cfg = TriageConfig(repair_coef=0.02)
     assert TriageController(cfg).state_dict()["config"] == asdict(cfg)
+
+
+def test_triage_config_validation_lines_and_messages():
+    """Accepted on the line: severe_weight = neg_weight, neg_weight = 1, tail_floor = 0 and 1, repair_coef = 0.
+    Refused on the line, each with the field and what it needs: severe_threshold = neg_threshold, tis_clip lo = hi."""
+    for kw in ({"severe_weight": 0.3, "neg_weight": 0.3}, {"neg_weight": 1.0}, {"tail_floor": 0.0},
+               {"tail_floor": 1.0}, {"repair_coef": 0.0}, {"tis_clip": [0, 5]}):
+        TriageConfig(**kw)
+    assert TriageConfig(tis_clip=[0, 5]).tis_clip == (0.0, 5.0)
+    cases = [
+        ({"gate_width": 2.5}, "gate_width = 2.5: must be a positive integer"),
+        ({"tail_count": True}, "tail_count = True: must be a positive integer"),
+        ({"repair_width": 0}, "repair_width = 0: must be a positive integer"),
+        ({"delta_bad": math.inf}, "delta_bad = inf: must be finite (nats)"),
+        ({"severe_threshold": -0.5}, "severe_threshold < neg_threshold"),
+        ({"tail_floor": 1.5}, "tail_floor = 1.5: must be in [0, 1]"),
+        ({"repair_beta": 0.0}, "repair_beta = 0.0: must be > 0"),
+        ({"repair_coef": -1.0}, "repair_coef = -1.0: must be >= 0"),
+        ({"repair_start_step": -1}, "repair_start_step = -1: must be an integer >= 0"),
+        ({"gate_scope": "all"}, "gate_scope = 'all': must be one of ('q3', 'whole')"),
+        ({"repair_scope": "all"}, "repair_scope = 'all': must be one of ('adv_positive', 'q2', 'whole')"),
+        ({"normalization": "x"}, "normalization = 'x': must be one of ('per_response', 'global_token')"),
+        ({"tis_clip": 2.0}, "tis_clip = 2.0: must be a pair (lo, hi) of floats"),
+        ({"tis_clip": (1.0, 1.0)}, "tis_clip = (1.0, 1.0): needs 0 <= lo < hi"),
+        ({"calibration": 3}, "calibration = 3: must be None, a CalibrationConfig or a dict of its fields"),
+        ({"severe_weight": 0.5}, "severe_weight <= neg_weight <= 1"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError) as e:
+            TriageConfig(**kw)
+        assert msg in str(e.value), (kw, str(e.value))
