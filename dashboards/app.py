@@ -55,9 +55,17 @@ def _signature(path: str) -> tuple:
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def load_run(path: str, sig: tuple) -> tuple:
-    """(RunManifest, live step metrics, alerts) of a run; raises RunDirError for a non-run directory."""
+    """(RunManifest, live step metrics, alerts, unreadable files) of a run; raises RunDirError for a non-run
+    directory.  The live rows' steps are the page's snapshot of the run: every later read is limited to them,
+    so a run being written is drawn from one listing (the overview, the charts and the stage table agree)."""
     run = open_run(path)
-    return run.manifest, run.steps(), run.alerts()
+    steps, alerts = run.steps(), run.alerts()
+    return run.manifest, steps, alerts, list(getattr(run, "unreadable", []) or [])
+
+
+def snapshot_steps(path: str) -> tuple:
+    """The steps of the page's one snapshot of ``path`` (the live rows :func:`load_run` read)."""
+    return tuple(int(x) for x in runs[path][1]["step"])
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
@@ -67,25 +75,35 @@ def load_tokens(path: str, step: int, sig: tuple) -> pd.DataFrame:
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def load_recomputed(path: str, window: int, sig: tuple) -> pd.DataFrame:
-    """Metrics recomputed from the token files with another trailing window."""
-    return recompute(open_run(path), window=window)
+def load_recomputed(path: str, window: int, sig: tuple, snap: tuple) -> pd.DataFrame:
+    """Metrics of the snapshot's steps ``snap`` recomputed from the token files with another trailing window."""
+    run = open_run(path)
+    todo = sorted(set(run.step_numbers()) & set(snap))
+    return recompute(run, window=window, steps=todo) if todo else pd.DataFrame()
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def load_postmortem(path: str, window: int, sig: tuple) -> pd.DataFrame:
-    """Step and window metrics with the run's one frozen tau_tail for every step (the cached per-step
-    states; the live rows when the run has no token records)."""
+def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> tuple:
+    """(frame, unreadable files): step and window metrics of the snapshot's steps with the run's one frozen
+    tau_tail for every step (the cached per-step states; the live rows when the run has no token records)."""
     from triage_monitor.analysis import postmortem_frame  # torch-backed: after the first charts are out
 
-    return postmortem_frame(open_run(path), window)[0]
+    run = open_run(path)
+    frame = postmortem_frame(run, window, live=load_run(path, sig)[1], steps=snap)[0]
+    return frame, list(getattr(run, "unreadable", []) or [])
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple) -> pd.DataFrame:
+def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple, snap: tuple) -> pd.DataFrame:
+    """The stage table of the snapshot's steps ``snap``."""
+    from triage_monitor.analysis import recompute_states
     from triage_monitor.stages import stage_table  # torch-backed: imported after the first charts are out
 
-    return stage_table(open_run(path), list(anchors) if anchors else None, window=window, draws=draws, seed=0)
+    run = open_run(path)
+    todo = sorted(set(run.step_numbers()) & set(snap))
+    states = recompute_states(run, cache=True, steps=todo) if todo else None
+    return stage_table(run, list(anchors) if anchors else None, window=window, draws=draws, seed=0,
+                       states=states, metrics=load_run(path, sig)[1])
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -146,10 +164,13 @@ if not paths:
             "in the sidebar.")
     st.stop()
 
+# one listing of each run per page render: the signature and the live rows read here are passed to every
+# later read (charts, localisation, stage table), so a run still being written is shown as one snapshot
+sigs = {p: _signature(p) for p in paths}
 runs, bad = {}, []
 for p in paths:
     try:
-        runs[p] = load_run(p, _signature(p))
+        runs[p] = load_run(p, sigs[p])
     except RunDirError as exc:
         bad.append(str(exc))
     except Exception as exc:  # an unreadable file of a run being written: say so, never a traceback
@@ -168,21 +189,42 @@ with st.sidebar:
                              key="overlay")
     st.header("View")
     view = st.radio("Values", ["per step", "trailing window"], index=1, horizontal=True, key="view")
-    manifest, steps, alerts = runs[primary]
+    manifest, steps, alerts, _ = runs[primary]
     run_config = MonitorConfig.from_dict(manifest.monitor_config)
     run_window = run_config.window
     window_steps = int(st.number_input("Trailing window (steps)", 1, 100000, run_window, key="window_steps",
                                        help="The run's window uses the live pooled values; another window is "
                                             "recomputed from the token files (slower on large runs)."))
 
-sig = _signature(primary)
+sig = sigs[primary]
+snap = snapshot_steps(primary)
 ov = views.run_overview(open_run(primary), steps, alerts)
 status = ov["status"]
 st.caption(f"`{ov['path']}` · triage-monitor {ov.get('tool_version') or '?'} · created {ov.get('created') or '?'}")
 if status == "running":
     st.info(f"This run is still being written (status `running`): showing the {ov['steps']} step(s) recorded so "
             "far. Rerun the page (R) to refresh.")
+unreadable_slot = st.empty()      # filled once the page's reads have counted the files they could not read
+
+
+def _show_unreadable(extra=()) -> None:
+    """Count and name the unreadable files every read of this page skipped (``Run.unreadable``)."""
+    found = {}
+    for p_, (_, _, _, bad_) in runs.items():
+        found.setdefault(p_, []).extend(bad_)
+    found.setdefault(primary, []).extend(f for f in extra if f not in found.get(primary, []))
+    found = {p_: b_ for p_, b_ in found.items() if b_}
+    if found:
+        n = sum(len(b_) for b_ in found.values())
+        with unreadable_slot.container():
+            st.error(f"{n} unreadable file(s) skipped: everything on this page is computed without them.")
+            for p_, b_ in found.items():
+                st.markdown(f"**{labels.get(p_, p_)}**\n" + "\n".join(f"- `{f}`: {why}" for f, why in b_[:30])
+                            + (f"\n- … {len(b_) - 30} more" if len(b_) > 30 else ""))
+
+
 if steps.empty:
+    _show_unreadable()
     st.warning(f"Run `{labels[primary]}` has no recorded steps yet, so there is nothing to plot. "
                + ("It is still running: rerun the page later." if status == "running" else
                   "Its steps/ folder is empty."))
@@ -214,10 +256,10 @@ window = view == "trailing window"
 
 
 def metrics_of(path: str) -> pd.DataFrame:
-    man, live, _ = runs[path]
+    man, live, _, _ = runs[path]
     if window and window_steps != MonitorConfig.from_dict(man.monitor_config).window:
         with st.spinner(f"recomputing {labels[path]} with a {window_steps}-step window…"):
-            rec = load_recomputed(path, window_steps, _signature(path))
+            rec = load_recomputed(path, window_steps, sigs[path], snapshot_steps(path))
         if rec.empty:
             st.warning(f"{labels[path]}: no token records to recompute a {window_steps}-step window from; "
                        "showing the live window values.")
@@ -252,8 +294,9 @@ with cols[0]:
 with cols[1]:
     # localisation depends on tau_tail: drawn with the run's frozen value for every step, the first ones included
     with st.spinner("localisation metrics with the frozen tau_tail…"):
-        loc_frame = load_postmortem(primary, window_steps, _signature(primary))
+        loc_frame, loc_unreadable = load_postmortem(primary, window_steps, sig, snap)
     _chart(views.localisation_figure(loc_frame, window, labels[primary]), "localisation")
+_show_unreadable(loc_unreadable)
 
 # ------------------------------------------------------------------ one step (token data, lazy)
 st.header("One step")
@@ -298,14 +341,15 @@ if toks is not None:
     sel = (toks["sample_id"] == pick).to_numpy()
     # toks and the batch are both sorted by (sample_id, position): the same flat order
     gw_sel = gw[sel] if gw is not None and gw.shape[0] == sel.shape[0] else None
-    _chart(views.response_figure(toks[sel], gw_sel, gate_width, step_tau, int(pick)), "response_chart")
-    st.caption(f"Segment boundaries every {gate_width} positions (the Gate's W_gate); Gate weight = the weight "
-               "TriageController would give each token at this step with the run's Gate settings "
-               "(fixed thresholds, docs/metrics.md#gate).")
+    # segments drawn with the monitor's W, as in the heatmap above (the Gate's own width is named below)
+    _chart(views.response_figure(toks[sel], gw_sel, width, step_tau, int(pick)), "response_chart")
+    st.caption(f"Segment boundaries every {width} positions (the monitor's segment width W, as in the heatmap); "
+               f"Gate weight = the weight TriageController would give each token at this step with the run's "
+               f"Gate settings (Gate width {gate_width}, fixed thresholds, docs/metrics.md#gate).")
 
 # ------------------------------------------------------------------ stages
 st.header("Stages (docs/metrics.md#stages)")
-from triage_monitor.stages import anchor_steps, format_stage_table  # noqa: E402  (torch-backed, after the charts)
+from triage_monitor.stages import anchor_steps, degenerate_notice, format_stage_table  # noqa: E402  (torch-backed)
 
 with st.sidebar:
     st.header("Stages")
@@ -322,15 +366,21 @@ try:
                 "every anchor window and draws the C_tok shuffle null. Everything above is already complete.")
         st.stop()
     with st.spinner("computing the stage table and the C_tok shuffle null…"):
-        table = load_stage_table(primary, anchors, window_steps, draws, sig)
+        table = load_stage_table(primary, anchors, window_steps, draws, sig, snap)
+    notice = degenerate_notice(table, width)
+    if notice:
+        st.warning(notice)
     shown = format_stage_table(table)
+    # compact columns: the whole table fits a 1,500 px window next to the sidebar
     st.dataframe(shown, hide_index=True, width="stretch",
                  column_config={c_: st.column_config.NumberColumn(format="%.2f" if "%" in c_ or "pts" in c_
-                                                                               else "%.3f") for c_ in shown.columns
-                                if c_ not in ("stage", "step", "window", "tokens", "null 95% %")})
+                                                                               else "%.3f", width="small")
+                                for c_ in shown.columns
+                                if c_ not in ("stage", "step", "window", "tokens", "null 95% interval (%)")})
     st.caption(f"Trailing {window_steps}-step windows ending at each anchor. C_tok null: tail labels shuffled "
                f"within each A<0 response ({draws} draws, seed 0); excess = C_tok − null median, in points. "
                "Dilution: A<0 responses with a tail-heavy segment whose mean |δ| < 0.05.")
 except (ValueError, KeyError, OSError) as exc:
     st.warning(f"Stage table: {exc}" + (" (the run has no token records for it)" if isinstance(exc, KeyError)
                                         else ""))
+

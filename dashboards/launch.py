@@ -11,6 +11,7 @@ reported at once instead of inside the page.
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from triage_monitor.analysis import RunDirError, open_run
+from triage_monitor.exits import INPUT_ERROR, INTERRUPTED, error
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
@@ -68,23 +70,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Validate the run paths, then run Streamlit in the foreground; returns its exit status (2: bad path)."""
+    """Validate the run paths, then run Streamlit in the foreground; returns its exit status
+    (docs/cli.md#exit-statuses: 2 for a path that is not a run, a bad port or a missing dashboard extra,
+    130 after Ctrl-C)."""
     try:
         runs = validate_runs(args.run_dirs)
         cmd = build_command(runs, args.host, args.port, headless=not getattr(args, "open_browser", False))
     except (RunDirError, ValueError) as exc:
-        print(f"triage-monitor dashboard: {exc}", file=sys.stderr)
-        return 2
+        error("dashboard", exc)
+        return INPUT_ERROR
     try:
         import streamlit  # noqa: F401
         import plotly  # noqa: F401
     except ImportError as exc:
-        print(f"triage-monitor dashboard needs the dashboard extra ({exc.name} is missing): "
-              "pip install 'triage-monitor[dashboard]'", file=sys.stderr)
-        return 2
+        error("dashboard", f"the dashboard needs the dashboard extra ({exc.name} is missing): "
+                           "pip install 'triage-monitor[dashboard]'")
+        return INPUT_ERROR
     if getattr(args, "print_command", False):
-        print(" ".join(cmd))
+        print(shlex.join(cmd))           # paste-able: paths with spaces are quoted
         return 0
+    for p in runs:
+        bad = list(getattr(open_run(p), "unreadable", []) or [])
+        if bad:
+            print(f"triage-monitor dashboard: {p}: {len(bad)} unreadable file(s), skipped and listed in the page: "
+                  + ", ".join(str(f) for f, _ in bad[:3]) + (" …" if len(bad) > 3 else ""), file=sys.stderr)
     print(f"triage-monitor dashboard: http://{args.host}:{args.port}  ({len(runs)} run(s); Ctrl+C to stop)",
           file=sys.stderr)
     proc = subprocess.Popen(cmd)
@@ -95,4 +104,5 @@ def run_cli(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:    # Ctrl+C: stop the server (it may already be stopping: same process group)
         proc.terminate()
         proc.wait()
-        return 0
+        print("triage-monitor dashboard: interrupted (Ctrl-C); server stopped", file=sys.stderr)
+        return INTERRUPTED

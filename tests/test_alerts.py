@@ -347,7 +347,7 @@ def test_cli_run_dir_and_wandb_csv_match_replay(tmp_path, capsys):
     _write_steps(tmp_path / "run", df[df.step.between(120, 139)], attempt=2)
     expected = _rows(replay(None, df))
     assert expected and expected != _rows(replay(None, synthetic_history("trajectory", n_steps=240, seed=3)))
-    assert alerts_cli([str(tmp_path / "run"), "--format", "json"]) == 0
+    assert alerts_cli([str(tmp_path / "run"), "--format", "json"]) == 1          # alerts fired: a finding
     out = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["rule"]) for r in out] == [(r["step"], r["rule"]) for r in expected]
     # a W&B history export: triage/ prefixed columns, triage/step, W&B's own columns
@@ -355,19 +355,25 @@ def test_cli_run_dir_and_wandb_csv_match_replay(tmp_path, capsys):
     wb.insert(0, "_step", np.arange(len(wb)) + 1000)
     wb.to_csv(tmp_path / "hist.csv", index=False)
     assert alerts_cli(["--from-csv", str(tmp_path / "hist.csv"), "--step-column", "triage/step",
-                       "--format", "csv"]) == 0
+                       "--format", "csv"]) == 1
     got = pd.read_csv(__import__("io").StringIO(capsys.readouterr().out))
     assert list(zip(got.step, got.rule)) == [(r["step"], r["rule"]) for r in expected]
     # the table format prints, and a custom rules file is honoured
     (tmp_path / "r.toml").write_text('[[rules]]\nname="hi"\nmetric="rho_asym"\ncondition="above"\n'
                                      'threshold=1.4\nwindow=5\nhold=2\n')
-    assert alerts_cli(["--from-csv", str(tmp_path / "hist.csv"), "--rules", str(tmp_path / "r.toml")]) == 0
+    assert alerts_cli(["--from-csv", str(tmp_path / "hist.csv"), "--rules", str(tmp_path / "r.toml")]) == 1
     assert "hi" in capsys.readouterr().out
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):
     assert alerts_cli([str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+    # a run and a CSV at once: refused, not one of the two silently
+    pd.DataFrame({"step": [0], "rho_asym": [1.0]}).to_csv(tmp_path / "one.csv", index=False)
+    assert alerts_cli([str(tmp_path / "nope"), "--from-csv", str(tmp_path / "one.csv")]) == 2
+    assert "not both" in capsys.readouterr().err
+    # no alert fired: 0
+    assert alerts_cli(["--from-csv", str(tmp_path / "one.csv")]) == 0
     pd.DataFrame({"x": [1]}).to_csv(tmp_path / "h.csv", index=False)
     assert alerts_cli(["--from-csv", str(tmp_path / "h.csv")]) == 2
     assert "no step column 'step'" in capsys.readouterr().err
@@ -408,7 +414,7 @@ rules:
     assert {r for _, r in live} == {"gap_rising", "nonfinite", "q05_low"} and (20, "nonfinite") in live
     table = open_run(tmp_path / "run").alerts()
     assert sorted(zip(table["step"], table["rule"])) == sorted(live)
-    assert alerts_cli([str(tmp_path / "run"), "--rules", str(rules_file), "--format", "json"]) == 0
+    assert alerts_cli([str(tmp_path / "run"), "--rules", str(rules_file), "--format", "json"]) == 1
     replayed = [(r["step"], r["rule"]) for r in json.loads(capsys.readouterr().out)]
     assert replayed == live
 

@@ -250,6 +250,76 @@ def test_report_renders_offline(demo_run_dir, tmp_path):
         b.wait_for("document.readyState == 'complete'", timeout=60)
         assert b.wait_for(f"({CHARTS_JS} >= 8) && {CHARTS_JS}", timeout=30) == 8
         assert b.eval("document.querySelectorAll('table.stage-table tbody tr').length") == 4
+        # the whole stage table fits a 1,500 px window: no column is cut off behind a scroll bar
+        fit = b.eval("(() => { const t = document.querySelector('table.stage-table');"
+                     " return [t.scrollWidth, t.parentElement.clientWidth]; })()")
+        assert fit[0] <= fit[1], fit
         b.screenshot(ARTIFACTS / "browser" / "report.png")
     finally:
         b.close()
+
+
+WRITER = """
+import sys, time, torch
+from triage_monitor.batch import TokenBatch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+g = torch.Generator().manual_seed(0)
+with MismatchMonitor(sys.argv[1], MonitorConfig(window=4, calibration_steps=3)) as mon:
+    for step in range(int(sys.argv[2])):
+        s = -torch.rand(8, 48, generator=g) * 3 - 0.01
+        lp = (s + torch.randn(8, 48, generator=g) * 0.1).clamp(max=0)
+        mon.log_step(step, TokenBatch.from_padded(lp, s, torch.linspace(-1, 1, 8), torch.ones(8, 48, dtype=torch.bool)))
+        mon.writer.flush() if hasattr(mon.writer, "flush") else None
+        print(step, flush=True)
+        time.sleep(float(sys.argv[3]))
+"""
+
+PLOT_STEPS_JS = """(() => {
+  const out = {};
+  for (const el of document.querySelectorAll('.js-plotly-plot')) {
+    const title = (el.layout && el.layout.title && (el.layout.title.text || el.layout.title)) || '';
+    const xs = (el.data || []).filter(t => t.meta && t.meta.column && 'run' in t.meta && Array.isArray(t.x))
+                              .flatMap(t => t.x).filter(x => typeof x === 'number');
+    if (xs.length) out[String(title)] = Math.max(...xs);
+  }
+  return out;
+})()"""
+
+
+@needs_chromium
+def test_dashboard_of_a_run_being_written_is_one_snapshot(browser, tmp_path):
+    """A run written while the page loads: the overview, the time series and the localisation chart (read
+    later in the page, from the token files) end at the same step -- the page's one listing of the run."""
+    import sys
+
+    run = tmp_path / "live-run"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run), "400", "0.15"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(6):                                   # a few steps on disk before the page opens
+            writer.stdout.readline()
+        port = free_port()
+        proc = start_dashboard([run], port, tmp_path / "streamlit.log")
+        try:
+            browser.navigate(f"http://127.0.0.1:{port}/")
+            browser.wait_for(f"{CHARTS_JS} >= 6", timeout=120)
+            deadline = time.monotonic() + 90
+            while browser.eval(RUNNING_JS) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(1.0)
+            assert writer.poll() is None, "the writer finished before the page: nothing was written meanwhile"
+            last = browser.eval(PLOT_STEPS_JS)
+            steps_metric = browser.eval("""Array.from(document.querySelectorAll('[data-testid=stMetric]'))
+                .map(e => e.innerText).find(t => t.startsWith('Steps'))""")
+            assert browser.eval(EXCEPTION_JS) == 0, "the page shows an exception"
+        finally:
+            stop(proc)
+    finally:
+        writer.kill()
+        writer.wait()
+    n_steps = int(steps_metric.split()[-1].replace(",", ""))
+    loc = [v for k, v in last.items() if k.startswith("Localisation")]
+    direction = [v for k, v in last.items() if k.startswith("Direction")]
+    assert loc and direction, last
+    # steps 0 .. n-1 in the overview; every chart ends at n-1, although the writer kept adding steps
+    assert set(last.values()) == {n_steps - 1}, (n_steps, last)

@@ -235,7 +235,7 @@ def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
     warnings = " ".join(w.value for w in at.warning)
     assert "Token records of step 3" in warnings
     table = at.dataframe[-1].value                                   # live window values, null "-"
-    assert table["step"].tolist() == [0, 1, 2, 3] and table["null 95% %"].tolist() == ["-"] * 4
+    assert table["step"].tolist() == [0, 1, 2, 3] and table["null 95% interval (%)"].tolist() == ["-"] * 4
     live = open_run(tmp_path / "steps_only").steps()
     np.testing.assert_allclose(table["ρ_asym"].to_numpy(float), live["window/rho_asym"].to_numpy(float))
     at.number_input(key="window_steps").set_value(3).run()
@@ -371,3 +371,53 @@ def test_step_level_path_needs_no_torch():
     assert out.strip() == "False"
     from triage_monitor import metrics, views
     assert views.REGIONS == metrics.REGIONS
+
+
+def test_chart_cosmetics_labels_stay_clear_of_data_and_titles():
+    """The toolbar stands vertically on the right edge (not over the title); the δ histogram labels one tick
+    per decade and writes its τ_tail / small-gap labels above the plot area; the uniform C_tok reference is
+    named in the legend, not written across the lines."""
+    import pandas as pd
+
+    from triage_monitor import views
+
+    rng = np.random.default_rng(0)
+    delta = np.r_[rng.normal(0, 0.01, 20000), rng.normal(-0.5, 0.2, 300)]
+    fig = views.delta_histogram_figure(delta, -0.2, 0.05, step=3)
+    lay = fig.layout
+    assert lay.modebar.orientation == "v"
+    assert list(lay.yaxis.tickvals) == [1, 10, 100, 1000, 10000, 100000]
+    assert list(lay.yaxis.ticktext) == ["1", "10", "100", "1k", "10k", "100k"]
+    labels = {a.text: a for a in lay.annotations}
+    tau = next(a for t, a in labels.items() if t.startswith("τ_tail"))
+    assert tau.yref == "paper" and tau.y == 1.0 and tau.yanchor == "bottom"       # above the bars
+    assert lay.margin.t >= 60                                                     # room between title and labels
+    df = pd.DataFrame({"step": [0, 1, 2], "window/c_tok": [0.2, 0.3, 0.25], "window/r_amp": [0.05, 0.06, 0.05],
+                       "window/h_seg": [0.1, 0.1, 0.1]})
+    loc = views.localisation_figure(df, window=True)
+    assert not [a for a in loc.layout.annotations if "reference" in (a.text or "")]
+    ref = [t for t in loc.data if t.meta and "reference" in t.meta]
+    assert len(ref) == 1 and ref[0].name == "uniform C_tok reference (5 %)" and ref[0].showlegend is not False
+
+
+def test_drill_down_segments_use_the_monitor_width(monkeypatch, tmp_path):
+    """The drill-down cuts responses with the monitor's W (as the heatmap does), not the Gate's width."""
+    from triage_monitor.metrics import MetricConfig
+
+    g = torch.Generator().manual_seed(0)
+    cfg = MonitorConfig(window=2, calibration_steps=1, metrics=MetricConfig(segment_width=8))
+    with MismatchMonitor(tmp_path / "run", cfg, manifest={"triage_config": {"gate_width": 16}}) as mon:
+        for step in range(3):
+            s_ = -torch.rand(4, 40, generator=g) * 3 - 0.01
+            lp = (s_ + torch.randn(4, 40, generator=g) * 0.1).clamp(max=0)
+            mon.log_step(step, TokenBatch.from_padded(lp, s_, torch.linspace(-1, 1, 4), torch.ones(4, 40, dtype=bool)))
+    at = app(monkeypatch, tmp_path / "run")
+    assert_ok(at)
+    captions = " ".join(c.value for c in at.caption)
+    assert "Segment boundaries every 8 positions (the monitor's segment width W" in captions
+    assert "Gate width 16" in captions
+    resp = next(v for k, v in charts(at).items() if k.startswith("Response"))
+    assert resp["layout"]["title"]["text"].endswith("segments of 8")
+    xs = sorted(sh["x0"] + 0.5 for sh in resp["layout"]["shapes"] if sh["type"] == "line" and sh["x0"] == sh["x1"]
+                and sh.get("xref") == "x")
+    assert xs == [8, 16, 24, 32], xs

@@ -139,6 +139,36 @@ def test_import_table_missing_column_is_named(tmp_path, capsys):
     assert "nope.parquet: no such file or directory" in capsys.readouterr().err
 
 
+def test_import_table_csv_format_help_and_monitor_options(tmp_path, capsys):
+    """A CSV gets a message about the formats read (not pyarrow's "magic bytes"); a file that is not
+    Parquet is named; --segment-width and --tau-tail reach the run's monitor config."""
+    import argparse
+
+    from triage_monitor.analysis import open_run
+    from triage_monitor.cli import build_parser
+
+    df = pd.DataFrame({"step": [0] * 4 + [1] * 4, "sample_id": [0, 0, 1, 1] * 2,
+                       "learner_logp": [-0.1, -0.3, -0.2, -0.5] * 2, "sampler_logp": [-0.1, -0.2, -0.2, -0.4] * 2,
+                       "advantage": [1.0, 1.0, -1.0, -1.0] * 2})
+    df.to_csv(tmp_path / "x.csv", index=False)
+    assert main(["import", "table", str(tmp_path / "x.csv"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "triage-monitor import: error: " in err and "x.csv" in err and "Parquet" in err
+    assert "magic bytes" not in err and not (tmp_path / "o" / "run.json").exists()
+    (tmp_path / "fake.parquet").write_text("step,sample_id\n0,0\n")
+    assert main(["import", "table", str(tmp_path / "fake.parquet"), "--out", str(tmp_path / "o")]) == 2
+    assert "fake.parquet: not readable as parquet" in capsys.readouterr().err
+    df.to_parquet(tmp_path / "t.parquet")
+    assert main(["import", "table", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "w"),
+                 "--segment-width", "8", "--tau-tail", "-0.05"]) == 0
+    cfg = open_run(tmp_path / "w").config
+    assert cfg.metrics.segment_width == 8 and cfg.tau_tail == -0.05
+    # every option of import table has a help text
+    table = next(a for a in build_parser("import")._subparsers._group_actions[0].choices["import"]._actions
+                 if isinstance(a, argparse._SubParsersAction)).choices["table"]
+    assert all(a.help for a in table._actions if a.option_strings and a.dest != "help")
+
+
 def test_import_table_reads_optional_columns_by_their_own_name(tmp_path, capsys):
     # a column named `mask` is applied without --map (it was silently ignored: masked rows imported)
     src = tmp_path / "t.parquet"

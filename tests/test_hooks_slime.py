@@ -194,6 +194,14 @@ def test_errors_name_the_file(tmp_path, capsys):
     assert str(p) in capsys.readouterr().err
     assert main(["import", "slime", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "o6")]) == 2
     assert "missing.pt" in capsys.readouterr().err
+    # an impossible value with --on-invalid raise: TokenBatch names the sample, the importer its file
+    smp = {"log_probs": torch.tensor([-0.1, float("nan")]), "rollout_log_probs": torch.tensor([-0.1, -0.2]),
+           "advantages": torch.tensor([1.0, 1.0])}
+    p = tmp_path / "nan.pt"
+    torch.save({"format_version": 2, "rollout_id": 4, "samples": [smp]}, p)
+    assert main(["import", "slime", str(p), "--out", str(tmp_path / "o7"), "--on-invalid", "raise"]) == 2
+    err = capsys.readouterr().err
+    assert f"triage-monitor import: error: {p}: samples[0]: rollout_id 4:" in err and "learner_logp" in err
 
 
 def test_a_rollout_in_both_formats_is_refused(tmp_path):

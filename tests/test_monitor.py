@@ -191,8 +191,13 @@ def test_analyze_cli(run_dir, capsys, tmp_path):
     assert len(pd.read_csv(out)) == 7
     assert cli_main(["analyze", str(tmp_path / "nope")]) == 2
     (tmp_path / "afile").write_text("")
-    assert cli_main(["analyze", str(d), "--out", str(tmp_path / "afile" / "m.csv")]) == 2
-    assert "cannot save the table" in capsys.readouterr().out
+    # an output path the OS refuses: exit 3 (docs/cli.md#exit-statuses), one line with the command's prefix
+    assert cli_main(["analyze", str(d), "--out", str(tmp_path / "afile" / "m.csv")]) == 3
+    err = capsys.readouterr().err
+    assert "triage-monitor analyze: error: cannot save the table" in err and "Traceback" not in err
+    # an unknown table format is refused before anything is computed
+    assert cli_main(["analyze", str(d), "--out", str(tmp_path / "m.xlsx")]) == 2
+    assert "'.xlsx'" in capsys.readouterr().err and not (tmp_path / "m.xlsx").exists()
 
 
 def test_analyze_cli_corrupt_token_file_is_a_message(run_dir, capsys):
@@ -200,7 +205,8 @@ def test_analyze_cli_corrupt_token_file_is_a_message(run_dir, capsys):
     bad = next((d / "tokens").glob("step-00000003-rank-0000-*.parquet"))
     bad.write_bytes(b"not parquet")
     assert cli_main(["analyze", str(d)]) == 2
-    assert bad.name in capsys.readouterr().out.replace("\n", "")
+    err = capsys.readouterr().err
+    assert bad.name in err.replace("\n", "") and err.startswith("triage-monitor analyze: ")
 
 
 def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, caplog):

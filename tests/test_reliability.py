@@ -164,6 +164,36 @@ def test_left_padding_without_positions_is_reported(tmp_path, caplog):
     assert len([r for r in caplog.records if "position 0" in r.getMessage()]) == 1
 
 
+def test_quarantined_first_token_and_masked_packed_start_are_not_left_padding(tmp_path, caplog):
+    """A bad token quarantined at column 0 and packed responses that start with a masked span (a tool
+    output or prompt masked inside a response-relative sequence) are not left padding: no count, no
+    warning.  Real left padding in the same monitor still warns once."""
+    caplog.set_level(logging.WARNING, "triage_monitor")
+    lp, s, a, m = healthy(B=3, T=12)
+    lp[1, 0] = float("nan")                   # quarantined at position 0: the response still starts there
+    quarantined = TokenBatch.from_padded(lp, s, a, m, on_invalid="quarantine")
+    assert quarantined.quarantine_counts and int(quarantined.position[quarantined.sample_index == 1].min()) == 1
+    assert padding_diagnostics(quarantined)["offset_response_count"] == 0
+    lens = [12, 12, 12]
+    mask = torch.ones(36, dtype=torch.bool)
+    mask[0:4] = False                         # response 0 starts with 4 masked tokens
+    mask[24:26] = False                       # response 2 with 2
+    packed = TokenBatch.from_packed(lp.reshape(-1), s.reshape(-1), a.reshape(-1).nan_to_num(0.0).clamp(-1, 1),
+                                    torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]), mask,
+                                    on_invalid="quarantine")
+    assert int(packed.position[packed.sample_index == 0].min()) == 4       # positions stay response-relative
+    assert padding_diagnostics(packed)["offset_response_count"] == 0
+    with MismatchMonitor(tmp_path / "run") as mon:
+        assert mon.log_step(0, quarantined)["offset_response_count"] == 0
+        assert mon.log_step(1, packed)["offset_response_count"] == 0
+        assert not [r for r in caplog.records if "position 0" in r.getMessage()]
+        m2 = m.clone()
+        m2[0, :3] = False                     # genuine left padding, no positions=
+        lp2 = lp.nan_to_num(-0.5)
+        assert mon.log_step(2, TokenBatch.from_padded(lp2, s, a, m2))["offset_response_count"] == 1
+    assert len([r for r in caplog.records if "position 0" in r.getMessage()]) == 1
+
+
 def test_monitor_warns_once_about_padding_leaks(tmp_path, caplog):
     caplog.set_level(logging.WARNING, "triage_monitor")
     with MismatchMonitor(tmp_path / "run") as mon:

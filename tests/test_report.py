@@ -43,7 +43,7 @@ def test_report_is_self_contained_with_charts_and_stage_table(demo_run_dir, demo
         cells = re.findall(r"<td>(.*?)</td>", row)
         assert cells[0] == r["stage"] and cells[1] == str(r["step"])
         assert f"{100 * r['c_tok']:.2f}" in cells and f"{100 * r['c_tok_null_median']:.2f}" in cells
-    for head in ("C_tok %", "null median %", "null 95% %", "excess (pts)", "dilution %", "ρ_asym"):
+    for head in ("C_tok %", "null median %", "null 95% interval (%)", "excess (pts)", "dilution %", "ρ_asym"):
         assert f"<th>{head}</th>" in text
     assert "Overview" in text and "triage" in text and "Steps" in text
 
@@ -65,5 +65,43 @@ def test_report_options_and_errors(demo_run_dir, tmp_path, capsys):
     assert "not recorded" in capsys.readouterr().err
     assert not (tmp_path / "x.html").exists() and not (tmp_path / "z.html").exists()
     (tmp_path / "afile").write_text("")
-    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "afile" / "r.html"), "--draws", "9"])) == 2
-    assert "afile" in capsys.readouterr().err
+    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "afile" / "r.html"), "--draws", "9"])) == 3
+    err = capsys.readouterr().err
+    assert "triage-monitor report: error: cannot write" in err and "afile" in err
+
+
+def _short_responses_run(path, width: int):
+    """8 steps of A<0 and A>0 responses 40 tokens long, with tail tokens, monitored with segment width ``width``."""
+    import torch
+
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.metrics import MetricConfig
+    from triage_monitor.monitor import MonitorConfig
+
+    g = torch.Generator().manual_seed(3)
+    cfg = MonitorConfig(window=4, calibration_steps=2, metrics=MetricConfig(segment_width=width))
+    with MismatchMonitor(path, cfg) as mon:
+        for step in range(8):
+            s = -torch.rand(8, 40, generator=g) * 3 - 0.01
+            lp = (s + torch.randn(8, 40, generator=g) * 0.05 - (torch.rand(8, 40, generator=g) < 0.1) * 1.5).clamp(max=0)
+            mon.log_step(step, TokenBatch.from_padded(lp, s, torch.linspace(-1, 1, 8), torch.ones(8, 40, dtype=torch.bool)))
+
+
+def test_degenerate_shuffle_null_is_explained_not_shown_as_a_result(tmp_path):
+    """Responses shorter than one segment: every A<0 response is one segment, so the shuffle null equals
+    C_tok (excess exactly 0) and P_adj is NaN; the stage table says why, in the report too."""
+    from triage_monitor.stages import degenerate_notice
+
+    _short_responses_run(tmp_path / "short", width=64)          # 40 tokens < W = 64
+    table = stage_table(open_run(tmp_path / "short"), draws=49)
+    assert table["max_segments"].tolist() == [1, 1, 1, 1]
+    assert (table["c_tok_excess"] == 0).all() and table["p_adj"].isna().all()
+    notice = degenerate_notice(table, 64)
+    assert notice and "every stage" in notice and "W = 64" in notice
+    html = report.build_report([tmp_path / "short"], draws=49)
+    assert "Degenerate localisation in every stage" in html
+    # the same responses cut in 8-token segments: a real null, no notice
+    _short_responses_run(tmp_path / "cut", width=8)
+    table = stage_table(open_run(tmp_path / "cut"), draws=49)
+    assert table["max_segments"].tolist() == [5, 5, 5, 5] and degenerate_notice(table, 8) is None
+    assert "Degenerate localisation" not in report.build_report([tmp_path / "cut"], draws=49)

@@ -293,7 +293,8 @@ def test_import_into_a_read_only_directory_fails_at_start_naming_path_and_reason
     src = _token_table(tmp_path / "a.parquet")
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert main(["import", "table", str(src), "--out", str(blocker / "run")]) == 2
+    # an unwritable output is an I/O error: exit 3 (docs/cli.md#exit-statuses)
+    assert main(["import", "table", str(src), "--out", str(blocker / "run")]) == 3
     out = capsys.readouterr()
     assert f"{blocker / 'run'}: cannot write the output directory: Not a directory" in out.err
     assert "imported" not in out.out

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("torchao")
 
+from triage_monitor.analysis import open_run  # noqa: E402
 from triage_monitor.alerts import NOISE_FLOOR_NATS, Rule, AlertEngine, default_rules, replay_engine  # noqa: E402
 from triage_monitor.cli import main  # noqa: E402
 from triage_monitor.demo import DemoConfig, run_demo  # noqa: E402
@@ -175,3 +176,12 @@ def test_study_command_end_to_end(tmp_path, capsys):
     again = pd.read_csv(out / "summary.csv").drop(columns="seconds")
     pd.testing.assert_frame_equal(again, summary.drop(columns="seconds"), check_dtype=False)
     assert main(["study", "--out", str(tmp_path / "empty"), "--rejudge"]) == 2
+    # a second study with other settings into the same --out is refused (exit 2, nothing mixed) ...
+    argv5 = ["study", "--out", str(out), "--arms", "none", "--seeds", "0", "--steps", "5"] + argv[9:]
+    assert main(argv5) == 2
+    assert "demo_config.steps: 4 -> 5" in capsys.readouterr().err
+    assert open_run(out / "runs" / "none-s0").steps()["step"].tolist() == [0, 1, 2, 3]
+    # ... and --force moves the old run aside
+    assert main(argv5 + ["--force"]) == 0
+    assert open_run(out / "runs" / "none-s0").steps()["step"].tolist() == [0, 1, 2, 3, 4]
+    assert len(list((out / "runs").glob("none-s0.replaced-*"))) == 1

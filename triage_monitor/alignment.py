@@ -181,10 +181,12 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
       different pad values.  Confident endings (both sides ≈ 0, e.g. bf16 rounding to
       0.0) have |δ| ≈ 0 and are not counted.
 
-    * ``offset_response_count``: responses whose first valid token is not at position 0:
-      left padding (or a prompt kept in the tensor) without ``positions=``, so positions
-      and the segments cut from them (docs/metrics.md#localisation) are shifted.  A response that really
-      starts with masked tokens also counts.
+    * ``offset_response_count``: rows of a :meth:`TokenBatch.from_padded` batch built without
+      ``positions=`` whose first unmasked column is not 0 (:attr:`TokenBatch.offset_responses`): left
+      padding or a prompt kept in the tensor, so positions and the segments cut from them
+      (docs/metrics.md#localisation) are shifted.  A quarantined token in column 0 does not count (the
+      response did start there); packed, list and flat batches count 0, their positions being
+      response-relative by construction (a masked leading span there is a real masked span).
 
     Entirely masked-out padding is never read, so these count only leaks.  Sentinels
     (|log p| ≥ 1e3: −1e10, −9999) are already raised or quarantined by :class:`TokenBatch`.
@@ -202,7 +204,7 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
     zl, zs = lp[z], sp[z]
     zero = ((zl == 0) & (zs < -zero_gap)) | ((zs == 0) & (zl < -zero_gap))
     out = {"zero_logp_count": float(zero.sum()), "padding_run_count": 0.0, "padding_run_tokens": 0.0,
-           "offset_response_count": 0.0}
+           "offset_response_count": float(batch.offset_responses)}
     N = batch.num_tokens
     if N == 0:
         return out
@@ -210,7 +212,7 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
     nv = batch.num_valid
     last = torch.cumsum(nv, 0) - 1
     first = last - nv + 1
-    out["offset_response_count"] = float(((nv > 0) & (batch.position[first.clamp(max=N - 1)] > 0)).sum())
+    out["offset_response_count"] = float(batch.offset_responses)
     if min_run < 1:
         return out
     # cheap pre-filter: a run of >= min_run needs the last min_run values of a side to be equal

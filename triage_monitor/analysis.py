@@ -592,18 +592,23 @@ def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[floa
                             address=address, progress=progress, cache=cache).frame()
 
 
-def postmortem_frame(run: Run, window: Optional[int] = None, live: Optional[pd.DataFrame] = None) -> tuple:
+def postmortem_frame(run: Run, window: Optional[int] = None, live: Optional[pd.DataFrame] = None,
+                     steps: Optional[Sequence[int]] = None) -> tuple:
     """The per-step metric frame a post-mortem shows, and the states behind it: ``(frame, states)``.
 
     With token records: every metric and ``window/<name>`` from the run's cached per-step states with one
     frozen τ_tail (:func:`recompute_states`), joined with the live-only columns (training extras,
     integrity counters, ``tau_tail_frozen``).  Without token records: the live rows (``states`` None),
-    whose values before the live τ_tail froze are provisional.
+    whose values before the live τ_tail froze are provisional.  ``steps``: only these steps (e.g. the ones
+    a page listed once, so that a run being written is shown as one snapshot); None: every step with tokens.
     """
     live = run.steps() if live is None else live
-    if not run.step_numbers():
+    token_steps = run.step_numbers()
+    if steps is not None:
+        token_steps = sorted(set(token_steps) & {int(s) for s in steps})
+    if not token_steps:
         return live, None
-    states = recompute_states(run, cache=True)
+    states = recompute_states(run, cache=True, steps=None if steps is None else token_steps)
     rec = states.frame(window)
     extra = live[["step", *[c for c in live.columns if c not in rec.columns]]] if "step" in live.columns else None
     frame = rec.merge(extra, on="step", how="left") if extra is not None and len(extra.columns) > 1 else rec
@@ -613,7 +618,8 @@ def postmortem_frame(run: Run, window: Optional[int] = None, live: Optional[pd.D
 
 def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
                  live: Optional[pd.DataFrame] = None) -> pd.DataFrame:
-    """Per metric, the largest relative difference between live and recomputed values.
+    """Per metric, the largest relative difference ``|live − rec| / max(|live|, |rec|)`` between live and
+    recomputed values (``inf`` when one side is NaN and the other is not).
 
     NaN in both counts as equal; ``live`` (from :meth:`Run.steps`) saves a second read of the step rows.
     When ``recomputed`` used one frozen τ_tail (``attrs["tau_mode"] == "frozen"``, :func:`recompute`'s
@@ -644,7 +650,9 @@ def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
         a = live.loc[keep, c].astype(float)
         b = rec.loc[keep, c].astype(float)
         both_nan = a.isna() & b.isna()
-        diff = ((a - b).abs() / b.abs().clip(lower=1e-300)).where(~both_nan, 0.0)
+        # relative to the larger magnitude: bounded (<= 2) when one side is 0, never 1e298
+        diff = ((a - b).abs() / pd.concat([a.abs(), b.abs()], axis=1).max(axis=1).clip(lower=1e-300)
+                ).where(~both_nan, 0.0)
         mismatch_nan = a.isna() ^ b.isna()
         m = math.inf if bool(mismatch_nan.any()) else float(diff.max()) if len(diff) else 0.0
         out.append({"metric": c, "max_rel_diff": m, "equal": m <= rtol, "compared": len(keep),

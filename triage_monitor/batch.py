@@ -107,6 +107,11 @@ class TokenBatch:
         quarantine_rows: ``dict`` of flat tensors (sample_id, position,
             learner_logp, sampler_logp, advantage, reason code) of the
             quarantined tokens, for the records.
+        offset_responses: responses of a :meth:`from_padded` batch built without ``positions=`` whose
+            first unmasked token (quarantined tokens included) is not in column 0: the sign of left
+            padding or a prompt kept in the tensor (docs/reliability.md).  0 for the other layouts, whose
+            positions are response-relative by construction (a masked leading span there is a real
+            masked span), and for explicit positions.
     """
 
     learner_logp: Tensor
@@ -119,6 +124,7 @@ class TokenBatch:
     num_valid: Tensor
     quarantine_counts: dict = field(default_factory=dict)
     quarantine_rows: Optional[dict] = None
+    offset_responses: int = 0
     # where each flat token sits in the caller's flattened layout, and what that layout was
     _source_index: Optional[Tensor] = None
     _layout: "SourceLayout" = field(default_factory=lambda: SourceLayout("flat"))
@@ -240,7 +246,8 @@ class TokenBatch:
             advantage=cat("advantage"), position=cat("position"),
             sample_index=torch.cat([b.sample_index + int(off) for b, off in zip(parts, offsets)]),
             sample_id=torch.arange(sum(counts), device=dev), group_id=cat("group_id"), num_valid=cat("num_valid"),
-            quarantine_counts=dict(quarantine), quarantine_rows=quarantined)
+            quarantine_counts=dict(quarantine), quarantine_rows=quarantined,
+            offset_responses=sum(b.offset_responses for b in parts))
 
     @classmethod
     def from_padded(
@@ -280,7 +287,8 @@ class TokenBatch:
         _check_shape("sampler_logp", sampler_logp, (B, T), "learner_logp")
         mask = _check_mask("mask", mask, (B, T), "learner_logp")
         _check_same_device(learner_logp, sampler_logp=sampler_logp, advantages=advantages, mask=mask)
-        if positions is None:
+        default_positions = positions is None
+        if default_positions:
             positions = torch.arange(T, device=learner_logp.device).expand(B, T)
         else:
             _check_shape("positions", positions, (B, T), "learner_logp")
@@ -288,10 +296,13 @@ class TokenBatch:
         rows = torch.arange(B, device=learner_logp.device).unsqueeze(1).expand(B, T)
         flat_mask = mask.reshape(-1)
         source = torch.nonzero(flat_mask, as_tuple=False).squeeze(1)
+        # left padding without positions=: a row whose first unmasked column is not 0 (read before quarantine,
+        # so a bad token in column 0 is not mistaken for padding)
+        offset = int((mask.any(1) & ~mask[:, 0]).sum()) if default_positions and T else 0
         return cls._build(
             learner_logp.reshape(-1)[source], sampler_logp.reshape(-1)[source], adv.reshape(-1)[source],
             rows.reshape(-1)[source], positions.reshape(-1)[source].long(), B,
-            sample_ids, group_ids, on_invalid, source, SourceLayout("padded", B * T, (B, T)))
+            sample_ids, group_ids, on_invalid, source, SourceLayout("padded", B * T, (B, T)), offset=offset)
 
     @classmethod
     def from_packed(
@@ -455,7 +466,7 @@ class TokenBatch:
     # ------------------------------------------------------------------ core
     @classmethod
     def _build(cls, learner, sampler, adv, rows, pos, num_rows, sample_ids, group_ids, on_invalid, source, layout,
-               presorted: bool = False) -> "TokenBatch":
+               presorted: bool = False, offset: int = 0) -> "TokenBatch":
         if on_invalid not in ("raise", "quarantine"):
             raise ValueError(f"on_invalid must be 'raise' or 'quarantine', got {on_invalid!r}")
         dev = learner.device
@@ -526,7 +537,7 @@ class TokenBatch:
             num_rows, dtype=torch.long, device=dev)
         return cls(learner_logp=learner, sampler_logp=sampler, advantage=adv, sample_index=rows.long(),
                    position=pos.long(), sample_id=ids, group_id=gids, num_valid=num_valid, quarantine_counts=counts,
-                   quarantine_rows=quarantined, _source_index=source, _layout=layout)
+                   quarantine_rows=quarantined, offset_responses=offset, _source_index=source, _layout=layout)
 
 
 # ---------------------------------------------------------------- validation

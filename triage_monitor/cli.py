@@ -37,7 +37,6 @@ SUMMARY_COLUMNS = {"step": "step", "n_tokens": "tokens", "small_gap_share": "sma
 def demo_add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``triage-monitor demo``: ``--out`` plus every DemoConfig field."""
     from .demo import add_arguments as demo_options
-
     from .records import add_existing_run_arguments
 
     parser.add_argument("--out", default="runs/demo", help="run directory to write (default: %(default)s)")
@@ -47,16 +46,16 @@ def demo_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def demo_run_cli(args: argparse.Namespace) -> int:
     """Run the built-in GRPO job into ``args.out``."""
+    from . import exits
     from .demo import config_from_args, run_demo
-    from .records import OutputError
 
     try:
         cfg = config_from_args(args)
-        run_demo(cfg, args.out, resume=args.resume, force=args.force)
-    except (ValueError, OutputError) as exc:
-        print(f"triage-monitor demo: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    except ValueError as exc:
+        raise exits.CommandError(str(exc)) from None
+    # records.OutputError (an unwritable --out: 3; another run there or a locked rank: 2) is mapped by run_command
+    run_demo(cfg, args.out, resume=args.resume, force=args.force)
+    return exits.OK
 
 
 # ---------------------------------------------------------------------------- study
@@ -65,8 +64,10 @@ def study_add_arguments(parser: argparse.ArgumentParser) -> None:
     (defaulting to the study's job, :data:`triage_monitor.demo.study.STUDY_BASE`)."""
     from .demo import add_arguments as demo_options
     from .demo.study import ARMS, QUICK, STUDY_BASE
+    from .records import add_existing_run_arguments
 
     parser.add_argument("--out", default="runs/study", help="output directory (default: %(default)s)")
+    add_existing_run_arguments(parser)
     parser.add_argument("--arms", default=None,
                         help=f"comma-separated arms out of {','.join(ARMS)} (default: all)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2)")
@@ -81,9 +82,10 @@ def study_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def study_run_cli(args: argparse.Namespace) -> int:
-    """Run the study into ``args.out``; exit 2 on a bad option."""
+    """Run the study into ``args.out``; exit 2 on a bad option (docs/cli.md#exit-statuses)."""
     from .demo import config_from_args
     from .demo.study import ARMS, QUICK, STUDY_BASE, rejudge, run_study
+    from .exits import CommandError
 
     try:
         quick = args.quick
@@ -100,10 +102,9 @@ def study_run_cli(args: argparse.Namespace) -> int:
         if args.rejudge:
             rejudge(cfg, args.out)
             return 0
-        run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs)
+        run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs, resume=args.resume, force=args.force)
     except ValueError as exc:
-        print(f"triage-monitor study: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(str(exc)) from None
     return 0
 
 
@@ -127,41 +128,54 @@ def analyze_add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def analyze_run_cli(args: argparse.Namespace) -> int:
-    """Recompute the run's metrics, print a summary table, save the full one, compare with the live values."""
+    """Recompute the run's metrics, print a summary table, save the full one, compare with the live values.
+
+    Exit status (docs/cli.md#exit-statuses): 0 every compared metric equals its live value (or differs only
+    as the expected consequence of a resume, which is stated); 1 live and recomputed values differ;
+    2 not a run, a run without token records, a bad option or an unreadable token file; 3 the table
+    cannot be saved."""
     from rich.console import Console
     from rich.table import Table
 
+    from . import exits
     from .analysis import RunDirError, compare_live, open_run, recompute
 
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
+    out = Path(args.out) if args.out else None
+    if out is not None and out.suffix.lower() not in (".csv", ".parquet"):
+        raise exits.CommandError(f"--out {out}: unknown table format {out.suffix or '(no extension)'!r}; "
+                                 "use a .csv or .parquet file name")
     try:
         run = open_run(args.run_dir)
     except RunDirError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
-    n_tokens = 0
+        raise exits.CommandError(str(exc)) from None
+    n_steps = len(run.step_numbers())
+    if not n_steps:
+        raise exits.CommandError(f"{run.path}: the run has no recorded steps with token records yet, nothing to "
+                                 "analyze")
     from . import metrics  # noqa: F401  (imports torch now, so the throughput below times the recomputation only)
+    exits.note("analyze", f"recomputing {n_steps} step(s) of {run.path} …")
     t0 = time.perf_counter()
     try:
-        df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True, tau_mode=args.tau_mode, cache=True,
-                       workers=args.workers, engine=args.engine, address=args.address)
-    except (OSError, ValueError, ImportError) as exc:     # an unreadable token file (ArrowInvalid is a ValueError)
-        console.print(f"[red]error:[/red] {exc}")
-        return 2
+        df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True, tau_mode=args.tau_mode,
+                       cache=True, workers=args.workers, engine=args.engine, address=args.address)
+    except (ValueError, ImportError, KeyError) as exc:     # an unreadable token file (ArrowInvalid is a ValueError)
+        raise exits.CommandError(str(exc)) from None
     elapsed = time.perf_counter() - t0
     if df.empty:
-        console.print(f"[yellow]{run.path}: no token records yet[/yellow]")
-        return 1
+        raise exits.CommandError(f"{run.path}: the run has no recorded steps with token records yet, nothing to "
+                                 "analyze")
     n_tokens = int(df["n_tokens"].sum())
-    out = Path(args.out) if args.out else run.path / "analysis" / "metrics.csv"
+    exits.note("analyze", f"recomputed {n_tokens:,} tokens of {len(df)} step(s) in {elapsed:.2f} s")
+    out = out or run.path / "analysis" / "metrics.csv"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        (df.to_parquet if out.suffix == ".parquet" else df.to_csv)(out, index=False)
+        (df.to_parquet if out.suffix.lower() == ".parquet" else df.to_csv)(out, index=False)
     except OSError as exc:
-        console.print(f"[red]error:[/red] cannot save the table to {out}: {exc}")
-        return 2
+        raise exits.CommandError(f"cannot save the table to {out}: {exc.strerror or exc}", exits.OUTPUT_ERROR) \
+            from None
 
     shown = df if args.rows == 0 else df.tail(args.rows)
     table = Table(title=f"{run.path}  ({len(df)} steps, {n_tokens:,} tokens)")
@@ -173,27 +187,124 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
     console.print(f"recomputed {n_tokens:,} tokens in {elapsed:.2f} s "
                   f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
     live = run.steps() if args.window is None and args.tau_tail is None else None
-    if live is not None and not live.empty:
-        cmp = compare_live(run, df, live=live)
-        bad = cmp[~cmp["equal"]]
-        prov = int(cmp["provisional"].max()) if len(cmp) else 0
-        if prov:
-            console.print(f"{int(cmp.loc[cmp['metric'] == 'tau_tail', 'provisional'].sum())} live step(s) used a "
-                          "provisional tau_tail (tau_tail_frozen = 0) while it was calibrating; the recomputation "
-                          "uses the frozen value for every step, so their localisation metrics (and the windows "
-                          "holding them) are not compared (--tau-mode live replays the provisional values)")
-        if bad.empty:
-            console.print(f"[green]all {len(cmp)} metrics equal the live values[/green]")
-        else:
-            console.print(f"[yellow]{len(bad)} metrics differ from the live values:[/yellow]")
-            console.print(bad.to_string(index=False))
-            attempts = len(run.manifest.attempts)
-            if attempts > 1:
-                console.print(f"this run has {attempts} attempts (a resumed job or a re-run into the same directory): "
-                              "after a resume the live monitor restored tau_tail from run.json and restarted its "
-                              "trailing window, while the recomputation uses the full recorded history, so "
-                              "window and localisation values can differ from that point on")
-    return 0
+    exits.report_unreadable("analyze", run)
+    if live is None or live.empty:
+        return exits.OK
+    cmp = compare_live(run, df, live=live)
+    prov = int(cmp["provisional"].max()) if len(cmp) else 0
+    if prov:
+        console.print(f"{int(cmp.loc[cmp['metric'] == 'tau_tail', 'provisional'].sum())} live step(s) used a "
+                      "provisional tau_tail (tau_tail_frozen = 0) while it was calibrating; the recomputation "
+                      "uses the frozen value for every step, so their localisation metrics (and the windows "
+                      "holding them) are not compared (--tau-mode live replays the provisional values)")
+    bad = cmp[~cmp["equal"]]
+    if bad.empty:
+        console.print(f"[green]all {len(cmp)} metrics equal the live values[/green]")
+        return exits.OK
+    explained, reasons = resume_explanations(run, live, df)
+    skipped = _provisional_skips(live, df, int(df.attrs.get("window") or run.config.window))
+    unexplained = [m for m in bad["metric"]
+                   if _differing_steps(live, df, m) - explained.get(m, set()) - skipped.get(m, set())]
+    console.print(f"[yellow]{len(bad)} metrics differ from the live values:[/yellow]")
+    console.print(bad.to_string(index=False))
+    for line in reasons:
+        console.print(line)
+    if not unexplained:
+        console.print(f"[green]every difference is the expected consequence of the run's {len(run.manifest.attempts)} "
+                      "attempts (above); the other metrics equal the live values[/green]")
+        return exits.OK
+    exits.note("analyze", f"{len(unexplained)} metric(s) differ from the live values beyond what a resume "
+                          f"explains: {', '.join(unexplained[:8])}{' …' if len(unexplained) > 8 else ''}")
+    return exits.FINDING
+
+
+def _differing_steps(live, rec, metric: str, rtol: float = 1e-9) -> set:
+    """Steps where ``live`` and ``rec`` values of ``metric`` differ (NaN on both sides is equal)."""
+    import numpy as np
+
+    m = live[["step", metric]].merge(rec[["step", metric]], on="step", suffixes=("_live", "_rec"))
+    a, b = m[f"{metric}_live"].to_numpy(float), m[f"{metric}_rec"].to_numpy(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        same = (np.isnan(a) & np.isnan(b)) | (np.abs(a - b) <= rtol * np.maximum(np.abs(a), np.abs(b)))
+    return set(m["step"].to_numpy()[~same].tolist())
+
+
+def _provisional_skips(live, rec, window: int) -> dict:
+    """{metric: steps} that :func:`~triage_monitor.analysis.compare_live` leaves out: the τ-dependent metrics
+    of live steps with a provisional τ_tail, and of the windows holding one (frozen τ mode only)."""
+    from .analysis import TAU_DEPENDENT
+
+    if rec.attrs.get("tau_mode", "frozen") != "frozen" or "tau_tail_frozen" not in live.columns:
+        return {}
+    prov = set(live.loc[live["tau_tail_frozen"].astype(float) == 0, "step"].astype(int))
+    steps = set(live["step"].astype(int))
+    win = {s for s in steps if any(s - window < p <= s for p in prov)}
+    return {**{m: prov for m in TAU_DEPENDENT}, **{f"window/{m}": win for m in TAU_DEPENDENT}}
+
+
+def resume_explanations(run, live, rec) -> tuple:
+    """Which live/recomputed differences a resumed (multi-attempt) run explains, and why.
+
+    Two effects of a later attempt (a resumed job, or a re-run into the same directory) on what the live
+    monitor computed, that the recomputation from the visible token files cannot reproduce:
+
+    * **τ_tail from replaced steps**: the later attempt read back the τ_tail that run.json recorded, which
+      an earlier attempt calibrated on its own first steps; when the later attempt rewrote those steps,
+      the recomputation calibrates on the new ones.  The τ-dependent metrics
+      (:data:`~triage_monitor.analysis.TAU_DEPENDENT`) of every step whose live τ_tail differs from the
+      recomputed one are explained.
+    * **restarted window**: each process start begins an empty trailing window, so a live window that
+      ends after a resume holds only that attempt's steps; the recomputation pools the visible steps of
+      every attempt.  The ``window/`` metrics of windows whose visible steps come from more than one
+      attempt are explained.
+
+    Returns:
+        ``({metric: set of steps}, [sentence, ...])``; empty for a run with one attempt.
+    """
+    from .analysis import TAU_DEPENDENT
+
+    if "attempt" not in live.columns or live["attempt"].nunique() < 2 and len(run.manifest.attempts) < 2:
+        return {}, []
+    att = dict(zip(live["step"].astype(int), live["attempt"]))
+    steps = sorted(att)
+    window = int(rec.attrs.get("window") or run.config.window)
+    explained: dict = {}
+    reasons = []
+    cal = run.manifest.calibration if isinstance(run.manifest.calibration, dict) else {}
+    tau_steps = set()
+    if "tau_tail" in live.columns and "tau_tail" in rec.columns:
+        tau_steps = _differing_steps(live, rec, "tau_tail")
+        if "tau_tail_frozen" in live.columns:      # provisional steps are left out by compare_live already
+            frozen = set(live.loc[live["tau_tail_frozen"].astype(float) == 1, "step"].astype(int))
+            tau_steps &= frozen
+    if tau_steps:
+        n_cal = int(run.config.calibration_steps)
+        replaced = [s for s in steps[:n_cal] if cal.get("attempt") is not None and att[s] != cal.get("attempt")]
+        live_tau = float(live.loc[live["step"] == min(tau_steps), "tau_tail"].iloc[0])
+        rec_tau = float(rec.loc[rec["step"] == min(tau_steps), "tau_tail"].iloc[0])
+        why = (f"run.json's tau_tail was calibrated by attempt {cal.get('attempt')} on steps that attempt "
+               f"{att[replaced[0]]} later rewrote ({replaced[0]}..{replaced[-1]})" if replaced else
+               "the live monitor restored tau_tail from run.json at a resume")
+        reasons.append(f"resume: {why}; the live steps used tau_tail = {live_tau:.6g}, the recomputation calibrates "
+                       f"{rec_tau:.6g} from the visible steps, so the tau-dependent metrics "
+                       f"({', '.join(TAU_DEPENDENT)}) of {len(tau_steps)} step(s) differ as expected")
+        for m in TAU_DEPENDENT:
+            explained.setdefault(m, set()).update(tau_steps)
+            explained.setdefault(f"window/{m}", set()).update(tau_steps)
+    mixed = {s for s in steps if len({att[t] for t in steps if s - window < t <= s}) > 1}
+    if mixed:
+        reasons.append(f"resume: the live trailing window restarts at each attempt, while the recomputation pools "
+                       f"the visible steps of every attempt: the window/ metrics of {len(mixed)} step(s) "
+                       f"({min(mixed)}..{max(mixed)}) whose window spans two attempts differ as expected")
+        for m in rec.columns:
+            if m.startswith("window/"):
+                explained.setdefault(m, set()).update(mixed)
+    # a window holding a step whose τ-dependent values differ differs as well
+    if tau_steps:
+        near = {s for s in steps if any(s - window < t <= s for t in tau_steps)}
+        for m in TAU_DEPENDENT:
+            explained.setdefault(f"window/{m}", set()).update(near)
+    return explained, reasons
 
 
 def _fmt(v) -> str:
@@ -220,7 +331,8 @@ def alerts_add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def alerts_run_cli(args: argparse.Namespace) -> int:
     """Replay the rules over ``args.run_dir`` (its live per-step metrics, ``open_run(run_dir).steps()``)
     or ``args.from_csv`` and print when each would have fired.  Returns the exit code
-    (0; 2 on bad input, with the message on stderr)."""
+    (docs/cli.md#exit-statuses: 0 no alert, 1 at least one alert, 2 bad input or an empty run / CSV,
+    3 an input the OS refused to read; the message on stderr)."""
     import json
     from dataclasses import fields
 
@@ -228,22 +340,38 @@ def alerts_run_cli(args: argparse.Namespace) -> int:
 
     from .alerts import Alert, default_rules, load_rules, normalize_columns, replay_engine
 
+    from . import exits
+
+    if args.run_dir and args.from_csv:
+        exits.error("alerts", f"give RUN_DIR or --from-csv CSV, not both (got {args.run_dir} and {args.from_csv})")
+        return exits.INPUT_ERROR
+    run = None
     try:
         rules = load_rules(args.rules) if args.rules else default_rules()
         if args.from_csv:
             frame = normalize_columns(pd.read_csv(args.from_csv))
             step_col = args.step_column[len("triage/"):] if args.step_column.startswith("triage/") \
                 and args.step_column not in frame.columns else args.step_column
+            if frame.empty:
+                raise ValueError(f"{args.from_csv}: the CSV has no rows, nothing to replay")
         elif args.run_dir:
             from .analysis import open_run  # lazy: analysis imports torch
-            frame, step_col = open_run(args.run_dir).steps(), "step"
+            run = open_run(args.run_dir)
+            frame, step_col = run.steps(), "step"
+            if frame.empty:
+                raise ValueError(f"{run.path}: the run has no recorded steps yet, nothing to replay")
         else:
             raise ValueError("give RUN_DIR or --from-csv CSV")
         engine = replay_engine(rules, frame, step_column=step_col)
         alerts = engine.fired
+    except PermissionError as e:
+        exits.error("alerts", e)
+        return exits.OUTPUT_ERROR
     except (OSError, ValueError, ImportError) as e:
-        print(f"triage-monitor alerts: error: {e}", file=sys.stderr)
-        return 2
+        exits.error("alerts", e)
+        return exits.INPUT_ERROR
+    if run is not None:
+        exits.report_unreadable("alerts", run)
     absent = sorted({r.metric for r in rules} - set(frame.columns))
     rows = [a.to_row() for a in alerts]
     if args.format == "json":
@@ -261,7 +389,7 @@ def alerts_run_cli(args: argparse.Namespace) -> int:
               f"noise) held back " + ", ".join(f"{n} on {len(s)} step(s)" for n, s in noise.items()), file=sys.stderr)
     if absent:
         print(f"note: metric(s) absent from the history, their rules never evaluated: {absent}", file=sys.stderr)
-    return 0
+    return exits.FINDING if rows else exits.OK
 
 
 def _print_alert_table(rows: list, n_steps: int, n_rules: int) -> None:
@@ -293,7 +421,10 @@ def _version() -> str:
 
 def build_parser(command=None) -> argparse.ArgumentParser:
     """The argparse parser; only ``command``'s module is imported (keeps ``--help`` fast)."""
-    parser = argparse.ArgumentParser(prog="triage-monitor", description=__doc__.splitlines()[0])
+    from .exits import EPILOG
+
+    parser = argparse.ArgumentParser(prog="triage-monitor", description=__doc__.splitlines()[0].replace("``", ""),
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -312,17 +443,47 @@ def build_parser(command=None) -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(command: str, fn, args) -> int:
+    """Run one command's ``run_cli(args)`` under the exit-status convention of :mod:`triage_monitor.exits`:
+    :class:`~triage_monitor.exits.CommandError` → its code, an OS error → 3, Ctrl-C → 130, each as one
+    line on stderr (``triage-monitor <command>: ...``), never a traceback."""
+    from . import exits, records
+
+    try:
+        return int(fn(args) or 0)
+    except exits.CommandError as exc:
+        exits.error(command, exc)
+        return exc.code
+    except KeyboardInterrupt:
+        exits.note(command, "interrupted (Ctrl-C); stopped")
+        return exits.INTERRUPTED
+    except OSError as exc:          # a read or write the OS refused (the message names the path)
+        exits.error(command, exc)
+        return exits.OUTPUT_ERROR
+    except records.OutputError as exc:
+        # the run writer's start checks: an unwritable output is an I/O error (3); a directory holding another
+        # run, or a rank another live process writes, is a usage error (2)
+        exits.error(command, exc)
+        return exits.OUTPUT_ERROR if isinstance(exc, records.UnwritableOutputError) else exits.INPUT_ERROR
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     names = {c[0] for c in COMMANDS}
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in names else None)
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser(command if command in names else None)
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("triage-monitor: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "_missing", None):
-        print(f"triage-monitor: {args._missing}", file=sys.stderr)
+        from .exits import error
+
+        error(args.command, args._missing)
         return 2
-    return int(args._run(args) or 0)
+    return run_command(args.command, args._run, args)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ inside a task do not depend on how many cores the machine has either.
   found through ``RAY_ADDRESS``, else a new local one).  Ray is optional: ``pip install
   triage-monitor[ray]``.  The run directory must be readable at the same path on every node.
 
-A progress bar (rich) is shown when ``progress`` is true.
+A progress bar (rich, on stderr) is shown when ``progress`` is true.
 """
 
 from __future__ import annotations
@@ -99,9 +99,32 @@ def _prefetched(fn, prefetch, args):
     return fn(*(prefetch(*args) if prefetch is not None else args))
 
 
+def ignore_sigint() -> None:
+    """Pool-worker initializer: Ctrl-C reaches the whole process group; only the parent handles it (one line,
+    exit 130), the workers are stopped by :func:`stop_pool` instead of each printing a traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stop_pool(pool: cf.ProcessPoolExecutor):
+    """On KeyboardInterrupt inside the body: cancel the queued tasks and terminate ``pool``'s workers at once
+    (the executor's own exit would wait for every running task), then re-raise."""
+    try:
+        yield pool
+    except KeyboardInterrupt:
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.terminate()
+        raise
+
+
 def _map_processes(fn, items, workers, advance, prefetch) -> list:
     out: list = [None] * len(items)
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=ignore_sigint) as pool, \
+            stop_pool(pool):
         futs = {pool.submit(_call_single_threaded, _prefetched, (fn, prefetch, args)): i
                 for i, args in enumerate(items)}
         for f in cf.as_completed(futs):
@@ -138,9 +161,11 @@ def _progress(show: bool, total: int, description: str):
     if not show:
         yield lambda: None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    # on stderr, so that stdout keeps only the command's result (a pipe or a file gets no bar at all)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  transient=True) as bar:
+                  transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(description, total=total)
         yield lambda: bar.advance(task)

@@ -32,7 +32,7 @@ import torch
 
 from .batch import TokenBatch
 from .monitor import MismatchMonitor, MonitorConfig
-from .records import OutputError, add_existing_run_arguments, probe_writable
+from .records import OutputError, UnwritableOutputError, add_existing_run_arguments, probe_writable
 
 REQUIRED = ("step", "sample_id", "learner_logp", "sampler_logp", "advantage")
 OPTIONAL = ("position", "mask", "group_id")
@@ -218,7 +218,16 @@ def slime_steps(paths: Iterable[str], on_invalid: str = "quarantine",
             samples, extra = _slime_parts_v031(v031[step])
             if info is not None:
                 info["replica_files_dropped"] += extra["replica_files_dropped"]
-        yield step, _slime_batch(samples, on_invalid)
+        try:
+            batch = _slime_batch(samples, on_invalid)
+        except (ValueError, TypeError) as exc:   # TokenBatch's messages name a sample index: say which file holds it
+            if str(exc).split(":", 1)[0] in {str(smp["_where"]).split(":", 1)[0] for smp in samples}:
+                raise                                   # already names its file
+            index = getattr(exc, "sample", None)
+            where = samples[index]["_where"] if isinstance(index, int) and 0 <= index < len(samples) else (
+                v2[step][0] if step in v2 else ", ".join(p for p, _ in v031[step]))
+            raise ValueError(f"{where}: rollout_id {step}: {exc}") from exc
+        yield step, batch
 
 
 # ------------------------------------------------------------------- table
@@ -243,16 +252,28 @@ def read_table(path: str, fmt: str = "auto") -> pd.DataFrame:
     """Read a Parquet file/directory or a JSONL file into a DataFrame.
 
     Raises:
-        ValueError: unknown format or no such file.
+        ValueError: unknown format, no such file, a CSV / spreadsheet (not read; the message says how to
+            convert it), or a file that is not valid Parquet / JSON Lines (the message names it).
     """
     if not Path(path).exists():
         raise ValueError(f"{path}: no such file or directory")
+    name = str(path).lower()
     if fmt == "auto":
-        fmt = "jsonl" if str(path).endswith((".jsonl", ".json", ".jsonl.gz")) else "parquet"
-    if fmt == "parquet":
-        return pd.read_parquet(path)
-    if fmt == "jsonl":
-        return pd.read_json(path, lines=True)
+        if name.endswith((".csv", ".tsv", ".xlsx", ".xls", ".txt")):
+            raise ValueError(f"{path}: {Path(name).suffix} files are not read; import table reads Parquet (a file "
+                             "or a directory of files) or JSON Lines (.jsonl). Convert it first, e.g. "
+                             "pandas.read_csv(path).to_parquet('tokens.parquet')")
+        fmt = "jsonl" if name.endswith((".jsonl", ".json", ".jsonl.gz")) else "parquet"
+    try:
+        if fmt == "parquet":
+            return pd.read_parquet(path)
+        if fmt == "jsonl":
+            return pd.read_json(path, lines=True)
+    except (ValueError, OSError) as exc:   # pyarrow's ArrowInvalid is a ValueError
+        if isinstance(exc, (PermissionError, IsADirectoryError)):
+            raise
+        raise ValueError(f"{path}: not readable as {fmt} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                         "import table reads Parquet or JSON Lines (--format parquet|jsonl)") from exc
     raise ValueError(f"unknown format {fmt!r}: use parquet or jsonl")
 
 
@@ -320,7 +341,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("paths", nargs="+", help="train-data files or globs, e.g. 'dump/train_*_*.pt'")
     t = sub.add_parser("table", help="Parquet/JSONL of per-token (or per-response list) log-probs")
     t.add_argument("path", help="Parquet file or directory, or JSONL file")
-    t.add_argument("--format", default="auto", choices=("auto", "parquet", "jsonl"))
+    t.add_argument("--format", default="auto", choices=("auto", "parquet", "jsonl"),
+                   help="how to read PATH: parquet (a file or a directory of files), jsonl (JSON Lines), or "
+                        "auto: jsonl for .jsonl/.json/.jsonl.gz, parquet otherwise (default: %(default)s)")
     t.add_argument("--map", action="append", default=[], metavar="FIELD=COLUMN",
                    help=f"column of each field; fields: {', '.join(REQUIRED + OPTIONAL)} (default: same name)")
     for p in (s, t):
@@ -331,11 +354,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--window", type=int, default=25, help="trailing window in steps (default: %(default)s)")
         p.add_argument("--calibration-steps", type=int, default=25,
                        help="steps of the tau_tail reference window (default: %(default)s)")
+        p.add_argument("--segment-width", type=int, default=64,
+                       help="localisation segment width W in tokens (default: %(default)s)")
+        p.add_argument("--tau-tail", type=float, default=None,
+                       help="explicit tau_tail in nats (default: calibrated on the first --calibration-steps steps)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Run ``triage-monitor import``; prints what was written, returns an exit code (2 on bad input)."""
-    cfg = MonitorConfig(window=args.window, calibration_steps=args.calibration_steps)
+    """Run ``triage-monitor import``; prints what was written.  Exit status (docs/cli.md#exit-statuses): 0
+    written; 2 bad input (no such file, a format it does not read, a malformed dump or table, nothing to
+    import); 3 the OS refused a read or the run directory cannot be written."""
+    from . import exits
+    from .metrics import MetricConfig
+
+    try:
+        cfg = MonitorConfig(window=args.window, calibration_steps=args.calibration_steps, tau_tail=args.tau_tail,
+                            metrics=MetricConfig(segment_width=args.segment_width))
+    except (ValueError, TypeError) as exc:
+        exits.error("import", exc)
+        return exits.INPUT_ERROR
     try:
         probe_writable(args.out)                 # an unwritable --out fails before the input is read
         if args.source == "slime":
@@ -343,17 +380,38 @@ def run_cli(args: argparse.Namespace) -> int:
             missing = [f for f in files if not Path(f).exists()]
             if missing:
                 raise ValueError(f"no such file: {missing[0]}")
+            exits.note("import", f"reading {len(files)} slime dump file(s) …")
             info: dict = {}
             steps = list(slime_steps(files, args.on_invalid, info=info))   # read first: run.json records how
             manifest = {"framework": "slime", "imported_from": files[:50], "import_source": "save_debug_train_data",
                         **info}
         else:
             mapping = parse_mapping(args.map)
-            steps = table_steps(read_table(args.path, args.format), mapping, args.on_invalid)
+            exits.note("import", f"reading {args.path} …")
+            table = read_table(args.path, args.format)
+            steps = list(table_steps(table, mapping, args.on_invalid))
             manifest = {"framework": "table", "imported_from": str(args.path), "column_map": mapping}
-        n = write_run(steps, args.out, manifest, cfg, resume=args.resume, force=args.force)
-    except (ValueError, OSError, KeyError, OutputError) as exc:
-        print(f"triage-monitor import: {exc}", file=sys.stderr)
-        return 2
+        if not steps:
+            raise ValueError(f"{getattr(args, 'path', None) or ', '.join(args.paths)}: no step to import (no rows)")
+        n = write_run(_with_progress(steps), args.out, manifest, cfg, resume=args.resume, force=args.force)
+    except (PermissionError, UnwritableOutputError) as exc:
+        exits.error("import", exc)
+        return exits.OUTPUT_ERROR
+    except (ValueError, KeyError, OutputError) as exc:     # OutputError here: another run in --out, a locked rank
+        exits.error("import", exc)
+        return exits.INPUT_ERROR
     print(f"imported {n} step(s) into {args.out}")
-    return 0 if n else 2
+    return exits.OK if n else exits.INPUT_ERROR
+
+
+def _with_progress(steps: list) -> Iterator[Tuple[int, TokenBatch]]:
+    """``steps`` with a progress bar on stderr (rich; nothing when stderr is not a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("writing steps"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("write", total=len(steps))
+        for item in steps:
+            yield item
+            bar.advance(task)

@@ -527,7 +527,7 @@ def check_run_dir(run_dir, monitor_config: dict, info: dict, *, resume: bool = F
 
 def add_existing_run_arguments(parser) -> None:
     """``--resume`` / ``--force`` (mutually exclusive) of the commands that write a run directory (``demo``,
-    ``import``): what to do with a run already in ``--out`` (:func:`check_run_dir`)."""
+    ``study``, ``import``): what to do with a run already in ``--out`` (:func:`check_run_dir`)."""
     g = parser.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true",
                    help="continue the run already in --out as a new attempt even if its model / task / correction / "

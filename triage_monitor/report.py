@@ -21,15 +21,15 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from .analysis import RunDirError, open_run, postmortem_frame
-from .stages import format_stage_table, stage_table
-from . import views
+from .analysis import Run, RunDirError, open_run, postmortem_frame
+from .stages import degenerate_notice, format_stage_table, stage_table
+from . import exits, views
 
 REPORT_PANELS = ("direction", "small_gap", "delta_q05", "k3_kl", "reward", "controller")
 
 _CSS = """
 body {font-family: Inter, "Segoe UI", Helvetica, Arial, sans-serif; margin: 0; color: #111827; background: #f9fafb;}
-main {max-width: 1280px; margin: 0 auto; padding: 28px 32px 60px;}
+main {max-width: 1480px; margin: 0 auto; padding: 28px 32px 60px;}
 h1 {font-size: 28px; margin: 0 0 4px;} h2 {font-size: 20px; margin: 34px 0 10px; border-bottom: 1px solid #e5e7eb;
 padding-bottom: 6px;}
 .sub {color: #6b7280; font-size: 13px; margin-bottom: 18px;}
@@ -41,6 +41,10 @@ padding-bottom: 6px;}
 table {border-collapse: collapse; font-size: 12.5px; background: white; width: 100%;}
 th, td {border: 1px solid #e5e7eb; padding: 5px 8px; text-align: right; white-space: nowrap;}
 th {background: #f3f4f6; font-weight: 600;} td:first-child, th:first-child {text-align: left;}
+table.stage-table {font-size: 12px;} table.stage-table th {white-space: normal; min-width: 44px;}
+table.stage-table th, table.stage-table td {padding: 4px 6px;}
+.notice {background: #fffbeb; border: 1px solid #f59e0b; border-radius: 6px; padding: 8px 12px; margin: 10px 0;
+font-size: 13px; color: #78350f;}
 table.facts td {text-align: left; white-space: normal;} table.facts td:first-child {width: 180px; color: #374151;}
 .note {color: #4b5563; font-size: 12.5px; margin-top: 6px;}
 .scroll {overflow-x: auto;}
@@ -69,19 +73,21 @@ def _stage_html(table: pd.DataFrame) -> str:
 
 
 def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None, window: Optional[int] = None,
-                 draws: int = 499, seed: int = 0) -> str:
+                 draws: int = 499, seed: int = 0, progress: bool = False) -> str:
     """The report's HTML text (see module docstring).
 
     Args:
-        run_dirs: one or more run directories; the first is the subject, all are overlaid in the time series.
+        run_dirs: one or more run directories (paths or opened :class:`~triage_monitor.analysis.Run`); the first
+            is the subject, all are overlaid in the time series.
         anchors: stage anchor steps (None: 25/50/75/100 %); window: trailing window in steps (None: the run's).
         draws, seed: C_tok shuffle-null draws and seed (docs/metrics.md#localisation).
+        progress: print what is being computed on stderr (one line per phase, a bar for the per-step states).
 
     Raises:
         RunDirError: a path is not a run directory; ValueError: the first run has no recorded step,
             or an anchor step was not recorded.
     """
-    runs = [open_run(p) for p in run_dirs]
+    runs = [p if isinstance(p, Run) else open_run(p) for p in run_dirs]
     if not runs:
         raise RunDirError("give at least one run directory")
     run = runs[0]
@@ -94,14 +100,21 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
     frames, alert_frames = {}, {}
     names = [r.path.name for r in runs]
     subject_states = None
+    say = (lambda msg: exits.note("report", msg)) if progress else (lambda msg: None)
     for r, name in zip(runs, names):
         label = f"{r.path.parent.name}/{name}" if names.count(name) > 1 else name
+        if progress and r.step_numbers():     # fills the states cache postmortem_frame reads, with a bar
+            from .analysis import recompute_states
+
+            say(f"{r.path}: per-step metric states of {len(r.step_numbers())} step(s) …")
+            recompute_states(r, cache=True, progress=True)
         # one frozen tau_tail for every step (the first ones included), from the cached per-step states
         frame, states = postmortem_frame(r, win)
         if subject_states is None and r is run:
             subject_states = states
         frames[label], alert_frames[label] = frame, r.alerts()
     subject = next(iter(frames))
+    say(f"stage table and C_tok shuffle null ({draws} draws) …")
     table = stage_table(run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject],
                         states=subject_states)
 
@@ -127,6 +140,17 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
         alert_html = "<h2>Alerts</h2>" + alerts[cols].to_html(index=False, classes="alerts", border=0,
                                                              float_format=lambda x: f"{x:.4g}")
     charts = "".join(f'<div class="chart">{d}</div>' for d in divs)
+    notice = degenerate_notice(table, run.config.metrics.segment_width)
+    notice_html = f'<div class="notice degenerate">{html.escape(notice)}</div>' if notice else ""
+    unreadable_html = ""
+    for r in runs:
+        bad = list(getattr(r, "unreadable", []) or [])
+        if bad:
+            items = "".join(f"<li><code>{html.escape(str(p))}</code>: {html.escape(str(why))}</li>" for p, why in bad[:50])
+            more = f"<li>… {len(bad) - 50} more</li>" if len(bad) > 50 else ""
+            unreadable_html += (f'<div class="notice unreadable"><b>{len(bad)} unreadable file(s)</b> in '
+                                f'<code>{html.escape(str(r.path))}</code> were skipped; everything below is computed '
+                                f'without them:<ul>{items}{more}</ul></div>')
     overlay = f" · overlay of {len(frames)} runs: {', '.join(map(html.escape, frames))}" if len(frames) > 1 else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>triage-monitor post-mortem · {html.escape(ov['run'])}</title>
@@ -135,6 +159,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
 <h1>triage-monitor post-mortem · {html.escape(ov['run'])}</h1>
 <div class="sub">generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from <code>{html.escape(ov['path'])}</code>
 {overlay}</div>
+{unreadable_html}
 <h2>Overview</h2><div class="cards">{card_html}</div>
 <table class="facts" style="margin-top:14px">{facts}</table>
 {alert_html}
@@ -143,6 +168,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
 columns are trailing means of the per-step values; alerts as ▼ markers.</div>
 <div class="grid">{charts}</div>
 <h2>Stages (docs/metrics.md#stages)</h2>
+{notice_html}
 {_stage_html(table)}
 <div class="note">Trailing {win}-step windows ending at each anchor. C_tok null: tail labels shuffled uniformly
 within each A&lt;0 response ({draws} draws, seed {seed}); 95 % = central interval; excess = C_tok − null median
@@ -176,12 +202,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Write the report; returns 0, or 2 with a message on stderr for a bad run directory, option or output path."""
+    """Write the report.  Exit status (docs/cli.md#exit-statuses): 0 written; 2 a bad run directory, an
+    empty run or a bad option; 3 the output path cannot be written (one line on stderr)."""
+    t0 = time.perf_counter()
+    exits.note("report", f"reading {', '.join(map(str, args.run_dirs))} …")
     try:
-        out = write_report(args.run_dirs, args.output, anchors=args.anchors, window=args.window,
-                           draws=args.draws, seed=args.seed)
-    except (RunDirError, ValueError, OSError) as exc:    # OSError: the output path cannot be written
-        print(f"triage-monitor report: {exc}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, self-contained: opens offline)")
-    return 0
+        runs = [open_run(p) for p in args.run_dirs]
+        text = build_report(runs, anchors=args.anchors, window=args.window, draws=args.draws,
+                            seed=args.seed, progress=True)
+    except (RunDirError, ValueError, KeyError) as exc:
+        exits.error("report", exc)
+        return exits.INPUT_ERROR
+    out = Path(args.output)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out)
+    except OSError as exc:
+        exits.error("report", f"cannot write {out}: {exc.strerror or exc}")
+        return exits.OUTPUT_ERROR
+    for r in runs:
+        exits.report_unreadable("report", r)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, self-contained: opens offline) "
+          f"in {time.perf_counter() - t0:.1f} s")
+    return exits.OK

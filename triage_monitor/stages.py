@@ -213,8 +213,10 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
         DataFrame with ``stage`` (label), ``step``, ``first_step`` (window start), ``steps`` (steps in the
         window), the window values of :data:`STAGE_METRICS` under their plain names (ratios as fractions,
         not %), ``c_tok_null_median``, ``c_tok_null_lo``, ``c_tok_null_hi`` (2.5 % / 97.5 % quantiles of
-        the null), ``c_tok_excess`` (``c_tok - null median``) and ``tau_frozen`` (the row's localisation
-        metrics use the run's one frozen τ_tail).  Without token records the null is NaN.
+        the null), ``c_tok_excess`` (``c_tok - null median``), ``tau_frozen`` (the row's localisation
+        metrics use the run's one frozen τ_tail) and ``max_segments`` (most segments of one A<0 response in
+        the window; 1 makes the null degenerate, :func:`degenerate_notice`).  Without token records the null
+        and ``max_segments`` are NaN.
 
     Raises:
         ValueError: no recorded step, an anchor step that was not recorded, or another window asked of a
@@ -253,7 +255,7 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
     rows = []
     for label, a in zip(labels, anchors):
         win = [s for s in steps if a - window < s <= a]
-        row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win)}
+        row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win), "max_segments": math.nan}
         null = np.full(draws, math.nan)
         if states is not None:
             values = states.window_stats(a, window).compute().values
@@ -265,8 +267,9 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
                     if s not in layouts:
                         parts = read_token_arrays(run.token_files(s))
                         layouts[s] = tail_layout_from_arrays(parts, tau, cfg.segment_width)
-                null = shuffle_null_c_tok(TailLayout.concat([layouts[s] for s in win]), draws, seed,
-                                          cfg.top_fraction)
+                pooled = TailLayout.concat([layouts[s] for s in win])
+                null = shuffle_null_c_tok(pooled, draws, seed, cfg.top_fraction)
+                row["max_segments"] = max_segments_per_response(pooled)
         else:
             for name in STAGE_METRICS:
                 col = f"window/{name}"
@@ -281,6 +284,36 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
         row["c_tok_excess"] = row["c_tok"] - row["c_tok_null_median"]
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def max_segments_per_response(layout: TailLayout) -> int:
+    """The largest number of segments of one response in ``layout`` (0 when it has none)."""
+    if layout.num_segments == 0:
+        return 0
+    _, counts = np.unique(layout.response, return_counts=True)
+    return int(counts.max())
+
+
+def degenerate_notice(table: pd.DataFrame, width: int) -> Optional[str]:
+    """Why the stage table's C_tok null and P_adj say nothing, or None (docs/metrics.md#shuffle_null).
+
+    When every A<0 response of an anchor window fits in one segment of ``width`` positions
+    (``max_segments <= 1``), the within-response shuffle cannot move a tail token to another segment, so the
+    null equals the observed C_tok (excess 0.00 by construction), and no segment has a predecessor, so P_adj
+    is undefined (NaN).  These values are not evidence of anything; a smaller segment width or longer
+    responses are needed to localise.
+    """
+    if "max_segments" not in table.columns:
+        return None
+    m = table["max_segments"].astype(float)
+    rows = table.loc[m.le(1) & m.notna(), "stage"].astype(str).tolist()
+    if not rows:
+        return None
+    which = "every stage" if len(rows) == len(table) else "stage(s) " + ", ".join(rows)
+    return (f"Degenerate localisation in {which}: every A<0 response is shorter than one segment "
+            f"(W = {width} positions), so the shuffle null cannot move a tail token to another segment "
+            "(null = C_tok, excess 0.00 by construction) and no segment has a predecessor (P_adj undefined, "
+            "shown as -). These values say nothing about localisation; use a smaller --segment-width.")
 
 
 def tail_layout_from_arrays(parts: list, tau_tail: float, width: int = 64) -> TailLayout:
@@ -319,7 +352,7 @@ def format_stage_table(table: pd.DataFrame) -> pd.DataFrame:
     names = {"small_gap_share": "small gap %", "delta_q05": "δ q0.05", "k3_kl": "k3 KL", "rho_asym": "ρ_asym",
              "rho_asym_lennorm": "ρ_asym lennorm", "amp_share": "amp share %", "r_amp": "r_amp %",
              "h_seg": "H_seg %", "c_tok": "C_tok %", "c_tok_null_median": "null median %",
-             "c_tok_null_95": "null 95% %", "c_tok_excess": "excess (pts)", "p_adj": "P_adj",
+             "c_tok_null_95": "null 95% interval (%)", "c_tok_excess": "excess (pts)", "p_adj": "P_adj",
              "dilution": "dilution %", "tau_tail": "τ_tail", "n_tokens": "tokens"}
     t["n_tokens"] = t["n_tokens"].map(lambda v: "-" if math.isnan(v) else f"{int(v):,}")
     return t[cols].rename(columns=names)

@@ -49,7 +49,9 @@ PANELS = {
 
 def _layout(fig: go.Figure, title: str, height: int = 320, **kw) -> go.Figure:
     opts = dict(title=dict(text=title, x=0.01, y=0.97, yanchor="top", font=dict(size=14, color="#111827")),
-                height=height, template="plotly_white", margin=dict(l=60, r=20, t=46, b=40),
+                height=height, template="plotly_white", margin=dict(l=60, r=36, t=46, b=40),
+                # the toolbar stands on the right edge, vertically, so it never covers the title (top left)
+                modebar=dict(orientation="v", bgcolor="rgba(255,255,255,0.75)"),
                 hovermode="x unified", font=dict(family="Inter, Segoe UI, Helvetica, Arial, sans-serif", size=12),
                 legend=dict(orientation="h", yanchor="top", y=-0.24, x=0, xanchor="left", font=dict(size=11)))
     fig.update_layout(**{**opts, **kw})
@@ -121,7 +123,7 @@ def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool
         fig.add_hline(y=ref, line=dict(color="#6b7280", dash="dash", width=1), annotation_text=f"{ref:g}",
                       annotation_position="top left")
     _layout(fig, title + (f" · {window_steps}-step window" if window else " · per step"), height=360,
-            margin=dict(l=60, r=20, t=46, b=40 + 22 * math.ceil(len(fig.data) / 2)))
+            margin=dict(l=60, r=36, t=46, b=40 + 22 * math.ceil(len(fig.data) / 2)))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text=ytitle)
     return fig
@@ -162,8 +164,11 @@ def localisation_figure(df: pd.DataFrame, window: bool = False, label: str = "",
         fig.add_trace(go.Scatter(x=df["step"].tolist(), y=_values(s, 100.0), name=name, mode="lines",
                                  line=dict(color=PALETTE[i], width=2),
                                  meta={"run": label, "column": col, "window": bool(window), "scale": 100.0}))
-    fig.add_hline(y=reference, line=dict(color="#6b7280", dash="dash", width=1),
-                  annotation_text=f"uniform C_tok reference {reference:g} %", annotation_position="top left")
+    # the reference is named in the legend, not written on the chart where it crossed the r_amp line
+    fig.add_hline(y=reference, line=dict(color="#6b7280", dash="dash", width=1))
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"uniform C_tok reference ({reference:g} %)",
+                             line=dict(color="#6b7280", dash="dash", width=1), hoverinfo="skip",
+                             meta={"run": label, "reference": reference}))
     _layout(fig, "Localisation" + (f" · {label}" if label else ""), height=360)
     fig.update_yaxes(title_text="%", rangemode="tozero")
     fig.update_xaxes(title_text="step")
@@ -221,16 +226,22 @@ def delta_histogram_figure(delta: np.ndarray, tau_tail: float, small_gap: float 
         fig.add_trace(go.Bar(x=((edges[:-1] + edges[1:]) / 2).tolist(), y=counts.tolist(),
                              width=float(edges[1] - edges[0]), marker_color="#2563eb", name="tokens",
                              meta={"edges": edges.tolist(), "n": int(d.size)}))
-    fig.add_vrect(x0=-small_gap, x1=small_gap, fillcolor="#10b981", opacity=0.18, line_width=0,
-                  annotation_text=f"small gap |δ| < {small_gap:g}", annotation_position="top right",
-                  annotation_font=dict(color="#047857", size=11))
+    # labels sit in the strip above the plot area (paper y = 1), clear of the bars
+    fig.add_vrect(x0=-small_gap, x1=small_gap, fillcolor="#10b981", opacity=0.18, line_width=0)
+    fig.add_annotation(x=small_gap, y=1.0, xref="x", yref="paper", yanchor="bottom", xanchor="left", showarrow=False,
+                       text=f"small gap |δ| < {small_gap:g}", font=dict(color="#047857", size=11))
     if math.isfinite(tau_tail):
-        fig.add_vline(x=tau_tail, line=dict(color="#dc2626", dash="dash", width=2),
-                      annotation_text=f"τ_tail = {tau_tail:.4g}", annotation_position="bottom left",
-                      annotation_font=dict(color="#b91c1c", size=11))
+        fig.add_vline(x=tau_tail, line=dict(color="#dc2626", dash="dash", width=2))
+        fig.add_annotation(x=tau_tail, y=1.0, xref="x", yref="paper", yanchor="bottom", xanchor="right",
+                           showarrow=False, text=f"τ_tail = {tau_tail:.4g}", font=dict(color="#b91c1c", size=11))
     _layout(fig, "δ distribution (log count)" + (f" · step {step}" if step is not None else ""), height=380,
-            bargap=0, showlegend=False, hovermode="closest")
-    fig.update_yaxes(type="log", title_text="tokens (log)")
+            bargap=0, showlegend=False, hovermode="closest", margin=dict(l=60, r=36, t=64, b=40))
+    # one label per decade (1, 10, 100, 1k, …) instead of plotly's 2 / 5 minor labels on a log axis
+    top = int(np.ceil(np.log10(max(float(counts.max()) if d.size else 1.0, 1.0)))) + 1
+    decades = [10 ** k for k in range(top + 1)]
+    fig.update_yaxes(type="log", title_text="tokens (log)", tickvals=decades,
+                     ticktext=[f"{v:,.0f}" if v < 1000 else f"{v / 1000:,.0f}k" if v < 10 ** 6 else f"{v / 10 ** 6:,.0f}M"
+                               for v in decades])
     fig.update_xaxes(title_text="δ (nats)")
     return fig
 

@@ -215,7 +215,7 @@ def _console():
 
 def _run_one(job: tuple) -> tuple:
     """Worker: run one (arm, seed) and return (key, per-step frame, attrs)."""
-    key, cfg_dict, out_dir, queue = job
+    key, cfg_dict, out_dir, queue, existing = job
     import torch
 
     from .grpo import run_demo
@@ -223,12 +223,13 @@ def _run_one(job: tuple) -> tuple:
     torch.set_num_threads(cfg_dict.get("threads", 1))
     cfg = DemoConfig(**cfg_dict)
     cb = (lambda _m: queue.put((key, 1))) if queue is not None else None
-    df = run_demo(cfg, out_dir, quiet=True, on_step=cb)
+    df = run_demo(cfg, out_dir, quiet=True, on_step=cb, **existing)
     return key, df, dict(df.attrs)
 
 
 def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: Sequence[int] = (0, 1, 2),
-              jobs: int = 1, console=None, progress: bool = True) -> pd.DataFrame:
+              jobs: int = 1, console=None, progress: bool = True, resume: bool = False,
+              force: bool = False) -> pd.DataFrame:
     """Run every (arm, seed), judge each run and write the comparison report into ``out``.
 
     Args:
@@ -237,6 +238,8 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: S
         out: output directory (created).
         arms: names from :data:`ARMS`; seeds: integers.
         jobs: runs in parallel (separate processes; 1 = in this process).
+        resume / force: what to do with a run already in ``out/runs/<arm>-s<seed>``
+            (docs/reliability.md#one-run-per-directory): continue it as a new attempt, or move it aside.
         console: ``rich.console.Console`` for the progress bar and the table (default: a new one).
         progress: show the progress bar.
 
@@ -245,6 +248,8 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: S
 
     Raises:
         ValueError: an unknown arm, no arm or no seed, or ``jobs < 1``.
+        triage_monitor.records.OutputError: a run directory holds another run, is locked by a live process,
+            or cannot be written (raised before that run's first step).
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -268,15 +273,16 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: S
                   f"each → {out}")
     console.print(f"mismatch: {replace(base, **ARMS['none']).mechanism()}")
     frames, attrs = {}, {}
+    existing = {"resume": resume, "force": force}
     cols = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=console, disable=not progress) as bar:
         total = bar.add_task("study (steps)", total=len(plan) * base.steps)
         if jobs == 1:
             for key, (cfg, path) in plan.items():
                 bar.update(total, description=f"study: {key[0]} seed {key[1]}")
-                _, frames[key], attrs[key] = _run_inline(key, cfg, path, lambda: bar.advance(total))
+                _, frames[key], attrs[key] = _run_inline(key, cfg, path, lambda: bar.advance(total), existing)
         else:
-            _run_parallel(plan, jobs, frames, attrs, lambda: bar.advance(total))
+            _run_parallel(plan, jobs, frames, attrs, lambda: bar.advance(total), existing)
     seconds = time.perf_counter() - t0
     summary = summarize(frames, attrs, base.window)
     write_outputs(out, base, frames, summary, seconds)
@@ -284,22 +290,25 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: S
     return summary
 
 
-def _run_inline(key, cfg: DemoConfig, path: Path, tick: Callable[[], None]):
+def _run_inline(key, cfg: DemoConfig, path: Path, tick: Callable[[], None], existing: dict):
     from .grpo import run_demo
 
-    df = run_demo(cfg, path, quiet=True, on_step=lambda _m: tick())
+    df = run_demo(cfg, path, quiet=True, on_step=lambda _m: tick(), **existing)
     return key, df, dict(df.attrs)
 
 
-def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callable[[], None]) -> None:
+def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callable[[], None], existing: dict) -> None:
     import multiprocessing as mp
     import queue as queue_mod
     from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
 
+    from ..engines import ignore_sigint, stop_pool
+
     ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
+                                                       initializer=ignore_sigint) as pool, stop_pool(pool):
         q = manager.Queue()
-        pending = {pool.submit(_run_one, (key, asdict(cfg), str(path), q)) for key, (cfg, path) in plan.items()}
+        pending = {pool.submit(_run_one, (key, asdict(cfg), str(path), q, existing)) for key, (cfg, path) in plan.items()}
         while pending:
             done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
             while True:

@@ -1,0 +1,136 @@
+"""The commands' shared contract (docs/cli.md): exit statuses, error lines, resumed runs in analyze, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from triage_monitor.batch import TokenBatch
+from triage_monitor.cli import build_parser, main
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+
+def _batch(step: int, seed: int = 0, B: int = 6, T: int = 40) -> TokenBatch:
+    g = torch.Generator().manual_seed(1000 * seed + step)
+    s = -torch.rand(B, T, generator=g) * 3 - 0.01
+    lp = (s + torch.randn(B, T, generator=g) * 0.1 - (torch.rand(B, T, generator=g) < 0.05) * 2).clamp(max=0)
+    return TokenBatch.from_padded(lp, s, torch.linspace(-1, 1, B), torch.ones(B, T, dtype=torch.bool))
+
+
+def _write(run_dir: Path, steps, seed: int = 0) -> None:
+    cfg = MonitorConfig(window=3, calibration_steps=2)
+    with MismatchMonitor(run_dir, cfg) as mon:
+        for s in steps:
+            mon.log_step(s, _batch(s, seed))
+
+
+def test_top_level_help_documents_exit_statuses_in_plain_text():
+    text = build_parser().format_help()
+    for code in ("0 ", "1 ", "2 ", "3 ", "130"):
+        assert f"\n  {code}" in text
+    assert "``" not in text and "triage-monitor COMMAND: error: MESSAGE" in text
+
+
+def test_empty_run_is_an_input_error_for_analyze_report_and_alerts(tmp_path, capsys):
+    MismatchMonitor(tmp_path / "empty").close()
+    codes = {}
+    for cmd, extra in (("analyze", []), ("report", ["-o", str(tmp_path / "r.html")]), ("alerts", [])):
+        codes[cmd] = main([cmd, str(tmp_path / "empty"), *extra])
+        err = capsys.readouterr().err
+        assert f"triage-monitor {cmd}: error: " in err and "no recorded steps" in err and "Traceback" not in err
+    assert codes == {"analyze": 2, "report": 2, "alerts": 2}
+    assert not (tmp_path / "r.html").exists()
+    # a path that is not a run: 2 as well, same prefix
+    for cmd in ("analyze", "report", "alerts", "dashboard"):
+        assert main([cmd, str(tmp_path / "nope")]) == 2
+        assert f"triage-monitor {cmd}: error: " in capsys.readouterr().err
+
+
+def test_analyze_states_resume_effects_and_exits_1_on_other_differences(tmp_path, capsys):
+    # a job resumed from a checkpoint at step 5: steps 5..7 are redone under a new attempt; the live
+    # window of steps 5..6 restarted there, the recomputation pools the earlier attempt's steps
+    run = tmp_path / "resumed"
+    _write(run, range(8))
+    _write(run, range(5, 12), seed=1)
+    assert main(["analyze", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "trailing window restarts at each attempt" in out and "window/" in out
+    assert "expected consequence" in out
+    # a live value that no resume explains: exit 1, named on stderr
+    f = next((run / "steps").glob("step-00000009-rank-0000-*.parquet"))
+    t = pq.read_table(f)
+    i = t.schema.get_field_index("k3_kl")
+    pq.write_table(t.set_column(i, "k3_kl", pa.array([t.column("k3_kl")[0].as_py() * 1.5])), f)
+    assert main(["analyze", str(run)]) == 1
+    assert "beyond what a resume explains: k3_kl" in capsys.readouterr().err
+
+
+def test_analyze_explains_tau_tail_calibrated_on_rewritten_steps(tmp_path, capsys):
+    # the second attempt rewrites every step, the calibration steps included, and reads run.json's
+    # tau_tail (calibrated by the first attempt on data that is no longer visible)
+    run = tmp_path / "rerun"
+    _write(run, range(6))
+    _write(run, range(6), seed=7)
+    assert main(["analyze", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "later rewrote (0..1)" in out and "tau-dependent metrics" in out
+    # the same data written once: every metric equal, nothing to state
+    _write(tmp_path / "once", range(6), seed=7)
+    assert main(["analyze", str(tmp_path / "once")]) == 0
+    assert "equal the live values" in capsys.readouterr().out
+
+
+def test_dashboard_print_command_quotes_paths(tmp_path, capsys):
+    pytest.importorskip("streamlit")
+    run = tmp_path / "my runs" / "a run"
+    _write(run, range(2))
+    assert main(["dashboard", str(run), "--print-command"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[-1] == str(run.resolve()) and argv[argv.index("--") - 1] == "none"
+
+
+def test_ctrl_c_stops_with_one_line_and_status_130(tmp_path):
+    """A real process and a real SIGINT: one line on stderr, no traceback, exit 130."""
+    log = tmp_path / "out.txt"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "triage_monitor", "demo", "--out", str(tmp_path / "run"),
+                                 "--steps", "400", "--sft-steps", "400", "--threads", "1"],
+                                stdout=fh, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.time() + 120
+        while time.time() < deadline and "triage-monitor demo" not in log.read_text():
+            time.sleep(0.2)
+        assert proc.poll() is None, "the demo ended before it could be interrupted"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines[-1] == "triage-monitor demo: interrupted (Ctrl-C); stopped", err
+    assert sum("interrupted" in ln for ln in lines) == 1
+
+
+def test_every_command_names_unreadable_files(tmp_path, capsys):
+    """A truncated steps/ Parquet file: analyze, alerts and report say how many files were skipped and
+    which; the report shows them in the page too."""
+    run = tmp_path / "run"
+    _write(run, range(8))
+    bad = next((run / "steps").glob("step-00000003-rank-0000-*.parquet"))
+    bad.write_bytes(bad.read_bytes()[: len(bad.read_bytes()) // 2])
+    for cmd, extra in (("analyze", []), ("alerts", []), ("report", ["-o", str(tmp_path / "r.html"), "--draws", "9"])):
+        main([cmd, str(run), *extra])
+        err = capsys.readouterr().err
+        assert f"triage-monitor {cmd}: warning: 1 unreadable file(s)" in err and str(bad) in err, (cmd, err)
+    html = (tmp_path / "r.html").read_text()
+    assert "1 unreadable file(s)" in html and bad.name in html
