@@ -87,3 +87,22 @@ def pytest_sessionfinish(session, exitstatus):
         for line in bad:
             reporter.write_line(f"  {line}", red=True)
         session.exitstatus = 1
+
+
+# ----------------------------------------------------------------------------- mutation runs
+def _mutated_hooks_package():
+    """Under mutmut (scripts/mutation.sh) the tests run in ``mutants/``, which holds the mutated ``triage_monitor``
+    and ``hooks`` trees; the editable install maps ``triage_monitor.hooks`` to the unmutated ``hooks/``, so point
+    the package at the mutated copy.  No effect outside a mutation run."""
+    from pathlib import Path
+
+    here = Path.cwd()
+    if here.name != "mutants" or not (here / "hooks" / "_runtime.py").exists():
+        return
+    import triage_monitor
+
+    if str(here) not in triage_monitor.__path__ and Path(triage_monitor.__file__).parent.parent == here:
+        triage_monitor.__path__.append(str(here))
+
+
+_mutated_hooks_package()

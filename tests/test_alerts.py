@@ -306,6 +306,8 @@ def _rows(alerts):
 
 
 def test_live_and_replay_identical_including_resume():
+    """Agreement test: live engine vs ``replay``, both use ``AlertEngine``; the independent checks are the
+    hand-worked hysteresis / cooldown / score tests above and tests/test_constants_alerts.py."""
     df = synthetic_history("trajectory", seed=5)
     # a resumed job: steps 200..230 are seen, then the job restarts from step 210 with new values
     resumed = df[df.step.between(210, 230)].copy()
@@ -336,6 +338,8 @@ def _write_steps(run_dir, df, attempt):
 
 
 def test_cli_run_dir_and_wandb_csv_match_replay(tmp_path, capsys):
+    """Agreement test: the CLI on a run directory and on a W&B CSV vs ``replay``, all use ``AlertEngine``;
+    independent checks: the hand-worked rule tests above and tests/test_constants_alerts.py."""
     df = synthetic_history("trajectory", n_steps=240, seed=3)
     # a resumed job rewrote steps 120..139 under a later attempt: the reader keeps the later values
     _write_steps(tmp_path / "run", df, attempt=1)
@@ -376,7 +380,9 @@ def test_cli_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_live_monitor_run_and_cli_replay_agree(tmp_path, capsys):
-    """The real MismatchMonitor writes alerts/ from the live engine; replaying the run directory
+    """Agreement test (both use ``AlertEngine``; independent checks: tests/test_constants_alerts.py).
+
+    The real MismatchMonitor writes alerts/ from the live engine; replaying the run directory
     with the same rules (CLI) gives the same alerts."""
     import torch
 

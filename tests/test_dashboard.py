@@ -55,6 +55,10 @@ def assert_ok(at: AppTest) -> None:
 
 
 def test_app_shows_analysis_values(monkeypatch, demo_run_dir):
+    """Agreement test: the dashboard's charts vs ``recompute`` / the step table, both read by
+    ``triage_monitor.analysis``; the analysis values are checked independently in tests/test_monitor.py
+    (test_live_metrics_equal_an_independent_computation_from_the_records) and tests/test_stages.py
+    (test_stage_row_equals_an_independent_computation_from_the_records)."""
     run = open_run(demo_run_dir)
     live = run.steps()
     at = app(monkeypatch, demo_run_dir)

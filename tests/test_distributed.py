@@ -109,6 +109,9 @@ def close(a, b, rel=1e-12):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_many_ranks_equal_single_process(world, tmp_path):
+    """Agreement test: every rank's synced metrics vs one process on the concatenated batch (both
+    ``MetricTracker``), and live vs offline; the single-process values are checked against the independent loop
+    of tests/reference_metrics.py at the end."""
     from triage_monitor.analysis import open_run
 
     results = spawn(world, tmp_path)
@@ -120,6 +123,16 @@ def test_many_ranks_equal_single_process(world, tmp_path):
         lp, s, adv, mask, ids, gids = global_batch(step)
         st, win = tracker.step(step, TokenBatch.from_padded(lp, s, adv, mask, sample_ids=ids, group_ids=gids))
         single.append({**st.values, **{f"window/{k}": v for k, v in win.values.items()}})
+    # independent check of the single-process reference itself: the plain loops of tests/reference_metrics.py
+    from reference_metrics import reference_metrics
+    for step in range(STEPS):
+        lp, s, adv, mask, ids, gids = global_batch(step)
+        resp = [((lp[b] - s[b])[mask[b]].double().numpy(), torch.nonzero(mask[b]).flatten().numpy(), float(adv[b]))
+                for b in range(B) if mask[b].any()]
+        ref = reference_metrics(resp, single[step]["tau_tail"], width=MCFG.segment_width)
+        for name in ("small_gap_share", "delta_mean", "k3_kl", "rho_asym", "r_amp", "h_seg", "c_tok", "p_adj",
+                     "dilution"):
+            assert close(single[step][name], ref[name], 1e-9), (step, name, single[step][name], ref[name])
     exact = {"n_tokens", "n_samples", "delta_q01", "delta_q05", "delta_q50", "delta_min", "tau_tail",
              *(f"count_{r}" for r in ("amp_neg", "amp_pos", "con_neg", "con_pos"))}
     for res in results:                                   # every rank reports the global metrics

@@ -71,6 +71,9 @@ def _equal(a: pd.DataFrame, b: pd.DataFrame) -> bool:
 
 
 def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank_run):
+    """Agreement test: the three engines vs each other and vs live, all use ``recompute_states`` /
+    ``MismatchStats``; independent check: tests/test_monitor.py
+    test_live_metrics_equal_an_independent_computation_from_the_records."""
     ray = pytest.importorskip("ray")
     run = open_run(two_rank_run)
     one = recompute_states(run)

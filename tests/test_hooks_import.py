@@ -117,6 +117,8 @@ def test_import_long_parquet_with_column_mapping(tmp_path):
 
 
 def test_import_wide_jsonl_equals_live_run(tmp_path):
+    """Agreement test: ``import`` vs a live monitor on the same rows, both use ``MismatchMonitor``;
+    independent check: tests/test_monitor.py test_live_metrics_equal_an_independent_computation_from_the_records."""
     steps = {0: responses(4), 1: responses(5)}
     rows = [{"step": s, "sample_id": i, "learner_logp": r["learner"].tolist(), "sampler_logp": r["sampler"].tolist(),
              "advantage": [r["adv"]] * len(r["learner"]), "mask": r["mask"].tolist()}

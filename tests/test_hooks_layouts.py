@@ -175,7 +175,10 @@ def test_adapter_reproduces_tokens_metrics_and_weights(name):
 
 
 def test_all_adapters_agree_with_each_other():
-    """The same tokens through every available layout give one set of metrics."""
+    """Agreement test (every adapter's batch through ``compute_step_metrics``); the independent check is
+    test_adapter_reproduces_tokens_metrics_and_weights (hand-built reference batch and layout contract).
+
+    The same tokens through every available layout give one set of metrics."""
     tokens = make_tokens(seed=3)
     results = {}
     for name, fn in ADAPTERS.items():

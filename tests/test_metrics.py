@@ -180,6 +180,9 @@ def _random_padded(seed, B=6, T=150):
 
 
 def test_three_constructors_give_identical_metrics():
+    """Agreement test: padded / packed / list constructors, all through ``MismatchStats``; independent
+    checks: the hand-worked batches of tests/test_batch.py and the loop of tests/reference_metrics.py
+    (tests/test_constants_metrics.py)."""
     lp, s, a, m = _random_padded(0)
     B, T = lp.shape
     ids = torch.tensor([11, 3, 7, 0, 25, 4])

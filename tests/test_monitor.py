@@ -13,8 +13,11 @@ import torch
 from triage_monitor.analysis import RunDirError, compare_live, open_run, recompute
 from triage_monitor.batch import TokenBatch
 from triage_monitor.cli import main as cli_main
+from triage_monitor.metrics import METRIC_NAMES
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 from triage_monitor.sketch import quantile_error_bound
+
+from reference_metrics import reference_metrics, responses_from_tokens
 
 
 def _batch(step, B=8, T=96, on_invalid="raise", poison=False):
@@ -38,7 +41,29 @@ def run_dir(tmp_path):
     return d, live
 
 
+def test_live_metrics_equal_an_independent_computation_from_the_records(run_dir):
+    """Independent check of the live path (and so of every path that agrees with it): the step and window
+    metrics of docs/metrics.md recomputed from the token records by tests/reference_metrics.py (plain loops, no
+    product code) with the step's τ_tail and the run's W = 64; windows pool the 4 steps' tokens."""
+    d, live = run_dir
+    run = open_run(d)
+    per_step = {s: responses_from_tokens(run.tokens(s)) for s in range(7)}
+    names = ("small_gap_share", "delta_mean", "delta_abs_mean", "k3_kl", "rho_asym", "mass_amp_neg",
+             "mass_con_pos", "r_amp", "h_seg", "c_tok", "p_adj", "dilution")
+    for s, m in enumerate(live):
+        ref = reference_metrics(per_step[s], m["tau_tail"])
+        win = reference_metrics([r for t in range(max(0, s - 3), s + 1) for r in per_step[t]], m["tau_tail"])
+        assert ref["n_tokens"] == m["n_tokens"]
+        for k in names:
+            if not (math.isnan(ref[k]) and math.isnan(m[k])):
+                assert m[k] == pytest.approx(ref[k], rel=1e-9), (s, k)
+            if s >= 6 and not (math.isnan(win[k]) and math.isnan(m[f"window/{k}"])):   # window of frozen-τ steps only
+                assert m[f"window/{k}"] == pytest.approx(win[k], rel=1e-9), (s, k)
+
+
 def test_recompute_equals_live_exactly(run_dir):
+    """Agreement test: live monitor vs offline recomputation, both use ``MismatchStats`` (same code path);
+    the independent check is test_live_metrics_equal_an_independent_computation_from_the_records."""
     d, live = run_dir
     run = open_run(d)
     rec = recompute(run)
@@ -55,6 +80,8 @@ def test_recompute_equals_live_exactly(run_dir):
 
 
 def test_recompute_in_live_tau_mode_reproduces_every_live_value(run_dir):
+    """Agreement test: live vs recompute(tau_mode="live"), both use ``MismatchStats``; independent check:
+    test_live_metrics_equal_an_independent_computation_from_the_records."""
     d, live = run_dir
     run = open_run(d)
     rec = recompute(run, tau_mode="live")
@@ -83,9 +110,36 @@ def test_run_directory_readable_with_plain_pyarrow_and_pandas(run_dir):
     assert live[2]["nonfinite_count"] == 1 and live[2]["quarantined_count"] == 1
     q = pq.read_table(next((d / "quarantine").rglob("*.parquet"))).to_pandas()
     assert q["reason"].tolist() == ["nonfinite_learner_logp"] and math.isnan(q["learner_logp"][0])
-    # NaN metrics carry their reason
-    reasons = json.loads(open_run(d).steps()["nan_reasons"][0])
-    assert isinstance(reasons, dict)
+    # NaN metrics carry their reason: every NaN metric of docs/metrics.md in a step row, and only those, has one
+    names = {*METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)}
+    for _, row in open_run(d).steps().iterrows():
+        reasons = json.loads(row["nan_reasons"])
+        nan_cols = {k for k, x in row.items() if k in names and math.isnan(x)}
+        assert set(reasons) == nan_cols, (row["step"], reasons, nan_cols)
+
+
+def test_nan_metrics_carry_their_reasons(tmp_path):
+    """One A<0 response, δ ∈ {−0.1, 0.2} (4 tokens, one segment), τ_tail = −0.5 given, window 1: no A>0 token →
+    ρ_asym (both forms) NaN; no δ < τ → no tail token → C_tok NaN, no tail-heavy segment → dilution NaN; one
+    segment → no predecessor → p_adj NaN.  r_amp and h_seg are 0, not NaN.  The reasons are in the live metrics
+    and in the step row, for the step and for its window."""
+    want = {
+        "rho_asym": "mass_amp_pos = 0: no token with A > 0 and delta > 0",
+        "rho_asym_lennorm": "length-normalised mass_amp_pos = 0: no token with A > 0 and delta > 0",
+        "c_tok": "no amplifying-tail token",
+        "p_adj": "no segment with a predecessor",
+        "dilution": "no A<0 response holds a tail-heavy segment",
+    }
+    want = {**want, **{f"window/{k}": r for k, r in want.items()}}
+    batch = TokenBatch.from_list([torch.tensor([-1.1, -0.8, -2.1, -1.8])], [torch.tensor([-1.0, -1.0, -2.0, -2.0])],
+                                 torch.tensor([-1.0]))
+    with MismatchMonitor(tmp_path / "r", MonitorConfig(window=1, tau_tail=-0.5)) as mon:
+        live = mon.log_step(0, batch)
+    names = {*METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)}
+    assert {k for k, x in live.items() if k in names and math.isnan(x)} == set(want)
+    assert live["r_amp"] == 0.0 and live["h_seg"] == 0.0
+    row = open_run(tmp_path / "r").steps().iloc[0]
+    assert json.loads(row["nan_reasons"]) == want
 
 
 def test_no_temporary_files_left_and_hidden_files_skipped(run_dir):

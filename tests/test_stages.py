@@ -107,6 +107,8 @@ def test_anchor_steps():
 
 
 def test_stage_table_on_demo_run(demo_run_dir):
+    """Agreement test: stage rows vs ``recompute`` windows and the live step table, all from
+    ``MismatchStats`` states; independent check: test_stage_row_equals_an_independent_computation_from_the_records."""
     run = open_run(demo_run_dir)
     live = run.steps().set_index("step")
     t = stage_table(run, draws=99)
@@ -146,6 +148,8 @@ def test_stage_table_on_demo_run(demo_run_dir):
 
 
 def test_null_ranking_equals_c_tok_from_segments_per_draw():
+    """Agreement test: the vectorised null ranking vs ``metrics.c_tok_from_segments`` (both product code);
+    independent checks: test_two_segment_null_is_hypergeometric (by hand) and tests/test_constants_metrics.py."""
     # the vectorised O(K) ranking of shuffle_null_c_tok equals metrics.c_tok_from_segments applied to each draw
     rng = np.random.default_rng(7)
     resp = np.repeat(np.arange(300), rng.integers(1, 5, 300))
@@ -164,6 +168,8 @@ def test_null_ranking_equals_c_tok_from_segments_per_draw():
 
 
 def test_tail_layout_from_tokens_equals_batch_path(demo_run_dir):
+    """Agreement test: token-table path vs TokenBatch path of ``tail_layout``; independent check:
+    test_tail_layout_matches_metrics_segments and the hand-worked null tests above."""
     from triage_monitor.stages import tail_layout_from_tokens
 
     run = open_run(demo_run_dir)
@@ -229,3 +235,20 @@ def test_null_from_states_equals_token_shuffle_in_distribution(demo_run_dir):
                        - np.searchsorted(np.sort(old), grid, side="right") / n))
     assert ks < 1.95 * math.sqrt(2 / n)
     assert abs(np.median(new) - np.median(old)) < 3 * 1.253 * np.std(old) / math.sqrt(n) * math.sqrt(2) + 1e-12
+
+
+def test_stage_row_equals_an_independent_computation_from_the_records(demo_run_dir):
+    """Independent check of the stage table: each anchor's window metrics recomputed from the token records of the
+    window's steps by tests/reference_metrics.py (plain loops, no product code), with the row's frozen τ_tail and
+    the run's segment width."""
+    from reference_metrics import reference_metrics, responses_from_tokens
+
+    run = open_run(demo_run_dir)
+    t = stage_table(run, draws=19)
+    width = run.config.metrics.segment_width
+    for _, row in t.iterrows():
+        resp = [r for s in range(int(row["first_step"]), int(row["step"]) + 1)
+                for r in responses_from_tokens(run.tokens(s))]
+        ref = reference_metrics(resp, float(row["tau_tail"]), width=width)
+        for k in ("rho_asym", "small_gap_share", "r_amp", "h_seg", "c_tok", "dilution"):
+            assert (math.isnan(row[k]) and math.isnan(ref[k])) or row[k] == pytest.approx(ref[k], rel=1e-9), (row["step"], k)

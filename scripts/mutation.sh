@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Mutation testing of the core modules with mutmut 3 (docs/testing.md#mutation-testing).  Slow: not part of
+# `make test` or CI.  Runs on a clean export of HEAD (commit first), so editing the worktree during a run cannot
+# leak into the mutants.  Each mutant runs only the fast tests that call the mutated function (mutmut maps tests
+# to functions in a first "stats" pass over the test files of [tool.mutmut] in pyproject.toml).
+#
+#   scripts/mutation.sh                      # every module of [tool.mutmut].only_mutate
+#   scripts/mutation.sh segments controller  # some modules: triage_monitor.<name>, or hooks._runtime as _runtime
+#   JOBS=2 NICE=10 MUTATION_DIR=/tmp/mut scripts/mutation.sh ...
+#   scripts/mutation.sh --report             # per-module scores of the last run, without running anything
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+WORK=${MUTATION_DIR:-$ROOT/.mutation}
+JOBS=${JOBS:-2}
+NICE=${NICE:-10}
+
+if [ "${1:-}" = "--report" ]; then
+  cd "$WORK" && exec "$PY" "$ROOT/scripts/mutation_report.py"
+fi
+"$PY" -c "import mutmut" 2>/dev/null || "$PY" -m pip install -q -r "$ROOT/scripts/requirements-mutation.txt"
+
+rm -rf "$WORK"
+mkdir -p "$WORK"
+git -C "$ROOT" archive HEAD | tar -x -C "$WORK"
+cd "$WORK"
+patterns=()
+for m in "$@"; do
+  case "$m" in
+    _runtime|hooks._runtime) patterns+=("hooks._runtime.*") ;;
+    *) patterns+=("triage_monitor.$m.*") ;;
+  esac
+done
+echo "mutation run of $(git -C "$ROOT" rev-parse --short HEAD) in $WORK: ${patterns[*]:-all modules}"
+# one intra-op thread: mutmut forks a child per mutant, and a fork taken after torch's OpenMP pool has started can
+# hang in the child (every mutant then times out); it also keeps the run to JOBS cores
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+start=$(date +%s)
+nice -n "$NICE" "$PY" -m mutmut run --max-children "$JOBS" "${patterns[@]}" || true
+echo "wall time: $(( $(date +%s) - start )) s"
+"$PY" "$ROOT/scripts/mutation_report.py"

@@ -1,0 +1,52 @@
+"""Position-based segments (docs/metrics.md#localisation) worked out by hand."""
+
+import pytest
+import torch
+
+from triage_monitor.segments import segment_tokens
+
+
+def test_segments_by_position_with_masked_gaps_and_predecessors():
+    """W = 4.  Response 0: positions 0,1,2,3,4,9 → segments k = 0 (4 tokens), 1 (1), 2 (1); k = 1 and 2 are
+    consecutive.  Response 1: positions 0, 8 → k = 0 and k = 2 (no k = 1: not consecutive).  Response 2: none.
+    Response 3: positions 5, 9 → k = 1 and k = 2, consecutive."""
+    sample = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 3, 3])
+    pos = torch.tensor([0, 1, 2, 3, 4, 9, 0, 8, 5, 9])
+    seg = segment_tokens(sample, pos, 4)
+    assert seg.index.tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
+    assert seg.sample.tolist() == [0, 0, 0, 1, 1, 3, 3]
+    assert seg.number.tolist() == [0, 1, 2, 0, 2, 1, 2]
+    assert seg.count.tolist() == [4, 1, 1, 1, 1, 1, 1]
+    assert seg.num_segments == 7 and seg.width == 4
+    prev = seg.predecessor()
+    assert prev.dtype == torch.long and prev.tolist() == [-1, 0, 1, -1, -1, -1, 5]
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    assert seg.sum(v).tolist() == [10.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    assert seg.mean(v).tolist() == [2.5, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    assert seg.broadcast(torch.arange(7.0)).tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6]
+
+
+def test_single_segment_and_empty_and_errors():
+    seg = segment_tokens(torch.tensor([2, 2]), torch.tensor([0, 63]), 64)
+    assert seg.num_segments == 1 and seg.predecessor().tolist() == [-1] and seg.count.tolist() == [2]
+    seg = segment_tokens(torch.tensor([2, 2]), torch.tensor([63, 64]), 64)
+    assert seg.number.tolist() == [0, 1] and seg.predecessor().tolist() == [-1, 0]
+    empty = segment_tokens(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 8)
+    assert empty.num_segments == 0 and empty.width == 8 and empty.predecessor().tolist() == []
+    with pytest.raises(ValueError, match="positive"):
+        segment_tokens(torch.tensor([0]), torch.tensor([0]), 0)
+    with pytest.raises(ValueError, match="differ"):
+        segment_tokens(torch.tensor([0, 0]), torch.tensor([0]), 4)
+
+
+def test_width_one_float64_sums_and_empty_fields():
+    """W = 1 is a valid width (one segment per position); sums keep the values' dtype (float64 stays float64);
+    an empty batch has empty index, sample, number and count."""
+    seg = segment_tokens(torch.tensor([0, 0, 1]), torch.tensor([0, 2, 0]), 1)
+    assert seg.number.tolist() == [0, 2, 0] and seg.sample.tolist() == [0, 0, 1]
+    v = torch.tensor([0.5, 0.25, 1e-300], dtype=torch.float64)
+    s = seg.sum(v)
+    assert s.dtype == torch.float64 and s.tolist() == [0.5, 0.25, 1e-300]
+    assert seg.mean(v).dtype == torch.float64
+    empty = segment_tokens(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 4)
+    assert [t.tolist() for t in (empty.index, empty.sample, empty.number, empty.count)] == [[], [], [], []]
