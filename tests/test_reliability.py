@@ -134,6 +134,37 @@ def test_zero_logp_on_one_side_is_counted_but_confident_tokens_are_not():
     assert d["zero_logp_count"] == 2 and d["padding_run_count"] == 0
 
 
+def test_padding_diagnostics_cpu_pass_equals_the_torch_form():
+    """Agreement test: the compiled CPU pass and the torch form (run on accelerators) of padding_diagnostics, on
+    random batches with planted zeros and trailing runs of both kinds and lengths around PADDING_MIN_RUN; the
+    hand-worked cases around this test check the values themselves."""
+    from triage_monitor.alignment import PADDING_MIN_RUN, ZERO_LOGP_GAP, _padding_diagnostics_torch
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        B, T = 24, 50
+        lp = -torch.rand(B, T, generator=g) * 3
+        s = (lp - torch.randn(B, T, generator=g) * 0.1).clamp(max=-1e-3)
+        m = torch.arange(T)[None] < torch.randint(1, T + 1, (B, 1), generator=g)
+        for b in range(B):
+            n = int(m[b].sum())
+            k = int(torch.randint(0, 8, (1,), generator=g))
+            if k and n:
+                kind = b % 4
+                if kind == 0:
+                    lp[b, n - k:n] = 0.0
+                elif kind == 1:
+                    s[b, n - k:n] = -11.5
+                elif kind == 2:
+                    lp[b, n - k:n], s[b, n - k:n] = 0.0, -1e-7
+                else:
+                    lp[b, int(torch.randint(0, n, (1,), generator=g))] = 0.0
+        batch = TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), m)
+        got = padding_diagnostics(batch)
+        assert got == _padding_diagnostics_torch(batch, ZERO_LOGP_GAP, PADDING_MIN_RUN, 0.05), trial
+        assert got["padding_run_count"] > 0 and got["zero_logp_count"] > 0
+
+
 def test_trailing_padding_run_is_a_leak_but_a_confident_ending_is_not():
     lp, s, a, m = healthy()
     lp[0, -7:] = 0.0                         # learner padded with 0.0 inside the mask, sampler real

@@ -26,7 +26,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
+import numpy as np
 import torch
+from numba import njit
 
 from .batch import TokenBatch
 
@@ -198,6 +200,18 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
         dict of floats ``zero_logp_count``, ``padding_run_count``, ``padding_run_tokens``,
         ``offset_response_count``.
     """
+    if batch.learner_logp.device.type != "cpu":
+        return _padding_diagnostics_torch(batch, zero_gap, min_run, run_gap)
+    # on the CPU one compiled pass (tests/test_reliability.py checks it against the torch form)
+    zero, runs, run_tokens = _padding_scan(batch.learner_logp.detach().float().numpy(),
+                                           batch.sampler_logp.detach().float().numpy(), batch.num_valid.numpy(),
+                                           np.float32(zero_gap), int(min_run), float(run_gap))
+    return {"zero_logp_count": float(zero), "padding_run_count": float(runs), "padding_run_tokens": float(run_tokens),
+            "offset_response_count": float(batch.offset_responses)}
+
+
+def _padding_diagnostics_torch(batch: TokenBatch, zero_gap: float, min_run: int, run_gap: float) -> dict:
+    """:func:`padding_diagnostics` as torch operations, for tensors on an accelerator."""
     lp = batch.learner_logp.detach().float()
     sp = batch.sampler_logp.detach().float()
     z = torch.nonzero(lp * sp == 0).squeeze(1)          # candidates: a side is 0 (or the product underflows)
@@ -242,6 +256,40 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
     out["padding_run_count"] = float(leak.sum())
     out["padding_run_tokens"] = float(run[leak].sum())
     return out
+
+
+@njit(nogil=True, cache=True)
+def _padding_scan(lp, sp, nv, zero_gap, min_run, run_gap):          # pragma: no cover - compiled
+    """CPU form of :func:`padding_diagnostics`: ``lp``, ``sp`` (N,) float32 in (response, position) order,
+    ``nv`` (S,) valid tokens per response; returns (zero_logp_count, padding_run_count, padding_run_tokens)."""
+    zero = 0
+    for i in range(lp.shape[0]):
+        if (lp[i] == 0 and sp[i] < -zero_gap) or (sp[i] == 0 and lp[i] < -zero_gap):
+            zero += 1
+    runs = 0
+    run_tokens = 0
+    last = -1
+    for r in range(nv.shape[0]):
+        n = nv[r]
+        first = last + 1
+        last = last + n
+        if min_run < 1 or n < min_run:
+            continue
+        best = 0
+        for x in (lp, sp):                       # the trailing run of values equal to the last one, each side
+            k = 1
+            while last - k >= first and x[last - k] == x[last]:
+                k += 1
+            best = max(best, k)
+        if best < min_run:
+            continue
+        gap = 0.0
+        for i in range(last - best + 1, last + 1):
+            gap += abs(np.float32(lp[i] - sp[i]))
+        if gap / best >= run_gap:
+            runs += 1
+            run_tokens += best
+    return zero, runs, run_tokens
 
 
 __all__ = ["AlignmentReport", "check_alignment", "padding_diagnostics"]

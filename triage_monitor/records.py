@@ -42,7 +42,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -226,7 +226,8 @@ class ParquetSink:
     """Background writer of the run directory's Parquet files.
 
     ``submit(table, step, rank, columns)`` queues one file (a dict of 1-D
-    numpy arrays, or a list of row dicts) and returns at once.  The queue is
+    numpy arrays, a list of row dicts, or :class:`DeferredColumns` built on
+    the writer thread) and returns at once.  The queue is
     bounded to ``max_queue_bytes``; when full, ``backpressure="block"`` waits
     for the writer and ``"drop"`` drops the file and counts its rows.
 
@@ -316,6 +317,8 @@ class ParquetSink:
                     table_file(self.run_dir, table, step, rank, schema).unlink(missing_ok=True)
                     continue
                 path = table_file(self.run_dir, table, step, rank, self.attempt)
+                if isinstance(columns, DeferredColumns):
+                    columns = columns.build()
                 if isinstance(columns, list):
                     tab = pa.Table.from_pylist(columns, schema=schema)
                 else:
@@ -338,7 +341,19 @@ class ParquetSink:
                     self._cv.notify_all()
 
 
+@dataclass(frozen=True)
+class DeferredColumns:
+    """A file's columns built on the writer thread: ``build()`` returns the dict of 1-D numpy arrays;
+    ``nbytes`` / ``nrows`` size it for the queue bound before it exists."""
+
+    build: Callable[[], dict]
+    nbytes: int
+    nrows: int
+
+
 def _size_of(columns) -> tuple:
+    if isinstance(columns, DeferredColumns):
+        return max(columns.nbytes, 1), columns.nrows
     if isinstance(columns, list):
         return 256 * max(len(columns), 1), len(columns)
     nbytes = sum(getattr(v, "nbytes", 8 * len(v)) for v in columns.values())
@@ -712,21 +727,28 @@ class RunWriter:
 
         step, n = int(step), batch.num_tokens
         if record_tokens and n:
-            cols = {
-                "step": np.full(n, step, dtype=np.int64), "rank": np.full(n, self.rank, dtype=np.int64),
-                "sample_id": batch.sample_id[batch.sample_index].cpu().numpy(),
-                "group_id": batch.group_id[batch.sample_index].cpu().numpy(),
-                "position": batch.position.cpu().numpy().astype(np.int32),
-                "learner_logp": batch.learner_logp.float().cpu().numpy(),
-                "sampler_logp": batch.sampler_logp.float().cpu().numpy(),
-                "advantage": batch.advantage.float().cpu().numpy(),
-                "attempt": np.full(n, self.attempt, dtype=np.int64),
-            }
+            # on the caller's thread: only the copies to host (no-ops for CPU tensors); the per-token gathers,
+            # casts and constant columns are built on the writer thread (DeferredColumns)
+            sid, gid, si, pos = (batch.sample_id.cpu(), batch.group_id.cpu(), batch.sample_index.cpu(),
+                                 batch.position.cpu())
+            floats = {k: getattr(batch, k).detach().float().cpu() for k in ("learner_logp", "sampler_logp", "advantage")}
+            extras = {k: torch.as_tensor(v).detach().float().cpu().reshape(-1) for k, v in (token_extras or {}).items()}
             schema = TOKEN_SCHEMA
-            for k, v in (token_extras or {}).items():
-                cols[k] = torch.as_tensor(v).detach().float().cpu().numpy().reshape(-1)
+            for k in extras:
                 schema = schema.append(pa.field(k, pa.float32()))
-            self.sink.submit("tokens", step, self.rank, cols, schema)
+            rank, attempt = self.rank, self.attempt
+
+            def token_columns() -> dict:
+                cols = {"step": np.full(n, step, dtype=np.int64), "rank": np.full(n, rank, dtype=np.int64),
+                        "sample_id": sid[si].numpy(), "group_id": gid[si].numpy(),
+                        "position": pos.numpy().astype(np.int32)}
+                cols.update((k, v.numpy()) for k, v in floats.items())
+                cols["attempt"] = np.full(n, attempt, dtype=np.int64)
+                cols.update((k, v.numpy()) for k, v in extras.items())
+                return cols
+
+            nbytes = n * (8 * 5 + 4 * (4 + len(extras)))
+            self.sink.submit("tokens", step, self.rank, DeferredColumns(token_columns, nbytes, n), schema)
         if batch.quarantine_rows is not None:
             qd = {k: v.numpy() for k, v in batch.quarantine_rows.items()}
             m = len(qd["position"])
