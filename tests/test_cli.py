@@ -100,7 +100,7 @@ def test_dashboard_print_command_quotes_paths(tmp_path, capsys):
 
 
 def test_ctrl_c_stops_with_one_line_and_status_130(tmp_path):
-    """A real process and a real SIGINT: one line on stderr, no traceback, exit 130."""
+    """A real process and a real SIGINT during training: one line on stderr, no traceback, exit 130."""
     log = tmp_path / "out.txt"
     with open(log, "w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "triage_monitor", "demo", "--out", str(tmp_path / "run"),
@@ -108,7 +108,7 @@ def test_ctrl_c_stops_with_one_line_and_status_130(tmp_path):
                                 stdout=fh, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.time() + 120
-        while time.time() < deadline and "triage-monitor demo" not in log.read_text():
+        while time.time() < deadline and "  step  reward" not in log.read_text():   # training (imports done)
             time.sleep(0.2)
         assert proc.poll() is None, "the demo ended before it could be interrupted"
         time.sleep(0.5)
@@ -134,3 +134,25 @@ def test_every_command_names_unreadable_files(tmp_path, capsys):
         assert f"triage-monitor {cmd}: warning: 1 unreadable file(s)" in err and str(bad) in err, (cmd, err)
     html = (tmp_path / "r.html").read_text()
     assert "1 unreadable file(s)" in html and bad.name in html
+
+
+def test_ctrl_c_ends_the_process_even_when_clean_up_hangs(tmp_path):
+    """A command whose clean-up never finishes after Ctrl-C (as when the interrupt lands in a lazy import and
+    leaves the import lock held): the watchdog ends the process with status 130 and the one line."""
+    code = (
+        "import sys, time\n"
+        "from triage_monitor import cli\n"
+        "cli.FORCE_EXIT_AFTER_S = 2.0\n"
+        "def stuck(args):\n"
+        "    try:\n"
+        "        print('ready', flush=True); time.sleep(60)\n"
+        "    finally:\n"
+        "        time.sleep(60)\n"
+        "sys.exit(cli.run_command('demo', stuck, None))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.time() - t0 < 20, err
+    assert [ln for ln in err.splitlines() if ln.strip()] == ["triage-monitor demo: interrupted (Ctrl-C); stopped"]

@@ -443,18 +443,60 @@ def build_parser(command=None) -> argparse.ArgumentParser:
     return parser
 
 
+#: Seconds a Ctrl-C'd command may take to unwind before the process is ended with status 130 anyway.
+FORCE_EXIT_AFTER_S = 10.0
+
+
+def _install_sigint_watchdog(command: str):
+    """Ctrl-C raises KeyboardInterrupt as usual and also arms a timer that ends the process (status 130, the
+    one "interrupted" line) if unwinding has not finished after :data:`FORCE_EXIT_AFTER_S`: an interrupt that
+    lands inside a lazy import can leave CPython's import lock held, and the clean-up would then wait forever.
+    Returns the event the normal path sets once it has printed the line (its ``restore()`` puts the previous
+    handler back).  Only in the main thread."""
+    import os
+    import signal
+    import threading
+
+    from . import exits
+
+    reported = threading.Event()
+    reported.restore = lambda: None
+    if threading.current_thread() is not threading.main_thread():
+        return reported
+
+    def force_exit() -> None:
+        if not reported.is_set():
+            exits.note(command, "interrupted (Ctrl-C); stopped")
+        sys.stderr.flush()
+        os._exit(exits.INTERRUPTED)
+
+    def on_sigint(signum, frame):
+        if not getattr(on_sigint, "armed", False):
+            on_sigint.armed = True
+            timer = threading.Timer(FORCE_EXIT_AFTER_S, force_exit)
+            timer.daemon = True
+            timer.start()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    reported.restore = lambda: signal.signal(signal.SIGINT, previous)
+    return reported
+
+
 def run_command(command: str, fn, args) -> int:
     """Run one command's ``run_cli(args)`` under the exit-status convention of :mod:`triage_monitor.exits`:
     :class:`~triage_monitor.exits.CommandError` → its code, an OS error → 3, Ctrl-C → 130, each as one
     line on stderr (``triage-monitor <command>: ...``), never a traceback."""
     from . import exits, records
 
+    reported = _install_sigint_watchdog(command)
     try:
         return int(fn(args) or 0)
     except exits.CommandError as exc:
         exits.error(command, exc)
         return exc.code
     except KeyboardInterrupt:
+        reported.set()
         exits.note(command, "interrupted (Ctrl-C); stopped")
         return exits.INTERRUPTED
     except OSError as exc:          # a read or write the OS refused (the message names the path)
@@ -465,6 +507,8 @@ def run_command(command: str, fn, args) -> int:
         # run, or a rank another live process writes, is a usage error (2)
         exits.error(command, exc)
         return exits.OUTPUT_ERROR if isinstance(exc, records.UnwritableOutputError) else exits.INPUT_ERROR
+    finally:
+        reported.restore()        # an armed timer keeps running: a hang after this still ends at 130
 
 
 def main(argv=None) -> int:
