@@ -226,7 +226,6 @@ def _padding_diagnostics_torch(batch: TokenBatch, zero_gap: float, min_run: int,
     nv = batch.num_valid
     last = torch.cumsum(nv, 0) - 1
     first = last - nv + 1
-    out["offset_response_count"] = float(batch.offset_responses)
     if min_run < 1:
         return out
     # cheap pre-filter: a run of >= min_run needs the last min_run values of a side to be equal

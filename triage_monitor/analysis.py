@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import warnings
 from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
