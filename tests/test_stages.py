@@ -206,6 +206,25 @@ def test_null_from_state_hand_worked_distribution():
     assert not np.array_equal(new, shuffle_null_from_state(null_input, table, 4, draws=n, seed=4, top_fraction=0.3))
 
 
+def test_null_from_state_width_not_a_power_of_two():
+    """W = 3, one A<0 response of 4 valid tokens in segments of 3 and 1, with 2 tail tokens; top = ceil(0.5 · 2)
+    = 1 segment.  Of the C(4,2) = 6 placements, 3 put both tails in the first segment (cell (3,2), fraction 2/3:
+    the top segment holds both tails, C_tok = 1) and 3 put one in each (the top segment is (1,1), fraction 1:
+    C_tok = 1/2).  So P(C_tok = 1) = 1/2 (4 σ), for the sampler and the token shuffle alike."""
+    from triage_monitor.stages import NullInput, shuffle_null_from_state
+
+    table = np.zeros(16)
+    np.add.at(table, np.array([3, 1]) * 4 + np.array([2, 0]), 1)
+    null_input = NullInput(np.array([3, 1], np.int32), np.array([2], np.int32), np.array([2], np.int32))
+    n = 4000
+    new = shuffle_null_from_state(null_input, table, 3, draws=n, seed=5, top_fraction=0.5)
+    old = shuffle_null_c_tok(TailLayout(np.array([0, 0]), np.array([3, 1]), np.array([2, 0])), draws=n, seed=5,
+                             top_fraction=0.5)
+    for draws in (new, old):
+        assert set(np.round(draws, 12)) == {0.5, 1.0}
+        assert abs(np.mean(draws == 1.0) - 0.5) < 4 * math.sqrt(0.25 / n)
+
+
 def test_null_from_states_equals_token_shuffle_in_distribution(demo_run_dir):
     """On a real run, the stage window's null drawn from the recorded states equals the token-shuffle null of
     the window's token records in distribution: two-sample Kolmogorov-Smirnov statistic below its 0.1 %

@@ -419,9 +419,13 @@ def shuffle_null_from_state(null_input: NullInput, c_tok_table, width: int, draw
     tail tokens ``t_i``, placed uniformly at random among its ``n_i`` valid positions), drawn differently:
     per draw and response, ``t_i`` distinct positions are drawn (Floyd's algorithm, from a seeded
     xorshift64* generator; an index in [0, m) is the high word of m times 32 random bits,
-    uniform to within m / 2³², under 10⁻⁵ for responses under 40k tokens) and counted into the response's segments, and the segments of responses without tail tokens stay at 0 tails; C_tok is then read
-    from the (valid, tail) segment table exactly as :func:`~triage_monitor.metrics.c_tok_from_table` does.
-    Cost per draw: O(tail tokens + (W+1)²), not O(tokens).
+    uniform to within m / 2³², under 10⁻⁵ for responses under 40k tokens) and counted into the response's
+    segments (position // W when every segment but the last is full, else a binary search of the segments'
+    cumulative valid counts), and the segments of responses without tail tokens stay at 0 tails; C_tok is then
+    read from the (valid, tail) segment table exactly as :func:`~triage_monitor.metrics.c_tok_from_table` does.
+    Cost per draw: O(tail tokens + tail-holding segments + (W+1)²), not O(tokens); the working memory of a
+    response (one flag per valid position, one count per segment) is reused from response to response, so it
+    stays in the CPU's first-level cache.
 
     Args:
         null_input: the window's :class:`NullInput` (its steps' concatenated).
@@ -460,26 +464,33 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
                 seed):                                       # pragma: no cover - compiled
     W1 = width + 1
     R = tails.shape[0]
-    M = seg_valid.shape[0]
     out = np.empty(draws)
     hist = np.zeros(W1 * W1, np.int64)
-    cnt = np.zeros(M, np.int64)
-    # each valid token of the tail-holding responses -> its segment, and each response's first token
-    tok0 = np.zeros(R + 1, np.int64)
+    # per response: valid tokens n, whether every segment but the last is full (segment = position // W)
+    n_of = np.zeros(R, np.int64)
+    regular = np.zeros(R, np.bool_)
+    longest_n = 1
+    most_seg = 1
+    longest_t = 1
     for r in range(R):
-        tok0[r + 1] = tok0[r] + (cum[starts[r + 1] - 1] if starts[r + 1] > starts[r] else 0)
-    seg_of = np.empty(tok0[R], np.int32)
-    k = 0
-    for s in range(M):
-        for _ in range(seg_valid[s]):
-            seg_of[k] = s
-            k += 1
-    taken = np.zeros(tok0[R], np.bool_)
-    longest = 0
-    for r in range(R):
-        longest = max(longest, tails[r])
-    chosen = np.empty(longest + 1, np.int64)
-    # xorshift64* generator, seeded by splitmix64 of the seed
+        s0 = starts[r]
+        s1 = starts[r + 1]
+        reg = True
+        for s in range(s0, s1 - 1):
+            if seg_valid[s] != width:
+                reg = False
+        regular[r] = reg
+        n_of[r] = cum[s1 - 1] if s1 > s0 else 0
+        longest_n = max(longest_n, n_of[r])
+        most_seg = max(most_seg, s1 - s0)
+        longest_t = max(longest_t, tails[r])
+    shift = -1
+    for b in range(63):
+        if (1 << b) == width:
+            shift = b
+    taken = np.zeros(longest_n, np.bool_)       # one response's positions: stays in L1 across responses
+    cnt = np.zeros(most_seg, np.int64)
+    chosen = np.empty(longest_t, np.int64)
     x = np.uint64(seed) + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -491,32 +502,51 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
         for v in range(W1):
             hist[v * W1] = by_valid[v]
         for r in range(R):
-            base = tok0[r]
-            n = tok0[r + 1] - base
+            n = n_of[r]
             t = tails[r]
-            for j in range(n - t, n):                         # Floyd: t distinct positions of the n
+            s0 = starts[r]
+            k = starts[r + 1] - s0
+            for j in range(n - t, n):
                 x ^= x >> np.uint64(12)
                 x ^= x << np.uint64(25)
                 x ^= x >> np.uint64(27)
-                # top 32 random bits times the range, high word: uniform up to (j+1)/2^32 (< 1e-5 here)
                 u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
-                p = base + np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
+                p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
                 if taken[p]:
-                    p = base + j
+                    p = j
                 taken[p] = True
                 chosen[j - (n - t)] = p
-            for i in range(t):
-                p = chosen[i]
-                taken[p] = False
-                cnt[seg_of[p]] += 1
-            for i in range(t):
-                sg = seg_of[chosen[i]]
-                c = cnt[sg]
+            if regular[r]:
+                if shift >= 0:
+                    for i in range(t):
+                        p = chosen[i]
+                        taken[p] = False
+                        cnt[p >> shift] += 1
+                else:
+                    for i in range(t):
+                        p = chosen[i]
+                        taken[p] = False
+                        cnt[p // width] += 1
+            else:
+                for i in range(t):
+                    p = chosen[i]
+                    taken[p] = False
+                    lo = 0
+                    hi = k - 1
+                    while lo < hi:                    # first segment whose cumulative end exceeds p
+                        mid = (lo + hi) >> 1
+                        if cum[s0 + mid] > p:
+                            hi = mid
+                        else:
+                            lo = mid + 1
+                    cnt[lo] += 1
+            for j in range(k):
+                c = cnt[j]
                 if c:
-                    v = seg_valid[sg]
+                    v = seg_valid[s0 + j]
                     hist[v * W1] -= 1
                     hist[v * W1 + c] += 1
-                    cnt[sg] = 0
+                    cnt[j] = 0
         left = top
         got = 0.0
         for i in range(order.shape[0]):
