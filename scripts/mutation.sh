@@ -24,10 +24,14 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 git -C "$ROOT" archive HEAD | tar -x -C "$WORK"
 cd "$WORK"
+# the package maps triage_monitor.hooks to hooks/ (pyproject's package-dir): mutmut's mutants/ would hold hooks/
+# beside triage_monitor/, and the editable install's finder would import the worktree's unmutated hooks/ instead
+# (every hooks mutant "no tests").  The export gets the installed layout, so the tests import the mutants.
+cp -r hooks triage_monitor/hooks
 patterns=()
 for m in "$@"; do
   case "$m" in
-    _runtime|hooks._runtime) patterns+=("hooks._runtime.*") ;;
+    _runtime|hooks._runtime) patterns+=("triage_monitor.hooks._runtime.*") ;;
     *) patterns+=("triage_monitor.$m.*") ;;
   esac
 done
