@@ -14,6 +14,15 @@ from triage_monitor.sketch import quantile_error_bound
 SAMPLER = -1.0
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def update_path(request, monkeypatch):
+    """Both ways :class:`MismatchStats` updates its state: the compiled one-pass CPU kernel and the torch
+    operations that run on an accelerator (``use_kernel = False`` forces them on the CPU).  The hand-worked values
+    below must hold for each."""
+    monkeypatch.setattr(MismatchStats, "use_kernel", request.param == "kernel")
+    return request.param
+
+
 def _list_batch(deltas, advs, masks=None, sampler=SAMPLER, **kw):
     """Responses given as lists of δ (nats) with sampler_logp = ``sampler``."""
     s = [torch.full((len(d),), sampler) for d in deltas]
@@ -33,7 +42,7 @@ def quadrant_batch():
                        masks=[[1, 1, 1, 1], [1, 1, 1], [1], [1, 0, 1]])
 
 
-def test_quadrant_masses_and_rho(quadrant_batch):
+def test_quadrant_masses_and_rho(quadrant_batch, update_path):
     v = compute_step_metrics(quadrant_batch).values
     assert v["n_tokens"] == 10 and v["n_samples"] == 4
     assert (v["mass_amp_neg"], v["mass_amp_pos"], v["mass_con_neg"], v["mass_con_pos"]) == (5, 2, 3, 1)
@@ -45,7 +54,7 @@ def test_quadrant_masses_and_rho(quadrant_batch):
     assert v["amp_share"] == pytest.approx(7 / 12)
 
 
-def test_magnitude_metrics_against_numpy(quadrant_batch):
+def test_magnitude_metrics_against_numpy(quadrant_batch, update_path):
     v = compute_step_metrics(quadrant_batch).values
     d = quadrant_batch.delta.double().numpy()          # the float32 δ the monitor records
     assert v["small_gap_share"] == pytest.approx(4 / 10)  # 0, .03, -.01, .04
@@ -62,7 +71,7 @@ def test_magnitude_metrics_against_numpy(quadrant_batch):
     assert v["log_ppl_diff"] == pytest.approx(-np.mean(resp), rel=1e-12)
 
 
-def test_empty_region_is_nan_with_reason():
+def test_empty_region_is_nan_with_reason(update_path):
     # every A>0 token has δ<0: no amp_pos mass
     res = compute_step_metrics(_list_batch([[-.3, -.2], [-.1]], [1., -1.]))
     assert math.isnan(res.values["rho_asym"]) and "mass_amp_pos" in res.nan_reasons["rho_asym"]
@@ -71,7 +80,7 @@ def test_empty_region_is_nan_with_reason():
     assert not any(math.isinf(x) for x in res.values.values() if isinstance(x, float))
 
 
-def test_k3_unclamped_chi2_clamped():
+def test_k3_unclamped_chi2_clamped(update_path):
     # δ = −50: k3 = e^−50 + 50 − 1 (no clamp, as verl); chi2 clamps r to −20 before exp (verl's SAFETY_BOUND)
     res = compute_step_metrics(_list_batch([[-50.0]], [1.], sampler=-60.0)).values
     assert res["k3_kl"] == pytest.approx(math.exp(-50) + 50 - 1)
@@ -130,7 +139,7 @@ def seg_batch():
                        masks=[m0, [1] * 3, [1] * 8, m3, [1, 1]], sampler=-3.0)
 
 
-def test_segment_metrics_by_hand(seg_batch):
+def test_segment_metrics_by_hand(seg_batch, update_path):
     res = compute_step_metrics(seg_batch, TAU, MetricConfig(segment_width=W))
     v = res.values
     assert v["r_amp"] == pytest.approx(5 / 25)      # 5 tail tokens / (9 + 8 + 8) valid tokens of A<0 responses
@@ -143,7 +152,7 @@ def test_segment_metrics_by_hand(seg_batch):
     assert v["tau_tail"] == TAU
 
 
-def test_segment_metrics_nan_without_tau(seg_batch):
+def test_segment_metrics_nan_without_tau(seg_batch, update_path):
     res = compute_step_metrics(seg_batch, math.nan, MetricConfig(segment_width=W))
     assert math.isnan(res.values["c_tok"]) and "tau_tail" in res.nan_reasons["c_tok"]
 
@@ -198,7 +207,7 @@ def test_three_constructors_give_identical_metrics():
             assert got[k] == pytest.approx(x, rel=0, abs=0, nan_ok=True), k
 
 
-def test_window_pools_sums_not_ratios():
+def test_window_pools_sums_not_ratios(update_path):
     cfg = MetricConfig(segment_width=16)
     b1 = TokenBatch.from_padded(*_random_padded(1))
     b2 = TokenBatch.from_padded(*_random_padded(2), sample_ids=torch.arange(6) + 100)
@@ -249,7 +258,7 @@ def test_repeated_step_replaces_its_calibration_data():
     assert abs(once.tau_tail - np.quantile(d01, .05)) <= quantile_error_bound(np.sort(d01), .05)
 
 
-def test_n_samples_counts_responses_with_tokens():
+def test_n_samples_counts_responses_with_tokens(update_path):
     res = compute_step_metrics(_list_batch([[-.1, .2], [-.3]], [1., -1.], masks=[[1, 1], [0]])).values
     assert res["n_samples"] == 1 and res["n_tokens"] == 2
 
