@@ -131,3 +131,90 @@ def test_gather_is_the_inverse_of_scatter():
     assert torch.equal(ls.gather([lp[0, :3], lp[1]]), ls.learner_logp)
     with pytest.raises(ValueError, match="built from 12"):
         b.gather(lp[:, :2])
+
+
+def test_flat_batch_scatter_and_gather_are_the_identity_and_name_the_expected_shape():
+    """A :meth:`TokenBatch.from_flat` batch is already in the caller's layout: scatter and gather return the values
+    themselves; a wrong length names both shapes."""
+    b = TokenBatch.from_flat(torch.tensor([-.1, -.2, -.3]), torch.tensor([-.1, -.1, -.1]), torch.ones(3),
+                             torch.tensor([4, 4, 8]), torch.tensor([0, 1, 0]))
+    v = torch.tensor([1.5, 2.5, 3.5], dtype=torch.float64)
+    assert b.scatter(v) is v and b.gather(v) is v
+    with pytest.raises(ValueError, match=r"^gather: values has shape \(2,\), expected \(3,\)$"):
+        b.gather(v[:2])
+    with pytest.raises(ValueError, match=r"^scatter: values has shape \(2,\), expected \(3,\)$"):
+        b.scatter(v[:2])
+
+
+def test_scatter_keeps_the_dtype_of_the_values():
+    """float64 weights scattered into a padded layout stay float64 (and exact), filled with ``fill`` elsewhere."""
+    lp, s, a, m = _padded()
+    b = TokenBatch.from_padded(lp, s, a, m)
+    w = torch.arange(1, b.num_tokens + 1, dtype=torch.float64) / 3
+    out = b.scatter(w, fill=-1.0)
+    assert out.dtype == torch.float64
+    # row-major valid cells: (0,0) (0,1) (0,3) (1,1) (1,2) (2,0)
+    expect = torch.full((3, 4), -1.0, dtype=torch.float64)
+    expect[m] = w
+    assert torch.equal(out, expect)
+
+
+def test_from_flat_orders_by_sample_then_position():
+    """Rows (sample 1, position 0), (sample 0, position 0), (sample 0, position 1): sorted by sample first, so
+    sample 0's position 1 comes before sample 1's position 0 (a key that mixed the two would interleave them or
+    call two different tokens duplicates)."""
+    b = TokenBatch.from_flat(torch.tensor([-.3, -.1, -.2]), torch.full((3,), -.5), torch.tensor([3., 1., 2.]),
+                             torch.tensor([1, 0, 0]), torch.tensor([0, 0, 1]))
+    assert b.sample_id.tolist() == [0, 1]
+    assert b.sample_index.tolist() == [0, 0, 1] and b.position.tolist() == [0, 1, 0]
+    assert b.learner_logp.tolist() == pytest.approx([-.1, -.2, -.3]) and b.advantage.tolist() == [1., 2., 3.]
+    assert b.num_valid.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("field", ["sampler_logp", "advantage", "sample_id", "position"])
+def test_from_flat_shape_error_names_the_field(field):
+    args = {"learner_logp": torch.full((3,), -.1), "sampler_logp": torch.full((3,), -.2), "advantage": torch.ones(3),
+            "sample_id": torch.tensor([0, 0, 1]), "position": torch.tensor([0, 1, 0])}
+    args[field] = args[field][:2]
+    with pytest.raises(ValueError, match=rf"^{field} has shape \(2,\), but learner_logp has shape \(3,\)$"):
+        TokenBatch.from_flat(**args)
+
+
+def _quarantined_part(ids, bad, reason_value, offset_row=None):
+    """A padded micro-batch (rows ``ids``, 3 columns, all valid) with one impossible learner value at ``bad`` =
+    (row, column), quarantined; ``offset_row`` starts one row at column 1 (left padding)."""
+    B = len(ids)
+    lp = -torch.arange(1, 3 * B + 1, dtype=torch.float32).reshape(B, 3) / 10
+    m = torch.ones(B, 3, dtype=torch.bool)
+    if offset_row is not None:
+        m[offset_row, 0] = False
+    lp[bad] = reason_value
+    return TokenBatch.from_padded(lp, lp - 0.01, torch.arange(B, dtype=torch.float32) + 1, m,
+                                  sample_ids=torch.tensor(ids), group_ids=torch.tensor(ids) // 10,
+                                  on_invalid="quarantine")
+
+
+def test_cat_renumbers_responses_and_merges_the_quarantine():
+    """Two micro-batches of one step: ids (20, 10) and (9, 5, 7) become responses 0..4 in part order (each part
+    sorted by its own ids: 10, 20 | 5, 7, 9); a quarantined token keeps pointing at its response under the new
+    numbering (id 20 → 1, id 9 → 2 + 2 = 4); counts per reason add up, and so do the left-padded responses."""
+    a = _quarantined_part([20, 10], (0, 2), float("nan"), offset_row=1)        # row 0 = id 20, row 1 = id 10
+    b = _quarantined_part([9, 5, 7], (0, 1), float("inf"))                      # row 0 = id 9
+    b2 = _quarantined_part([9, 5, 7], (1, 0), 0.5)                              # row 1 = id 5: positive log-prob
+    c = TokenBatch.cat([a, b])
+    assert c.sample_id.tolist() == [0, 1, 2, 3, 4]
+    assert c.num_valid.tolist() == [2, 2, 3, 3, 2]             # id 10 left-padded, id 20 and id 9 lost one token
+    assert c.sample_index.tolist() == [0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4]
+    assert c.group_id.tolist() == [1, 2, 0, 0, 0]
+    assert c.quarantine_counts == {"nonfinite_learner_logp": 2}
+    assert c.quarantine_rows["sample_id"].tolist() == [1, 4]
+    assert c.quarantine_rows["position"].tolist() == [2, 1]
+    assert c.offset_responses == 1
+    assert torch.equal(c.learner_logp, torch.cat([a.learner_logp, b.learner_logp]))
+    c3 = TokenBatch.cat([a, b2, b])
+    assert c3.quarantine_counts == {"nonfinite_learner_logp": 2, "positive_learner_logp": 1}
+    assert c3.quarantine_rows["sample_id"].tolist() == [1, 2, 4 + 3]
+    one = TokenBatch.cat([b])
+    assert one.sample_id.tolist() == [0, 1, 2] and one.quarantine_rows["sample_id"].tolist() == [2]
+    with pytest.raises(ValueError, match="^TokenBatch.cat: no batches to concatenate$"):
+        TokenBatch.cat([])
