@@ -1,5 +1,7 @@
 """agg_loss / triage_policy_loss: every aggregation mode against values worked out by hand."""
 
+import math
+
 import pytest
 import torch
 
@@ -176,3 +178,216 @@ def test_dppo_kl_surrogate_token_sum():
     assert res.loss.item() == pytest.approx(dppo_kl_loss(b.learner_logp, anchor, b.advantage, **kw).sum().item())
     with pytest.raises(ValueError, match="surrogate"):
         triage_policy_loss(plain, b, 0, surrogate="grpo")
+
+
+# ---------------------------------------------------------------- defaults, edge denominators, dtypes
+def test_defaults_token_mean_and_per_response_denominator():
+    """agg_loss's default mode is token_mean (Σ wℓ / Σ w = 6 / 2.5); policy_loss_denominator's default
+    normalization is per_response: responses with ≥ 1 valid token — 2 here, one of them with a single token."""
+    from triage_monitor.loss import policy_loss_denominator
+    b = _batch()
+    assert agg_loss(LOSS, W, b).item() == pytest.approx(6.0 / 2.5)
+    assert policy_loss_denominator(W, b).item() == 2.0
+    assert policy_loss_denominator(W, b, "global_token").item() == pytest.approx(2.5)
+    with pytest.raises(ValueError, match=r"^token_weights has shape \(3,\), expected \(4,\)$"):
+        policy_loss_denominator(W[:3], b)
+    with pytest.raises(ValueError, match=r"^token_weights has shape \(3,\), expected \(4,\)$"):
+        renormalize_per_response(W[:3], b)
+
+
+def test_zero_and_small_denominators():
+    """A denominator of 0 gives a loss of 0 with a finite (zero) gradient, whatever Σ wℓ; a denominator in (0, 1)
+    divides like any other (6 / 0.5 = 12)."""
+    loss = LOSS.clone().requires_grad_(True)
+    out = agg_loss(loss, W, _batch(), "token_mean", denominator=0.0)
+    out.backward()
+    assert out.item() == 0.0 and loss.grad.tolist() == [0.0] * 4
+    assert agg_loss(LOSS, W, _batch(), "token_mean", denominator=0.5).item() == pytest.approx(12.0)
+    # Σ w = 0.5 as the default denominator: (0.5 · 4) / 0.5
+    assert agg_loss(LOSS, torch.tensor([0.0, 0.0, 0.0, 0.5]), _batch(), "token_mean").item() == pytest.approx(4.0)
+
+
+def test_loss_is_float32_under_a_float64_default_dtype_and_a_float64_divisor():
+    """The documented 0-dim float32 result holds when the user's default dtype is float64 and when slime's
+    per-response divisors come as float64."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        b = _batch()
+        out = agg_loss(LOSS, W, b, "seq_mean_token_mean")
+        assert out.dtype == torch.float32 and out.item() == pytest.approx(3.0)
+        assert renormalize_per_response(W, b).tolist() == pytest.approx([1.5, 0.0, 1.5, 1.0])
+    finally:
+        torch.set_default_dtype(old)
+    out = agg_loss(LOSS, W, _batch(), "seq_mean_token_mean", denominator=1.0,
+                   response_denominator=torch.tensor([4.0, 2.0], dtype=torch.float64))
+    assert out.dtype == torch.float32 and out.item() == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- triage_policy_loss plumbing
+def _tis_case():
+    """_batch() (learner = sampler; A = 1, 1, 1 | −1) with rollout-time log-probs old = sampler + (0.5, 0, −0.5, 1):
+    TIS weights clamp(e^(old − sampler), 0, 2) = (e^0.5, 1, e^−0.5, 2); PPO ratios e^(learner − old) =
+    (e^−0.5, 1, e^0.5, e^−1)."""
+    b = _batch()
+    old = b.sampler_logp + torch.tensor([0.5, 0.0, -0.5, 1.0])
+    return b, old, [math.exp(0.5), 1.0, math.exp(-0.5), 2.0]
+
+
+def test_default_clip_range_is_08_to_128():
+    """ℓ = −min(rA, clip(r, 0.8, 1.28)A): token 0 r = 0.607 A = 1 → −0.607; token 1 → −1; token 2 r = 1.649 → −1.28
+    (clip-higher 0.28); token 3 r = 0.368 A = −1 → −min(−0.368, −0.8) = 0.8 (clip-low 0.2)."""
+    b, old, _ = _tis_case()
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    res = triage_policy_loss(plain, b, 0, old_logp=old, agg_mode="token_sum")
+    assert res.per_token_loss.tolist() == pytest.approx([-math.exp(-0.5), -1.0, -1.28, 0.8], rel=1e-6)
+    assert res.policy_loss.item() == pytest.approx(-math.exp(-0.5) - 1.0 - 1.28 + 0.8, rel=1e-6)
+    assert res.loss.item() == pytest.approx(res.policy_loss.item())
+
+
+def test_dual_clip_caps_negative_advantage_tokens():
+    """Token 3 (A = −1) with ratio e² = 7.39: PPO gives 7.39, dual clip c = 3 caps it at −c·A = 3."""
+    b = _batch()
+    old = b.learner_logp.detach() - torch.tensor([0.0, 0.0, 0.0, 2.0])
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    assert triage_policy_loss(plain, b, 0, old_logp=old).per_token_loss[3].item() == pytest.approx(math.exp(2.0))
+    res = triage_policy_loss(plain, b, 0, old_logp=old, dual_clip=3.0)
+    assert res.per_token_loss[3].item() == pytest.approx(3.0)
+
+
+def test_tis_weights_come_from_old_logp_and_are_renormalised_only_with_a_fixed_denominator():
+    """TIS weights use old_logp (not the live learner): (e^0.5, 1, e^−0.5, 2).  Without a denominator they are used
+    as they are; with ``denominator`` or ``response_denominator`` each response is rescaled to keep its token count
+    (response 0: × 3 / (e^0.5 + 1 + e^−0.5); response 1: 2 × 1/2 = 1)."""
+    b, old, tis = _tis_case()
+    ctrl = TriageController(TriageConfig(gate=False, repair=False, tis=True))
+    res = triage_policy_loss(ctrl, b, 0, old_logp=old, agg_mode="token_mean")
+    assert res.token_weights.tolist() == pytest.approx(tis, rel=1e-6)
+    s0 = 3 / sum(tis[:3])
+    renorm = [tis[0] * s0, tis[1] * s0, tis[2] * s0, 1.0]
+    res = triage_policy_loss(ctrl, b, 0, old_logp=old, agg_mode="token_mean", denominator=4.0)
+    assert res.token_weights.tolist() == pytest.approx(renorm, rel=1e-6)
+    # ℓ = (−e^−0.5, −1, −1.28, 0.8) as in test_default_clip_range_is_08_to_128; Σ wℓ / 4
+    ell = [-math.exp(-0.5), -1.0, -1.28, 0.8]
+    assert res.loss.item() == pytest.approx(sum(w * x for w, x in zip(renorm, ell)) / 4, rel=1e-6)
+    res = triage_policy_loss(ctrl, b, 0, old_logp=old, agg_mode="seq_mean_token_mean",
+                             response_denominator=torch.tensor([4.0, 2.0]))
+    assert res.token_weights.tolist() == pytest.approx(renorm, rel=1e-6)
+    # Σ_s (Σ_t∈s wℓ / rd_s) / D: response 0 over 4, response 1 over 2, D = 2 responses (no denominator given)
+    expect = (sum(w * x for w, x in zip(renorm[:3], ell[:3])) / 4 + renorm[3] * ell[3] / 2) / 2
+    assert res.loss.item() == pytest.approx(expect, rel=1e-6)
+
+
+def test_agg_mode_error_names_the_function_and_the_modes():
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+    with pytest.raises(ValueError, match=r"^triage_policy_loss: agg_mode must be one of \('token_mean'.*got 'x'$"):
+        triage_policy_loss(plain, _batch(), 0, agg_mode="x")
+
+
+def test_repair_loss_is_added_and_uses_the_given_segment_count():
+    """loss = policy part + Repair; the Repair part divides by ``repair_denominator`` as given (twice the count,
+    half the Repair loss).  A > 0 tokens 1 nat below the sampler are in Repair's scope."""
+    lp = torch.tensor([[-3.0, -3.0, -3.0], [-1.5, 0.0, 0.0]])
+    b = TokenBatch.from_padded(lp.clone().requires_grad_(True), lp + 1.0, torch.tensor([1.0, -1.0]),
+                               torch.tensor([[1, 1, 1], [1, 0, 0]]))
+    ctrl = TriageController(TriageConfig(gate=False, tis=False, repair=True))
+    r1 = triage_policy_loss(ctrl, b, 0, repair_denominator=5.0)
+    r2 = triage_policy_loss(ctrl, b, 0, repair_denominator=10.0)
+    rep1, rep2 = r1.output.repair_loss.item(), r2.output.repair_loss.item()
+    assert rep1 > 0 and rep2 == pytest.approx(rep1 / 2, rel=1e-6)
+    assert r1.loss.item() == pytest.approx(r1.policy_loss.item() + rep1, rel=1e-6)
+
+
+def test_dppo_kl_surrogate_options_are_passed_through():
+    """Non-default DPPO options (kl_tau 0.5, adv_tau 2) reach dppo_kl_loss."""
+    from triage_monitor.corrections import dppo_kl_loss
+
+    b = _batch()
+    anchor = b.learner_logp.detach() - torch.tensor([0.3, -0.2, 0.1, 0.05])
+    plain = TriageController(TriageConfig(gate=False, tis=False, repair=False))
+    kw = dict(mask_low=0.1, mask_high=0.05, adv_tau=2.0, kl_tau=0.5)
+    res = triage_policy_loss(plain, b, 0, old_logp=anchor, agg_mode="token_sum", surrogate="dppo_kl",
+                             surrogate_kwargs=kw)
+    ours = dppo_kl_loss(b.learner_logp, anchor, b.advantage, **kw).sum().item()
+    assert res.loss.item() == pytest.approx(ours)
+    assert ours != pytest.approx(dppo_kl_loss(b.learner_logp, anchor, b.advantage).sum().item())
+
+
+# ---------------------------------------------------------------- two ranks (real gloo collectives, two threads)
+def _two_ranks(fn):
+    """Run ``fn(rank, group)`` on two ranks of a real gloo process group (one thread per rank, an in-memory
+    store); returns ``[result of rank 0, result of rank 1]``."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    out, errors = [None, None], []
+
+    def run(rank):
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("loss", store), rank, 2, timedelta(seconds=60))
+            out[rank] = fn(rank, pg)
+        except Exception as e:          # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+# rank 0: _batch() with LOSS, W (Σ wℓ = 6, Σ w = 2.5, per-response means 2 and 4);
+# rank 1: _batch() with ℓ = 2 everywhere and w = 1 (Σ wℓ = 8, Σ w = 4, per-response means 2 and 2)
+RANK_LOSS = (LOSS, torch.full((4,), 2.0))
+RANK_W = (W, torch.ones(4))
+
+
+@pytest.mark.parametrize("mode,kw,expected", [
+    ("token_mean", {}, 14 / 6.5),
+    ("token_mean", {"denominator": 10.0}, 14 / 10),          # a given denominator is not summed over the ranks
+    ("token_sum", {}, 14.0),
+    ("seq_mean_token_mean", {}, (2 + 4 + 2 + 2) / 4),
+    ("seq_mean_token_sum", {}, (4 + 2 + 6 + 2) / 4),
+])
+def test_agg_loss_over_two_ranks_is_the_global_loss(mode, kw, expected):
+    def fn(rank, pg):
+        loss = RANK_LOSS[rank].clone().requires_grad_(True)
+        out = agg_loss(loss, RANK_W[rank], _batch(), mode, group=pg, **kw)
+        out.backward()
+        return out.item(), loss.grad
+    (v0, g0), (v1, _) = _two_ranks(fn)
+    assert v0 == pytest.approx(expected) and v1 == pytest.approx(expected)
+    if mode == "token_mean" and not kw:
+        assert g0.tolist() == pytest.approx((W / 6.5).tolist())     # the gradient flows through local tokens only
+
+
+def test_policy_loss_denominator_and_weighted_loss_over_two_ranks():
+    from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss
+
+    def fn(rank, pg):
+        b = _batch()
+        return (policy_loss_denominator(RANK_W[rank], b, "per_response", group=pg).item(),
+                policy_loss_denominator(RANK_W[rank], b, "global_token", group=pg).item(),
+                weighted_policy_loss(RANK_LOSS[rank], RANK_W[rank], b, "global_token", group=pg).item(),
+                weighted_policy_loss(RANK_LOSS[rank], RANK_W[rank], b, "per_response", group=pg).item())
+    for got in _two_ranks(fn):
+        assert got == pytest.approx((4.0, 6.5, 14 / 6.5, 2.5))
+
+
+def test_triage_policy_loss_over_two_ranks_is_the_global_token_mean():
+    """Plain PPO, learner = old → ℓ = −A: rank 0 A = (1, 1, 1, −1) → Σℓ = −2; rank 1 A = (2, 2, 2, 3) → Σℓ = −9;
+    global token mean −11 / 8 (each rank alone: −0.5 and −2.25)."""
+    plain = TriageController(TriageConfig(gate=False, repair=False, tis=False))
+
+    def fn(rank, pg):
+        b = _batch() if rank == 0 else TokenBatch.from_padded(
+            torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]]), torch.tensor([[-1.0, -2.0, -3.0], [-0.5, 0.0, 0.0]]),
+            torch.tensor([2.0, 3.0]), torch.tensor([[1, 1, 1], [1, 0, 0]]))
+        return triage_policy_loss(plain, b, 0, agg_mode="token_mean", group=pg).loss.item()
+    assert _two_ranks(fn) == pytest.approx([-11 / 8, -11 / 8])
