@@ -456,3 +456,115 @@ def test_without_wandb_everything_works_and_says_so_once(monkeypatch, caplog):
     assert lg.run is None and [a.step for a in got] == [0]
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 1 and "wandb is not installed" in msgs[0]
+
+
+# ---------------------------------------------------------------- what the engine reports in the log
+class _FailingSink:
+    """A sink whose ``emit`` raises (``fails`` times, then works) and whose ``close`` may raise."""
+
+    def __init__(self, fails=10 ** 9, close_raises=False):
+        self.fails, self.close_raises, self.closed, self.got = fails, close_raises, False, []
+
+    def emit(self, alert):
+        if self.fails > 0:
+            self.fails -= 1
+            raise RuntimeError("sink down")
+        self.got.append(alert.step)
+
+    def close(self):
+        self.closed = True
+        if self.close_raises:
+            raise OSError("cannot close")
+
+    def __repr__(self):
+        return "<FailingSink>"
+
+
+def _fire_every_other_step(eng, n=5):
+    for s, v in enumerate([1, -1, 1, -1, 1][:n]):
+        eng.observe(s, {"window/x": v})
+
+
+def test_a_sink_failing_once_is_reported_with_its_traceback_and_not_counted_at_close(caplog):
+    """One failure: one warning naming the sink and the rule, with the exception attached; no "failed N times"
+    summary at close (that is for repeated failures); the sink is closed and gets the later alerts."""
+    sink = _FailingSink(fails=1)
+    eng = AlertEngine([Rule("r", "window/x", "above", 0.0)], sinks=[sink])
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        _fire_every_other_step(eng)
+        eng.close()
+    msgs = [rec.getMessage() for rec in caplog.records]
+    failed = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert [rec.getMessage() for rec in failed] == [
+        "alerts: sink <FailingSink> failed on r; skipped (further failures of this sink are counted, not reported)"]
+    assert failed[0].exc_info[0] is RuntimeError
+    assert not any("times" in m for m in msgs)
+    assert sink.closed and sink.got == [2, 4]
+
+
+def test_repeated_sink_failures_and_a_failing_close_are_summarised(caplog):
+    """Two failures: one warning at the first, "failed 2 times" at close; a close that raises is reported with its
+    traceback and does not stop the engine from closing."""
+    sink = _FailingSink(fails=2, close_raises=True)
+    eng = AlertEngine([Rule("r", "window/x", "above", 0.0)], sinks=[sink])
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        _fire_every_other_step(eng)
+        eng.close()
+    warnings = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert [rec.getMessage() for rec in warnings] == [
+        "alerts: sink <FailingSink> failed on r; skipped (further failures of this sink are counted, not reported)",
+        "alerts: closing sink <FailingSink> failed",
+        "alerts: sink <FailingSink> failed 2 times"]
+    assert warnings[1].exc_info[0] is OSError
+    assert sink.got == [4]
+
+
+def test_close_names_the_rules_that_never_saw_a_finite_value(caplog):
+    """Rules "seen" (finite values) and "never" (only NaN / missing): close() lists exactly ["never"]; an engine that
+    observed no step lists nothing."""
+    rules = [Rule("seen", "window/x", "above", 5.0), Rule("never", "window/y", "above", 5.0)]
+    eng = AlertEngine(rules)
+    eng.observe(0, {"window/x": 1.0, "window/y": float("nan")})
+    eng.observe(1, {"window/x": 2.0})
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        eng.close()
+        AlertEngine(rules).close()
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "alerts: rule(s) ['never'] never saw a finite value of their metric"]
+
+
+def test_logging_sink_logs_title_and_text_at_the_alert_level(caplog):
+    r = Rule("r", "window/x", "above", 0.0, level="ERROR")
+    eng = AlertEngine([r], sinks=[LoggingSink()])
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        (a,) = eng.observe(3, {"window/x": 2.5})
+    (rec,) = caplog.records
+    assert rec.levelno == logging.ERROR and rec.getMessage() == f"triage ERROR: r: {a.text}"
+    assert a.text.startswith("window/x = 2.5 is above 0 at step 3")
+
+
+def test_rewind_is_logged_with_the_repeated_and_the_last_step(caplog):
+    eng = AlertEngine([Rule("r", "window/x", "above", 0.0)])
+    for s in (3, 5, 7):
+        eng.observe(s, {"window/x": -1.0})
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        eng.observe(5, {"window/x": -1.0})
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "alerts: step 5 repeats (last seen 7): replacing history from step 5 on"]
+    assert eng.state_dict()["steps"] == [3, 5]
+
+
+def test_callback_sink_refuses_a_non_callable():
+    with pytest.raises(TypeError, match=r"^CallbackSink: fn=3 is not callable$"):
+        CallbackSink(3)
+
+
+def test_replay_reads_the_named_step_column_and_defaults_to_step():
+    from triage_monitor.alerts import pd_numeric, replay_engine
+    r = Rule("r", "window/x", "above", 1.0)
+    df = pd.DataFrame({"global_step": [10, 11, 12], "window/x": [0, 2, 3]})
+    assert [a.step for a in replay([r], df, "global_step")] == [11]
+    assert [a.step for a in replay_engine([r], df.rename(columns={"global_step": "step"})).fired] == [11]
+    # integer metric columns are read as float64
+    out = pd_numeric(pd.Series([1, 2, 3]))
+    assert out.dtype == np.float64 and out.tolist() == [1.0, 2.0, 3.0]
