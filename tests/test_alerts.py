@@ -568,3 +568,65 @@ def test_replay_reads_the_named_step_column_and_defaults_to_step():
     # integer metric columns are read as float64
     out = pd_numeric(pd.Series([1, 2, 3]))
     assert out.dtype == np.float64 and out.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_last_aggregation_takes_the_newest_finite_value_of_the_window():
+    """agg="last" over a 3-step window of a per-step metric: the newest finite value (steps 2..4 hold 5, 1, NaN →
+    1), not the oldest, not the one before the newest."""
+    r = Rule("r", "x", "above", 3.0, window=3, agg="last")
+    eng = AlertEngine([r])
+    for s, v in enumerate([0.0, 0.0, 5.0, 1.0, math.nan]):
+        eng.observe(s, {"x": v})
+    assert eng._vals["r"] == [0.0, 0.0, 5.0, 1.0, 1.0]
+    assert [a.step for a in eng.fired] == [2]
+
+
+def test_full_window_lookback_waits_for_the_first_full_window():
+    """rising, window 3, k = 1, full_window: the look-back t − 3 is a reference from t − 3 ≥ first + 3 − 1 = 2 on, so
+    with a steady rise (value = step) the first alert is at step 5 (chain 2 → 5), not earlier, not later."""
+    r = Rule("r", "window/x", "rising", 2.5, window=3, k=1, full_window=True)
+    assert run(r, [float(s) for s in range(8)]) == [5]
+    r = Rule("r", "window/x", "rising", 2.5, window=3, k=1)
+    assert run(r, [float(s) for s in range(8)]) == [3]          # without full_window: from the first step on
+
+
+def test_noise_guard_boundary_restart_and_recorded_steps():
+    """Guard metric ≥ guard_min is evaluated (exactly at guard_min too); below it the step is noise: recorded in
+    noise_steps, the streak restarts from 0 and an active alert re-arms."""
+    r = Rule("r", "window/x", "above", 1.0, hold=2, guard_metric="window/g", guard_min=0.5)
+    eng = AlertEngine([r])
+    seq = [(0, 2.0, 0.5), (1, 2.0, 0.5), (2, 2.0, 0.1), (3, 2.0, 0.9), (4, 2.0, 0.9)]
+    fired = [s for s, x, g in seq if eng.observe(s, {"window/x": x, "window/g": g})]
+    # fires at 1 (hold 2, the guard exactly at 0.5 counts), noise at 2 re-arms, fires again after 2 more steps
+    assert fired == [1, 4]
+    assert eng.noise_steps == {"r": [2]}
+
+
+def test_titles_are_cut_to_64_characters_and_carry_the_rule_wait():
+    """The W&B alert title is ``triage <LEVEL>: <name>`` cut to 64 characters; wait_s comes from the rule."""
+    name = "n" * 80
+    (a,) = AlertEngine([Rule(name, "window/x", "above", 0.0, wait_s=30)]).observe(0, {"window/x": 1.0})
+    assert a.title == ("triage WARN: " + name)[:64] and len(a.title) == 64
+    assert a.wait_s == 30.0
+
+
+def test_clearing_and_missing_baseline_messages(caplog):
+    r = Rule("r", "window/x", "below", 0.0)
+    eng = AlertEngine([r, Rule("b", "window/y", "excess", 1.0, baseline_steps=3)])
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        for s, x in enumerate([-1.0, 1.0, 2.0, 3.0]):
+            eng.observe(s, {"window/x": x, "window/y": math.nan})
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "alerts: r cleared at step 1: no longer true that window/x = 1 is below 0",
+        "alerts: rule b: no finite window/y in the first 3 steps; it will not evaluate"]
+
+
+def test_replay_counts_the_rows_it_skips_and_lists_20_columns(caplog):
+    r = Rule("r", "window/x", "above", 1.0)
+    df = pd.DataFrame({"step": [None, 0, None, 1], "window/x": [9, 0, 9, 2]})
+    with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
+        assert [a.step for a in replay([r], df)] == [1]
+    assert [rec.getMessage() for rec in caplog.records] == ["replay: skipped 2 row(s) without a step value"]
+    wide = pd.DataFrame({f"c{i:02d}": [0] for i in range(25)})
+    with pytest.raises(ValueError, match=r"no step column 'step'; columns: \['c00', .*'c19'\]$"):
+        replay([r], wide)
