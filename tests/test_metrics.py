@@ -1,5 +1,6 @@
 """Metrics of docs/metrics.md#steps-and-windows on hand-built batches; expected values worked out by hand in the comments."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -290,3 +291,109 @@ def test_metric_config_validation():
         MetricConfig(segment_width=32.5)
     with pytest.raises(ValueError, match="tail_quantile"):
         MetricConfig(tail_quantile=1.5)
+
+
+# ---------------------------------------------------------------- pure functions, by hand
+def test_quantiles_interpolate_between_order_statistics():
+    """numpy's "linear" rule at fractional positions: values 1, 2, 4, 8 (given shuffled); q = 0.25 → position 0.75 →
+    1 + 0.75·(2 − 1) = 1.75; q = 0.5 → 3; q = 0.9 → position 2.7 → 4 + 0.7·4 = 6.8; q = 0 and 1 → 1 and 8."""
+    got = quantiles(torch.tensor([8.0, 1.0, 4.0, 2.0]), [0.0, 0.25, 0.5, 0.9, 1.0])
+    assert got == pytest.approx([1.0, 1.75, 3.0, 6.8, 8.0], rel=1e-12)
+    assert got == pytest.approx(np.quantile([8.0, 1.0, 4.0, 2.0], [0.0, 0.25, 0.5, 0.9, 1.0]).tolist(), rel=1e-12)
+
+
+def test_region_code_4_means_no_region():
+    """The documented codes, 4 for A = 0 or δ = 0 (docs/metrics.md#regions)."""
+    from triage_monitor.metrics import region_codes
+    delta = torch.tensor([-1.0, 1.0, 1.0, -1.0, 0.0, 0.0, -1.0, 1.0])
+    adv = torch.tensor([-1.0, 1.0, -1.0, 1.0, -1.0, 1.0, 0.0, 0.0])
+    codes = region_codes(delta, adv)
+    assert codes.dtype == torch.int64 and codes.tolist() == [0, 1, 2, 3, 4, 4, 4, 4]
+
+
+def test_c_tok_single_segment_and_fraction_not_product():
+    """One segment holding every tail token: C_tok = 1.  Two segments, top ceil(0.05·2) = 1: the one with the higher
+    tail *fraction* (2 of 4 = 0.5) is taken over the one with more tail tokens (3 of 64): C_tok = 2 / 5."""
+    assert c_tok_from_segments(torch.tensor([3]), torch.tensor([10])) == 1.0
+    assert c_tok_from_segments(torch.tensor([3, 2]), torch.tensor([64, 4])) == pytest.approx(2 / 5)
+
+
+def test_c_tok_equal_fractions_rank_by_tail_count_among_many_segments():
+    """200 segments, all at tail fraction 1/2: 100 of (1 tail / 2 valid) and 100 of (32 / 64), interleaved.  The top
+    ceil(0.05·200) = 10 are ten (32 / 64) segments: C_tok = 320 / (100 + 3200), in any input order."""
+    tail = torch.tensor([1, 32] * 100)
+    valid = torch.tensor([2, 64] * 100)
+    assert c_tok_from_segments(tail, valid) == pytest.approx(320 / 3300)
+    perm = torch.randperm(200, generator=torch.Generator().manual_seed(0))
+    assert c_tok_from_segments(tail[perm], valid[perm]) == pytest.approx(320 / 3300)
+
+
+def test_merge_reports_the_last_set_tau():
+    """A merge takes the other accumulator's τ_tail when it has one and keeps its own when the other has none."""
+    b = _list_batch([[-0.2, 0.1]], [1.0])
+    out = MismatchStats().update(b).merge(MismatchStats().update(b, -0.5))
+    assert out.tau_tail == -0.5
+    assert out.merge(MismatchStats().update(b)).tau_tail == -0.5
+    assert out.compute().values["n_tokens"] == 6            # 2 tokens, merged three times
+
+
+# ---------------------------------------------------------------- tracker state while calibrating
+def _delta_batch(values):
+    return _list_batch([list(values)], [1.0], sampler=-20.0)
+
+
+def _within_sketch(x, pool, q=0.05):
+    pool = np.asarray(pool, dtype=np.float64)
+    return abs(x - np.quantile(pool, q)) <= quantile_error_bound(np.sort(pool), q)
+
+
+def test_tracker_state_dict_while_calibrating_and_after_freezing():
+    """calibration_steps = 3: after steps 0 and 1 the state holds their two δ sketches and step numbers, and names the
+    configuration; a resumed tracker that sees step 1 again (replacing it) and step 2 freezes at step 3 on the δ of
+    steps 0, 1 (second version) and 2 — the same τ_tail as a tracker that never stopped.  Once frozen the state holds
+    no calibration data."""
+    cfg = MetricConfig(segment_width=16)
+    d = {0: np.linspace(-1, 0, 50), 1: np.linspace(-9, -8, 50), "1b": np.linspace(-0.5, 0, 50),
+         2: np.linspace(-0.3, 0, 50), 3: np.zeros(5)}
+    tr = MetricTracker(cfg, window=4, calibration_steps=3)
+    tr.step(0, _delta_batch(d[0]))
+    tr.step(1, _delta_batch(d[1]))
+    sd = tr.state_dict()
+    assert sd["calib_steps"] == [0, 1] and len(sd["calib"]) == 2 and sd["calib_format"] == "sketch"
+    assert sd["config"] == dataclasses.asdict(cfg) and sd["window"] == 4 and sd["calibration_steps"] == 3
+    resumed = MetricTracker(cfg, window=4, calibration_steps=3)
+    resumed.load_state_dict(sd)
+    for t in (tr, resumed):
+        t.step(1, _delta_batch(d["1b"]))
+        t.step(2, _delta_batch(d[2]))
+        t.step(3, _delta_batch(d[3]))
+        assert t.tau_frozen
+    assert resumed.tau_tail == tr.tau_tail
+    assert _within_sketch(resumed.tau_tail, np.concatenate([d[0], d["1b"], d[2]]))
+    sd = resumed.state_dict()
+    assert sd["calib"] == [] and sd["calib_steps"] == [] and sd["tau_frozen"] is True
+
+
+def test_tracker_loads_raw_delta_calibration_of_older_versions():
+    """An older state: raw δ values per reference step, no format tag, no step numbers.  With calibration_steps = 3
+    and two saved steps, one new step completes the window and the next freezes τ_tail at the 5 % quantile of all
+    three steps' δ (the saved step of very negative δ included)."""
+    a, b, c = np.linspace(-1, 0, 60), np.linspace(-10, -8, 60), np.linspace(-0.2, 0, 60)
+    tr = MetricTracker(MetricConfig(segment_width=16), calibration_steps=3)
+    tr.load_state_dict({"tau_tail": float("nan"), "tau_frozen": False, "calib": [a.tolist(), b.astype(np.float32)]})
+    tr.step(0, _delta_batch(c))
+    assert not tr.tau_frozen
+    tr.step(1, _delta_batch(np.zeros(3)))
+    assert tr.tau_frozen
+    assert _within_sketch(tr.tau_tail, np.concatenate([a, b.astype(np.float32), c]))
+    assert tr.tau_tail < -7.9                        # inside b: the saved steps count
+
+
+def test_tracker_state_without_calibration_data_calibrates_from_scratch():
+    """A state that only says "not frozen" (no ``calib``) starts an empty reference window."""
+    tr = MetricTracker(calibration_steps=1)
+    tr.load_state_dict({"tau_tail": float("nan"), "tau_frozen": False})
+    d = np.linspace(-1, 0, 40)
+    tr.step(5, _delta_batch(d))
+    tr.step(6, _delta_batch(np.zeros(2)))
+    assert tr.tau_frozen and _within_sketch(tr.tau_tail, d)
