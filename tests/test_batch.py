@@ -218,3 +218,33 @@ def test_cat_renumbers_responses_and_merges_the_quarantine():
     assert one.sample_id.tolist() == [0, 1, 2] and one.quarantine_rows["sample_id"].tolist() == [2]
     with pytest.raises(ValueError, match="^TokenBatch.cat: no batches to concatenate$"):
         TokenBatch.cat([])
+
+
+def test_from_flat_group_ids_per_response_and_a_later_duplicate():
+    """Per-token group ids become one per response (in sample-id order); a repeated (sample_id, position) pair is
+    refused wherever it sits in the rows, not only next to the first one."""
+    b = TokenBatch.from_flat(torch.full((4,), -.1), torch.full((4,), -.2), torch.ones(4),
+                             torch.tensor([9, 4, 9, 4]), torch.tensor([0, 0, 1, 1]),
+                             group_id=torch.tensor([7, 3, 7, 3]))
+    assert b.sample_id.tolist() == [4, 9] and b.group_id.tolist() == [3, 7] and b.group_id.dtype == torch.int64
+    assert TokenBatch.from_flat(torch.full((2,), -.1), torch.full((2,), -.2), torch.ones(2), torch.tensor([1, 2]),
+                                torch.tensor([0, 0])).group_id.tolist() == [-1, -1]
+    with pytest.raises(ValueError, match=r"^from_flat: a \(sample_id, position\) pair occurs twice$"):
+        TokenBatch.from_flat(torch.full((3,), -.1), torch.full((3,), -.2), torch.ones(3), torch.tensor([0, 1, 1]),
+                             torch.tensor([0, 3, 3]))
+
+
+def test_to_moves_every_tensor_and_keeps_the_rest():
+    """``to("meta")`` moves each tensor field (the meta device needs no accelerator); counts, layout and the
+    scatter map's meaning are kept."""
+    lp, s, a, m = _padded()
+    lp[0, 1] = float("nan")
+    b = TokenBatch.from_padded(lp, s, a, m, on_invalid="quarantine")
+    moved = b.to("meta")
+    for name in ("learner_logp", "sampler_logp", "advantage", "sample_index", "position", "sample_id", "group_id",
+                 "num_valid", "_source_index"):
+        assert getattr(moved, name).device.type == "meta", name
+        assert getattr(moved, name).shape == getattr(b, name).shape, name
+    assert moved.quarantine_counts == b.quarantine_counts and moved._layout == b._layout
+    back = b.to("cpu")
+    assert torch.equal(back.learner_logp, b.learner_logp) and torch.equal(back._source_index, b._source_index)
