@@ -2,6 +2,7 @@
 optimizer; checked in this process and in a real local Ray cluster (2 worker processes)."""
 
 import json
+import math
 import os
 import pickle
 
@@ -154,3 +155,246 @@ def test_ray_workers_write_one_run(tmp_path):
     assert all(r["optimizer_steps"] == STEPS and r["controller_calls"] == STEPS * MICRO for r in results)
     _check_run(tmp_path / "run", [0, 1])
     assert runtime_for(hook.settings).calls == 0      # the driver never ran the loss
+
+
+# ---------------------------------------------------------------- rank, steps, warnings, state (one process)
+def test_resolve_rank_fixed_then_env_then_atomic_claims(tmp_path, monkeypatch):
+    """A fixed rank wins, then ``$RANK`` (digits only), then the smallest free claim in ``.ranks/<attempt>/``: three
+    processes of attempt 5 get 0, 1, 2 (each claim file holds the claimant's pid); attempt 6 starts at 0 again."""
+    from triage_monitor.hooks._runtime import resolve_rank
+    monkeypatch.setenv("RANK", "7")
+    assert resolve_rank(tmp_path, 5, fixed=3) == 3
+    assert resolve_rank(tmp_path, 5) == 7
+    monkeypatch.setenv("RANK", "x7")
+    assert [resolve_rank(tmp_path, 5) for _ in range(3)] == [0, 1, 2]
+    monkeypatch.delenv("RANK")
+    assert resolve_rank(tmp_path, 5) == 3 and resolve_rank(tmp_path, 6) == 0
+    claims = tmp_path / ".ranks" / "5"
+    assert sorted(p.name for p in claims.iterdir()) == ["0", "1", "2", "3"]
+    assert (claims / "2").read_text() == f"{os.getpid()}\n"
+
+
+def _bare_runtime(**kw):
+    from triage_monitor.hooks._runtime import WorkerRuntime
+    return WorkerRuntime(HookSettings(run_dir=None, **kw))
+
+
+def test_step_sources():
+    """auto: the framework's step when given (and then optimizer steps no longer close steps); optimizer: the
+    framework's step is ignored; framework: a call without one is refused with the fix."""
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    rt = _bare_runtime()
+    assert rt.step_for_call(41) == 41
+    rt.record(41, None)
+    rt.on_optimizer_step(opt)
+    assert rt.optimizer_steps == 0 and rt.step_for_call() == 0
+    rt = _bare_runtime(step_source="optimizer")
+    assert rt.step_for_call(41) == 0
+    rt.record(0, None)
+    rt.on_optimizer_step(opt)
+    assert rt.step_for_call(41) == 1
+    with pytest.raises(ValueError, match=r"^triage-monitor: step_source='framework' but this framework call carries "
+                                         r"no step metadata; use step_source='auto' \(count optimizer steps\)$"):
+        _bare_runtime(step_source="framework").step_for_call()
+    assert _bare_runtime(step_source="framework").step_for_call(3) == 3
+
+
+def test_set_step_counts_on_from_the_given_step():
+    """set_step(7) after one optimizer step: the next calls are step 7, and the next optimizer step makes them 8."""
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    hook = make_hook_class()(HookSettings(run_dir=None))
+    rt = hook.runtime
+    rt.record(0, None)
+    rt.on_optimizer_step(opt)
+    hook.set_step(7)
+    assert rt.step_for_call() == 7
+    rt.record(7, None)
+    rt.on_optimizer_step(opt)
+    assert rt.step_for_call() == 8
+
+
+def test_warns_once_after_10000_calls_without_an_optimizer_step(caplog):
+    """9,999 loss calls without an optimizer step: silent; the 10,000th: one warning naming the count and the step
+    all of them are logged as (set_step(10) after one optimizer step → 10); more calls do not repeat it."""
+    from triage_monitor.hooks._runtime import CALLS_WITHOUT_OPTIMIZER_WARNING
+    assert CALLS_WITHOUT_OPTIMIZER_WARNING == 10_000
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    rt = _bare_runtime()
+    rt.record(0, None)
+    rt.on_optimizer_step(opt)
+    rt.set_step(10)
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        for _ in range(9_999):
+            rt.record(10, None)
+        assert rt.step_for_call() == 10 and not caplog.records
+        rt.record(10, None)
+        rt.step_for_call()
+        for _ in range(5):
+            rt.record(10, None)
+            rt.step_for_call()
+    (rec,) = caplog.records
+    msg = rec.getMessage()
+    assert msg.startswith(f"triage-monitor: 10000 loss calls and no torch.optim optimizer step seen in this process "
+                          f"(pid {os.getpid()}): all of them are being logged as ONE step (10). Fix: pass the step "
+                          f"yourself (hook.set_step(step) before each update, or step_source='framework' where the "
+                          f"hook reads the framework's step), or make sure the optimizer is a torch.optim.Optimizer "
+                          f"stepping in this process (docs/hooks.md#how-a-hook-runs-inside-the-frameworks-workers)")
+
+
+def test_gate_weights_are_recorded_per_token_only_with_a_controller(tmp_path):
+    """A TRIAGE hook writes each token's Gate weight next to the token; a monitoring-only hook (plain PPO) has no
+    such column."""
+    for triage, has in ((TriageConfig(gate_width=2, repair_width=2), True), (None, False)):
+        settings = HookSettings(run_dir=str(tmp_path / f"run-{has}"), monitor=MonitorConfig(window=2,
+                                calibration_steps=1), triage=triage)
+        hook = make_hook_class()(settings)
+        res = hook.compute_loss(TokenBatch.from_padded(*micro_batch(0, 0, 0)), agg_mode="token_mean")
+        hook.close()
+        (f,) = (tmp_path / f"run-{has}" / "tokens").iterdir()
+        table = pq.read_table(f)
+        assert ("gate_weight" in table.column_names) is has
+        if has:
+            assert table.column("gate_weight").to_pylist() == pytest.approx(res.output.gate_weights.tolist())
+
+
+def test_state_dict_without_controller_or_monitor_and_loading_into_a_runtime_that_stepped(tmp_path):
+    """A monitoring-only runtime has no controller state; one without run_dir no monitor state.  Loading a state
+    into a runtime that already took optimizer steps continues at the saved step; the monitor's τ_tail and the call
+    count come back."""
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    bare = _bare_runtime()
+    sd = bare.state_dict()
+    assert sd["controller"] is None and sd["monitor"] is None
+    mon_settings = HookSettings(run_dir=str(tmp_path / "run"), monitor=MonitorConfig(window=2, calibration_steps=1))
+    src = make_hook_class()(mon_settings).runtime
+    state = src.state_dict()
+    assert state["controller"] is None and state["monitor"]["tracker"]["tau_frozen"] is False
+    state["monitor"]["tracker"].update(tau_tail=-0.7, tau_frozen=True)
+    state.update(optimizer_steps=5, step_offset=2, calls=40, controller={"ignored": True})
+    src.close()
+    dst = make_hook_class()(HookSettings(run_dir=str(tmp_path / "run2"), monitor=MonitorConfig(window=2,
+                                         calibration_steps=1))).runtime
+    dst.record(0, TokenBatch.from_padded(*micro_batch(0, 0, 0)))
+    dst.on_optimizer_step(opt)
+    dst.load_state_dict(state)                      # a monitoring-only runtime ignores a controller state
+    assert dst.step_for_call() == 7 and dst.calls == 40
+    assert dst.monitor.tracker.tau_tail == -0.7 and dst.monitor.tracker.tau_frozen
+    dst.close()
+    bare.load_state_dict(state)                     # no monitor here: its state is ignored
+    assert bare.step_for_call() == 7
+
+
+def test_failures_in_the_optimizer_hook_and_at_close_are_reported_not_raised(tmp_path, monkeypatch, caplog):
+    """The global optimizer post-hook and close_all() never raise into training: a failing runtime is reported
+    (once per process for the optimizer hook) and the others go on."""
+    hook = make_hook_class()(HookSettings(run_dir=None))
+    rt = hook.runtime
+
+    def boom(*a, **k):
+        raise RuntimeError("disk gone")
+
+    monkeypatch.setattr(rt, "on_optimizer_step", boom)
+    monkeypatch.setattr(rt, "close", boom)
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        opt.step()
+        opt.step()
+        close_all()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs.count("triage-monitor: logging the step failed (RuntimeError: disk gone); training continues") == 1
+    assert "triage-monitor: closing a hook failed (RuntimeError: disk gone)" in msgs
+    monkeypatch.undo()
+    rt.close()
+
+
+def test_live_attributes_are_not_pickled_and_attempt_is_drawn_in_the_worker(tmp_path):
+    """Attributes named ``_live*`` stay in the process; a hook built with ``attempt=None`` draws its attempt id
+    where the monitor starts (no process group here: a new id, recorded in run.json)."""
+    hook = make_hook_class()(HookSettings(run_dir=str(tmp_path / "run"), attempt=None))
+    hook._live_cache = object()
+    hook.note = "kept"
+    copy = cloudpickle.loads(cloudpickle.dumps(hook))
+    assert not hasattr(copy, "_live_cache") and copy.note == "kept"
+    mon = hook.monitor
+    assert isinstance(mon.attempt, int)
+    hook.close()
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert [a["attempt"] for a in manifest["attempts"]] == [mon.attempt]
+
+
+def test_hook_settings_validate_and_normalise():
+    with pytest.raises(ValueError, match=r"^HookSettings.step_source must be one of \('auto', 'framework', "
+                                         r"'optimizer'\), got 'epoch'$"):
+        HookSettings(step_source="epoch")
+    with pytest.raises(ValueError, match=r"^HookSettings.on_invalid must be 'raise' or 'quarantine', got 'drop'$"):
+        HookSettings(on_invalid="drop")
+    from pathlib import Path
+    s = HookSettings(run_dir=Path("/tmp/x"), on_invalid="quarantine", monitor={"window": 3},
+                     triage={"gate_width": 4})
+    assert s.run_dir == "/tmp/x" and s.on_invalid == "quarantine"
+    assert isinstance(s.monitor, MonitorConfig) and s.monitor.window == 3
+    assert isinstance(s.triage, TriageConfig) and s.triage.gate_width == 4
+    assert HookSettings().run_dir is None
+
+
+def test_in_ray_worker_is_false_in_a_plain_process():
+    from triage_monitor.hooks._runtime import in_ray_worker
+    assert in_ray_worker() is False
+
+
+def test_monitoring_only_hook_is_the_plain_ppo_loss_and_records_the_framework_step(tmp_path):
+    """No TriageConfig: no controller, the loss is the framework's own PPO loss — with old = learner − 0.1 the ratio is
+    e^0.1 (inside [0.8, 1.28]), ℓ = −e^0.1·A, token_sum = −e^0.1·ΣA — and no controller statistics are logged; the
+    framework's step metadata names the step."""
+    hook = make_hook_class()(HookSettings(run_dir=str(tmp_path / "run"), monitor=MonitorConfig(window=2,
+                                          calibration_steps=1)))
+    assert hook.controller is None
+    lp, s, a, m = micro_batch(0, 0, 0)
+    b = TokenBatch.from_padded(lp, s, a, m)
+    res = hook.compute_loss(b, old_logp=b.learner_logp.detach() - 0.1, framework_step=12, agg_mode="token_sum")
+    assert res.loss.item() == pytest.approx(-math.exp(0.1) * b.advantage.sum().item(), rel=1e-5)
+    metrics = hook.flush()
+    assert metrics["step"] == 12 and "gate_weight_mean" not in metrics
+    hook.close()
+
+
+def test_triage_hook_logs_its_controller_statistics_and_config(tmp_path):
+    hook = make_hook_class()(_settings(tmp_path))
+    res = hook.compute_loss(TokenBatch.from_padded(*micro_batch(0, 0, 0)), agg_mode="token_mean")
+    metrics = hook.flush()
+    assert metrics["gate_weight_mean"] == pytest.approx(res.output.stats["gate_weight_mean"])
+    hook.close()
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["info"]["triage"]["gate_width"] == 2 and manifest["info"]["triage"]["repair_width"] == 2
+
+
+def test_only_the_optimizer_that_steps_after_a_loss_call_counts():
+    """An optimizer stepping before any loss call is not bound; the first one stepping after a loss call is, and
+    another optimizer's steps are ignored from then on."""
+    p = torch.nn.Parameter(torch.zeros(()))
+    other, ours = torch.optim.SGD([p], lr=0.1), torch.optim.SGD([p], lr=0.1)
+    rt = _bare_runtime()
+    rt.on_optimizer_step(other)
+    assert rt.optimizer_steps == 0
+    rt.record(0, None)
+    rt.on_optimizer_step(ours)
+    rt.record(1, None)
+    rt.on_optimizer_step(other)
+    rt.on_optimizer_step(ours)
+    assert rt.optimizer_steps == 2
+
+
+def test_close_after_optimizer_steps_is_quiet_and_a_closed_runtime_is_replaced(tmp_path, caplog):
+    hook = make_hook_class()(_settings(tmp_path))
+    rt = hook.runtime
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        train(cloudpickle.dumps(hook), worker=0, close=False)
+        hook.close()
+    assert rt.closed and not [r for r in caplog.records if "optimizer step" in r.getMessage()]
+    assert hook.runtime is not rt and not hook.runtime.closed
+    hook.runtime.close()
