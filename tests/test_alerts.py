@@ -630,3 +630,33 @@ def test_replay_counts_the_rows_it_skips_and_lists_20_columns(caplog):
     wide = pd.DataFrame({f"c{i:02d}": [0] for i in range(25)})
     with pytest.raises(ValueError, match=r"no step column 'step'; columns: \['c00', .*'c19'\]$"):
         replay([r], wide)
+
+
+def test_alert_texts_of_the_baseline_and_trend_conditions():
+    """The text states the value, the score with its unit, the direction word, the reference and the threshold."""
+    tail = " (window 1 steps; held 1 step(s))."
+    (a,) = AlertEngine([Rule("e", "window/x", "excess", 0.5, baseline=2.0, relative=True)]).observe(
+        0, {"window/x": 3.5})
+    assert a.value == 0.75 and a.text == ("window/x = 3.5 is 0.75 (relative) above its baseline 2 (first 50 steps; "
+                                          "threshold 0.5) at step 0" + tail)
+    (a,) = AlertEngine([Rule("d", "window/x", "deficit", 0.5, baseline=2.0)]).observe(0, {"window/x": 1.0})
+    assert a.text == "window/x = 1 is 1 below its baseline 2 (first 50 steps; threshold 0.5) at step 0" + tail
+    eng = AlertEngine([Rule("r", "window/x", "rising", 0.5, k=1)])
+    eng.observe(0, {"window/x": 1.0})
+    (a,) = eng.observe(1, {"window/x": 2.0})
+    assert a.text == "window/x rose 1 -> 2 over 1 window(s) of 1 steps (change 1, threshold 0.5) at step 1" + tail
+    eng = AlertEngine([Rule("f", "window/x", "falling", 0.2, k=1, relative=True)])
+    eng.observe(0, {"window/x": 2.0})
+    (a,) = eng.observe(1, {"window/x": 1.0})
+    assert a.text == ("window/x fell 2 -> 1 over 1 window(s) of 1 steps (change 0.5 (relative), threshold 0.2) "
+                      "at step 1" + tail)
+
+
+def test_relative_score_against_a_zero_or_unit_baseline():
+    """A relative score against a baseline of 0 is undefined (the step is not evaluated, nothing raises); against 1 it
+    is the plain difference."""
+    assert AlertEngine([Rule("z", "window/x", "excess", 0.5, baseline=0.0, relative=True)]).observe(
+        0, {"window/x": 9.0}) == []
+    (a,) = AlertEngine([Rule("u", "window/x", "excess", 0.5, baseline=1.0, relative=True)]).observe(
+        0, {"window/x": 2.0})
+    assert a.value == 1.0
