@@ -397,3 +397,27 @@ def test_tracker_state_without_calibration_data_calibrates_from_scratch():
     tr.step(5, _delta_batch(d))
     tr.step(6, _delta_batch(np.zeros(2)))
     assert tr.tau_frozen and _within_sketch(tr.tau_tail, d)
+
+
+def test_segment_tail_stats_of_the_hand_worked_batch(seg_batch):
+    """The localisation sums of seg_batch (worked out in its docstring): 25 valid tokens in A<0 responses, 5 tail
+    tokens, 7 segments of which 4 heavy, 3 with a predecessor (1 heavy after a heavy one: s2k1; s0k2 after s0k1 is
+    not heavy), 3 A<0 responses with a heavy segment, 1 of them diluted."""
+    from triage_monitor.metrics import segment_tail_stats
+    st = segment_tail_stats(seg_batch, TAU, W, 0.1, 0.05)
+    assert (st["neg_valid_tokens"], st["tail_tokens"], st["segments"], st["heavy_segments"]) == (25, 5, 7, 4)
+    assert (st["pairs"], st["pairs_heavy"], st["pairs_prev_heavy"], st["pairs_both_heavy"]) == (3, 2, 2, 1)
+    assert (st["responses_with_heavy"], st["responses_diluted"]) == (3, 1)
+    assert sorted(zip(st["seg_tail"].tolist(), st["seg_valid"].tolist())) == sorted(
+        [(0, 4), (2, 3), (0, 2), (1, 4), (1, 4), (0, 4), (1, 4)])
+
+
+def test_merged_keeps_the_parts_config():
+    """MismatchStats.merged of one part equals that part, and the merge keeps the parts' segment width."""
+    cfg = MetricConfig(segment_width=16)
+    b = TokenBatch.from_padded(*_random_padded(1))
+    one = MismatchStats(cfg).update(b, -0.5)
+    m = MismatchStats.merged([one])
+    assert m.config.segment_width == 16 and torch.equal(m.state, one.state)
+    two = MismatchStats.merged([one, MismatchStats(cfg).update(b, -0.5)])
+    assert two.compute().values["n_tokens"] == 2 * one.compute().values["n_tokens"]
