@@ -156,3 +156,36 @@ def test_vectorised_exp_within_one_ulp_of_the_library_exp():
     assert np.all(np.abs(out[normal] - ref[normal]) <= np.spacing(ref[normal]))
     np.testing.assert_array_equal(out[~normal], ref[~normal])
     assert out[d.size - len(special)] == 1.0 and out[d.size - len(special) + 1] == 1.0
+
+
+def test_trailing_window_is_the_step_order_merge_bit_for_bit():
+    """MetricTracker.push's window (count fields as a running sum, the float sums and min/max merged state by
+    state) equals the metrics of StateLayout.reduce of the window's step states in step order, bit for bit, with
+    float sums whose total depends on the order of addition (1e16 + 1 - 1e16); and merge_all_into_spans over
+    the whole state equals reduce."""
+    import torch
+
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.metrics import MetricConfig, MetricTracker, MismatchStats
+
+    cfg = MetricConfig(segment_width=16)
+    tr = MetricTracker(cfg, window=3, tau_tail=-0.5)
+    rng = np.random.default_rng(3)
+    pushed = []
+    for step in range(6):
+        lp = torch.tensor(rng.normal(-3, 0.3, (4, 40)), dtype=torch.float32)
+        sp = (lp + torch.tensor(rng.normal(0, 0.2, (4, 40)), dtype=torch.float32)).clamp(max=-1e-3)
+        adv = torch.tensor(rng.normal(0, 1, (4, 1)), dtype=torch.float32).expand(4, 40)
+        stats = MismatchStats(cfg).update(TokenBatch.from_padded(lp, sp, adv, torch.ones(4, 40)), -0.5)
+        sums = stats.layout.slices["sums"]
+        stats.state[sums] += torch.tensor(rng.choice([1e16, 1.0, -1e16, 0.1], sums.stop - sums.start))
+        pushed.append(stats)
+        _, window = tr.push(step, stats)
+        layout = stats.layout
+        last = [st.state for st in pushed[-3:]]
+        expect = layout.reduce(last)
+        assert torch.equal(layout.merge_all_into_spans(layout.identity(), last, [(0, layout.size)]), expect)
+        want = MismatchStats(cfg, state=expect, tau_tail=-0.5).compute().values
+        assert window.values.keys() == want.keys()
+        for k, v in want.items():
+            assert (v == window.values[k]) or (v != v and window.values[k] != window.values[k]), k
