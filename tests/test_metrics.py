@@ -421,3 +421,15 @@ def test_merged_keeps_the_parts_config():
     assert m.config.segment_width == 16 and torch.equal(m.state, one.state)
     two = MismatchStats.merged([one, MismatchStats(cfg).update(b, -0.5)])
     assert two.compute().values["n_tokens"] == 2 * one.compute().values["n_tokens"]
+
+
+def test_dilution_uses_the_response_mean_on_both_update_paths(update_path):
+    """Three A<0 responses of 64 tokens, 10 tails (δ = −1, heavy) and 54 tokens at c, mean δ −0.04 (diluted), +0.06
+    and −0.06 (not): dilution 1/3 — on the mean (Σδ / n), not the sum, through the kernel and the torch path."""
+    ds = []
+    for mean in (-0.04, 0.06, -0.06):
+        d = [(mean * 64 + 10) / 54] * 64
+        d[:10] = [-1.0] * 10
+        ds.append(d)
+    v = compute_step_metrics(_list_batch(ds, [-1.0] * 3, sampler=-3.0), -0.5).values
+    assert v["dilution"] == pytest.approx(1 / 3)
