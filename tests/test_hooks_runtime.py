@@ -385,6 +385,7 @@ def test_only_the_optimizer_that_steps_after_a_loss_call_counts():
     rt.on_optimizer_step(ours)
     rt.record(1, None)
     rt.on_optimizer_step(other)
+    assert rt.optimizer_steps == 1
     rt.on_optimizer_step(ours)
     assert rt.optimizer_steps == 2
 
