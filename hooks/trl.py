@@ -369,4 +369,4 @@ class TriageGRPOTrainer(GRPOTrainer):
         if self.triage_hook is not None and checkpoint is not None:
             path = os.path.join(checkpoint, STATE_FILE.format(rank=self.accelerator.process_index))
             if os.path.exists(path):
-                self.triage_hook.load_state_dict(torch.load(path, weights_only=False))
+                self.triage_hook.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

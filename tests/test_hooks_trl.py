@@ -420,7 +420,7 @@ def test_checkpoint_keeps_controller_state(tmp_path):
                            gradient_accumulation_steps=1)
     trainer.train()
     ckpt = Path(trainer.args.output_dir) / "checkpoint-1"
-    state = torch.load(ckpt / "triage_monitor_state_rank0.pt", weights_only=False)
+    state = torch.load(ckpt / "triage_monitor_state_rank0.pt", weights_only=True)
     assert state["controller"]["reference"]["steps"] == [0] and state["controller"]["thresholds"] is None
     resumed = make_trainer(tmp_path, HookSettings(triage=settings.triage, run_dir=str(tmp_path / "run2")),
                            max_steps=2, n_prompts=8, gradient_accumulation_steps=1)
