@@ -277,3 +277,35 @@ def test_manifest_status_failed_when_the_loop_raises(tmp_path):
             mon.log_step(0, _batch(0))
             raise RuntimeError("training diverged")
     assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"
+
+
+def test_attempt_id_is_rank_zeros_broadcast_over_the_process_group(tmp_path, monkeypatch):
+    """One job start, one attempt id on every rank: `_shared_attempt_id` broadcasts rank 0's id over the group
+    (a real gloo group of one process here; the multi-process case runs in tests/test_distributed.py)."""
+    import time
+
+    import torch.distributed as dist
+
+    import triage_monitor.monitor as monitor_mod
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        before = time.time_ns()
+        first = monitor_mod._shared_attempt_id()
+        assert isinstance(first, int) and before <= first <= time.time_ns()
+        monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 2**62 + 5)   # beyond float64's integers
+        assert monitor_mod._shared_attempt_id(dist.new_group([0])) == 2**62 + 5
+        with MismatchMonitor(tmp_path / "r") as mon:      # world of one: its own id, no broadcast needed
+            assert mon.attempt == 2**62 + 5 and mon.rank == 0 and mon.world_size == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_checkpoint_state_of_another_version_is_refused_naming_it(tmp_path):
+    with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2, calibration_steps=2)) as mon:
+        state = mon.state_dict()
+        assert state["version"] == 1
+        with pytest.raises(ValueError, match=r"^MismatchMonitor state version 7 is not 1$"):
+            mon.load_state_dict({**state, "version": 7})
+        with pytest.raises(ValueError, match=r"^MismatchMonitor state version None is not 1$"):
+            mon.load_state_dict({"tracker": state["tracker"]})

@@ -1,0 +1,207 @@
+"""Reading a run back: the recorded tokens as a TokenBatch, one step's metric state from its files, the per-step
+state cache under ``RUN_DIR/analysis`` and the post-mortem frame (recomputed metrics joined with the live-only
+columns)."""
+
+import math
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from triage_monitor.analysis import (open_run, postmortem_frame, recompute, recompute_states, step_state)
+from triage_monitor.batch import TokenBatch
+from triage_monitor.metrics import METRIC_NAMES, MismatchStats
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+STEPS = 5
+
+
+def _batch(step, B=6, T=40):
+    """Responses of different lengths (mask), advantages of both signs, groups of 3, sample ids 10·step + i."""
+    g = torch.Generator().manual_seed(step)
+    s = -torch.rand(B, T, generator=g) * 3
+    lp = (s + torch.randn(B, T, generator=g) * 0.2 - (torch.rand(B, T, generator=g) < 0.06) * 3).clamp(max=0)
+    mask = torch.arange(T)[None] < torch.randint(8, T + 1, (B, 1), generator=g)
+    return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), mask, sample_ids=torch.arange(B) + 10 * step,
+                                  group_ids=torch.arange(B) // 3)
+
+
+def _write(d, cfg, record_tokens=True, steps=STEPS):
+    cfg.record_tokens = record_tokens
+    with MismatchMonitor(d, cfg) as mon:
+        return [mon.log_step(s, _batch(s), extra={"reward": 0.5 * s}) for s in range(steps)]
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A 5-step run, window 2, τ_tail calibrated on the first 2 steps, every step's live row."""
+    d = tmp_path / "run"
+    live = _write(d, MonitorConfig(window=2, calibration_steps=2, metrics={"segment_width": 8}))
+    return open_run(d), live
+
+
+# ------------------------------------------------------------------------------------ the recorded tokens
+def test_token_batch_holds_the_logged_tokens_exactly(run):
+    r, _ = run
+    for s in (0, 3):
+        b, got = _batch(s), r.token_batch(s)
+        assert got.num_tokens == b.num_tokens
+        for k in ("learner_logp", "sampler_logp", "advantage", "position"):     # as recorded: float32, exact
+            assert torch.equal(getattr(got, k), getattr(b, k)), k
+        assert got.learner_logp.dtype == torch.float32
+        assert torch.equal(got.sample_id[got.sample_index], b.sample_id[b.sample_index])
+        assert torch.equal(got.group_id[got.sample_index], b.group_id[b.sample_index])
+    assert [s for s, _ in r.iter_batches()] == list(range(STEPS))
+    assert [(s, b.num_tokens) for s, b in r.iter_batches([4, 1])] == [(4, _batch(4).num_tokens),
+                                                                    (1, _batch(1).num_tokens)]
+
+
+def test_token_files_name_each_ranks_file_of_the_latest_attempt(tmp_path):
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2, tau_tail=-1.0)
+    for attempt in (1, 2):
+        for rank in (1, 0):
+            with MismatchMonitor(d, cfg, rank=rank, attempt=attempt) as mon:
+                mon.log_step(0, _batch(rank))
+                if attempt == 1:
+                    mon.log_step(1, _batch(5 + rank))
+    r = open_run(d)
+    assert [os.path.basename(f) for f in r.token_files(0)] == ["step-00000000-rank-0000-attempt-2.parquet",
+                                                              "step-00000000-rank-0001-attempt-2.parquet"]
+    assert [os.path.basename(f) for f in r.token_files(1)] == ["step-00000001-rank-0000-attempt-1.parquet",
+                                                              "step-00000001-rank-0001-attempt-1.parquet"]
+    with pytest.raises(KeyError, match="step 7 has no token records"):
+        r.token_files(7)
+    assert r.token_batch(0).num_tokens == _batch(0).num_tokens + _batch(1).num_tokens
+
+
+# ------------------------------------------------------------------------------ one step's state from its files
+def test_state_of_a_steps_files_gives_the_live_step_metrics(tmp_path):
+    """The offline state (numpy kernel over the decoded Parquet columns) against the live monitor's values (the
+    torch tracker over the batch): with a given τ_tail every step metric is reproduced."""
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=3, tau_tail=-0.4, metrics={"segment_width": 8})
+    live = _write(d, cfg)
+    r = open_run(d)
+    for s in (1, 4):
+        state = step_state(r.token_files(s), -0.4, cfg.metrics)
+        got = MismatchStats(cfg.metrics, state=torch.from_numpy(state), tau_tail=-0.4).compute().values
+        for k in METRIC_NAMES:
+            a, b = got[k], live[s][k]
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=1e-12), (s, k, a, b)
+
+
+# ------------------------------------------------------------------------------------------- the state cache
+def _cache_files(r):
+    return sorted((r.path / "analysis").glob("states-*.npz"))
+
+
+def _same_states(a, b):
+    assert a.steps == b.steps and a.taus == b.taus and np.array_equal(a.states, b.states)
+    assert len(a.null_inputs) == len(b.null_inputs) == len(a.steps)
+    for x, y in zip(a.null_inputs, b.null_inputs):
+        assert len(x) == len(y) == 3 and all(np.array_equal(u, v) for u, v in zip(x, y))
+
+
+def test_state_cache_is_saved_once_and_read_back_whole(run):
+    r, _ = run
+    fresh = recompute_states(r)
+    first = recompute_states(r, cache=True)
+    _same_states(first, fresh)
+    (f,) = _cache_files(r)
+    assert not list((r.path / "analysis").glob(".tmp-*"))
+    # the steps' shuffle-null inputs have different lengths (step 0's is empty): each gets its own slice back
+    assert [len(n[0]) for n in fresh.null_inputs] == [0, 5, 7, 8, 12]
+    assert [len(n[1]) for n in fresh.null_inputs] == [0, 2, 2, 2, 3]
+    again = recompute_states(r, cache=True, window=3)
+    _same_states(again, fresh)
+    assert again.window == 3 and again.tau_mode == "frozen" and again.config == fresh.config
+    assert again.frame().equals(recompute(r, window=3))
+    # a hit is read from the file, not recomputed: a planted value comes back
+    with np.load(f) as z:
+        arrays = dict(z)
+    arrays["states"] = arrays["states"] + 1.0
+    with open(f, "wb") as fh:
+        np.savez(fh, **arrays)
+    assert np.array_equal(recompute_states(r, cache=True).states, fresh.states + 1.0)
+
+
+def test_state_cache_key_follows_the_settings_and_the_token_files(run):
+    r, _ = run
+    recompute_states(r, cache=True)
+    recompute_states(r, cache=True, tau_mode="live")
+    recompute_states(r, cache=True, tau_tail=-0.3)
+    recompute_states(r, cache=True, calibration_steps=3)
+    recompute_states(r, cache=True, steps=[1, 2])
+    recompute_states(r, cache=True, config=r.metric_config().__class__(segment_width=16))
+    assert len(_cache_files(r)) == 6
+    recompute_states(r, cache=True, window=4)              # the window merges states: the same file
+    assert len(_cache_files(r)) == 6
+    f = r.token_files(3)[0]
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))   # a rewritten token file
+    recompute_states(r, cache=True)
+    assert len(_cache_files(r)) == 7
+    # the key names the token files relative to the run's parent: a run copied elsewhere (times kept) keeps it
+    import shutil
+
+    copy = open_run(shutil.copytree(r.path, r.path.parent / "elsewhere" / "run"))
+    recompute_states(copy, cache=True)
+    assert [f.name for f in _cache_files(copy)] == [f.name for f in _cache_files(r)]
+
+
+def test_a_damaged_or_unwritable_cache_is_recomputed_without_error(run):
+    r, _ = run
+    fresh = recompute_states(r)
+    recompute_states(r, cache=True)
+    (f,) = _cache_files(r)
+    f.write_bytes(b"not an npz")
+    _same_states(recompute_states(r, cache=True), fresh)
+    with np.load(f) as z:                                  # rewritten whole
+        assert np.array_equal(z["states"], fresh.states)
+    arrays = dict(np.load(f))
+    del arrays["taus"]                                     # an older cache format
+    with open(f, "wb") as fh:
+        np.savez(fh, **arrays)
+    _same_states(recompute_states(r, cache=True), fresh)
+    # a run directory where analysis/ cannot be created (here: a regular file): no cache, same result
+    d2 = r.path.parent / "run2"
+    _write(d2, MonitorConfig(window=2, calibration_steps=2, metrics={"segment_width": 8}))
+    (d2 / "analysis").write_text("")
+    _same_states(recompute_states(open_run(d2), cache=True), fresh)
+
+
+# ------------------------------------------------------------------------------------------ the post-mortem
+def test_postmortem_frame_joins_recomputed_metrics_with_live_only_columns(run):
+    r, live = run
+    frame, states = postmortem_frame(r)
+    rec = recompute(r)                          # the same computation: postmortem_frame uses recompute_states
+    assert states is not None and states.steps == list(range(STEPS))
+    assert list(frame["step"]) == list(range(STEPS))
+    pd.testing.assert_frame_equal(frame[list(rec.columns)], rec)
+    assert list(frame["reward"]) == [0.5 * s for s in range(STEPS)]
+    assert list(frame["tau_tail_frozen"]) == [row["tau_tail_frozen"] for row in live]
+    assert frame.attrs["tau_mode"] == "frozen" and frame.attrs["window"] == 2
+    # independent check: once τ_tail froze (step 1), the frozen-τ post-mortem equals the live monitor
+    for s in (2, 4):
+        for k in ("rho_asym", "c_tok", "window/r_amp", "n_tokens"):
+            a, b = frame.loc[s, k], live[s][k]
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9), (s, k)
+    # the steps a page listed earlier (a run still being written): those with tokens, a snapshot of the prefix
+    only, _ = postmortem_frame(r, window=3, steps=[2, 0, 1, 9])
+    assert list(only["step"]) == [0, 1, 2] and only.attrs["window"] == 3
+    pd.testing.assert_frame_equal(only, postmortem_frame(r, window=3)[0].iloc[:3])
+    assert _cache_files(r)                      # the post-mortem fills the shared cache
+
+
+def test_postmortem_frame_without_token_records_is_the_live_rows(tmp_path):
+    d = tmp_path / "run"
+    _write(d, MonitorConfig(window=2, calibration_steps=2), record_tokens=False)
+    r = open_run(d)
+    frame, states = postmortem_frame(r)
+    assert states is None
+    pd.testing.assert_frame_equal(frame, r.steps())
+    given = r.steps().iloc[:2]
+    assert postmortem_frame(r, live=given)[0] is given

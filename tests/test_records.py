@@ -1,0 +1,175 @@
+"""The run directory's writer side (triage_monitor.records): the background writer's flush deadline, the start
+checks' errors and messages, the manifest's JSON, the steps table's one schema."""
+
+import argparse
+import json
+import logging
+import math
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from triage_monitor.analysis import open_run
+from triage_monitor.batch import TokenBatch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+from triage_monitor.records import (DeferredColumns, OutputError, ParquetSink, RunConflictError, RunManifest,
+                                    UnwritableOutputError, add_existing_run_arguments, read_manifest, table_file,
+                                    write_json_atomic)
+
+
+def _batch(step, B=3, T=16):
+    g = torch.Generator().manual_seed(step)
+    s = -torch.rand(B, T, generator=g) * 3
+    lp = (s + torch.randn(B, T, generator=g) * 0.1).clamp(max=0)
+    return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), torch.ones(B, T, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------------------ the writer thread
+def test_flush_with_a_timeout_returns_at_the_deadline_and_without_waits_for_the_disk(tmp_path):
+    release = threading.Event()
+
+    def slow_columns():                       # a file the writer thread is still building
+        release.wait(10)
+        return {"x": np.arange(3)}
+
+    sink = ParquetSink(tmp_path, attempt=1)
+    try:
+        sink.submit("steps", 0, 0, DeferredColumns(slow_columns, 24, 3))
+        t0 = time.monotonic()
+        sink.flush(timeout=0.3)
+        waited = time.monotonic() - t0
+        assert 0.25 <= waited < 3, waited
+        assert sink.written_files == 0
+        threading.Timer(0.3, release.set).start()
+        sink.flush()                          # no timeout: until the file is on disk
+        assert sink.written_files == 1 and sink.written_rows == 3
+        assert pq.read_table(table_file(tmp_path, "steps", 0, 0, 1)).column("x").to_pylist() == [0, 1, 2]
+    finally:
+        release.set()
+        sink.close()
+
+
+def test_monitor_flush_passes_its_timeout_to_the_writer(tmp_path):
+    release = threading.Event()
+    with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2, tau_tail=-1.0)) as mon:
+        mon.sink.submit("alerts", 0, 0, DeferredColumns(lambda: release.wait(10) and {"x": np.arange(2)}, 16, 2))
+        t0 = time.monotonic()
+        mon.flush(timeout=0.3)
+        assert 0.25 <= time.monotonic() - t0 < 3
+        release.set()
+        mon.flush()
+        assert mon.sink.written_files == 1
+
+
+# ------------------------------------------------------------------------------------------ the start checks
+def test_start_errors_carry_the_directory_concerned(tmp_path):
+    d = tmp_path / "run"
+    MismatchMonitor(d, MonitorConfig(window=2)).close()
+    with pytest.raises(RunConflictError) as err:
+        MismatchMonitor(d, MonitorConfig(window=3))
+    assert err.value.path == d
+    assert err.value.differences == {"monitor_config.window": (2, 3)}
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UnwritableOutputError) as err:
+        MismatchMonitor(tmp_path / "file" / "run")
+    assert err.value.path == tmp_path / "file" / "run"
+    assert OutputError("no path").path is None and RunConflictError("x").differences == {}
+
+
+def test_a_conflict_message_names_the_first_eight_differences_and_counts_the_rest(tmp_path):
+    d = tmp_path / "run"
+    MismatchMonitor(d, MonitorConfig(window=2), manifest={"demo_config": {f"k{i}": -1 for i in range(10)}}).close()
+    ten = {f"k{i}": i for i in range(10)}                # ten identity keys differing: 'demo_config.k0' ...
+    with pytest.raises(RunConflictError) as err:
+        MismatchMonitor(d, MonitorConfig(window=2), manifest={"demo_config": ten})
+    msg = str(err.value)
+    listed = [f"demo_config.k{i}: -1 -> {i}" for i in range(10)]
+    assert "; ".join(listed[:8]) + "; and 2 more)" in msg
+    assert listed[8] not in msg and len(err.value.differences) == 10
+    eight = {**ten, "k8": -1, "k9": -1}
+    with pytest.raises(RunConflictError) as err:
+        MismatchMonitor(d, MonitorConfig(window=2), manifest={"demo_config": eight})
+    assert "; ".join(listed[:8]) + "): continue it" in str(err.value) and "more" not in str(err.value)
+
+
+def test_resume_and_force_arguments(tmp_path):
+    p = argparse.ArgumentParser()
+    add_existing_run_arguments(p)
+    assert vars(p.parse_args([])) == {"resume": False, "force": False}
+    assert vars(p.parse_args(["--resume"])) == {"resume": True, "force": False}
+    assert vars(p.parse_args(["--force"])) == {"resume": False, "force": True}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--resume", "--force"])          # one or the other
+    helps = {a.option_strings[0]: a.help for a in p._actions if a.option_strings[0] in ("--resume", "--force")}
+    assert ("continue the run already in --out as a new attempt even if its model / task / correction / seed / "
+            "source differ (the changes are recorded in run.json); the metric configuration must match"
+            == helps["--resume"])
+    assert "a run already there is moved to <out>.replaced-<UTC time>" in helps["--force"]
+    assert helps["--force"].startswith("start a new run in --out")
+
+
+# --------------------------------------------------------------------------------------------- the manifest
+def test_manifest_json_is_standard_json_with_nan_as_null(tmp_path):
+    obj = {"a": math.nan, "b": [1.5, math.inf, (2.0, -math.inf)], "c": {"d": math.nan, "e": "x"},
+           "f": np.int64(3), "g": np.float64(0.25), "h": tmp_path}
+    write_json_atomic(obj, tmp_path / "m.json")
+    text = (tmp_path / "m.json").read_text()
+    assert json.loads(text) == {"a": None, "b": [1.5, None, [2.0, None]], "c": {"d": None, "e": "x"}, "f": 3,
+                                "g": 0.25, "h": str(tmp_path)}
+    assert "NaN" not in text and "Infinity" not in text
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_schema_one_manifest_reads_its_calibrated_tau_and_drops_duplicated_keys(tmp_path):
+    old = {"monitor_config": {"window": 4}, "tau_tail_calibrated": -0.7, "segment_width": 64, "window": 4,
+           "schema_version": 1, "future_key": [1, 2]}
+    (tmp_path / "run.json").write_text(json.dumps(old))
+    m = read_manifest(tmp_path)
+    assert m.calibration == {"tau_tail": -0.7} and m.tau_tail == -0.7 and m.schema_version == 1
+    assert m.extra == {"future_key": [1, 2]}
+    assert m.to_dict()["future_key"] == [1, 2] and "segment_width" not in m.to_dict()
+    given = RunManifest.from_dict({**old, "monitor_config": {"tau_tail": -0.2}})
+    assert given.calibration is None and given.tau_tail == -0.2
+    (tmp_path / "run.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"run.json: expected a JSON object, got list"):
+        read_manifest(tmp_path)
+    (tmp_path / "run.json").write_text("{")
+    with pytest.raises(ValueError, match=r"run.json: not valid JSON"):
+        read_manifest(tmp_path)
+
+
+# --------------------------------------------------------------------------------------- the steps table
+def test_a_metric_key_first_seen_late_is_warned_once_and_backfilled(tmp_path, caplog):
+    d = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0)) as mon:
+            mon.log_step(0, _batch(0), extra={"reward": 1.0})
+            mon.log_step(1, _batch(1), extra={"reward": 2.0, "kl": 0.5})
+            mon.log_step(2, _batch(2), extra={"kl": 0.25, "entropy": 3.0})
+    warned = [r.getMessage() for r in caplog.records if "new metric column" in r.getMessage()]
+    assert len(warned) == 1 and "step 1" in warned[0] and "['kl']" in warned[0]
+    steps = open_run(d).steps()
+    assert steps["kl"].tolist()[1:] == [0.5, 0.25] and math.isnan(steps["kl"][0])
+    assert math.isnan(steps["reward"][2]) and steps["entropy"].tolist()[2] == 3.0
+
+
+def test_a_steps_file_with_more_than_one_row_is_skipped_and_named(tmp_path, caplog):
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0)) as mon:
+        for s in range(3):
+            mon.log_step(s, _batch(s))
+    f = next((d / "steps").glob("step-00000001-*.parquet"))
+    t = pq.read_table(f)
+    pq.write_table(pa.concat_tables([t, t]), f)
+    run = open_run(d)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        assert run.steps()["step"].tolist() == [0, 2]
+        run.steps()
+    assert run.unreadable == [(str(f), "2 rows, a steps file holds one")]
+    warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert warned == [f"triage-monitor: skipped unreadable file {f} (2 rows, a steps file holds one)"]
