@@ -49,6 +49,16 @@ def test_flush_with_a_timeout_returns_at_the_deadline_and_without_waits_for_the_
         sink.flush()                          # no timeout: until the file is on disk
         assert sink.written_files == 1 and sink.written_rows == 3
         assert pq.read_table(table_file(tmp_path, "steps", 0, 0, 1)).column("x").to_pylist() == [0, 1, 2]
+        # a removal queued behind a slow file is waited for too
+        old = table_file(tmp_path, "tokens", 0, 0, 0)
+        old.parent.mkdir()
+        old.write_bytes(b"")
+        release.clear()
+        sink.submit("steps", 1, 0, DeferredColumns(slow_columns, 24, 3))
+        sink.submit_delete("tokens", 0, 0, attempt=0)
+        threading.Timer(0.2, release.set).start()
+        sink.flush()
+        assert not old.exists() and sink.written_files == 2
     finally:
         release.set()
         sink.close()
@@ -116,11 +126,11 @@ def test_resume_and_force_arguments(tmp_path):
 # --------------------------------------------------------------------------------------------- the manifest
 def test_manifest_json_is_standard_json_with_nan_as_null(tmp_path):
     obj = {"a": math.nan, "b": [1.5, math.inf, (2.0, -math.inf)], "c": {"d": math.nan, "e": "x"},
-           "f": np.int64(3), "g": np.float64(0.25), "h": tmp_path}
+           "f": np.int64(3), "g": np.float64(0.25), "h": tmp_path, "i": np.float32(0.5), "j": {3}}
     write_json_atomic(obj, tmp_path / "m.json")
     text = (tmp_path / "m.json").read_text()
     assert json.loads(text) == {"a": None, "b": [1.5, None, [2.0, None]], "c": {"d": None, "e": "x"}, "f": 3,
-                                "g": 0.25, "h": str(tmp_path)}
+                                "g": 0.25, "h": str(tmp_path), "i": 0.5, "j": "{3}"}
     assert "NaN" not in text and "Infinity" not in text
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
@@ -173,3 +183,4 @@ def test_a_steps_file_with_more_than_one_row_is_skipped_and_named(tmp_path, capl
     assert run.unreadable == [(str(f), "2 rows, a steps file holds one")]
     warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
     assert warned == [f"triage-monitor: skipped unreadable file {f} (2 rows, a steps file holds one)"]
+
