@@ -184,3 +184,12 @@ def test_a_steps_file_with_more_than_one_row_is_skipped_and_named(tmp_path, capl
     warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
     assert warned == [f"triage-monitor: skipped unreadable file {f} (2 rows, a steps file holds one)"]
 
+
+
+def test_numpy_float32_nan_in_the_manifest_is_written_as_null(tmp_path):
+    """np.float32 is no Python float: its NaN / inf must become null too, not stop the monitor at start."""
+    with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2), manifest={"lr": np.float32("nan"),
+                                                                           "clip": [np.float32("inf")]}):
+        pass
+    info = json.loads((tmp_path / "r" / "run.json").read_text())["info"]
+    assert info["lr"] is None and info["clip"] == [None]
