@@ -205,3 +205,68 @@ def test_postmortem_frame_without_token_records_is_the_live_rows(tmp_path):
     pd.testing.assert_frame_equal(frame, r.steps())
     given = r.steps().iloc[:2]
     assert postmortem_frame(r, live=given)[0] is given
+
+
+# ---------------------------------------------------------------------------------------- Run.tokens
+def _two_ranks(d, extras_on_rank0=False):
+    """Step 0 on two ranks of one attempt; rank 1 holds the lower sample ids, so file order is not row order."""
+    cfg = MonitorConfig(window=2, tau_tail=-1.0)
+    for rank, ids in ((0, [7, 3]), (1, [2, 5])):
+        b = TokenBatch.from_list([torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-0.25, -3.0])],
+                                 [torch.tensor([-1.5, -2.0, -0.5]), torch.tensor([-0.5, -2.0])],
+                                 torch.tensor([1.0, -1.0]) * (rank + 1), sample_ids=torch.tensor(ids))
+        ex = {"gate_weight": torch.arange(5, dtype=torch.float32)} if extras_on_rank0 and rank == 0 else None
+        with MismatchMonitor(d, cfg, rank=rank, attempt=1) as mon:
+            mon.log_step(0, b, token_extras=ex)
+
+
+def test_tokens_of_all_ranks_sorted_by_sample_and_position(tmp_path):
+    d = tmp_path / "run"
+    _two_ranks(d, extras_on_rank0=True)
+    df = open_run(d).tokens(0)
+    assert list(zip(df["sample_id"], df["position"])) == [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (5, 0), (5, 1),
+                                                          (7, 0), (7, 1), (7, 2)]
+    assert list(df.index) == list(range(10))
+    assert df["rank"].tolist() == [1, 1, 1, 0, 0, 1, 1, 0, 0, 0]
+    assert df["learner_logp"].tolist()[:3] == [-1.0, -2.0, -0.5]
+    # a token column one rank has and the other not: the other rank's rows hold NaN
+    # (token_extras follow the batch's token order: sample 3's tokens, then sample 7's)
+    assert df["gate_weight"].tolist()[3:5] == [0.0, 1.0] and df["gate_weight"].tolist()[7:] == [2.0, 3.0, 4.0]
+    assert df["gate_weight"][:3].isna().all()
+    part = open_run(d).tokens(0, columns=["sample_id", "advantage"])
+    assert list(part.columns) == ["sample_id", "advantage", "rank"]
+    assert part["advantage"].tolist() == [2.0] * 3 + [-1.0] * 2 + [-2.0] * 2 + [1.0] * 3
+
+
+def test_tokens_skip_an_unreadable_rank_file_and_name_every_file_when_none_reads(tmp_path):
+    d = tmp_path / "run"
+    _two_ranks(d)
+    r = open_run(d)
+    f0, f1 = r.token_files(0)
+    with open(f0, "r+b") as fh:
+        fh.truncate(100)
+    assert sorted(r.tokens(0)["sample_id"].unique()) == [2, 5]            # rank 1's rows still read
+    assert [p for p, _ in r.unreadable] == [f0]
+    with open(f1, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(KeyError) as err:
+        open_run(d).tokens(0)
+    assert f"step 0: every token file is unreadable ({f0}, {f1})" in str(err.value)
+    with pytest.raises(KeyError) as err:
+        r.tokens(3)
+    assert str(err.value) == repr(f"step 3 has no token records in {d}")
+
+
+def test_tokens_of_the_older_hive_layout_take_the_rank_from_the_directory(tmp_path):
+    import pyarrow as pa
+
+    from triage_monitor.records import write_json_atomic, write_table_atomic
+
+    d = tmp_path / "old"
+    write_json_atomic({"schema_version": 2, "monitor_config": {}}, d / "run.json")
+    for rank, ids in ((0, [4, 1]), (3, [2])):
+        write_table_atomic(pa.table({"sample_id": ids, "position": [0] * len(ids), "learner_logp": [-1.0] * len(ids)}),
+                           d / "tokens" / "step=5" / f"rank={rank}" / "part-1.parquet")
+    df = open_run(d).tokens(5)
+    assert df["sample_id"].tolist() == [1, 2, 4] and df["rank"].tolist() == [0, 3, 0]
+    assert str(df["rank"].dtype) == "int64"

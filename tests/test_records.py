@@ -193,3 +193,56 @@ def test_numpy_float32_nan_in_the_manifest_is_written_as_null(tmp_path):
         pass
     info = json.loads((tmp_path / "r" / "run.json").read_text())["info"]
     assert info["lr"] is None and info["clip"] == [None]
+
+
+# ------------------------------------------------------------------------------------- force: moving a run aside
+def test_force_names_the_old_run_by_utc_time_and_numbers_repeats(tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.setenv("TZ", "America/New_York")         # the stamp is UTC whatever the local zone
+    time.tzset()
+    try:
+        d = tmp_path / "run"
+        before = time.gmtime()
+        for _ in range(3):
+            MismatchMonitor(d, MonitorConfig(window=2), force=True).close()
+        after = time.gmtime()
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name != "run")
+    assert len(names) == 2
+    m = re.fullmatch(r"run\.replaced-(\d{8}T\d{6}Z)", names[0])
+    assert m and time.strftime("%Y%m%dT%H%M%SZ", before) <= m.group(1) <= time.strftime("%Y%m%dT%H%M%SZ", after)
+    if names[1].startswith(names[0]):                    # both moves in the same second: the second one is "-1"
+        assert names[1] == names[0] + "-1"
+    for n in names:
+        assert (tmp_path / n / "run.json").is_file()
+
+
+def test_force_moves_a_manifest_alone_or_table_directories_alone(tmp_path):
+    from triage_monitor.records import check_run_dir
+
+    only_manifest, only_tables, other = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    MismatchMonitor(only_manifest, MonitorConfig(window=2)).close()
+    (only_tables / "alerts").mkdir(parents=True)
+    (other / "notes").mkdir(parents=True)
+    for p in (only_manifest, only_tables, other):
+        assert check_run_dir(p, {}, {}, force=True) is None
+    assert sorted(p.name.split(".replaced-")[0] for p in tmp_path.iterdir() if ".replaced-" in p.name) == ["a", "b"]
+    assert not (only_manifest / "run.json").exists() and not (only_tables / "alerts").exists()
+    assert (other / "notes").is_dir()                    # not a run: nothing is moved
+
+
+def test_force_is_refused_while_another_writer_holds_the_run(tmp_path):
+    from triage_monitor.records import RunLockedError
+
+    d = tmp_path / "run"
+    MismatchMonitor(d, MonitorConfig(window=2), attempt=5).close()
+    with MismatchMonitor(d, MonitorConfig(window=2), rank=1, attempt=5):     # rank 1 of the run is being written
+        with pytest.raises(RunLockedError, match=r"another process is writing this run's rank 1 \(pid \d+ on .*"
+                                                 r"attempt 5"):
+            MismatchMonitor(d, MonitorConfig(window=2), rank=0, force=True)
+    assert not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
+    MismatchMonitor(d, MonitorConfig(window=2), rank=0, force=True).close()   # released: moved aside now
+    assert len([p for p in tmp_path.iterdir() if ".replaced-" in p.name]) == 1
