@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from triage_monitor.analysis import (open_run, postmortem_frame, recompute, recompute_states, step_state)
+from triage_monitor.analysis import compare_live, open_run, postmortem_frame, recompute, recompute_states, step_state
 from triage_monitor.batch import TokenBatch
 from triage_monitor.metrics import METRIC_NAMES, MismatchStats
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
@@ -270,3 +270,43 @@ def test_tokens_of_the_older_hive_layout_take_the_rank_from_the_directory(tmp_pa
     df = open_run(d).tokens(5)
     assert df["sample_id"].tolist() == [1, 2, 4] and df["rank"].tolist() == [0, 3, 0]
     assert str(df["rank"].dtype) == "int64"
+
+
+# ------------------------------------------------------------------------------------------- compare_live
+def test_compare_live_relative_differences_worked_by_hand(run):
+    """Hand-made live and recomputed rows: |live − rec| / max(|live|, |rec|) per metric; NaN on both sides is equal,
+    on one side inf; with a frozen-τ recomputation the τ-dependent metrics of the provisional live steps
+    (tau_tail_frozen = 0: step 0) and the windows holding them (window 2: steps 0 and 1) are not compared."""
+    r, _ = run
+    live = pd.DataFrame({"step": [0, 1, 2, 3], "tau_tail_frozen": [0.0, 1.0, 1.0, 1.0],
+                         "rho_asym": [1.0, 2.0, math.nan, -4.0], "c_tok": [9.0, 0.5, 0.25, 0.0],
+                         "window/c_tok": [9.0, 9.0, 0.5, 0.5], "delta_mean": [0.0, 1.0, 1.0, 1.0],
+                         "reward": [1.0, 1.0, 1.0, 1.0]})
+    rec = pd.DataFrame({"step": [0, 1, 2, 3, 4], "rho_asym": [1.0, 2.2, math.nan, -4.0, 7.0],
+                        "c_tok": [1.0, 0.5, 0.2, 0.0, 1.0], "window/c_tok": [1.0, 3.0, 0.5, 0.4, 1.0],
+                        "delta_mean": [0.0, math.nan, 1.0, 1.0, 1.0], "p_adj": [0.1] * 5})
+    rec.attrs.update(tau_mode="frozen", window=2)
+    got = compare_live(r, rec, live=live).set_index("metric")
+    assert list(got.index) == ["rho_asym", "c_tok", "window/c_tok", "delta_mean"]   # p_adj: no live column
+    assert got.at["rho_asym", "max_rel_diff"] == pytest.approx(0.2 / 2.2, rel=1e-12)
+    assert not got.at["rho_asym", "equal"] and got.at["rho_asym", "compared"] == 4
+    assert got.at["rho_asym", "provisional"] == 0
+    assert got.at["c_tok", "max_rel_diff"] == pytest.approx(0.05 / 0.25) and got.at["c_tok", "provisional"] == 1
+    assert got.at["c_tok", "compared"] == 3
+    assert got.at["window/c_tok", "max_rel_diff"] == pytest.approx(0.1 / 0.5)
+    assert got.at["window/c_tok", "provisional"] == 2 and got.at["window/c_tok", "compared"] == 2
+    assert got.at["delta_mean", "max_rel_diff"] == math.inf and not got.at["delta_mean", "equal"]
+    loose = compare_live(r, rec, rtol=0.2, live=live).set_index("metric")["equal"]
+    assert loose.to_dict() == {"rho_asym": True, "c_tok": True, "window/c_tok": True, "delta_mean": False}
+    # one side 0: bounded by 1, not 1e300
+    zero = compare_live(r, rec.assign(rho_asym=[0.0, 2.0, math.nan, -4.0, 7.0]), live=live).set_index("metric")
+    assert zero.at["rho_asym", "max_rel_diff"] == 1.0
+    # live τ mode: every step compared; without attrs the run's window (2) is used
+    rec.attrs.update(tau_mode="live")
+    assert (compare_live(r, rec, live=live)["provisional"] == 0).all()
+    rec.attrs.clear()
+    assert compare_live(r, rec, live=live).set_index("metric").at["window/c_tok", "provisional"] == 2
+    rec.attrs.update(tau_mode="frozen", window=3)
+    assert compare_live(r, rec, live=live).set_index("metric").at["window/c_tok", "provisional"] == 3
+    empty = compare_live(r, rec.iloc[4:], live=live)
+    assert (empty["max_rel_diff"] == 0.0).all() and (empty["compared"] == 0).all()
