@@ -246,3 +246,103 @@ def test_force_is_refused_while_another_writer_holds_the_run(tmp_path):
     assert not [p for p in tmp_path.iterdir() if ".replaced-" in p.name]
     MismatchMonitor(d, MonitorConfig(window=2), rank=0, force=True).close()   # released: moved aside now
     assert len([p for p in tmp_path.iterdir() if ".replaced-" in p.name]) == 1
+
+
+# ------------------------------------------------------------------------------------- the queue bound
+def _held(release, rows=2):
+    """A file whose columns are built only once ``release`` is set (the writer thread is busy with it)."""
+    return DeferredColumns(lambda: release.wait(10) and {"x": np.arange(rows)}, 100, rows)
+
+
+def test_a_full_queue_blocks_or_drops_and_a_closed_sink_counts_its_rows(tmp_path):
+    release = threading.Event()
+    sink = ParquetSink(tmp_path / "block", attempt=1, max_queue_bytes=150, backpressure="block")
+    try:
+        assert sink.submit("steps", 0, 0, _held(release))        # alone in the queue: accepted
+        accepted = []
+        t = threading.Thread(target=lambda: accepted.append(sink.submit("steps", 1, 0, {"x": np.arange(7)})))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not accepted                      # 100 + 56 bytes > 150: waits for the writer
+        release.set()
+        t.join(10)
+        assert accepted == [True]
+        sink.flush()
+        assert sink.written_files == 2 and sink.written_rows == 9 and sink.dropped_rows == 0
+    finally:
+        release.set()
+        sink.close()
+    assert sink.closed and sink.submit("steps", 2, 0, [{"x": 1}, {"x": 2}]) is False and sink.dropped_rows == 2
+    sink.submit_delete("steps", 0, 0, attempt=1)                   # nothing queued after close
+    assert table_file(tmp_path / "block", "steps", 0, 0, 1).exists()
+
+    release = threading.Event()
+    sink = ParquetSink(tmp_path / "drop", attempt=1, max_queue_bytes=150, backpressure="drop")
+    try:
+        assert sink.submit("steps", 0, 0, _held(release, rows=2))
+        assert sink.submit("steps", 1, 0, {"x": np.arange(6)}) is True        # 100 + 48 bytes fit
+        assert sink.submit("steps", 2, 0, {"x": np.arange(3)}) is False       # + 24 does not: dropped, counted
+        assert sink.submit("steps", 3, 0, [{"x": 1}]) is False                # a row counts 256 bytes
+        assert sink.dropped_rows == 4
+        release.set()
+        sink.flush()
+        assert sink.written_rows == 8 and sink.written_files == 2
+    finally:
+        release.set()
+        sink.close()
+    with pytest.raises(ValueError, match="backpressure must be 'block' or 'drop', got 'wait'"):
+        ParquetSink(tmp_path, attempt=1, backpressure="wait")
+
+
+def test_an_unwritable_file_is_counted_and_reported_once(tmp_path, caplog):
+    (tmp_path / "steps").write_text("")                  # the table directory cannot be created
+    sink = ParquetSink(tmp_path, attempt=1)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        for s in range(3):
+            sink.submit("steps", s, 0, {"x": np.arange(4)})
+        sink.close()
+    assert sink.dropped_rows == 12 and sink.written_rows == 0 and sink.written_files == 0
+    assert sink.last_error.startswith(("FileExistsError: ", "NotADirectoryError: "))
+    warned = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(warned) == 1 and "steps rows for step 0" in warned[0]
+
+
+def test_token_files_hold_the_documented_columns_and_types(tmp_path):
+    from triage_monitor.records import TOKEN_SCHEMA
+
+    d = tmp_path / "run"
+    b = TokenBatch.from_list([torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])],
+                             [torch.tensor([-1.5, -2.0]), torch.tensor([-0.25])], torch.tensor([0.5, -1.0]),
+                             sample_ids=torch.tensor([11, 12]), group_ids=torch.tensor([4, 4]))
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=2, attempt=9) as mon:
+        mon.log_step(3, b, token_extras={"gate_weight": torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64)})
+    t = pq.read_table(table_file(d, "tokens", 3, 2, 9))
+    assert t.schema == TOKEN_SCHEMA.append(pa.field("gate_weight", pa.float32()))
+    assert t.to_pydict() == {"step": [3] * 3, "rank": [2] * 3, "sample_id": [11, 11, 12], "group_id": [4, 4, 4],
+                             "position": [0, 1, 0], "learner_logp": [-1.0, -2.0, -0.5],
+                             "sampler_logp": [-1.5, -2.0, -0.25], "advantage": [0.5, 0.5, -1.0],
+                             "attempt": [9] * 3, "gate_weight": [1.0, 0.5, 0.0]}
+    row = pq.read_table(table_file(d, "steps", 3, 2, 9)).to_pylist()[0]
+    assert (row["step"], row["rank"], row["attempt"], row["writer_dropped_rows"]) == (3, 2, 9, 0.0)
+    assert abs(row["wall_time"] - time.time()) < 60 and row["n_tokens"] == 3.0
+    assert json.loads(row["nan_reasons"]) == {k: v for k, v in json.loads(row["nan_reasons"]).items() if v}
+    d = tmp_path / "run0"                                  # rank 0 writes run.json: a later attempt knows this one
+    for attempt, record in ((9, True), (10, False)):       # the later attempt without token rows
+        with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, record_tokens=record), attempt=attempt) as mon:
+            mon.log_step(3, b)
+            mon.log_step(4, b)
+        assert table_file(d, "tokens", 4, 0, 9).exists() == record
+    assert not table_file(d, "tokens", 3, 0, 9).exists() and not table_file(d, "tokens", 3, 0, 10).exists()
+    assert sorted(p.name for p in (d / "steps").iterdir()) == ["step-00000003-rank-0000-attempt-10.parquet",
+                                                               "step-00000004-rank-0000-attempt-10.parquet"]
+
+
+def test_alignment_columns_are_in_every_steps_file(tmp_path):
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, alignment_check_steps=1)) as mon:
+        for s in range(3):
+            mon.log_step(s, _batch(s))
+    files = sorted((d / "steps").iterdir())
+    assert all(pq.read_schema(f).names == pq.read_schema(files[0]).names for f in files)
+    steps = open_run(d).steps()
+    assert steps["alignment_suspect"].tolist()[0] == 0.0 and steps["alignment_suspect"][1:].isna().all()
