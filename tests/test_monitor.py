@@ -309,3 +309,70 @@ def test_a_checkpoint_state_of_another_version_is_refused_naming_it(tmp_path):
             mon.load_state_dict({**state, "version": 7})
         with pytest.raises(ValueError, match=r"^MismatchMonitor state version None is not 1$"):
             mon.load_state_dict({"tracker": state["tracker"]})
+
+
+class _Logger:
+    """A user's metrics logger (the protocol W&B's adapter follows): records what the monitor hands it."""
+
+    def __init__(self, fail_on=()):
+        self.calls, self.fail_on = [], set(fail_on)
+
+    def _call(self, name, *args):
+        self.calls.append((name, *args))
+        if name in self.fail_on:
+            raise RuntimeError(f"{name} is down")
+
+    def log_config(self, config):
+        self._call("log_config", config)
+
+    def log_metrics(self, step, metrics):
+        self._call("log_metrics", step, metrics)
+
+    def close(self):
+        self._call("close")
+
+
+class _Alerts:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, step, metrics):
+        self.seen.append(step)
+        return [{"rule": "r", "metric": "reward", "value": metrics["reward"], "threshold": 1.0, "window": 1,
+                 "level": "WARN", "title": "t", "text": "x"}] if metrics["reward"] > 1 else []
+
+    def close(self):
+        self.seen.append("closed")
+
+
+def test_loggers_and_alerts_get_every_step_and_a_failing_one_is_skipped_once(tmp_path, caplog):
+    ok, bad, alerts = _Logger(), _Logger(fail_on={"log_metrics"}), _Alerts()
+    d = tmp_path / "r"
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), manifest={"model": "m"},
+                             loggers=[bad, ok], alerts=alerts) as mon:
+            outs = [mon.log_step(s, _batch(s), extra={"reward": float(s)}) for s in range(3)]
+    assert ok.calls[0][0] == "log_config" and ok.calls[0][1]["info"] == {"model": "m"}
+    assert [c[1] for c in ok.calls if c[0] == "log_metrics"] == [0, 1, 2]
+    assert [c[2] for c in ok.calls if c[0] == "log_metrics"] == outs
+    assert ok.calls[-1] == ("close",) and bad.calls[-1] == ("close",)
+    assert [c[0] for c in bad.calls] == ["log_config", "log_metrics", "close"]      # skipped after its failure
+    warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert warned == ["triage-monitor: _Logger.log_metrics failed (RuntimeError: log_metrics is down); it is "
+                      "skipped from now on"]
+    assert alerts.seen == [0, 1, 2, "closed"]
+    rows = open_run(d).alerts()
+    assert rows["step"].tolist() == [2] and rows["value"].tolist() == [2.0] and rows["rule"].tolist() == ["r"]
+    assert json.loads((d / "run.json").read_text())["status"] == "finished"
+
+
+def test_tau_tail_is_saved_once_when_it_freezes(tmp_path):
+    d = tmp_path / "r"
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        outs = [mon.log_step(s, _batch(s)) for s in range(4)]
+    assert [o["tau_tail_frozen"] for o in outs] == [0.0, 0.0, 1.0, 1.0]
+    cal = json.loads((d / "run.json").read_text())["calibration"]
+    assert cal["tau_tail"] == outs[2]["tau_tail"] and cal["frozen_at_step"] == 2 and cal["attempt"] == mon.attempt
+    with MismatchMonitor(tmp_path / "g", MonitorConfig(window=2, tau_tail=-0.5)) as mon:   # a given τ_tail
+        assert mon.log_step(0, _batch(0))["tau_tail_frozen"] == 1.0
+    assert json.loads((tmp_path / "g" / "run.json").read_text())["calibration"] is None
