@@ -310,3 +310,37 @@ def test_compare_live_relative_differences_worked_by_hand(run):
     assert compare_live(r, rec, live=live).set_index("metric").at["window/c_tok", "provisional"] == 3
     empty = compare_live(r, rec.iloc[4:], live=live)
     assert (empty["max_rel_diff"] == 0.0).all() and (empty["compared"] == 0).all()
+
+
+# ---------------------------------------------------------------------------------- τ_tail of a recomputation
+def test_a_run_stopped_inside_its_reference_window_recomputes_with_its_last_live_tau(tmp_path):
+    """calibration_steps=4, 3 steps logged: τ_tail never froze (run.json has none); the frozen post-mortem uses
+    the value the live monitor reached at its last reference step, the 5 % quantile of the 3 steps' δ (checked
+    against pandas within the sketch's error bound)."""
+    from triage_monitor.sketch import quantile_error_bound
+
+    d = tmp_path / "run"
+    live = _write(d, MonitorConfig(window=2, calibration_steps=4), steps=3)
+    r = open_run(d)
+    assert r.tau_tail is None and [o["tau_tail_frozen"] for o in live] == [0.0, 0.0, 0.0]
+    rec = recompute(r)
+    assert rec["tau_tail"].tolist() == [live[2]["tau_tail"]] * 3
+    ref = torch.cat([_batch(s).delta for s in range(3)]).double().numpy()
+    assert abs(live[2]["tau_tail"] - np.quantile(ref, 0.05)) <= quantile_error_bound(np.sort(ref), 0.05)
+    # the live replay: each reference step's own provisional value
+    assert recompute(r, tau_mode="live")["tau_tail"].tolist() == [o["tau_tail"] for o in live]
+    # without the steps table the same values come from the token files' sketches alone
+    for f in (d / "steps").iterdir():
+        f.unlink()
+    assert recompute(open_run(d))["tau_tail"].tolist() == [live[2]["tau_tail"]] * 3
+    assert recompute(open_run(d), tau_mode="live")["tau_tail"].tolist() == [o["tau_tail"] for o in live]
+
+
+def test_recompute_arguments_are_checked(run):
+    r, _ = run
+    with pytest.raises(ValueError, match=r"tau_mode must be one of \('frozen', 'live'\), got 'both'"):
+        recompute(r, tau_mode="both")
+    with pytest.raises(KeyError, match=r"step\(s\) \[7, 9\] have no token records"):
+        recompute(r, steps=[1, 9, 7])
+    assert recompute(r, steps=[3, 1])["step"].tolist() == [1, 3]
+    assert len(recompute(r, steps=[])) == 0
