@@ -376,3 +376,28 @@ def test_tau_tail_is_saved_once_when_it_freezes(tmp_path):
     with MismatchMonitor(tmp_path / "g", MonitorConfig(window=2, tau_tail=-0.5)) as mon:   # a given τ_tail
         assert mon.log_step(0, _batch(0))["tau_tail_frozen"] == 1.0
     assert json.loads((tmp_path / "g" / "run.json").read_text())["calibration"] is None
+
+
+def test_log_step_accepts_numpy_steps_and_scalar_tensors_and_names_bad_extras(tmp_path):
+    with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2, tau_tail=-1.0)) as mon:
+        out = mon.log_step(np.int64(4), _batch(0), extra={"kl": torch.tensor(0.25), "n": np.float32(2)})
+        assert out["step"] == 4 and type(out["step"]) is int and out["kl"] == 0.25 and out["n"] == 2.0
+        with pytest.raises(TypeError, match=r"^step must be an int, got True$"):
+            mon.log_step(True, _batch(0))
+        with pytest.raises(ValueError, match=r"^extra\['kl'\] must be a scalar, got a tensor of shape \(2,\)$"):
+            mon.log_step(5, _batch(0), extra={"kl": torch.ones(2)})
+        with pytest.raises(ValueError, match=r"^extra\['r'\] must be a number, got None$"):
+            mon.log_step(5, _batch(0), extra={"r": None})
+        with pytest.raises(ValueError, match=r"^extra keys \['c_tok', 'window/p_adj'\] are names of computed metrics; "
+                                             r"rename them \(e.g. 'user/c_tok'\)$"):
+            mon.log_step(5, _batch(0), extra={"window/p_adj": 1, "c_tok": 1, "ok": 2})
+        b = _batch(0)
+        for name in ("step", "rank", "attempt", "sample_id", "position"):
+            with pytest.raises(ValueError, match=rf"^token_extras\['{name}'\]: reserved column name \(reserved: step, "
+                                                 r"rank, sample_id, group_id, position, learner_logp, sampler_logp, "
+                                                 r"advantage, attempt, step, rank\)$"):
+                mon.log_step(5, b, token_extras={name: torch.ones(b.num_tokens)})
+        with pytest.raises(ValueError, match=rf"^token_extras\['w'\] has {b.num_tokens + 1} values, batch has "
+                                             rf"{b.num_tokens}$"):
+            mon.log_step(5, b, token_extras={"w": torch.ones(b.num_tokens + 1)})
+        assert mon.steps_logged == 1
