@@ -344,3 +344,23 @@ def test_recompute_arguments_are_checked(run):
         recompute(r, steps=[1, 9, 7])
     assert recompute(r, steps=[3, 1])["step"].tolist() == [1, 3]
     assert len(recompute(r, steps=[])) == 0
+
+
+# ------------------------------------------------------------------------------------------ Run.steps by rank
+def test_steps_by_rank_and_empty_tables(tmp_path):
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2, tau_tail=-1.0)
+    for rank in (1, 0):
+        with MismatchMonitor(d, cfg, rank=rank, attempt=3) as mon:
+            for s in (2, 0, 1):
+                mon.log_step(s, _batch(10 * s + rank), extra={"who": float(10 * s + rank)})
+    r = open_run(d)
+    both = r.steps(rank=None)
+    assert list(zip(both["step"], both["rank"])) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert both["who"].tolist() == [0.0, 1.0, 10.0, 11.0, 20.0, 21.0] and list(both.columns[:2]) == ["step", "rank"]
+    assert r.steps()["who"].tolist() == [0.0, 10.0, 20.0] and r.steps(rank=1)["who"].tolist() == [1.0, 11.0, 21.0]
+    assert list(both.index) == list(range(6))
+    assert r.steps(rank=5).columns.tolist() == ["step"] and str(r.steps(rank=5)["step"].dtype) == "int64"
+    assert len(r.alerts()) == 0 and r.alerts().columns.tolist() == ["step"]
+    assert len(r.quarantine()) == 0 and r.quarantine().columns.tolist() == ["step"]
+    assert r.step_numbers() == [0, 1, 2]
