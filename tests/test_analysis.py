@@ -364,3 +364,51 @@ def test_steps_by_rank_and_empty_tables(tmp_path):
     assert len(r.alerts()) == 0 and r.alerts().columns.tolist() == ["step"]
     assert len(r.quarantine()) == 0 and r.quarantine().columns.tolist() == ["step"]
     assert r.step_numbers() == [0, 1, 2]
+
+
+def test_postmortem_frame_keeps_token_steps_without_a_live_row(run):
+    r, live = run
+    rec = recompute(r)
+    only_reward = r.steps()[["step", "reward"]]
+    frame, _ = postmortem_frame(r, live=only_reward.iloc[[0, 1, 3, 4]])     # step 2's row lost
+    assert list(frame.columns) == [*rec.columns, "reward"] and frame["step"].tolist() == list(range(STEPS))
+    assert frame["reward"].tolist()[:2] == [0.0, 0.5] and math.isnan(frame["reward"][2])
+    pd.testing.assert_frame_equal(postmortem_frame(r, live=pd.DataFrame())[0], rec)    # nothing live to join
+    pd.testing.assert_frame_equal(postmortem_frame(r, live=r.steps()[["step"]])[0], rec)
+
+
+def test_side_tables_keep_their_columns_and_skip_only_the_unreadable_file(tmp_path):
+    from triage_monitor.records import ALERT_SCHEMA
+
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), alerts=_EveryStep()) as mon:
+        for s in range(3):
+            mon.log_step(s, _batch(s))
+    r = open_run(d)
+    assert list(r.alerts().columns) == ALERT_SCHEMA.names and r.alerts()["step"].tolist() == [0, 1, 2]
+    next((d / "alerts").glob("step-00000000-*")).write_bytes(b"broken")
+    assert r.alerts()["step"].tolist() == [1, 2]
+
+
+class _EveryStep:
+    def observe(self, step, metrics):
+        return [{"rule": "every", "metric": "n_tokens", "value": metrics["n_tokens"], "threshold": 0.0, "window": 1,
+                 "level": "INFO", "title": "t", "text": "x"}]
+
+
+def test_step_state_names_the_file_with_a_repeated_token(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from triage_monitor.config import MetricConfig
+
+    f = tmp_path / "step-00000000-rank-0000-attempt-1.parquet"
+    pq.write_table(pa.table({"sample_id": [1, 1, 1], "position": [0, 1, 1], "learner_logp": [-1.0, -1.0, -1.0],
+                             "sampler_logp": [-1.0, -1.0, -1.0], "advantage": [1.0, 1.0, 1.0]},
+                            schema=pa.schema([("sample_id", pa.int64()), ("position", pa.int64()),
+                                              ("learner_logp", pa.float32()), ("sampler_logp", pa.float32()),
+                                              ("advantage", pa.float32())])), f)
+    with pytest.raises(ValueError, match=rf"^{f}: a \(sample_id, position\) pair occurs twice in the token records$"):
+        step_state([f], -1.0, MetricConfig())
+    empty = step_state([], -1.0, MetricConfig())                  # no file: the empty state, no token
+    assert MismatchStats(MetricConfig(), state=torch.from_numpy(empty)).compute().values["n_tokens"] == 0

@@ -346,3 +346,17 @@ def test_alignment_columns_are_in_every_steps_file(tmp_path):
     assert all(pq.read_schema(f).names == pq.read_schema(files[0]).names for f in files)
     steps = open_run(d).steps()
     assert steps["alignment_suspect"].tolist()[0] == 0.0 and steps["alignment_suspect"][1:].isna().all()
+
+
+def test_force_numbers_the_old_run_when_its_name_is_taken(tmp_path, monkeypatch):
+    import triage_monitor.records as records
+
+    monkeypatch.setattr(records.time, "gmtime", lambda *a: time.struct_time((2026, 1, 2, 3, 4, 5, 4, 2, 0)))
+    d = tmp_path / "run"
+    for taken in ("run.replaced-20260102T030405Z", "run.replaced-20260102T030405Z-1"):
+        (tmp_path / taken).mkdir()
+    MismatchMonitor(d, MonitorConfig(window=2)).close()
+    MismatchMonitor(d, MonitorConfig(window=2), force=True).close()
+    assert (tmp_path / "run.replaced-20260102T030405Z-2" / "run.json").is_file()
+    MismatchMonitor(d, MonitorConfig(window=2), force=True).close()
+    assert (tmp_path / "run.replaced-20260102T030405Z-3" / "run.json").is_file()
