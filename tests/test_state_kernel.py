@@ -127,3 +127,65 @@ def test_tracker_window_equals_the_ordered_merge_bit_for_bit():
         _, got = tr.push(step, tr._history[-1][1])                  # the same step again: replaced, recomputed
         for k, v in window.items():
             assert got.values[k] == v or (math.isnan(v) and math.isnan(got.values[k])), (step, k)
+
+
+def test_vectorised_exp_within_one_ulp_of_the_library_exp():
+    """The kernel's exp(δ) (state_kernel._exp_into) against math.exp, an independent implementation: within 1 ulp
+    on δ from the realistic (|δ| < 1) to the extreme (±745 nats, beyond which exp over- or underflows), exactly 1
+    at δ = 0 (so k3 = 0 there), and the library's own value for inf, -inf, NaN, overflow and underflow."""
+    import math
+
+    from triage_monitor.state_kernel import _exp_into
+
+    rng = np.random.default_rng(7)
+    special = [0.0, -0.0, 1e-30, -1e-30, 700.0, -700.0, 709.7, 709.8, -745.0, -746.0, 88.7, -103.9,
+               np.inf, -np.inf, np.nan]
+    d = np.concatenate([rng.standard_normal(200_000) * 0.05, rng.standard_normal(50_000) * 5,
+                        rng.uniform(-760, 760, 50_000), special]).astype(np.float32)
+    out, work = np.empty(d.size), np.empty(d.size)
+    _exp_into(d, out, work)
+    def library_exp(x):
+        try:
+            return math.exp(x)
+        except OverflowError:
+            return math.inf
+
+    ref = np.array([library_exp(float(x)) for x in d.astype(np.float64)])
+    ref[np.isnan(d)] = np.nan
+    normal = np.isfinite(ref) & (ref > 2.3e-308)
+    assert np.all(np.abs(out[normal] - ref[normal]) <= np.spacing(ref[normal]))
+    np.testing.assert_array_equal(out[~normal], ref[~normal])
+    assert out[d.size - len(special)] == 1.0 and out[d.size - len(special) + 1] == 1.0
+
+
+def test_trailing_window_is_the_step_order_merge_bit_for_bit():
+    """MetricTracker.push's window (count fields as a running sum, the float sums and min/max merged state by
+    state) equals the metrics of StateLayout.reduce of the window's step states in step order, bit for bit, with
+    float sums whose total depends on the order of addition (1e16 + 1 - 1e16); and merge_all_into_spans over
+    the whole state equals reduce."""
+    import torch
+
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.metrics import MetricConfig, MetricTracker, MismatchStats
+
+    cfg = MetricConfig(segment_width=16)
+    tr = MetricTracker(cfg, window=3, tau_tail=-0.5)
+    rng = np.random.default_rng(3)
+    pushed = []
+    for step in range(6):
+        lp = torch.tensor(rng.normal(-3, 0.3, (4, 40)), dtype=torch.float32)
+        sp = (lp + torch.tensor(rng.normal(0, 0.2, (4, 40)), dtype=torch.float32)).clamp(max=-1e-3)
+        adv = torch.tensor(rng.normal(0, 1, (4, 1)), dtype=torch.float32).expand(4, 40)
+        stats = MismatchStats(cfg).update(TokenBatch.from_padded(lp, sp, adv, torch.ones(4, 40)), -0.5)
+        sums = stats.layout.slices["sums"]
+        stats.state[sums] += torch.tensor(rng.choice([1e16, 1.0, -1e16, 0.1], sums.stop - sums.start))
+        pushed.append(stats)
+        _, window = tr.push(step, stats)
+        layout = stats.layout
+        last = [st.state for st in pushed[-3:]]
+        expect = layout.reduce(last)
+        assert torch.equal(layout.merge_all_into_spans(layout.identity(), last, [(0, layout.size)]), expect)
+        want = MismatchStats(cfg, state=expect, tau_tail=-0.5).compute().values
+        assert window.values.keys() == want.keys()
+        for k, v in want.items():
+            assert (v == window.values[k]) or (v != v and window.values[k] != window.values[k]), k

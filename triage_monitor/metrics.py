@@ -259,6 +259,28 @@ class StateLayout:
                 torch.maximum(out[a:b], other[a:b], out=out[a:b])
         return out
 
+    def merge_all_into_spans(self, out: Tensor, others: Sequence[Tensor], spans: Sequence[tuple]) -> Tensor:
+        """:meth:`merge_into_range` of each of ``others`` in turn (their order kept for every entry) over each
+        ``[lo, hi)`` of ``spans``; returns ``out``.  On the CPU one numpy call per state and field group, the
+        views prepared once (a trailing window of W steps costs W small calls, not 2W torch-to-numpy round trips)."""
+        if out.device.type == "cpu" and all(t.device.type == "cpu" for t in others):
+            o = out.numpy()
+            ops = []
+            for red, (a, b) in self.ranges.items():
+                for lo, hi in spans:
+                    x, y = max(a, lo), min(b, hi)
+                    if x < y:
+                        ops.append((o[x:y], x, y, _NP_MERGE[red]))
+            for t in others:
+                tn = t.numpy()
+                for view, x, y, fn in ops:
+                    fn(view, tn[x:y], out=view)
+            return out
+        for t in others:
+            for lo, hi in spans:
+                self.merge_into_range(out, t, lo, hi)
+        return out
+
     def reduce(self, states: Sequence[Tensor]) -> Tensor:
         """The merge of ``states`` in the given order (a trailing window), as a new tensor."""
         out = self.identity(states[0].device if states else None)
@@ -680,10 +702,8 @@ class MetricTracker:
         # table are integer counts (exact in any order, so kept as a running sum: the cost does not grow with the
         # window), the other fields are reduced in step order
         state = layout.identity(stats.state.device)
-        rest = [(0, counts.start), (counts.stop, layout.size)]
-        for _, st in self._history:
-            for a, b in rest:
-                layout.merge_into_range(state, st.state, a, b)
+        layout.merge_all_into_spans(state, [st.state for _, st in self._history],
+                                    [(0, counts.start), (counts.stop, layout.size)])
         state[counts] = self._running
         window = MismatchStats(self.config, state=state, tau_tail=stats.tau_tail)
         return stats.compute(), window.compute()
