@@ -363,6 +363,11 @@ def test_loggers_and_alerts_get_every_step_and_a_failing_one_is_skipped_once(tmp
     assert alerts.seen == [0, 1, 2, "closed"]
     rows = open_run(d).alerts()
     assert rows["step"].tolist() == [2] and rows["value"].tolist() == [2.0] and rows["rule"].tolist() == ["r"]
+    from triage_monitor.records import ALERT_SCHEMA               # one schema for plain readers of alerts/
+
+    (f,) = (d / "alerts").iterdir()
+    assert pq.read_schema(f).remove_metadata() == ALERT_SCHEMA
+    assert pq.read_table(f).column("step").to_pylist() == [2]
     assert json.loads((d / "run.json").read_text())["status"] == "finished"
 
 
