@@ -277,3 +277,132 @@ def test_manifest_status_failed_when_the_loop_raises(tmp_path):
             mon.log_step(0, _batch(0))
             raise RuntimeError("training diverged")
     assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"
+
+
+def test_attempt_id_is_rank_zeros_broadcast_over_the_process_group(tmp_path, monkeypatch):
+    """One job start, one attempt id on every rank: `_shared_attempt_id` broadcasts rank 0's id over the group
+    (a real gloo group of one process here; the multi-process case runs in tests/test_distributed.py)."""
+    import time
+
+    import torch.distributed as dist
+
+    import triage_monitor.monitor as monitor_mod
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        before = time.time_ns()
+        first = monitor_mod._shared_attempt_id()
+        assert isinstance(first, int) and before <= first <= time.time_ns()
+        monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 2**62 + 5)   # beyond float64's integers
+        assert monitor_mod._shared_attempt_id(dist.new_group([0])) == 2**62 + 5
+        with MismatchMonitor(tmp_path / "r") as mon:      # world of one: its own id, no broadcast needed
+            assert mon.attempt == 2**62 + 5 and mon.rank == 0 and mon.world_size == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_checkpoint_state_of_another_version_is_refused_naming_it(tmp_path):
+    with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2, calibration_steps=2)) as mon:
+        state = mon.state_dict()
+        assert state["version"] == 1
+        with pytest.raises(ValueError, match=r"^MismatchMonitor state version 7 is not 1$"):
+            mon.load_state_dict({**state, "version": 7})
+        with pytest.raises(ValueError, match=r"^MismatchMonitor state version None is not 1$"):
+            mon.load_state_dict({"tracker": state["tracker"]})
+
+
+class _Logger:
+    """A user's metrics logger (the protocol W&B's adapter follows): records what the monitor hands it."""
+
+    def __init__(self, fail_on=()):
+        self.calls, self.fail_on = [], set(fail_on)
+
+    def _call(self, name, *args):
+        self.calls.append((name, *args))
+        if name in self.fail_on:
+            raise RuntimeError(f"{name} is down")
+
+    def log_config(self, config):
+        self._call("log_config", config)
+
+    def log_metrics(self, step, metrics):
+        self._call("log_metrics", step, metrics)
+
+    def close(self):
+        self._call("close")
+
+
+class _Alerts:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, step, metrics):
+        self.seen.append(step)
+        return [{"rule": "r", "metric": "reward", "value": metrics["reward"], "threshold": 1.0, "window": 1,
+                 "level": "WARN", "title": "t", "text": "x"}] if metrics["reward"] > 1 else []
+
+    def close(self):
+        self.seen.append("closed")
+
+
+def test_loggers_and_alerts_get_every_step_and_a_failing_one_is_skipped_once(tmp_path, caplog):
+    ok, bad, alerts = _Logger(), _Logger(fail_on={"log_metrics"}), _Alerts()
+    d = tmp_path / "r"
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), manifest={"model": "m"},
+                             loggers=[bad, ok], alerts=alerts) as mon:
+            outs = [mon.log_step(s, _batch(s), extra={"reward": float(s)}) for s in range(3)]
+    assert ok.calls[0][0] == "log_config" and ok.calls[0][1]["info"] == {"model": "m"}
+    assert [c[1] for c in ok.calls if c[0] == "log_metrics"] == [0, 1, 2]
+    assert [c[2] for c in ok.calls if c[0] == "log_metrics"] == outs
+    assert ok.calls[-1] == ("close",) and bad.calls[-1] == ("close",)
+    assert [c[0] for c in bad.calls] == ["log_config", "log_metrics", "close"]      # skipped after its failure
+    warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert warned == ["triage-monitor: _Logger.log_metrics failed (RuntimeError: log_metrics is down); it is "
+                      "skipped from now on"]
+    assert alerts.seen == [0, 1, 2, "closed"]
+    rows = open_run(d).alerts()
+    assert rows["step"].tolist() == [2] and rows["value"].tolist() == [2.0] and rows["rule"].tolist() == ["r"]
+    from triage_monitor.records import ALERT_SCHEMA               # one schema for plain readers of alerts/
+
+    (f,) = (d / "alerts").iterdir()
+    assert pq.read_schema(f).remove_metadata() == ALERT_SCHEMA
+    assert pq.read_table(f).column("step").to_pylist() == [2]
+    assert json.loads((d / "run.json").read_text())["status"] == "finished"
+
+
+def test_tau_tail_is_saved_once_when_it_freezes(tmp_path):
+    d = tmp_path / "r"
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        outs = [mon.log_step(s, _batch(s)) for s in range(4)]
+    assert [o["tau_tail_frozen"] for o in outs] == [0.0, 0.0, 1.0, 1.0]
+    cal = json.loads((d / "run.json").read_text())["calibration"]
+    assert cal["tau_tail"] == outs[2]["tau_tail"] and cal["frozen_at_step"] == 2 and cal["attempt"] == mon.attempt
+    with MismatchMonitor(tmp_path / "g", MonitorConfig(window=2, tau_tail=-0.5)) as mon:   # a given τ_tail
+        assert mon.log_step(0, _batch(0))["tau_tail_frozen"] == 1.0
+    assert json.loads((tmp_path / "g" / "run.json").read_text())["calibration"] is None
+
+
+def test_log_step_accepts_numpy_steps_and_scalar_tensors_and_names_bad_extras(tmp_path):
+    with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2, tau_tail=-1.0)) as mon:
+        out = mon.log_step(np.int64(4), _batch(0), extra={"kl": torch.tensor(0.25), "n": np.float32(2)})
+        assert out["step"] == 4 and type(out["step"]) is int and out["kl"] == 0.25 and out["n"] == 2.0
+        with pytest.raises(TypeError, match=r"^step must be an int, got True$"):
+            mon.log_step(True, _batch(0))
+        with pytest.raises(ValueError, match=r"^extra\['kl'\] must be a scalar, got a tensor of shape \(2,\)$"):
+            mon.log_step(5, _batch(0), extra={"kl": torch.ones(2)})
+        with pytest.raises(ValueError, match=r"^extra\['r'\] must be a number, got None$"):
+            mon.log_step(5, _batch(0), extra={"r": None})
+        with pytest.raises(ValueError, match=r"^extra keys \['c_tok', 'window/p_adj'\] are names of computed metrics; "
+                                             r"rename them \(e.g. 'user/c_tok'\)$"):
+            mon.log_step(5, _batch(0), extra={"window/p_adj": 1, "c_tok": 1, "ok": 2})
+        b = _batch(0)
+        for name in ("step", "rank", "attempt", "sample_id", "position"):
+            with pytest.raises(ValueError, match=rf"^token_extras\['{name}'\]: reserved column name \(reserved: step, "
+                                                 r"rank, sample_id, group_id, position, learner_logp, sampler_logp, "
+                                                 r"advantage, attempt, step, rank\)$"):
+                mon.log_step(5, b, token_extras={name: torch.ones(b.num_tokens)})
+        with pytest.raises(ValueError, match=rf"^token_extras\['w'\] has {b.num_tokens + 1} values, batch has "
+                                             rf"{b.num_tokens}$"):
+            mon.log_step(5, b, token_extras={"w": torch.ones(b.num_tokens + 1)})
+        assert mon.steps_logged == 1

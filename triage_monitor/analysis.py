@@ -673,8 +673,8 @@ def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
     if recomputed.attrs.get("tau_mode", "frozen") == "frozen" and "tau_tail_frozen" in live.columns:
         prov_steps = [int(s) for s in live.index[live["tau_tail_frozen"].astype(float) == 0]]
         w = int(recomputed.attrs.get("window") or run.config.window)
-        provisional = pd.Series([s in set(prov_steps) for s in common], index=common)
-        window_prov = pd.Series([any(s - w < p <= s for p in prov_steps) for s in common], index=common)
+        provisional = pd.Series([s in set(prov_steps) for s in common], index=common, dtype=bool)
+        window_prov = pd.Series([any(s - w < p <= s for p in prov_steps) for s in common], index=common, dtype=bool)
     out = []
     for c in rec.columns:
         if c not in live.columns:

@@ -112,8 +112,8 @@ def write_json_atomic(obj: dict, path: Path) -> None:
 
 
 def _json_safe(o):
-    """``o`` with non-finite floats replaced by None, recursively (JSON has no NaN)."""
-    if isinstance(o, float):
+    """``o`` with non-finite floats (numpy's included) replaced by None, recursively (JSON has no NaN)."""
+    if isinstance(o, (float, np.floating)):
         return o if math.isfinite(o) else None
     if isinstance(o, dict):
         return {k: _json_safe(v) for k, v in o.items()}

@@ -1,0 +1,414 @@
+"""Reading a run back: the recorded tokens as a TokenBatch, one step's metric state from its files, the per-step
+state cache under ``RUN_DIR/analysis`` and the post-mortem frame (recomputed metrics joined with the live-only
+columns)."""
+
+import math
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from triage_monitor.analysis import compare_live, open_run, postmortem_frame, recompute, recompute_states, step_state
+from triage_monitor.batch import TokenBatch
+from triage_monitor.metrics import METRIC_NAMES, MismatchStats
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+STEPS = 5
+
+
+def _batch(step, B=6, T=40):
+    """Responses of different lengths (mask), advantages of both signs, groups of 3, sample ids 10·step + i."""
+    g = torch.Generator().manual_seed(step)
+    s = -torch.rand(B, T, generator=g) * 3
+    lp = (s + torch.randn(B, T, generator=g) * 0.2 - (torch.rand(B, T, generator=g) < 0.06) * 3).clamp(max=0)
+    mask = torch.arange(T)[None] < torch.randint(8, T + 1, (B, 1), generator=g)
+    return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), mask, sample_ids=torch.arange(B) + 10 * step,
+                                  group_ids=torch.arange(B) // 3)
+
+
+def _write(d, cfg, record_tokens=True, steps=STEPS):
+    cfg.record_tokens = record_tokens
+    with MismatchMonitor(d, cfg) as mon:
+        return [mon.log_step(s, _batch(s), extra={"reward": 0.5 * s}) for s in range(steps)]
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A 5-step run, window 2, τ_tail calibrated on the first 2 steps, every step's live row."""
+    d = tmp_path / "run"
+    live = _write(d, MonitorConfig(window=2, calibration_steps=2, metrics={"segment_width": 8}))
+    return open_run(d), live
+
+
+# ------------------------------------------------------------------------------------ the recorded tokens
+def test_token_batch_holds_the_logged_tokens_exactly(run):
+    r, _ = run
+    for s in (0, 3):
+        b, got = _batch(s), r.token_batch(s)
+        assert got.num_tokens == b.num_tokens
+        for k in ("learner_logp", "sampler_logp", "advantage", "position"):     # as recorded: float32, exact
+            assert torch.equal(getattr(got, k), getattr(b, k)), k
+        assert got.learner_logp.dtype == torch.float32
+        assert torch.equal(got.sample_id[got.sample_index], b.sample_id[b.sample_index])
+        assert torch.equal(got.group_id[got.sample_index], b.group_id[b.sample_index])
+    assert [s for s, _ in r.iter_batches()] == list(range(STEPS))
+    assert [(s, b.num_tokens) for s, b in r.iter_batches([4, 1])] == [(4, _batch(4).num_tokens),
+                                                                    (1, _batch(1).num_tokens)]
+
+
+def test_token_files_name_each_ranks_file_of_the_latest_attempt(tmp_path):
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2, tau_tail=-1.0)
+    for attempt in (1, 2):
+        for rank in (1, 0):
+            with MismatchMonitor(d, cfg, rank=rank, attempt=attempt) as mon:
+                mon.log_step(0, _batch(rank))
+                if attempt == 1:
+                    mon.log_step(1, _batch(5 + rank))
+    r = open_run(d)
+    assert [os.path.basename(f) for f in r.token_files(0)] == ["step-00000000-rank-0000-attempt-2.parquet",
+                                                              "step-00000000-rank-0001-attempt-2.parquet"]
+    assert [os.path.basename(f) for f in r.token_files(1)] == ["step-00000001-rank-0000-attempt-1.parquet",
+                                                              "step-00000001-rank-0001-attempt-1.parquet"]
+    with pytest.raises(KeyError, match="step 7 has no token records"):
+        r.token_files(7)
+    assert r.token_batch(0).num_tokens == _batch(0).num_tokens + _batch(1).num_tokens
+
+
+# ------------------------------------------------------------------------------ one step's state from its files
+def test_state_of_a_steps_files_gives_the_live_step_metrics(tmp_path):
+    """The offline state (numpy kernel over the decoded Parquet columns) against the live monitor's values (the
+    torch tracker over the batch): with a given τ_tail every step metric is reproduced."""
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=3, tau_tail=-0.4, metrics={"segment_width": 8})
+    live = _write(d, cfg)
+    r = open_run(d)
+    for s in (1, 4):
+        state = step_state(r.token_files(s), -0.4, cfg.metrics)
+        got = MismatchStats(cfg.metrics, state=torch.from_numpy(state), tau_tail=-0.4).compute().values
+        for k in METRIC_NAMES:
+            a, b = got[k], live[s][k]
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9, abs=1e-12), (s, k, a, b)
+
+
+# ------------------------------------------------------------------------------------------- the state cache
+def _cache_files(r):
+    return sorted((r.path / "analysis").glob("states-*.npz"))
+
+
+def _same_states(a, b):
+    assert a.steps == b.steps and a.taus == b.taus and np.array_equal(a.states, b.states)
+    assert len(a.null_inputs) == len(b.null_inputs) == len(a.steps)
+    for x, y in zip(a.null_inputs, b.null_inputs):
+        assert len(x) == len(y) == 3 and all(np.array_equal(u, v) for u, v in zip(x, y))
+
+
+def test_state_cache_is_saved_once_and_read_back_whole(run):
+    r, _ = run
+    fresh = recompute_states(r)
+    first = recompute_states(r, cache=True)
+    _same_states(first, fresh)
+    (f,) = _cache_files(r)
+    assert not list((r.path / "analysis").glob(".tmp-*"))
+    # the steps' shuffle-null inputs have different lengths (step 0's is empty): each gets its own slice back
+    assert [len(n[0]) for n in fresh.null_inputs] == [0, 5, 7, 8, 12]
+    assert [len(n[1]) for n in fresh.null_inputs] == [0, 2, 2, 2, 3]
+    again = recompute_states(r, cache=True, window=3)
+    _same_states(again, fresh)
+    assert again.window == 3 and again.tau_mode == "frozen" and again.config == fresh.config
+    assert again.frame().equals(recompute(r, window=3))
+    # a hit is read from the file, not recomputed: a planted value comes back
+    with np.load(f) as z:
+        arrays = dict(z)
+    arrays["states"] = arrays["states"] + 1.0
+    with open(f, "wb") as fh:
+        np.savez(fh, **arrays)
+    assert np.array_equal(recompute_states(r, cache=True).states, fresh.states + 1.0)
+
+
+def test_state_cache_key_follows_the_settings_and_the_token_files(run):
+    r, _ = run
+    recompute_states(r, cache=True)
+    recompute_states(r, cache=True, tau_mode="live")
+    recompute_states(r, cache=True, tau_tail=-0.3)
+    recompute_states(r, cache=True, calibration_steps=3)
+    recompute_states(r, cache=True, steps=[1, 2])
+    recompute_states(r, cache=True, config=r.metric_config().__class__(segment_width=16))
+    assert len(_cache_files(r)) == 6
+    recompute_states(r, cache=True, window=4)              # the window merges states: the same file
+    assert len(_cache_files(r)) == 6
+    f = r.token_files(3)[0]
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))   # a rewritten token file
+    recompute_states(r, cache=True)
+    assert len(_cache_files(r)) == 7
+    # the key names the token files relative to the run's parent: a run copied elsewhere (times kept) keeps it
+    import shutil
+
+    copy = open_run(shutil.copytree(r.path, r.path.parent / "elsewhere" / "run"))
+    recompute_states(copy, cache=True)
+    assert [f.name for f in _cache_files(copy)] == [f.name for f in _cache_files(r)]
+
+
+def test_a_damaged_or_unwritable_cache_is_recomputed_without_error(run):
+    r, _ = run
+    fresh = recompute_states(r)
+    recompute_states(r, cache=True)
+    (f,) = _cache_files(r)
+    f.write_bytes(b"not an npz")
+    _same_states(recompute_states(r, cache=True), fresh)
+    with np.load(f) as z:                                  # rewritten whole
+        assert np.array_equal(z["states"], fresh.states)
+    arrays = dict(np.load(f))
+    del arrays["taus"]                                     # an older cache format
+    with open(f, "wb") as fh:
+        np.savez(fh, **arrays)
+    _same_states(recompute_states(r, cache=True), fresh)
+    # a run directory where analysis/ cannot be created (here: a regular file): no cache, same result
+    d2 = r.path.parent / "run2"
+    _write(d2, MonitorConfig(window=2, calibration_steps=2, metrics={"segment_width": 8}))
+    (d2 / "analysis").write_text("")
+    _same_states(recompute_states(open_run(d2), cache=True), fresh)
+
+
+# ------------------------------------------------------------------------------------------ the post-mortem
+def test_postmortem_frame_joins_recomputed_metrics_with_live_only_columns(run):
+    r, live = run
+    frame, states = postmortem_frame(r)
+    rec = recompute(r)                          # the same computation: postmortem_frame uses recompute_states
+    assert states is not None and states.steps == list(range(STEPS))
+    assert list(frame["step"]) == list(range(STEPS))
+    pd.testing.assert_frame_equal(frame[list(rec.columns)], rec)
+    assert list(frame["reward"]) == [0.5 * s for s in range(STEPS)]
+    assert list(frame["tau_tail_frozen"]) == [row["tau_tail_frozen"] for row in live]
+    assert frame.attrs["tau_mode"] == "frozen" and frame.attrs["window"] == 2
+    # independent check: once τ_tail froze (step 1), the frozen-τ post-mortem equals the live monitor
+    for s in (2, 4):
+        for k in ("rho_asym", "c_tok", "window/r_amp", "n_tokens"):
+            a, b = frame.loc[s, k], live[s][k]
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-9), (s, k)
+    # the steps a page listed earlier (a run still being written): those with tokens, a snapshot of the prefix
+    only, _ = postmortem_frame(r, window=3, steps=[2, 0, 1, 9])
+    assert list(only["step"]) == [0, 1, 2] and only.attrs["window"] == 3
+    pd.testing.assert_frame_equal(only, postmortem_frame(r, window=3)[0].iloc[:3])
+    assert _cache_files(r)                      # the post-mortem fills the shared cache
+
+
+def test_postmortem_frame_without_token_records_is_the_live_rows(tmp_path):
+    d = tmp_path / "run"
+    _write(d, MonitorConfig(window=2, calibration_steps=2), record_tokens=False)
+    r = open_run(d)
+    frame, states = postmortem_frame(r)
+    assert states is None
+    pd.testing.assert_frame_equal(frame, r.steps())
+    given = r.steps().iloc[:2]
+    assert postmortem_frame(r, live=given)[0] is given
+
+
+# ---------------------------------------------------------------------------------------- Run.tokens
+def _two_ranks(d, extras_on_rank0=False):
+    """Step 0 on two ranks of one attempt; rank 1 holds the lower sample ids, so file order is not row order."""
+    cfg = MonitorConfig(window=2, tau_tail=-1.0)
+    for rank, ids in ((0, [7, 3]), (1, [2, 5])):
+        b = TokenBatch.from_list([torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-0.25, -3.0])],
+                                 [torch.tensor([-1.5, -2.0, -0.5]), torch.tensor([-0.5, -2.0])],
+                                 torch.tensor([1.0, -1.0]) * (rank + 1), sample_ids=torch.tensor(ids))
+        ex = {"gate_weight": torch.arange(5, dtype=torch.float32)} if extras_on_rank0 and rank == 0 else None
+        with MismatchMonitor(d, cfg, rank=rank, attempt=1) as mon:
+            mon.log_step(0, b, token_extras=ex)
+
+
+def test_tokens_of_all_ranks_sorted_by_sample_and_position(tmp_path):
+    d = tmp_path / "run"
+    _two_ranks(d, extras_on_rank0=True)
+    df = open_run(d).tokens(0)
+    assert list(zip(df["sample_id"], df["position"])) == [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (5, 0), (5, 1),
+                                                          (7, 0), (7, 1), (7, 2)]
+    assert list(df.index) == list(range(10))
+    assert df["rank"].tolist() == [1, 1, 1, 0, 0, 1, 1, 0, 0, 0]
+    assert df["learner_logp"].tolist()[:3] == [-1.0, -2.0, -0.5]
+    # a token column one rank has and the other not: the other rank's rows hold NaN
+    # (token_extras follow the batch's token order: sample 3's tokens, then sample 7's)
+    assert df["gate_weight"].tolist()[3:5] == [0.0, 1.0] and df["gate_weight"].tolist()[7:] == [2.0, 3.0, 4.0]
+    assert df["gate_weight"][:3].isna().all()
+    part = open_run(d).tokens(0, columns=["sample_id", "advantage"])
+    assert list(part.columns) == ["sample_id", "advantage", "rank"]
+    assert part["advantage"].tolist() == [2.0] * 3 + [-1.0] * 2 + [-2.0] * 2 + [1.0] * 3
+
+
+def test_tokens_skip_an_unreadable_rank_file_and_name_every_file_when_none_reads(tmp_path):
+    d = tmp_path / "run"
+    _two_ranks(d)
+    r = open_run(d)
+    f0, f1 = r.token_files(0)
+    with open(f0, "r+b") as fh:
+        fh.truncate(100)
+    assert sorted(r.tokens(0)["sample_id"].unique()) == [2, 5]            # rank 1's rows still read
+    assert [p for p, _ in r.unreadable] == [f0]
+    with open(f1, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(KeyError) as err:
+        open_run(d).tokens(0)
+    assert f"step 0: every token file is unreadable ({f0}, {f1})" in str(err.value)
+    with pytest.raises(KeyError) as err:
+        r.tokens(3)
+    assert str(err.value) == repr(f"step 3 has no token records in {d}")
+
+
+def test_tokens_of_the_older_hive_layout_take_the_rank_from_the_directory(tmp_path):
+    import pyarrow as pa
+
+    from triage_monitor.records import write_json_atomic, write_table_atomic
+
+    d = tmp_path / "old"
+    write_json_atomic({"schema_version": 2, "monitor_config": {}}, d / "run.json")
+    for rank, ids in ((0, [4, 1]), (3, [2])):
+        write_table_atomic(pa.table({"sample_id": ids, "position": [0] * len(ids), "learner_logp": [-1.0] * len(ids)}),
+                           d / "tokens" / "step=5" / f"rank={rank}" / "part-1.parquet")
+    df = open_run(d).tokens(5)
+    assert df["sample_id"].tolist() == [1, 2, 4] and df["rank"].tolist() == [0, 3, 0]
+    assert str(df["rank"].dtype) == "int64"
+
+
+# ------------------------------------------------------------------------------------------- compare_live
+def test_compare_live_relative_differences_worked_by_hand(run):
+    """Hand-made live and recomputed rows: |live − rec| / max(|live|, |rec|) per metric; NaN on both sides is equal,
+    on one side inf; with a frozen-τ recomputation the τ-dependent metrics of the provisional live steps
+    (tau_tail_frozen = 0: step 0) and the windows holding them (window 2: steps 0 and 1) are not compared."""
+    r, _ = run
+    live = pd.DataFrame({"step": [0, 1, 2, 3], "tau_tail_frozen": [0.0, 1.0, 1.0, 1.0],
+                         "rho_asym": [1.0, 2.0, math.nan, -4.0], "c_tok": [9.0, 0.5, 0.25, 0.0],
+                         "window/c_tok": [9.0, 9.0, 0.5, 0.5], "delta_mean": [0.0, 1.0, 1.0, 1.0],
+                         "reward": [1.0, 1.0, 1.0, 1.0]})
+    rec = pd.DataFrame({"step": [0, 1, 2, 3, 4], "rho_asym": [1.0, 2.2, math.nan, -4.0, 7.0],
+                        "c_tok": [1.0, 0.5, 0.2, 0.0, 1.0], "window/c_tok": [1.0, 3.0, 0.5, 0.4, 1.0],
+                        "delta_mean": [0.0, math.nan, 1.0, 1.0, 1.0], "p_adj": [0.1] * 5})
+    rec.attrs.update(tau_mode="frozen", window=2)
+    got = compare_live(r, rec, live=live).set_index("metric")
+    assert list(got.index) == ["rho_asym", "c_tok", "window/c_tok", "delta_mean"]   # p_adj: no live column
+    assert got.at["rho_asym", "max_rel_diff"] == pytest.approx(0.2 / 2.2, rel=1e-12)
+    assert not got.at["rho_asym", "equal"] and got.at["rho_asym", "compared"] == 4
+    assert got.at["rho_asym", "provisional"] == 0
+    assert got.at["c_tok", "max_rel_diff"] == pytest.approx(0.05 / 0.25) and got.at["c_tok", "provisional"] == 1
+    assert got.at["c_tok", "compared"] == 3
+    assert got.at["window/c_tok", "max_rel_diff"] == pytest.approx(0.1 / 0.5)
+    assert got.at["window/c_tok", "provisional"] == 2 and got.at["window/c_tok", "compared"] == 2
+    assert got.at["delta_mean", "max_rel_diff"] == math.inf and not got.at["delta_mean", "equal"]
+    loose = compare_live(r, rec, rtol=0.2, live=live).set_index("metric")["equal"]
+    assert loose.to_dict() == {"rho_asym": True, "c_tok": True, "window/c_tok": True, "delta_mean": False}
+    # one side 0: bounded by 1, not 1e300
+    zero = compare_live(r, rec.assign(rho_asym=[0.0, 2.0, math.nan, -4.0, 7.0]), live=live).set_index("metric")
+    assert zero.at["rho_asym", "max_rel_diff"] == 1.0
+    # live τ mode: every step compared; without attrs the run's window (2) is used
+    rec.attrs.update(tau_mode="live")
+    assert (compare_live(r, rec, live=live)["provisional"] == 0).all()
+    rec.attrs.clear()
+    assert compare_live(r, rec, live=live).set_index("metric").at["window/c_tok", "provisional"] == 2
+    rec.attrs.update(tau_mode="frozen", window=3)
+    assert compare_live(r, rec, live=live).set_index("metric").at["window/c_tok", "provisional"] == 3
+    empty = compare_live(r, rec.iloc[4:], live=live)
+    assert (empty["max_rel_diff"] == 0.0).all() and (empty["compared"] == 0).all()
+
+
+# ---------------------------------------------------------------------------------- τ_tail of a recomputation
+def test_a_run_stopped_inside_its_reference_window_recomputes_with_its_last_live_tau(tmp_path):
+    """calibration_steps=4, 3 steps logged: τ_tail never froze (run.json has none); the frozen post-mortem uses
+    the value the live monitor reached at its last reference step, the 5 % quantile of the 3 steps' δ (checked
+    against pandas within the sketch's error bound)."""
+    from triage_monitor.sketch import quantile_error_bound
+
+    d = tmp_path / "run"
+    live = _write(d, MonitorConfig(window=2, calibration_steps=4), steps=3)
+    r = open_run(d)
+    assert r.tau_tail is None and [o["tau_tail_frozen"] for o in live] == [0.0, 0.0, 0.0]
+    rec = recompute(r)
+    assert rec["tau_tail"].tolist() == [live[2]["tau_tail"]] * 3
+    ref = torch.cat([_batch(s).delta for s in range(3)]).double().numpy()
+    assert abs(live[2]["tau_tail"] - np.quantile(ref, 0.05)) <= quantile_error_bound(np.sort(ref), 0.05)
+    # the live replay: each reference step's own provisional value
+    assert recompute(r, tau_mode="live")["tau_tail"].tolist() == [o["tau_tail"] for o in live]
+    # without the steps table the same values come from the token files' sketches alone
+    for f in (d / "steps").iterdir():
+        f.unlink()
+    assert recompute(open_run(d))["tau_tail"].tolist() == [live[2]["tau_tail"]] * 3
+    assert recompute(open_run(d), tau_mode="live")["tau_tail"].tolist() == [o["tau_tail"] for o in live]
+
+
+def test_recompute_arguments_are_checked(run):
+    r, _ = run
+    with pytest.raises(ValueError, match=r"tau_mode must be one of \('frozen', 'live'\), got 'both'"):
+        recompute(r, tau_mode="both")
+    with pytest.raises(KeyError, match=r"step\(s\) \[7, 9\] have no token records"):
+        recompute(r, steps=[1, 9, 7])
+    assert recompute(r, steps=[3, 1])["step"].tolist() == [1, 3]
+    assert len(recompute(r, steps=[])) == 0
+
+
+# ------------------------------------------------------------------------------------------ Run.steps by rank
+def test_steps_by_rank_and_empty_tables(tmp_path):
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2, tau_tail=-1.0)
+    for rank in (1, 0):
+        with MismatchMonitor(d, cfg, rank=rank, attempt=3) as mon:
+            for s in (2, 0, 1):
+                mon.log_step(s, _batch(10 * s + rank), extra={"who": float(10 * s + rank)})
+    r = open_run(d)
+    both = r.steps(rank=None)
+    assert list(zip(both["step"], both["rank"])) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert both["who"].tolist() == [0.0, 1.0, 10.0, 11.0, 20.0, 21.0] and list(both.columns[:2]) == ["step", "rank"]
+    assert r.steps()["who"].tolist() == [0.0, 10.0, 20.0] and r.steps(rank=1)["who"].tolist() == [1.0, 11.0, 21.0]
+    assert list(both.index) == list(range(6))
+    assert r.steps(rank=5).columns.tolist() == ["step"] and str(r.steps(rank=5)["step"].dtype) == "int64"
+    assert len(r.alerts()) == 0 and r.alerts().columns.tolist() == ["step"]
+    assert len(r.quarantine()) == 0 and r.quarantine().columns.tolist() == ["step"]
+    assert r.step_numbers() == [0, 1, 2]
+
+
+def test_postmortem_frame_keeps_token_steps_without_a_live_row(run):
+    r, live = run
+    rec = recompute(r)
+    only_reward = r.steps()[["step", "reward"]]
+    frame, _ = postmortem_frame(r, live=only_reward.iloc[[0, 1, 3, 4]])     # step 2's row lost
+    assert list(frame.columns) == [*rec.columns, "reward"] and frame["step"].tolist() == list(range(STEPS))
+    assert frame["reward"].tolist()[:2] == [0.0, 0.5] and math.isnan(frame["reward"][2])
+    pd.testing.assert_frame_equal(postmortem_frame(r, live=pd.DataFrame())[0], rec)    # nothing live to join
+    pd.testing.assert_frame_equal(postmortem_frame(r, live=r.steps()[["step"]])[0], rec)
+
+
+def test_side_tables_keep_their_columns_and_skip_only_the_unreadable_file(tmp_path):
+    from triage_monitor.records import ALERT_SCHEMA
+
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), alerts=_EveryStep()) as mon:
+        for s in range(3):
+            mon.log_step(s, _batch(s))
+    r = open_run(d)
+    assert list(r.alerts().columns) == ALERT_SCHEMA.names and r.alerts()["step"].tolist() == [0, 1, 2]
+    next((d / "alerts").glob("step-00000000-*")).write_bytes(b"broken")
+    assert r.alerts()["step"].tolist() == [1, 2]
+
+
+class _EveryStep:
+    def observe(self, step, metrics):
+        return [{"rule": "every", "metric": "n_tokens", "value": metrics["n_tokens"], "threshold": 0.0, "window": 1,
+                 "level": "INFO", "title": "t", "text": "x"}]
+
+
+def test_step_state_names_the_file_with_a_repeated_token(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from triage_monitor.config import MetricConfig
+
+    f = tmp_path / "step-00000000-rank-0000-attempt-1.parquet"
+    pq.write_table(pa.table({"sample_id": [1, 1, 1], "position": [0, 1, 1], "learner_logp": [-1.0, -1.0, -1.0],
+                             "sampler_logp": [-1.0, -1.0, -1.0], "advantage": [1.0, 1.0, 1.0]},
+                            schema=pa.schema([("sample_id", pa.int64()), ("position", pa.int64()),
+                                              ("learner_logp", pa.float32()), ("sampler_logp", pa.float32()),
+                                              ("advantage", pa.float32())])), f)
+    with pytest.raises(ValueError, match=rf"^{f}: a \(sample_id, position\) pair occurs twice in the token records$"):
+        step_state([f], -1.0, MetricConfig())
+    empty = step_state([], -1.0, MetricConfig())                  # no file: the empty state, no token
+    assert MismatchStats(MetricConfig(), state=torch.from_numpy(empty)).compute().values["n_tokens"] == 0
