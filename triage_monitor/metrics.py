@@ -265,16 +265,28 @@ class StateLayout:
         views prepared once (a trailing window of W steps costs W small calls, not 2W torch-to-numpy round trips)."""
         if out.device.type == "cpu" and all(t.device.type == "cpu" for t in others):
             o = out.numpy()
-            ops = []
+            groups = []                                   # (entries x:y, columns p:q of `rows`, reduction)
+            width = 0
             for red, (a, b) in self.ranges.items():
                 for lo, hi in spans:
                     x, y = max(a, lo), min(b, hi)
                     if x < y:
-                        ops.append((o[x:y], x, y, _NP_MERGE[red]))
-            for t in others:
+                        groups.append((x, y, width, width + y - x, red))
+                        width += y - x
+            if not groups or not others:
+                return out
+            # row 0: out; row i: others[i-1]; each group reduced down the rows in one call, in row order (a
+            # cumulative sum is a left fold: ((out + s1) + s2) + ..., the same IEEE result as merging one by one)
+            rows = np.empty((len(others) + 1, width))
+            for i, t in enumerate([out, *others]):
                 tn = t.numpy()
-                for view, x, y, fn in ops:
-                    fn(view, tn[x:y], out=view)
+                for x, y, p, q, _ in groups:
+                    rows[i, p:q] = tn[x:y]
+            for x, y, p, q, red in groups:
+                if red == "sum":
+                    o[x:y] = np.cumsum(rows[:, p:q], axis=0)[-1]
+                else:
+                    o[x:y] = _NP_MERGE[red].reduce(rows[:, p:q], axis=0)
             return out
         for t in others:
             for lo, hi in spans:
