@@ -368,12 +368,13 @@ def test_empty_batches_and_empty_responses_give_nan_with_reasons(tmp_path):
 
 # ------------------------------------------------------------------ security
 def test_nothing_is_unpickled_from_a_run_directory():
-    """No arbitrary unpickling anywhere in the package: analysis reads Parquet and JSON; ranks exchange
-    tensors (no all_gather_object); torch.load only with weights_only=True (tensors, containers, numbers)."""
+    """No arbitrary unpickling anywhere in the package (hooks and dashboards included): analysis reads Parquet and
+    JSON; ranks exchange tensors (no all_gather_object); torch.load only with weights_only=True (tensors,
+    containers, numbers)."""
     banned = re.compile(r"\bimport pickle|pickle\.loads?\(|all_gather_object\(|allow_pickle\s*=\s*True|"
                         r"read_pickle|joblib|weights_only\s*=\s*False")
     hits = []
-    for p in (ROOT / "triage_monitor").rglob("*.py"):
+    for p in [f for d in ("triage_monitor", "hooks", "dashboards") for f in (ROOT / d).rglob("*.py")]:
         for i, line in enumerate(p.read_text().splitlines(), 1):
             code = line.split("#")[0]
             if banned.search(code) or ("torch.load(" in code and "weights_only=True" not in code):
