@@ -87,17 +87,7 @@ def rss_mb() -> float:
 def rss_growth(batch, steps: int) -> float:
     """Peak RSS growth (MB) of a monitor (window 25, τ_tail calibrated live) over ``steps`` steps after its first."""
     cfg = MonitorConfig(window=25, tau_tail=None, record_tokens=False, alignment_check_steps=0)
-    with tempfile.TemporaryDirectory() as d:
-        # a small monitor through calibration and the τ_tail freeze first: a compiled function missing from
-        # numba's cache is compiled once per process (about 100 MB of peak RSS), not part of a monitor's growth
-        with MismatchMonitor(Path(d) / "warm", cfg) as warm:
-            for s in range(cfg.window + 2):
-                warm.log_step(s, batch_of(8, 256, seed=s))
-        return _rss_growth(batch, steps, cfg, Path(d))
-
-
-def _rss_growth(batch, steps: int, cfg, d: Path) -> float:
-    with MismatchMonitor(d / "rss", cfg) as mon:
+    with tempfile.TemporaryDirectory() as d, MismatchMonitor(Path(d) / "rss", cfg) as mon:
         mon.log_step(0, batch)
         before = rss_mb()
         for s in range(1, steps + 1):
