@@ -160,7 +160,10 @@ class MismatchMonitor:
             extra: scalars from the training loop (reward, accuracy,
                 controller stats ...), recorded and returned as given.
             token_extras: optional per-token ``(N,)`` tensors (e.g. ``gate_weight``)
-                stored as extra float32 token columns.
+                stored as extra float32 token columns, in the batch's token order (the
+                TokenBatch's rows, sorted by sample id then position; not necessarily the
+                order of the tensors the batch was built from: map them with
+                ``batch.gather`` or build them from the batch).
 
         Returns:
             dict name → float: the step metrics, ``window/<name>`` trailing-window
