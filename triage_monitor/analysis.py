@@ -537,12 +537,9 @@ def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepSt
 
     try:
         with np.load(path) as z:
-            nulls = []
-            seg, resp = np.cumsum(z["null_seg_len"]), np.cumsum(z["null_resp_len"])
-            for i in range(len(seg)):
-                a, b = (seg[i - 1] if i else 0), seg[i]
-                c, d = (resp[i - 1] if i else 0), resp[i]
-                nulls.append((z["null_seg"][a:b], z["null_nseg"][c:d], z["null_tails"][c:d]))
+            split = (lambda values, lengths: np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else [])
+            nulls = list(zip(split(z["null_seg"], z["null_seg_len"]), split(z["null_nseg"], z["null_resp_len"]),
+                             split(z["null_tails"], z["null_resp_len"])))
             steps = z["steps"].tolist()
             return StepStates(steps, z["states"], z["taus"].tolist(), cfg, window, tau_mode,
                               nulls if len(nulls) == len(steps) else None)

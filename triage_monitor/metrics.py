@@ -682,9 +682,8 @@ class MetricTracker:
                 stats.sync(group)
             return self.push(step, stats)
         prepared = stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
-        if not self.tau_frozen:
-            part = _calibration_part(stats)
-            self._calibrate(step, calibration.sync_part(part, group) if distributed else part)
+        part = _calibration_part(stats)                          # calibrating: τ_tail from the steps so far
+        self._calibrate(step, calibration.sync_part(part, group) if distributed else part)
         if not math.isnan(self.tau_tail):
             stats.add_localisation(delta, adv, sample_index, batch.position.to(dev), batch.num_samples,
                                    self.tau_tail, prepared)
