@@ -126,6 +126,11 @@ def seg_batch():
         mean −1.5/8
     s4 (A=0): δ = −3.
     """
+    return _list_batch(*_seg_lists(), sampler=-3.0)
+
+
+def _seg_lists():
+    """seg_batch's (δ lists, advantages, masks)."""
     s0 = [0.] * 10
     s0[0] = s0[1] = 2.
     s0[6] = s0[7] = -2.
@@ -136,8 +141,7 @@ def seg_batch():
     s3 = [0.] * 12
     s3[8] = -1.5
     m3 = [1] * 4 + [0] * 4 + [1] * 4
-    return _list_batch([s0, [-5.] * 3, s2, s3, [-3., -3.]], [-1., 1., -2., -1., 0.],
-                       masks=[m0, [1] * 3, [1] * 8, m3, [1, 1]], sampler=-3.0)
+    return [s0, [-5.] * 3, s2, s3, [-3., -3.]], [-1., 1., -2., -1., 0.], [m0, [1] * 3, [1] * 8, m3, [1, 1]]
 
 
 def test_segment_metrics_by_hand(seg_batch, update_path):
@@ -433,3 +437,217 @@ def test_dilution_uses_the_response_mean_on_both_update_paths(update_path):
         ds.append(d)
     v = compute_step_metrics(_list_batch(ds, [-1.0] * 3, sampler=-3.0), -0.5).values
     assert v["dilution"] == pytest.approx(1 / 3)
+
+
+# ---------------------------------------------------------------- the torch update path's own branches
+@pytest.fixture(params=["kernel", "torch", "torch_in_pieces"])
+def any_update_path(request, monkeypatch):
+    """The two update paths of ``update_path``, plus the torch path cutting every batch into pieces of at most
+    4 tokens at response boundaries (``CPU_CHUNK_TOKENS`` is 32,768 in use; no hand-worked batch is that long)."""
+    import triage_monitor.metrics as metrics_module
+    monkeypatch.setattr(MismatchStats, "use_kernel", request.param == "kernel")
+    if request.param == "torch_in_pieces":
+        monkeypatch.setattr(metrics_module, "CPU_CHUNK_TOKENS", 4)
+    return request.param
+
+
+def test_hand_worked_batches_hold_when_the_update_is_cut_into_pieces(quadrant_batch, seg_batch, any_update_path):
+    """quadrant_batch and seg_batch (values worked out in their fixtures) through every update path."""
+    v = compute_step_metrics(quadrant_batch).values
+    assert (v["mass_amp_neg"], v["mass_amp_pos"], v["mass_con_neg"], v["mass_con_pos"]) == (5, 2, 3, 1)
+    assert v["rho_asym_lennorm"] == pytest.approx((11 / 6) / (1 / 2))
+    assert v["small_gap_share"] == pytest.approx(4 / 10) and v["n_samples"] == 4 and v["n_tokens"] == 10
+    assert v["delta_min"] == pytest.approx(-3.0)
+    v = compute_step_metrics(seg_batch, TAU, MetricConfig(segment_width=W)).values
+    assert (v["r_amp"], v["h_seg"], v["c_tok"]) == (pytest.approx(5 / 25), pytest.approx(4 / 7), pytest.approx(2 / 5))
+    assert v["p_adj"] == pytest.approx((1 / 2) / (2 / 3)) and v["dilution"] == pytest.approx(1 / 3)
+
+
+def test_cpu_update_pieces_cut_at_response_boundaries_by_hand():
+    """``_chunks`` with the real 32,768-token piece size: a response is never split; a cut goes before the first
+    response starting at or after each multiple of 32,768 tokens; an accelerator batch is one piece."""
+    from triage_monitor.metrics import CPU_CHUNK_TOKENS, _chunks
+
+    def si(*lengths):
+        return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+    assert CPU_CHUNK_TOKENS == 32768
+    assert _chunks(si(32000, 768), 2, "cpu") == [(0, 32768, 0, 2)]                   # exactly one piece's size
+    # offsets 0, 20000, 40000, 60000: 32768 falls in response 1, so the cut is before response 2
+    assert _chunks(si(20000, 20000, 20000), 3, "cpu") == [(0, 40000, 0, 2), (40000, 60000, 2, 3)]
+    # a response longer than two pieces: the targets 32768 and 65536 both give response 1 (one cut)
+    assert _chunks(si(70000, 10), 2, "cpu") == [(0, 70000, 0, 1), (70000, 70010, 1, 2)]
+    # offsets 0, 32768, 32773, 65541: 32768 starts response 1 (cut 1); 65536 gives response 3 = S (no cut)
+    assert _chunks(si(32768, 5, 32768), 3, "cpu") == [(0, 32768, 0, 1), (32768, 65541, 1, 3)]
+    assert _chunks(si(20000, 20000, 20000), 3, "meta") == [(0, 60000, 0, 3)]        # not the CPU: one piece
+
+
+def test_segment_tail_counts_by_hand_for_a_power_of_two_and_another_width():
+    """Positions 0, 1, 2, 3, 5, 6 of an A<0 response (4 masked) and 0, 1 of an A>0 response; tails (A<0, δ < −1) at
+    positions 2 and 5.  W = 4: segments {0,1,2,3} 1 tail, {5,6} 1 tail.  W = 3 (floor division, not a shift):
+    {0,1,2} 1 tail, {3,5} 1 tail, {6} 0 tails.  The A>0 response's segments are dropped."""
+    from triage_monitor.metrics import segment_tail_counts
+    delta = torch.tensor([0., 0., -2., 0., -3., 0., -5., -5.])
+    adv = torch.tensor([-1.] * 6 + [1., 1.])
+    sample = torch.tensor([0] * 6 + [1, 1])
+    pos = torch.tensor([0, 1, 2, 3, 5, 6, 0, 1])
+    resp_adv = torch.tensor([-1., 1.])
+    got4 = segment_tail_counts(delta, adv, sample, pos, resp_adv, -1.0, 4)
+    assert [t.tolist() for t in got4] == [[0, 0], [0, 1], [4, 2], [1, 1]]
+    got3 = segment_tail_counts(delta, adv, sample, pos, resp_adv, -1.0, 3)
+    assert [t.tolist() for t in got3] == [[0, 0, 0], [0, 1, 2], [3, 2, 1], [1, 1, 0]]
+    one = segment_tail_counts(delta[2:3], adv[2:3], sample[:1], pos[2:3], resp_adv[:1], -1.0, 4)
+    assert [t.tolist() for t in one] == [[0], [0], [1], [1]]                     # a single token
+    empty = segment_tail_counts(delta[:0], adv[:0], sample[:0], pos[:0], resp_adv[:0], -1.0, 4)
+    assert [(t.dtype, t.numel()) for t in empty] == [(torch.int64, 0)] * 4
+
+
+def test_segments_of_width_3_by_hand(any_update_path):
+    """W = 3, τ = −1, one A<0 response, positions 0..5: tails at 0 and 4 → segments {0,1,2} 1/3 and {3,4,5} 1/3,
+    both heavy (> 0.1), the second after a heavy predecessor: h_seg 1, P_adj = 1 / 1; r_amp 2/6."""
+    v = compute_step_metrics(_list_batch([[-2., 0., 0., 0., -2., 0.]], [-1.], sampler=-3.0), -1.0,
+                             MetricConfig(segment_width=3)).values
+    assert v["h_seg"] == 1.0 and v["r_amp"] == pytest.approx(2 / 6) and v["p_adj"] == pytest.approx(1.0)
+
+
+def test_heavy_is_a_strict_fraction_of_the_valid_tokens(any_update_path):
+    """heavy ⇔ tail > 0.1 · valid.  W = 10: one tail in 10 tokens (exactly 0.1) is not heavy; W = 20: one in 20 is not
+    heavy; two in 10 is.  So h_seg = 1/3 over the three one-segment responses."""
+    def resp(n, tails):
+        return [-2.] * tails + [0.] * (n - tails)
+    cfg10, cfg20 = MetricConfig(segment_width=10), MetricConfig(segment_width=20)
+    assert compute_step_metrics(_list_batch([resp(10, 1)], [-1.], sampler=-3.), -1., cfg10).values["h_seg"] == 0
+    assert compute_step_metrics(_list_batch([resp(20, 1)], [-1.], sampler=-3.), -1., cfg20).values["h_seg"] == 0
+    v = compute_step_metrics(_list_batch([resp(10, 1), resp(10, 2), resp(10, 1)], [-1.] * 3, sampler=-3.), -1.,
+                             cfg10).values
+    assert v["h_seg"] == pytest.approx(1 / 3)
+
+
+def test_dilution_is_strictly_below_the_threshold_and_uses_one_token_means(any_update_path):
+    """dilution_threshold 0.25, τ = −0.3, W = 4.  r0: δ = (−2, 1, 1, 1): heavy, mean δ exactly 0.25: not diluted.
+    r1: one token δ = −0.4: heavy, mean −0.4 (÷ 1 token, not ÷ 2): not diluted.  r2: (−2, 1, 1, 0.5): mean 0.125:
+    diluted.  dilution = 1/3."""
+    cfg = MetricConfig(segment_width=4, dilution_threshold=0.25)
+    v = compute_step_metrics(_list_batch([[-2., 1., 1., 1.], [-0.4], [-2., 1., 1., .5]], [-1.] * 3, sampler=-3.),
+                             -0.3, cfg).values
+    assert v["dilution"] == pytest.approx(1 / 3)
+
+
+def test_predecessor_of_exactly_two_segments(any_update_path):
+    """Two segments of one A<0 response, both heavy (W = 2, tails at positions 0 and 2, τ = −1): one pair, heavy
+    after heavy: P(heavy | prev heavy) = 1 = P(heavy | has prev), P_adj = 1."""
+    v = compute_step_metrics(_list_batch([[-2., 0., -2., 0.]], [-1.], sampler=-3.), -1.,
+                             MetricConfig(segment_width=2)).values
+    assert v["p_adj"] == pytest.approx(1.0) and v["h_seg"] == 1.0
+
+
+def test_con_pos_counts_negative_gaps_not_zero_gaps(any_update_path):
+    """A = +1: δ = (−0.1, −0.2, 0, 0.3): con_pos = the two δ<0 tokens (mass 2, count 2); δ = 0 is in no region;
+    amp_pos = {0.3}.  A single-token amp_neg response (A = −2, δ = −0.5) has length weight 2/1 in the length-normalised
+    mass; the A>0 response's 0.3 has 1/4: rho_asym_lennorm = 2 / 0.25 = 8."""
+    v = compute_step_metrics(_list_batch([[-.1, -.2, 0., .3], [-.5]], [1., -2.])).values
+    assert (v["mass_con_pos"], v["count_con_pos"], v["mass_amp_pos"], v["count_amp_pos"]) == (2, 2, 1, 1)
+    assert v["rho_asym_lennorm"] == pytest.approx(8.0)
+
+
+def test_response_advantage_sums_signed_token_advantages(any_update_path):
+    """Per-token advantages (+3 on a δ<0 token, −1 on a tail token): the response's advantage is +2 > 0, so it has
+    no segments and no tail (a response is A<0 by the sign of its mean advantage): r_amp NaN, no segments."""
+    b = TokenBatch.from_list([torch.tensor([-1.5, -5.0])], [torch.tensor([-1.0, -1.0])], [torch.tensor([3.0, -1.0])])
+    v = compute_step_metrics(b, -1.0, MetricConfig(segment_width=4)).values
+    assert math.isnan(v["h_seg"]) and math.isnan(v["r_amp"])
+
+
+def test_small_gap_is_strictly_below_the_threshold(any_update_path):
+    """small_gap_threshold 0.25 (exact in float32): |δ| = 0.25 is not a small gap; 0.1 is: share 1/4."""
+    v = compute_step_metrics(_list_batch([[.25, -.25, .1, .5]], [1.]), config=MetricConfig(small_gap_threshold=0.25))
+    assert v.values["small_gap_share"] == pytest.approx(1 / 4)
+
+
+def test_chi2_clamps_the_log_ratio_at_both_ends(any_update_path):
+    """chi2_token's r is clamped to [−20, 20] before exp (verl's SAFETY_BOUND): its state sum Σ exp(r)² over δ = +25
+    and −50 is e^40 + e^−40, not e^50 + e^−100."""
+    from triage_monitor.metrics import SUM_FIELDS
+    st = MismatchStats().update(_list_batch([[25.0, -50.0]], [1.], sampler=-60.0))
+    assert st.sums[SUM_FIELDS.index("exp_r_sq_sum")].item() == pytest.approx(math.exp(40) + math.exp(-40), rel=1e-12)
+    lo = MismatchStats().update(_list_batch([[-50.0]], [1.], sampler=-60.0))
+    assert lo.sums[SUM_FIELDS.index("exp_r_sq_sum")].item() == pytest.approx(math.exp(-40), rel=1e-9)
+
+
+def test_two_updates_add_up(any_update_path):
+    """Two updates of one accumulator add: quadrant_batch twice has twice its masses and the same ratios."""
+    b = _list_batch([[.2, -.1, 0., .03], [-.5, .1, -.01]], [1., -2.])
+    v = MismatchStats().update(b).update(b).compute().values
+    assert (v["n_tokens"], v["mass_amp_neg"], v["mass_amp_pos"]) == (14, 8, 4)
+
+
+def test_merged_of_no_parts_is_empty():
+    v = MismatchStats.merged([]).compute().values
+    assert v["n_tokens"] == 0 and math.isnan(v["rho_asym"])
+
+
+def test_empty_batch_through_every_update_path(any_update_path):
+    """A batch whose only response is fully masked: no tokens, one response with none, metrics NaN."""
+    v = compute_step_metrics(_list_batch([[-1.0, -2.0]], [-1.], masks=[[0, 0]]), -1.0).values
+    assert v["n_tokens"] == 0 and v["n_samples"] == 0 and math.isnan(v["h_seg"]) and math.isnan(v["rho_asym"])
+
+
+def test_segment_tail_stats_with_a_trailing_fully_masked_response(seg_batch):
+    """seg_batch plus a last A<0 response whose tokens are all masked: the sums are seg_batch's (docstring of
+    test_segment_tail_stats_of_the_hand_worked_batch)."""
+    from triage_monitor.metrics import segment_tail_stats
+    deltas, advs, masks = _seg_lists()
+    b = _list_batch(deltas + [[-2., -2.]], advs + [-1.], masks=masks + [[0, 0]], sampler=-3.0)
+    assert b.num_samples == 6
+    st = segment_tail_stats(b, TAU, W, 0.1, 0.05)
+    assert (st["neg_valid_tokens"], st["tail_tokens"], st["segments"], st["heavy_segments"]) == (25, 5, 7, 4)
+    assert (st["pairs"], st["pairs_both_heavy"], st["responses_with_heavy"], st["responses_diluted"]) == (3, 1, 3, 1)
+
+
+# ---------------------------------------------------------------- multi-rank sync (torch.distributed, gloo)
+def _sync_part(rank):
+    """Rank 0: A = −1, δ = (−2, 0.5, 3) (the global max); rank 1: A = +1, δ = (−4, 0.1) (the global min)."""
+    return [_list_batch([[-2., .5, 3.]], [-1.], sampler=-5.), _list_batch([[-4., .1]], [1.], sampler=-5.)][rank]
+
+
+def _sync_rank(rank, world, init_file, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        st = MismatchStats(MetricConfig(segment_width=4)).update(_sync_part(rank), -1.0).sync()
+        torch.save(st.state, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path):
+    """Two gloo ranks (processes): after ``sync`` each rank holds the state of both parts — 5 tokens, 2 responses,
+    δ min −4 (rank 1) and max 3 (rank 0), Σδ = −2.4, one tail (δ = −2 < −1, A < 0) — and it equals the state of
+    one process updated with both responses.  In one process with a one-rank group, ``sync`` leaves the state
+    as it is (the min is negated for the MAX all-reduce and back)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from triage_monitor.metrics import SUM_FIELDS
+
+    cfg = MetricConfig(segment_width=4)
+    one = MismatchStats(cfg).update(_sync_part(0), -1.0)
+    before = one.state.clone()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
+    try:
+        assert one.sync() is one
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(one.state, before)
+
+    mp.spawn(_sync_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path / "state")), nprocs=2, join=True)
+    states = [torch.load(tmp_path / f"state.{r}") for r in range(2)]
+    whole = MismatchStats(cfg).update(_list_batch([[-2., .5, 3.], [-4., .1]], [-1., 1.], sampler=-5.), -1.0)
+    for st in states:
+        got = MismatchStats(cfg)
+        got.state.copy_(st)
+        got.tau_tail = -1.0
+        v = got.compute().values
+        assert (v["n_tokens"], v["n_samples"], v["delta_min"], got.part("delta_max").item()) == (5, 2, -4.0, 3.0)
+        assert got.sums[SUM_FIELDS.index("delta_sum")].item() == pytest.approx(-2.4, rel=1e-6)
+        assert got.sums[SUM_FIELDS.index("tail_tokens")].item() == 1
+        assert torch.allclose(st, whole.state, rtol=1e-12, atol=0)
