@@ -8,6 +8,7 @@
 #   scripts/mutation.sh segments controller  # some modules: triage_monitor.<name>, or hooks._runtime as _runtime
 #   JOBS=2 NICE=10 MUTATION_DIR=/tmp/mut scripts/mutation.sh ...
 #   scripts/mutation.sh --report             # per-module scores of the last run, without running anything
+#   scripts/mutation.sh --continue           # go on with a stopped run, then re-run its survivors with HEAD's tests
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
@@ -19,10 +20,37 @@ if [ "${1:-}" = "--report" ]; then
   cd "$WORK" && exec "$PY" "$ROOT/scripts/mutation_report.py"
 fi
 "$PY" -c "import mutmut" 2>/dev/null || "$PY" -m pip install -q -r "$ROOT/scripts/requirements-mutation.txt"
+# one intra-op thread: mutmut forks a child per mutant, and a fork taken after torch's OpenMP pool has started can
+# hang in the child (every mutant then times out); it also keeps the run to JOBS cores
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+
+if [ "${1:-}" = "--continue" ]; then
+  # A run takes hours on a small machine: mutmut keeps each mutant's result in $WORK, so a stopped run (Ctrl-C, a
+  # reboot) goes on where it stopped.  Its mutants stay valid while the mutated source is that of the run's commit;
+  # the tests are HEAD's, so the survivors and "no tests" mutants are run again against tests written since.
+  run=$(cat "$WORK/.mutation-commit" 2>/dev/null) || { echo "mutation.sh: no run in $WORK to continue" >&2; exit 2; }
+  if ! git -C "$ROOT" diff --quiet "$run" HEAD -- triage_monitor hooks dashboards pyproject.toml; then
+    echo "mutation.sh: the source or [tool.mutmut] changed since the run's commit $run: start a new run" >&2
+    exit 2
+  fi
+  rm -rf "$WORK/tests" "$WORK/mutants/tests"
+  git -C "$ROOT" archive HEAD tests | tar -x -C "$WORK"
+  cp -r "$WORK/tests" "$WORK/mutants/tests"
+  cd "$WORK"
+  echo "continuing the mutation run of $run in $WORK with the tests of $(git -C "$ROOT" rev-parse --short HEAD)"
+  start=$(date +%s)
+  mapfile -t again < <("$PY" -m mutmut results | sed -n 's/^ *\(.*\): \(survived\|no tests\)$/\1/p')
+  echo "re-running ${#again[@]} survivors and \"no tests\" mutants with the current tests, then the mutants not run"
+  [ ${#again[@]} -eq 0 ] || nice -n "$NICE" "$PY" -m mutmut run --max-children "$JOBS" "${again[@]}" >/dev/null || true
+  nice -n "$NICE" "$PY" -m mutmut run --max-children "$JOBS" || true
+  echo "wall time: $(( $(date +%s) - start )) s"
+  exec "$PY" "$ROOT/scripts/mutation_report.py"
+fi
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
 git -C "$ROOT" archive HEAD | tar -x -C "$WORK"
+git -C "$ROOT" rev-parse HEAD > "$WORK/.mutation-commit"
 cd "$WORK"
 # the package maps triage_monitor.hooks to hooks/ (pyproject's package-dir): mutmut's mutants/ would hold hooks/
 # beside triage_monitor/, and the editable install's finder would import the worktree's unmutated hooks/ instead
@@ -36,9 +64,6 @@ for m in "$@"; do
   esac
 done
 echo "mutation run of $(git -C "$ROOT" rev-parse --short HEAD) in $WORK: ${patterns[*]:-all modules}"
-# one intra-op thread: mutmut forks a child per mutant, and a fork taken after torch's OpenMP pool has started can
-# hang in the child (every mutant then times out); it also keeps the run to JOBS cores
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 start=$(date +%s)
 nice -n "$NICE" "$PY" -m mutmut run --max-children "$JOBS" "${patterns[@]}" || true
 echo "wall time: $(( $(date +%s) - start )) s"

@@ -538,3 +538,47 @@ def test_outputs_stay_on_device_and_dtype_follows_caller(device, dtype):
     # response 0: d_S = -0.125 -> q = 0.095 in each of its 5 segments
     q = 0.095
     assert out.repair_loss.item() == pytest.approx(0.015 * phi(q), rel=1e-4)
+
+
+def test_calibration_config_errors_name_the_rule():
+    with pytest.raises(ValueError, match=r"CalibrationConfig needs 0 < severe_quantile < neg_quantile < 1, got "
+                                         r"severe_quantile=0.3, neg_quantile=0.2"):
+        CalibrationConfig(neg_quantile=0.2, severe_quantile=0.3)
+
+
+def test_a_loaded_controller_resumes_at_the_saved_step():
+    a = TriageController(TriageConfig(repair_width=8))
+    for step in range(3):
+        a(_step_batch(step), step=step)
+    b = TriageController(TriageConfig(repair_width=8))
+    b.load_state_dict(a.state_dict())
+    assert b.last_step == 2 and b.calls == 3
+
+
+def _segment_count_rank(rank, world, init_file, result_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        ctrl = TriageController(TriageConfig(repair_width=4, repair_scope="whole"), group=dist.group.WORLD)
+        b = _list_batch_of_lengths([5, 4] if rank == 0 else [9])
+        torch.save(ctrl.repair_segment_count(b), f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _list_batch_of_lengths(lengths):
+    """Responses of the given lengths, δ = 0, A = −1."""
+    lp = [torch.full((n,), -1.0) for n in lengths]
+    return TokenBatch.from_list(lp, [x.clone() for x in lp], torch.full((len(lengths),), -1.0))
+
+
+def test_repair_segment_count_is_summed_over_the_group(tmp_path):
+    """W = 4: responses of 5 and 4 tokens on rank 0 (2 + 1 segments), 9 tokens on rank 1 (3): every rank's
+    repair denominator is 6.  In one process with a one-rank group: rank 0's own 3."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
+    try:
+        ctrl = TriageController(TriageConfig(repair_width=4, repair_scope="whole"), group=dist.group.WORLD)
+        assert ctrl.repair_segment_count(_list_batch_of_lengths([5, 4])).item() == 3
+    finally:
+        dist.destroy_process_group()
+    mp.spawn(_segment_count_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path / "count")), nprocs=2, join=True)
+    assert [torch.load(tmp_path / f"count.{r}").item() for r in range(2)] == [6, 6]

@@ -399,3 +399,22 @@ def test_close_after_optimizer_steps_is_quiet_and_a_closed_runtime_is_replaced(t
     assert rt.closed and not [r for r in caplog.records if "optimizer step" in r.getMessage()]
     assert hook.runtime is not rt and not hook.runtime.closed
     hook.runtime.close()
+
+
+def test_run_json_records_the_triage_config_as_plain_fields(tmp_path):
+    """A TRIAGE hook's run.json carries the controller's config under ``info.triage`` as plain JSON fields (the
+    values given, the defaults for the rest); a monitoring-only hook's has none."""
+    import dataclasses
+    cfg = TriageConfig(gate_width=2, repair_width=2)
+    for triage in (cfg, None):
+        run = tmp_path / f"run-{triage is not None}"
+        hook = make_hook_class()(HookSettings(run_dir=str(run), monitor=MonitorConfig(window=2, calibration_steps=1),
+                                              triage=triage))
+        hook.compute_loss(TokenBatch.from_padded(*micro_batch(0, 0, 0)), agg_mode="token_mean")
+        hook.close()
+        manifest = json.loads((run / "run.json").read_text())["info"]
+        if triage is None:
+            assert "triage" not in manifest
+        else:
+            assert manifest["triage"]["gate_width"] == 2 and manifest["triage"]["repair_width"] == 2
+            assert manifest["triage"] == json.loads(json.dumps(dataclasses.asdict(cfg)))
