@@ -360,3 +360,18 @@ def test_force_numbers_the_old_run_when_its_name_is_taken(tmp_path, monkeypatch)
     assert (tmp_path / "run.replaced-20260102T030405Z-2" / "run.json").is_file()
     MismatchMonitor(d, MonitorConfig(window=2), force=True).close()
     assert (tmp_path / "run.replaced-20260102T030405Z-3" / "run.json").is_file()
+
+
+def test_alert_rows_carry_the_writers_rank_and_attempt(tmp_path):
+    """An alert row written by rank 1 has rank 1, the step and the attempt id in its columns, not only in the file
+    name (plain readers group by the columns)."""
+    d = tmp_path / "run"
+    row = {"rule": "rho", "metric": "rho_asym", "value": 2.0, "threshold": 1.5, "window": 10, "level": "warning",
+           "title": "t", "text": "x"}
+    mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1)
+    mon.writer.record_alerts(7, [row])
+    attempt = mon.writer.attempt
+    mon.close()
+    (f,) = (d / "alerts").iterdir()
+    got = pq.read_table(f).to_pylist()
+    assert got == [{**row, "step": 7, "rank": 1, "attempt": attempt}]
