@@ -651,3 +651,31 @@ def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path):
         assert got.sums[SUM_FIELDS.index("delta_sum")].item() == pytest.approx(-2.4, rel=1e-6)
         assert got.sums[SUM_FIELDS.index("tail_tokens")].item() == 1
         assert torch.allclose(st, whole.state, rtol=1e-12, atol=0)
+
+
+def test_length_normalised_masses_are_the_documented_sums(quadrant_batch, any_update_path):
+    """The state's length-normalised masses, not only their ratio (states of both update paths are merged across
+    ranks and steps): quadrant_batch's Σ |A|/n over amp_neg = 2·(2/3) + 1·(1/2) = 11/6 and over amp_pos = 2·(1/4)."""
+    from triage_monitor.metrics import SUM_FIELDS
+    st = MismatchStats().update(quadrant_batch)
+    assert st.sums[SUM_FIELDS.index("lennorm_amp_neg")].item() == pytest.approx(11 / 6, rel=1e-12)
+    assert st.sums[SUM_FIELDS.index("lennorm_amp_pos")].item() == pytest.approx(1 / 2, rel=1e-12)
+
+
+
+def test_a_tail_token_has_a_negative_advantage_and_a_gap_strictly_below_tau():
+    """Per-token advantages inside one response of mean advantage −0.5 (so its segments are kept): A = −2, 0, 0.5,
+    −1 with δ = −2, −2, −2, −1 and τ = −1: only the first token is a tail token (A = 0 and A > 0 are not, nor
+    δ = τ exactly)."""
+    from triage_monitor.metrics import segment_tail_counts
+    got = segment_tail_counts(torch.tensor([-2., -2., -2., -1.]), torch.tensor([-2., 0., .5, -1.]),
+                              torch.zeros(4, dtype=torch.long), torch.arange(4), torch.tensor([-0.625]), -1.0, 4)
+    assert [t.tolist() for t in got] == [[0], [0], [4], [1]]
+
+
+def test_cpu_update_pieces_with_a_trailing_empty_response():
+    """offsets 0, 20000, 40000, 40000 (the last response has no valid token): one cut before response 2, whose
+    piece is empty."""
+    from triage_monitor.metrics import _chunks
+    si = torch.repeat_interleave(torch.arange(2), torch.tensor([20000, 20000]))
+    assert _chunks(si, 3, "cpu") == [(0, 40000, 0, 2), (40000, 40000, 2, 3)]
