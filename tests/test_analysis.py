@@ -412,3 +412,46 @@ def test_step_state_names_the_file_with_a_repeated_token(tmp_path):
         step_state([f], -1.0, MetricConfig())
     empty = step_state([], -1.0, MetricConfig())                  # no file: the empty state, no token
     assert MismatchStats(MetricConfig(), state=torch.from_numpy(empty)).compute().values["n_tokens"] == 0
+
+
+def test_a_broken_rank_file_skips_only_that_rank_and_the_rows_are_numbered_afresh(tmp_path, monkeypatch):
+    """Alerts of two ranks at steps 0 and 1: with rank 0's file of step 0 broken, rank 1's row of step 0 is still
+    read; the frame's index is 0..n−1 (one row per alert), not each file's own 0."""
+    import triage_monitor.monitor as monitor_mod
+
+    d = tmp_path / "run"
+    monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 7)    # one attempt shared by the two "ranks"
+    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=r, alerts=_EveryStep()) for r in (0, 1)]
+    for s in range(2):
+        for m in mons:
+            m.log_step(s, _batch(s))
+    for m in mons:
+        m.close()
+    r = open_run(d)
+    a = r.alerts()
+    assert list(zip(a["step"], a["rank"])) == [(0, 0), (0, 1), (1, 0), (1, 1)] and list(a.index) == [0, 1, 2, 3]
+    next((d / "alerts").glob("step-00000000-rank-0000-*")).write_bytes(b"broken")
+    a = r.alerts()
+    assert list(zip(a["step"], a["rank"])) == [(0, 1), (1, 0), (1, 1)] and list(a.index) == [0, 1, 2]
+
+
+def test_tokens_keep_each_responses_position_order_without_the_position_column(tmp_path, monkeypatch):
+    """Two ranks, responses 0 and 2 on rank 0 and 1 and 3 on rank 1, 400 tokens each, learner log-probs increasing
+    with the position: read without the position column, each response's tokens still come in position order (the
+    sort by sample_id keeps the recorded order of equal ids)."""
+    import triage_monitor.monitor as monitor_mod
+
+    d = tmp_path / "run"
+    monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 7)
+    T = 400
+    lp = -1.0 - torch.arange(T, 0, -1, dtype=torch.float32) / T            # increasing along the response
+    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=r) for r in (0, 1)]
+    for r, m in enumerate(mons):
+        ids = torch.tensor([r, r + 2])
+        m.log_step(0, TokenBatch.from_padded(lp.repeat(2, 1), lp.repeat(2, 1) - 0.1, torch.ones(2),
+                                             torch.ones(2, T, dtype=torch.bool), sample_ids=ids))
+        m.close()
+    df = open_run(d).tokens(0, ["sample_id", "learner_logp"])
+    assert df["sample_id"].tolist() == [i for i in range(4) for _ in range(T)]
+    for i in range(4):
+        assert np.array_equal(df.loc[df.sample_id == i, "learner_logp"].to_numpy(), lp.numpy()), i

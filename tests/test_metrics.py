@@ -571,7 +571,7 @@ def test_chi2_clamps_the_log_ratio_at_both_ends(any_update_path):
     st = MismatchStats().update(_list_batch([[25.0, -50.0]], [1.], sampler=-60.0))
     assert st.sums[SUM_FIELDS.index("exp_r_sq_sum")].item() == pytest.approx(math.exp(40) + math.exp(-40), rel=1e-12)
     lo = MismatchStats().update(_list_batch([[-50.0]], [1.], sampler=-60.0))
-    assert lo.sums[SUM_FIELDS.index("exp_r_sq_sum")].item() == pytest.approx(math.exp(-40), rel=1e-9)
+    assert lo.sums[SUM_FIELDS.index("exp_r_sq_sum")].item() == pytest.approx(math.exp(-40), rel=1e-9, abs=0)
 
 
 def test_two_updates_add_up(any_update_path):
@@ -632,6 +632,7 @@ def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path):
     cfg = MetricConfig(segment_width=4)
     one = MismatchStats(cfg).update(_sync_part(0), -1.0)
     before = one.state.clone()
+    assert one.sync() is one and torch.equal(one.state, before)       # no process group: a no-op
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
     try:
         assert one.sync() is one
@@ -679,3 +680,16 @@ def test_cpu_update_pieces_with_a_trailing_empty_response():
     from triage_monitor.metrics import _chunks
     si = torch.repeat_interleave(torch.arange(2), torch.tensor([20000, 20000]))
     assert _chunks(si, 3, "cpu") == [(0, 40000, 0, 2), (40000, 40000, 2, 3)]
+
+
+def test_localisation_of_one_token_and_of_no_token():
+    """One A<0 token with δ = −2 < τ = −1: one segment of 1 valid token, 1 tail, heavy, the response heavy and
+    not diluted (|mean δ| = 2).  No token: no segment (empty int64 arrays) and zero sums."""
+    from triage_monitor.metrics import segment_tail_stats
+    st = segment_tail_stats(_list_batch([[-2.0]], [-1.0], sampler=-3.0), -1.0, 4, 0.1, 0.05)
+    assert (st["neg_valid_tokens"], st["tail_tokens"], st["segments"], st["heavy_segments"]) == (1, 1, 1, 1)
+    assert (st["responses_with_heavy"], st["responses_diluted"]) == (1, 0)
+    assert st["seg_tail"].tolist() == [1] and st["seg_valid"].tolist() == [1]
+    st = segment_tail_stats(_list_batch([[-2.0]], [-1.0], masks=[[0]], sampler=-3.0), -1.0, 4, 0.1, 0.05)
+    assert st["segments"] == 0 and st["tail_tokens"] == 0
+    assert [(t.dtype, t.numel()) for t in (st["seg_tail"], st["seg_valid"])] == [(torch.int64, 0)] * 2
