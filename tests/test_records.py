@@ -375,3 +375,22 @@ def test_alert_rows_carry_the_writers_rank_and_attempt(tmp_path):
     (f,) = (d / "alerts").iterdir()
     got = pq.read_table(f).to_pylist()
     assert got == [{**row, "step": 7, "rank": 1, "attempt": attempt}]
+
+
+def test_config_differences_name_keys_set_on_one_side_only():
+    """An existing run's manifest against a new writer's configuration: a metric setting only the new one has, an
+    identity key only the old run has (a dict) and one only the new writer has, and a dict key whose inner keys
+    differ on both sides are all named, as (old, new) with None for the missing side."""
+    from triage_monitor.records import config_differences
+
+    old = RunManifest(monitor_config={"window": 10, "metrics": {"segment_width": 64}},
+                      info={"demo_config": {"steps": 30}, "column_map": {"lp": "learner_logp", "adv": "advantage"}})
+    metric, identity = config_differences(
+        old, {"window": 10, "metrics": {"segment_width": 64, "heavy_fraction": 0.1}, "record_tokens": False},
+        {"model": "qwen", "column_map": {"lp": "learner_logp", "s": "sampler_logp"}})
+    assert metric == {"monitor_config.metrics.heavy_fraction": (None, 0.1)}
+    assert identity == {"demo_config": ({"steps": 30}, None), "model": (None, "qwen"),
+                        "column_map.adv": ("advantage", None), "column_map.s": (None, "sampler_logp")}
+    # numpy scalars compare as the JSON values they are written as
+    assert config_differences(RunManifest(monitor_config={"window": 10}, info={"seed": 3}), {"window": np.int64(10)},
+                              {"seed": np.int64(3)}) == ({}, {})
