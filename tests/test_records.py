@@ -394,3 +394,38 @@ def test_config_differences_name_keys_set_on_one_side_only():
     # numpy scalars compare as the JSON values they are written as
     assert config_differences(RunManifest(monitor_config={"window": 10}, info={"seed": 3}), {"window": np.int64(10)},
                               {"seed": np.int64(3)}) == ({}, {})
+
+
+def test_removals_keep_the_queue_count_so_flush_still_waits_for_every_file(tmp_path):
+    """Each queued removal counts one byte in the queue until it is done.  After 30 removals, a file queued
+    behind them (or behind a slow file and a removal) is still waited for by flush; a removal that fails drops no
+    row (it is reported as the last error)."""
+    release = threading.Event()
+
+    def slow_columns():
+        release.wait(10)
+        return {"x": np.arange(3)}
+
+    sink = ParquetSink(tmp_path, attempt=1)
+    try:
+        for s in range(30):
+            sink.submit_delete("tokens", s, 0, attempt=0)      # nothing to remove: no error
+        sink.flush()
+        sink.submit("steps", 0, 0, DeferredColumns(slow_columns, 24, 3))
+        threading.Timer(0.3, release.set).start()
+        sink.flush()
+        assert sink.written_files == 1
+        release.clear()
+        sink.submit("steps", 1, 0, DeferredColumns(slow_columns, 24, 3))
+        sink.submit_delete("tokens", 0, 0, attempt=0)
+        sink.submit("steps", 2, 0, DeferredColumns(slow_columns, 24, 3))
+        threading.Timer(0.3, release.set).start()
+        sink.flush()
+        assert sink.written_files == 3 and sink.written_rows == 9
+        table_file(tmp_path, "tokens", 5, 0, 0).mkdir(parents=True)     # a directory: unlink fails
+        sink.submit_delete("tokens", 5, 0, attempt=0)
+        sink.flush()
+        assert sink.dropped_rows == 0 and sink.last_error.startswith(("IsADirectoryError", "PermissionError"))
+    finally:
+        release.set()
+        sink.close()
