@@ -4,14 +4,14 @@ Reads the results mutmut keeps in ``mutants/*.meta`` and prints, per module:
 
 * killed: a test failed (a timeout counts too: a test detected the mutant by hanging);
 * survived, no tests (no selected test calls the mutated function);
-* equivalent: survivors listed in docs/mutation/equivalent.txt with the reason (a glob of mutant names, then the
+* equivalent: survivors listed in docs/mutation/equivalent*.txt with the reason (a glob of mutant names, then the
   reason); the names are those of the run's commit;
 * accelerator only: survivors listed with a reason starting "accelerator only", and those whose one change is
   where a tensor lives (a ``device=`` argument set to None or
   dropped, ``dev = None``, ``.to(None)``): on this CPU-only machine every tensor is on the CPU either way, so no
   test here can tell; on an accelerator they would mix devices;
 * not run: mutants the run has not reached yet;
-* reviewed survivors that stay (docs/mutation/left.txt, same format: e.g. a branch only a multi-process or
+* reviewed survivors that stay (docs/mutation/left*.txt, same format: e.g. a branch only a multi-process or
   accelerator job takes) count as survived; they are only left out of ``--list``;
 * score = killed / (killed + survived + no tests − equivalent − accelerator only), over the mutants run.
 
@@ -34,10 +34,11 @@ _TO_DEVICE = re.compile(r"\.to\((?:None|[\w.]*device[\w.]*)\)")
 _DEVICE_VAR = re.compile(r"^\s*(dev|device)\s*=")
 
 
-def reasons(name: str) -> list:
-    """``[(glob, reason)]`` of docs/mutation/<name> (``#`` comments and blank lines skipped)."""
+def reasons(kind: str) -> list:
+    """``[(glob, reason)]`` of docs/mutation/<kind>*.txt (``#`` comments and blank lines skipped)."""
     out = []
-    for line in (DOCS / name).read_text().splitlines():
+    lines = [ln for f in sorted(DOCS.glob(f"{kind}*.txt")) for ln in f.read_text().splitlines()]
+    for line in lines:
         line = line.strip()
         if line and not line.startswith("#"):
             pattern, _, reason = line.partition(" ")
@@ -72,7 +73,7 @@ def accelerator_only(diff: str) -> bool:
 
 
 def main(argv: list) -> int:
-    listed, left = reasons("equivalent.txt"), reasons("left.txt")
+    listed, left = reasons("equivalent"), reasons("left")
     rows = collections.defaultdict(collections.Counter)
     open_items, accel_items = [], []
     for path in walk_mutatable_files():
