@@ -80,8 +80,7 @@ def main(argv: list) -> int:
         meta = Path("mutants") / (str(path) + ".meta")
         if not meta.exists():
             continue
-        data = SourceFileMutationData(path=path)
-        data.load()
+        data = _load(path)
         for name, code in data.exit_code_by_key.items():
             module = name.split("__mutmut_")[0].rsplit(".", 1)[0]
             status = status_by_exit_code[code]
@@ -107,6 +106,11 @@ def main(argv: list) -> int:
             else:
                 key = "other"
             rows[module][key] += 1
+    names = [n for path in walk_mutatable_files() if (Path("mutants") / (str(path) + ".meta")).exists()
+             for n in _load(path).exit_code_by_key]
+    stale = [p for p, _ in listed + left if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if stale:      # a list line naming no mutant of this run: a typo, or a function that changed since
+        print(f"warning: {len(stale)} line(s) of docs/mutation/*.txt match no mutant: {', '.join(stale)}")
     cols = ["killed", "survived", "no tests", "equivalent", "accelerator only", "not run", "other"]
     print(f"{'module':30} " + " ".join(f"{c:>9}" for c in ["killed", "survived", "no tests", "equiv.", "accel.",
                                                              "not run", "other"]) + f" {'score':>7}")
@@ -125,6 +129,12 @@ def main(argv: list) -> int:
                 print(f"## {name} [{status}]")
                 print("\n".join([f"-{ln}" for ln in minus] + [f"+{ln}" for ln in plus]))
     return 0
+
+
+def _load(path) -> SourceFileMutationData:
+    data = SourceFileMutationData(path=path)
+    data.load()
+    return data
 
 
 def _score(c: collections.Counter) -> str:

@@ -660,3 +660,13 @@ def test_relative_score_against_a_zero_or_unit_baseline():
     (a,) = AlertEngine([Rule("u", "window/x", "excess", 0.5, baseline=1.0, relative=True)]).observe(
         0, {"window/x": 2.0})
     assert a.value == 1.0
+
+
+def test_a_repeated_step_replaces_the_last_one_and_duplicate_rule_names_are_named():
+    """A resumed job logs its last step again: the engine keeps one row for it (the new values)."""
+    eng = AlertEngine([Rule("r", "window/x", "below", 0.0)])
+    for step, x in ((0, 1.0), (1, 2.0), (1, 3.0)):
+        eng.observe(step, {"window/x": x})
+    assert eng.state_dict() == {"steps": [0, 1], "metrics": {"window/x": [1.0, 3.0]}}
+    with pytest.raises(ValueError, match=r"AlertEngine: duplicate rule names in \['r', 'r'\]"):
+        AlertEngine([Rule("r", "window/x", "below", 0.0), Rule("r", "window/x", "above", 1.0)])
