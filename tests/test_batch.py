@@ -248,3 +248,12 @@ def test_to_moves_every_tensor_and_keeps_the_rest():
     assert moved.quarantine_counts == b.quarantine_counts and moved._layout == b._layout
     back = b.to("cpu")
     assert torch.equal(back.learner_logp, b.learner_logp) and torch.equal(back._source_index, b._source_index)
+
+
+def test_invalid_codes_at_the_exact_bounds():
+    """A log-prob of exactly +1e-3 nats (the tolerance, as float32) is still valid; exactly −1000 nats is a sentinel
+    (|logp| >= 1000): codes index INVALID_REASONS (4 sentinel learner, 5 sentinel sampler), −1 valid."""
+    from triage_monitor.batch import invalid_codes
+    learner = torch.tensor([1e-3, -1.0, -1000.0, -1.0, -999.0])
+    sampler = torch.tensor([-1.0, 1e-3, -1.0, -1000.0, -1.0])
+    assert invalid_codes(learner, sampler, torch.zeros(5)).tolist() == [-1, -1, 4, 5, -1]

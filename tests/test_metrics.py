@@ -693,3 +693,21 @@ def test_localisation_of_one_token_and_of_no_token():
     st = segment_tail_stats(_list_batch([[-2.0]], [-1.0], masks=[[0]], sampler=-3.0), -1.0, 4, 0.1, 0.05)
     assert st["segments"] == 0 and st["tail_tokens"] == 0
     assert [(t.dtype, t.numel()) for t in (st["seg_tail"], st["seg_valid"])] == [(torch.int64, 0)] * 2
+
+
+def test_state_layout_groups_fields_by_reduction_by_hand():
+    """Fields declared max(2), sum(3), min(1), sum(1) are laid out sums first (in declaration order), then min, then
+    max: a 0:3, c 3:4, m 4:5, b 5:7; one range per reduction; the empty state is 0 for sums, +inf for min, −inf for
+    max.  ``reduce`` of nothing is that empty state; of two states, sums add and extremes take the min / max."""
+    from triage_monitor.metrics import StateField, StateLayout
+    lay = StateLayout([StateField("b", 2, "max"), StateField("a", 3, "sum"), StateField("m", 1, "min"),
+                       StateField("c", 1, "sum")])
+    assert [f.name for f in lay.fields] == ["a", "c", "m", "b"]
+    assert lay.slices == {"a": slice(0, 3), "c": slice(3, 4), "m": slice(4, 5), "b": slice(5, 7)}
+    assert lay.ranges == {"sum": (0, 4), "min": (4, 5), "max": (5, 7)} and lay.size == 7
+    inf = math.inf
+    assert lay.identity().dtype == torch.float64 and lay.identity().tolist() == [0, 0, 0, 0, inf, -inf, -inf]
+    assert torch.equal(lay.reduce([]), lay.identity())
+    x = torch.tensor([1., 2., 3., 4., 5., 6., -1.], dtype=torch.float64)
+    y = torch.tensor([10., 20., 30., 40., 2., 1., 7.], dtype=torch.float64)
+    assert lay.reduce([x, y]).tolist() == [11, 22, 33, 44, 2, 6, 7]
