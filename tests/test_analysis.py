@@ -455,3 +455,40 @@ def test_tokens_keep_each_responses_position_order_without_the_position_column(t
     assert df["sample_id"].tolist() == [i for i in range(4) for _ in range(T)]
     for i in range(4):
         assert np.array_equal(df.loc[df.sample_id == i, "learner_logp"].to_numpy(), lp.numpy()), i
+
+
+def test_recompute_takes_its_window_tau_calibration_and_config_arguments(run, capsys):
+    """What-if arguments reach the recomputation: window 1 makes every window metric its step's; a given τ_tail is
+    every step's; a calibration over 3 steps gives another τ_tail than the run's 2; segment width 16 other
+    localisation values.  Without ``progress``/``cache`` nothing is printed and no cache is written."""
+    from triage_monitor.config import MetricConfig
+
+    r, _ = run
+    base = recompute(r)
+    assert capsys.readouterr().err == "" and not (r.path / "analysis").exists()
+    one = recompute(r, window=1)
+    assert one.attrs["window"] == 1
+    assert one["window/n_tokens"].tolist() == one["n_tokens"].tolist() != base["window/n_tokens"].tolist()
+    fr, _ = postmortem_frame(r, window=1)
+    assert fr["window/n_tokens"].tolist() == fr["n_tokens"].tolist() and fr.attrs["window"] == 1
+    assert recompute(r, tau_tail=-0.75)["tau_tail"].tolist() == [-0.75] * STEPS
+    assert recompute(r, calibration_steps=3)["tau_tail"].iloc[0] != base["tau_tail"].iloc[0]
+    wide = recompute(r, config=MetricConfig(segment_width=16))
+    assert wide["h_seg"].tolist() != base["h_seg"].tolist()
+
+
+def test_a_window_before_every_step_is_empty(run):
+    r, _ = run
+    states = recompute_states(r)
+    empty = states.window_stats(-1)
+    assert math.isnan(empty.tau_tail) and empty.compute().values["n_tokens"] == 0
+
+
+def test_compare_live_reports_every_metric_both_sides_have(run):
+    """A live frame without one of the recomputed columns: that column is left out, every other one compared."""
+    r, _ = run
+    rec = recompute(r)
+    live = r.steps().drop(columns=["n_samples"])
+    got = compare_live(r, rec, live=live)["metric"].tolist()
+    assert got == [c for c in rec.columns if c not in ("step", "n_samples") and c in live.columns]
+    assert "window/n_samples" in got and "rho_asym" in got
