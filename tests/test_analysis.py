@@ -457,10 +457,11 @@ def test_tokens_keep_each_responses_position_order_without_the_position_column(t
         assert np.array_equal(df.loc[df.sample_id == i, "learner_logp"].to_numpy(), lp.numpy()), i
 
 
-def test_recompute_takes_its_window_tau_calibration_and_config_arguments(run, capsys):
+def test_recompute_takes_its_window_tau_calibration_and_config_arguments(run, capsys, monkeypatch):
     """What-if arguments reach the recomputation: window 1 makes every window metric its step's; a given τ_tail is
     every step's; a calibration over 3 steps gives another τ_tail than the run's 2; segment width 16 other
-    localisation values.  Without ``progress``/``cache`` nothing is printed and no cache is written."""
+    localisation values.  Without ``progress``/``cache`` nothing is printed and no cache is written; with them, the
+    progress bar is asked for and the states are saved under analysis/."""
     from triage_monitor.config import MetricConfig
 
     r, _ = run
@@ -469,12 +470,17 @@ def test_recompute_takes_its_window_tau_calibration_and_config_arguments(run, ca
     one = recompute(r, window=1)
     assert one.attrs["window"] == 1
     assert one["window/n_tokens"].tolist() == one["n_tokens"].tolist() != base["window/n_tokens"].tolist()
-    fr, _ = postmortem_frame(r, window=1)
-    assert fr["window/n_tokens"].tolist() == fr["n_tokens"].tolist() and fr.attrs["window"] == 1
     assert recompute(r, tau_tail=-0.75)["tau_tail"].tolist() == [-0.75] * STEPS
     assert recompute(r, calibration_steps=3)["tau_tail"].iloc[0] != base["tau_tail"].iloc[0]
     wide = recompute(r, config=MetricConfig(segment_width=16))
     assert wide["h_seg"].tolist() != base["h_seg"].tolist()
+    import triage_monitor.engines as engines
+    shown, real = [], engines._progress
+    monkeypatch.setattr(engines, "_progress", lambda show, *a: shown.append(show) or real(show, *a))
+    recompute(r, progress=True, cache=True)
+    assert shown == [True] and list((r.path / "analysis").glob("states-*.npz"))
+    fr, _ = postmortem_frame(r, window=1)
+    assert fr["window/n_tokens"].tolist() == fr["n_tokens"].tolist() and fr.attrs["window"] == 1
 
 
 def test_a_window_before_every_step_is_empty(run):
