@@ -498,3 +498,30 @@ def test_compare_live_reports_every_metric_both_sides_have(run):
     got = compare_live(r, rec, live=live)["metric"].tolist()
     assert got == [c for c in rec.columns if c not in ("step", "n_samples") and c in live.columns]
     assert "window/n_samples" in got and "rho_asym" in got
+
+
+def test_the_steps_are_read_once_when_the_live_run_recorded_its_tau(run, monkeypatch):
+    """The frozen τ_tail of run.json, or the live rows' τ_tail per step (tau_mode="live"), is the right one here, so
+    each step's tokens are decoded once (one map over the steps); a wrong guess would cost a second map."""
+    import triage_monitor.engines as engines
+    r, live = run
+    calls, real = [], engines.map_ordered
+    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(len(items)) or real(fn, items, **kw))
+    frozen = recompute_states(r)
+    assert calls == [STEPS] and frozen.taus == [r.tau_tail] * STEPS
+    calls.clear()
+    replay = recompute_states(r, tau_mode="live")
+    assert calls == [STEPS] and replay.taus == pytest.approx([row["tau_tail"] for row in live])
+
+
+def test_a_step_without_its_live_row_is_recomputed_with_the_right_tau(run):
+    """tau_mode="live" guesses each step's τ_tail from its live row; step 3's row is gone (its steps file deleted):
+    its guess is NaN, found wrong and the step mapped again with the calibrated τ_tail — the same state as in
+    the frozen mode (step 3 is after the 2 reference steps)."""
+    r, _ = run
+    next((r.path / "steps").glob("step-00000003-*")).unlink()
+    replay = recompute_states(r, tau_mode="live")
+    frozen = recompute_states(r)
+    i = replay.steps.index(3)
+    assert replay.taus[i] == frozen.taus[i] == r.tau_tail
+    assert np.array_equal(replay.states[i], frozen.states[i])
