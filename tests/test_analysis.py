@@ -506,12 +506,14 @@ def test_the_steps_are_read_once_when_the_live_run_recorded_its_tau(run, monkeyp
     import triage_monitor.engines as engines
     r, live = run
     calls, real = [], engines.map_ordered
-    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(len(items)) or real(fn, items, **kw))
+    monkeypatch.setattr(engines, "map_ordered",
+                        lambda fn, items, **kw: calls.append((len(items), kw["progress"])) or real(fn, items, **kw))
     frozen = recompute_states(r)
-    assert calls == [STEPS] and frozen.taus == [r.tau_tail] * STEPS
+    assert calls == [(STEPS, False)] and frozen.taus == [r.tau_tail] * STEPS
+    assert not (r.path / "analysis").exists()                   # no cache unless asked for
     calls.clear()
     replay = recompute_states(r, tau_mode="live")
-    assert calls == [STEPS] and replay.taus == pytest.approx([row["tau_tail"] for row in live])
+    assert calls == [(STEPS, False)] and replay.taus == pytest.approx([row["tau_tail"] for row in live])
 
 
 def test_a_step_without_its_live_row_is_recomputed_with_the_right_tau(run):
@@ -525,3 +527,57 @@ def test_a_step_without_its_live_row_is_recomputed_with_the_right_tau(run):
     i = replay.steps.index(3)
     assert replay.taus[i] == frozen.taus[i] == r.tau_tail
     assert np.array_equal(replay.states[i], frozen.states[i])
+
+
+def test_recorded_null_inputs_match_the_tail_layout_of_the_tokens(run):
+    """The C_tok shuffle-null input each step's state update records (kernel) against the segments cut from the
+    decoded tokens by stages.tail_layout_from_arrays (numpy): per A<0 response holding a tail token, its segments'
+    valid counts, its segment count and its tail count."""
+    from triage_monitor.analysis import read_token_arrays
+    from triage_monitor.stages import tail_layout_from_arrays
+
+    r, _ = run
+    states = recompute_states(r)
+    held = 0
+    for i, s in enumerate(states.steps):
+        seg_valid, resp_segs, resp_tails = states.null_inputs[i]
+        lay = tail_layout_from_arrays(read_token_arrays(r.token_files(s)), states.taus[i], 8)
+        keep = [x for x in np.unique(lay.response) if lay.tail[lay.response == x].sum() > 0]
+        assert resp_segs.tolist() == [int((lay.response == x).sum()) for x in keep], s
+        assert resp_tails.tolist() == [int(lay.tail[lay.response == x].sum()) for x in keep], s
+        assert seg_valid.tolist() == [int(v) for x in keep for v in lay.valid[lay.response == x]], s
+        held += len(keep)
+    assert held >= 5
+
+
+def test_recompute_names_the_token_file_with_a_repeated_token(run):
+    """A token file of step 3 with one row written twice: recompute stops with that file's path in the message."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    r, _ = run
+    (f,) = r.token_files(3)
+    t = pq.read_table(f)
+    pq.write_table(pa.concat_tables([t, t.slice(0, 1)]), f)
+    with pytest.raises(ValueError, match=rf"^{f}: a \(sample_id, position\) pair occurs twice in the token records$"):
+        recompute(r, tau_tail=-1.0)
+
+
+def test_a_run_stopped_while_calibrating_is_read_once_too(tmp_path, monkeypatch):
+    """A run of 3 steps whose reference window is 10 steps: run.json has no τ_tail, but the live row of its last
+    step holds the τ_tail of the 3 steps pooled, which is the frozen one; so the steps are decoded once.  Bad
+    what-if arguments are refused before any work."""
+    import triage_monitor.engines as engines
+
+    d = tmp_path / "run"
+    _write(d, MonitorConfig(window=2, calibration_steps=10, metrics={"segment_width": 8}), steps=3)
+    r = open_run(d)
+    assert r.tau_tail is None
+    calls, real = [], engines.map_ordered
+    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(len(items)) or real(fn, items, **kw))
+    states = recompute_states(r)
+    assert calls == [3] and states.taus == [r.steps()["tau_tail"].iloc[-1]] * 3
+    with pytest.raises(ValueError, match="tau_tail"):
+        recompute_states(r, tau_tail=float("nan"))
+    with pytest.raises(ValueError, match="calibration"):
+        recompute_states(r, calibration_steps=0)
