@@ -565,8 +565,9 @@ def test_recompute_names_the_token_file_with_a_repeated_token(run):
 
 def test_a_run_stopped_while_calibrating_is_read_once_too(tmp_path, monkeypatch):
     """A run of 3 steps whose reference window is 10 steps: run.json has no τ_tail, but the live row of its last
-    step holds the τ_tail of the 3 steps pooled, which is the frozen one; so the steps are decoded once.  Bad
-    what-if arguments are refused before any work."""
+    step holds the τ_tail of the 3 steps pooled, which is the frozen one; so the steps are decoded once (without
+    that row, the τ_tail is calibrated first: the same values).  Bad what-if arguments are refused before any
+    work."""
     import triage_monitor.engines as engines
 
     d = tmp_path / "run"
@@ -577,6 +578,8 @@ def test_a_run_stopped_while_calibrating_is_read_once_too(tmp_path, monkeypatch)
     monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(len(items)) or real(fn, items, **kw))
     states = recompute_states(r)
     assert calls == [3] and states.taus == [r.steps()["tau_tail"].iloc[-1]] * 3
+    next((d / "steps").glob("step-00000002-*")).unlink()          # the last live row lost: no guess, same result
+    assert recompute_states(r).taus == states.taus
     with pytest.raises(ValueError, match="tau_tail"):
         recompute_states(r, tau_tail=float("nan"))
     with pytest.raises(ValueError, match="calibration"):
