@@ -203,3 +203,37 @@ def test_unreadable_rule_files_name_the_file_and_the_problem(tmp_path, monkeypat
     p.write_text(ONE_RULE_YAML, encoding="utf-8")
     with _raises_exactly(ImportError, f"{p}: reading YAML rules needs PyYAML (pip install pyyaml)"):
         load_rules(p)
+
+
+def test_integer_wait_guard_and_full_window_fields_are_checked_with_their_bounds():
+    """Counts are integers (not bools, not floats) >= 1 (cooldown >= 0), baseline_steps = 1 and wait_s = 0 are
+    allowed; each refusal names the rule, the field and its value."""
+    assert Rule("r", "window/x", "excess", 0.1, baseline_steps=1).baseline_steps == 1
+    assert Rule("r", "window/x", "above", 0.1, wait_s=0).wait_s == 0
+    assert Rule("r", "window/x", "above", 0.1, wait_s=0.5, cooldown=0).wait_s == 0.5
+    for kw, text in ((dict(baseline_steps=0), "baseline_steps=0 must be an integer >= 1"),
+                     (dict(hold=True), "hold=True must be an integer >= 1"),
+                     (dict(window=2.5), "window=2.5 must be an integer >= 1"),
+                     (dict(cooldown=-1), "cooldown=-1 must be an integer >= 0"),
+                     (dict(baseline=math.nan), "baseline=nan must be a finite number or omitted"),
+                     (dict(wait_s=-1.0), "wait_s=-1.0 must be >= 0"),
+                     (dict(guard_metric=3), "guard_metric=3 must be a metric name or empty"),
+                     (dict(guard_min=None), "guard_min=None must be a finite number"),
+                     (dict(guard_min=math.inf), "guard_min=inf must be a finite number"),
+                     (dict(full_window="yes"), "full_window='yes' must be true or false")):
+        with _raises_exactly(ValueError, f"alert rule 'r': {text}"):
+            Rule("r", "window/x", "above", 0.1, **kw)
+
+
+def test_yaml_exponent_numbers_become_floats(tmp_path):
+    """PyYAML reads ``1e-3`` (no decimal point) as the string '1e-3'; the rule stores the numbers 0.001 and 0.0001,
+    and the rule works: the guard 2e-4 >= 1e-4 lets a value 0.002 > 0.001 fire."""
+    p = tmp_path / "r.yaml"
+    p.write_text("rules:\n  - {name: a, metric: window/x, condition: above, threshold: 1e-3,\n"
+                 "     guard_metric: window/g, guard_min: 1e-4}\n")
+    (rule,) = load_rules(p)
+    assert (rule.threshold, rule.guard_min) == (0.001, 0.0001)
+    assert type(rule.threshold) is float and type(rule.guard_min) is float
+    eng = AlertEngine([rule])
+    eng.observe(0, {"window/x": 0.002, "window/g": 2e-4})
+    assert [a.step for a in eng.fired] == [0]
