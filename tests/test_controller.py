@@ -592,8 +592,8 @@ def _repair_case(requires_grad=False):
     response 1: δ = 0 → q = max(−0.03, 0) = 0, φ = 0 (in scope, not active).  Σφ over 2 in-scope segments:
     repair = 0.015 · φ(0.22) / 2, active fraction 1 / 2.  Gradient of repair w.r.t. a response-0 learner log-prob:
     0.015 / 2 · φ'(q) · (−1/4), φ'(q) = q / sqrt(1 + q²/β²); response 1: 0 (q clamped at 0)."""
-    learner = [torch.full((4,), -8.25).requires_grad_(requires_grad), torch.full((4,), -8.0).requires_grad_(requires_grad)]
-    batch = TokenBatch.from_list(learner, [torch.full((4,), -8.0), torch.full((4,), -8.0)], torch.tensor([1.0, 1.0]))
+    learner = [torch.full((4,), v).requires_grad_(requires_grad) for v in (-8.25, -8.0)]
+    batch = TokenBatch.from_list(learner, [torch.full((4,), -8.0)] * 2, torch.tensor([1.0, 1.0]))
     q = 0.22
     phi_q = BETA ** 2 * (math.sqrt(1.0 + q * q / BETA ** 2) - 1.0)
     grad0 = 0.015 / 2 * (q / math.sqrt(1.0 + q * q / BETA ** 2)) * -0.25

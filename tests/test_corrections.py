@@ -9,7 +9,8 @@ from triage_monitor.batch import TokenBatch
 from triage_monitor.corrections import (
     dppo_kl_loss, geometric_mean_ratio, sequence_mask_weights, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
     reference_kl,
-    register_correction, sequence_is_geometric_weights, sequence_is_product_weights, sequence_log_ratio_sum, tis_weights,
+    register_correction, sequence_is_geometric_weights, sequence_is_product_weights, sequence_log_ratio_sum,
+    tis_weights,
 )
 
 
