@@ -638,3 +638,17 @@ def test_a_one_rank_group_gives_the_single_process_loss_gradient_and_stats(tmp_p
     assert out.stats["repair_loss"] == pytest.approx(repair, rel=1e-5)
     assert out.stats["repair_active_frac"] == 0.5
     assert g0.tolist() == pytest.approx([grad0] * 4, rel=1e-4) and g1.tolist() == [0.0] * 4
+
+
+def test_a_fresh_controller_reports_no_call_and_its_state_resets_a_used_one():
+    """Before any call: calls 0, last_step None (no step seen), no calibrated thresholds, in the state dict too;
+    loading that state into a controller that has run 3 steps resets it to the same."""
+    fresh = TriageController(TriageConfig(repair_width=8))
+    assert (fresh.calls, fresh.last_step, fresh.thresholds) == (0, None, None)
+    state = fresh.state_dict()
+    assert (state["calls"], state["last_step"], state["thresholds"]) == (0, None, None)
+    used = TriageController(TriageConfig(repair_width=8))
+    for step in range(3):
+        used(_step_batch(step), step=step)
+    used.load_state_dict(state)
+    assert (used.calls, used.last_step, used.thresholds) == (0, None, None)
