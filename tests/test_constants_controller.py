@@ -281,3 +281,15 @@ def test_triage_config_validation_lines_and_messages():
         with pytest.raises(ValueError) as e:
             TriageConfig(**kw)
         assert msg in str(e.value), (kw, str(e.value))
+
+
+def test_weight_and_threshold_order_refusals_read_in_full():
+    """The two order refusals, typed out in full (both values named, what holds on a valid configuration)."""
+    with pytest.raises(ValueError) as e:
+        TriageConfig(severe_weight=0.5)
+    assert str(e.value) == ("TriageConfig needs 0 < severe_weight <= neg_weight <= 1, got severe_weight=0.5, "
+                            "neg_weight=0.3")
+    with pytest.raises(ValueError) as e:
+        TriageConfig(severe_threshold=-0.5)
+    assert str(e.value) == ("TriageConfig needs severe_threshold < neg_threshold, got severe_threshold=-0.5, "
+                            "neg_threshold=-0.5")

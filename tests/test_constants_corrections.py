@@ -119,3 +119,14 @@ def test_sequence_forms_default_caps():
     old, samp = _ratios([1.0, 1.0, 0.25, 0.25])    # geometric: mean 1 → e → 2; mean 0.25 → 1.28
     assert sequence_is_geometric_weights(old, samp, seq).tolist() == pytest.approx(
         [2.0, 2.0, math.exp(0.25), math.exp(0.25)], rel=1e-6)
+
+
+def test_a_band_needs_low_strictly_below_high():
+    """low = high is an empty band: refused, naming the correction and both bounds; low = 0 is allowed."""
+    old, samp = _ratios([0.0, 0.5])
+    for fn in (tis_weights, icepop_weights):
+        with pytest.raises(ValueError, match=rf"^{fn.__name__}: need 0 <= low < high, got low=1.0, high=1.0$"):
+            fn(old, samp, low=1.0, high=1.0)
+        with pytest.raises(ValueError, match=rf"^{fn.__name__}: need 0 <= low < high, got low=-0.5, high=2.0$"):
+            fn(old, samp, low=-0.5, high=2.0)
+    assert tis_weights(old, samp, low=0.0, high=1.5).tolist() == pytest.approx([1.0, 1.5])

@@ -582,3 +582,73 @@ def test_repair_segment_count_is_summed_over_the_group(tmp_path):
         dist.destroy_process_group()
     mp.spawn(_segment_count_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path / "count")), nprocs=2, join=True)
     assert [torch.load(tmp_path / f"count.{r}").item() for r in range(2)] == [6, 6]
+
+
+# ------------------------------------------- dtypes and a one-rank group
+def _repair_case(requires_grad=False):
+    """Two responses of 4 tokens, A = +1 (both in the adv_positive scope), one repair segment each (W_rep = 128).
+
+    Response 0: δ = −0.25 on every token → d_S = −0.25, q = τ − d_S = −0.03 + 0.25 = 0.22, φ(0.22) > 0 (active);
+    response 1: δ = 0 → q = max(−0.03, 0) = 0, φ = 0 (in scope, not active).  Σφ over 2 in-scope segments:
+    repair = 0.015 · φ(0.22) / 2, active fraction 1 / 2.  Gradient of repair w.r.t. a response-0 learner log-prob:
+    0.015 / 2 · φ'(q) · (−1/4), φ'(q) = q / sqrt(1 + q²/β²); response 1: 0 (q clamped at 0)."""
+    learner = [torch.full((4,), v).requires_grad_(requires_grad) for v in (-8.25, -8.0)]
+    batch = TokenBatch.from_list(learner, [torch.full((4,), -8.0)] * 2, torch.tensor([1.0, 1.0]))
+    q = 0.22
+    phi_q = BETA ** 2 * (math.sqrt(1.0 + q * q / BETA ** 2) - 1.0)
+    grad0 = 0.015 / 2 * (q / math.sqrt(1.0 + q * q / BETA ** 2)) * -0.25
+    return batch, learner, 0.015 * phi_q / 2, grad0
+
+
+def test_outputs_are_float32_under_a_float64_default_dtype_and_a_float64_denominator():
+    """The documented float32 weights and 0-dim float32 repair loss hold when the user's default dtype is float64
+    (Gate and TIS off: the weights are the controller's own ones) and when the repair denominator comes as a float64
+    tensor (e.g. a count summed in numpy): 0.015 · φ(0.22) / 4 with a denominator of 4 (see _repair_case)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        batch, _, repair, _ = _repair_case()
+        out = TriageController(TriageConfig(gate=False, tis=False))(batch, step=0)
+    finally:
+        torch.set_default_dtype(old)
+    for t in (out.gate_weights, out.tis_weights, out.token_weights, out.repair_loss):
+        assert t.dtype == torch.float32
+    assert out.gate_weights.tolist() == [1.0] * 8 and out.token_weights.tolist() == [1.0] * 8
+    assert out.repair_loss.item() == pytest.approx(repair, rel=1e-5)
+    batch, _, repair, _ = _repair_case()
+    out = TriageController(TriageConfig(gate=False, tis=False))(
+        batch, step=0, repair_denominator=torch.tensor(4.0, dtype=torch.float64))
+    assert out.repair_loss.dtype == torch.float32
+    assert out.repair_loss.item() == pytest.approx(repair / 2, rel=1e-5)
+    assert out.stats["repair_active_frac"] == 0.25                   # 1 active segment / 4
+
+
+def test_a_one_rank_group_gives_the_single_process_loss_gradient_and_stats(tmp_path):
+    """With torch.distributed initialised on one rank and ``group=WORLD`` (a one-GPU job that passes its group),
+    the all-reduced sums are this rank's own: the repair loss, its gradient and the active fraction are the
+    hand-worked single-process values of _repair_case."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
+    try:
+        batch, learner, repair, grad0 = _repair_case(requires_grad=True)
+        out = TriageController(TriageConfig(gate=False, tis=False), group=dist.group.WORLD)(batch, step=0)
+        g0, g1 = torch.autograd.grad(out.repair_loss, learner)
+    finally:
+        dist.destroy_process_group()
+    assert out.repair_loss.item() == pytest.approx(repair, rel=1e-5)
+    assert out.stats["repair_loss"] == pytest.approx(repair, rel=1e-5)
+    assert out.stats["repair_active_frac"] == 0.5
+    assert g0.tolist() == pytest.approx([grad0] * 4, rel=1e-4) and g1.tolist() == [0.0] * 4
+
+
+def test_a_fresh_controller_reports_no_call_and_its_state_resets_a_used_one():
+    """Before any call: calls 0, last_step None (no step seen), no calibrated thresholds, in the state dict too;
+    loading that state into a controller that has run 3 steps resets it to the same."""
+    fresh = TriageController(TriageConfig(repair_width=8))
+    assert (fresh.calls, fresh.last_step, fresh.thresholds) == (0, None, None)
+    state = fresh.state_dict()
+    assert (state["calls"], state["last_step"], state["thresholds"]) == (0, None, None)
+    used = TriageController(TriageConfig(repair_width=8))
+    for step in range(3):
+        used(_step_batch(step), step=step)
+    used.load_state_dict(state)
+    assert (used.calls, used.last_step, used.thresholds) == (0, None, None)

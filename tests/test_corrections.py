@@ -9,7 +9,8 @@ from triage_monitor.batch import TokenBatch
 from triage_monitor.corrections import (
     dppo_kl_loss, geometric_mean_ratio, sequence_mask_weights, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
     reference_kl,
-    register_correction, sequence_is_geometric_weights, sequence_is_product_weights, tis_weights,
+    register_correction, sequence_is_geometric_weights, sequence_is_product_weights, sequence_log_ratio_sum,
+    tis_weights,
 )
 
 
@@ -200,3 +201,26 @@ def test_trl_sequence_mask_keeps_the_product_ratio_inside_the_band():
     assert w.tolist() == pytest.approx([math.exp(0.9)] * 3 + [0.0] * 5, rel=1e-5)
     with pytest.raises(ValueError, match="low=3.0 must be <= high=2.0"):
         sequence_mask_weights(old, samp, batch, high=2.0, low=3.0)
+
+
+def test_sequence_sums_and_counts_cover_every_sequence_even_empty_ones():
+    """Three sequences, the last one without a valid token: sums [0.5 − 1, 2, 0] and counts [2, 1, 0] (int64,
+    one per sequence); with no token at all, S = 2 zeros of each.  The geometric mean ratio of an empty sequence
+    is 1 (log-mean 0)."""
+    lr = torch.tensor([0.5, -1.0, 2.0])
+    total, count = sequence_log_ratio_sum(lr, (torch.tensor([0, 0, 1]), 3))
+    assert total.tolist() == [-0.5, 2.0, 0.0]
+    assert count.dtype == torch.int64 and count.tolist() == [2, 1, 0]
+    total, count = sequence_log_ratio_sum(torch.zeros(0), (torch.zeros(0, dtype=torch.long), 2))
+    assert total.tolist() == [0.0, 0.0]
+    assert count.dtype == torch.int64 and count.tolist() == [0, 0]
+    g = geometric_mean_ratio(lr, torch.zeros(3), (torch.tensor([0, 0, 1]), 3))
+    assert g.tolist() == pytest.approx([math.exp(-0.25), math.exp(2.0), 1.0], rel=1e-6)
+
+
+def test_geometric_mean_ratio_bounds_the_log_mean_at_20_both_ways():
+    """Log-means +30 and −30 (two tokens each) give exp(20) ≈ 4.85e8 and exp(−20) ≈ 2.06e−9; 19.5 is inside the
+    bound and gives exp(19.5)."""
+    old = torch.tensor([30.0, 30.0, -30.0, -30.0, 19.5])
+    g = geometric_mean_ratio(old, torch.zeros(5), (torch.tensor([0, 0, 1, 1, 2]), 3))
+    assert g.tolist() == pytest.approx([math.exp(20.0), math.exp(-20.0), math.exp(19.5)], rel=1e-6)

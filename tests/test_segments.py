@@ -50,3 +50,13 @@ def test_width_one_float64_sums_and_empty_fields():
     assert seg.mean(v).dtype == torch.float64
     empty = segment_tokens(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 4)
     assert [t.tolist() for t in (empty.index, empty.sample, empty.number, empty.count)] == [[], [], [], []]
+
+
+def test_an_empty_batch_has_int64_fields_and_broadcasts_to_no_token():
+    """The documented int64 of index, sample, number and count holds for an empty batch too, so a per-segment value
+    broadcasts to an empty (0,) tensor of its own dtype and a sum over no segment is empty."""
+    empty = segment_tokens(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 4)
+    assert [t.dtype for t in (empty.index, empty.sample, empty.number, empty.count)] == [torch.int64] * 4
+    b = empty.broadcast(torch.zeros(0, dtype=torch.float64))
+    assert b.shape == (0,) and b.dtype == torch.float64
+    assert empty.sum(torch.zeros(0)).shape == (0,)
