@@ -27,7 +27,8 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 if [ "${1:-}" = "--continue" ]; then
   # A run takes hours on a small machine: mutmut keeps each mutant's result in $WORK, so a stopped run (Ctrl-C, a
   # reboot) goes on where it stopped.  Its mutants stay valid while the mutated source is that of the run's commit;
-  # the tests are HEAD's, so the survivors and "no tests" mutants are run again against tests written since.
+  # the tests are HEAD's, so the survivors and "no tests" mutants not explained in docs/mutation/*.txt are run again
+  # against tests written since.
   run=$(cat "$WORK/.mutation-commit" 2>/dev/null) || { echo "mutation.sh: no run in $WORK to continue" >&2; exit 2; }
   if ! git -C "$ROOT" diff --quiet "$run" HEAD -- triage_monitor hooks dashboards pyproject.toml; then
     echo "mutation.sh: the source or [tool.mutmut] changed since the run's commit $run: start a new run" >&2
@@ -39,8 +40,9 @@ if [ "${1:-}" = "--continue" ]; then
   cd "$WORK"
   echo "continuing the mutation run of $run in $WORK with the tests of $(git -C "$ROOT" rev-parse --short HEAD)"
   start=$(date +%s)
-  mapfile -t again < <("$PY" -m mutmut results | sed -n 's/^ *\(.*\): \(survived\|no tests\)$/\1/p')
-  echo "re-running ${#again[@]} survivors and \"no tests\" mutants with the current tests, then the mutants not run"
+  # the survivors not yet explained in docs/mutation/*.txt (listed ones cannot change verdict)
+  mapfile -t again < <("$PY" "$ROOT/scripts/mutation_report.py" --open-names)
+  echo "re-running ${#again[@]} unexplained survivors and \"no tests\" mutants with the current tests, then the mutants not run"
   [ ${#again[@]} -eq 0 ] || nice -n "$NICE" "$PY" -m mutmut run --max-children "$JOBS" "${again[@]}" >/dev/null || true
   nice -n "$NICE" "$PY" -m mutmut run --max-children "$JOBS" || true
   echo "wall time: $(( $(date +%s) - start )) s"

@@ -15,7 +15,7 @@ Reads the results mutmut keeps in ``mutants/*.meta`` and prints, per module:
   accelerator job takes) count as survived; they are only left out of ``--list``;
 * score = killed / (killed + survived + no tests − equivalent − accelerator only), over the mutants run.
 
-``--list`` prints every survivor and "no tests" mutant that is neither listed nor accelerator-only, with its diff
+``--open-names`` prints only their names (what ``scripts/mutation.sh --continue`` runs again).  ``--list`` prints every survivor and "no tests" mutant that is neither listed nor accelerator-only, with its diff
 (what is left to review), then the accelerator-only ones.  Uses mutmut's own reading of its results (the pinned mutmut of
 scripts/requirements-mutation.txt).
 """
@@ -106,6 +106,9 @@ def main(argv: list) -> int:
             else:
                 key = "other"
             rows[module][key] += 1
+    if "--open-names" in argv:         # what mutation.sh --continue runs again: the survivors nobody explained yet
+        print("\n".join(name for name, _, _ in open_items))
+        return 0
     names = [n for path in walk_mutatable_files() if (Path("mutants") / (str(path) + ".meta")).exists()
              for n in _load(path).exit_code_by_key]
     stale = [p for p, _ in listed + left if not any(fnmatch.fnmatchcase(n, p) for n in names)]

@@ -506,14 +506,14 @@ def test_the_steps_are_read_once_when_the_live_run_recorded_its_tau(run, monkeyp
     import triage_monitor.engines as engines
     r, live = run
     calls, real = [], engines.map_ordered
-    monkeypatch.setattr(engines, "map_ordered",
-                        lambda fn, items, **kw: calls.append((len(items), kw["progress"])) or real(fn, items, **kw))
+    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(
+        (len(items), kw["progress"], kw["description"])) or real(fn, items, **kw))
     frozen = recompute_states(r)
-    assert calls == [(STEPS, False)] and frozen.taus == [r.tau_tail] * STEPS
+    assert calls == [(STEPS, False, "recomputing metrics")] and frozen.taus == [r.tau_tail] * STEPS
     assert not (r.path / "analysis").exists()                   # no cache unless asked for
     calls.clear()
     replay = recompute_states(r, tau_mode="live")
-    assert calls == [(STEPS, False)] and replay.taus == pytest.approx([row["tau_tail"] for row in live])
+    assert calls == [(STEPS, False, "recomputing metrics")] and replay.taus == pytest.approx([row["tau_tail"] for row in live])
 
 
 def test_a_step_without_its_live_row_is_recomputed_with_the_right_tau(run):
@@ -575,12 +575,59 @@ def test_a_run_stopped_while_calibrating_is_read_once_too(tmp_path, monkeypatch)
     r = open_run(d)
     assert r.tau_tail is None
     calls, real = [], engines.map_ordered
-    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(len(items)) or real(fn, items, **kw))
+    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(
+        (len(items), kw["description"])) or real(fn, items, **kw))
     states = recompute_states(r)
-    assert calls == [3] and states.taus == [r.steps()["tau_tail"].iloc[-1]] * 3
+    assert calls == [(3, "recomputing metrics")] and states.taus == [r.steps()["tau_tail"].iloc[-1]] * 3
     next((d / "steps").glob("step-00000002-*")).unlink()          # the last live row lost: no guess, same result
+    calls.clear()
     assert recompute_states(r).taus == states.taus
+    assert calls == [(3, "calibrating tau_tail"), (3, "recomputing metrics")]
+    calls.clear()
+    assert recompute_states(r, tau_tail=-0.5).taus == [-0.5] * 3 and calls == [(3, "recomputing metrics")]
     with pytest.raises(ValueError, match="tau_tail"):
         recompute_states(r, tau_tail=float("nan"))
     with pytest.raises(ValueError, match="calibration"):
         recompute_states(r, calibration_steps=0)
+
+
+def test_step_state_merges_rank_files_sorts_unsorted_rows_and_skips_empty_files(tmp_path, monkeypatch):
+    """Two ranks' token files of one step: the state holds every token (n_tokens and Σδ worked out with numpy from
+    the files) and equals the live monitors' two step states merged.  Rows written in another order (reversed) are
+    sorted first; a file with no row and one with a single token count as such.  Without τ_tail the state has
+    no localisation (no segment, an empty C_tok table)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import triage_monitor.monitor as monitor_mod
+    from triage_monitor.config import MetricConfig
+    from triage_monitor.metrics import SUM_FIELDS
+
+    d = tmp_path / "run"
+    monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 7)
+    cfg = MetricConfig(segment_width=8)
+    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, metrics={"segment_width": 8}), rank=r)
+            for r in (0, 1)]
+    batches = [_batch(0), _batch(1)]
+    for m, b in zip(mons, batches):
+        m.log_step(0, b)
+        m.close()
+    files = open_run(d).token_files(0)
+    tables = [pq.read_table(f) for f in files]
+    live = MismatchStats(cfg).update(batches[0], -1.0).merge(MismatchStats(cfg).update(batches[1], -1.0))
+    got = step_state(files, -1.0, cfg)
+    sums = dict(zip(SUM_FIELDS, got[:len(SUM_FIELDS)]))
+    d32 = [(t.column("learner_logp").to_numpy() - t.column("sampler_logp").to_numpy()).astype(np.float64) for t in tables]
+    assert sums["n_tokens"] == sum(t.num_rows for t in tables)
+    assert sums["delta_sum"] == pytest.approx(sum(x.sum() for x in d32), rel=1e-12)
+    assert np.allclose(got, live.state.numpy(), rtol=1e-12, atol=0)
+    rev = tmp_path / "reversed.parquet"
+    pq.write_table(tables[1].take(pa.array(np.arange(tables[1].num_rows)[::-1])), rev)
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(tables[0].slice(0, 0), empty)
+    assert np.allclose(step_state([empty, files[0], rev], -1.0, cfg), got, rtol=1e-12, atol=0)
+    one = tmp_path / "one.parquet"
+    pq.write_table(tables[0].slice(0, 1), one)
+    assert step_state([one], -1.0, cfg)[SUM_FIELDS.index("n_tokens")] == 1
+    no_tau = MismatchStats(cfg, state=torch.from_numpy(step_state(files, math.nan, cfg)))
+    assert no_tau.part("c_tok_table").sum() == 0 and no_tau.sums[SUM_FIELDS.index("segments")] == 0
