@@ -433,6 +433,16 @@ def test_a_broken_rank_file_skips_only_that_rank_and_the_rows_are_numbered_afres
     next((d / "alerts").glob("step-00000000-rank-0000-*")).write_bytes(b"broken")
     a = r.alerts()
     assert list(zip(a["step"], a["rank"])) == [(0, 1), (1, 0), (1, 1)] and list(a.index) == [0, 1, 2]
+    assert r.unreadable[0][1].startswith("ArrowInvalid: ")          # the reason names the error's type
+    # the live rows likewise: a broken rank-0 file at step 0, a rank-0 file of two rows at step 1
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    next((d / "steps").glob("step-00000000-rank-0000-*")).write_bytes(b"broken")
+    f1 = next((d / "steps").glob("step-00000001-rank-0000-*"))
+    t = pq.read_table(f1)
+    pq.write_table(pa.concat_tables([t, t]), f1)
+    rows = open_run(d).steps(rank=None)
+    assert list(zip(rows["step"], rows["rank"])) == [(0, 1), (1, 1)]
 
 
 def test_tokens_keep_each_responses_position_order_without_the_position_column(tmp_path, monkeypatch):
@@ -484,7 +494,10 @@ def test_recompute_takes_its_window_tau_calibration_and_config_arguments(run, ca
 
 
 def test_a_window_before_every_step_is_empty(run):
+    """Also: no step asked for gives no state row (of the run's state size)."""
+    from triage_monitor.metrics import state_layout
     r, _ = run
+    assert recompute_states(r, steps=[]).states.shape == (0, state_layout(8).size)
     states = recompute_states(r)
     empty = states.window_stats(-1)
     assert math.isnan(empty.tau_tail) and empty.compute().values["n_tokens"] == 0
@@ -516,13 +529,18 @@ def test_the_steps_are_read_once_when_the_live_run_recorded_its_tau(run, monkeyp
     assert calls == [(STEPS, False, "recomputing metrics")] and replay.taus == pytest.approx([row["tau_tail"] for row in live])
 
 
-def test_a_step_without_its_live_row_is_recomputed_with_the_right_tau(run):
+def test_a_step_without_its_live_row_is_recomputed_with_the_right_tau(run, monkeypatch):
     """tau_mode="live" guesses each step's τ_tail from its live row; step 3's row is gone (its steps file deleted):
     its guess is NaN, found wrong and the step mapped again with the calibrated τ_tail — the same state as in
     the frozen mode (step 3 is after the 2 reference steps)."""
+    import triage_monitor.engines as engines
     r, _ = run
     next((r.path / "steps").glob("step-00000003-*")).unlink()
+    what, real = [], engines.map_ordered
+    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: what.append(
+        (len(items), kw["description"])) or real(fn, items, **kw))
     replay = recompute_states(r, tau_mode="live")
+    assert what == [(STEPS, "recomputing metrics"), (1, "recomputing with the calibrated tau_tail")]
     frozen = recompute_states(r)
     i = replay.steps.index(3)
     assert replay.taus[i] == frozen.taus[i] == r.tau_tail
@@ -631,3 +649,34 @@ def test_step_state_merges_rank_files_sorts_unsorted_rows_and_skips_empty_files(
     assert step_state([one], -1.0, cfg)[SUM_FIELDS.index("n_tokens")] == 1
     no_tau = MismatchStats(cfg, state=torch.from_numpy(step_state(files, math.nan, cfg)))
     assert no_tau.part("c_tok_table").sum() == 0 and no_tau.sums[SUM_FIELDS.index("segments")] == 0
+
+
+def test_the_older_hive_layout_reads_the_latest_attempt_of_each_rank_and_skips_other_entries(tmp_path):
+    """``step=3/rank=R/part-<attempt>.parquet`` (manifest schema 2): ranks 2 and 10 at attempt 5 are read, in rank
+    order (10 after 2, not by path); attempt 4, hidden and underscore files, a non-Parquet file, a directory named
+    like a file, names whose attempt is not an integer (part-x, part-12-3, part-1-8) and entries that are no rank
+    directory are not."""
+    from triage_monitor.analysis import _latest_attempt, _parts
+
+    root = tmp_path / "tokens"
+    step = root / "step=3"
+    names = {2: ["part-5.parquet", "part-4.parquet", ".part-6.parquet", "_part-7.parquet", "notes.txt",
+                 "part-x.parquet", "part-12-3.parquet", "part-1-8.parquet"], 10: ["part-5.parquet"]}
+    for rank, files in names.items():
+        (step / f"rank={rank}").mkdir(parents=True)
+        for n in files:
+            (step / f"rank={rank}" / n).write_bytes(b"")
+    (step / "rank=2" / "part-9.parquet").mkdir()
+    for junk in ("rank=x", "README", "a", "b", "c"):
+        (step / junk).mkdir()
+    (root / "step=x").mkdir()
+    for r in range(11, 20):                                          # more ranks, so a stop at a junk entry shows
+        (step / f"rank={r}").mkdir()
+        (step / f"rank={r}" / "part-5.parquet").write_bytes(b"")
+    parts = _parts(root)
+    assert list(parts) == [3]
+    got = sorted((r, f.name) for r, f in parts[3])
+    assert got == sorted([(2, n) for n in ("part-5.parquet", "part-4.parquet", "part-x.parquet", "part-12-3.parquet",
+                                           "part-1-8.parquet")] + [(r, "part-5.parquet") for r in (10, *range(11, 20))])
+    latest = _latest_attempt(sorted(parts[3], key=lambda rf: rf[1].name != "part-x.parquet"))   # part-x first
+    assert [f.parent.name for f in latest] == [f"rank={r}" for r in (2, 10, *range(11, 20))]

@@ -406,3 +406,24 @@ def test_log_step_accepts_numpy_steps_and_scalar_tensors_and_names_bad_extras(tm
                                              rf"{b.num_tokens}$"):
             mon.log_step(5, b, token_extras={"w": torch.ones(b.num_tokens + 1)})
         assert mon.steps_logged == 1
+
+
+def test_padding_and_offset_warnings_read_in_full(tmp_path, caplog):
+    """One valid token with learner log-prob exactly 0.0 (sampler −9) and no padding run: the padding warning
+    fires on the zero count alone; a response whose first valid token is at position 2: the offset warning."""
+    import logging
+
+    learner = torch.tensor([[0.0, -1.0, -2.0, -0.5], [-1.0, -1.2, -0.3, -0.7]])
+    sampler = torch.tensor([[-9.0, -1.1, -2.1, -0.6], [-1.1, -1.3, -0.4, -0.8]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        with MismatchMonitor(tmp_path / "run", MonitorConfig(window=2, tau_tail=-1.0)) as mon:
+            out = mon.log_step(0, TokenBatch.from_padded(learner, sampler, torch.ones(2), mask))
+    assert (out["zero_logp_count"], out["padding_run_count"], out["offset_response_count"]) == (1, 0, 1)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert ("triage-monitor step 0: 1 valid token(s) with log-prob exactly 0.0 on one side only and 0 response(s) "
+            "ending in a run of identical values: padding leaking into the loss mask? (metrics zero_logp_count, "
+            "padding_run_count)") in msgs
+    assert ("triage-monitor step 0: 1 response(s) whose first valid token is not at position 0: left padding or a "
+            "prompt in the tensor without positions=? Segments are cut by position (metric "
+            "offset_response_count)") in msgs
