@@ -711,3 +711,23 @@ def test_state_layout_groups_fields_by_reduction_by_hand():
     x = torch.tensor([1., 2., 3., 4., 5., 6., -1.], dtype=torch.float64)
     y = torch.tensor([10., 20., 30., 40., 2., 1., 7.], dtype=torch.float64)
     assert lay.reduce([x, y]).tolist() == [11, 22, 33, 44, 2, 6, 7]
+
+
+def test_localisation_added_apart_holds_the_hand_worked_values(seg_batch, any_update_path):
+    """add_magnitude, then add_localisation called on its own (no intermediates passed): seg_batch's hand-worked
+    localisation (see its fixture) on every update path."""
+    b = seg_batch
+    st = MismatchStats(MetricConfig(segment_width=W))
+    st.add_magnitude(b.delta, b.advantage, b.sample_index, b.num_samples)
+    st.add_localisation(b.delta, b.advantage, b.sample_index, b.position, b.num_samples, TAU)
+    st.tau_tail = TAU
+    v = st.compute().values
+    assert (v["r_amp"], v["h_seg"], v["c_tok"]) == (pytest.approx(5 / 25), pytest.approx(4 / 7), pytest.approx(2 / 5))
+    assert v["p_adj"] == pytest.approx((1 / 2) / (2 / 3)) and v["dilution"] == pytest.approx(1 / 3)
+    # the sums themselves (the ratios hide a sign or a lost update): 25 valid, 5 tail, 7 segments, 4 heavy; twice
+    from triage_monitor.metrics import SUM_FIELDS
+    pick = (lambda s: [s.sums[SUM_FIELDS.index(k)].item()
+                       for k in ("neg_valid_tokens", "tail_tokens", "segments", "heavy_segments")])
+    assert pick(st) == [25, 5, 7, 4]
+    st.add_localisation(b.delta, b.advantage, b.sample_index, b.position, b.num_samples, TAU)
+    assert pick(st) == [50, 10, 14, 8]
