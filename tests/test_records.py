@@ -429,3 +429,15 @@ def test_removals_keep_the_queue_count_so_flush_still_waits_for_every_file(tmp_p
     finally:
         release.set()
         sink.close()
+
+
+def test_a_steps_file_starts_with_step_and_rank_and_holds_each_once(tmp_path):
+    """The steps row of a step: int64 ``step`` and ``rank`` first, each column once, the step's value in it."""
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1) as mon:
+        mon.log_step(4, _batch(4))
+    (f,) = (d / "steps").iterdir()
+    t = pq.read_table(f)
+    assert t.column_names[:2] == ["step", "rank"] and len(set(t.column_names)) == len(t.column_names)
+    assert t.column("step").to_pylist() == [4] and t.column("rank").to_pylist() == [1]
+    assert t.schema.field("step").type == pa.int64() and t.schema.field("rank").type == pa.int64()
