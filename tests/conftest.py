@@ -27,6 +27,17 @@ def demo_run_dir_none(tmp_path_factory):
     return _demo(tmp_path_factory, "demo-none", steps=20, correction="none", seed=1)
 
 
+@pytest.fixture
+def plain_main(monkeypatch):
+    """For tests that spawn processes: spawned workers re-import ``__main__``, and another test (Streamlit's
+    AppTest) may have left the dashboard script there, which must not run in a worker.  A bare ``__main__``
+    module stands in for the test's."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+
+
 @pytest.fixture(scope="session")
 def side_env():
     """``side_env(name) -> Path`` of the python of the side environment ``.venv-fw/<name>`` (made by

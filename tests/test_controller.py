@@ -384,7 +384,7 @@ def _dist_worker(rank, world, init_file, result_file):
         dist.destroy_process_group()
 
 
-def test_distributed_reduction_matches_single_process():
+def test_distributed_reduction_matches_single_process(plain_main):
     learner, samp, adv, mask, loss, w = _random_padded(5)
     lr = learner.clone().requires_grad_(True)
     full = TokenBatch.from_padded(lr, samp, adv, mask)
@@ -571,7 +571,7 @@ def _list_batch_of_lengths(lengths):
     return TokenBatch.from_list(lp, [x.clone() for x in lp], torch.full((len(lengths),), -1.0))
 
 
-def test_repair_segment_count_is_summed_over_the_group(tmp_path):
+def test_repair_segment_count_is_summed_over_the_group(tmp_path, plain_main):
     """W = 4: responses of 5 and 4 tokens on rank 0 (2 + 1 segments), 9 tokens on rank 1 (3): every rank's
     repair denominator is 6.  In one process with a one-rank group: rank 0's own 3."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)

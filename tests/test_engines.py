@@ -55,14 +55,7 @@ def one_rank_run(tmp_path_factory):
     return _write(tmp_path_factory.mktemp("engines1") / "run", 1)
 
 
-@pytest.fixture(autouse=True)
-def plain_main(monkeypatch):
-    """Spawned workers re-import ``__main__``; another test (Streamlit's AppTest) may have left the dashboard
-    script there, which must not run in a worker.  A bare ``__main__`` module stands in for the test's."""
-    import sys
-    import types
-
-    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+pytestmark = pytest.mark.usefixtures("plain_main")      # spawned workers (tests/conftest.py)
 
 
 def _equal(a: pd.DataFrame, b: pd.DataFrame) -> bool:

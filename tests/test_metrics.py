@@ -620,7 +620,7 @@ def _sync_rank(rank, world, init_file, out):
         dist.destroy_process_group()
 
 
-def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path):
+def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path, plain_main):
     """Two gloo ranks (processes): after ``sync`` each rank holds the state of both parts — 5 tokens, 2 responses,
     δ min −4 (rank 1) and max 3 (rank 0), Σδ = −2.4, one tail (δ = −2 < −1, A < 0) — and it equals the state of
     one process updated with both responses.  In one process with a one-rank group, ``sync`` leaves the state
