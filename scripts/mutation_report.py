@@ -75,12 +75,13 @@ def accelerator_only(diff: str) -> bool:
 def main(argv: list) -> int:
     listed, left = reasons("equivalent"), reasons("left")
     rows = collections.defaultdict(collections.Counter)
-    open_items, accel_items = [], []
+    open_items, accel_items, names = [], [], []
     for path in walk_mutatable_files():
         meta = Path("mutants") / (str(path) + ".meta")
         if not meta.exists():
             continue
         data = _load(path)
+        names.extend(data.exit_code_by_key)
         for name, code in data.exit_code_by_key.items():
             module = name.split("__mutmut_")[0].rsplit(".", 1)[0]
             status = status_by_exit_code[code]
@@ -109,8 +110,6 @@ def main(argv: list) -> int:
     if "--open-names" in argv:         # what mutation.sh --continue runs again: the survivors nobody explained yet
         print("\n".join(name for name, _, _ in open_items))
         return 0
-    names = [n for path in walk_mutatable_files() if (Path("mutants") / (str(path) + ".meta")).exists()
-             for n in _load(path).exit_code_by_key]
     stale = [p for p, _ in listed + left if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if stale:      # a list line naming no mutant of this run: a typo, or a function that changed since
         print(f"warning: {len(stale)} line(s) of docs/mutation/*.txt match no mutant: {', '.join(stale)}")
