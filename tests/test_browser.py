@@ -164,6 +164,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 CHARTS_JS = "Array.from(document.querySelectorAll('.js-plotly-plot')).filter(e => e.querySelector('.main-svg')).length"
 RUNNING_JS = "!!document.querySelector('[data-testid=stStatusWidget]')"
+TABLES_JS = "document.querySelectorAll('[data-testid=stDataFrame]').length"
 EXCEPTION_JS = "document.querySelectorAll('[data-testid=stException]').length"
 
 needs_chromium = pytest.mark.skipif(chromium_binary() is None,
@@ -186,11 +187,15 @@ def test_dashboard_renders_in_chromium(browser, demo_run_dir, demo_run_dir_none,
     try:
         browser.navigate(f"http://127.0.0.1:{port}/")
         browser.wait_for(f"{CHARTS_JS} >= 8", timeout=120)
-        # let the script finish (the status widget disappears) and the last charts draw
-        deadline = time.monotonic() + 60
-        while browser.eval(RUNNING_JS) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        # let the script finish (the status widget disappears: the stage table with its 499-draw null is
+        # the last thing computed, over a minute on a loaded 2-core machine), then the last charts draw
+        browser.wait_for(f"!{RUNNING_JS}", timeout=300)
         browser.wait_for(f"{CHARTS_JS} >= 11", timeout=60)
+        try:
+            browser.wait_for(f"{TABLES_JS} >= 1", timeout=60)
+        except TimeoutError:
+            text = browser.eval("document.body.innerText")
+            pytest.fail("no stage table; the page's Stages section reads:\n" + text[text.rfind("Stages"):][:2000])
         time.sleep(1.0)
         shot = browser.screenshot(ARTIFACTS / "browser" / "dashboard.png")
         info = browser.eval("""({
