@@ -713,6 +713,48 @@ def test_state_layout_groups_fields_by_reduction_by_hand():
     assert lay.reduce([x, y]).tolist() == [11, 22, 33, 44, 2, 6, 7]
 
 
+def test_merge_all_into_spans_merges_each_state_in_turn_over_the_spans_only_by_hand():
+    """The trailing window's merge: sums a 0:3, c 3:4, min m 4:6, max b 6:8; spans [0, 2) and [3, 8) leave entry 2
+    as it was.  Each entry is merged down the states in the given order: an order-sensitive one-entry sum equals
+    the left fold ((out + s1) + s2) + ... of Python floats, not a pairwise sum."""
+    import functools
+
+    from triage_monitor.metrics import StateField, StateLayout
+    lay = StateLayout([StateField("a", 3, "sum"), StateField("c", 1, "sum"), StateField("m", 2, "min"),
+                       StateField("b", 2, "max")])
+    f64 = functools.partial(torch.tensor, dtype=torch.float64)
+    out = f64([1, 1, 1, 1, 5, 5, 0, 0])
+    x, y = f64([1, 2, 3, 4, 3, 9, 2, -1]), f64([10, 20, 30, 40, 7, 1, -5, 4])
+    assert lay.merge_all_into_spans(out, [x, y], [(0, 2), (3, 8)]) is out
+    assert out.tolist() == [12, 23, 1, 45, 3, 1, 2, 4]
+    assert lay.merge_all_into_spans(out, [], [(0, 8)]).tolist() == [12, 23, 1, 45, 3, 1, 2, 4]
+    assert lay.merge_all_into_spans(out, [x], []).tolist() == [12, 23, 1, 45, 3, 1, 2, 4]
+    vals = [1e16] + [1.0] * 10 + [-1e16]                       # in order: 1e16 + 1 rounds back to 1e16, ten times
+    out = lay.identity()
+    out[3] = vals[0]
+    others = []
+    for v in vals[1:]:
+        t = lay.identity()
+        t[3] = v
+        others.append(t)
+    lay.merge_all_into_spans(out, others, [(3, 4)])
+    assert out[3].item() == functools.reduce(lambda a, b: a + b, vals) == 0.0
+
+
+def test_window_counts_stay_exact_beyond_float32s_integers():
+    """A window of one step reports that step's values bit for bit, also when its sketch and C_tok table counts
+    exceed 2**24 (float32 holds integers exactly only up to there; a 100-step window of a few million tokens a step
+    gets there): the window's running count sum is float64."""
+    st = MismatchStats(MetricConfig(segment_width=4)).update(
+        _list_batch([[-2., .5, 3., -.2, -1.5], [-4., .1, .3]], [-1., 1.], sampler=-5.), -1.0)
+    lay = st.layout
+    counts = slice(lay.slices["delta_sketch"].start, lay.slices["c_tok_table"].stop)
+    st.state[counts] *= 2 ** 24 + 1                 # odd counts above 2**24: exact in float64, not in float32
+    assert st.state[counts].max().item() > 2 ** 24
+    step_res, win_res = MetricTracker(MetricConfig(segment_width=4), tau_tail=-1.0, window=1).push(0, st)
+    assert step_res.values == pytest.approx(win_res.values, rel=0, abs=0, nan_ok=True)
+
+
 def test_localisation_added_apart_holds_the_hand_worked_values(seg_batch, any_update_path):
     """add_magnitude, then add_localisation called on its own (no intermediates passed): seg_batch's hand-worked
     localisation (see its fixture) on every update path."""

@@ -217,7 +217,8 @@ def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, capl
         mon.log_step(1, _batch(1))
         last = mon.log_step(2, _batch(2))
     msgs = [r.getMessage() for r in caplog.records if "record" in r.getMessage()]
-    assert len(msgs) == 1 and "after close()" in msgs[0], msgs       # not "writer queue full"
+    assert msgs == ["triage-monitor: log_step(step=1) after close(): metrics are returned but nothing is "
+                    "recorded any more (rows counted in writer_dropped_rows)"]      # not "writer queue full"
     assert last["writer_dropped_rows"] == _batch(1).num_tokens + 1      # step 1's token rows + its step row
     assert open_run(tmp_path / "r").step_numbers() == [0]
 
@@ -230,7 +231,9 @@ def test_same_step_twice_in_one_process_warns_once(tmp_path, caplog):
             for step in range(3):
                 for micro in range(2):
                     mon.log_step(step, _batch(10 * step + micro))
-    assert sum("logged twice in a row" in r.getMessage() for r in caplog.records) == 1
+    assert [r.getMessage() for r in caplog.records if "logged twice" in r.getMessage()] == [
+        "triage-monitor: step 0 logged twice in a row by this process: the later call replaces the earlier one's "
+        "records and window entry (log once per optimizer step, with its micro-batches merged)"]
     run = open_run(d)
     assert [len(run.tokens(s)) for s in range(3)] == [_batch(10 * s + 1).num_tokens for s in range(3)]
     cmp = compare_live(run, recompute(run), rtol=0.0)
@@ -241,6 +244,12 @@ def test_open_run_rejects_non_run_dirs(tmp_path):
     with pytest.raises(RunDirError, match="no such directory"):
         open_run(tmp_path / "missing")
     with pytest.raises(RunDirError, match="not a triage-monitor run"):
+        open_run(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunDirError, match=r"file: not a directory$"):
+        open_run(tmp_path / "file")
+    (tmp_path / "run.json").write_text("{")
+    with pytest.raises(RunDirError, match=r"run\.json: unreadable manifest \(.*run\.json: not valid JSON"):
         open_run(tmp_path)
 
 
@@ -253,7 +262,7 @@ def test_log_step_argument_errors(tmp_path):
     with MismatchMonitor(tmp_path / "r") as mon:
         with pytest.raises(TypeError, match="step must be an int"):
             mon.log_step(1.5, _batch(0))
-        with pytest.raises(TypeError, match="TokenBatch"):
+        with pytest.raises(TypeError, match=r"^batch must be a TokenBatch, got dict$"):
             mon.log_step(0, {"learner_logp": 1})
         with pytest.raises(ValueError, match="extra\\['reward'\\]"):
             mon.log_step(0, _batch(0), extra={"reward": "high"})
@@ -299,6 +308,48 @@ def test_attempt_id_is_rank_zeros_broadcast_over_the_process_group(tmp_path, mon
             assert mon.attempt == 2**62 + 5 and mon.rank == 0 and mon.world_size == 1
     finally:
         dist.destroy_process_group()
+
+
+def _subgroup_rank(rank, world, init_file, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        own = [dist.new_group([r]) for r in range(world)][rank]          # every rank creates every group
+        res = {}
+        for name, group in (("own", own), ("world", None)):
+            with MismatchMonitor(f"{out}/{name}", MonitorConfig(window=2, tau_tail=-1.0), group=group,
+                                 attempt=1) as mon:
+                v = mon.log_step(0, _batch(rank, B=2 + rank, T=8))
+                res[name] = (v["n_tokens"], v["n_samples"], v["window/n_tokens"])
+            with MismatchMonitor(f"{out}/{name}-cal", MonitorConfig(window=2, calibration_steps=3), group=group,
+                                 attempt=1) as mon:                  # τ_tail calibrating from the first steps
+                v = mon.log_step(0, _batch(rank, B=2 + rank, T=8))
+                res[name + "-tau"], res[name + "-cal"] = v["tau_tail"], (v["n_tokens"], v["n_samples"])
+        torch.save(res, f"{out}/result.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_monitor_on_a_one_rank_subgroup_counts_its_own_tokens_only(tmp_path, plain_main):
+    """Two gloo ranks (processes), each with a monitor whose ``group`` holds that rank alone (a monitor per
+    replica): its step and window metrics are its own batch's.  A monitor of the default group (``group=None``)
+    counts both ranks' tokens.  Token counts are taken from the batches themselves; the calibrating τ_tail is
+    each rank's own on the subgroups and one pooled value on the default group."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_subgroup_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, join=True)
+    n = [(_batch(r, B=2 + r, T=8).num_tokens, 2 + r) for r in range(2)]
+    both = (n[0][0] + n[1][0], n[0][1] + n[1][1])
+    for r in range(2):
+        got = torch.load(tmp_path / f"result.{r}")
+        assert got["own"] == (n[r][0], n[r][1], n[r][0]), (r, got)
+        assert got["world"] == (both[0], both[1], both[0]), (r, got)
+        assert got["own-cal"] == n[r] and got["world-cal"] == both, (r, got)
+    # the provisional τ_tail of step 0 is the quantile of the group's δ: each rank's own, both ranks' pooled
+    res = [torch.load(tmp_path / f"result.{r}") for r in range(2)]
+    assert res[0]["world-tau"] == res[1]["world-tau"]
+    taus = {res[0]["own-tau"], res[1]["own-tau"], res[0]["world-tau"]}
+    assert len(taus) == 3 and all(math.isfinite(t) for t in taus), taus
 
 
 def test_a_checkpoint_state_of_another_version_is_refused_naming_it(tmp_path):

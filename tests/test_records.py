@@ -143,6 +143,9 @@ def test_schema_one_manifest_reads_its_calibrated_tau_and_drops_duplicated_keys(
     assert m.calibration == {"tau_tail": -0.7} and m.tau_tail == -0.7 and m.schema_version == 1
     assert m.extra == {"future_key": [1, 2]}
     assert m.to_dict()["future_key"] == [1, 2] and "segment_width" not in m.to_dict()
+    assert "extra" not in m.to_dict()             # unknown keys go back at the top level, not under "extra"
+    odd = RunManifest.from_dict({**old, "extra": {"a": 1}})      # a key named like the field is one more unknown
+    assert odd.extra == {"future_key": [1, 2], "extra": {"a": 1}} and odd.to_dict()["extra"] == {"a": 1}
     given = RunManifest.from_dict({**old, "monitor_config": {"tau_tail": -0.2}})
     assert given.calibration is None and given.tau_tail == -0.2
     (tmp_path / "run.json").write_text("[1, 2]")
@@ -162,10 +165,40 @@ def test_a_metric_key_first_seen_late_is_warned_once_and_backfilled(tmp_path, ca
             mon.log_step(1, _batch(1), extra={"reward": 2.0, "kl": 0.5})
             mon.log_step(2, _batch(2), extra={"kl": 0.25, "entropy": 3.0})
     warned = [r.getMessage() for r in caplog.records if "new metric column" in r.getMessage()]
-    assert len(warned) == 1 and "step 1" in warned[0] and "['kl']" in warned[0]
+    assert warned == ["triage-monitor: step 1 brings new metric column(s) ['kl'] (extra keys not passed at the first "
+                      "step): files of the steps/ table differ in columns; open_run().steps() unites them, plain "
+                      "readers may take the first file's columns"]
     steps = open_run(d).steps()
     assert steps["kl"].tolist()[1:] == [0.5, 0.25] and math.isnan(steps["kl"][0])
     assert math.isnan(steps["reward"][2]) and steps["entropy"].tolist()[2] == 3.0
+
+
+def test_a_steps_file_holds_the_step_metrics_and_five_bookkeeping_columns_only(tmp_path):
+    """No stray column: the file's columns are log_step's keys plus rank, attempt, wall_time and nan_reasons
+    (the writer thread adds a missing ``rank`` column, so a misnamed one would otherwise pass unseen)."""
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1) as mon:
+        out = mon.log_step(4, _batch(4))
+    (f,) = (d / "steps").iterdir()
+    t = pq.read_table(f)
+    assert set(t.column_names) == set(out) | {"step", "rank", "attempt", "wall_time", "nan_reasons"}
+    assert {"writer_dropped_rows", "alignment_suspect", "alignment_shift", "alignment_ratio"} <= set(out)
+    assert t.column("writer_dropped_rows").to_pylist() == [0.0]
+
+
+def test_steps_without_an_alignment_check_still_carry_its_columns_as_float_nan(tmp_path):
+    """With ``alignment_check_steps=0`` no step computes the alignment check, yet every steps file has its three
+    columns, float64 NaN (not null, not missing): the files of a resumed attempt, which starts past the checked
+    steps, keep the schema of the first attempt's files."""
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, alignment_check_steps=0)) as mon:
+        for s in range(2):
+            assert "alignment_suspect" not in mon.log_step(s, _batch(s))
+    for f in sorted((d / "steps").iterdir()):
+        t = pq.read_table(f)
+        for c in ("alignment_suspect", "alignment_shift", "alignment_ratio"):
+            assert t.schema.field(c).type == pa.float64() and t.column(c).null_count == 0, (f.name, c)
+            assert math.isnan(t.column(c)[0].as_py())
 
 
 def test_a_steps_file_with_more_than_one_row_is_skipped_and_named(tmp_path, caplog):
