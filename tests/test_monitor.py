@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -209,6 +210,40 @@ def test_analyze_cli_corrupt_token_file_is_a_message(run_dir, capsys):
     assert bad.name in err.replace("\n", "") and err.startswith("triage-monitor analyze: ")
 
 
+def test_close_records_the_status_steps_and_writer_counts_in_run_json_and_may_be_repeated(tmp_path):
+    """run.json after ``close()`` (no argument: "finished"): 3 steps logged; the writer wrote every token row and
+    one steps row a step (counted by hand from the batches), dropped none, had no error.  A second close (a
+    ``finally`` after the ``with`` block) changes nothing and raises nothing."""
+    d = tmp_path / "r"
+    mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0))
+    for s in range(3):
+        mon.log_step(s, _batch(s))
+    mon.close()
+    m = json.loads((d / "run.json").read_text())
+    rows = sum(_batch(s).num_tokens + 1 for s in range(3))
+    assert (m["status"], m["steps_logged"]) == ("finished", 3)
+    assert m["writer"] == {"written_rows": rows, "dropped_rows": 0, "last_error": None}
+    mon.close()
+    assert json.loads((d / "run.json").read_text()) == m
+
+
+def test_a_run_json_that_cannot_be_written_is_warned_once_and_the_job_goes_on(tmp_path, caplog):
+    """run.json replaced by a non-empty directory: the atomic rename onto it fails (a real OSError); the monitor
+    names the file and the error once, and closes without raising."""
+    d = tmp_path / "r"
+    mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0))
+    (d / "run.json").unlink()
+    (d / "run.json" / "x").mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        mon.log_step(0, _batch(0))
+        mon.close()
+        mon.close()
+    warned = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert re.fullmatch(rf"triage-monitor could not write {re.escape(str(d / 'run.json'))} \(\[Errno \d+\] .+\); "
+                        r"monitoring continues", warned[0]), warned[0]
+
+
 def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, caplog):
     mon = MismatchMonitor(tmp_path / "r")
     mon.log_step(0, _batch(0))
@@ -396,12 +431,22 @@ class _Alerts:
         self.seen.append("closed")
 
 
+class _NoCloseLogger:
+    """A logger with nothing to close: the monitor does not call a close it lacks."""
+
+    def log_config(self, config):
+        pass
+
+    def log_metrics(self, step, metrics):
+        pass
+
+
 def test_loggers_and_alerts_get_every_step_and_a_failing_one_is_skipped_once(tmp_path, caplog):
     ok, bad, alerts = _Logger(), _Logger(fail_on={"log_metrics"}), _Alerts()
     d = tmp_path / "r"
     with caplog.at_level("WARNING", logger="triage_monitor"):
         with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), manifest={"model": "m"},
-                             loggers=[bad, ok], alerts=alerts) as mon:
+                             loggers=[bad, ok, _NoCloseLogger()], alerts=alerts) as mon:
             outs = [mon.log_step(s, _batch(s), extra={"reward": float(s)}) for s in range(3)]
     assert ok.calls[0][0] == "log_config" and ok.calls[0][1]["info"] == {"model": "m"}
     assert [c[1] for c in ok.calls if c[0] == "log_metrics"] == [0, 1, 2]

@@ -267,6 +267,31 @@ def test_force_moves_a_manifest_alone_or_table_directories_alone(tmp_path):
     assert (other / "notes").is_dir()                    # not a run: nothing is moved
 
 
+def test_check_run_dir_by_default_neither_resumes_another_identity_nor_moves_the_run(tmp_path, caplog):
+    """``check_run_dir(dir, config, info)`` without keywords: a run of another model is refused (no resume), with
+    the run left where it is (no force); an unreadable run.json is refused naming the directory.  With
+    ``force=True`` the move is warned naming both directories."""
+    from triage_monitor.records import RunConflictError, check_run_dir
+
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2)
+    MismatchMonitor(d, cfg, manifest={"model": "a"}).close()
+    with pytest.raises(RunConflictError, match="model"):
+        check_run_dir(d, cfg.to_dict(), {"model": "b"})
+    assert (d / "run.json").is_file() and [p.name for p in tmp_path.iterdir()] == ["run"]
+    assert isinstance(check_run_dir(d, cfg.to_dict(), {"model": "a"}), RunManifest)     # the same run continues
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        assert check_run_dir(d, cfg.to_dict(), {"model": "b"}, force=True) is None
+    (aside,) = [p for p in tmp_path.iterdir() if p.name != "run"]
+    assert [r.getMessage() for r in caplog.records if "--force" in r.getMessage()] == [
+        f"triage-monitor: --force: the run that was in {d} is now in {aside}; a new run starts"]
+    (d / "run.json").write_text("{")
+    with pytest.raises(RunConflictError, match=r"holds a run whose run\.json is unreadable \(.*not valid JSON.*\): "
+                                               r"write to a new directory, or start over with --force") as err:
+        check_run_dir(d, cfg.to_dict(), {})
+    assert err.value.path == d
+
+
 def test_force_is_refused_while_another_writer_holds_the_run(tmp_path):
     from triage_monitor.records import RunLockedError
 
