@@ -220,6 +220,7 @@ def test_close_records_the_status_steps_and_writer_counts_in_run_json_and_may_be
         mon.log_step(s, _batch(s))
     mon.close()
     m = json.loads((d / "run.json").read_text())
+    assert [(a["attempt"], a["world_size"]) for a in m["attempts"]] == [(mon.attempt, 1)]     # one process
     rows = sum(_batch(s).num_tokens + 1 for s in range(3))
     assert (m["status"], m["steps_logged"]) == ("finished", 3)
     assert m["writer"] == {"written_rows": rows, "dropped_rows": 0, "last_error": None}
@@ -360,6 +361,9 @@ def _subgroup_rank(rank, world, init_file, out):
                                  attempt=1) as mon:                  # τ_tail calibrating from the first steps
                 v = mon.log_step(0, _batch(rank, B=2 + rank, T=8))
                 res[name + "-tau"], res[name + "-cal"] = v["tau_tail"], (v["n_tokens"], v["n_samples"])
+        for name, group in (("auto", None), ("own-auto", own)):   # rank, world size and attempt id not given
+            with MismatchMonitor(f"{out}/{name}", MonitorConfig(window=2, tau_tail=-1.0), group=group) as mon:
+                res[name] = (mon.rank, mon.world_size, mon.attempt)
         torch.save(res, f"{out}/result.{rank}")
     finally:
         dist.destroy_process_group()
@@ -385,6 +389,12 @@ def test_a_monitor_on_a_one_rank_subgroup_counts_its_own_tokens_only(tmp_path, p
     assert res[0]["world-tau"] == res[1]["world-tau"]
     taus = {res[0]["own-tau"], res[1]["own-tau"], res[0]["world-tau"]}
     assert len(taus) == 3 and all(math.isfinite(t) for t in taus), taus
+    # rank and world size come from the process group; one attempt id for the job's ranks (rank 0's, broadcast
+    # over the monitor's group): shared on the default group, each rank's own on a one-rank group
+    assert [r["auto"][:2] for r in res] == [(0, 2), (1, 2)]
+    assert res[0]["auto"][2] == res[1]["auto"][2] and res[0]["own-auto"][2] != res[1]["own-auto"][2]
+    attempts = json.loads((tmp_path / "auto" / "run.json").read_text())["attempts"]
+    assert [(a["attempt"], a["world_size"]) for a in attempts] == [(res[0]["auto"][2], 2)]
 
 
 def test_a_checkpoint_state_of_another_version_is_refused_naming_it(tmp_path):
