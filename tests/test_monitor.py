@@ -245,6 +245,26 @@ def test_a_run_json_that_cannot_be_written_is_warned_once_and_the_job_goes_on(tm
                         r"monitoring continues", warned[0]), warned[0]
 
 
+def test_a_resumed_job_keeps_the_tau_tail_its_earlier_attempt_froze_and_says_so(tmp_path, caplog):
+    """Attempt 1 calibrates τ_tail on 2 steps and freezes it at step 2 (run.json's ``calibration``).  A new monitor
+    on the same directory (a restarted job) starts frozen at that value, logs where it came from, and its steps
+    use it: no re-calibration on post-resume steps."""
+    d = tmp_path / "r"
+    cfg = MonitorConfig(window=2, calibration_steps=2)
+    with MismatchMonitor(d, cfg) as first:
+        for s in range(3):
+            first.log_step(s, _batch(s))
+        tau = first.tracker.tau_tail
+    assert first.tracker.tau_frozen and json.loads((d / "run.json").read_text())["calibration"]["tau_tail"] == tau
+    with caplog.at_level("INFO", logger="triage_monitor"):
+        with MismatchMonitor(d, cfg) as again:
+            assert again.tracker.tau_frozen and again.tracker.tau_tail == tau
+            out = again.log_step(3, _batch(3))
+    assert (out["tau_tail"], out["tau_tail_frozen"]) == (tau, 1.0)
+    assert [r.getMessage() for r in caplog.records if "resumed run" in r.getMessage()] == [
+        f"triage-monitor: resumed run, tau_tail = {tau:.6g} nats from {d / 'run.json'}"]
+
+
 def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, caplog):
     mon = MismatchMonitor(tmp_path / "r")
     mon.log_step(0, _batch(0))
