@@ -367,8 +367,12 @@ def test_attempt_id_is_rank_zeros_broadcast_over_the_process_group(tmp_path, mon
 
 
 def _subgroup_rank(rank, world, init_file, out):
+    import datetime
+
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # a collective that never completes (a broadcast from a rank outside the group) fails after a minute, not hangs
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         own = [dist.new_group([r]) for r in range(world)][rank]          # every rank creates every group
         res = {}
@@ -377,6 +381,7 @@ def _subgroup_rank(rank, world, init_file, out):
                                  attempt=1) as mon:
                 v = mon.log_step(0, _batch(rank, B=2 + rank, T=8))
                 res[name] = (v["n_tokens"], v["n_samples"], v["window/n_tokens"])
+                res[name + "-min"] = v["delta_min"]                      # a MIN-reduced state field
             with MismatchMonitor(f"{out}/{name}-cal", MonitorConfig(window=2, calibration_steps=3), group=group,
                                  attempt=1) as mon:                  # τ_tail calibrating from the first steps
                 v = mon.log_step(0, _batch(rank, B=2 + rank, T=8))
@@ -399,11 +404,14 @@ def test_a_monitor_on_a_one_rank_subgroup_counts_its_own_tokens_only(tmp_path, p
     mp.spawn(_subgroup_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, join=True)
     n = [(_batch(r, B=2 + r, T=8).num_tokens, 2 + r) for r in range(2)]
     both = (n[0][0] + n[1][0], n[0][1] + n[1][1])
+    lo = [_batch(r, B=2 + r, T=8).delta.min().item() for r in range(2)]
+    assert lo[0] != lo[1]
     for r in range(2):
         got = torch.load(tmp_path / f"result.{r}")
         assert got["own"] == (n[r][0], n[r][1], n[r][0]), (r, got)
         assert got["world"] == (both[0], both[1], both[0]), (r, got)
         assert got["own-cal"] == n[r] and got["world-cal"] == both, (r, got)
+        assert got["own-min"] == lo[r] and got["world-min"] == min(lo), (r, got, lo)
     # the provisional τ_tail of step 0 is the quantile of the group's δ: each rank's own, both ranks' pooled
     res = [torch.load(tmp_path / f"result.{r}") for r in range(2)]
     assert res[0]["world-tau"] == res[1]["world-tau"]
