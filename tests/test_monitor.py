@@ -265,6 +265,29 @@ def test_a_resumed_job_keeps_the_tau_tail_its_earlier_attempt_froze_and_says_so(
         f"triage-monitor: resumed run, tau_tail = {tau:.6g} nats from {d / 'run.json'}"]
 
 
+def test_rows_dropped_by_a_full_queue_are_counted_and_warned_once(tmp_path, caplog):
+    """backpressure="drop" with a 1-byte queue bound while the writer thread is busy with a held file: step 0's
+    token file and steps row are dropped (its token count + 1 rows, counted from the batch); step 1 reports them
+    in ``writer_dropped_rows`` and warns once, naming the metric; the job goes on."""
+    import threading
+
+    from triage_monitor.records import DeferredColumns
+
+    release = threading.Event()
+    d = tmp_path / "r"
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, max_queue_bytes=1,
+                                              backpressure="drop")) as mon:
+            mon.sink.submit("alerts", 0, 0, DeferredColumns(lambda: release.wait(10) and {"x": np.arange(2)}, 100, 2))
+            mon.log_step(0, _batch(0))
+            outs = [mon.log_step(s, _batch(s)) for s in (1, 2)]
+            release.set()
+    assert outs[0]["writer_dropped_rows"] == _batch(0).num_tokens + 1
+    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert warned == [f"triage-monitor dropped {_batch(0).num_tokens + 1} record rows so far (writer queue full with "
+                      "backpressure='drop'); training continues, see metric writer_dropped_rows"]
+
+
 def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, caplog):
     mon = MismatchMonitor(tmp_path / "r")
     mon.log_step(0, _batch(0))
@@ -367,60 +390,90 @@ def test_attempt_id_is_rank_zeros_broadcast_over_the_process_group(tmp_path, mon
 
 
 def _subgroup_rank(rank, world, init_file, out):
+    """One rank of the group tests: monitors, a metric tracker, a controller and a hooked worker's attempt id, each
+    on this rank's one-rank group and on the default group; results saved to ``out/result.<rank>``."""
     import datetime
 
     import torch.distributed as dist
+
+    from triage_monitor.controller import TriageConfig, TriageController
+    from triage_monitor.hooks._runtime import _worker_attempt
+    from triage_monitor.metrics import MetricTracker
+    from triage_monitor.monitor import _shared_attempt_id
+
     # a collective that never completes (a broadcast from a rank outside the group) fails after a minute, not hangs
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         own = [dist.new_group([r]) for r in range(world)][rank]          # every rank creates every group
+        b = _batch(rank, B=2 + rank, T=8)
         res = {}
         for name, group in (("own", own), ("world", None)):
             with MismatchMonitor(f"{out}/{name}", MonitorConfig(window=2, tau_tail=-1.0), group=group,
                                  attempt=1) as mon:
-                v = mon.log_step(0, _batch(rank, B=2 + rank, T=8))
+                v = mon.log_step(0, b)
                 res[name] = (v["n_tokens"], v["n_samples"], v["window/n_tokens"])
                 res[name + "-min"] = v["delta_min"]                      # a MIN-reduced state field
             with MismatchMonitor(f"{out}/{name}-cal", MonitorConfig(window=2, calibration_steps=3), group=group,
                                  attempt=1) as mon:                  # τ_tail calibrating from the first steps
-                v = mon.log_step(0, _batch(rank, B=2 + rank, T=8))
+                v = mon.log_step(0, b)
                 res[name + "-tau"], res[name + "-cal"] = v["tau_tail"], (v["n_tokens"], v["n_samples"])
         for name, group in (("auto", None), ("own-auto", own)):   # rank, world size and attempt id not given
             with MismatchMonitor(f"{out}/{name}", MonitorConfig(window=2, tau_tail=-1.0), group=group) as mon:
                 res[name] = (mon.rank, mon.world_size, mon.attempt)
+        for name, group in (("own", own), ("world", dist.group.WORLD)):
+            step, _ = MetricTracker(tau_tail=-1.0).step(0, b, group=group)     # the tracker given a group
+            res[name + "-tracker"] = (step.values["n_tokens"], step.values["delta_min"])
+            ctl = TriageController(TriageConfig(repair_scope="whole"), group=group)   # every repair segment counts
+            res[name + "-repair"] = ctl.repair_segment_count(b).item()
+        res["own-id"] = _shared_attempt_id(own)
+        res["worker-attempt"] = _worker_attempt()                 # a hooked worker's id (the default group)
         torch.save(res, f"{out}/result.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def test_a_monitor_on_a_one_rank_subgroup_counts_its_own_tokens_only(tmp_path, plain_main):
-    """Two gloo ranks (processes), each with a monitor whose ``group`` holds that rank alone (a monitor per
-    replica): its step and window metrics are its own batch's.  A monitor of the default group (``group=None``)
-    counts both ranks' tokens.  Token counts are taken from the batches themselves; the calibrating τ_tail is
-    each rank's own on the subgroups and one pooled value on the default group."""
+def test_monitors_trackers_and_controllers_on_a_one_rank_subgroup_see_their_own_rank_only(tmp_path, plain_main):
+    """Two gloo ranks (processes), each with a monitor, a metric tracker and a controller whose ``group`` holds
+    that rank alone (one per replica): the step and window metrics, the calibrating τ_tail and the Repair segment
+    count are its own batch's; on the default group they are both ranks' (sums add, the MIN field is the smaller).
+    Token counts and δ minima are taken from the batches themselves.  Rank, world size and the attempt id come
+    from the process group: one attempt id on the default group (rank 0's, broadcast), each rank's own on its
+    one-rank group.
+
+    First the same code runs in this process with a world of one, where the two groups must agree (and so that
+    mutmut, which maps tests to the functions they call in the test process, runs this test for them)."""
     import torch.multiprocessing as mp
 
+    _subgroup_rank(0, 1, str(tmp_path / "rdv1"), str(tmp_path / "one"))
+    one = torch.load(tmp_path / "one" / "result.0")
+    b = _batch(0, B=2, T=8)
+    assert one["own"] == one["world"] == (b.num_tokens, 2, b.num_tokens) and one["own-tau"] == one["world-tau"]
+    assert one["own-tracker"] == one["world-tracker"] == (b.num_tokens, b.delta.min().item())
+    assert one["own-repair"] == one["world-repair"] > 0 and one["auto"][:2] == (0, 1)
+
     mp.spawn(_subgroup_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, join=True)
+    res = [torch.load(tmp_path / f"result.{r}") for r in range(2)]
     n = [(_batch(r, B=2 + r, T=8).num_tokens, 2 + r) for r in range(2)]
     both = (n[0][0] + n[1][0], n[0][1] + n[1][1])
     lo = [_batch(r, B=2 + r, T=8).delta.min().item() for r in range(2)]
     assert lo[0] != lo[1]
-    for r in range(2):
-        got = torch.load(tmp_path / f"result.{r}")
+    for r, got in enumerate(res):
         assert got["own"] == (n[r][0], n[r][1], n[r][0]), (r, got)
         assert got["world"] == (both[0], both[1], both[0]), (r, got)
         assert got["own-cal"] == n[r] and got["world-cal"] == both, (r, got)
         assert got["own-min"] == lo[r] and got["world-min"] == min(lo), (r, got, lo)
+        assert got["own-tracker"] == (n[r][0], lo[r]) and got["world-tracker"] == (both[0], min(lo)), (r, got)
     # the provisional τ_tail of step 0 is the quantile of the group's δ: each rank's own, both ranks' pooled
-    res = [torch.load(tmp_path / f"result.{r}") for r in range(2)]
     assert res[0]["world-tau"] == res[1]["world-tau"]
     taus = {res[0]["own-tau"], res[1]["own-tau"], res[0]["world-tau"]}
     assert len(taus) == 3 and all(math.isfinite(t) for t in taus), taus
-    # rank and world size come from the process group; one attempt id for the job's ranks (rank 0's, broadcast
-    # over the monitor's group): shared on the default group, each rank's own on a one-rank group
+    # the Repair segment count sums over the group
+    own = [r["own-repair"] for r in res]
+    assert min(own) > 0 and own[0] != own[1] and res[0]["world-repair"] == res[1]["world-repair"] == sum(own)
     assert [r["auto"][:2] for r in res] == [(0, 2), (1, 2)]
-    assert res[0]["auto"][2] == res[1]["auto"][2] and res[0]["own-auto"][2] != res[1]["own-auto"][2]
+    assert res[0]["auto"][2] == res[1]["auto"][2] and res[0]["worker-attempt"] == res[1]["worker-attempt"]
+    assert res[0]["own-auto"][2] != res[1]["own-auto"][2] and res[0]["own-id"] != res[1]["own-id"]
     attempts = json.loads((tmp_path / "auto" / "run.json").read_text())["attempts"]
     assert [(a["attempt"], a["world_size"]) for a in attempts] == [(res[0]["auto"][2], 2)]
 

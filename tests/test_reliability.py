@@ -293,6 +293,7 @@ def test_monitor_runs_alignment_on_first_steps_and_warns_once(tmp_path, caplog):
     assert outs[0]["alignment_shift"] == 1 and outs[0]["alignment_ratio"] < 0.05
     warns = [r.getMessage() for r in caplog.records if "alignment" in r.getMessage()]
     assert len(warns) == 1 and "learner_logp sits one position late" in warns[0]
+    assert warns[0].startswith("triage-monitor step 0: alignment: learner_logp sits one position late")   # step, report
     steps = open_run(tmp_path / "run").steps()
     assert steps["alignment_suspect"].tolist()[:3] == [1.0, 1.0, 1.0] and steps["alignment_suspect"][3:].isna().all()
 
