@@ -143,8 +143,17 @@ def test_old_hive_layout_still_reads(tmp_path):
                                d / "steps" / f"step={step}" / "rank=0" / f"part-{attempt}.parquet")
     run = open_run(d)
     assert run.steps()["x"].tolist() == [1.0, 12.0, 21.0] and run.steps()["step"].tolist() == [0, 1, 2]
-    with pytest.raises(Exception, match="older step=/rank= directory layout"):
+    # refused, not continued: the message (typed out here) names the directory, the schema and the way out,
+    # and .path is the directory
+    from triage_monitor.records import RunConflictError
+
+    with pytest.raises(RunConflictError) as err:
         MismatchMonitor(d)
+    assert str(err.value) == (
+        f"{d} holds a run in the older step=/rank= directory layout (manifest schema 2); this version reads it but "
+        "does not continue it: write to a new directory, or start over with --force / force=True (the old run is "
+        "moved to old.replaced-<time>)")
+    assert err.value.path == d
 
 
 # ============================================================================ one writer per rank
@@ -194,11 +203,89 @@ def test_a_second_process_writing_the_same_rank_is_refused_at_start(tmp_path):
 
 
 def test_a_monitor_left_open_in_this_process_is_taken_over(tmp_path, caplog):
+    """A monitor never closed (a notebook cell run twice) does not block a new one of the same rank in the same
+    process: the new one takes its lock with one warning naming the rank and the directory (text typed out here),
+    and its steps are written."""
     d = tmp_path / "run"
-    MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)).log_step(0, _batch(0))   # never closed (a notebook cell run twice)
+    MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)).log_step(0, _batch(0))   # never closed
     with caplog.at_level(logging.WARNING, logger="triage_monitor"):
-        _write(d, steps=1)
-    assert any("was not closed" in r.getMessage() for r in caplog.records)
+        _write(d, steps=2)
+    assert [r.getMessage() for r in caplog.records if "was not closed" in r.getMessage()] == [
+        f"triage-monitor: an earlier writer of rank 0 of {d} in this process was not closed; the new one takes over "
+        "(close monitors, or use them in a with-block)"]
+    assert open_run(d).step_numbers() == [0, 1]
+
+
+LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+os.write(fd, bytes.fromhex(sys.argv[2]))
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("text, holder", [
+    (b"", "unknown process"),                                   # a holder that wrote nothing (yet)
+    (b" \n\t\n", "unknown process"),                            # only white space
+    (b"\xffpid 7 on h\xfe\n", "\ufffdpid 7 on h\ufffd"),        # bytes that are not UTF-8: one U+FFFD each
+    (b"y" * 600, "y" * 512),                                    # a long text: its first 512 bytes
+], ids=["empty", "blank", "not-utf8", "long"])
+def test_a_lock_held_by_another_process_is_refused_quoting_its_text(tmp_path, text, holder):
+    """A writer lock held by another process (any program: here a bare ``flock`` holder whose lock file holds
+    ``text``) refuses the writer of that rank at start with ``RunLockedError`` whose ``.path`` is the run
+    directory; the message (typed out here) quotes the lock file's first 512 bytes, decoded with U+FFFD for
+    bytes that are not UTF-8 and stripped, or "unknown process" when nothing is left."""
+    import subprocess
+    import sys
+
+    from triage_monitor.records import RunLockedError
+
+    d = tmp_path / "run"
+    d.mkdir()
+    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(d / ".writer-rank-12.lock"), text.hex()],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        with pytest.raises(RunLockedError) as err:
+            MismatchMonitor(d, MonitorConfig(window=2), rank=12)
+        assert str(err.value) == (
+            f"{d}: another process is writing this run's rank 12 ({holder}); one writer per rank: stop it, or "
+            "write to another directory (a killed writer's lock is released by the OS)")
+        assert err.value.path == d
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+    assert p.returncode == 0, p.stderr.read()
+
+
+def test_a_writers_lock_file_names_it_and_is_readable_by_all(tmp_path):
+    """While a monitor writes, ``.writer-rank-<R>.lock`` holds one line "pid <pid> on <host>, attempt <n>, since
+    <local time, ISO 8601 with UTC offset>" (what a refused second writer quotes) and, under umask 022, is
+    rw-r--r-- like any file the process creates (anyone can read who holds it; it is not executable).  Expected
+    values: this process's pid and host name, the time parsed back with ``datetime.fromisoformat`` and within
+    a minute of now."""
+    import os
+    import re
+    import socket
+    import stat
+    from datetime import datetime, timezone
+
+    d = tmp_path / "run"
+    umask = os.umask(0o022)
+    try:
+        with MismatchMonitor(d, MonitorConfig(window=2), rank=3, attempt=7):
+            lock = d / ".writer-rank-3.lock"
+            text, mode = lock.read_text(), stat.S_IMODE(lock.stat().st_mode)
+    finally:
+        os.umask(umask)
+    assert mode == 0o644
+    m = re.fullmatch(r"pid (\d+) on (.+), attempt 7, since (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4})\n", text)
+    assert m, text
+    assert int(m[1]) == os.getpid() and m[2] == socket.gethostname()
+    since = datetime.fromisoformat(m[3])
+    assert abs((datetime.now(timezone.utc) - since).total_seconds()) < 60
 
 
 # ============================================================================ one run per directory
@@ -214,6 +301,7 @@ def test_another_configuration_is_refused_naming_the_keys_and_the_way_out(tmp_pa
     assert "correction: 'triage' -> 'none'" in msg and "seed: 1 -> 5" in msg
     assert "--resume" in msg and "--force" in msg and "new directory" in msg
     assert err.value.differences == {"correction": ("triage", "none"), "seed": (1, 5)}
+    assert err.value.path == d
     with pytest.raises(RunConflictError, match=r"monitor_config.window: 2 -> 3") as err:   # how it is measured
         with MismatchMonitor(d, MonitorConfig(window=3, calibration_steps=2),
                              manifest={"correction": "triage", "seed": 1}):
