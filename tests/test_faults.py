@@ -218,6 +218,32 @@ def test_full_tmpfs_counts_dropped_rows_and_keeps_files_whole(tmp_path, caplog):
         assert assert_all_readable(mnt / "run", None) == mon.sink.written_rows   # what is visible is complete
 
 
+def test_a_file_system_without_flock_warns_once_naming_the_lock_file_and_writes_unlocked(tmp_path, caplog,
+                                                                                         monkeypatch):
+    """On a file system without flock (an NFS mount without its lock daemon answers flock with ENOLCK) a writer
+    still starts: one warning names the lock file and the OS reason (text typed out here), the steps are written
+    and the lock file holds no holder line.  No file system mountable here lacks flock, so ``fcntl.flock`` is
+    replaced by one that fails as such a mount does: ``OSError(ENOLCK, "No locks available")``."""
+    import errno
+    import fcntl
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    caplog.set_level(logging.WARNING, logger="triage_monitor")
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        for step in range(2):
+            mon.log_step(step, batch(step, B=2, T=16))
+    lock = d / ".writer-rank-0.lock"
+    assert [r.getMessage() for r in caplog.records if r.name == "triage_monitor.records"] == [
+        f"triage-monitor: cannot lock {lock} (No locks available); a second writer of this rank would not be "
+        "detected"]
+    assert open_run(d).step_numbers() == [0, 1]
+    assert lock.read_text() == ""
+
+
 def child_fsize(d, limit):
     """Run 10 steps under RLIMIT_FSIZE = limit bytes with SIGXFSZ ignored; print a JSON summary."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
