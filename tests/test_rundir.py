@@ -336,12 +336,31 @@ def test_force_moves_the_old_run_aside_and_starts_a_new_one(tmp_path):
 
 
 def test_unwritable_output_names_the_path_and_reason(tmp_path):
+    """An output directory is created with its missing parents, and the probe leaves nothing in it.  An output that
+    cannot be written is refused naming the directory and the OS reason, and, when the file that
+    failed is another one (the probe file in an existing directory), that file too.  Cases: a directory under a
+    regular file (mkdir of the directory itself fails: Not a directory) and /sys, an existing directory where the
+    kernel refuses new files even to root (the reason is taken from creating a file there directly, so it holds
+    where /sys is mounted read-only too).  Messages typed out here."""
+    import re
+
     from triage_monitor.records import OutputError, UnwritableOutputError, probe_writable
 
+    nested = tmp_path / "runs" / "exp" / "seed0"
+    assert probe_writable(str(nested)) == nested and nested.is_dir() and list(nested.iterdir()) == []
     (tmp_path / "file").write_text("x")
-    with pytest.raises(UnwritableOutputError, match=r"file/out: cannot write the output directory: Not a directory"):
+    with pytest.raises(UnwritableOutputError) as err:
         probe_writable(tmp_path / "file" / "out")
+    assert str(err.value) == f"{tmp_path / 'file' / 'out'}: cannot write the output directory: Not a directory"
+    assert err.value.path == tmp_path / "file" / "out"
     assert issubclass(UnwritableOutputError, OutputError)
+
+    with pytest.raises(OSError) as direct:
+        open("/sys/not-creatable", "xb")
+    with pytest.raises(UnwritableOutputError) as err:
+        probe_writable("/sys")
+    assert re.fullmatch(rf"/sys: cannot write the output directory: {re.escape(direct.value.strerror)} "
+                        r"\(/sys/\.tmp-probe-[0-9a-f]{32}\)", str(err.value)), str(err.value)
 
 
 # ============================================================================ the commands that write a run
