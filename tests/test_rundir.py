@@ -288,6 +288,95 @@ def test_a_writers_lock_file_names_it_and_is_readable_by_all(tmp_path):
     assert abs((datetime.now(timezone.utc) - since).total_seconds()) < 60
 
 
+def _lock_is_free(d, rank=0):
+    """True when a new open file of ``d/.writer-rank-<rank>.lock`` gets ``flock(LOCK_EX | LOCK_NB)`` (released at
+    once): the OS's own answer to whether a writer holds the rank."""
+    import fcntl
+    import os
+
+    fd = os.open(d / f".writer-rank-{rank}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_force_locks_the_new_run_and_a_refused_start_leaves_no_lock(tmp_path, caplog):
+    """A writer that moved a run aside (``force``, rank 0) holds the lock of the new run while it writes (the OS
+    refuses a second flock; the lock file names this process and attempt), and a start refused for another
+    configuration releases the lock it took: the next writer starts without a take-over warning."""
+    import os
+
+    from triage_monitor.records import RunConflictError
+
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2, calibration_steps=2)
+    _write(d, steps=1, manifest={"model": "a"})
+    with MismatchMonitor(d, cfg, manifest={"model": "b"}, force=True, attempt=9):
+        assert not _lock_is_free(d)
+        assert (d / ".writer-rank-0.lock").read_text().startswith(f"pid {os.getpid()} on ")
+        assert ", attempt 9, since " in (d / ".writer-rank-0.lock").read_text()
+    assert _lock_is_free(d)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        with pytest.raises(RunConflictError):
+            MismatchMonitor(d, cfg, manifest={"model": "c"})
+        assert _lock_is_free(d)
+        _write(d, steps=1, manifest={"model": "b"})
+    assert [r.getMessage() for r in caplog.records if "was not closed" in r.getMessage()] == []
+
+
+def test_force_on_a_rank_other_than_0_neither_checks_nor_moves_the_run(tmp_path):
+    """Only rank 0 acts on ``force``: a rank-1 writer started with ``force`` next to a run of another model is not
+    refused (rank 0 decides) and moves nothing: the directory and its run.json stay as they were."""
+    d = tmp_path / "run"
+    _write(d, steps=2, manifest={"model": "a"})
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), rank=1, force=True,
+                         manifest={"model": "b"}) as mon:
+        mon.log_step(0, _batch(0))
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    assert open_run(d).manifest.info["model"] == "a" and len(open_run(d).manifest.attempts) == 1
+
+
+def test_a_run_writer_by_default_blocks_and_neither_resumes_nor_forces(tmp_path):
+    """``RunWriter`` built with its defaults: a queue of 256 MiB that blocks when full, and an existing run of
+    another model is refused (no resume), left where it is (no force)."""
+    from triage_monitor.records import RunConflictError, RunWriter
+
+    d = tmp_path / "run"
+    cfg, versions = MonitorConfig(window=2).to_dict(), {"tool_version": "0", "torch": "0"}
+    w = RunWriter(d, 1, 0, 1, cfg, {"model": "a"}, versions)
+    assert w.sink.backpressure == "block" and w.sink.max_queue_bytes == 256 * 1024 * 1024
+    w.close("finished", 0)
+    with pytest.raises(RunConflictError):
+        RunWriter(d, 2, 0, 1, cfg, {"model": "b"}, versions)
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+def test_an_attempt_records_its_start_host_pid_and_world_size(tmp_path):
+    """run.json's attempt entry says when (local time, ISO 8601 with UTC offset; the run's ``created`` for its first
+    attempt), where (host, pid) and how wide (world size) the attempt ran.  Expected: this process's host name and
+    pid, one process, the time parsed back with ``datetime.fromisoformat`` within a minute of now."""
+    import json
+    import os
+    import re
+    import socket
+    from datetime import datetime, timezone
+
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2), attempt=7):
+        pass
+    m = json.loads((d / "run.json").read_text())
+    (a,) = m["attempts"]
+    assert {k: a.get(k) for k in ("attempt", "host", "pid", "world_size")} == {
+        "attempt": 7, "host": socket.gethostname(), "pid": os.getpid(), "world_size": 1}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", a["started"]), a["started"]
+    assert abs((datetime.now(timezone.utc) - datetime.fromisoformat(a["started"])).total_seconds()) < 60
+    assert m["created"] == a["started"]
+
+
 # ============================================================================ one run per directory
 def test_another_configuration_is_refused_naming_the_keys_and_the_way_out(tmp_path):
     from triage_monitor.records import RunConflictError
