@@ -357,24 +357,47 @@ def test_a_run_writer_by_default_blocks_and_neither_resumes_nor_forces(tmp_path)
 
 def test_an_attempt_records_its_start_host_pid_and_world_size(tmp_path):
     """run.json's attempt entry says when (local time, ISO 8601 with UTC offset; the run's ``created`` for its first
-    attempt), where (host, pid) and how wide (world size) the attempt ran.  Expected: this process's host name and
-    pid, one process, the time parsed back with ``datetime.fromisoformat`` within a minute of now."""
+    attempt), where (host, pid) and how wide (world size) the attempt ran; the run records the Python, torch and
+    tool versions that created it, and a continued run is "running" again while its new attempt writes.
+    Expected: this process's host name, pid and versions, one process, the time parsed back with
+    ``datetime.fromisoformat`` within a minute of now."""
     import json
     import os
+    import platform
     import re
     import socket
     from datetime import datetime, timezone
+
+    import triage_monitor
 
     d = tmp_path / "run"
     with MismatchMonitor(d, MonitorConfig(window=2), attempt=7):
         pass
     m = json.loads((d / "run.json").read_text())
+    assert (m["status"], m["python"], m["torch"], m["tool_version"]) == (
+        "finished", platform.python_version(), torch.__version__, triage_monitor.__version__)
+    with MismatchMonitor(d, MonitorConfig(window=2), attempt=8):
+        assert json.loads((d / "run.json").read_text())["status"] == "running"
     (a,) = m["attempts"]
     assert {k: a.get(k) for k in ("attempt", "host", "pid", "world_size")} == {
         "attempt": 7, "host": socket.gethostname(), "pid": os.getpid(), "world_size": 1}
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", a["started"]), a["started"]
     assert abs((datetime.now(timezone.utc) - datetime.fromisoformat(a["started"])).total_seconds()) < 60
     assert m["created"] == a["started"]
+
+
+def test_write_json_atomic_creates_parents_writes_standard_json_and_leaves_no_temporary_file(tmp_path):
+    """``write_json_atomic`` (run.json's writer) creates missing parent directories, writes standard JSON (NaN and
+    inf as null, by hand: {"x": NaN, "y": [1.5, inf]} reads back as {"x": None, "y": [1.5, None]}) and leaves only
+    the file itself."""
+    import json
+
+    from triage_monitor.records import write_json_atomic
+
+    path = tmp_path / "a" / "b" / "c.json"
+    write_json_atomic({"x": float("nan"), "y": (1.5, float("inf"))}, path)
+    assert json.loads(path.read_text()) == {"x": None, "y": [1.5, None]}
+    assert [p.name for p in path.parent.iterdir()] == ["c.json"]
 
 
 # ============================================================================ one run per directory
