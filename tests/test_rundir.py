@@ -388,8 +388,8 @@ def test_an_attempt_records_its_start_host_pid_and_world_size(tmp_path):
 
 def test_write_json_atomic_creates_parents_writes_standard_json_and_leaves_no_temporary_file(tmp_path):
     """``write_json_atomic`` (run.json's writer) creates missing parent directories, writes standard JSON (NaN and
-    inf as null, by hand: {"x": NaN, "y": [1.5, inf]} reads back as {"x": None, "y": [1.5, None]}) and leaves only
-    the file itself."""
+    inf as null, by hand: {"x": NaN, "y": [1.5, inf]} reads back as {"x": None, "y": [1.5, None]}), indented by two
+    spaces (the text typed out here), and leaves only the file itself."""
     import json
 
     from triage_monitor.records import write_json_atomic
@@ -397,6 +397,7 @@ def test_write_json_atomic_creates_parents_writes_standard_json_and_leaves_no_te
     path = tmp_path / "a" / "b" / "c.json"
     write_json_atomic({"x": float("nan"), "y": (1.5, float("inf"))}, path)
     assert json.loads(path.read_text()) == {"x": None, "y": [1.5, None]}
+    assert path.read_text() == '{\n  "x": null,\n  "y": [\n    1.5,\n    null\n  ]\n}'     # indented by 2: diffable
     assert [p.name for p in path.parent.iterdir()] == ["c.json"]
 
 
