@@ -386,19 +386,27 @@ def test_an_attempt_records_its_start_host_pid_and_world_size(tmp_path):
     assert m["created"] == a["started"]
 
 
-def test_write_json_atomic_creates_parents_writes_standard_json_and_leaves_no_temporary_file(tmp_path):
-    """``write_json_atomic`` (run.json's writer) creates missing parent directories, writes standard JSON (NaN and
-    inf as null, by hand: {"x": NaN, "y": [1.5, inf]} reads back as {"x": None, "y": [1.5, None]}), indented by two
-    spaces (the text typed out here), and leaves only the file itself."""
+def test_the_atomic_writers_create_parents_and_leave_only_their_file(tmp_path):
+    """``write_json_atomic`` (run.json) and ``write_table_atomic`` (every Parquet file) create missing parent
+    directories and leave only the file they wrote (no temporary file).  run.json is standard JSON (NaN and inf as
+    null, by hand: {"x": NaN, "y": [1.5, inf]} reads back as {"x": None, "y": [1.5, None]}), indented by two
+    spaces (the text typed out here)."""
     import json
 
-    from triage_monitor.records import write_json_atomic
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from triage_monitor.records import write_json_atomic, write_table_atomic
 
     path = tmp_path / "a" / "b" / "c.json"
     write_json_atomic({"x": float("nan"), "y": (1.5, float("inf"))}, path)
     assert json.loads(path.read_text()) == {"x": None, "y": [1.5, None]}
     assert path.read_text() == '{\n  "x": null,\n  "y": [\n    1.5,\n    null\n  ]\n}'     # indented by 2: diffable
     assert [p.name for p in path.parent.iterdir()] == ["c.json"]
+    table = tmp_path / "d" / "e" / "t.parquet"
+    write_table_atomic(pa.table({"x": [1, 2]}), table)
+    assert pq.read_table(table).to_pydict() == {"x": [1, 2]}
+    assert [p.name for p in table.parent.iterdir()] == ["t.parquet"]
 
 
 # ============================================================================ one run per directory
