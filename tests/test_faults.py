@@ -325,6 +325,34 @@ def test_backpressure_bounds_memory(tmp_path, mode):
         assert out["dropped_rows"] == (n_items - out["accepted"]) * out["rows_per_item"]
 
 
+def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_exactly(tmp_path):
+    """``max_queue_bytes`` with ``backpressure="drop"``, the writer thread held on the first file (its columns are
+    built only once released): a file is refused only when it would take the queued bytes *over* the bound and
+    something is queued.  By hand, bound 100: alone in the queue, 300 bytes are taken (nothing could make room);
+    after it, 1 byte is dropped.  With 1 byte queued, 100 bytes are dropped (101 > 100), 99 are taken (exactly
+    100) and 1 more is dropped."""
+    import threading
+
+    from triage_monitor.records import DeferredColumns, ParquetSink
+
+    def cols(nbytes, release=None):
+        return DeferredColumns(lambda: (release is None or release.wait(10)) and {"x": np.arange(2)}, nbytes, 2)
+
+    for name, sizes, taken in [("big", [300, 1], [True, False]), ("exact", [1, 100, 99, 1], [True, False, True, False])]:
+        release = threading.Event()
+        sink = ParquetSink(tmp_path / name, attempt=1, max_queue_bytes=100, backpressure="drop")
+        try:
+            got = [sink.submit("steps", step, 0, cols(n, release if step == 0 else None))
+                   for step, n in enumerate(sizes)]
+        finally:
+            release.set()
+            sink.close()
+        assert got == taken, name
+        assert sink.written_files == taken.count(True) and sink.dropped_rows == 2 * taken.count(False)
+        assert sorted(p.name for p in (tmp_path / name / "steps").iterdir()) == [
+            f"step-{step:08d}-rank-0000-attempt-1.parquet" for step, t in enumerate(taken) if t]
+
+
 def test_drop_policy_surfaces_in_monitor_metrics(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     mon = MismatchMonitor(tmp_path / "run", MonitorConfig(max_queue_bytes=1, backpressure="drop"))
