@@ -353,6 +353,35 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
             f"step-{step:08d}-rank-0000-attempt-1.parquet" for step, t in enumerate(taken) if t]
 
 
+def test_a_new_sink_blocks_on_256_mib_counts_nothing_and_writes_on_one_daemon_thread(tmp_path):
+    """A ``ParquetSink`` with its defaults: a 256 MiB queue (256 * 2**20 bytes) that blocks when full, every
+    counter 0 and no error yet; its writing runs on one daemon thread named "triage-monitor-writer" (what a thread
+    dump shows; a sink never closed does not keep the interpreter from exiting), gone after close.  Any other
+    backpressure is refused naming the value (message typed out here)."""
+    import threading
+
+    from triage_monitor.records import ParquetSink
+
+    def writers():
+        return [t for t in threading.enumerate() if t.name == "triage-monitor-writer"]
+
+    before = len(writers())
+    sink = ParquetSink(tmp_path / "run", 3)
+    try:
+        assert (sink.max_queue_bytes, sink.backpressure, sink.attempt) == (256 * 2 ** 20, "block", 3)
+        assert (sink.written_files, sink.written_rows, sink.dropped_rows, sink.last_error) == (0, 0, 0, None)
+        assert sink.submit("steps", 4, 0, {"x": np.arange(3)})
+        mine = [t for t in writers() if t is sink._thread]
+        assert len(writers()) == before + 1 and mine and mine[0].daemon
+    finally:
+        sink.close()
+    assert (sink.written_files, sink.written_rows, sink.dropped_rows) == (1, 3, 0)
+    assert len(writers()) == before and not sink._thread.is_alive()
+    with pytest.raises(ValueError) as err:
+        ParquetSink(tmp_path / "other", 1, backpressure="wait")
+    assert str(err.value) == "backpressure must be 'block' or 'drop', got 'wait'"
+
+
 def test_drop_policy_surfaces_in_monitor_metrics(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     mon = MismatchMonitor(tmp_path / "run", MonitorConfig(max_queue_bytes=1, backpressure="drop"))
