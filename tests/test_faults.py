@@ -328,9 +328,12 @@ def test_backpressure_bounds_memory(tmp_path, mode):
 def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_exactly(tmp_path):
     """``max_queue_bytes`` with ``backpressure="drop"``, the writer thread held on the first file (its columns are
     built only once released): a file is refused only when it would take the queued bytes *over* the bound and
-    something is queued.  By hand, bound 100: alone in the queue, 300 bytes are taken (nothing could make room);
-    after it, 1 byte is dropped.  With 1 byte queued, 100 bytes are dropped (101 > 100), 99 are taken (exactly
-    100) and 1 more is dropped."""
+    something is queued.  A file's size for the bound: its stated size for deferred columns (at least 1), 256 bytes
+    per row for a list of rows (at least one row's worth), ``nbytes`` of each array (8 per item for a plain list).
+    By hand, with 1 byte held first: bound 100 takes 99 more (exactly 100), not 100 (101); bound 769 takes 3 rows
+    (1 + 768), then not 1 byte more; bound 257 takes 1 row; bound 41 takes ten float32 (40 bytes); bound 25 takes
+    a plain list of three numbers (24 bytes).  Alone in the queue, 300 bytes over a bound of 100 are taken (nothing
+    could make room), and after them not 1 byte."""
     import threading
 
     from triage_monitor.records import DeferredColumns, ParquetSink
@@ -338,17 +341,28 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
     def cols(nbytes, release=None):
         return DeferredColumns(lambda: (release is None or release.wait(10)) and {"x": np.arange(2)}, nbytes, 2)
 
-    for name, sizes, taken in [("big", [300, 1], [True, False]), ("exact", [1, 100, 99, 1], [True, False, True, False])]:
+    def rows(n):
+        return [{"x": float(i)} for i in range(n)]
+
+    cases = [("big", 100, [300, 1], [True, False]),
+             ("exact", 100, [1, 100, 99, 1], [True, False, True, False]),
+             ("rows", 769, [1, rows(3), 1], [True, True, False]),
+             ("one-row", 257, [1, rows(1)], [True, True]),
+             ("float32", 41, [1, {"x": np.zeros(10, dtype=np.float32)}], [True, True]),
+             ("plain-list", 25, [1, {"x": [1.0, 2.0, 3.0]}], [True, True])]
+    for name, bound, files, taken in cases:
         release = threading.Event()
-        sink = ParquetSink(tmp_path / name, attempt=1, max_queue_bytes=100, backpressure="drop")
+        sink = ParquetSink(tmp_path / name, attempt=1, max_queue_bytes=bound, backpressure="drop")
         try:
-            got = [sink.submit("steps", step, 0, cols(n, release if step == 0 else None))
-                   for step, n in enumerate(sizes)]
+            got = [sink.submit("steps", step, 0, cols(f, release if step == 0 else None) if isinstance(f, int) else f)
+                   for step, f in enumerate(files)]
         finally:
             release.set()
             sink.close()
         assert got == taken, name
-        assert sink.written_files == taken.count(True) and sink.dropped_rows == 2 * taken.count(False)
+        n_rows = [2 if isinstance(f, int) else len(f) if isinstance(f, list) else len(f["x"]) for f in files]
+        assert sink.written_files == taken.count(True), name
+        assert sink.dropped_rows == sum(n for n, t in zip(n_rows, taken) if not t), name
         assert sorted(p.name for p in (tmp_path / name / "steps").iterdir()) == [
             f"step-{step:08d}-rank-0000-attempt-1.parquet" for step, t in enumerate(taken) if t]
 
