@@ -218,6 +218,32 @@ def test_full_tmpfs_counts_dropped_rows_and_keeps_files_whole(tmp_path, caplog):
         assert assert_all_readable(mnt / "run", None) == mon.sink.written_rows   # what is visible is complete
 
 
+def test_a_file_system_without_flock_warns_once_naming_the_lock_file_and_writes_unlocked(tmp_path, caplog,
+                                                                                         monkeypatch):
+    """On a file system without flock (an NFS mount without its lock daemon answers flock with ENOLCK) a writer
+    still starts: one warning names the lock file and the OS reason (text typed out here), the steps are written
+    and the lock file holds no holder line.  No file system mountable here lacks flock, so ``fcntl.flock`` is
+    replaced by one that fails as such a mount does: ``OSError(ENOLCK, "No locks available")``."""
+    import errno
+    import fcntl
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    caplog.set_level(logging.WARNING, logger="triage_monitor")
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        for step in range(2):
+            mon.log_step(step, batch(step, B=2, T=16))
+    lock = d / ".writer-rank-0.lock"
+    assert [r.getMessage() for r in caplog.records if r.name == "triage_monitor.records"] == [
+        f"triage-monitor: cannot lock {lock} (No locks available); a second writer of this rank would not be "
+        "detected"]
+    assert open_run(d).step_numbers() == [0, 1]
+    assert lock.read_text() == ""
+
+
 def child_fsize(d, limit):
     """Run 10 steps under RLIMIT_FSIZE = limit bytes with SIGXFSZ ignored; print a JSON summary."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -297,6 +323,77 @@ def test_backpressure_bounds_memory(tmp_path, mode):
     else:
         assert out["dropped_rows"] > 0 and out["accepted"] < n_items
         assert out["dropped_rows"] == (n_items - out["accepted"]) * out["rows_per_item"]
+
+
+def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_exactly(tmp_path):
+    """``max_queue_bytes`` with ``backpressure="drop"``, the writer thread held on the first file (its columns are
+    built only once released): a file is refused only when it would take the queued bytes *over* the bound and
+    something is queued.  A file's size for the bound: its stated size for deferred columns (at least 1), 256 bytes
+    per row for a list of rows (at least one row's worth), ``nbytes`` of each array (8 per item for a plain list).
+    By hand, with 1 byte held first: bound 100 takes 99 more (exactly 100), not 100 (101); bound 769 takes 3 rows
+    (1 + 768), then not 1 byte more; bound 257 takes 1 row; bound 41 takes ten float32 (40 bytes); bound 25 takes
+    a plain list of three numbers (24 bytes).  Alone in the queue, 300 bytes over a bound of 100 are taken (nothing
+    could make room), and after them not 1 byte."""
+    import threading
+
+    from triage_monitor.records import DeferredColumns, ParquetSink
+
+    def cols(nbytes, release=None):
+        return DeferredColumns(lambda: (release is None or release.wait(10)) and {"x": np.arange(2)}, nbytes, 2)
+
+    def rows(n):
+        return [{"x": float(i)} for i in range(n)]
+
+    cases = [("big", 100, [300, 1], [True, False]),
+             ("exact", 100, [1, 100, 99, 1], [True, False, True, False]),
+             ("rows", 769, [1, rows(3), 1], [True, True, False]),
+             ("one-row", 257, [1, rows(1)], [True, True]),
+             ("float32", 41, [1, {"x": np.zeros(10, dtype=np.float32)}], [True, True]),
+             ("plain-list", 25, [1, {"x": [1.0, 2.0, 3.0]}], [True, True])]
+    for name, bound, files, taken in cases:
+        release = threading.Event()
+        sink = ParquetSink(tmp_path / name, attempt=1, max_queue_bytes=bound, backpressure="drop")
+        try:
+            got = [sink.submit("steps", step, 0, cols(f, release if step == 0 else None) if isinstance(f, int) else f)
+                   for step, f in enumerate(files)]
+        finally:
+            release.set()
+            sink.close()
+        assert got == taken, name
+        n_rows = [2 if isinstance(f, int) else len(f) if isinstance(f, list) else len(f["x"]) for f in files]
+        assert sink.written_files == taken.count(True), name
+        assert sink.dropped_rows == sum(n for n, t in zip(n_rows, taken) if not t), name
+        assert sorted(p.name for p in (tmp_path / name / "steps").iterdir()) == [
+            f"step-{step:08d}-rank-0000-attempt-1.parquet" for step, t in enumerate(taken) if t]
+
+
+def test_a_new_sink_blocks_on_256_mib_counts_nothing_and_writes_on_one_daemon_thread(tmp_path):
+    """A ``ParquetSink`` with its defaults: a 256 MiB queue (256 * 2**20 bytes) that blocks when full, every
+    counter 0 and no error yet; its writing runs on one daemon thread named "triage-monitor-writer" (what a thread
+    dump shows; a sink never closed does not keep the interpreter from exiting), gone after close.  Any other
+    backpressure is refused naming the value (message typed out here)."""
+    import threading
+
+    from triage_monitor.records import ParquetSink
+
+    def writers():
+        return [t for t in threading.enumerate() if t.name == "triage-monitor-writer"]
+
+    before = len(writers())
+    sink = ParquetSink(tmp_path / "run", 3)
+    try:
+        assert (sink.max_queue_bytes, sink.backpressure, sink.attempt) == (256 * 2 ** 20, "block", 3)
+        assert (sink.written_files, sink.written_rows, sink.dropped_rows, sink.last_error) == (0, 0, 0, None)
+        assert sink.submit("steps", 4, 0, {"x": np.arange(3)})
+        mine = [t for t in writers() if t is sink._thread]
+        assert len(writers()) == before + 1 and mine and mine[0].daemon
+    finally:
+        sink.close()
+    assert (sink.written_files, sink.written_rows, sink.dropped_rows) == (1, 3, 0)
+    assert len(writers()) == before and not sink._thread.is_alive()
+    with pytest.raises(ValueError) as err:
+        ParquetSink(tmp_path / "other", 1, backpressure="wait")
+    assert str(err.value) == "backpressure must be 'block' or 'drop', got 'wait'"
 
 
 def test_drop_policy_surfaces_in_monitor_metrics(tmp_path, caplog):

@@ -143,8 +143,17 @@ def test_old_hive_layout_still_reads(tmp_path):
                                d / "steps" / f"step={step}" / "rank=0" / f"part-{attempt}.parquet")
     run = open_run(d)
     assert run.steps()["x"].tolist() == [1.0, 12.0, 21.0] and run.steps()["step"].tolist() == [0, 1, 2]
-    with pytest.raises(Exception, match="older step=/rank= directory layout"):
+    # refused, not continued: the message (typed out here) names the directory, the schema and the way out,
+    # and .path is the directory
+    from triage_monitor.records import RunConflictError
+
+    with pytest.raises(RunConflictError) as err:
         MismatchMonitor(d)
+    assert str(err.value) == (
+        f"{d} holds a run in the older step=/rank= directory layout (manifest schema 2); this version reads it but "
+        "does not continue it: write to a new directory, or start over with --force / force=True (the old run is "
+        "moved to old.replaced-<time>)")
+    assert err.value.path == d
 
 
 # ============================================================================ one writer per rank
@@ -194,11 +203,210 @@ def test_a_second_process_writing_the_same_rank_is_refused_at_start(tmp_path):
 
 
 def test_a_monitor_left_open_in_this_process_is_taken_over(tmp_path, caplog):
+    """A monitor never closed (a notebook cell run twice) does not block a new one of the same rank in the same
+    process: the new one takes its lock with one warning naming the rank and the directory (text typed out here),
+    and its steps are written."""
     d = tmp_path / "run"
-    MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)).log_step(0, _batch(0))   # never closed (a notebook cell run twice)
+    MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)).log_step(0, _batch(0))   # never closed
     with caplog.at_level(logging.WARNING, logger="triage_monitor"):
-        _write(d, steps=1)
-    assert any("was not closed" in r.getMessage() for r in caplog.records)
+        _write(d, steps=2)
+    assert [r.getMessage() for r in caplog.records if "was not closed" in r.getMessage()] == [
+        f"triage-monitor: an earlier writer of rank 0 of {d} in this process was not closed; the new one takes over "
+        "(close monitors, or use them in a with-block)"]
+    assert open_run(d).step_numbers() == [0, 1]
+
+
+LOCK_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+os.write(fd, bytes.fromhex(sys.argv[2]))
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("text, holder", [
+    (b"", "unknown process"),                                   # a holder that wrote nothing (yet)
+    (b" \n\t\n", "unknown process"),                            # only white space
+    (b"\xffpid 7 on h\xfe\n", "\ufffdpid 7 on h\ufffd"),        # bytes that are not UTF-8: one U+FFFD each
+    (b"y" * 600, "y" * 512),                                    # a long text: its first 512 bytes
+], ids=["empty", "blank", "not-utf8", "long"])
+def test_a_lock_held_by_another_process_is_refused_quoting_its_text(tmp_path, text, holder):
+    """A writer lock held by another process (any program: here a bare ``flock`` holder whose lock file holds
+    ``text``) refuses the writer of that rank at start with ``RunLockedError`` whose ``.path`` is the run
+    directory; the message (typed out here) quotes the lock file's first 512 bytes, decoded with U+FFFD for
+    bytes that are not UTF-8 and stripped, or "unknown process" when nothing is left."""
+    import subprocess
+    import sys
+
+    from triage_monitor.records import RunLockedError
+
+    d = tmp_path / "run"
+    d.mkdir()
+    p = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(d / ".writer-rank-12.lock"), text.hex()],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        with pytest.raises(RunLockedError) as err:
+            MismatchMonitor(d, MonitorConfig(window=2), rank=12)
+        assert str(err.value) == (
+            f"{d}: another process is writing this run's rank 12 ({holder}); one writer per rank: stop it, or "
+            "write to another directory (a killed writer's lock is released by the OS)")
+        assert err.value.path == d
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+    assert p.returncode == 0, p.stderr.read()
+
+
+def test_a_writers_lock_file_names_it_and_is_readable_by_all(tmp_path):
+    """While a monitor writes, ``.writer-rank-<R>.lock`` holds one line "pid <pid> on <host>, attempt <n>, since
+    <local time, ISO 8601 with UTC offset>" (what a refused second writer quotes) and, under umask 022, is
+    rw-r--r-- like any file the process creates (anyone can read who holds it; it is not executable).  Expected
+    values: this process's pid and host name, the time parsed back with ``datetime.fromisoformat`` and within
+    a minute of now."""
+    import os
+    import re
+    import socket
+    import stat
+    from datetime import datetime, timezone
+
+    d = tmp_path / "run"
+    umask = os.umask(0o022)
+    try:
+        with MismatchMonitor(d, MonitorConfig(window=2), rank=3, attempt=7):
+            lock = d / ".writer-rank-3.lock"
+            text, mode = lock.read_text(), stat.S_IMODE(lock.stat().st_mode)
+    finally:
+        os.umask(umask)
+    assert mode == 0o644
+    m = re.fullmatch(r"pid (\d+) on (.+), attempt 7, since (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4})\n", text)
+    assert m, text
+    assert int(m[1]) == os.getpid() and m[2] == socket.gethostname()
+    since = datetime.fromisoformat(m[3])
+    assert abs((datetime.now(timezone.utc) - since).total_seconds()) < 60
+
+
+def _lock_is_free(d, rank=0):
+    """True when a new open file of ``d/.writer-rank-<rank>.lock`` gets ``flock(LOCK_EX | LOCK_NB)`` (released at
+    once): the OS's own answer to whether a writer holds the rank."""
+    import fcntl
+    import os
+
+    fd = os.open(d / f".writer-rank-{rank}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_force_locks_the_new_run_and_a_refused_start_leaves_no_lock(tmp_path, caplog):
+    """A writer that moved a run aside (``force``, rank 0) holds the lock of the new run while it writes (the OS
+    refuses a second flock; the lock file names this process and attempt), and a start refused for another
+    configuration releases the lock it took: the next writer starts without a take-over warning."""
+    import os
+
+    from triage_monitor.records import RunConflictError
+
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2, calibration_steps=2)
+    _write(d, steps=1, manifest={"model": "a"})
+    with MismatchMonitor(d, cfg, manifest={"model": "b"}, force=True, attempt=9):
+        assert not _lock_is_free(d)
+        assert (d / ".writer-rank-0.lock").read_text().startswith(f"pid {os.getpid()} on ")
+        assert ", attempt 9, since " in (d / ".writer-rank-0.lock").read_text()
+    assert _lock_is_free(d)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        with pytest.raises(RunConflictError):
+            MismatchMonitor(d, cfg, manifest={"model": "c"})
+        assert _lock_is_free(d)
+        _write(d, steps=1, manifest={"model": "b"})
+    assert [r.getMessage() for r in caplog.records if "was not closed" in r.getMessage()] == []
+
+
+def test_force_on_a_rank_other_than_0_neither_checks_nor_moves_the_run(tmp_path):
+    """Only rank 0 acts on ``force``: a rank-1 writer started with ``force`` next to a run of another model is not
+    refused (rank 0 decides) and moves nothing: the directory and its run.json stay as they were."""
+    d = tmp_path / "run"
+    _write(d, steps=2, manifest={"model": "a"})
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), rank=1, force=True,
+                         manifest={"model": "b"}) as mon:
+        mon.log_step(0, _batch(0))
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    assert open_run(d).manifest.info["model"] == "a" and len(open_run(d).manifest.attempts) == 1
+
+
+def test_a_run_writer_by_default_blocks_and_neither_resumes_nor_forces(tmp_path):
+    """``RunWriter`` built with its defaults: a queue of 256 MiB that blocks when full, and an existing run of
+    another model is refused (no resume), left where it is (no force)."""
+    from triage_monitor.records import RunConflictError, RunWriter
+
+    d = tmp_path / "run"
+    cfg, versions = MonitorConfig(window=2).to_dict(), {"tool_version": "0", "torch": "0"}
+    w = RunWriter(d, 1, 0, 1, cfg, {"model": "a"}, versions)
+    assert w.sink.backpressure == "block" and w.sink.max_queue_bytes == 256 * 1024 * 1024
+    w.close("finished", 0)
+    with pytest.raises(RunConflictError):
+        RunWriter(d, 2, 0, 1, cfg, {"model": "b"}, versions)
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+def test_an_attempt_records_its_start_host_pid_and_world_size(tmp_path):
+    """run.json's attempt entry says when (local time, ISO 8601 with UTC offset; the run's ``created`` for its first
+    attempt), where (host, pid) and how wide (world size) the attempt ran; the run records the Python, torch and
+    tool versions that created it, and a continued run is "running" again while its new attempt writes.
+    Expected: this process's host name, pid and versions, one process, the time parsed back with
+    ``datetime.fromisoformat`` within a minute of now."""
+    import json
+    import os
+    import platform
+    import re
+    import socket
+    from datetime import datetime, timezone
+
+    import triage_monitor
+
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2), attempt=7):
+        pass
+    m = json.loads((d / "run.json").read_text())
+    assert (m["status"], m["python"], m["torch"], m["tool_version"]) == (
+        "finished", platform.python_version(), torch.__version__, triage_monitor.__version__)
+    with MismatchMonitor(d, MonitorConfig(window=2), attempt=8):
+        assert json.loads((d / "run.json").read_text())["status"] == "running"
+    (a,) = m["attempts"]
+    assert {k: a.get(k) for k in ("attempt", "host", "pid", "world_size")} == {
+        "attempt": 7, "host": socket.gethostname(), "pid": os.getpid(), "world_size": 1}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", a["started"]), a["started"]
+    assert abs((datetime.now(timezone.utc) - datetime.fromisoformat(a["started"])).total_seconds()) < 60
+    assert m["created"] == a["started"]
+
+
+def test_the_atomic_writers_create_parents_and_leave_only_their_file(tmp_path):
+    """``write_json_atomic`` (run.json) and ``write_table_atomic`` (every Parquet file) create missing parent
+    directories and leave only the file they wrote (no temporary file).  run.json is standard JSON (NaN and inf as
+    null, by hand: {"x": NaN, "y": [1.5, inf]} reads back as {"x": None, "y": [1.5, None]}), indented by two
+    spaces (the text typed out here)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from triage_monitor.records import write_json_atomic, write_table_atomic
+
+    path = tmp_path / "a" / "b" / "c.json"
+    write_json_atomic({"x": float("nan"), "y": (1.5, float("inf"))}, path)
+    assert json.loads(path.read_text()) == {"x": None, "y": [1.5, None]}
+    assert path.read_text() == '{\n  "x": null,\n  "y": [\n    1.5,\n    null\n  ]\n}'     # indented by 2: diffable
+    assert [p.name for p in path.parent.iterdir()] == ["c.json"]
+    table = tmp_path / "d" / "e" / "t.parquet"
+    write_table_atomic(pa.table({"x": [1, 2]}), table)
+    assert pq.read_table(table).to_pydict() == {"x": [1, 2]}
+    assert [p.name for p in table.parent.iterdir()] == ["t.parquet"]
 
 
 # ============================================================================ one run per directory
@@ -214,6 +422,7 @@ def test_another_configuration_is_refused_naming_the_keys_and_the_way_out(tmp_pa
     assert "correction: 'triage' -> 'none'" in msg and "seed: 1 -> 5" in msg
     assert "--resume" in msg and "--force" in msg and "new directory" in msg
     assert err.value.differences == {"correction": ("triage", "none"), "seed": (1, 5)}
+    assert err.value.path == d
     with pytest.raises(RunConflictError, match=r"monitor_config.window: 2 -> 3") as err:   # how it is measured
         with MismatchMonitor(d, MonitorConfig(window=3, calibration_steps=2),
                              manifest={"correction": "triage", "seed": 1}):
@@ -248,12 +457,31 @@ def test_force_moves_the_old_run_aside_and_starts_a_new_one(tmp_path):
 
 
 def test_unwritable_output_names_the_path_and_reason(tmp_path):
+    """An output directory is created with its missing parents, and the probe leaves nothing in it.  An output that
+    cannot be written is refused naming the directory and the OS reason, and, when the file that
+    failed is another one (the probe file in an existing directory), that file too.  Cases: a directory under a
+    regular file (mkdir of the directory itself fails: Not a directory) and /sys, an existing directory where the
+    kernel refuses new files even to root (the reason is taken from creating a file there directly, so it holds
+    where /sys is mounted read-only too).  Messages typed out here."""
+    import re
+
     from triage_monitor.records import OutputError, UnwritableOutputError, probe_writable
 
+    nested = tmp_path / "runs" / "exp" / "seed0"
+    assert probe_writable(str(nested)) == nested and nested.is_dir() and list(nested.iterdir()) == []
     (tmp_path / "file").write_text("x")
-    with pytest.raises(UnwritableOutputError, match=r"file/out: cannot write the output directory: Not a directory"):
+    with pytest.raises(UnwritableOutputError) as err:
         probe_writable(tmp_path / "file" / "out")
+    assert str(err.value) == f"{tmp_path / 'file' / 'out'}: cannot write the output directory: Not a directory"
+    assert err.value.path == tmp_path / "file" / "out"
     assert issubclass(UnwritableOutputError, OutputError)
+
+    with pytest.raises(OSError) as direct:
+        open("/sys/not-creatable", "xb")
+    with pytest.raises(UnwritableOutputError) as err:
+        probe_writable("/sys")
+    assert re.fullmatch(rf"/sys: cannot write the output directory: {re.escape(direct.value.strerror)} "
+                        r"\(/sys/\.tmp-probe-[0-9a-f]{32}\)", str(err.value)), str(err.value)
 
 
 # ============================================================================ the commands that write a run
