@@ -332,7 +332,8 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
     per row for a list of rows (at least one row's worth), ``nbytes`` of each array (8 per item for a plain list).
     By hand, with 1 byte held first: bound 100 takes 99 more (exactly 100), not 100 (101); bound 769 takes 3 rows
     (1 + 768), then not 1 byte more; bound 257 takes 1 row; bound 41 takes ten float32 (40 bytes); bound 25 takes
-    a plain list of three numbers (24 bytes).  Alone in the queue, 300 bytes over a bound of 100 are taken (nothing
+    a plain list of three numbers (24 bytes); bound 2 takes one file without columns (no rows, 1 byte), not a
+    second.  Alone in the queue, 300 bytes over a bound of 100 are taken (nothing
     could make room), and after them not 1 byte."""
     import threading
 
@@ -349,7 +350,8 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
              ("rows", 769, [1, rows(3), 1], [True, True, False]),
              ("one-row", 257, [1, rows(1)], [True, True]),
              ("float32", 41, [1, {"x": np.zeros(10, dtype=np.float32)}], [True, True]),
-             ("plain-list", 25, [1, {"x": [1.0, 2.0, 3.0]}], [True, True])]
+             ("plain-list", 25, [1, {"x": [1.0, 2.0, 3.0]}], [True, True]),
+             ("no-columns", 2, [1, {}, {}], [True, True, False])]               # no rows, 1 byte each
     for name, bound, files, taken in cases:
         release = threading.Event()
         sink = ParquetSink(tmp_path / name, attempt=1, max_queue_bytes=bound, backpressure="drop")
@@ -360,7 +362,7 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
             release.set()
             sink.close()
         assert got == taken, name
-        n_rows = [2 if isinstance(f, int) else len(f) if isinstance(f, list) else len(f["x"]) for f in files]
+        n_rows = [2 if isinstance(f, int) else len(f) if isinstance(f, list) else len(f.get("x", [])) for f in files]
         assert sink.written_files == taken.count(True), name
         assert sink.dropped_rows == sum(n for n, t in zip(n_rows, taken) if not t), name
         assert sorted(p.name for p in (tmp_path / name / "steps").iterdir()) == [
