@@ -366,29 +366,6 @@ def test_steps_by_rank_and_empty_tables(tmp_path):
     assert r.step_numbers() == [0, 1, 2]
 
 
-def test_a_bad_steps_file_of_one_rank_leaves_the_other_ranks_rows_of_that_step(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    """An unreadable rank-0 file at step 1 and a two-row rank-0 file at step 2 are skipped and named; rank 1's
-    rows of those steps are still returned."""
-    d = tmp_path / "run"
-    cfg = MonitorConfig(window=2, tau_tail=-1.0)
-    for rank in (0, 1):
-        with MismatchMonitor(d, cfg, rank=rank, attempt=1) as mon:      # one attempt written by two ranks
-            for s in range(3):
-                mon.log_step(s, _batch(10 * s + rank), extra={"who": float(10 * s + rank)})
-    (bad,) = (d / "steps").glob("step-00000001-rank-0000-*.parquet")
-    bad.write_bytes(b"not parquet")
-    (two,) = (d / "steps").glob("step-00000002-rank-0000-*.parquet")
-    t = pq.read_table(two)
-    pq.write_table(pa.concat_tables([t, t]), two)
-    r = open_run(d)
-    both = r.steps(rank=None)
-    assert list(zip(both["step"], both["rank"])) == [(0, 0), (0, 1), (1, 1), (2, 1)]
-    assert both["who"].tolist() == [0.0, 1.0, 11.0, 21.0]
-    assert sorted(f for f, _ in r.unreadable) == sorted([str(bad), str(two)])
-
 
 def test_postmortem_frame_keeps_token_steps_without_a_live_row(run):
     r, live = run
