@@ -386,13 +386,14 @@ def test_a_new_sink_blocks_on_256_mib_counts_nothing_and_writes_on_one_daemon_th
     try:
         assert (sink.max_queue_bytes, sink.backpressure, sink.attempt) == (256 * 2 ** 20, "block", 3)
         assert (sink.written_files, sink.written_rows, sink.dropped_rows, sink.last_error) == (0, 0, 0, None)
+        assert sink.closed is False
         assert sink.submit("steps", 4, 0, {"x": np.arange(3)})
         mine = [t for t in writers() if t is sink._thread]
         assert len(writers()) == before + 1 and mine and mine[0].daemon
     finally:
         sink.close()
     assert (sink.written_files, sink.written_rows, sink.dropped_rows) == (1, 3, 0)
-    assert len(writers()) == before and not sink._thread.is_alive()
+    assert len(writers()) == before and not sink._thread.is_alive() and sink.closed is True
     with pytest.raises(ValueError) as err:
         ParquetSink(tmp_path / "other", 1, backpressure="wait")
     assert str(err.value) == "backpressure must be 'block' or 'drop', got 'wait'"

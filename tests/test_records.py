@@ -454,6 +454,38 @@ def test_config_differences_name_keys_set_on_one_side_only():
                               {"seed": np.int64(3)}) == ({}, {})
 
 
+def test_close_waits_at_most_its_timeout_for_a_busy_writer_which_still_writes_the_file(tmp_path):
+    """``close(timeout=0.2)`` while the writer thread is busy with a file returns with the thread still running
+    (a hung disk does not hang the job's exit); the file is written once the writer gets on."""
+    release = threading.Event()
+    sink = ParquetSink(tmp_path, attempt=1)
+    try:
+        sink.submit("steps", 0, 0, _held(release, rows=2))
+        sink.close(timeout=0.2)
+        assert sink.closed is True and sink._thread.is_alive() and sink.written_files == 0
+    finally:
+        release.set()
+    sink._thread.join(10)
+    assert not sink._thread.is_alive() and (sink.written_files, sink.written_rows) == (1, 2)
+
+
+def test_a_files_columns_are_cast_to_the_schema_it_was_submitted_with(tmp_path):
+    """``submit(..., schema)`` writes the schema's types: float64 and int64 columns given for a float32 / int32
+    schema come back float32 / int32 (the token files' compact columns); without a schema numpy's types stay."""
+    schema = pa.schema([("step", pa.int64()), ("rank", pa.int64()), ("x", pa.float32()), ("n", pa.int32())])
+    cols = {"step": np.array([3, 3]), "rank": np.array([0, 0]), "x": np.array([0.5, 1.5]), "n": np.array([7, 8])}
+    sink = ParquetSink(tmp_path, attempt=1)
+    try:
+        sink.submit("tokens", 3, 0, cols, schema)
+        sink.submit("tokens", 4, 0, {**cols, "step": np.array([4, 4])})
+    finally:
+        sink.close()
+    t = pq.read_table(table_file(tmp_path, "tokens", 3, 0, 1))
+    assert t.schema.equals(schema) and t.column("x").to_pylist() == [0.5, 1.5] and t.column("n").to_pylist() == [7, 8]
+    assert pq.read_table(table_file(tmp_path, "tokens", 4, 0, 1)).schema.types == [
+        pa.int64(), pa.int64(), pa.float64(), pa.int64()]
+
+
 def test_removals_keep_the_queue_count_so_flush_still_waits_for_every_file(tmp_path):
     """Each queued removal counts one byte in the queue until it is done.  After 30 removals, a file queued
     behind them (or behind a slow file and a removal) is still waited for by flush; a removal that fails drops no
@@ -469,6 +501,7 @@ def test_removals_keep_the_queue_count_so_flush_still_waits_for_every_file(tmp_p
         for s in range(30):
             sink.submit_delete("tokens", s, 0, attempt=0)      # nothing to remove: no error
         sink.flush()
+        assert (sink.last_error, sink.dropped_rows, sink.written_files) == (None, 0, 0)
         sink.submit("steps", 0, 0, DeferredColumns(slow_columns, 24, 3))
         threading.Timer(0.3, release.set).start()
         sink.flush()
