@@ -486,6 +486,26 @@ def test_a_files_columns_are_cast_to_the_schema_it_was_submitted_with(tmp_path):
         pa.int64(), pa.int64(), pa.float64(), pa.int64()]
 
 
+def test_a_write_error_is_warned_once_naming_table_step_and_reason_and_kept_as_last_error(tmp_path, caplog):
+    """A file that cannot be written (a regular file where the table's directory goes) is warned once, with the
+    table, the step and the OS error (text typed out here); its rows are dropped; the next failure is not warned
+    again but becomes the last error."""
+    (tmp_path / "steps").write_text("not a directory")
+    caplog.set_level(logging.WARNING, logger="triage_monitor")
+    sink = ParquetSink(tmp_path, attempt=1)
+    try:
+        sink.submit("steps", 2, 0, {"x": np.arange(3)})
+        sink.flush()
+        sink.submit("steps", 3, 0, {"x": np.arange(4)})
+    finally:
+        sink.close()
+    first = f"[Errno 17] File exists: '{tmp_path / 'steps'}'"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"triage-monitor could not write steps rows for step 2 ({first}); training continues, rows are counted as "
+        "dropped"]
+    assert sink.dropped_rows == 7 and sink.last_error == f"FileExistsError: {first}"
+
+
 def test_removals_keep_the_queue_count_so_flush_still_waits_for_every_file(tmp_path):
     """Each queued removal counts one byte in the queue until it is done.  After 30 removals, a file queued
     behind them (or behind a slow file and a removal) is still waited for by flush; a removal that fails drops no
