@@ -117,3 +117,19 @@ def _mutated_hooks_package():
 
 
 _mutated_hooks_package()
+
+
+@pytest.fixture
+def held_file():
+    """``held_file(release, rows=2, nbytes=100) -> DeferredColumns``: a file of ``rows`` rows (column ``x`` =
+    0 .. rows-1) that the writer thread builds only once the ``threading.Event`` ``release`` is set (at most
+    10 s), so the writer stays busy with it meanwhile; ``release=None`` builds it at once.  ``nbytes`` is its
+    size for the queue bound."""
+    import numpy as np
+
+    from triage_monitor.records import DeferredColumns
+
+    def make(release, rows: int = 2, nbytes: int = 100) -> DeferredColumns:
+        return DeferredColumns(lambda: (release is None or release.wait(10)) and {"x": np.arange(rows)}, nbytes, rows)
+
+    return make

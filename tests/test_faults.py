@@ -325,7 +325,7 @@ def test_backpressure_bounds_memory(tmp_path, mode):
         assert out["dropped_rows"] == (n_items - out["accepted"]) * out["rows_per_item"]
 
 
-def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_exactly(tmp_path):
+def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_exactly(tmp_path, held_file):
     """``max_queue_bytes`` with ``backpressure="drop"``, the writer thread held on the first file (its columns are
     built only once released): a file is refused only when it would take the queued bytes *over* the bound and
     something is queued.  A file's size for the bound: its stated size for deferred columns (at least 1), 256 bytes
@@ -337,10 +337,7 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
     could make room), and after them not 1 byte."""
     import threading
 
-    from triage_monitor.records import DeferredColumns, ParquetSink
-
-    def cols(nbytes, release=None):
-        return DeferredColumns(lambda: (release is None or release.wait(10)) and {"x": np.arange(2)}, nbytes, 2)
+    from triage_monitor.records import ParquetSink
 
     def rows(n):
         return [{"x": float(i)} for i in range(n)]
@@ -356,7 +353,8 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
         release = threading.Event()
         sink = ParquetSink(tmp_path / name, attempt=1, max_queue_bytes=bound, backpressure="drop")
         try:
-            got = [sink.submit("steps", step, 0, cols(f, release if step == 0 else None) if isinstance(f, int) else f)
+            got = [sink.submit("steps", step, 0,
+                               held_file(release if step == 0 else None, nbytes=f) if isinstance(f, int) else f)
                    for step, f in enumerate(files)]
         finally:
             release.set()

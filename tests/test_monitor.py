@@ -265,20 +265,18 @@ def test_a_resumed_job_keeps_the_tau_tail_its_earlier_attempt_froze_and_says_so(
         f"triage-monitor: resumed run, tau_tail = {tau:.6g} nats from {d / 'run.json'}"]
 
 
-def test_rows_dropped_by_a_full_queue_are_counted_and_warned_once(tmp_path, caplog):
+def test_rows_dropped_by_a_full_queue_are_counted_and_warned_once(tmp_path, caplog, held_file):
     """backpressure="drop" with a 1-byte queue bound while the writer thread is busy with a held file: step 0's
     token file and steps row are dropped (its token count + 1 rows, counted from the batch); step 1 reports them
     in ``writer_dropped_rows`` and warns once, naming the metric; the job goes on."""
     import threading
-
-    from triage_monitor.records import DeferredColumns
 
     release = threading.Event()
     d = tmp_path / "r"
     with caplog.at_level("WARNING", logger="triage_monitor"):
         with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, max_queue_bytes=1,
                                               backpressure="drop")) as mon:
-            mon.sink.submit("alerts", 0, 0, DeferredColumns(lambda: release.wait(10) and {"x": np.arange(2)}, 100, 2))
+            mon.sink.submit("alerts", 0, 0, held_file(release))
             mon.log_step(0, _batch(0))
             outs = [mon.log_step(s, _batch(s)) for s in (1, 2)]
             release.set()

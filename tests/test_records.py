@@ -64,10 +64,10 @@ def test_flush_with_a_timeout_returns_at_the_deadline_and_without_waits_for_the_
         sink.close()
 
 
-def test_monitor_flush_passes_its_timeout_to_the_writer(tmp_path):
+def test_monitor_flush_passes_its_timeout_to_the_writer(tmp_path, held_file):
     release = threading.Event()
     with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2, tau_tail=-1.0)) as mon:
-        mon.sink.submit("alerts", 0, 0, DeferredColumns(lambda: release.wait(10) and {"x": np.arange(2)}, 16, 2))
+        mon.sink.submit("alerts", 0, 0, held_file(release, nbytes=16))
         t0 = time.monotonic()
         mon.flush(timeout=0.3)
         assert 0.25 <= time.monotonic() - t0 < 3
@@ -307,16 +307,11 @@ def test_force_is_refused_while_another_writer_holds_the_run(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- the queue bound
-def _held(release, rows=2):
-    """A file whose columns are built only once ``release`` is set (the writer thread is busy with it)."""
-    return DeferredColumns(lambda: release.wait(10) and {"x": np.arange(rows)}, 100, rows)
-
-
-def test_a_full_queue_blocks_or_drops_and_a_closed_sink_counts_its_rows(tmp_path):
+def test_a_full_queue_blocks_or_drops_and_a_closed_sink_counts_its_rows(tmp_path, held_file):
     release = threading.Event()
     sink = ParquetSink(tmp_path / "block", attempt=1, max_queue_bytes=150, backpressure="block")
     try:
-        assert sink.submit("steps", 0, 0, _held(release))        # alone in the queue: accepted
+        assert sink.submit("steps", 0, 0, held_file(release))        # alone in the queue: accepted
         accepted = []
         t = threading.Thread(target=lambda: accepted.append(sink.submit("steps", 1, 0, {"x": np.arange(7)})))
         t.start()
@@ -337,7 +332,7 @@ def test_a_full_queue_blocks_or_drops_and_a_closed_sink_counts_its_rows(tmp_path
     release = threading.Event()
     sink = ParquetSink(tmp_path / "drop", attempt=1, max_queue_bytes=150, backpressure="drop")
     try:
-        assert sink.submit("steps", 0, 0, _held(release, rows=2))
+        assert sink.submit("steps", 0, 0, held_file(release, rows=2))
         assert sink.submit("steps", 1, 0, {"x": np.arange(6)}) is True        # 100 + 48 bytes fit
         assert sink.submit("steps", 2, 0, {"x": np.arange(3)}) is False       # + 24 does not: dropped, counted
         assert sink.submit("steps", 3, 0, [{"x": 1}]) is False                # a row counts 256 bytes
@@ -454,13 +449,13 @@ def test_config_differences_name_keys_set_on_one_side_only():
                               {"seed": np.int64(3)}) == ({}, {})
 
 
-def test_close_waits_at_most_its_timeout_for_a_busy_writer_which_still_writes_the_file(tmp_path):
+def test_close_waits_at_most_its_timeout_for_a_busy_writer_which_still_writes_the_file(tmp_path, held_file):
     """``close(timeout=0.2)`` while the writer thread is busy with a file returns with the thread still running
     (a hung disk does not hang the job's exit); the file is written once the writer gets on."""
     release = threading.Event()
     sink = ParquetSink(tmp_path, attempt=1)
     try:
-        sink.submit("steps", 0, 0, _held(release, rows=2))
+        sink.submit("steps", 0, 0, held_file(release, rows=2))
         sink.close(timeout=0.2)
         assert sink.closed is True and sink._thread.is_alive() and sink.written_files == 0
     finally:
