@@ -110,6 +110,27 @@ def test_shape_dtype_mask_errors_name_the_argument():
         TokenBatch.from_list([lp[0], lp[1]], [s[0], s[1].numpy()], [1., -1.])
 
 
+def test_padded_refuses_another_device_and_misshapen_positions_and_broadcasts_column_advantages():
+    """``from_padded``: an argument on another device than ``learner_logp`` (the meta device: no accelerator
+    needed) is refused naming it and both devices; ``positions`` of another shape or type is refused naming it
+    and ``learner_logp``; advantages of shape (B, 1) spread over each response as (B,) do (by hand: row 0 has 3
+    valid tokens of A = 1, row 1 two of A = −1, row 2 one of A = 2).  Messages typed out."""
+    lp, s, a, m = _padded()
+    for name, args in (("sampler_logp", (lp, s.to("meta"), a, m)), ("advantages", (lp, s, a.to("meta"), m)),
+                       ("mask", (lp, s, a, m.to("meta")))):
+        with pytest.raises(ValueError) as err:
+            TokenBatch.from_padded(*args)
+        assert str(err.value) == f"{name} is on meta, but learner_logp is on cpu"
+    with pytest.raises(ValueError) as err:
+        TokenBatch.from_padded(lp, s, a, m, positions=torch.arange(3).expand(3, 3))
+    assert str(err.value) == "positions has shape (3, 3), but learner_logp has shape (3, 4)"
+    with pytest.raises(TypeError) as err:
+        TokenBatch.from_padded(lp, s, a, m, positions=[[0, 1, 2, 3]] * 3)
+    assert str(err.value) == "positions must be a torch.Tensor, got list"
+    column = TokenBatch.from_padded(lp, s, a[:, None], m)
+    assert column.advantage.tolist() == [1., 1., 1., -1., -1., 2.]
+
+
 def test_from_flat_sorts_rows_and_rejects_duplicates():
     b = TokenBatch.from_flat(torch.tensor([-.1, -.2, -.3]), torch.tensor([-.1, -.1, -.1]), torch.ones(3),
                              torch.tensor([7, 3, 7]), torch.tensor([5, 0, 2]))
