@@ -131,6 +131,14 @@ def test_padded_refuses_another_device_and_misshapen_positions_and_broadcasts_co
     assert column.advantage.tolist() == [1., 1., 1., -1., -1., 2.]
 
 
+def test_an_empty_response_is_not_counted_as_left_padded():
+    """``offset_responses`` counts the responses whose first valid column is not 0 (left padding without
+    ``positions=``): of a left-padded row, an empty (fully masked) row and a right-padded row, only the first."""
+    lp, s, a, _ = _padded()
+    m = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    assert TokenBatch.from_padded(lp, s, a, m).offset_responses == 1
+
+
 def test_from_flat_sorts_rows_and_rejects_duplicates():
     b = TokenBatch.from_flat(torch.tensor([-.1, -.2, -.3]), torch.tensor([-.1, -.1, -.1]), torch.ones(3),
                              torch.tensor([7, 3, 7]), torch.tensor([5, 0, 2]))
