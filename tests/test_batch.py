@@ -139,6 +139,37 @@ def test_an_empty_response_is_not_counted_as_left_padded():
     assert TokenBatch.from_padded(lp, s, a, m).offset_responses == 1
 
 
+def test_from_list_errors_name_the_list_and_sample_and_its_advantage_forms():
+    """``from_list`` (responses of 3, 4 and 1 tokens): a list of the wrong length, a non-float sample and a
+    per-sample advantage of the wrong shape are refused naming the list and the sample (messages typed out).  A
+    ``(S,)`` tensor of advantages spreads over each response keeping its dtype, as ``from_padded``'s advantages
+    do; numbers and per-token arrays become float32 tensors.  An empty list with empty masks is an empty batch."""
+    import numpy as np
+
+    lp, s, _, m = _padded()
+    learner, sampler, masks = [lp[0, :3], lp[1], lp[2, :1]], [s[0, :3], s[1], s[2, :1]], [m[0, :3], m[1], m[2, :1]]
+    cases = [
+        ((learner, sampler[:2], [1., -1., 2.]), ValueError, "sampler_logp has 2 samples, learner_logp has 3"),
+        (([learner[0], learner[1].long(), learner[2]], sampler, [1., -1., 2.]), TypeError,
+         "learner_logp[1] must be a floating-point tensor of log-probs (nats), got dtype torch.int64"),
+        ((learner, sampler, torch.ones(3, 1)), ValueError, "advantages[0] has shape (1,), expected (3,) or a scalar"),
+        ((learner, sampler, [1., 2.]), ValueError, "advantages must hold 3 entries, got 2"),
+        ((learner, sampler, [1., -1., 2.], masks[:2]), ValueError, "masks has 2 samples, learner_logp has 3"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error) as err:
+            TokenBatch.from_list(*args)
+        assert str(err.value) == message
+    per_sample = TokenBatch.from_list(learner, sampler, torch.tensor([1., -1., 2.], dtype=torch.float64))
+    assert per_sample.advantage.dtype == torch.float64
+    assert per_sample.advantage.tolist() == [1., 1., 1., -1., -1., -1., -1., 2.]
+    mixed = TokenBatch.from_list(learner, sampler, [np.full(3, 0.1), 0.2, torch.tensor([0.3], dtype=torch.float64)])
+    assert mixed.advantage.dtype == torch.float32
+    assert mixed.advantage.tolist() == np.array([0.1] * 3 + [0.2] * 4 + [0.3], dtype=np.float32).tolist()
+    empty = TokenBatch.from_list([], [], [], [])
+    assert (empty.num_tokens, empty.num_samples, empty.quarantine_counts) == (0, 0, {})
+
+
 def test_from_flat_sorts_rows_and_rejects_duplicates():
     b = TokenBatch.from_flat(torch.tensor([-.1, -.2, -.3]), torch.tensor([-.1, -.1, -.1]), torch.ones(3),
                              torch.tensor([7, 3, 7]), torch.tensor([5, 0, 2]))
