@@ -143,7 +143,9 @@ def test_from_list_errors_name_the_list_and_sample_and_its_advantage_forms():
     """``from_list`` (responses of 3, 4 and 1 tokens): a list of the wrong length, a non-float sample and a
     per-sample advantage of the wrong shape are refused naming the list and the sample (messages typed out).  A
     ``(S,)`` tensor of advantages spreads over each response keeping its dtype, as ``from_padded``'s advantages
-    do; numbers and per-token arrays become float32 tensors.  An empty list with empty masks is an empty batch."""
+    do; numbers and per-token arrays become float32 tensors.  An empty list with empty masks is an empty batch.
+    ``on_invalid`` reaches the validation (a NaN quarantined or refused); ``from_packed`` names a non-float
+    ``learner_logp``."""
     import numpy as np
 
     lp, s, _, m = _padded()
@@ -168,6 +170,16 @@ def test_from_list_errors_name_the_list_and_sample_and_its_advantage_forms():
     assert mixed.advantage.tolist() == np.array([0.1] * 3 + [0.2] * 4 + [0.3], dtype=np.float32).tolist()
     empty = TokenBatch.from_list([], [], [], [])
     assert (empty.num_tokens, empty.num_samples, empty.quarantine_counts) == (0, 0, {})
+    bad = [learner[0], learner[1].clone(), learner[2]]
+    bad[1][2] = float("nan")                         # sample 1, position 2: quarantined when asked, else refused
+    kept = TokenBatch.from_list(bad, sampler, [1., -1., 2.], on_invalid="quarantine")
+    assert kept.quarantine_counts == {"nonfinite_learner_logp": 1}
+    assert kept.num_tokens == 7 and kept.quarantine_rows["position"].tolist() == [2]
+    with pytest.raises(InvalidTokenError):
+        TokenBatch.from_list(bad, sampler, [1., -1., 2.])
+    with pytest.raises(TypeError) as err:
+        TokenBatch.from_packed(lp.reshape(-1).long(), s.reshape(-1), torch.ones(12), torch.tensor([0, 4, 8, 12]))
+    assert str(err.value) == "learner_logp must be a floating-point tensor of log-probs (nats), got dtype torch.int64"
 
 
 def test_from_flat_sorts_rows_and_rejects_duplicates():
