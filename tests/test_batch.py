@@ -182,6 +182,38 @@ def test_from_list_errors_name_the_list_and_sample_and_its_advantage_forms():
     assert str(err.value) == "learner_logp must be a floating-point tensor of log-probs (nats), got dtype torch.int64"
 
 
+def test_from_packed_errors_name_the_argument_and_cu_seqlens_may_hold_an_empty_response():
+    """``from_packed`` (12 tokens in responses of 4, 4 and 4): each malformed argument is refused naming it
+    (messages typed out; ``cu_seqlens`` shows its first 8 entries); equal consecutive ``cu_seqlens`` entries are an
+    empty response, not an error."""
+    lp, s, a, _ = _padded()
+    lp, s = lp.reshape(-1), s.reshape(-1)
+    cu = torch.tensor([0, 4, 8, 12])
+    bad_cu = "cu_seqlens must be non-decreasing from 0 to N_total=12, got {}..."
+    cases = [
+        ((lp, s.long(), a, cu), TypeError,
+         "sampler_logp must be a floating-point tensor of log-probs (nats), got dtype torch.int64"),
+        ((lp.reshape(3, 4), s, a, cu), ValueError, "learner_logp must be 1-D packed (N_total,), got shape (3, 4)"),
+        ((lp, s[:11], a, cu), ValueError, "sampler_logp has shape (11,), but learner_logp has shape (12,)"),
+        ((lp, s, a, cu.float()), TypeError, "cu_seqlens must be an integer tensor, got dtype torch.float32"),
+        ((lp, s, a, torch.tensor([[0, 12]])), ValueError, bad_cu.format([[0, 12]])),
+        ((lp, s, a, torch.tensor([], dtype=torch.long)), ValueError, bad_cu.format([])),
+        ((lp, s, a, torch.tensor([1, 4, 12])), ValueError, bad_cu.format([1, 4, 12])),
+        ((lp, s, a, torch.tensor([0, 4, 11])), ValueError, bad_cu.format([0, 4, 11])),
+        ((lp, s, a, torch.tensor([0, 8, 4, 12])), ValueError, bad_cu.format([0, 8, 4, 12])),
+        ((lp, s, a, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 13])), ValueError,
+         bad_cu.format([0, 1, 2, 3, 4, 5, 6, 7])),
+        ((lp, s, torch.ones(5), cu), ValueError, "advantages must be (12,) per token or (3,) per sample, got (5,)"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error) as err:
+            TokenBatch.from_packed(*args)
+        assert str(err.value) == message
+    b = TokenBatch.from_packed(lp, s, a, torch.tensor([0, 4, 4, 12]))
+    assert (b.num_samples, b.num_valid.tolist()) == (3, [4, 0, 8])
+    assert b.advantage.tolist() == [1.] * 4 + [2.] * 8
+
+
 def test_from_flat_sorts_rows_and_rejects_duplicates():
     b = TokenBatch.from_flat(torch.tensor([-.1, -.2, -.3]), torch.tensor([-.1, -.1, -.1]), torch.ones(3),
                              torch.tensor([7, 3, 7]), torch.tensor([5, 0, 2]))
