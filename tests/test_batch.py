@@ -184,8 +184,8 @@ def test_from_list_errors_name_the_list_and_sample_and_its_advantage_forms():
 
 def test_from_packed_errors_name_the_argument_and_cu_seqlens_may_hold_an_empty_response():
     """``from_packed`` (12 tokens in responses of 4, 4 and 4): each malformed argument is refused naming it
-    (messages typed out; ``cu_seqlens`` shows its first 8 entries); equal consecutive ``cu_seqlens`` entries are an
-    empty response, not an error."""
+    (messages typed out; ``cu_seqlens`` shows its first 8 entries; another device is the meta one); equal
+    consecutive ``cu_seqlens`` entries are an empty response, not an error."""
     lp, s, a, _ = _padded()
     lp, s = lp.reshape(-1), s.reshape(-1)
     cu = torch.tensor([0, 4, 8, 12])
@@ -204,6 +204,14 @@ def test_from_packed_errors_name_the_argument_and_cu_seqlens_may_hold_an_empty_r
         ((lp, s, a, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 13])), ValueError,
          bad_cu.format([0, 1, 2, 3, 4, 5, 6, 7])),
         ((lp, s, torch.ones(5), cu), ValueError, "advantages must be (12,) per token or (3,) per sample, got (5,)"),
+        ((lp, s, a, cu, torch.ones(11, dtype=torch.bool)), ValueError,
+         "mask has shape (11,), but learner_logp has shape (12,)"),
+        ((lp, s, a, cu, torch.tensor([1, 1, 2] + [0] * 9)), ValueError,
+         "mask must be boolean-like (0/1), found 2.0 at index (2,)"),
+        ((lp, s.to("meta"), a, cu), ValueError, "sampler_logp is on meta, but learner_logp is on cpu"),
+        ((lp, s, a.to("meta"), cu), ValueError, "advantages is on meta, but learner_logp is on cpu"),
+        ((lp, s, a, cu, torch.ones(12, dtype=torch.bool, device="meta")), ValueError,
+         "mask is on meta, but learner_logp is on cpu"),
     ]
     for args, error, message in cases:
         with pytest.raises(error) as err:
