@@ -222,6 +222,30 @@ def test_from_packed_errors_name_the_argument_and_cu_seqlens_may_hold_an_empty_r
     assert b.advantage.tolist() == [1.] * 4 + [2.] * 8
 
 
+def test_a_mask_of_any_integer_or_float_dtype_counts_as_its_0_1_values_and_others_are_refused():
+    """A loss mask may be bool or 0/1 in any integer or float dtype (frameworks store it as int64, float or
+    uint8): each builds the same batch.  A value other than 0 and 1 is refused with its value and 2-D index, and
+    a dtype that is neither (complex) by name (messages typed out)."""
+    lp, s, a, m = _padded()
+    expected = TokenBatch.from_padded(lp, s, a, m)
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.float16, torch.float32):
+        b = TokenBatch.from_padded(lp, s, a, m.to(dtype))
+        assert b.position.tolist() == expected.position.tolist() and b.sample_index.tolist() == \
+            expected.sample_index.tolist(), dtype
+    for value, shown in ((2, "2.0"), (-1, "-1.0"), (0.5, "0.5")):
+        bad = m.float()
+        bad[1, 2] = value
+        with pytest.raises(ValueError) as err:
+            TokenBatch.from_padded(lp, s, a, bad)
+        assert str(err.value) == f"mask must be boolean-like (0/1), found {shown} at index (1, 2)"
+    with pytest.raises(TypeError) as err:
+        TokenBatch.from_padded(lp, s, a, m.to(torch.complex64))
+    assert str(err.value) == "mask must be bool or 0/1 numeric, got dtype torch.complex64"
+    with pytest.raises(TypeError) as err:
+        TokenBatch.from_padded(lp, s, a, m.tolist())
+    assert str(err.value) == "mask must be a torch.Tensor, got list"
+
+
 def test_from_flat_sorts_rows_and_rejects_duplicates():
     b = TokenBatch.from_flat(torch.tensor([-.1, -.2, -.3]), torch.tensor([-.1, -.1, -.1]), torch.ones(3),
                              torch.tensor([7, 3, 7]), torch.tensor([5, 0, 2]))
