@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.metrics import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments,
+from triage_monitor.metrics import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments, c_tok_from_table,
                                     compute_step_metrics, quantiles)
 from triage_monitor.sketch import quantile_error_bound
 
@@ -773,3 +773,36 @@ def test_localisation_added_apart_holds_the_hand_worked_values(seg_batch, any_up
     assert pick(st) == [25, 5, 7, 4]
     st.add_localisation(b.delta, b.advantage, b.sample_index, b.position, b.num_samples, TAU)
     assert pick(st) == [50, 10, 14, 8]
+
+
+def _segment_table(W, segments):
+    """(W+1)² float64 counts of segments given as {(valid, tail): count}: cell valid·(W+1) + tail."""
+    table = torch.zeros((W + 1) ** 2, dtype=torch.float64)
+    for (valid, tail), n in segments.items():
+        table[valid * (W + 1) + tail] = n
+    return table
+
+
+@pytest.mark.parametrize("segments, expected", [
+    # 40 segments: the top ceil(0.05·40) = 2 are the (4, 4) one and one (4, 2): 4 + 2 of 4 + 3·2 = 10 tail tokens
+    ({(4, 4): 1, (4, 2): 3, (4, 0): 36}, 6 / 10),
+    # the 2 are the (4, 4) and the (3, 3) segment, ranked before the (4, 3) ones: 4 + 3 of 4 + 3 + 3·3 = 16
+    ({(4, 4): 1, (3, 3): 1, (4, 3): 3, (4, 0): 35}, 7 / 16),
+    # the first cell in rank order alone holds the top 2: 2 · 4 of 3 · 4
+    ({(4, 4): 3, (4, 0): 37}, 8 / 12),
+    # one segment: it is the top segment, all its tail tokens
+    ({(4, 2): 1}, 1.0),
+    # no tail token, or no segment: NaN
+    ({(4, 0): 5}, math.nan),
+    ({}, math.nan),
+])
+def test_c_tok_from_the_segment_table_by_hand_with_its_default_top_5_percent(segments, expected):
+    """C_tok from the (valid, tail) segment table with the default top fraction (5 %), W = 4, worked out by hand
+    and by :func:`c_tok_from_segments` of the same segments listed one by one; a numpy table gives the same."""
+    W = 4
+    table = _segment_table(W, segments)
+    valid = torch.tensor([v for (v, _), n in segments.items() for _ in range(n)], dtype=torch.long)
+    tail = torch.tensor([t for (_, t), n in segments.items() for _ in range(n)], dtype=torch.long)
+    for got in (c_tok_from_table(table, W), c_tok_from_table(table.numpy(), W), c_tok_from_segments(tail, valid)):
+        assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected, rel=1e-15, abs=0)
+
