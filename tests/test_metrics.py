@@ -806,3 +806,39 @@ def test_c_tok_from_the_segment_table_by_hand_with_its_default_top_5_percent(seg
     for got in (c_tok_from_table(table, W), c_tok_from_table(table.numpy(), W), c_tok_from_segments(tail, valid)):
         assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected, rel=1e-15, abs=0)
 
+
+def test_an_update_without_tau_tail_adds_no_localisation(seg_batch, any_update_path):
+    """With τ_tail NaN (not calibrated yet) the localisation part of the state stays empty on every update path:
+    no segment sums, an empty C_tok table (seg_batch has 3 responses with A < 0 cut into 7 segments at τ = −1)."""
+    from triage_monitor.metrics import SUM_FIELDS
+
+    loc = ("neg_valid_tokens", "tail_tokens", "segments", "heavy_segments", "pairs", "pairs_heavy",
+           "pairs_prev_heavy", "pairs_both_heavy", "responses_with_heavy", "responses_diluted")
+    cfg = MetricConfig(segment_width=4)
+    without = MismatchStats(cfg).update(seg_batch)
+    assert [without.sums[SUM_FIELDS.index(k)].item() for k in loc] == [0.0] * len(loc)
+    assert without.part("c_tok_table").sum().item() == 0
+    with_tau = MismatchStats(cfg).update(seg_batch, -1.0)
+    assert with_tau.sums[SUM_FIELDS.index("segments")].item() == 7 and with_tau.part("c_tok_table").sum().item() == 7
+
+
+def test_a_cpu_state_is_updated_by_the_kernel_unless_it_is_switched_off(seg_batch, monkeypatch):
+    """On the CPU the one-pass kernel adds each batch and accepts its rows (status OK: in (sample, position)
+    order); with ``use_kernel = False`` it is never called, so the torch operations that the tests compare it with
+    (and that run on an accelerator) really run."""
+    from triage_monitor import state_kernel
+
+    statuses = []
+
+    def spy(*args, **kwargs):
+        statuses.append(real(*args, **kwargs))
+        return statuses[-1]
+
+    real = state_kernel.update_state
+    monkeypatch.setattr(state_kernel, "update_state", spy)
+    MismatchStats(MetricConfig(segment_width=4)).update(seg_batch, -1.0)
+    assert statuses == [state_kernel.OK]
+    monkeypatch.setattr(MismatchStats, "use_kernel", False)
+    MismatchStats(MetricConfig(segment_width=4)).update(seg_batch, -1.0)
+    assert statuses == [state_kernel.OK]
+
