@@ -842,3 +842,17 @@ def test_a_cpu_state_is_updated_by_the_kernel_unless_it_is_switched_off(seg_batc
     MismatchStats(MetricConfig(segment_width=4)).update(seg_batch, -1.0)
     assert statuses == [state_kernel.OK]
 
+
+def test_bfloat16_advantages_update_the_state_as_their_float32_values(any_update_path):
+    """Advantages in bfloat16 (a low-precision trainer's dtype, kept by ``from_padded``) holding 1, −1 and 2
+    exactly: the state equals that of the same batch with float32 advantages, on every update path."""
+    g = torch.Generator().manual_seed(3)
+    sampler = -torch.rand(3, 20, generator=g) * 3
+    learner = sampler + torch.randn(3, 20, generator=g) * 0.5
+    mask = torch.ones(3, 20, dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    states = [MismatchStats(MetricConfig(segment_width=4)).update(
+        TokenBatch.from_padded(learner.clamp(max=0), sampler, adv.to(dtype), mask), -0.5).state
+        for dtype in (torch.bfloat16, torch.float32)]
+    assert torch.equal(states[0], states[1])
+
