@@ -856,3 +856,58 @@ def test_bfloat16_advantages_update_the_state_as_their_float32_values(any_update
         for dtype in (torch.bfloat16, torch.float32)]
     assert torch.equal(states[0], states[1])
 
+
+_NO_TOKENS = {name: "no valid tokens" for name in (
+    "small_gap_share", "delta_mean", "delta_abs_mean", "delta_q01", "delta_q05", "delta_q50", "delta_min", "k3_kl",
+    "chi2_token")}
+_NO_AMP_POS = {"rho_asym": "mass_amp_pos = 0: no token with A > 0 and delta > 0",
+               "rho_asym_lennorm": "length-normalised mass_amp_pos = 0: no token with A > 0 and delta > 0"}
+_NO_NEG_RESPONSE = {"r_amp": "no valid token in an A<0 response", "h_seg": "no segment in an A<0 response",
+                    "c_tok": "no amplifying-tail token", "p_adj": "no segment with a predecessor",
+                    "dilution": "no A<0 response holds a tail-heavy segment"}
+
+
+def test_every_nan_metric_says_why_in_words_typed_out_here():
+    """``nan_reasons`` of a step without valid tokens (τ_tail not calibrated, then −1) and of a step whose tokens
+    all have A > 0 and δ < 0 (no amplifying mass, no A < 0 response): each NaN metric, and only those, with its
+    reason."""
+    nothing = TokenBatch.from_padded(torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([1., -1.]),
+                                     torch.zeros(2, 3, dtype=torch.bool))
+    empty = {**_NO_TOKENS, **_NO_AMP_POS, "log_ppl_diff": "no response with a valid token",
+             "amp_share": "total |A| mass is 0"}
+    uncalibrated = MismatchStats(MetricConfig()).update(nothing).compute().nan_reasons
+    assert uncalibrated == {**empty, "tau_tail": "not calibrated yet", **{
+        k: "tau_tail not set (no calibration data yet)" for k in ("r_amp", "h_seg", "c_tok", "p_adj", "dilution")}}
+    assert MismatchStats(MetricConfig()).update(nothing, -1.0).compute().nan_reasons == {**empty, **_NO_NEG_RESPONSE}
+    con_pos = TokenBatch.from_padded(torch.full((2, 3), -1.3), torch.full((2, 3), -1.0), torch.tensor([1., 2.]),
+                                     torch.ones(2, 3, dtype=torch.bool))
+    r = MismatchStats(MetricConfig()).update(con_pos, -1.0).compute()
+    assert r.nan_reasons == {**_NO_AMP_POS, **_NO_NEG_RESPONSE}
+    assert [k for k, v in r.values.items() if math.isnan(v)] == list(r.nan_reasons)
+
+
+@pytest.mark.parametrize("tail_at, reason", [(0, "no tail-heavy segment among those with a predecessor"),
+                                             (4, "no tail-heavy predecessor segment")])
+def test_p_adj_says_which_pair_count_is_zero(tail_at, reason):
+    """One A < 0 response of 8 tokens, W = 4, τ = −1, one tail token (δ = −2): in segment 0 it makes the
+    predecessor heavy and no segment with a predecessor heavy; in segment 1 the reverse.  p_adj is NaN, saying
+    which."""
+    learner = torch.full((1, 8), -1.0)
+    learner[0, tail_at] = -3.0
+    batch = TokenBatch.from_padded(learner, torch.full((1, 8), -1.0), torch.tensor([-1.]),
+                                   torch.ones(1, 8, dtype=torch.bool))
+    r = MismatchStats(MetricConfig(segment_width=4)).update(batch, -1.0).compute()
+    assert math.isnan(r.values["p_adj"]) and r.nan_reasons["p_adj"] == reason
+
+
+@pytest.mark.parametrize("delta", [-2.2, -0.7, -0.3, 0.45, 1.1])
+def test_quantiles_of_one_repeated_gap_are_that_gap_exactly(delta, any_update_path):
+    """Every token with the same δ: the sketch's bucket representative is clamped to the exact minimum and
+    maximum, so δ's 1 %, 5 % and 50 % quantiles are δ itself (float32 δ, as computed)."""
+    sampler = torch.full((2, 5), -1.5)
+    learner = sampler + delta
+    d = float((learner - sampler)[0, 0])
+    v = MismatchStats(MetricConfig()).update(TokenBatch.from_padded(
+        learner, sampler, torch.tensor([1., -1.]), torch.ones(2, 5, dtype=torch.bool))).compute().values
+    assert (v["delta_q01"], v["delta_q05"], v["delta_q50"], v["delta_min"]) == (d, d, d, d)
+
