@@ -914,3 +914,24 @@ def test_quantiles_of_one_repeated_gap_are_that_gap_exactly(delta, any_update_pa
         learner, sampler, torch.tensor([1., -1.]), torch.ones(2, 5, dtype=torch.bool))).compute().values
     assert (v["delta_q01"], v["delta_q05"], v["delta_q50"], v["delta_min"]) == (d, d, d, d)
 
+
+@pytest.mark.parametrize("top_fraction, c_tok", [(0.05, 2 / 5), (0.3, 4 / 5), (0.5, 5 / 5)])
+def test_c_tok_takes_the_configured_top_fraction_of_segments(seg_batch, top_fraction, c_tok):
+    """seg_batch's 7 segments (W = 4, τ = −1) hold 5 tail tokens: 2 in one segment of 3 valid tokens, 1 in each of
+    three segments of 4.  The top ceil(f · 7) segments: f = 0.05 takes 1 (2 tails), 0.3 takes 3 (2 + 1 + 1),
+    0.5 takes 4 (all 5)."""
+    v = MismatchStats(MetricConfig(segment_width=4, top_fraction=top_fraction)).update(seg_batch, -1.0).compute()
+    assert v.values["c_tok"] == pytest.approx(c_tok, rel=1e-15, abs=0)
+
+
+def test_a_state_given_must_have_the_layouts_size_and_becomes_float64():
+    """``MismatchStats(state=...)`` (a saved state): one of another size is refused naming both sizes and the
+    segment width (message typed out); a float32 one is held as float64."""
+    cfg = MetricConfig(segment_width=4)
+    size = MismatchStats(cfg).state.numel()
+    with pytest.raises(ValueError) as err:
+        MismatchStats(cfg, state=torch.zeros(5))
+    assert str(err.value) == f"MismatchStats state must have shape ({size},) for segment width 4, got (5,)"
+    kept = MismatchStats(cfg, state=MismatchStats(cfg).state.float())
+    assert kept.state.dtype == torch.float64 and kept.device == torch.device("cpu")
+
