@@ -926,7 +926,8 @@ def test_c_tok_takes_the_configured_top_fraction_of_segments(seg_batch, top_frac
 
 def test_a_state_given_must_have_the_layouts_size_and_becomes_float64():
     """``MismatchStats(state=...)`` (a saved state): one of another size is refused naming both sizes and the
-    segment width (message typed out); a float32 one is held as float64."""
+    segment width (message typed out); a float32 one is held as float64.  A new state is made on the device
+    asked for (the meta device here: no accelerator needed)."""
     cfg = MetricConfig(segment_width=4)
     size = MismatchStats(cfg).state.numel()
     with pytest.raises(ValueError) as err:
@@ -934,4 +935,7 @@ def test_a_state_given_must_have_the_layouts_size_and_becomes_float64():
     assert str(err.value) == f"MismatchStats state must have shape ({size},) for segment width 4, got (5,)"
     kept = MismatchStats(cfg, state=MismatchStats(cfg).state.float())
     assert kept.state.dtype == torch.float64 and kept.device == torch.device("cpu")
+    elsewhere = MismatchStats(cfg, device="meta")            # a new state lives where it is asked to
+    assert elsewhere.device == torch.device("meta") and elsewhere.state.device.type == "meta"
+    assert elsewhere.state.shape == (size,) and elsewhere.state.dtype == torch.float64
 
