@@ -1,5 +1,7 @@
 """TokenBatch: layouts, canonical order, scatter back, validation with named errors."""
 
+import math
+
 import pytest
 import torch
 
@@ -66,6 +68,13 @@ def test_invalid_values_raise_with_field_sample_position(field, value, reason):
     e = ei.value
     assert e.field == field and e.sample == 1 and e.position == pos
     assert reason in str(e) and field in str(e)
+    # row 1 has 2 valid tokens (columns 1, 2): a per-sample advantage poisons both
+    count = 2 if field == "advantages" else 1
+    full = {"nonfinite": f"nonfinite_{field}", "positive": f"positive_{field}", "sentinel": f"sentinel_{field}",
+            "nonfinite advantage": "nonfinite_advantage"}[reason]
+    assert (e.reason, e.count) == (full, count) and (e.value == value or math.isnan(e.value) and math.isnan(value))
+    assert str(e) == (f"{field}[sample=1, position={pos}] = {value!r}: {full.replace('_', ' ')} ({count} such "
+                      "token(s) in this batch; pass on_invalid='quarantine' to exclude and count them)")
 
 
 def test_padding_values_outside_mask_are_never_read():
@@ -244,6 +253,28 @@ def test_a_mask_of_any_integer_or_float_dtype_counts_as_its_0_1_values_and_other
     with pytest.raises(TypeError) as err:
         TokenBatch.from_padded(lp, s, a, m.tolist())
     assert str(err.value) == "mask must be a torch.Tensor, got list"
+
+
+def test_build_checks_its_options_ids_and_integer_advantages():
+    """Common to every layout: ``on_invalid`` other than raise / quarantine, and sample or group ids of another
+    length than the responses, are refused naming the value (messages typed out); integer advantages become
+    float32; responses without group ids are in group −1 (int64).  From flat rows an invalid token names its
+    ``sample_id``, from other layouts its row."""
+    lp, s, a, m = _padded()
+    cases = [({"on_invalid": "skip"}, "on_invalid must be 'raise' or 'quarantine', got 'skip'"),
+             ({"sample_ids": torch.tensor([4, 5])}, "sample_ids must have shape (3,), got (2,)"),
+             ({"group_ids": torch.tensor([0, 0, 1, 1])}, "group_ids must have shape (3,), got (4,)")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as err:
+            TokenBatch.from_padded(lp, s, a, m, **kwargs)
+        assert str(err.value) == message
+    b = TokenBatch.from_padded(lp, s, torch.tensor([1, -1, 2]), m)
+    assert b.advantage.dtype == torch.float32 and b.advantage.tolist() == [1., 1., 1., -1., -1., 2.]
+    assert b.group_id.dtype == torch.int64 and b.group_id.tolist() == [-1, -1, -1]
+    with pytest.raises(InvalidTokenError) as err:
+        TokenBatch.from_flat(torch.tensor([-0.5, 0.5]), torch.tensor([-0.5, -0.5]), torch.ones(2),
+                             torch.tensor([70, 90]), torch.tensor([0, 3]))
+    assert (err.value.sample, err.value.position, err.value.value) == (90, 3, 0.5)
 
 
 def test_from_flat_sorts_rows_and_rejects_duplicates():
