@@ -26,19 +26,31 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 if [ "${1:-}" = "--continue" ]; then
   # A run takes hours on a small machine: mutmut keeps each mutant's result in $WORK, so a stopped run (Ctrl-C, a
-  # reboot) goes on where it stopped.  Its mutants stay valid while the mutated source is that of the run's commit;
-  # the tests are HEAD's, so the survivors and "no tests" mutants not explained in docs/mutation/*.txt are run again
-  # against tests written since.
+  # reboot) goes on where it stopped.  The tests are HEAD's, so the survivors and "no tests" mutants not explained
+  # in docs/mutation/*.txt are run again against tests written since.  Package source changed since the run
+  # started is exported too (files newer than their mutants): mutmut hashes each function and forgets the results
+  # of the functions whose source changed (their mutants are run again, renumbered), keeping all the others.
   run=$(cat "$WORK/.mutation-commit" 2>/dev/null) || { echo "mutation.sh: no run in $WORK to continue" >&2; exit 2; }
-  if ! git -C "$ROOT" diff --quiet "$run" HEAD -- triage_monitor hooks dashboards pyproject.toml; then
-    echo "mutation.sh: the source or [tool.mutmut] changed since the run's commit $run: start a new run" >&2
+  source_of=$(cat "$WORK/.mutation-source" 2>/dev/null || echo "$run")
+  if ! git -C "$ROOT" diff --quiet "$run" HEAD -- pyproject.toml; then
+    echo "mutation.sh: pyproject.toml ([tool.mutmut]) changed since the run's commit $run: start a new run" >&2
     exit 2
+  fi
+  if ! git -C "$ROOT" diff --quiet "$source_of" HEAD -- triage_monitor hooks dashboards; then
+    echo "the package source changed since $(git -C "$ROOT" rev-parse --short "$source_of"): exporting HEAD's;" \
+         "mutmut runs the changed functions' mutants again"
+    rm -rf "$WORK/triage_monitor" "$WORK/hooks" "$WORK/dashboards"
+    git -C "$ROOT" archive HEAD triage_monitor hooks dashboards | tar -x -m -C "$WORK"   # -m: newer than the mutants
+    cp -r "$WORK/hooks" "$WORK/triage_monitor/hooks"
+    rm -rf "$WORK/mutants/dashboards" && cp -r "$WORK/dashboards" "$WORK/mutants/dashboards"
+    git -C "$ROOT" rev-parse HEAD > "$WORK/.mutation-source"
   fi
   rm -rf "$WORK/tests" "$WORK/mutants/tests"
   git -C "$ROOT" archive HEAD tests | tar -x -C "$WORK"
   cp -r "$WORK/tests" "$WORK/mutants/tests"
   cd "$WORK"
-  echo "continuing the mutation run of $run in $WORK with the tests of $(git -C "$ROOT" rev-parse --short HEAD)"
+  echo "continuing the mutation run of $run in $WORK with the tests of $(git -C "$ROOT" rev-parse --short HEAD)" \
+       "(package source of $(git -C "$ROOT" rev-parse --short "$(cat .mutation-source 2>/dev/null || echo "$run")"))"
   start=$(date +%s)
   # the survivors not yet explained in docs/mutation/*.txt (listed ones cannot change verdict)
   mapfile -t again < <("$PY" "$ROOT/scripts/mutation_report.py" --open-names)
