@@ -280,6 +280,55 @@ def test_file_size_limit_full_disk_in_child_process(tmp_path):
     assert open_run(d).step_numbers()[:3] == [0, 1, 2]
 
 
+def child_lock_line(d):
+    """Start a monitor under RLIMIT_FSIZE = 0 (SIGXFSZ ignored): a disk with inodes left but no free block.  The
+    start check's empty probe file and the empty lock file are created; the lock file's holder line is not."""
+    from triage_monitor import records
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    try:
+        MismatchMonitor(d, MonitorConfig(window=2))
+        error = None
+    except UnwritableOutputError as exc:
+        error = {"type": type(exc).__name__, "text": str(exc), "path": str(exc.path)}
+    held = len(records._HELD)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda r: warnings.append(r.getMessage()) if r.levelno >= logging.WARNING else None
+    logging.getLogger("triage_monitor").addHandler(handler)
+    with MismatchMonitor(d, MonitorConfig(window=2)) as mon:      # space again: starts, takes over nothing
+        mon.log_step(0, batch(0, B=2, T=8))
+    print(json.dumps({"error": error, "held_after_error": held, "warnings": warnings}))
+
+
+def test_a_disk_without_free_blocks_refuses_the_start_naming_the_lock_file_and_holds_no_lock(tmp_path):
+    """No free block (RLIMIT_FSIZE = 0 in a child process): the start fails with an ``UnwritableOutputError``
+    naming the lock file and the OS reason (EFBIG: "File too large"), its ``path`` the run directory, and the lock
+    is not kept: once there is space, a monitor of that rank in the same process starts with no warning."""
+    d = tmp_path / "run"
+    r = run_child("lockline", d)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] == {"type": "UnwritableOutputError", "path": str(d),
+                            "text": f"{d / '.writer-rank-0.lock'}: cannot write the writer lock file: File too large"}
+    assert out["held_after_error"] == 0 and out["warnings"] == []
+    assert open_run(d).step_numbers() == [0]
+
+
+def test_a_directory_in_place_of_the_lock_file_refuses_the_start_naming_it(tmp_path):
+    """A directory at ``.writer-rank-0.lock`` (left by a copy tool, say): the start fails with an
+    ``UnwritableOutputError`` naming the lock file and the OS reason, its ``path`` the run directory."""
+    d = tmp_path / "run"
+    (d / ".writer-rank-0.lock").mkdir(parents=True)
+    with pytest.raises(UnwritableOutputError) as err:
+        MismatchMonitor(d, MonitorConfig(window=2))
+    assert str(err.value) == f"{d / '.writer-rank-0.lock'}: cannot open the writer lock file: Is a directory"
+    assert err.value.path == d
+
+
 # ============================================================================== backpressure
 def child_rss(d, mode, bound_mb, item_mb, n_items):
     """A producer that outruns the disk: n_items columns of item_mb MiB each into a bounded ParquetSink."""
@@ -519,5 +568,7 @@ if __name__ == "__main__":
         child_train(Path(args[0]))
     elif mode == "fsize":
         child_fsize(Path(args[0]), int(args[1]))
+    elif mode == "lockline":
+        child_lock_line(Path(args[0]))
     elif mode == "rss":
         child_rss(Path(args[0]), args[1], float(args[2]), float(args[3]), int(args[4]))

@@ -568,12 +568,17 @@ def _try_lock(path: Path) -> Optional[int]:
 
     Raises:
         RunLockedError: another open file holds it (its pid / host / attempt in the message).
+        UnwritableOutputError: the lock file cannot be opened or created (a directory in its place, ...).
     """
     try:
         import fcntl
     except ImportError:          # not POSIX: no lock
         return None
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)   # read-only: a later remount read-only is not blocked
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)   # read-only: a later remount read-only is not blocked
+    except OSError as exc:
+        raise UnwritableOutputError(f"{path}: cannot open the writer lock file: {exc.strerror or exc}",
+                                    path.parent) from exc
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -605,6 +610,8 @@ def acquire_writer_lock(run_dir, rank: int, attempt: int) -> Optional[int]:
 
     Raises:
         RunLockedError: another live process holds it.
+        UnwritableOutputError: the lock file cannot be opened, or its line cannot be written (a full disk: the
+            start check's empty probe file needs no free block); the lock is released first.
     """
     import socket
 
@@ -617,9 +624,13 @@ def acquire_writer_lock(run_dir, rank: int, attempt: int) -> Optional[int]:
     fd = _try_lock(path)
     if fd is not None:
         _HELD[key] = fd
-    if fd is not None:
-        path.write_text(f"pid {os.getpid()} on {socket.gethostname()}, attempt {int(attempt)}, since "
-                        f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+        try:
+            path.write_text(f"pid {os.getpid()} on {socket.gethostname()}, attempt {int(attempt)}, since "
+                            f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
+        except OSError as exc:
+            release_writer_lock(fd)
+            raise UnwritableOutputError(f"{path}: cannot write the writer lock file: {exc.strerror or exc}",
+                                        path.parent) from exc
     return fd
 
 
