@@ -375,7 +375,8 @@ class TokenBatch:
 
         Args:
             learner_logp, sampler_logp: ``S`` tensors of shape ``(L_i,)``.
-            advantages: ``S`` tensors ``(L_i,)``, or ``S`` scalars / ``(S,)`` tensor.
+            advantages: ``S`` tensors ``(L_i,)``, or ``S`` scalars / ``(S,)`` tensor.  A ``(S,)`` tensor keeps
+                its float dtype (as in :meth:`from_padded`); scalars and per-token sequences become float32.
             masks: optional ``S`` loss masks ``(L_i,)``.
 
         Raises:
