@@ -7,7 +7,8 @@ Unwritable directories: tests run as root here, and root ignores permission bits
 make a directory unwritable.  The tests use (1) a run directory *under a regular file* (every mkdir
 fails with NotADirectoryError, for any user) and (2) a read-only tmpfs mount where ``mount`` is
 permitted.  Full disk: a 1 MiB tmpfs where ``mount`` is permitted, and always a child process with
-``RLIMIT_FSIZE`` (SIGXFSZ ignored, so writes fail with EFBIG instead of killing the process).
+``RLIMIT_FSIZE`` (SIGXFSZ ignored, so writes fail with EFBIG instead of killing the process); for the
+writer lock's line, a lock file linked to ``/dev/full`` (every write fails with ENOSPC).
 """
 
 import contextlib
@@ -280,41 +281,28 @@ def test_file_size_limit_full_disk_in_child_process(tmp_path):
     assert open_run(d).step_numbers()[:3] == [0, 1, 2]
 
 
-def child_lock_line(d):
-    """Start a monitor under RLIMIT_FSIZE = 0 (SIGXFSZ ignored): a disk with inodes left but no free block.  The
-    start check's empty probe file and the empty lock file are created; the lock file's holder line is not."""
+def test_a_disk_without_free_blocks_refuses_the_start_naming_the_lock_file_and_holds_no_lock(tmp_path, caplog):
+    """No free block for the lock file's holder line (the start check's empty probe file still fits): the lock
+    file is a link to ``/dev/full``, where every write fails with ENOSPC as on a full disk.  The start fails with
+    an ``UnwritableOutputError`` naming the lock file and the OS reason (typed out), its ``path`` the run
+    directory, and the lock is not kept: once the disk has room, a monitor of that rank in the same process
+    starts without taking over an earlier writer."""
     from triage_monitor import records
 
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
-    try:
-        MismatchMonitor(d, MonitorConfig(window=2))
-        error = None
-    except UnwritableOutputError as exc:
-        error = {"type": type(exc).__name__, "text": str(exc), "path": str(exc.path)}
-    held = len(records._HELD)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
-    warnings = []
-    handler = logging.Handler()
-    handler.emit = lambda r: warnings.append(r.getMessage()) if r.levelno >= logging.WARNING else None
-    logging.getLogger("triage_monitor").addHandler(handler)
-    with MismatchMonitor(d, MonitorConfig(window=2)) as mon:      # space again: starts, takes over nothing
-        mon.log_step(0, batch(0, B=2, T=8))
-    print(json.dumps({"error": error, "held_after_error": held, "warnings": warnings}))
-
-
-def test_a_disk_without_free_blocks_refuses_the_start_naming_the_lock_file_and_holds_no_lock(tmp_path):
-    """No free block (RLIMIT_FSIZE = 0 in a child process): the start fails with an ``UnwritableOutputError``
-    naming the lock file and the OS reason (EFBIG: "File too large"), its ``path`` the run directory, and the lock
-    is not kept: once there is space, a monitor of that rank in the same process starts with no warning."""
     d = tmp_path / "run"
-    r = run_child("lockline", d)
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["error"] == {"type": "UnwritableOutputError", "path": str(d),
-                            "text": f"{d / '.writer-rank-0.lock'}: cannot write the writer lock file: File too large"}
-    assert out["held_after_error"] == 0 and out["warnings"] == []
+    d.mkdir()
+    lock = d / ".writer-rank-0.lock"
+    lock.symlink_to("/dev/full")
+    held = dict(records._HELD)
+    with pytest.raises(UnwritableOutputError) as err:
+        MismatchMonitor(d, MonitorConfig(window=2))
+    assert str(err.value) == f"{lock}: cannot write the writer lock file: No space left on device"
+    assert err.value.path == d and records._HELD == held
+    lock.unlink()
+    caplog.set_level(logging.WARNING, logger="triage_monitor")
+    with MismatchMonitor(d, MonitorConfig(window=2)) as mon:
+        mon.log_step(0, batch(0, B=2, T=8))
+    assert not [r for r in caplog.records if "was not closed" in r.getMessage()]
     assert open_run(d).step_numbers() == [0]
 
 
@@ -568,7 +556,5 @@ if __name__ == "__main__":
         child_train(Path(args[0]))
     elif mode == "fsize":
         child_fsize(Path(args[0]), int(args[1]))
-    elif mode == "lockline":
-        child_lock_line(Path(args[0]))
     elif mode == "rss":
         child_rss(Path(args[0]), args[1], float(args[2]), float(args[3]), int(args[4]))
