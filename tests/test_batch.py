@@ -424,3 +424,12 @@ def test_invalid_codes_at_the_exact_bounds():
     learner = torch.tensor([1e-3, -1.0, -1000.0, -1.0, -999.0])
     sampler = torch.tensor([-1.0, 1e-3, -1.0, -1000.0, -1.0])
     assert invalid_codes(learner, sampler, torch.zeros(5)).tolist() == [-1, -1, 4, 5, -1]
+    # the batch's own check agrees at the bounds: the valid edge values build a batch, −1000 nats is refused
+    edge = TokenBatch.from_flat(learner[[0, 1, 4]], sampler[[0, 1, 4]], torch.ones(3), torch.arange(3),
+                                torch.zeros(3, dtype=torch.long))
+    assert edge.num_tokens == 3 and edge.quarantine_counts == {}
+    for lp, sp, reason in ((-1000.0, -1.0, "sentinel_learner_logp"), (-1.0, -1000.0, "sentinel_sampler_logp")):
+        with pytest.raises(InvalidTokenError) as err:
+            zero = torch.zeros(1, dtype=torch.long)
+            TokenBatch.from_flat(torch.tensor([lp]), torch.tensor([sp]), torch.ones(1), zero, zero)
+        assert err.value.reason == reason
