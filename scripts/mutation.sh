@@ -44,13 +44,14 @@ if [ "${1:-}" = "--continue" ]; then
     cp -r "$WORK/hooks" "$WORK/triage_monitor/hooks"
     rm -rf "$WORK/mutants/dashboards" && cp -r "$WORK/dashboards" "$WORK/mutants/dashboards"
     git -C "$ROOT" rev-parse HEAD > "$WORK/.mutation-source"
+    source_of=$(git -C "$ROOT" rev-parse HEAD)
   fi
   rm -rf "$WORK/tests" "$WORK/mutants/tests"
   git -C "$ROOT" archive HEAD tests | tar -x -C "$WORK"
   cp -r "$WORK/tests" "$WORK/mutants/tests"
   cd "$WORK"
   echo "continuing the mutation run of $run in $WORK with the tests of $(git -C "$ROOT" rev-parse --short HEAD)" \
-       "(package source of $(git -C "$ROOT" rev-parse --short "$(cat .mutation-source 2>/dev/null || echo "$run")"))"
+       "(package source of $(git -C "$ROOT" rev-parse --short "$source_of"))"
   start=$(date +%s)
   # the survivors not yet explained in docs/mutation/*.txt (listed ones cannot change verdict)
   mapfile -t again < <("$PY" "$ROOT/scripts/mutation_report.py" --open-names)

@@ -148,6 +148,14 @@ def test_an_empty_response_is_not_counted_as_left_padded():
     assert TokenBatch.from_padded(lp, s, a, m).offset_responses == 1
 
 
+def _refused(build, cases):
+    """Each ``(args, error type, message)`` of ``cases``: ``build(*args)`` raises that error with exactly that text."""
+    for args, error, message in cases:
+        with pytest.raises(error) as err:
+            build(*args)
+        assert str(err.value) == message, args
+
+
 def test_from_list_errors_name_the_list_and_sample_and_its_advantage_forms():
     """``from_list`` (responses of 3, 4 and 1 tokens): a list of the wrong length, a non-float sample and a
     per-sample advantage of the wrong shape are refused naming the list and the sample (messages typed out).  A
@@ -167,10 +175,7 @@ def test_from_list_errors_name_the_list_and_sample_and_its_advantage_forms():
         ((learner, sampler, [1., 2.]), ValueError, "advantages must hold 3 entries, got 2"),
         ((learner, sampler, [1., -1., 2.], masks[:2]), ValueError, "masks has 2 samples, learner_logp has 3"),
     ]
-    for args, error, message in cases:
-        with pytest.raises(error) as err:
-            TokenBatch.from_list(*args)
-        assert str(err.value) == message
+    _refused(TokenBatch.from_list, cases)
     per_sample = TokenBatch.from_list(learner, sampler, torch.tensor([1., -1., 2.], dtype=torch.float64))
     assert per_sample.advantage.dtype == torch.float64
     assert per_sample.advantage.tolist() == [1., 1., 1., -1., -1., -1., -1., 2.]
@@ -222,10 +227,7 @@ def test_from_packed_errors_name_the_argument_and_cu_seqlens_may_hold_an_empty_r
         ((lp, s, a, cu, torch.ones(12, dtype=torch.bool, device="meta")), ValueError,
          "mask is on meta, but learner_logp is on cpu"),
     ]
-    for args, error, message in cases:
-        with pytest.raises(error) as err:
-            TokenBatch.from_packed(*args)
-        assert str(err.value) == message
+    _refused(TokenBatch.from_packed, cases)
     b = TokenBatch.from_packed(lp, s, a, torch.tensor([0, 4, 4, 12]))
     assert (b.num_samples, b.num_valid.tolist()) == (3, [4, 0, 8])
     assert b.advantage.tolist() == [1.] * 4 + [2.] * 8
@@ -429,7 +431,7 @@ def test_invalid_codes_at_the_exact_bounds():
                                 torch.zeros(3, dtype=torch.long))
     assert edge.num_tokens == 3 and edge.quarantine_counts == {}
     for lp, sp, reason in ((-1000.0, -1.0, "sentinel_learner_logp"), (-1.0, -1000.0, "sentinel_sampler_logp")):
+        zero = torch.zeros(1, dtype=torch.long)
         with pytest.raises(InvalidTokenError) as err:
-            zero = torch.zeros(1, dtype=torch.long)
             TokenBatch.from_flat(torch.tensor([lp]), torch.tensor([sp]), torch.ones(1), zero, zero)
         assert err.value.reason == reason

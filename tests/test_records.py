@@ -311,7 +311,7 @@ def test_a_full_queue_blocks_or_drops_and_a_closed_sink_counts_its_rows(tmp_path
     release = threading.Event()
     sink = ParquetSink(tmp_path / "block", attempt=1, max_queue_bytes=150, backpressure="block")
     try:
-        assert sink.submit("steps", 0, 0, held_file(release))        # alone in the queue: accepted
+        assert sink.submit("steps", 0, 0, held_file(release))    # alone in the queue: accepted
         accepted = []
         t = threading.Thread(target=lambda: accepted.append(sink.submit("steps", 1, 0, {"x": np.arange(7)})))
         t.start()
