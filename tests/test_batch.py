@@ -435,3 +435,31 @@ def test_invalid_codes_at_the_exact_bounds():
         with pytest.raises(InvalidTokenError) as err:
             TokenBatch.from_flat(torch.tensor([lp]), torch.tensor([sp]), torch.ones(1), zero, zero)
         assert err.value.reason == reason
+
+
+def test_canonical_order_checks_every_neighbouring_pair_and_names_the_first_16_duplicate_ids():
+    """Ids (0, 2, 1) are out of order only between their last two: the batch is still sorted to 0, 1, 2 (row 2's
+    token comes before row 1's).  Duplicate ids are refused with the first 16 ids typed out.  Unsorted ids with no
+    valid token at all (every mask entry 0) give an empty batch of 2 responses, not an error."""
+    lp = torch.tensor([[-.1], [-.2], [-.3]])
+    b = TokenBatch.from_padded(lp, lp, torch.ones(3), torch.ones(3, 1), sample_ids=torch.tensor([0, 2, 1]))
+    assert b.sample_id.tolist() == [0, 1, 2] and b.learner_logp.tolist() == pytest.approx([-.1, -.3, -.2])
+    ids = list(range(19)) + [3]
+    lp20 = torch.full((20, 1), -.1)
+    with pytest.raises(ValueError) as err:
+        TokenBatch.from_padded(lp20, lp20, torch.ones(20), torch.ones(20, 1), sample_ids=torch.tensor(ids))
+    assert str(err.value) == f"sample_ids must be unique within a step, got {list(range(16))}"
+    empty = TokenBatch.from_padded(lp[:2], lp[:2], torch.ones(2), torch.zeros(2, 1), sample_ids=torch.tensor([1, 0]))
+    assert empty.sample_id.tolist() == [0, 1] and empty.num_valid.tolist() == [0, 0]
+    assert empty.learner_logp.numel() == 0
+
+
+def test_an_invalid_value_of_a_padded_batch_names_its_row_not_its_sample_id():
+    """Rows with sample_ids (40, 30) and a NaN at row 1, column 2: the error names sample 1 (the row the caller
+    passed), as for every layout but from_flat, whose rows are identified by their sample_id."""
+    lp = torch.full((2, 3), -.5)
+    lp[1, 2] = float("nan")
+    with pytest.raises(InvalidTokenError) as err:
+        TokenBatch.from_padded(lp, torch.full((2, 3), -.5), torch.ones(2), torch.ones(2, 3),
+                               sample_ids=torch.tensor([40, 30]))
+    assert (err.value.field, err.value.sample, err.value.position) == ("learner_logp", 1, 2)
