@@ -440,7 +440,8 @@ def test_invalid_codes_at_the_exact_bounds():
 def test_canonical_order_checks_every_neighbouring_pair_and_names_the_first_16_duplicate_ids():
     """Ids (0, 2, 1) are out of order only between their last two: the batch is still sorted to 0, 1, 2 (row 2's
     token comes before row 1's).  Duplicate ids are refused with the first 16 ids typed out.  Unsorted ids with no
-    valid token at all (every mask entry 0) give an empty batch of 2 responses, not an error."""
+    valid token at all (every mask entry 0) give an empty batch of 2 responses, not an error; a last response
+    without a valid token still has its count, 0."""
     lp = torch.tensor([[-.1], [-.2], [-.3]])
     b = TokenBatch.from_padded(lp, lp, torch.ones(3), torch.ones(3, 1), sample_ids=torch.tensor([0, 2, 1]))
     assert b.sample_id.tolist() == [0, 1, 2] and b.learner_logp.tolist() == pytest.approx([-.1, -.3, -.2])
@@ -452,6 +453,8 @@ def test_canonical_order_checks_every_neighbouring_pair_and_names_the_first_16_d
     empty = TokenBatch.from_padded(lp[:2], lp[:2], torch.ones(2), torch.zeros(2, 1), sample_ids=torch.tensor([1, 0]))
     assert empty.sample_id.tolist() == [0, 1] and empty.num_valid.tolist() == [0, 0]
     assert empty.learner_logp.numel() == 0
+    last_empty = TokenBatch.from_padded(lp[:2], lp[:2], torch.ones(2), torch.tensor([[1], [0]]))
+    assert last_empty.num_valid.tolist() == [1, 0]         # the last response has no valid token: still counted
 
 
 def test_an_invalid_value_of_a_padded_batch_names_its_row_not_its_sample_id():
