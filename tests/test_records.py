@@ -29,6 +29,28 @@ def _batch(step, B=3, T=16):
     return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), torch.ones(B, T, dtype=torch.bool))
 
 
+def test_a_token_files_size_for_the_queue_bound_is_the_bytes_of_its_columns(tmp_path):
+    """The token file of a step is queued before its columns exist (they are built on the writer thread), with a
+    size for the queue bound worked out from the token count: per token five int64 columns (step, rank,
+    sample_id, group_id, attempt: 40 bytes) and four 4-byte ones (position int32, three float32 log-prob and
+    advantage columns: 16 bytes), plus 4 bytes per float32 token extra.  By hand: 3 x 16 = 48 tokens with one
+    extra give 48 x 60 = 2880 bytes; independently, the columns built are exactly that many bytes."""
+    queued = {}
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(window=2)) as mon:
+        submit = mon.sink.submit
+
+        def spy(table, step, rank, columns, *args, **kwargs):
+            queued.setdefault(table, columns)
+            return submit(table, step, rank, columns, *args, **kwargs)
+
+        mon.sink.submit = spy
+        mon.log_step(0, _batch(0), token_extras={"entropy": torch.zeros(3, 16)})
+    tokens = queued["tokens"]
+    assert isinstance(tokens, DeferredColumns) and (tokens.nbytes, tokens.nrows) == (2880, 48)
+    built = tokens.build()
+    assert sum(a.nbytes for a in built.values()) == 2880 and {len(a) for a in built.values()} == {48}
+
+
 # ------------------------------------------------------------------------------------------ the writer thread
 def test_flush_with_a_timeout_returns_at_the_deadline_and_without_waits_for_the_disk(tmp_path):
     release = threading.Event()
