@@ -418,3 +418,28 @@ def test_run_json_records_the_triage_config_as_plain_fields(tmp_path):
         else:
             assert manifest["triage"]["gate_width"] == 2 and manifest["triage"]["repair_width"] == 2
             assert manifest["triage"] == json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def test_the_first_runtime_of_a_process_registers_one_global_optimizer_step_hook(monkeypatch):
+    """A process whose first hook runtime starts registers torch's global optimizer-step hook once: every optimizer
+    of the process then reaches the runtimes (optimizer-counted steps need it); a second runtime adds no second
+    hook.  (The process-wide hook is already registered by earlier tests: it is set aside here, and the one this
+    test registers is removed at its end.)"""
+    from triage_monitor.hooks import _runtime
+
+    seen = []
+    monkeypatch.setattr(_runtime, "_HOOK_HANDLE", None)
+    monkeypatch.setattr(_runtime, "_RUNTIMES", {})
+    monkeypatch.setattr(_runtime, "_on_optimizer_step", lambda opt, args, kwargs: seen.append(opt))
+    runtime_for(HookSettings(run_dir=None))
+    handle = _runtime._HOOK_HANDLE
+    try:
+        assert handle is not None
+        runtime_for(HookSettings(run_dir=None))
+        assert _runtime._HOOK_HANDLE is handle
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        opt.step()
+        assert seen == [opt]
+    finally:
+        handle.remove()
+        close_all()
