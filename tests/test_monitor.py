@@ -394,7 +394,7 @@ def _subgroup_rank(rank, world, init_file, out):
 
     import torch.distributed as dist
 
-    from triage_monitor.controller import TriageConfig, TriageController
+    from triage_monitor.controller import CalibrationConfig, TriageConfig, TriageController
     from triage_monitor.hooks._runtime import _worker_attempt
     from triage_monitor.metrics import MetricTracker
     from triage_monitor.monitor import _shared_attempt_id
@@ -424,6 +424,13 @@ def _subgroup_rank(rank, world, init_file, out):
             res[name + "-tracker"] = (step.values["n_tokens"], step.values["delta_min"])
             ctl = TriageController(TriageConfig(repair_scope="whole"), group=group)   # every repair segment counts
             res[name + "-repair"] = ctl.repair_segment_count(b).item()
+        for name, group in (("own", own), ("world", dist.group.WORLD), ("alone", None)):
+            # Gate thresholds calibrated on a one-step reference window (step 0), set at step 1; the Repair loss
+            ctl = TriageController(TriageConfig(repair_scope="whole", calibration=CalibrationConfig(window=1)),
+                                   group=group)
+            ctl(b, 0)
+            res[name + "-repair-loss"] = ctl(b, 1).stats["repair_loss"]
+            res[name + "-thresholds"] = ctl.thresholds
         res["own-id"] = _shared_attempt_id(own)
         res["worker-attempt"] = _worker_attempt()                 # a hooked worker's id (the default group)
         torch.save(res, f"{out}/result.{rank}")
@@ -437,7 +444,8 @@ def test_monitors_trackers_and_controllers_on_a_one_rank_subgroup_see_their_own_
     count are its own batch's; on the default group they are both ranks' (sums add, the MIN field is the smaller).
     Token counts and δ minima are taken from the batches themselves.  Rank, world size and the attempt id come
     from the process group: one attempt id on the default group (rank 0's, broadcast), each rank's own on its
-    one-rank group.
+    one-rank group.  The controller's Gate thresholds calibrated on the group and its Repair loss: on the one-rank
+    group as without a group; on the default group pooled (thresholds) and weighted by repair segment counts (loss).
 
     First the same code runs in this process with a world of one, where the two groups must agree (and so that
     mutmut, which maps tests to the functions they call in the test process, runs this test for them)."""
@@ -449,6 +457,8 @@ def test_monitors_trackers_and_controllers_on_a_one_rank_subgroup_see_their_own_
     assert one["own"] == one["world"] == (b.num_tokens, 2, b.num_tokens) and one["own-tau"] == one["world-tau"]
     assert one["own-tracker"] == one["world-tracker"] == (b.num_tokens, b.delta.min().item())
     assert one["own-repair"] == one["world-repair"] > 0 and one["auto"][:2] == (0, 1)
+    assert one["own-thresholds"] == one["world-thresholds"] == one["alone-thresholds"] is not None
+    assert one["own-repair-loss"] == one["world-repair-loss"] == one["alone-repair-loss"] != 0
 
     mp.spawn(_subgroup_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path)), nprocs=2, join=True)
     res = [torch.load(tmp_path / f"result.{r}") for r in range(2)]
@@ -469,6 +479,17 @@ def test_monitors_trackers_and_controllers_on_a_one_rank_subgroup_see_their_own_
     # the Repair segment count sums over the group
     own = [r["own-repair"] for r in res]
     assert min(own) > 0 and own[0] != own[1] and res[0]["world-repair"] == res[1]["world-repair"] == sum(own)
+    # a controller on its own rank's group calibrates and repairs as one without a group; on the default group the
+    # Gate thresholds are the pooled reference window's (the same on both ranks), and the Repair loss is the ranks'
+    # own losses weighted by their repair segment counts (Σ num / Σ segments)
+    for got in res:
+        assert got["own-thresholds"] == got["alone-thresholds"] and got["own-repair-loss"] == got["alone-repair-loss"]
+    assert res[0]["world-thresholds"] == res[1]["world-thresholds"] != res[0]["own-thresholds"]
+    assert res[0]["own-thresholds"] != res[1]["own-thresholds"]
+    loss = [r["own-repair-loss"] for r in res]
+    assert loss[0] != loss[1]
+    assert res[0]["world-repair-loss"] == res[1]["world-repair-loss"] == pytest.approx(
+        (loss[0] * own[0] + loss[1] * own[1]) / sum(own), rel=1e-5)
     assert [r["auto"][:2] for r in res] == [(0, 2), (1, 2)]
     assert res[0]["auto"][2] == res[1]["auto"][2] and res[0]["worker-attempt"] == res[1]["worker-attempt"]
     assert res[0]["own-auto"][2] != res[1]["own-auto"][2] and res[0]["own-id"] != res[1]["own-id"]
