@@ -681,3 +681,14 @@ def test_the_older_hive_layout_reads_the_latest_attempt_of_each_rank_and_skips_o
                                            "part-1-8.parquet")] + [(r, "part-5.parquet") for r in (10, *range(11, 20))])
     latest = _latest_attempt(sorted(parts[3], key=lambda rf: rf[1].name != "part-x.parquet"))   # part-x first
     assert [f.parent.name for f in latest] == [f"rank={r}" for r in (2, 10, *range(11, 20))]
+
+
+def test_an_empty_step_selection_gives_no_states_and_is_cached_like_any_other(run):
+    """``steps=[]``: no states (a 0-row matrix of the state's width), no null inputs, no error; with ``cache`` the
+    empty result is saved (one cache file) and read back the same."""
+    r, _ = run
+    width = MismatchStats(r.config.metrics).state.numel()
+    for _ in range(2):                                   # computed and saved, then read from the cache
+        st = recompute_states(r, steps=[], cache=True)
+        assert st.steps == [] and st.states.shape == (0, width) and st.taus == [] and st.null_inputs == []
+    assert len(list((r.path / "analysis").glob("states-*.npz"))) == 1
