@@ -692,3 +692,25 @@ def test_an_empty_step_selection_gives_no_states_and_is_cached_like_any_other(ru
         st = recompute_states(r, steps=[], cache=True)
         assert st.steps == [] and st.states.shape == (0, width) and st.taus == [] and st.null_inputs == []
     assert len(list((r.path / "analysis").glob("states-*.npz"))) == 1
+
+
+def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(run, monkeypatch):
+    """``recompute`` and ``recompute_states`` hand ``engine``, ``workers`` and ``address`` to the map over the steps
+    as given (the map is computed in this process here: the spy runs it with the local engine, one worker)."""
+    import triage_monitor.engines as engines
+    r, _ = run
+    seen, real = [], engines.map_ordered
+
+    def spy(fn, items, **kw):
+        seen.append({k: kw[k] for k in ("engine", "workers", "address")})
+        return real(fn, items, **{**kw, "engine": "local", "workers": 1, "address": None})
+
+    monkeypatch.setattr(engines, "map_ordered", spy)
+    recompute(r, workers=3)
+    recompute(r, engine="ray", address="ray://head:10001")
+    recompute_states(r, workers=2)
+    recompute_states(r, engine="ray", address="auto")
+    assert seen == [{"engine": "local", "workers": 3, "address": None},
+                    {"engine": "ray", "workers": 1, "address": "ray://head:10001"},
+                    {"engine": "local", "workers": 2, "address": None},
+                    {"engine": "ray", "workers": 1, "address": "auto"}]
