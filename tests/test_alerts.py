@@ -125,7 +125,7 @@ def test_alert_row_and_text_name_metric_value_threshold_window_step():
     assert row == {"step": 7, "rule": "rho_high", "metric": "window/rho_asym", "value": 2.319,
                    "threshold": 1.45, "window": 25, "level": "ERROR", "title": "triage ERROR: rho_high",
                    "text": a.text}
-    for part in ("window/rho_asym", "2.319", "1.45", "window 25", "step 7", "why."):
+    for part in ("window/rho_asym", "2.319", "1.45", "25-step window", "step 7", "why."):
         assert part in a.text
 
 
@@ -632,9 +632,24 @@ def test_replay_counts_the_rows_it_skips_and_lists_20_columns(caplog):
         replay([r], wide)
 
 
+def test_alert_text_states_the_steps_actually_pooled():
+    """A window value pools the steps the monitor has seen, up to its window: at step 8 of a run that started at 0,
+    9 of the 25; at step 40, the whole window 16–40; a per-step metric aggregated by the engine says how."""
+    eng = AlertEngine([Rule("w", "window/x", "above", 0.5, window=25, cooldown=0)])
+    texts = {}
+    for s in range(41):
+        for a in eng.observe(s, {"window/x": 1.0 if s in (8, 40) else 0.0}):
+            texts[s] = a.text
+    assert texts[8] == "window/x = 1 is above 0.5 at step 8 (pooled over steps 0–8 (9 of a 25-step window); held 1 step)."
+    assert "(pooled over steps 16–40 (25 of a 25-step window); held 1 step)" in texts[40]
+    eng = AlertEngine([Rule("m", "x", "above", 0.5, window=4, agg="max")])
+    (a,) = [a for s in (10, 12, 13) for a in eng.observe(s, {"x": float(s == 13)})]
+    assert a.text == "x = 1 is above 0.5 at step 13 (max over steps 10–13 (3 of a 4-step window); held 1 step)."
+
+
 def test_alert_texts_of_the_baseline_and_trend_conditions():
     """The text states the value, the score with its unit, the direction word, the reference and the threshold."""
-    tail = " (window 1 steps; held 1 step(s))."
+    tail = " (held 1 step)."
     (a,) = AlertEngine([Rule("e", "window/x", "excess", 0.5, baseline=2.0, relative=True)]).observe(
         0, {"window/x": 3.5})
     assert a.value == 0.75 and a.text == ("window/x = 3.5 is 0.75 (relative) above its baseline 2 (first 50 steps; "

@@ -11,10 +11,10 @@ LAYERS = [
     ("metrics",),
     ("corrections", "controller", "loss"),
     ("records",),
-    ("monitor", "wandb_logger"),
+    ("alert_rules", "references", "alerts", "trackers", "wandb_logger", "tensorboard_logger", "mlflow_logger"),
+    ("monitor",),
     ("engines", "analysis", "stages"),
-    ("alert_rules",),
-    ("alerts", "views", "report", "dashboards", "importers", "nvfp4", "demo"),
+    ("verdict", "views", "report", "dashboards", "importers", "nvfp4", "demo"),
     ("cli", "__main__"),
 ]
 LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}

@@ -182,10 +182,16 @@ def test_overlay_and_run_selection(monkeypatch, demo_run_dir, demo_run_dir_none)
     d = charts(at)["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"]
     none_live = open_run(demo_run_dir_none).steps()
     np.testing.assert_array_equal(y(trace(d, run=b, column="rho_asym")), none_live["window/rho_asym"].to_numpy(float))
-    assert {t["meta"]["run"] for t in d["data"] if "meta" in t} == {a, b}
+    assert {t["meta"]["run"] for t in d["data"] if "run" in t.get("meta", {})} == {a, b}
+    # the published healthy band and the shipped alert thresholds on window rho_asym, named in the legend
+    guides = {t["meta"]["guide"]: t["meta"]["value"] for t in d["data"] if "guide" in t.get("meta", {})}
+    assert guides == {"healthy": [1.023, 1.337], "rho_asym_high": 1.45, "rho_asym_critical": 1.8}
+    shapes = d["layout"]["shapes"]
+    assert [(x["y0"], x["y1"]) for x in shapes if x["type"] == "rect"] == [(1.023, 1.337)]
+    assert sorted(x["y0"] for x in shapes if x["type"] == "line" and x["y0"] == x["y1"]) == [1.0, 1.45, 1.8]
     at.multiselect(key="overlay").set_value([str(demo_run_dir)]).run()
     d = charts(at)["Direction: ρ_asym = mass(A⁻) / mass(A⁺)"]
-    assert {t["meta"]["run"] for t in d["data"] if "meta" in t} == {a}
+    assert {t["meta"]["run"] for t in d["data"] if "run" in t.get("meta", {})} == {a}
     # the inspected run drives the overview and the step sections
     at.selectbox(key="primary").set_value(str(demo_run_dir_none)).run()
     assert_ok(at)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -99,6 +100,25 @@ class CallbackSink:
 
 
 # ---------------------------------------------------------------------------------------- engine
+@dataclass(frozen=True)
+class RuleStatus:
+    """What one rule did over the steps an engine observed (:meth:`AlertEngine.status`).
+
+    ``evaluated``: steps where its condition was tested; ``noise``: steps its noise guard held it back;
+    ``fired``: alerts it raised; ``active``: fired and not cleared at the last step; ``evaluable_from``: the
+    first step at which it can evaluate (its look-backs or baseline exist; None for a rule whose metric never
+    had a value); ``reason``: why it did not evaluate ("" when it did)."""
+
+    name: str
+    group: str
+    evaluated: int
+    noise: int
+    fired: int
+    active: bool
+    evaluable_from: Optional[int]
+    reason: str
+
+
 @dataclass
 class _State:
     streak: int = 0
@@ -140,6 +160,8 @@ class AlertEngine:
         self._cols = {m: [] for m in self._metrics}         # raw per-step values
         self._vals = {r.name: [] for r in self.rules}         # tested value per step
         self._state = {r.name: _State(baseline=r.baseline) for r in self.rules}
+        self._evaluated = {r.name: 0 for r in self.rules}
+        self._present: set = set()                             # metrics that appeared in some step
         #: rule name -> steps at which its guard held it back (noise level), in order
         self.noise_steps: dict[str, list[int]] = {r.name: [] for r in self.rules if r.guard_metric}
 
@@ -182,6 +204,7 @@ class AlertEngine:
         self._steps.append(step)
         for m in self._metrics:
             self._cols[m].append(_as_float(metrics.get(m)))
+        self._present.update(m for m in self._metrics if m in metrics)
         out = []
         for r in self.rules:
             v = self._value(r)
@@ -225,6 +248,7 @@ class AlertEngine:
         holds, score, detail = self._evaluate(r, st, step, v)
         if holds is None:
             return None
+        self._evaluated[r.name] += 1
         if not holds:
             if st.active:
                 log.info("alerts: %s cleared at step %d: no longer true that %s", r.name, step, detail)
@@ -237,10 +261,23 @@ class AlertEngine:
             return None
         st.active, st.last_fire = True, step
         title = f"triage {r.level}: {r.name}"[:64]
-        text = (f"{detail} at step {step} (window {r.window} steps; held {st.streak} step(s)).")
+        held = f"held {st.streak} step{'s' if st.streak != 1 else ''}"
+        text = f"{detail} at step {step} ({self._pooled(r, step)}{held})."
         if r.note:
             text += f" {r.note}"
         return Alert(step, r.name, r.metric, score, r.threshold, r.window, r.level, title, text, float(r.wait_s))
+
+    def _pooled(self, r: Rule, step: int) -> str:
+        """Which steps the tested value pools, as alert text: ``"pooled over steps 0–8 (9 of a 25-step window); "``
+        for a ``window/`` metric (the monitor pools the steps it has seen, up to its window: a job's first steps,
+        or a resumed job's, pool fewer), the aggregation for a per-step metric, nothing for a one-step rule."""
+        if r.window == 1:
+            return ""
+        lo = bisect.bisect_right(self._steps, step - r.window)
+        n, first = len(self._steps) - lo, self._steps[lo]
+        how = "pooled over" if r.metric.startswith("window/") else f"{r.agg} over"
+        span = f"step {step} only" if n == 1 else f"steps {first}–{step}"
+        return f"{how} {span} ({n} of a {r.window}-step window); "
 
     def _evaluate(self, r: Rule, st: _State, step: int, v: float):
         """-> (holds or None when not evaluable, score, human-readable detail)."""
@@ -293,6 +330,55 @@ class AlertEngine:
             f"{m} {word} {path} over {r.k} window(s) of {r.window} steps "
             f"(change {_fmt(score)}{unit}, threshold {_fmt(thr)})")
 
+    # ---- which rules could evaluate
+    def evaluable_from(self, r: Rule) -> Optional[int]:
+        """The first step at which ``r`` can evaluate, given the first step observed (None before any step):
+        a rising/falling rule needs ``k`` look-backs of ``window`` steps (after the first full window with
+        ``full_window``), an excess/deficit rule its baseline steps; the others the first step."""
+        if not self._steps:
+            return None
+        first = self._steps[0]
+        if r.condition in ("rising", "falling"):
+            return first + r.k * r.window + (r.window - 1 if r.full_window else 0)
+        if r.condition in ("excess", "deficit") and r.baseline is None:
+            return first + r.baseline_steps
+        return first
+
+    def _why_not(self, r: Rule) -> str:
+        if not self._steps:
+            return "no step observed"
+        if r.metric not in self._present:
+            return f"metric {r.metric} is not in the metrics"
+        if not any(math.isfinite(x) for x in self._cols[r.metric]):
+            return f"metric {r.metric} never had a finite value"
+        start, last = self.evaluable_from(r), self._steps[-1]
+        if start > last:
+            if r.condition in ("rising", "falling"):
+                need = (f"{r.k} look-back(s) of {r.window} steps" + (" after the first full window" if r.full_window
+                                                                        else ""))
+            else:
+                need = f"a baseline over the first {r.baseline_steps} steps"
+            return f"not evaluable before step {start} (needs {need})"
+        noise = self.noise_steps.get(r.name, [])
+        if noise:
+            return (f"held back at noise level on {len(noise)} step(s) ({r.guard_metric} < {r.guard_min:g}: learner "
+                    f"and sampler agree to rounding)")
+        return f"{r.metric} had no finite value at the steps from {start} on"
+
+    def status(self) -> list:
+        """One :class:`RuleStatus` per rule, in rule order: which rules evaluated, which could not yet and why."""
+        fired: dict = {}
+        for a in self.fired:
+            fired[a.rule] = fired.get(a.rule, 0) + 1
+        out = []
+        for r in self.rules:
+            n = self._evaluated[r.name]
+            out.append(RuleStatus(r.name, r.group, n, len(self.noise_steps.get(r.name, [])), fired.get(r.name, 0),
+                                  self._state[r.name].active,
+                                  self.evaluable_from(r) if r.metric in self._present else None,
+                                  "" if n else self._why_not(r)))
+        return out
+
     # ---- sinks
     def _send(self, alert: Alert) -> None:
         for s in self.sinks:
@@ -328,6 +414,48 @@ def _as_float(x: Any) -> float:
         return float(x)
     except (TypeError, ValueError):
         return math.nan
+
+
+# ------------------------------------------------------------------------------- building an engine
+def check_alerts_setting(alerts, where: str = "alerts"):
+    """Validate an ``alerts=`` setting that must travel as configuration (a hook's settings): ``None`` /
+    ``True`` (the shipped default rules), ``False`` (no rules), a rule file path, or a list of
+    :class:`Rule` (or mappings of rule fields).  Returns it with mappings turned into rules.
+
+    Raises:
+        ValueError: a live engine or anything else, naming ``where`` and the value; a bad rule (its field).
+    """
+    if alerts is None or isinstance(alerts, bool):
+        return alerts
+    if isinstance(alerts, (str, os.PathLike)):
+        return os.fspath(alerts)
+    if isinstance(alerts, (list, tuple)):
+        return [r if isinstance(r, Rule) else Rule.from_dict(r, where=f"{where}[{i}]") for i, r in enumerate(alerts)]
+    raise ValueError(f"{where}={alerts!r}: give True (the shipped default rules), False (none), a rule file path or "
+                     f"a list of rules; a live AlertEngine cannot travel into a worker process")
+
+
+def build_engine(alerts=None, sinks: Sequence[Any] = ()) -> Optional["AlertEngine"]:
+    """The alert engine an ``alerts=`` setting asks for (``MismatchMonitor``'s, a hook's).
+
+    Args:
+        alerts: ``None`` or ``True``: the shipped default rules (:func:`default_rules`); ``False``: no engine;
+            a rule file path (:func:`load_rules`); a list of :class:`Rule` (or mappings of rule fields); or a
+            live engine (anything with ``observe``), returned as it is with its own sinks.
+        sinks: sinks of an engine built here, after a :class:`LoggingSink` (each alert once as a log line at its
+            level: WARN and ERROR reach stderr under Python's default logging).
+
+    Raises:
+        ValueError: a setting of another kind, a bad rule or rule file (naming the field).
+        FileNotFoundError: a rule file that does not exist.
+    """
+    if alerts is False:
+        return None
+    if alerts is not None and not isinstance(alerts, bool) and hasattr(alerts, "observe"):
+        return alerts
+    alerts = check_alerts_setting(alerts)
+    rules = load_rules(alerts) if isinstance(alerts, str) else default_rules() if alerts in (None, True) else alerts
+    return AlertEngine(rules, sinks=[LoggingSink(), *sinks])
 
 
 # ---------------------------------------------------------------------------------------- replay
@@ -397,5 +525,5 @@ def normalize_columns(frame):
     return frame.rename(columns=ren) if ren else frame
 
 
-__all__ = ["Rule", "Alert", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
-           "replay", "replay_engine", "normalize_columns", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS"]
+__all__ = ["Rule", "Alert", "RuleStatus", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
+           "replay", "replay_engine", "normalize_columns", "build_engine", "check_alerts_setting", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS"]

@@ -138,7 +138,7 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from . import exits
-    from .analysis import RunDirError, compare_live, open_run, recompute
+    from .analysis import RunDirError, open_run, recompute
 
     console = Console()
     if not console.is_terminal:
@@ -188,6 +188,32 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
                   f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
     live = run.steps() if args.window is None and args.tau_tail is None else None
     exits.report_unreadable("analyze", run)
+    verdict = _verdict(live if live is not None and not live.empty else df)
+    try:
+        return _compare_with_live(console, run, df, live)
+    finally:
+        console.print(verdict.line, style=_VERDICT_STYLE[verdict.level], highlight=False)
+
+
+#: rich styles of the verdict levels
+_VERDICT_STYLE = {"NO SIGNAL": "dim", "OK": "green", "WATCH": "yellow", "WARNING": "bold yellow",
+                  "CRITICAL": "bold red"}
+
+
+def _verdict(frame, rules=None):
+    """The run's health verdict (:func:`triage_monitor.verdict.health_verdict`) after replaying ``rules``
+    (default: the shipped ones) over ``frame``."""
+    from .alerts import replay_engine
+    from .verdict import health_verdict
+
+    return health_verdict(frame, replay_engine(rules, frame))
+
+
+def _compare_with_live(console, run, df, live) -> int:
+    """The recomputation check: the recomputed table ``df`` against the live steps; returns the exit code."""
+    from . import exits
+    from .analysis import compare_live
+
     if live is None or live.empty:
         return exits.OK
     cmp = compare_live(run, df, live=live)
@@ -199,7 +225,8 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
                       "holding them) are not compared (--tau-mode live replays the provisional values)")
     bad = cmp[~cmp["equal"]]
     if bad.empty:
-        console.print(f"[green]all {len(cmp)} metrics equal the live values[/green]")
+        console.print(f"[green]recomputation check: all {len(cmp)} metrics recomputed from tokens/ equal the live "
+                      f"values (the records are complete)[/green]")
         return exits.OK
     explained, reasons = resume_explanations(run, live, df)
     skipped = _provisional_skips(live, df, int(df.attrs.get("window") or run.config.window))
@@ -389,6 +416,16 @@ def alerts_run_cli(args: argparse.Namespace) -> int:
               f"noise) held back " + ", ".join(f"{n} on {len(s)} step(s)" for n, s in noise.items()), file=sys.stderr)
     if absent:
         print(f"note: metric(s) absent from the history, their rules never evaluated: {absent}", file=sys.stderr)
+    from .verdict import health_verdict
+
+    verdict = health_verdict(frame, engine)
+    out = sys.stdout if args.format == "table" else sys.stderr   # csv / json stay machine-readable
+    waiting = [(n, why) for n, why in verdict.not_evaluable if why.startswith("not evaluable")]
+    if waiting:
+        print(f"{len(waiting)} rule(s) could not evaluate yet over these {len(frame)} step(s):", file=out)
+        for n, why in waiting:
+            print(f"  {n}: {why}", file=out)
+    print(verdict.line, file=out)
     return exits.FINDING if rows else exits.OK
 
 

@@ -7,9 +7,14 @@
     mon.close()
 
 Per step it computes the docs/metrics.md#steps-and-windows metrics (per step and over the trailing
-window, keys ``name`` and ``window/name``), queues the valid tokens and the
-metric row for the background Parquet writer (the caller only pays for a
-host copy), and feeds the optional loggers (W&B, ...) and alert engine.
+window, keys ``name`` and ``window/name``), evaluates the alert rules (the shipped defaults unless told
+otherwise: docs/alerts.md), queues the valid tokens and the metric row for the background Parquet writer (the
+caller only pays for a host copy), and feeds the optional trackers (W&B, TensorBoard, MLflow:
+:mod:`triage_monitor.trackers`).
+
+Alerts and trackers are rank 0's: in a multi-rank job every rank writes its own records, but only rank 0 —
+whose metrics are the globally all-reduced ones under ``torch.distributed`` — evaluates the rules and calls the
+trackers, so each alert is raised, logged and sent once per job, not once per rank.
 
 Monitoring I/O and sinks never raise into the training loop: failures are
 counted, reported once and skipped.  Invalid training data does raise
@@ -38,11 +43,13 @@ import numpy as np
 import torch
 
 from . import __version__
+from .alerts import build_engine
 from .alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
 from .metrics import METRIC_NAMES, MetricTracker
 from .records import MANIFEST, TOKEN_SCHEMA, RunWriter, new_attempt_id
+from .trackers import build_trackers
 
 log = logging.getLogger("triage_monitor")
 
@@ -62,12 +69,15 @@ QUARANTINE_METRICS = {
 #: ``alignment_shift`` and ``alignment_ratio`` (:func:`~triage_monitor.alignment.check_alignment`).
 INTEGRITY_METRICS = (*QUARANTINE_METRICS, "quarantined_count", "zero_logp_count", "padding_run_count",
                      "padding_run_tokens", "offset_response_count", "empty_response_count", "writer_dropped_rows")
+#: The alert state of the step: the number of rules that fired and have not cleared (rank 0; NaN on the other
+#: ranks and without rules), so trackers and charts can overlay it (docs/alerts.md#trackers).
+ALERT_STATE = "alerts_active"
 STATE_VERSION = 1
 
 
 #: Keys the monitor computes; an ``extra`` passed to log_step may not reuse them.
 RESERVED_KEYS = frozenset({"step", "tau_tail_frozen", "alignment_suspect", "alignment_shift", "alignment_ratio",
-                           *INTEGRITY_METRICS, *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)})
+                           ALERT_STATE, *INTEGRITY_METRICS, *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)})
 
 
 class MismatchMonitor:
@@ -80,9 +90,16 @@ class MismatchMonitor:
         config: :class:`MonitorConfig`.
         manifest: free-form facts stored in ``run.json`` (model, recipes,
             correction, framework, user config ...).  Must be JSON-serialisable.
-        loggers: objects with ``log_metrics(step, metrics)`` and ``close()`` (e.g. W&B).
-        alerts: an engine with ``observe(step, metrics) -> list`` of alerts
-            (each with ``to_row() -> dict``) and ``close()``.
+        loggers: trackers: objects with ``log_metrics(step, metrics)`` and ``close()`` (e.g.
+            :class:`~triage_monitor.wandb_logger.WandbLogger`), or tracker configuration
+            (``"tensorboard"``, ``{"kind": "mlflow", ...}``, :class:`~triage_monitor.trackers.TrackerSpec`),
+            built here.  Called on rank 0 only; a tracker with ``emit(alert)`` also receives the alerts of an
+            engine built here.
+        alerts: the alert rules evaluated live (:func:`~triage_monitor.alerts.build_engine`): None (default)
+            or True — the shipped default rules, each alert logged once as a warning line, written to the run's
+            ``alerts/`` table and sent to the trackers; False — none; a rule file path or a list of rules;
+            or your own engine (anything with ``observe(step, metrics) -> list`` of alerts with ``to_row()``,
+            and ``close()``; its sinks are yours).  Evaluated on rank 0 only.
         rank: this process's rank (default: torch.distributed rank, else 0).
         group: torch.distributed process group for global metrics (default:
             the world group when torch.distributed is initialised).
@@ -115,8 +132,11 @@ class MismatchMonitor:
             self.attempt = int(attempt)
         else:
             self.attempt = _shared_attempt_id(group) if dist_on and self.world_size > 1 else new_attempt_id()
-        self.loggers = list(loggers)
-        self.alerts = alerts
+        #: rank 0 reports: it evaluates the rules and calls the trackers (its metrics are the global ones)
+        self.reports = self.rank == 0
+        self.loggers = build_trackers(loggers) if self.reports else []
+        self.alerts = (build_engine(alerts, sinks=[lg for lg in self.loggers if hasattr(lg, "emit")])
+                       if self.reports else None)
         self._failed_sinks: set = set()
         self.tracker = MetricTracker(self.config.metrics, self.config.window, self.config.tau_tail,
                                      self.config.calibration_steps, self.config.metrics_device)
@@ -208,8 +228,12 @@ class MismatchMonitor:
         metrics.update({f"window/{k}": v for k, v in win_res.values.items()})
         metrics.update(extra)
         reasons = {**step_res.nan_reasons, **{f"window/{k}": r for k, r in win_res.nan_reasons.items()}}
+        fired = self._evaluate_alerts(step, metrics)
         self._record(step, batch, metrics, reasons, token_extras)
-        self._report(step, metrics)
+        if fired:
+            self.writer.record_alerts(step, [a.to_row() if hasattr(a, "to_row") else dict(a) for a in fired])
+        for lg in self.loggers:
+            self._guard(lg, "log_metrics", step, metrics)
         self.steps_logged += 1
         self._last_step = step
         return metrics
@@ -269,12 +293,16 @@ class MismatchMonitor:
     def _record(self, step, batch: TokenBatch, metrics: dict, reasons: dict, token_extras) -> None:
         self.writer.record_step(step, batch, metrics, reasons, token_extras, self.config.record_tokens)
 
-    def _report(self, step: int, metrics: dict) -> None:
-        for lg in self.loggers:
-            self._guard(lg, "log_metrics", step, metrics)
-        if self.alerts is not None:
-            fired = self._guard(self.alerts, "observe", step, metrics) or []
-            self.writer.record_alerts(step, [a.to_row() if hasattr(a, "to_row") else dict(a) for a in fired])
+    def _evaluate_alerts(self, step: int, metrics: dict) -> list:
+        """Run the rules on the step's metrics (rank 0) and add :data:`ALERT_STATE` to ``metrics``;
+        returns the alerts fired at this step."""
+        if self.alerts is None:
+            metrics[ALERT_STATE] = float("nan")
+            return []
+        fired = self._guard(self.alerts, "observe", step, metrics) or []
+        active = getattr(self.alerts, "active", None)
+        metrics[ALERT_STATE] = float(len(active)) if active is not None else float("nan")
+        return fired
 
     def _guard(self, obj, method: str, *args):
         key = (id(obj), method)

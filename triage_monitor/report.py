@@ -21,7 +21,9 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
+from .alerts import replay_engine
 from .analysis import Run, RunDirError, open_run, postmortem_frame
+from .verdict import health_verdict
 from .stages import degenerate_notice, format_stage_table, stage_table
 from . import exits, views
 
@@ -48,6 +50,12 @@ font-size: 13px; color: #78350f;}
 table.facts td {text-align: left; white-space: normal;} table.facts td:first-child {width: 180px; color: #374151;}
 .note {color: #4b5563; font-size: 12.5px; margin-top: 6px;}
 .scroll {overflow-x: auto;}
+.verdict {border-radius: 6px; padding: 10px 14px; margin: 8px 0 4px; font-size: 14px; font-weight: 600;
+border: 1px solid #d1d5db; background: #f3f4f6;}
+.verdict-ok {background: #ecfdf5; border-color: #10b981; color: #065f46;}
+.verdict-watch {background: #fffbeb; border-color: #f59e0b; color: #78350f;}
+.verdict-warning {background: #fff7ed; border-color: #ea580c; color: #7c2d12;}
+.verdict-critical {background: #fef2f2; border-color: #dc2626; color: #7f1d1d;}
 """
 
 
@@ -96,6 +104,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
         raise ValueError(f"{run.path}: the run has no recorded steps yet, nothing to report")
     alerts = run.alerts()
     ov = views.run_overview(run, steps, alerts)
+    verdict = health_verdict(steps, replay_engine(None, steps))
     win = int(window or run.config.window)
     frames, alert_frames = {}, {}
     names = [r.path.name for r in runs]
@@ -160,12 +169,14 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
 <div class="sub">generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from <code>{html.escape(ov['path'])}</code>
 {overlay}</div>
 {unreadable_html}
+<div class="verdict verdict-{verdict.level.lower().replace(' ', '-')}">{html.escape(verdict.line)}</div>
 <h2>Overview</h2><div class="cards">{card_html}</div>
 <table class="facts" style="margin-top:14px">{facts}</table>
 {alert_html}
 <h2>Time series, quadrants and localisation</h2>
 <div class="note">Pooled trailing {win}-step windows (raw sums of the window, docs/metrics.md#steps-and-windows); reward and controller
-columns are trailing means of the per-step values; alerts as ▼ markers.</div>
+columns are trailing means of the per-step values; alerts as ▼ markers. On the ρ_asym chart the green band is the
+published healthy range (1.023 dense 4B – 1.337 MoE 30B) and the dashed lines are the shipped alert thresholds.</div>
 <div class="grid">{charts}</div>
 <h2>Stages (docs/metrics.md#stages)</h2>
 {notice_html}

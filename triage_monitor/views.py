@@ -76,12 +76,14 @@ def _values(s: pd.Series, scale: float) -> list:
 
 
 def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool = False, window_steps: int = 25,
-                      alerts: Optional[Mapping[str, pd.DataFrame]] = None) -> Optional[go.Figure]:
+                      alerts: Optional[Mapping[str, pd.DataFrame]] = None, rules=None) -> Optional[go.Figure]:
     """One time-series panel of :data:`PANELS` over steps, every run of ``runs`` (label -> metric frame)
-    overlaid; alerts of ``alerts`` (label -> alert rows) drawn as markers on the first series.
+    overlaid; alerts of ``alerts`` (label -> alert rows) drawn as markers on the first series.  The direction
+    panel also carries the healthy ρ_asym band and the alert thresholds of ``rules`` (None: the shipped
+    defaults; :func:`add_rho_asym_guides`).
 
-    Trace ``meta`` = ``{"run", "column", "window", "scale"}`` (alerts: ``{"run", "alerts": True}``).
-    Returns None when no run has any column of the panel.
+    Trace ``meta`` = ``{"run", "column", "window", "scale"}`` (alerts: ``{"run", "alerts": True}``; guides:
+    ``{"guide": "healthy" | <rule name>, "value": ...}``).  Returns None when no run has any column of the panel.
     """
     title, cols, ytitle, ref = PANELS[panel]
     fig = go.Figure()
@@ -122,10 +124,39 @@ def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool
     if ref is not None:
         fig.add_hline(y=ref, line=dict(color="#6b7280", dash="dash", width=1), annotation_text=f"{ref:g}",
                       annotation_position="top left")
+    if panel == "direction":
+        add_rho_asym_guides(fig, rules)
     _layout(fig, title + (f" · {window_steps}-step window" if window else " · per step"), height=360,
             margin=dict(l=60, r=36, t=46, b=40 + 22 * math.ceil(len(fig.data) / 2)))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text=ytitle)
+    return fig
+
+
+def add_rho_asym_guides(fig: go.Figure, rules=None, row=None, col=None) -> go.Figure:
+    """Draw on a ρ_asym chart the healthy band of the published runs and the alert thresholds on window ρ_asym.
+
+    The band spans :data:`~triage_monitor.references.RHO_ASYM_HEALTHY` (1.023 dense 4B to 1.337 MoE 30B,
+    docs/metrics.md#rho_asym); each ``above`` rule on ``window/rho_asym`` of ``rules`` (None: the shipped
+    defaults, 1.45 WARN and 1.8 ERROR) is a dashed line.  Each guide also gets a legend entry (a trace with
+    ``meta["guide"]``), so the page says what the lines are.  ``row`` / ``col`` address a subplot.
+    Returns ``fig``.
+    """
+    from .references import RHO_ASYM_HEALTHY, rho_asym_thresholds
+
+    lo, hi = RHO_ASYM_HEALTHY
+    where = {} if row is None else {"row": row, "col": col}
+    fig.add_hrect(y0=lo, y1=hi, fillcolor="#10b981", opacity=0.12, line_width=0, layer="below", **where)
+    first = row in (None, 1)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"healthy ρ_asym {lo:g}–{hi:g} (published)",
+                             line=dict(color="#10b981", width=8), opacity=0.35, hoverinfo="skip",
+                             showlegend=first, meta={"guide": "healthy", "value": [lo, hi]}), **where)
+    for value, name, level in rho_asym_thresholds(rules):
+        color = "#b91c1c" if level == "ERROR" else "#d97706"
+        fig.add_hline(y=value, line=dict(color=color, dash="dash", width=1), **where)
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"alert {name} > {value:g} ({level})",
+                                 line=dict(color=color, dash="dash", width=1), hoverinfo="skip", showlegend=first,
+                                 meta={"guide": name, "value": value}), **where)
     return fig
 
 

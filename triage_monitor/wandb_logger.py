@@ -4,10 +4,11 @@
 :class:`WandbAlertSink` turn into no-ops and say so once (a logging warning);
 nothing else in triage-monitor needs it.
 
-Logging layout: every metric ``name`` of a step goes to ``triage/<name>``
-(``window/rho_asym`` -> ``triage/window/rho_asym``) together with
+Logging layout: the curated metrics of a step (:data:`triage_monitor.trackers.CURATED_KEYS`; ``keys="all"``
+for every metric) go to ``triage/<name>`` (``window/rho_asym`` -> ``triage/window/rho_asym``) together with
 ``triage/step``, which ``wandb.Run.define_metric`` declares the x-axis of
-``triage/*``.  The logger never passes ``step=`` to ``wandb.Run.log``: W&B's
+``triage/*``.  The logger is also an alert sink: :meth:`WandbLogger.emit` sends an alert with
+``wandb.Run.alert`` (what :class:`WandbAlertSink` does for a run you hold yourself).  The logger never passes ``step=`` to ``wandb.Run.log``: W&B's
 own ``_step`` must increase, and a resumed job repeats training steps, so a
 repeated step is logged again as a new history row with the same
 ``triage/step`` (charts plot the later point over the earlier one; the
@@ -23,9 +24,9 @@ import logging
 import math
 from typing import Any, Mapping, Optional
 
-log = logging.getLogger("triage_monitor.wandb")
+from .trackers import PREFIX, check_keys, select_metrics
 
-PREFIX = "triage/"
+log = logging.getLogger("triage_monitor.wandb")
 _missing_reported = False
 
 
@@ -74,14 +75,21 @@ class WandbLogger:
         init_kwargs: passed to ``wandb.init`` (default ``project="triage-monitor"``).
         start: allow starting a run when none is given or active (tried once; a failure
             is reported and the logger stays inactive).
+        keys: the metrics logged: ``"curated"`` (default, :data:`~triage_monitor.trackers.CURATED_KEYS`),
+            ``"all"``, or a list of names.
 
     ``log_metrics(step, metrics)``: step is an int; metrics ``dict[str, float]``
-    (NaN allowed: logged as NaN; a value that is not a number is skipped).
+    (NaN allowed: logged as NaN; a value that is not a number is skipped).  ``emit(alert)``: the alert as a
+    W&B alert (:class:`WandbAlertSink`).
+
+    Raises:
+        ValueError: a bad ``keys`` selection.
     """
 
     def __init__(self, run=None, *, config: Optional[Mapping] = None, prefix: str = PREFIX,
-                 init_kwargs: Optional[Mapping] = None, start: bool = True):
+                 init_kwargs: Optional[Mapping] = None, start: bool = True, keys="curated"):
         self.prefix, self.start = prefix, start
+        self.keys = check_keys(keys)
         self.init_kwargs = dict(init_kwargs or {"project": "triage-monitor"})
         self._run, self._owned, self._defined = run, False, False
         self._pending_config = dict(config) if config else None
@@ -128,24 +136,22 @@ class WandbLogger:
         if not self._defined:
             self._setup(run)
         row = {self.prefix + "step": int(step)}
-        for k, v in metrics.items():
-            if k == "step":
-                continue
-            try:
-                row[self.prefix + k] = float(v)
-            except (TypeError, ValueError):
-                self._guard(f"metric {k!r} is not a number", _raise, k, v)
+        row.update((self.prefix + k, v) for k, v in select_metrics(metrics, self.keys).items())
         self._guard("run.log", run.log, row)
+
+    def emit(self, alert) -> None:
+        """Send one alert as a W&B alert on this logger's run (:class:`WandbAlertSink`)."""
+        if self._sink is None:
+            self._sink = WandbAlertSink(self)
+        self._sink.emit(alert)
+
+    _sink = None
 
     def close(self) -> None:
         """Finish the run if this logger started it."""
         if self._owned and self._run is not None:
             self._guard("run.finish", self._run.finish)
         self._owned = False
-
-
-def _raise(k, v):
-    raise TypeError(f"metric {k!r} = {v!r} cannot be logged as a float")
 
 
 class WandbAlertSink:

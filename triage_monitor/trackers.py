@@ -1,0 +1,205 @@
+"""Trackers: where a step's metrics and alerts go besides the run directory (W&B, TensorBoard, MLflow).
+
+A tracker is any object with ``log_metrics(step, metrics)`` and ``close()`` (:class:`MetricLogger`); one that
+also has ``emit(alert)`` (:class:`AlertObserver`) receives every alert the monitor's rules raise, and one with
+``log_config(mapping)`` receives the run's manifest once.  The shipped ones are lazily imported, optional, and
+never raise into the training loop:
+
+==============  ====================================================  ==================================
+``wandb``       :class:`triage_monitor.wandb_logger.WandbLogger`       metrics; ``wandb.Run.alert``
+``tensorboard`` :class:`triage_monitor.tensorboard_logger.TensorBoardLogger`  scalars; alert text
+``mlflow``      :class:`triage_monitor.mlflow_logger.MLflowLogger`     metrics; alert tags + text artifacts
+==============  ====================================================  ==================================
+
+**Which keys.**  A tracker logs the curated set :data:`CURATED_KEYS` by default — the handful a person reads
+on a dashboard: direction (window and step ρ_asym), magnitude (small-gap share, k3 KL, mean |δ|), localisation
+(C_tok), the Gate's activity and the number of active alerts — each as ``triage/<name>``; ``keys="all"`` logs
+every metric of the step, or give the names (docs/alerts.md#trackers).
+
+**Configuration, not objects.**  A framework hook runs in processes it does not create (Ray workers), so
+trackers are given to it as :class:`TrackerSpec` (or its plain forms: ``"tensorboard"``,
+``{"kind": "mlflow", "keys": "all", "tracking_uri": ...}``), which pickle; :func:`build_trackers` turns them
+into live trackers in the process that logs (rank 0).
+
+This module imports no tracker library; each tracker module imports its own on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
+
+#: Key prefix of every metric in a tracker (``window/rho_asym`` -> ``triage/window/rho_asym``).
+PREFIX = "triage/"
+
+#: The default metric set of every tracker and of the frameworks' own loggers (docs/alerts.md#trackers).
+CURATED_KEYS = ("window/rho_asym", "rho_asym", "window/small_gap_share", "window/k3_kl", "window/c_tok",
+                "delta_abs_mean", "gate_downweighted_frac", "alerts_active")
+
+#: Tracker kinds and the ``module:Class`` that implements each.
+KINDS = {"wandb": "triage_monitor.wandb_logger:WandbLogger",
+         "tensorboard": "triage_monitor.tensorboard_logger:TensorBoardLogger",
+         "mlflow": "triage_monitor.mlflow_logger:MLflowLogger"}
+
+Keys = Union[str, Sequence[str]]
+
+
+@runtime_checkable
+class MetricLogger(Protocol):
+    """What the monitor calls on a tracker every step (rank 0) and at the end."""
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class AlertObserver(Protocol):
+    """What the alert engine calls for every alert raised (an alert sink)."""
+
+    def emit(self, alert) -> None: ...
+
+
+def check_keys(keys: Keys, where: str = "keys") -> Keys:
+    """Validate a key selection: ``"curated"``, ``"all"`` or a sequence of metric names.
+
+    Raises:
+        ValueError: anything else, naming ``where`` and the value.
+    """
+    if isinstance(keys, str):
+        if keys not in ("curated", "all"):
+            raise ValueError(f"{where}={keys!r}: use 'curated', 'all' or a list of metric names")
+        return keys
+    names = tuple(keys)
+    if not names or not all(isinstance(k, str) and k for k in names):
+        raise ValueError(f"{where}={keys!r}: use 'curated', 'all' or a non-empty list of metric names")
+    return names
+
+
+def select_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
+    """The metrics a tracker logs: ``keys`` of ``metrics`` (``"curated"``: :data:`CURATED_KEYS`; ``"all"``:
+    every key but ``step``), as floats; keys that are absent or not numbers are left out, NaN is kept.
+
+    Args:
+        metrics: the monitor's step metrics (``MismatchMonitor.log_step``'s return value).
+        keys: see :func:`check_keys`.
+
+    Returns:
+        ``{name: float}`` without the prefix, in the order of ``keys`` (``"all"``: sorted by name).
+    """
+    keys = check_keys(keys)
+    names = CURATED_KEYS if keys == "curated" else sorted(k for k in metrics if k != "step") if keys == "all" \
+        else keys
+    out = {}
+    for k in names:
+        v = metrics.get(k)
+        if v is None or isinstance(v, bool):
+            continue
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def framework_metrics(metrics: Optional[Mapping[str, Any]], keys: Keys = "curated", prefix: str = PREFIX) -> dict:
+    """The metrics a framework hook hands to the framework's own logger: :func:`select_metrics` under
+    ``prefix`` (``triage/``, so they never collide with a framework's names), NaN values left out (a
+    framework's reducer would spread them), plus ``triage/metrics_step``: the monitored step they belong to.
+
+    Args:
+        metrics: the last logged step's metrics (None: nothing logged yet -> ``{}``).
+    """
+    if not metrics:
+        return {}
+    out = {prefix + k: v for k, v in select_metrics(metrics, keys).items() if math.isfinite(v)}
+    if "step" in metrics and out:
+        out[prefix + "metrics_step"] = float(metrics["step"])
+    return out
+
+
+@dataclass(frozen=True)
+class TrackerSpec:
+    """A tracker as picklable configuration (framework hooks build the live tracker in the logging process).
+
+    Args:
+        kind: a key of :data:`KINDS`.
+        keys: metrics to log (:func:`check_keys`; default the curated set).
+        options: keyword arguments of the tracker class (e.g. ``log_dir`` for TensorBoard, ``tracking_uri`` /
+            ``experiment`` for MLflow, ``init_kwargs`` for W&B); plain values only.
+
+    Raises:
+        ValueError: an unknown kind or a bad key selection.
+    """
+
+    kind: str
+    keys: Keys = "curated"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"tracker kind {self.kind!r} is not one of {sorted(KINDS)}")
+        object.__setattr__(self, "keys", check_keys(self.keys, f"tracker {self.kind!r} keys"))
+        object.__setattr__(self, "options", dict(self.options))
+
+    @classmethod
+    def parse(cls, item) -> "TrackerSpec":
+        """A spec from its plain forms: a spec, a kind name (``"tensorboard"``), or a mapping with ``kind``
+        (and ``keys``; every other entry is an option).
+
+        Raises:
+            ValueError: anything else (naming it), an unknown kind, a bad key selection.
+        """
+        if isinstance(item, cls):
+            return item
+        if isinstance(item, str):
+            return cls(item)
+        if isinstance(item, Mapping) and "kind" in item:
+            opts = {k: v for k, v in item.items() if k not in ("kind", "keys")}
+            return cls(item["kind"], item.get("keys", "curated"), opts)
+        raise ValueError(f"tracker {item!r}: give a kind ({', '.join(sorted(KINDS))}), a TrackerSpec or a mapping "
+                         f"with 'kind'")
+
+    def build(self):
+        """The live tracker (imports its module now)."""
+        import importlib
+
+        mod, cls = KINDS[self.kind].split(":")
+        return getattr(importlib.import_module(mod), cls)(keys=self.keys, **self.options)
+
+
+def build_trackers(items: Iterable) -> list:
+    """Live trackers from a mix of live objects (anything with ``log_metrics``, kept as it is) and
+    :class:`TrackerSpec` plain forms (built now).
+
+    Raises:
+        ValueError: an item that is neither (naming it).
+    """
+    out = []
+    for item in items or ():
+        if isinstance(item, MetricLogger) or hasattr(item, "log_metrics"):
+            out.append(item)
+        else:
+            out.append(TrackerSpec.parse(item).build())
+    return out
+
+
+def specs_of(items: Iterable) -> list:
+    """Validate tracker configuration without building anything (hook settings on the driver): the
+    :class:`TrackerSpec` of each item.
+
+    Raises:
+        ValueError: a live tracker object (it cannot travel into a worker process: give a spec) or a bad spec.
+    """
+    out = []
+    for item in items or ():
+        if hasattr(item, "log_metrics"):
+            raise ValueError(f"tracker {item!r} is a live object; a hook needs configuration it can rebuild in each "
+                             f"worker: a kind name, a TrackerSpec or a mapping with 'kind'")
+        out.append(TrackerSpec.parse(item))
+    return out
+
+
+__all__ = ["PREFIX", "CURATED_KEYS", "KINDS", "MetricLogger", "AlertObserver", "TrackerSpec", "check_keys",
+           "select_metrics", "framework_metrics", "build_trackers", "specs_of"]
