@@ -40,9 +40,11 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from triage_monitor.alerts import check_alerts_setting
 from triage_monitor.controller import TriageConfig, TriageController
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 from triage_monitor.records import new_attempt_id, probe_writable
+from triage_monitor.trackers import check_keys, framework_metrics, specs_of
 
 from ._common import StepAccumulator
 
@@ -76,6 +78,19 @@ class HookSettings:
         resume: continue a run in ``run_dir`` whose model / task / correction / seed differ (``MismatchMonitor``'s
             ``resume``); a run of the same configuration is continued without it, another one is refused with
             ``triage_monitor.records.RunConflictError`` when the monitor starts (the first monitored step).
+        alerts: the rules the monitor evaluates live (rank 0): True (default) the shipped default rules, False
+            none, a rule file path, or a list of :class:`~triage_monitor.alert_rules.Rule`
+            (:func:`~triage_monitor.alerts.build_engine`); each alert is logged once as a warning line, written to
+            the run's ``alerts/`` table and sent to the trackers.
+        loggers: trackers the monitor feeds (rank 0), as configuration each process builds itself:
+            ``"wandb"``, ``"tensorboard"``, ``"mlflow"``, ``{"kind": ..., "keys": ..., <options>}`` or
+            :class:`~triage_monitor.trackers.TrackerSpec` (docs/alerts.md#trackers).
+        framework_keys: the metrics the hook hands to the framework's own logger under ``triage/``:
+            ``"curated"`` (default, :data:`~triage_monitor.trackers.CURATED_KEYS`), ``"all"`` or a list of names.
+
+    Raises:
+        ValueError: a bad option, naming it (an ``alerts`` or ``loggers`` entry that is a live object included:
+            a hook carries configuration only).
     """
 
     run_dir: Optional[str] = None
@@ -88,8 +103,14 @@ class HookSettings:
     attempt: Optional[int] = field(default_factory=new_attempt_id)
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
     resume: bool = False
+    alerts: object = True
+    loggers: list = field(default_factory=list)
+    framework_keys: object = "curated"
 
     def __post_init__(self):
+        self.alerts = check_alerts_setting(self.alerts, "HookSettings.alerts")
+        self.loggers = specs_of(self.loggers)
+        self.framework_keys = check_keys(self.framework_keys, "HookSettings.framework_keys")
         if self.step_source not in STEP_SOURCES:
             raise ValueError(f"HookSettings.step_source must be one of {STEP_SOURCES}, got {self.step_source!r}")
         if self.on_invalid not in ("raise", "quarantine"):
@@ -162,6 +183,8 @@ class WorkerRuntime:
         self._warned: set = set()
         self._lock = threading.RLock()
         self.closed = False
+        #: the metrics of the last step this process logged (None before the first)
+        self.last_metrics: Optional[dict] = None
 
     # ------------------------------------------------------------- monitor
     @property
@@ -176,7 +199,7 @@ class WorkerRuntime:
             if self.controller is not None:
                 manifest.setdefault("triage", _plain(self.controller.config))
             self._monitor = MismatchMonitor(run_dir, s.monitor, manifest=manifest, rank=rank, attempt=attempt,
-                                            group=None, resume=s.resume)
+                                            group=None, resume=s.resume, alerts=s.alerts, loggers=s.loggers)
             self._acc = StepAccumulator(self._monitor)
         return self._monitor
 
@@ -243,12 +266,24 @@ class WorkerRuntime:
             if self.monitor is None:
                 return
             token_extras = {"gate_weight": gate_weights} if gate_weights is not None else None
-            self._acc.add(step, batch, token_extras, extra)
+            self._keep(self._acc.add(step, batch, token_extras, extra))
 
     def flush(self) -> Optional[dict]:
         """Log the step being accumulated now; returns its metrics (None when nothing was buffered)."""
         with self._lock:
-            return self._acc.flush() if self._acc is not None else None
+            return self._keep(self._acc.flush() if self._acc is not None else None)
+
+    def _keep(self, metrics: Optional[dict]) -> Optional[dict]:
+        if metrics is not None:
+            self.last_metrics = metrics
+        return metrics
+
+    def framework_metrics(self) -> dict:
+        """The metrics to hand to the framework's own logger: ``settings.framework_keys`` of the last step this
+        process logged, as ``triage/<name>`` floats, with ``triage/metrics_step`` (the step they belong to);
+        ``{}`` before the first step.  In a loss hook the step being trained is logged when it closes, so a loss
+        call reports the previous step's values (docs/hooks.md#what-reaches-the-frameworks-logger)."""
+        return framework_metrics(self.last_metrics, self.settings.framework_keys)
 
     def close(self) -> None:
         """Log the last step, close the monitor (drains its writer); idempotent."""
@@ -373,6 +408,10 @@ class HookAdapter:
     def flush(self) -> Optional[dict]:
         """Log the step being accumulated now."""
         return self.runtime.flush()
+
+    def framework_metrics(self) -> dict:
+        """The last logged step's metrics for the framework's own logger (:meth:`WorkerRuntime.framework_metrics`)."""
+        return self.runtime.framework_metrics()
 
     def close(self) -> None:
         """Log the last step and close this process's monitor."""
