@@ -241,3 +241,61 @@ def test_quantize_linears_swaps_only_matching_and_shares_parameters():
         get_recipe("fp8")
     with pytest.raises(ValueError, match="weight_block"):
         NVFP4Recipe("x", weight_block="4x4")
+
+
+# ------------------------------------------------------------ the two native paths (CPU kernel, torch ops elsewhere)
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().contiguous().numpy().view(np.uint32)
+
+
+@pytest.mark.parametrize("name", ["randn", "weights", "heavy", "outlier"])
+@pytest.mark.parametrize("two_level", [True, False])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_cpu_kernel_and_torch_ops_agree_bit_for_bit(name, two_level, rows):
+    from triage_monitor.nvfp4 import _native_torch
+
+    x = _inputs()[name]
+    want = hand_quantize(x.numpy(), two_level, rows)
+    kernel = nvfp4_fake_quantize(x, two_level=two_level, block_shape="1x16" if rows == 1 else "16x16",
+                                 backend="native")                  # CPU: the compiled kernel
+    ops = _native_torch(x, rows, two_level).reshape(x.shape)        # what a CUDA tensor runs
+    # the same bits, signs of zero included (-0.25 rounds to -0)
+    np.testing.assert_array_equal(_bits(kernel), want.view(np.uint32))
+    np.testing.assert_array_equal(_bits(ops), want.view(np.uint32))
+
+
+def test_torch_ops_round_ties_and_special_inputs_without_a_sync():
+    from triage_monitor.nvfp4 import _native_torch, _round_e2m1
+
+    v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 0.7499999, 0.7500001, 5.9, -6.0, 0.0])
+    assert _round_e2m1(v).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -2.0, 0.5, 1.0, 6.0, -6.0, 0.0]
+    assert torch.signbit(_round_e2m1(torch.tensor([-0.25]))).item()
+    assert torch.equal(_native_torch(torch.zeros(2, 16), 1, True), torch.zeros(1, 2, 1, 1, 16).expand(1, 2, 1, 1, 16))
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 32)
+        x[1, 3] = bad
+        assert _native_torch(x, 1, True).isnan().all()
+        assert nvfp4_fake_quantize(x, backend="native").isnan().all()   # the kernel: NaN everywhere too
+    assert torch.equal(nvfp4_fake_quantize(torch.zeros(3, 32), backend="native"), torch.zeros(3, 32))
+
+
+def test_kernel_handles_batched_tiles_and_other_dtypes():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 32, 48, generator=g)
+    got = nvfp4_fake_quantize(x, block_shape="16x16", two_level=False, backend="native")
+    # two matrices tiled on their own rows: the same as quantizing the stacked (64, 48) matrix
+    assert torch.equal(got, nvfp4_fake_quantize(x.reshape(64, 48), block_shape="16x16", two_level=False,
+                                                backend="native").reshape(2, 32, 48))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(nvfp4_fake_quantize(xb, backend="native"), nvfp4_fake_quantize(xb, backend="torchao"))
+    nc = torch.randn(32, 64, generator=g).t()          # not contiguous
+    assert torch.equal(nvfp4_fake_quantize(nc, backend="native"), nvfp4_fake_quantize(nc.contiguous()))
+
+
+def test_ste_without_a_gradient_returns_the_grid_values():
+    x = torch.randn(8, 32) * 3
+    with torch.no_grad():
+        assert torch.equal(fake_quantize_ste(x.requires_grad_()), nvfp4_fake_quantize(x))
+    assert torch.equal(fake_quantize_ste(x.detach(), backend="native"), nvfp4_fake_quantize(x, backend="native"))
+    y = fake_quantize_ste(x.detach().requires_grad_())
+    assert y.requires_grad and y.grad_fn is not None

@@ -19,9 +19,12 @@ NVFP4 numerics, not its speed.
 The default backend calls torchao (``NVFP4Tensor.to_nvfp4(x,
 per_tensor_scale=per_tensor_amax_to_scale(amax)).dequantize(torch.float32)``),
 the reference implementation of the format, for 1x16 blocks.  A "native"
-backend runs the same arithmetic in a few vectorised torch ops (an order of
-magnitude faster on CPU) and is the only one for 16x16 tiles; the tests check it bit for
-bit against torchao and against a hand implementation.
+backend runs the same arithmetic without torchao and is the only one for 16x16
+tiles: on the CPU in one compiled pass (numba, :func:`_quantize_kernel`; a
+call costs about as much as one small torch op), on other devices in about 20
+vectorised torch ops with no host synchronisation.  The tests check both
+bit for bit against torchao and against a hand implementation
+(benchmarks/bench_nvfp4.py measures the cost per decode step, docs/study.md).
 
 :class:`NVFP4Linear` quantizes weights and activations (W4A4) with a
 straight-through estimator, so a learner can train through it; a
@@ -35,11 +38,14 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import logging
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from numba import njit
 from torch import nn
 
 Tensor = torch.Tensor
@@ -73,13 +79,113 @@ def _torchao():
 def _round_e2m1(v: Tensor) -> Tensor:
     """Round float32 ``v`` (already clamped to [-6, 6]) to the E2M1 grid, ties to even.
 
-    The grid spacing is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]; scaling by
-    the spacing and ``torch.round`` (half to even) gives round-to-nearest-even
-    on the code, because the even codes {0, 1, 2, 4} land on even multiples.
+    ``torch.bucketize`` (an element equal to a boundary goes to the lower
+    bucket) against the midpoints of the grid finds the nearest magnitude; the
+    ties that round up to the even code (0.75 → 1, 1.75 → 2, 3.5 → 4) use the
+    float32 just below the midpoint as their boundary, so they land in the
+    upper bucket, and the ties that round down (0.25 → 0, 1.25 → 1, 2.5 → 2,
+    5 → 4) use the midpoint itself.  The sign is kept (−0.25 → −0).
     """
-    a = v.abs()
-    q = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
-    return torch.copysign(q, v)
+    bounds, grid = _e2m1_tables(v.device)
+    return torch.copysign(grid[torch.bucketize(v.abs(), bounds)], v)
+
+
+_E2M1_TABLES: dict = {}
+
+
+def _e2m1_tables(device) -> tuple[Tensor, Tensor]:
+    """Bucket boundaries ``(7,)`` and grid ``(8,)`` of :func:`_round_e2m1` on ``device`` (cached)."""
+    key = str(device)
+    if key not in _E2M1_TABLES:
+        below = lambda m: float(torch.nextafter(torch.tensor(m), torch.tensor(0.0)))
+        bounds = torch.tensor([0.25, below(0.75), 1.25, below(1.75), 2.5, below(3.5), 5.0], device=device)
+        _E2M1_TABLES[key] = (bounds, torch.tensor(E2M1_GRID, device=device))
+    return _E2M1_TABLES[key]
+
+
+# ---- the CPU kernel: one pass, float32 arithmetic in the order of the torch path (so the same bits)
+_F0, _F1, _F6, _FN6 = np.float32(0.0), np.float32(1.0), np.float32(E2M1_MAX), np.float32(-E2M1_MAX)
+_F2688 = np.float32(E2M1_MAX * E4M3_MAX)
+_SMIN, _SMAX = np.float32(E4M3_MIN_SCALE), np.float32(E4M3_MAX)
+_G1, _G2, _G3, _G4, _G5, _G6, _G7 = (np.float32(g) for g in E2M1_GRID[1:])
+
+
+@njit(nogil=True, cache=True)
+def _e2m1_scalar(v):                                          # pragma: no cover - compiled
+    """:func:`_round_e2m1` of one float32 in [-6, 6]: comparisons with the midpoints, ties to the even code."""
+    a = abs(v)
+    if a <= np.float32(0.25):
+        q = _F0
+    elif a < np.float32(0.75):
+        q = _G1
+    elif a <= np.float32(1.25):
+        q = _G2
+    elif a < np.float32(1.75):
+        q = _G3
+    elif a <= np.float32(2.5):
+        q = _G4
+    elif a < np.float32(3.5):
+        q = _G5
+    elif a <= np.float32(5.0):
+        q = _G6
+    else:
+        q = _G7
+    return -q if np.signbit(v) else q
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _quantize_kernel(x, rows, two_level, out):                # pragma: no cover - compiled
+    """NVFP4 fake quantization of float32 ``x`` ``(R, K)`` into ``out`` ``(R, K)``; returns amax(|x|).
+
+    Blocks of ``rows`` × 16 (1 or 16 rows; ``R % rows == 0``, ``K % 16 == 0``).  The E4M3 block
+    scale is rounded to nearest even on its bits (3 mantissa bits; the clamp to [2⁻⁶, 448] keeps it
+    normal).  When the returned amax is 0 or not finite ``out`` is undefined (the caller decides).
+    """
+    R, K = x.shape
+    amax = _F0
+    for i in range(R):
+        for j in range(K):
+            a = abs(x[i, j])
+            if a > amax or a != a:
+                amax = a
+                if a != a:
+                    return amax
+    if not amax > _F0 or amax == np.inf:
+        return amax
+    ts = amax / _F2688
+    inv_ts = _F1 / ts
+    nb = K // 16
+    bs = np.empty(nb, np.float32)
+    bits = bs.view(np.uint32)
+    for r0 in range(0, R, rows):
+        for b in range(nb):
+            m = _F0
+            for i in range(r0, r0 + rows):
+                for j in range(b * 16, b * 16 + 16):
+                    a = abs(x[i, j])
+                    if a > m:
+                        m = a
+            s = m / _F6
+            if two_level:
+                s = s / ts
+            bs[b] = min(max(s, _SMIN), _SMAX)
+        for b in range(nb):                                   # float32 -> E4M3: round 20 mantissa bits away
+            w = np.int64(bits[b])
+            bits[b] = np.uint32((w + 0x7FFFF + ((w >> 20) & 1)) & 0xFFF00000)
+        for b in range(nb):
+            s8 = bs[b]
+            recip = inv_ts / s8 if two_level else _F1 / s8
+            hp = s8 * ts if two_level else s8
+            for i in range(r0, r0 + rows):
+                for j in range(b * 16, b * 16 + 16):
+                    v = min(max(x[i, j] * recip, _FN6), _F6)
+                    out[i, j] = _e2m1_scalar(v) * hp
+    return amax
+
+
+def _kernel():
+    """The compiled CPU kernel (numba; compiled on first use and cached on disk)."""
+    return _quantize_kernel
 
 
 def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = True,
@@ -97,9 +203,10 @@ def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = Tr
         block_shape: ``"1x16"`` (inference engines, activations) or ``"16x16"``
             (weight tiles of training recipes).
         backend: ``"torchao"`` (1x16 through torchao's ``NVFP4Tensor``, the
-            reference) or ``"native"`` (the same arithmetic in a few vectorised
-            torch ops here, an order of magnitude faster on CPU; bit-identical,
-            see the tests).  16x16 tiles always use the native code (torchao has none).
+            reference) or ``"native"`` (the same arithmetic here: one compiled
+            pass on the CPU, vectorised torch ops without a host
+            synchronisation elsewhere; bit-identical, see the tests).  16x16
+            tiles always use the native code (torchao has none).
 
     Returns:
         Tensor of ``x``'s shape and dtype, on ``x``'s device; every value is
@@ -128,30 +235,46 @@ def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = Tr
                          f"to be a multiple of 16")
     with torch.no_grad():
         xf = x.detach().float()
-        amax = xf.abs().amax()
-        if not bool(amax > 0):
-            return torch.zeros_like(x) if bool(amax == 0) else x.detach() * float("nan")
-        if two_level:
-            tensor_scale = amax / (E2M1_MAX * E4M3_MAX)  # torchao's per_tensor_amax_to_scale
+        rows = 16 if block_shape == "16x16" else 1
         if block_shape == "1x16" and backend == "torchao":
+            amax = xf.abs().amax()
+            if not bool(amax > 0):
+                return torch.zeros_like(x) if bool(amax == 0) else x.detach() * float("nan")
             nvfp4_tensor = _torchao()
             flat = xf.reshape(-1, x.shape[-1]).contiguous()
             scale = nvfp4_tensor.per_tensor_amax_to_scale(amax) if two_level else None
             q = nvfp4_tensor.NVFP4Tensor.to_nvfp4(flat, block_size=16, per_tensor_scale=scale)
             return q.dequantize(torch.float32).reshape(x.shape).to(x.dtype)
-        # native: tiles (..., R/rows, rows, K/16, 16), the arithmetic of torchao's nvfp4_quantize
-        rows = 16 if block_shape == "16x16" else 1
-        K = x.shape[-1]
-        R = x.shape[-2] if x.dim() > 1 else 1
-        tiles = xf.reshape(-1, R // rows, rows, K // 16, 16)
-        block_scale = tiles.abs().amax(dim=(-3, -1), keepdim=True) / E2M1_MAX
-        if two_level:
-            block_scale = block_scale / tensor_scale
-        s8 = block_scale.clamp(E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn).float()
-        recip = (1.0 / tensor_scale) / s8 if two_level else 1.0 / s8
-        elems = _round_e2m1((tiles * recip).clamp(-E2M1_MAX, E2M1_MAX))
-        hp_scale = s8 * tensor_scale if two_level else s8
-        return (elems * hp_scale).reshape(x.shape).to(x.dtype)
+        if xf.device.type == "cpu":
+            flat = xf.reshape(-1, x.shape[-1]).contiguous()
+            out = torch.empty_like(flat)
+            amax = _kernel()(flat.numpy(), rows, two_level, out.numpy())
+            if not 0 < amax < math.inf:   # all zero: zeros; NaN/inf somewhere: NaN everywhere
+                return torch.zeros_like(x) if amax == 0 else torch.full_like(x, float("nan"))
+            return out.reshape(x.shape).to(x.dtype)
+        return _native_torch(xf, rows, two_level).reshape(x.shape).to(x.dtype)
+
+
+def _native_torch(xf: Tensor, rows: int, two_level: bool) -> Tensor:
+    """The native arithmetic in vectorised torch ops, without a host synchronisation (any device).
+
+    ``xf``: float32 ``(..., R, K)`` (``R`` only read for 16-row tiles).  Same values as
+    :func:`_quantize_kernel`; an all-zero input gives zeros, a non-finite one NaN everywhere.
+    """
+    K = xf.shape[-1]
+    R = xf.shape[-2] if xf.dim() > 1 else 1
+    a = xf.abs()
+    amax = a.amax()
+    tiles = a.reshape(-1, R // rows, rows, K // 16, 16)
+    block_scale = tiles.amax(dim=(-3, -1), keepdim=True) / E2M1_MAX
+    if two_level:
+        tensor_scale = amax / (E2M1_MAX * E4M3_MAX)  # torchao's per_tensor_amax_to_scale
+        block_scale = block_scale / tensor_scale
+    s8 = block_scale.clamp(E4M3_MIN_SCALE, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    recip = (1.0 / tensor_scale) / s8 if two_level else 1.0 / s8
+    elems = _round_e2m1((xf.reshape(tiles.shape) * recip).clamp(-E2M1_MAX, E2M1_MAX))
+    out = torch.where(amax == 0, 0.0, elems * (s8 * tensor_scale if two_level else s8))
+    return torch.where(torch.isfinite(amax), out, float("nan"))
 
 
 def fake_quantize_ste(x: Tensor, **kwargs) -> Tensor:
@@ -159,8 +282,13 @@ def fake_quantize_ste(x: Tensor, **kwargs) -> Tensor:
 
     Forward: the NVFP4 values; backward: the identity (∂out/∂x = 1), the
     standard estimator for training through a rounding function.  Same shape,
-    dtype and keyword arguments as :func:`nvfp4_fake_quantize`.
+    dtype and keyword arguments as :func:`nvfp4_fake_quantize`.  Without a
+    gradient to pass (``torch.no_grad`` or an ``x`` that does not require
+    one, e.g. the sampler path) it returns :func:`nvfp4_fake_quantize` itself
+    (two ops fewer, and exactly the grid values).
     """
+    if not (torch.is_grad_enabled() and x.requires_grad):   # nothing to pass a gradient to: the exact values
+        return nvfp4_fake_quantize(x, **kwargs)
     return x + (nvfp4_fake_quantize(x, **kwargs) - x).detach()
 
 
