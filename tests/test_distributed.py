@@ -195,8 +195,96 @@ def _order(ids, mask):
     return torch.argsort(ids[rows] * T + pos, stable=True)
 
 
+class RecordingTracker:
+    """A tracker that appends what it receives to ``<dir>/tracker-rank<r>.txt`` (one line per call)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def _write(self, line):
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+    def log_metrics(self, step, metrics):
+        self._write(f"metrics {step} {metrics['window/rho_asym']!r}")
+
+    def emit(self, alert):
+        self._write(f"alert {alert.step} {alert.rule}")
+
+    def close(self):
+        self._write("close")
+
+
+def biased_shard(step, rank, world):
+    """A shard whose sampler overrates the tokens: δ ~ N(−0.3, 0.3), so most A<0 mass is amplifying (A<0, δ<0)
+    and little A>0 mass is (A>0, δ>0): window ρ_asym ≈ 3.7, far above the 1.8 of the ERROR rule."""
+    lp, s, adv, mask, ids, gids = global_batch(step)
+    g = torch.Generator().manual_seed(77 + step)
+    lp = (s - 0.3 + 0.3 * torch.randn(B, T, generator=g)).clamp(max=-1e-6)
+    return tuple(t[rank::world] for t in (lp, s, adv, mask, ids, gids))
+
+
+def alert_worker(rank, world, outdir):
+    """Every rank builds the same monitor with the default rules and a tracker; rank 0 alone may report."""
+    import logging
+
+    import torch.distributed as dist
+
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    outdir = Path(outdir)
+    dist.init_process_group("gloo", init_method=f"file://{outdir / 'rendezvous'}", rank=rank, world_size=world)
+    tracker = RecordingTracker(outdir / f"tracker-rank{rank}.txt")
+    active = []
+    with MismatchMonitor(outdir / "run", MonitorConfig(metrics=MCFG, window=WINDOW, calibration_steps=CALIB),
+                         loggers=[tracker]) as mon:
+        for step in range(6):
+            b = TokenBatch.from_padded(*biased_shard(step, rank, world)[:4], sample_ids=biased_shard(step, rank,
+                                                                                                  world)[4])
+            active.append(mon.log_step(step, b)["alerts_active"])
+    torch.save({"active": active}, outdir / f"alerts-rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_an_alert_fires_once_per_job_not_once_per_rank(tmp_path):
+    """2 gloo ranks, the default rules, a sampler biased towards amplification: window ρ_asym (the all-reduced
+    one) exceeds 1.8 from step 0, so rho_asym_critical (hold 3) fires at step 2 and rho_asym_high (hold 5) at step
+    4 — once each in the job: one log line, one alerts/ row (rank 0's), one tracker call (rank 0's); rank 1
+    evaluates no rule (alerts_active NaN) and its tracker is never called."""
+    import pandas as pd
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, "alerts", str(r), "2", str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o
+    lines = [ln for o in outs for ln in o.splitlines() if ln.startswith("triage_monitor.alerts ")]
+    assert [ln.split(":")[0] for ln in lines] == ["triage_monitor.alerts ERROR triage ERROR",
+                                                  "triage_monitor.alerts WARNING triage WARN"]
+    assert "rho_asym_critical" in lines[0] and "at step 2" in lines[0] and "rho_asym_high" in lines[1]
+    rows = pd.read_parquet(tmp_path / "run" / "alerts")
+    assert sorted(zip(rows["step"], rows["rule"], rows["rank"])) == [(2, "rho_asym_critical", 0),
+                                                                     (4, "rho_asym_high", 0)]
+    calls = (tmp_path / "tracker-rank0.txt").read_text().splitlines()
+    assert [c for c in calls if c.startswith("alert")] == ["alert 2 rho_asym_critical", "alert 4 rho_asym_high"]
+    assert len([c for c in calls if c.startswith("metrics")]) == 6 and calls[-1] == "close"
+    assert not (tmp_path / "tracker-rank1.txt").exists()
+    r0 = torch.load(tmp_path / "alerts-rank0.pt")["active"]
+    r1 = torch.load(tmp_path / "alerts-rank1.pt")["active"]
+    assert r0 == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0] and all(math.isnan(v) for v in r1)
+    # the synced window rho_asym that rank 0 judged is the global one
+    steps = pd.read_parquet(tmp_path / "run" / "steps")
+    w = steps.pivot(index="step", columns="rank", values="window/rho_asym")
+    assert (w[0] == w[1]).all() and (w[0] > 1.8).all()
+
+
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    if sys.argv[1] == "alerts":
+        alert_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
 
 
 def test_resume_with_fewer_ranks_drops_the_old_attempts_extra_shards(tmp_path, monkeypatch):

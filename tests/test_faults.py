@@ -440,7 +440,8 @@ def test_drop_policy_surfaces_in_monitor_metrics(tmp_path, caplog):
     ms = [mon.log_step(s, batch(s)) for s in range(6)]
     mon.close()
     assert mon.sink.dropped_rows > 0 and ms[-1]["writer_dropped_rows"] > 0
-    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "dropped" in r.getMessage() and r.name == "triage_monitor"]) == 1
+    assert len([r for r in caplog.records if "records_dropped" in r.getMessage()]) == 1     # the default rule, once
 
 
 # ============================================================================== resume

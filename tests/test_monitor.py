@@ -281,9 +281,12 @@ def test_rows_dropped_by_a_full_queue_are_counted_and_warned_once(tmp_path, capl
             outs = [mon.log_step(s, _batch(s)) for s in (1, 2)]
             release.set()
     assert outs[0]["writer_dropped_rows"] == _batch(0).num_tokens + 1
-    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage() and r.name == "triage_monitor"]
     assert warned == [f"triage-monitor dropped {_batch(0).num_tokens + 1} record rows so far (writer queue full with "
                       "backpressure='drop'); training continues, see metric writer_dropped_rows"]
+    # the default records_dropped rule raises its alert once, as a line of the alerts logger
+    alerted = [r.getMessage() for r in caplog.records if r.name == "triage_monitor.alerts"]
+    assert len(alerted) == 1 and alerted[0].startswith("triage WARN: records_dropped: writer_dropped_rows = ")
 
 
 def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, caplog):
@@ -293,7 +296,7 @@ def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, capl
     with caplog.at_level("WARNING", logger="triage_monitor"):
         mon.log_step(1, _batch(1))
         last = mon.log_step(2, _batch(2))
-    msgs = [r.getMessage() for r in caplog.records if "record" in r.getMessage()]
+    msgs = [r.getMessage() for r in caplog.records if "record" in r.getMessage() and r.name == "triage_monitor"]
     assert msgs == ["triage-monitor: log_step(step=1) after close(): metrics are returned but nothing is "
                     "recorded any more (rows counted in writer_dropped_rows)"]      # not "writer queue full"
     assert last["writer_dropped_rows"] == _batch(1).num_tokens + 1      # step 1's token rows + its step row

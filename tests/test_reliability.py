@@ -233,7 +233,8 @@ def test_monitor_warns_once_about_padding_leaks(tmp_path, caplog):
             lp[0, -8:] = 0.0
             out = mon.log_step(step, TokenBatch.from_padded(lp, s, a, m))
             assert out["padding_run_count"] == 1 and out["padding_run_tokens"] == 8
-    assert len([r for r in caplog.records if "padding" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "padding" in r.getMessage() and r.name == "triage_monitor"]) == 1
+    assert len([r for r in caplog.records if "padding_leak" in r.getMessage()]) == 1       # the default rule, once
 
 
 # ------------------------------------------------------------------ one-position shift
@@ -291,8 +292,9 @@ def test_monitor_runs_alignment_on_first_steps_and_warns_once(tmp_path, caplog):
             outs.append(mon.log_step(step, TokenBatch.from_padded(_late(lp), s, a, m)))
     assert [o.get("alignment_suspect") for o in outs] == [1.0, 1.0, 1.0, None, None]
     assert outs[0]["alignment_shift"] == 1 and outs[0]["alignment_ratio"] < 0.05
-    warns = [r.getMessage() for r in caplog.records if "alignment" in r.getMessage()]
+    warns = [r.getMessage() for r in caplog.records if "alignment" in r.getMessage() and r.name == "triage_monitor"]
     assert len(warns) == 1 and "learner_logp sits one position late" in warns[0]
+    assert len([r for r in caplog.records if "logp_shift" in r.getMessage()]) == 1         # the default rule, once
     assert warns[0].startswith("triage-monitor step 0: alignment: learner_logp sits one position late")   # step, report
     steps = open_run(tmp_path / "run").steps()
     assert steps["alignment_suspect"].tolist()[:3] == [1.0, 1.0, 1.0] and steps["alignment_suspect"][3:].isna().all()
