@@ -225,8 +225,8 @@ def _compare_with_live(console, run, df, live) -> int:
                       "holding them) are not compared (--tau-mode live replays the provisional values)")
     bad = cmp[~cmp["equal"]]
     if bad.empty:
-        console.print(f"[green]recomputation check: all {len(cmp)} metrics recomputed from tokens/ equal the live "
-                      f"values (the records are complete)[/green]")
+        console.print(f"[green]recomputation check: all {len(cmp)} metrics equal the live values (recomputed "
+                      f"from tokens/: the records are complete)[/green]")
         return exits.OK
     explained, reasons = resume_explanations(run, live, df)
     skipped = _provisional_skips(live, df, int(df.attrs.get("window") or run.config.window))
