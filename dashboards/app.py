@@ -330,7 +330,7 @@ if toks is not None:
 
     st.subheader("Response drill-down")
     adv = toks.groupby("sample_id", sort=True)["advantage"].mean()
-    # tail tokens per response from the step's tail layout (one definition: metrics.segment_tail_counts)
+    # tail tokens per response from the step's tail layout (stages.tail_layout: the segments of triage_monitor.segments)
     tails = pd.Series(0, index=adv.index, dtype=np.int64)
     if layout is not None and layout.num_segments:
         per_id = pd.Series(layout.tail).groupby(sample_ids[layout.response]).sum()

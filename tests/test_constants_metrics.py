@@ -223,11 +223,16 @@ def test_tau_tail_is_the_five_percent_quantile_of_the_first_25_steps():
         assert abs(float(np.quantile(np.concatenate(pool), q)) - expect) > 10 * 2 ** -9 * abs(expect)
 
 
-def test_region_codes_leave_a_zero_and_delta_zero_out():
+def test_regions_leave_a_zero_and_delta_zero_out():
     """docs/metrics.md#regions: A = 0 or δ = 0 → no region; the four sign combinations → their region."""
-    from triage_monitor.metrics import REGIONS, region_codes
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.metrics import REGIONS, MismatchStats
     delta = torch.tensor([-1.0, 1.0, 1.0, -1.0, 0.0, 0.0, -1.0, 1.0])
     adv = torch.tensor([-1.0, 1.0, -1.0, 1.0, -1.0, 1.0, 0.0, 0.0])
-    codes = region_codes(delta, adv).tolist()
-    names = [REGIONS[c] if 0 <= c < len(REGIONS) else None for c in codes]
+    names = []
+    for d, a in zip(delta, adv):           # one token at a time: the region (if any) whose count it raises
+        st = MismatchStats().update(TokenBatch.from_flat(d.reshape(1) - 2, torch.tensor([-2.0]), a.reshape(1),
+                                                         torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)))
+        hit = [r for r in REGIONS if st.sum(f"count_{r}") == 1]
+        names.append(hit[0] if hit else None)
     assert names == ["amp_neg", "amp_pos", "con_neg", "con_pos", None, None, None, None]

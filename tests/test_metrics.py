@@ -9,19 +9,10 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.metrics import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments, c_tok_from_table,
-                                    compute_step_metrics, quantiles)
+                                    compute_step_metrics)
 from triage_monitor.sketch import quantile_error_bound
 
 SAMPLER = -1.0
-
-
-@pytest.fixture(params=["kernel", "torch"])
-def update_path(request, monkeypatch):
-    """Both ways :class:`MismatchStats` updates its state: the compiled one-pass CPU kernel and the torch
-    operations that run on an accelerator (``use_kernel = False`` forces them on the CPU).  The hand-worked values
-    below must hold for each."""
-    monkeypatch.setattr(MismatchStats, "use_kernel", request.param == "kernel")
-    return request.param
 
 
 def _list_batch(deltas, advs, masks=None, sampler=SAMPLER, **kw):
@@ -43,7 +34,7 @@ def quadrant_batch():
                        masks=[[1, 1, 1, 1], [1, 1, 1], [1], [1, 0, 1]])
 
 
-def test_quadrant_masses_and_rho(quadrant_batch, update_path):
+def test_quadrant_masses_and_rho(quadrant_batch):
     v = compute_step_metrics(quadrant_batch).values
     assert v["n_tokens"] == 10 and v["n_samples"] == 4
     assert (v["mass_amp_neg"], v["mass_amp_pos"], v["mass_con_neg"], v["mass_con_pos"]) == (5, 2, 3, 1)
@@ -55,7 +46,7 @@ def test_quadrant_masses_and_rho(quadrant_batch, update_path):
     assert v["amp_share"] == pytest.approx(7 / 12)
 
 
-def test_magnitude_metrics_against_numpy(quadrant_batch, update_path):
+def test_magnitude_metrics_against_numpy(quadrant_batch):
     v = compute_step_metrics(quadrant_batch).values
     d = quadrant_batch.delta.double().numpy()          # the float32 δ the monitor records
     assert v["small_gap_share"] == pytest.approx(4 / 10)  # 0, .03, -.01, .04
@@ -72,7 +63,7 @@ def test_magnitude_metrics_against_numpy(quadrant_batch, update_path):
     assert v["log_ppl_diff"] == pytest.approx(-np.mean(resp), rel=1e-12)
 
 
-def test_empty_region_is_nan_with_reason(update_path):
+def test_empty_region_is_nan_with_reason():
     # every A>0 token has δ<0: no amp_pos mass
     res = compute_step_metrics(_list_batch([[-.3, -.2], [-.1]], [1., -1.]))
     assert math.isnan(res.values["rho_asym"]) and "mass_amp_pos" in res.nan_reasons["rho_asym"]
@@ -81,7 +72,7 @@ def test_empty_region_is_nan_with_reason(update_path):
     assert not any(math.isinf(x) for x in res.values.values() if isinstance(x, float))
 
 
-def test_k3_unclamped_chi2_clamped(update_path):
+def test_k3_unclamped_chi2_clamped():
     # δ = −50: k3 = e^−50 + 50 − 1 (no clamp, as verl); chi2 clamps r to −20 before exp (verl's SAFETY_BOUND)
     res = compute_step_metrics(_list_batch([[-50.0]], [1.], sampler=-60.0)).values
     assert res["k3_kl"] == pytest.approx(math.exp(-50) + 50 - 1)
@@ -144,7 +135,7 @@ def _seg_lists():
     return [s0, [-5.] * 3, s2, s3, [-3., -3.]], [-1., 1., -2., -1., 0.], [m0, [1] * 3, [1] * 8, m3, [1, 1]]
 
 
-def test_segment_metrics_by_hand(seg_batch, update_path):
+def test_segment_metrics_by_hand(seg_batch):
     res = compute_step_metrics(seg_batch, TAU, MetricConfig(segment_width=W))
     v = res.values
     assert v["r_amp"] == pytest.approx(5 / 25)      # 5 tail tokens / (9 + 8 + 8) valid tokens of A<0 responses
@@ -157,7 +148,7 @@ def test_segment_metrics_by_hand(seg_batch, update_path):
     assert v["tau_tail"] == TAU
 
 
-def test_segment_metrics_nan_without_tau(seg_batch, update_path):
+def test_segment_metrics_nan_without_tau(seg_batch):
     res = compute_step_metrics(seg_batch, math.nan, MetricConfig(segment_width=W))
     assert math.isnan(res.values["c_tok"]) and "tau_tail" in res.nan_reasons["c_tok"]
 
@@ -212,7 +203,7 @@ def test_three_constructors_give_identical_metrics():
             assert got[k] == pytest.approx(x, rel=0, abs=0, nan_ok=True), k
 
 
-def test_window_pools_sums_not_ratios(update_path):
+def test_window_pools_sums_not_ratios():
     cfg = MetricConfig(segment_width=16)
     b1 = TokenBatch.from_padded(*_random_padded(1))
     b2 = TokenBatch.from_padded(*_random_padded(2), sample_ids=torch.arange(6) + 100)
@@ -263,7 +254,7 @@ def test_repeated_step_replaces_its_calibration_data():
     assert abs(once.tau_tail - np.quantile(d01, .05)) <= quantile_error_bound(np.sort(d01), .05)
 
 
-def test_n_samples_counts_responses_with_tokens(update_path):
+def test_n_samples_counts_responses_with_tokens():
     res = compute_step_metrics(_list_batch([[-.1, .2], [-.3]], [1., -1.], masks=[[1, 1], [0]])).values
     assert res["n_samples"] == 1 and res["n_tokens"] == 2
 
@@ -281,13 +272,6 @@ def test_tracker_given_tau_and_repeated_step_replaces():
     assert w.values["rho_asym"] == pytest.approx(expect["rho_asym"], rel=1e-12)
 
 
-def test_quantiles_match_numpy_large():
-    x = torch.randn(10001, generator=torch.Generator().manual_seed(3))
-    got = quantiles(x, [0.0, 0.01, 0.05, 0.5, 1.0])
-    assert got == pytest.approx(np.quantile(x.double().numpy(), [0.0, 0.01, 0.05, 0.5, 1.0]), rel=1e-12)
-    assert all(math.isnan(q) for q in quantiles(torch.zeros(0), [.5]))
-
-
 def test_metric_config_validation():
     with pytest.raises(ValueError, match="segment_width"):
         MetricConfig(segment_width=0)
@@ -298,21 +282,16 @@ def test_metric_config_validation():
 
 
 # ---------------------------------------------------------------- pure functions, by hand
-def test_quantiles_interpolate_between_order_statistics():
-    """numpy's "linear" rule at fractional positions: values 1, 2, 4, 8 (given shuffled); q = 0.25 → position 0.75 →
-    1 + 0.75·(2 − 1) = 1.75; q = 0.5 → 3; q = 0.9 → position 2.7 → 4 + 0.7·4 = 6.8; q = 0 and 1 → 1 and 8."""
-    got = quantiles(torch.tensor([8.0, 1.0, 4.0, 2.0]), [0.0, 0.25, 0.5, 0.9, 1.0])
-    assert got == pytest.approx([1.0, 1.75, 3.0, 6.8, 8.0], rel=1e-12)
-    assert got == pytest.approx(np.quantile([8.0, 1.0, 4.0, 2.0], [0.0, 0.25, 0.5, 0.9, 1.0]).tolist(), rel=1e-12)
-
-
-def test_region_code_4_means_no_region():
-    """The documented codes, 4 for A = 0 or δ = 0 (docs/metrics.md#regions)."""
-    from triage_monitor.metrics import region_codes
+def test_tokens_with_a_zero_advantage_or_gap_are_in_no_region():
+    """One token of each region (A, δ) = (−, −), (+, +), (−, +), (+, −) and four with A = 0 or δ = 0: each region
+    counts one token of mass |A|, the other four are in none (docs/metrics.md#regions)."""
     delta = torch.tensor([-1.0, 1.0, 1.0, -1.0, 0.0, 0.0, -1.0, 1.0])
     adv = torch.tensor([-1.0, 1.0, -1.0, 1.0, -1.0, 1.0, 0.0, 0.0])
-    codes = region_codes(delta, adv)
-    assert codes.dtype == torch.int64 and codes.tolist() == [0, 1, 2, 3, 4, 4, 4, 4]
+    b = TokenBatch.from_flat(delta - 2.0, torch.full((8,), -2.0), adv, torch.arange(8), torch.zeros(8, dtype=torch.long))
+    st = MismatchStats().update(b)
+    assert [st.sum(f"count_{r}") for r in ("amp_neg", "amp_pos", "con_neg", "con_pos")] == [1, 1, 1, 1]
+    assert [st.sum(f"mass_{r}") for r in ("amp_neg", "amp_pos", "con_neg", "con_pos")] == [1, 1, 1, 1]
+    assert st.sum("n_tokens") == 8 and st.sum("abs_adv_sum") == 6
 
 
 def test_c_tok_single_segment_and_fraction_not_product():
@@ -403,16 +382,26 @@ def test_tracker_state_without_calibration_data_calibrates_from_scratch():
     assert tr.tau_frozen and _within_sketch(tr.tau_tail, d)
 
 
+def _loc_sums(st: MismatchStats) -> dict:
+    """The localisation sums of a state by name, and its segments (tail, valid) listed from its C_tok table."""
+    W1 = st.config.segment_width + 1
+    table = st.part("c_tok_table").numpy()
+    cells = [(c % W1, c // W1) for c in np.flatnonzero(table) for _ in range(int(table[c]))]
+    return {**{k: st.sum(k) for k in ("neg_valid_tokens", "tail_tokens", "segments", "heavy_segments", "pairs",
+                                      "pairs_heavy", "pairs_prev_heavy", "pairs_both_heavy", "responses_with_heavy",
+                                      "responses_diluted")},
+            "seg_tail": [t for t, _ in cells], "seg_valid": [v for _, v in cells]}
+
+
 def test_segment_tail_stats_of_the_hand_worked_batch(seg_batch):
     """The localisation sums of seg_batch (worked out in its docstring): 25 valid tokens in A<0 responses, 5 tail
     tokens, 7 segments of which 4 heavy, 3 with a predecessor (1 heavy after a heavy one: s2k1; s0k2 after s0k1 is
     not heavy), 3 A<0 responses with a heavy segment, 1 of them diluted."""
-    from triage_monitor.metrics import segment_tail_stats
-    st = segment_tail_stats(seg_batch, TAU, W, 0.1, 0.05)
+    st = _loc_sums(MismatchStats(MetricConfig(segment_width=W)).update(seg_batch, TAU))
     assert (st["neg_valid_tokens"], st["tail_tokens"], st["segments"], st["heavy_segments"]) == (25, 5, 7, 4)
     assert (st["pairs"], st["pairs_heavy"], st["pairs_prev_heavy"], st["pairs_both_heavy"]) == (3, 2, 2, 1)
     assert (st["responses_with_heavy"], st["responses_diluted"]) == (3, 1)
-    assert sorted(zip(st["seg_tail"].tolist(), st["seg_valid"].tolist())) == sorted(
+    assert sorted(zip(st["seg_tail"], st["seg_valid"])) == sorted(
         [(0, 4), (2, 3), (0, 2), (1, 4), (1, 4), (0, 4), (1, 4)])
 
 
@@ -427,9 +416,9 @@ def test_merged_keeps_the_parts_config():
     assert two.compute().values["n_tokens"] == 2 * one.compute().values["n_tokens"]
 
 
-def test_dilution_uses_the_response_mean_on_both_update_paths(update_path):
+def test_dilution_uses_the_response_mean():
     """Three A<0 responses of 64 tokens, 10 tails (δ = −1, heavy) and 54 tokens at c, mean δ −0.04 (diluted), +0.06
-    and −0.06 (not): dilution 1/3 — on the mean (Σδ / n), not the sum, through the kernel and the torch path."""
+    and −0.06 (not): dilution 1/3 — on the mean (Σδ / n), not the sum."""
     ds = []
     for mean in (-0.04, 0.06, -0.06):
         d = [(mean * 64 + 10) / 54] * 64
@@ -439,20 +428,12 @@ def test_dilution_uses_the_response_mean_on_both_update_paths(update_path):
     assert v["dilution"] == pytest.approx(1 / 3)
 
 
-# ---------------------------------------------------------------- the torch update path's own branches
-@pytest.fixture(params=["kernel", "torch", "torch_in_pieces"])
-def any_update_path(request, monkeypatch):
-    """The two update paths of ``update_path``, plus the torch path cutting every batch into pieces of at most
-    4 tokens at response boundaries (``CPU_CHUNK_TOKENS`` is 32,768 in use; no hand-worked batch is that long)."""
-    import triage_monitor.metrics as metrics_module
-    monkeypatch.setattr(MismatchStats, "use_kernel", request.param == "kernel")
-    if request.param == "torch_in_pieces":
-        monkeypatch.setattr(metrics_module, "CPU_CHUNK_TOKENS", 4)
-    return request.param
-
-
-def test_hand_worked_batches_hold_when_the_update_is_cut_into_pieces(quadrant_batch, seg_batch, any_update_path):
-    """quadrant_batch and seg_batch (values worked out in their fixtures) through every update path."""
+def test_hand_worked_batches_hold_when_the_update_is_cut_into_pieces(quadrant_batch, seg_batch, monkeypatch):
+    """quadrant_batch and seg_batch (values worked out in their fixtures) when the state update cuts every batch
+    into pieces of at most 4 tokens at response boundaries (``PIECE_TOKENS`` is 65,536 in use; no hand-worked batch
+    is that long)."""
+    from triage_monitor import state_kernel
+    monkeypatch.setattr(state_kernel, "PIECE_TOKENS", 4)
     v = compute_step_metrics(quadrant_batch).values
     assert (v["mass_amp_neg"], v["mass_amp_pos"], v["mass_con_neg"], v["mass_con_pos"]) == (5, 2, 3, 1)
     assert v["rho_asym_lennorm"] == pytest.approx((11 / 6) / (1 / 2))
@@ -463,46 +444,31 @@ def test_hand_worked_batches_hold_when_the_update_is_cut_into_pieces(quadrant_ba
     assert v["p_adj"] == pytest.approx((1 / 2) / (2 / 3)) and v["dilution"] == pytest.approx(1 / 3)
 
 
-def test_cpu_update_pieces_cut_at_response_boundaries_by_hand():
-    """``_chunks`` with the real 32,768-token piece size: a response is never split; a cut goes before the first
-    response starting at or after each multiple of 32,768 tokens; an accelerator batch is one piece."""
-    from triage_monitor.metrics import CPU_CHUNK_TOKENS, _chunks
-
-    def si(*lengths):
-        return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-
-    assert CPU_CHUNK_TOKENS == 32768
-    assert _chunks(si(32000, 768), 2, "cpu") == [(0, 32768, 0, 2)]                   # exactly one piece's size
-    # offsets 0, 20000, 40000, 60000: 32768 falls in response 1, so the cut is before response 2
-    assert _chunks(si(20000, 20000, 20000), 3, "cpu") == [(0, 40000, 0, 2), (40000, 60000, 2, 3)]
-    # a response longer than two pieces: the targets 32768 and 65536 both give response 1 (one cut)
-    assert _chunks(si(70000, 10), 2, "cpu") == [(0, 70000, 0, 1), (70000, 70010, 1, 2)]
-    # offsets 0, 32768, 32773, 65541: 32768 starts response 1 (cut 1); 65536 gives response 3 = S (no cut)
-    assert _chunks(si(32768, 5, 32768), 3, "cpu") == [(0, 32768, 0, 1), (32768, 65541, 1, 3)]
-    assert _chunks(si(20000, 20000, 20000), 3, "meta") == [(0, 60000, 0, 3)]        # not the CPU: one piece
+def _tail_layout(delta, adv, sample, pos, tau, width):
+    """stages.tail_layout of flat tensors: (response, number, valid, tail) of the kept segments, as lists."""
+    from triage_monitor.stages import _layout
+    n = int(sample.max()) + 1 if sample.numel() else 0
+    lay = _layout(sample, pos, adv, delta, n, tau, width)
+    return [lay.response.tolist(), lay.number.tolist(), lay.valid.tolist(), lay.tail.tolist()]
 
 
 def test_segment_tail_counts_by_hand_for_a_power_of_two_and_another_width():
     """Positions 0, 1, 2, 3, 5, 6 of an A<0 response (4 masked) and 0, 1 of an A>0 response; tails (A<0, δ < −1) at
     positions 2 and 5.  W = 4: segments {0,1,2,3} 1 tail, {5,6} 1 tail.  W = 3 (floor division, not a shift):
-    {0,1,2} 1 tail, {3,5} 1 tail, {6} 0 tails.  The A>0 response's segments are dropped."""
-    from triage_monitor.metrics import segment_tail_counts
+    {0,1,2} 1 tail, {3,5} 1 tail, {6} 0 tails.  The A>0 response's segments are dropped.  (The segments of the
+    stage table and the dashboard, stages.tail_layout; the state update's agree: tests/test_state_kernel.py.)"""
     delta = torch.tensor([0., 0., -2., 0., -3., 0., -5., -5.])
     adv = torch.tensor([-1.] * 6 + [1., 1.])
     sample = torch.tensor([0] * 6 + [1, 1])
     pos = torch.tensor([0, 1, 2, 3, 5, 6, 0, 1])
-    resp_adv = torch.tensor([-1., 1.])
-    got4 = segment_tail_counts(delta, adv, sample, pos, resp_adv, -1.0, 4)
-    assert [t.tolist() for t in got4] == [[0, 0], [0, 1], [4, 2], [1, 1]]
-    got3 = segment_tail_counts(delta, adv, sample, pos, resp_adv, -1.0, 3)
-    assert [t.tolist() for t in got3] == [[0, 0, 0], [0, 1, 2], [3, 2, 1], [1, 1, 0]]
-    one = segment_tail_counts(delta[2:3], adv[2:3], sample[:1], pos[2:3], resp_adv[:1], -1.0, 4)
-    assert [t.tolist() for t in one] == [[0], [0], [1], [1]]                     # a single token
-    empty = segment_tail_counts(delta[:0], adv[:0], sample[:0], pos[:0], resp_adv[:0], -1.0, 4)
-    assert [(t.dtype, t.numel()) for t in empty] == [(torch.int64, 0)] * 4
+    assert _tail_layout(delta, adv, sample, pos, -1.0, 4) == [[0, 0], [0, 1], [4, 2], [1, 1]]
+    assert _tail_layout(delta, adv, sample, pos, -1.0, 3) == [[0, 0, 0], [0, 1, 2], [3, 2, 1], [1, 1, 0]]
+    one = _tail_layout(delta[2:3], adv[2:3], sample[:1], pos[2:3], -1.0, 4)
+    assert one == [[0], [0], [1], [1]]                                           # a single token
+    assert _tail_layout(delta[:0], adv[:0], sample[:0], pos[:0], -1.0, 4) == [[], [], [], []]
 
 
-def test_segments_of_width_3_by_hand(any_update_path):
+def test_segments_of_width_3_by_hand():
     """W = 3, τ = −1, one A<0 response, positions 0..5: tails at 0 and 4 → segments {0,1,2} 1/3 and {3,4,5} 1/3,
     both heavy (> 0.1), the second after a heavy predecessor: h_seg 1, P_adj = 1 / 1; r_amp 2/6."""
     v = compute_step_metrics(_list_batch([[-2., 0., 0., 0., -2., 0.]], [-1.], sampler=-3.0), -1.0,
@@ -510,7 +476,7 @@ def test_segments_of_width_3_by_hand(any_update_path):
     assert v["h_seg"] == 1.0 and v["r_amp"] == pytest.approx(2 / 6) and v["p_adj"] == pytest.approx(1.0)
 
 
-def test_heavy_is_a_strict_fraction_of_the_valid_tokens(any_update_path):
+def test_heavy_is_a_strict_fraction_of_the_valid_tokens():
     """heavy ⇔ tail > 0.1 · valid.  W = 10: one tail in 10 tokens (exactly 0.1) is not heavy; W = 20: one in 20 is not
     heavy; two in 10 is.  So h_seg = 1/3 over the three one-segment responses."""
     def resp(n, tails):
@@ -523,7 +489,7 @@ def test_heavy_is_a_strict_fraction_of_the_valid_tokens(any_update_path):
     assert v["h_seg"] == pytest.approx(1 / 3)
 
 
-def test_dilution_is_strictly_below_the_threshold_and_uses_one_token_means(any_update_path):
+def test_dilution_is_strictly_below_the_threshold_and_uses_one_token_means():
     """dilution_threshold 0.25, τ = −0.3, W = 4.  r0: δ = (−2, 1, 1, 1): heavy, mean δ exactly 0.25: not diluted.
     r1: one token δ = −0.4: heavy, mean −0.4 (÷ 1 token, not ÷ 2): not diluted.  r2: (−2, 1, 1, 0.5): mean 0.125:
     diluted.  dilution = 1/3."""
@@ -533,7 +499,7 @@ def test_dilution_is_strictly_below_the_threshold_and_uses_one_token_means(any_u
     assert v["dilution"] == pytest.approx(1 / 3)
 
 
-def test_predecessor_of_exactly_two_segments(any_update_path):
+def test_predecessor_of_exactly_two_segments():
     """Two segments of one A<0 response, both heavy (W = 2, tails at positions 0 and 2, τ = −1): one pair, heavy
     after heavy: P(heavy | prev heavy) = 1 = P(heavy | has prev), P_adj = 1."""
     v = compute_step_metrics(_list_batch([[-2., 0., -2., 0.]], [-1.], sampler=-3.), -1.,
@@ -541,7 +507,7 @@ def test_predecessor_of_exactly_two_segments(any_update_path):
     assert v["p_adj"] == pytest.approx(1.0) and v["h_seg"] == 1.0
 
 
-def test_con_pos_counts_negative_gaps_not_zero_gaps(any_update_path):
+def test_con_pos_counts_negative_gaps_not_zero_gaps():
     """A = +1: δ = (−0.1, −0.2, 0, 0.3): con_pos = the two δ<0 tokens (mass 2, count 2); δ = 0 is in no region;
     amp_pos = {0.3}.  A single-token amp_neg response (A = −2, δ = −0.5) has length weight 2/1 in the length-normalised
     mass; the A>0 response's 0.3 has 1/4: rho_asym_lennorm = 2 / 0.25 = 8."""
@@ -550,7 +516,7 @@ def test_con_pos_counts_negative_gaps_not_zero_gaps(any_update_path):
     assert v["rho_asym_lennorm"] == pytest.approx(8.0)
 
 
-def test_response_advantage_sums_signed_token_advantages(any_update_path):
+def test_response_advantage_sums_signed_token_advantages():
     """Per-token advantages (+3 on a δ<0 token, −1 on a tail token): the response's advantage is +2 > 0, so it has
     no segments and no tail (a response is A<0 by the sign of its mean advantage): r_amp NaN, no segments."""
     b = TokenBatch.from_list([torch.tensor([-1.5, -5.0])], [torch.tensor([-1.0, -1.0])], [torch.tensor([3.0, -1.0])])
@@ -558,13 +524,13 @@ def test_response_advantage_sums_signed_token_advantages(any_update_path):
     assert math.isnan(v["h_seg"]) and math.isnan(v["r_amp"])
 
 
-def test_small_gap_is_strictly_below_the_threshold(any_update_path):
+def test_small_gap_is_strictly_below_the_threshold():
     """small_gap_threshold 0.25 (exact in float32): |δ| = 0.25 is not a small gap; 0.1 is: share 1/4."""
     v = compute_step_metrics(_list_batch([[.25, -.25, .1, .5]], [1.]), config=MetricConfig(small_gap_threshold=0.25))
     assert v.values["small_gap_share"] == pytest.approx(1 / 4)
 
 
-def test_chi2_clamps_the_log_ratio_at_both_ends(any_update_path):
+def test_chi2_clamps_the_log_ratio_at_both_ends():
     """chi2_token's r is clamped to [−20, 20] before exp (verl's SAFETY_BOUND): its state sum Σ exp(r)² over δ = +25
     and −50 is e^40 + e^−40, not e^50 + e^−100."""
     from triage_monitor.metrics import SUM_FIELDS
@@ -574,7 +540,7 @@ def test_chi2_clamps_the_log_ratio_at_both_ends(any_update_path):
     assert lo.sums[SUM_FIELDS.index("exp_r_sq_sum")].item() == pytest.approx(math.exp(-40), rel=1e-9, abs=0)
 
 
-def test_two_updates_add_up(any_update_path):
+def test_two_updates_add_up():
     """Two updates of one accumulator add: quadrant_batch twice has twice its masses and the same ratios."""
     b = _list_batch([[.2, -.1, 0., .03], [-.5, .1, -.01]], [1., -2.])
     v = MismatchStats().update(b).update(b).compute().values
@@ -586,7 +552,7 @@ def test_merged_of_no_parts_is_empty():
     assert v["n_tokens"] == 0 and math.isnan(v["rho_asym"])
 
 
-def test_empty_batch_through_every_update_path(any_update_path):
+def test_empty_batch():
     """A batch whose only response is fully masked: no tokens, one response with none, metrics NaN."""
     v = compute_step_metrics(_list_batch([[-1.0, -2.0]], [-1.], masks=[[0, 0]]), -1.0).values
     assert v["n_tokens"] == 0 and v["n_samples"] == 0 and math.isnan(v["h_seg"]) and math.isnan(v["rho_asym"])
@@ -595,11 +561,10 @@ def test_empty_batch_through_every_update_path(any_update_path):
 def test_segment_tail_stats_with_a_trailing_fully_masked_response(seg_batch):
     """seg_batch plus a last A<0 response whose tokens are all masked: the sums are seg_batch's (docstring of
     test_segment_tail_stats_of_the_hand_worked_batch)."""
-    from triage_monitor.metrics import segment_tail_stats
     deltas, advs, masks = _seg_lists()
     b = _list_batch(deltas + [[-2., -2.]], advs + [-1.], masks=masks + [[0, 0]], sampler=-3.0)
     assert b.num_samples == 6
-    st = segment_tail_stats(b, TAU, W, 0.1, 0.05)
+    st = _loc_sums(MismatchStats(MetricConfig(segment_width=W)).update(b, TAU))
     assert (st["neg_valid_tokens"], st["tail_tokens"], st["segments"], st["heavy_segments"]) == (25, 5, 7, 4)
     assert (st["pairs"], st["pairs_both_heavy"], st["responses_with_heavy"], st["responses_diluted"]) == (3, 1, 3, 1)
 
@@ -654,8 +619,8 @@ def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path, plain_mai
         assert torch.allclose(st, whole.state, rtol=1e-12, atol=0)
 
 
-def test_length_normalised_masses_are_the_documented_sums(quadrant_batch, any_update_path):
-    """The state's length-normalised masses, not only their ratio (states of both update paths are merged across
+def test_length_normalised_masses_are_the_documented_sums(quadrant_batch):
+    """The state's length-normalised masses, not only their ratio (states are merged across
     ranks and steps): quadrant_batch's Σ |A|/n over amp_neg = 2·(2/3) + 1·(1/2) = 11/6 and over amp_pos = 2·(1/4)."""
     from triage_monitor.metrics import SUM_FIELDS
     st = MismatchStats().update(quadrant_batch)
@@ -668,31 +633,22 @@ def test_a_tail_token_has_a_negative_advantage_and_a_gap_strictly_below_tau():
     """Per-token advantages inside one response of mean advantage −0.5 (so its segments are kept): A = −2, 0, 0.5,
     −1 with δ = −2, −2, −2, −1 and τ = −1: only the first token is a tail token (A = 0 and A > 0 are not, nor
     δ = τ exactly)."""
-    from triage_monitor.metrics import segment_tail_counts
-    got = segment_tail_counts(torch.tensor([-2., -2., -2., -1.]), torch.tensor([-2., 0., .5, -1.]),
-                              torch.zeros(4, dtype=torch.long), torch.arange(4), torch.tensor([-0.625]), -1.0, 4)
-    assert [t.tolist() for t in got] == [[0], [0], [4], [1]]
-
-
-def test_cpu_update_pieces_with_a_trailing_empty_response():
-    """offsets 0, 20000, 40000, 40000 (the last response has no valid token): one cut before response 2, whose
-    piece is empty."""
-    from triage_monitor.metrics import _chunks
-    si = torch.repeat_interleave(torch.arange(2), torch.tensor([20000, 20000]))
-    assert _chunks(si, 3, "cpu") == [(0, 40000, 0, 2), (40000, 40000, 2, 3)]
+    got = _tail_layout(torch.tensor([-2., -2., -2., -1.]), torch.tensor([-2., 0., .5, -1.]),
+                       torch.zeros(4, dtype=torch.long), torch.arange(4), -1.0, 4)
+    assert got == [[0], [0], [4], [1]]
 
 
 def test_localisation_of_one_token_and_of_no_token():
     """One A<0 token with δ = −2 < τ = −1: one segment of 1 valid token, 1 tail, heavy, the response heavy and
     not diluted (|mean δ| = 2).  No token: no segment (empty int64 arrays) and zero sums."""
-    from triage_monitor.metrics import segment_tail_stats
-    st = segment_tail_stats(_list_batch([[-2.0]], [-1.0], sampler=-3.0), -1.0, 4, 0.1, 0.05)
+    cfg = MetricConfig(segment_width=4)
+    st = _loc_sums(MismatchStats(cfg).update(_list_batch([[-2.0]], [-1.0], sampler=-3.0), -1.0))
     assert (st["neg_valid_tokens"], st["tail_tokens"], st["segments"], st["heavy_segments"]) == (1, 1, 1, 1)
     assert (st["responses_with_heavy"], st["responses_diluted"]) == (1, 0)
-    assert st["seg_tail"].tolist() == [1] and st["seg_valid"].tolist() == [1]
-    st = segment_tail_stats(_list_batch([[-2.0]], [-1.0], masks=[[0]], sampler=-3.0), -1.0, 4, 0.1, 0.05)
+    assert st["seg_tail"] == [1] and st["seg_valid"] == [1]
+    st = _loc_sums(MismatchStats(cfg).update(_list_batch([[-2.0]], [-1.0], masks=[[0]], sampler=-3.0), -1.0))
     assert st["segments"] == 0 and st["tail_tokens"] == 0
-    assert [(t.dtype, t.numel()) for t in (st["seg_tail"], st["seg_valid"])] == [(torch.int64, 0)] * 2
+    assert st["seg_tail"] == [] and st["seg_valid"] == []
 
 
 def test_state_layout_groups_fields_by_reduction_by_hand():
@@ -755,9 +711,9 @@ def test_window_counts_stay_exact_beyond_float32s_integers():
     assert step_res.values == pytest.approx(win_res.values, rel=0, abs=0, nan_ok=True)
 
 
-def test_localisation_added_apart_holds_the_hand_worked_values(seg_batch, any_update_path):
+def test_localisation_added_apart_holds_the_hand_worked_values(seg_batch):
     """add_magnitude, then add_localisation called on its own (no intermediates passed): seg_batch's hand-worked
-    localisation (see its fixture) on every update path."""
+    localisation (see its fixture)."""
     b = seg_batch
     st = MismatchStats(MetricConfig(segment_width=W))
     st.add_magnitude(b.delta, b.advantage, b.sample_index, b.num_samples)
@@ -807,8 +763,8 @@ def test_c_tok_from_the_segment_table_by_hand_with_its_default_top_5_percent(seg
         assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected, rel=1e-15, abs=0)
 
 
-def test_an_update_without_tau_tail_adds_no_localisation(seg_batch, any_update_path):
-    """With τ_tail NaN (not calibrated yet) the localisation part of the state stays empty on every update path:
+def test_an_update_without_tau_tail_adds_no_localisation(seg_batch):
+    """With τ_tail NaN (not calibrated yet) the localisation part of the state stays empty:
     no segment sums, an empty C_tok table (seg_batch has 3 responses with A < 0 cut into 7 segments at τ = −1)."""
     from triage_monitor.metrics import SUM_FIELDS
 
@@ -822,30 +778,9 @@ def test_an_update_without_tau_tail_adds_no_localisation(seg_batch, any_update_p
     assert with_tau.sums[SUM_FIELDS.index("segments")].item() == 7 and with_tau.part("c_tok_table").sum().item() == 7
 
 
-def test_a_cpu_state_is_updated_by_the_kernel_unless_it_is_switched_off(seg_batch, monkeypatch):
-    """On the CPU the one-pass kernel adds each batch and accepts its rows (status OK: in (sample, position)
-    order); with ``use_kernel = False`` it is never called, so the torch operations that the tests compare it with
-    (and that run on an accelerator) really run."""
-    from triage_monitor import state_kernel
-
-    statuses = []
-
-    def spy(*args, **kwargs):
-        statuses.append(real(*args, **kwargs))
-        return statuses[-1]
-
-    real = state_kernel.update_state
-    monkeypatch.setattr(state_kernel, "update_state", spy)
-    MismatchStats(MetricConfig(segment_width=4)).update(seg_batch, -1.0)
-    assert statuses == [state_kernel.OK]
-    monkeypatch.setattr(MismatchStats, "use_kernel", False)
-    MismatchStats(MetricConfig(segment_width=4)).update(seg_batch, -1.0)
-    assert statuses == [state_kernel.OK]
-
-
-def test_bfloat16_advantages_update_the_state_as_their_float32_values(any_update_path):
+def test_bfloat16_advantages_update_the_state_as_their_float32_values():
     """Advantages in bfloat16 (a low-precision trainer's dtype, kept by ``from_padded``) holding 1, −1 and 2
-    exactly: the state equals that of the same batch with float32 advantages, on every update path."""
+    exactly: the state equals that of the same batch with float32 advantages,."""
     g = torch.Generator().manual_seed(3)
     sampler = -torch.rand(3, 20, generator=g) * 3
     learner = sampler + torch.randn(3, 20, generator=g) * 0.5
@@ -904,7 +839,7 @@ def test_p_adj_says_which_pair_count_is_zero(tail_at, reason):
 
 
 @pytest.mark.parametrize("delta", [-2.2, -0.7, -0.3, 0.45, 1.1])
-def test_quantiles_of_one_repeated_gap_are_that_gap_exactly(delta, any_update_path):
+def test_quantiles_of_one_repeated_gap_are_that_gap_exactly(delta):
     """Every token with the same δ: the sketch's bucket representative is clamped to the exact minimum and
     maximum, so δ's 1 %, 5 % and 50 % quantiles are δ itself (float32 δ, as computed)."""
     sampler = torch.full((2, 5), -1.5)
@@ -927,15 +862,13 @@ def test_c_tok_takes_the_configured_top_fraction_of_segments(seg_batch, top_frac
 def test_a_state_given_must_have_the_layouts_size_and_becomes_float64():
     """``MismatchStats(state=...)`` (a saved state): one of another size is refused naming both sizes and the
     segment width (message typed out); a float32 one is held as float64.  A new state is made on the device
-    asked for (the meta device here: no accelerator needed)."""
+    on the host, where the state update runs."""
     cfg = MetricConfig(segment_width=4)
     size = MismatchStats(cfg).state.numel()
     with pytest.raises(ValueError) as err:
         MismatchStats(cfg, state=torch.zeros(5))
     assert str(err.value) == f"MismatchStats state must have shape ({size},) for segment width 4, got (5,)"
     kept = MismatchStats(cfg, state=MismatchStats(cfg).state.float())
-    assert kept.state.dtype == torch.float64 and kept.device == torch.device("cpu")
-    elsewhere = MismatchStats(cfg, device="meta")            # a new state lives where it is asked to
-    assert elsewhere.device == torch.device("meta") and elsewhere.state.device.type == "meta"
-    assert elsewhere.state.shape == (size,) and elsewhere.state.dtype == torch.float64
+    assert kept.state.dtype == torch.float64 and kept.state.device == torch.device("cpu")
+    assert MismatchStats(cfg).state.shape == (size,) and MismatchStats(cfg).state.dtype == torch.float64
 

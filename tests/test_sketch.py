@@ -14,7 +14,8 @@ from hypothesis.extra.numpy import arrays
 from triage_monitor import sketch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.metrics import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments,
-                                    c_tok_from_table, segment_tail_stats, state_layout)
+                                    c_tok_from_table, state_layout)
+from triage_monitor.stages import tail_layout
 from triage_monitor.sketch import quantile_error_bound, sketch_counts, sketch_quantiles
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow],
@@ -114,8 +115,8 @@ def test_state_is_fixed_size_and_c_tok_exact_on_batches():
         b = _random_batch(seed, B, T)
         st_ = MismatchStats(cfg).update(b, -0.2)
         sizes.add(st_.nbytes)
-        ref = segment_tail_stats(b, -0.2, 16, cfg.heavy_fraction, cfg.dilution_threshold)
-        assert st_.compute().values["c_tok"] == c_tok_from_segments(ref["seg_tail"], ref["seg_valid"])
+        ref = tail_layout(b, -0.2, 16)                          # the segments listed one by one
+        assert st_.compute().values["c_tok"] == c_tok_from_segments(torch.as_tensor(ref.tail), torch.as_tensor(ref.valid))
     assert sizes == {state_layout(16).size * 8} and state_layout(64).size * 8 < 200_000
 
 
@@ -134,13 +135,13 @@ def test_window_is_the_merge_of_its_step_states():
 
 
 def test_cpu_update_in_response_aligned_pieces_equals_one_piece(monkeypatch):
-    import triage_monitor.metrics as M
+    import triage_monitor.state_kernel as K
 
     cfg = MetricConfig(segment_width=16)
     b = _random_batch(3, B=60, T=300)
     whole = MismatchStats(cfg).update(b, -0.2).compute().values
-    monkeypatch.setattr(M, "CPU_CHUNK_TOKENS", 97)                # many pieces, cut at response boundaries
-    assert len(M._chunks(b.sample_index, b.num_samples, "cpu")) > 20
+    monkeypatch.setattr(K, "PIECE_TOKENS", 97)                    # many pieces, cut at response boundaries
+    assert len(K._cuts(b.sample_index.numpy(), 97)) > 20
     pieces = MismatchStats(cfg).update(b, -0.2).compute().values
     for k, v in whole.items():
         assert (math.isnan(v) and math.isnan(pieces[k])) or pieces[k] == pytest.approx(v, rel=1e-12), k

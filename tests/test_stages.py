@@ -10,7 +10,7 @@ import torch
 
 from triage_monitor.analysis import open_run
 from triage_monitor.batch import TokenBatch
-from triage_monitor.metrics import c_tok_from_segments, segment_tail_stats
+from triage_monitor.metrics import MetricConfig, MismatchStats, c_tok_from_segments
 from triage_monitor.stages import (TailLayout, anchor_steps, format_stage_table, null_segment_counts,
                                    shuffle_null_c_tok, stage_table, tail_layout)
 
@@ -76,7 +76,9 @@ def test_packed_tails_give_large_excess():
     assert lay.c_tok() > np.quantile(null, 0.975)
 
 
-def test_tail_layout_matches_metrics_segments():
+def test_tail_layout_matches_the_state_updates_segments():
+    """The stage table's segments (triage_monitor.segments) against the state update's own count of them: the same
+    (valid, tail) table of segments, the same tail tokens and C_tok."""
     g = torch.Generator().manual_seed(5)
     S, T = 12, 150
     sampler = -torch.rand(S, T, generator=g) * 2
@@ -84,11 +86,12 @@ def test_tail_layout_matches_metrics_segments():
     mask = torch.rand(S, T, generator=g) > 0.2
     batch = TokenBatch.from_padded(learner, sampler, torch.randn(S, generator=g), mask)
     lay = tail_layout(batch, tau_tail=-0.2, width=16)
-    ref = segment_tail_stats(batch, -0.2, 16, 0.1, 0.05)
-    np.testing.assert_array_equal(lay.tail, ref["seg_tail"].numpy())
-    np.testing.assert_array_equal(lay.valid, ref["seg_valid"].numpy())
-    assert lay.c_tok() == c_tok_from_segments(ref["seg_tail"], ref["seg_valid"])
-    assert int(lay.tail.sum()) == ref["tail_tokens"]
+    st = MismatchStats(MetricConfig(segment_width=16)).update(batch, -0.2)
+    table = np.bincount(lay.valid * 17 + lay.tail, minlength=17 ** 2)
+    np.testing.assert_array_equal(table, st.part("c_tok_table").numpy())
+    assert lay.c_tok() == st.compute().values["c_tok"] == c_tok_from_segments(torch.as_tensor(lay.tail),
+                                                                             torch.as_tensor(lay.valid))
+    assert int(lay.tail.sum()) == st.sum("tail_tokens") and lay.num_segments == st.sum("segments")
 
 
 def test_shuffle_null_without_tails_is_nan():

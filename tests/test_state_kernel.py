@@ -1,8 +1,10 @@
-"""The one-pass CPU kernel (triage_monitor.state_kernel) and the torch path compute the same state.
+"""The one update of the metric state (triage_monitor.state_kernel) against independent counts.
 
-Two implementations of the same definitions (docs/metrics.md#state): the torch operations (used on
-accelerators) and the compiled CPU loop.  Every count (tokens, responses, region counts, segments, the C_tok
-table, the δ sketch, min and max) must be equal; the float64 sums agree to rounding (rel 1e-12).
+The kernel is the only code that writes the state from tokens.  Here it is checked against plain numpy
+written from docs/metrics.md (every count exact, the float64 sums to rounding, rel 1e-12), its segments against
+:mod:`triage_monitor.segments` (the segments the controller and the stage table cut: the C_tok table of
+(valid, tail) counts per segment must be equal cell for cell), and its declaration: a declared field it does not
+write fails the first update.
 """
 
 import math
@@ -13,6 +15,7 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.metrics import SUM_FIELDS, MetricConfig, MismatchStats, MetricTracker
+from triage_monitor.segments import segment_tokens
 
 ROUNDED = {"delta_sum", "delta_abs_sum", "k3_sum", "exp_r_sq_sum", "log_ppl_diff_sum", "abs_adv_sum",
            "mass_amp_neg", "mass_amp_pos", "mass_con_neg", "mass_con_pos", "lennorm_amp_neg", "lennorm_amp_pos"}
@@ -32,71 +35,141 @@ def _batch(seed, B=40, T=300, big=False, zero_adv=False):
     return TokenBatch.from_padded(lp, s, adv, mask)
 
 
-def _torch_path(monkeypatch, fn):
-    monkeypatch.setattr(MismatchStats, "use_kernel", False)
-    try:
-        return fn()
-    finally:
-        monkeypatch.setattr(MismatchStats, "use_kernel", True)
+def _expected_sums(b: TokenBatch, tau: float, cfg: MetricConfig) -> dict:
+    """The additive state of docs/metrics.md#state for ``b``, token by token and segment by segment (numpy)."""
+    d = b.delta.numpy().astype(np.float64)
+    a = b.advantage.numpy().astype(np.float64)
+    si, pos = b.sample_index.numpy(), b.position.numpy()
+    d32, a32 = b.delta.numpy(), b.advantage.numpy()
+    region = np.select([(a32 < 0) & (d32 < 0), (a32 > 0) & (d32 > 0), (a32 < 0) & (d32 > 0), (a32 > 0) & (d32 < 0)],
+                       [0, 1, 2, 3], 4)
+    nv = np.bincount(si, minlength=b.num_samples)
+    out = {"n_tokens": len(d), "n_responses_all": b.num_samples, "n_responses_nonempty": int((nv > 0).sum()),
+           "small_gap_count": int((np.abs(d) < cfg.small_gap_threshold).sum()), "delta_sum": d.sum(),
+           "delta_abs_sum": np.abs(d).sum(), "k3_sum": (np.exp(d) - d - 1).sum(),
+           "exp_r_sq_sum": (np.exp(np.clip(d, -20, 20)) ** 2).sum(),
+           "log_ppl_diff_sum": -sum(d[si == s].mean() for s in range(b.num_samples) if nv[s]),
+           "abs_adv_sum": np.abs(a).sum()}
+    for r, name in enumerate(("amp_neg", "amp_pos", "con_neg", "con_pos")):
+        out[f"mass_{name}"] = np.abs(a[region == r]).sum()
+        out[f"count_{name}"] = int((region == r).sum())
+    for r, name in ((0, "amp_neg"), (1, "amp_pos")):
+        out[f"lennorm_{name}"] = sum(np.abs(a[(region == r) & (si == s)]).sum() / nv[s] for s in range(b.num_samples)
+                                     if nv[s])
+    loc = dict.fromkeys(("neg_valid_tokens", "tail_tokens", "segments", "heavy_segments", "pairs", "pairs_heavy",
+                         "pairs_prev_heavy", "pairs_both_heavy", "responses_with_heavy", "responses_diluted"), 0)
+    if not math.isnan(tau):
+        for s in range(b.num_samples):
+            sel = si == s
+            if not sel.any() or a[sel].sum() >= 0:
+                continue
+            segs = {}
+            for p, t in zip(pos[sel], (a32[sel] < 0) & (d32[sel] < np.float32(tau))):
+                v = segs.setdefault(int(p) // cfg.segment_width, [0, 0])
+                v[0] += 1
+                v[1] += int(t)
+            heavy = {k: t > cfg.heavy_fraction * v for k, (v, t) in segs.items()}
+            loc["neg_valid_tokens"] += int(sel.sum())
+            loc["tail_tokens"] += sum(t for _, t in segs.values())
+            loc["segments"] += len(segs)
+            loc["heavy_segments"] += sum(heavy.values())
+            for k in segs:
+                if k - 1 in segs:
+                    loc["pairs"] += 1
+                    loc["pairs_heavy"] += heavy[k]
+                    loc["pairs_prev_heavy"] += heavy[k - 1]
+                    loc["pairs_both_heavy"] += heavy[k] and heavy[k - 1]
+            if any(heavy.values()):
+                loc["responses_with_heavy"] += 1
+                loc["responses_diluted"] += abs(d[sel].mean()) < cfg.dilution_threshold
+    return {**out, **loc}
 
 
-def _assert_same(kernel: MismatchStats, reference: MismatchStats):
-    k, r = kernel.state.numpy(), reference.state.numpy()
-    sl = kernel.layout.slices
-    for name, a, b in zip(SUM_FIELDS, k[sl["sums"]], r[sl["sums"]]):
+def _assert_sums(stats: MismatchStats, want: dict):
+    for name in SUM_FIELDS:
+        got = stats.sum(name)
         if name in ROUNDED:
-            assert a == pytest.approx(b, rel=1e-12, abs=1e-300), name
+            assert got == pytest.approx(want[name], rel=1e-12, abs=1e-300), name
         else:
-            assert a == b, name
-    for part in ("delta_sketch", "c_tok_table", "delta_min", "delta_max"):
-        assert np.array_equal(k[sl[part]], r[sl[part]]), part
+            assert got == want[name], name
 
 
 @pytest.mark.parametrize("width", [64, 16, 50])
 @pytest.mark.parametrize("seed,big,zero_adv", [(0, False, False), (1, True, False), (2, False, True)])
-def test_kernel_state_equals_torch_state(monkeypatch, width, seed, big, zero_adv):
+def test_the_state_equals_the_definitions_counted_by_hand(width, seed, big, zero_adv):
+    """Every additive field against numpy loops; δ's min and max exact; the sketch holds every token once."""
     cfg = MetricConfig(segment_width=width)
     b = _batch(seed, big=big, zero_adv=zero_adv)
     for tau in (-0.2, math.nan):
-        kernel = MismatchStats(cfg).update(b, tau)
-        reference = _torch_path(monkeypatch, lambda: MismatchStats(cfg).update(b, tau))
-        _assert_same(kernel, reference)
-        kv, rv = kernel.compute().values, reference.compute().values
-        for name in ("c_tok", "h_seg", "r_amp", "p_adj", "dilution", "delta_q05", "delta_min", "n_samples"):
-            assert kv[name] == rv[name] or (math.isnan(kv[name]) and math.isnan(rv[name])), name
+        st = MismatchStats(cfg).update(b, tau)
+        _assert_sums(st, _expected_sums(b, tau, cfg))
+        assert float(st.part("delta_min")[0]) == float(b.delta.min())
+        assert float(st.part("delta_max")[0]) == float(b.delta.max())
+        assert float(st.part("delta_sketch").sum()) == b.num_tokens
 
 
-def test_tracker_split_update_equals_one_pass(monkeypatch):
-    """While τ_tail calibrates, the tracker adds the magnitude part, calibrates, then the localisation part:
-    the two kernel calls give the state of one update, and the torch path's."""
+@pytest.mark.parametrize("width", [64, 16, 3])
+def test_the_kernels_segments_are_the_segments_module_s(width):
+    """The C_tok table counts the A<0 responses' segments by (valid, tail): built from
+    triage_monitor.segments.segment_tokens (the Gate's and the stage table's segments) it is equal cell for cell."""
+    cfg = MetricConfig(segment_width=width)
+    b = _batch(4, B=30, T=200)
+    tau = -0.1
+    seg = segment_tokens(b.sample_index, b.position, width)
+    tail = seg.sum(((b.advantage < 0) & (b.delta < tau)).long())
+    nv = torch.bincount(b.sample_index, minlength=b.num_samples).clamp(min=1).double()
+    resp_adv = torch.zeros(b.num_samples, dtype=torch.float64).index_add(0, b.sample_index, b.advantage.double())
+    keep = (resp_adv / nv)[seg.sample] < 0
+    table = torch.bincount(seg.count[keep] * (width + 1) + tail[keep], minlength=(width + 1) ** 2).double()
+    got = MismatchStats(cfg).update(b, tau).part("c_tok_table")
+    assert torch.equal(got, table) and got.sum() == keep.sum() > 10
+
+
+def test_a_declared_field_the_kernel_does_not_write_fails_the_first_update(monkeypatch):
+    from triage_monitor import state_kernel as K
+
+    fields = (*K.SUM_FIELD_PASSES, ("new_sum", K.MAGNITUDE))
+    monkeypatch.setattr(K, "SUM_FIELD_PASSES", fields)
+    monkeypatch.setattr(K, "N_SUMS", len(fields))
+    state = np.zeros(200_000)
+    slices = {"sums": slice(0, len(fields)), "delta_sketch": slice(100, 100 + 1000), "c_tok_table": slice(5000, 6000),
+              "delta_min": slice(7000, 7001), "delta_max": slice(7001, 7002)}
+    with pytest.raises(AssertionError, match=r"declared state field\(s\) \['new_sum'\] not written by the kernel"):
+        K.update_state(state, slices, np.zeros(3, np.float32), np.ones(3, np.float32), np.zeros(3, np.int64),
+                       np.arange(3), 1, mode=K.BOTH, tau_tail=-0.2, width=16, small_gap_threshold=0.05,
+                       heavy_fraction=0.1, dilution_threshold=0.05)
+
+
+def test_tracker_split_update_equals_one_pass():
+    """While τ_tail calibrates, the tracker adds the magnitude part, calibrates, then the localisation part: the
+    two passes give the state of one update, bit for bit."""
     cfg = MetricConfig(segment_width=16)
-    bs = [_batch(10 + i) for i in range(4)]
     tr = MetricTracker(cfg, window=2, calibration_steps=2)
-    ref = _torch_path(monkeypatch, lambda: MetricTracker(cfg, window=2, calibration_steps=2))
-    for i, b in enumerate(bs):
+    for i in range(4):
+        b = _batch(10 + i)
         tr.step(i, b)
-        _torch_path(monkeypatch, lambda: ref.step(i, b))
-        assert tr.tau_tail == ref.tau_tail
-        _assert_same(tr._history[-1][1], ref._history[-1][1])
         one = MismatchStats(cfg).update(b, tr.tau_tail)
         assert np.array_equal(one.state.numpy(), tr._history[-1][1].state.numpy())
 
 
-def test_unsorted_rows_fall_back_to_torch_order_check():
-    """Rows out of (sample, position) order are refused by the kernel (nothing added)."""
+def test_unsorted_rows_are_refused():
+    """Rows out of (sample, position) order are refused by the kernel (nothing added), and by update_flat with a
+    clear error."""
     from triage_monitor import state_kernel as K
 
     st = MismatchStats(MetricConfig(segment_width=16))
     before = st.state.numpy().copy()
     args = (np.zeros(3, np.float32), np.ones(3, np.float32), np.array([0, 1, 0]), np.array([0, 0, 1]), 2)
-    status = K.update_state(st.state.numpy(), st.layout.slices, SUM_FIELDS, *args, mode=K.BOTH, tau_tail=-0.2,
+    status = K.update_state(st.state.numpy(), st.layout.slices, *args, mode=K.BOTH, tau_tail=-0.2,
                             width=16, small_gap_threshold=0.05, heavy_fraction=0.1, dilution_threshold=0.05)
     assert status == K.UNSORTED and np.array_equal(st.state.numpy(), before)
+    with pytest.raises(ValueError, match=r"not ordered by \(sample, position\)"):
+        st.update_flat(*(torch.as_tensor(x) for x in args[:4]), 2, -0.2)
 
 
-def test_pieces_and_threads_do_not_change_the_state(monkeypatch):
-    """A batch is cut into response-aligned pieces whose sums are added in piece order: the state is the same
-    bits on 1 or 2 threads, and its counts equal the one-piece state's."""
+def test_pieces_do_not_change_the_counts(monkeypatch):
+    """A batch is cut into response-aligned pieces whose sums are added in piece order: the counts equal the
+    one-piece state's, the float sums agree to rounding."""
     from triage_monitor import state_kernel as K
 
     cfg = MetricConfig(segment_width=16)
@@ -104,11 +177,10 @@ def test_pieces_and_threads_do_not_change_the_state(monkeypatch):
     whole = MismatchStats(cfg).update(b, -0.2)
     monkeypatch.setattr(K, "PIECE_TOKENS", 500)
     assert len(K._cuts(b.sample_index.numpy(), 500)) > 10
-    one = MismatchStats(cfg).update(b, -0.2)
-    monkeypatch.setattr(K, "THREADS", 2)
-    two = MismatchStats(cfg).update(b, -0.2)
-    assert np.array_equal(one.state.numpy(), two.state.numpy())
-    _assert_same(one, whole)
+    pieces = MismatchStats(cfg).update(b, -0.2)
+    _assert_sums(pieces, {n: whole.sum(n) for n in SUM_FIELDS})
+    for part in ("delta_sketch", "c_tok_table", "delta_min", "delta_max"):
+        assert torch.equal(pieces.part(part), whole.part(part)), part
 
 
 def test_tracker_window_equals_the_ordered_merge_bit_for_bit():

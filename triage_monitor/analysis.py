@@ -316,7 +316,7 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
     """
     import numpy as np
 
-    from .metrics import SUM_FIELDS, MismatchStats
+    from .metrics import MismatchStats
     from .state_kernel import BOTH, MAGNITUDE, OK, update_state
 
     stats = MismatchStats(config)
@@ -330,11 +330,11 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
         # δ in float32 exactly as TokenBatch.delta; a response is a run of equal sample ids (the kernel checks
         # the (sample_id, position) order and refuses other orders, which are sorted here first)
         delta = np.subtract(lp, sp, dtype=np.float32)
-        if update_state(state, stats.layout.slices, SUM_FIELDS, delta, adv, sid, pos, -1, **kw) == OK:
+        if update_state(state, stats.layout.slices, delta, adv, sid, pos, -1, **kw) == OK:
             continue
         order = np.lexsort((pos, sid))
         sid, pos, delta, adv = sid[order], pos[order], delta[order], adv[order]
-        if update_state(state, stats.layout.slices, SUM_FIELDS, delta, adv, sid, pos, -1, **kw) != OK:
+        if update_state(state, stats.layout.slices, delta, adv, sid, pos, -1, **kw) != OK:
             raise ValueError(f"{path_hint}: a (sample_id, position) pair occurs twice in the token records")
     return stats.state.numpy()
 
@@ -517,10 +517,12 @@ def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: s
     import hashlib
     from dataclasses import asdict
 
-    from . import sketch
+    from .metrics import state_layout
 
-    h = hashlib.sha256(json.dumps([asdict(cfg), explicit, n_calib, tau_mode, todo, sketch.SIZE,
-                                   _CACHE_FORMAT]).encode())
+    # the state layout is part of the key: a state of another layout (a field added or resized) is never loaded
+    layout = [(f.name, f.size, f.reduction) for f in state_layout(cfg.segment_width).fields]
+    h = hashlib.sha256(json.dumps([asdict(cfg), explicit, n_calib, tau_mode, todo, layout,
+                                   list(state_kernel_fields()), _CACHE_FORMAT]).encode())
     for s in sorted(files):
         for f in files[s]:
             st = Path(f).stat()
@@ -530,6 +532,13 @@ def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: s
 
 #: Version of the cached states file (part of its key): 2 adds the shuffle-null inputs.
 _CACHE_FORMAT = 2
+
+
+def state_kernel_fields() -> tuple:
+    """The names of the state's additive sums, in state order (part of the state cache's key)."""
+    from .state_kernel import SUM_FIELDS
+
+    return SUM_FIELDS
 
 
 def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepStates]:

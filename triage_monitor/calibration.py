@@ -54,12 +54,15 @@ def sync_part(part: Tensor, group=None) -> Tensor:
     Fixed size whatever the number of values."""
     import torch.distributed as dist
 
+    home = part.device
+    if dist.get_backend(group) == "nccl" and home.type == "cpu":     # NCCL reduces device tensors only
+        part = part.to(torch.device("cuda", torch.cuda.current_device()))
     k = sketch.SIZE
     counts = part[:k].contiguous()
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     ext = torch.stack([-part[k], part[k + 1]])
     dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
-    return torch.cat([counts, -ext[:1], ext[1:]])
+    return torch.cat([counts, -ext[:1], ext[1:]]).to(home)
 
 
 def part_quantiles(part: Tensor, qs: Sequence[float]) -> list:

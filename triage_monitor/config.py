@@ -55,7 +55,6 @@ class MonitorConfig:
         record_tokens: write the token rows (False keeps only step metrics).
         max_queue_bytes: bound of the writer's queue.
         backpressure: "block" (wait for the disk) or "drop" (drop and count rows) when the queue is full.
-        metrics_device: device for the metric state; None = the batch's device.
         alignment_check_steps: run :func:`~triage_monitor.alignment.check_alignment` on this many
             first steps of each process start (0 disables); a suspected shift logs a warning.
     """
@@ -67,7 +66,6 @@ class MonitorConfig:
     record_tokens: bool = True
     max_queue_bytes: int = 256 << 20
     backpressure: str = "block"
-    metrics_device: Optional[str] = None
     alignment_check_steps: int = 3
 
     def __post_init__(self):

@@ -1,18 +1,14 @@
 """Direction-aware mismatch metrics (docs/metrics.md), live and offline from one implementation.
 
-Two layers, in the style of torchmetrics:
-
-* pure tensor functions over a :class:`~triage_monitor.batch.TokenBatch`
-  (:func:`region_codes`, :func:`segment_tail_stats`, :func:`c_tok_from_segments`,
-  :func:`quantiles`), shapes stated;
-* :class:`MismatchStats`, an accumulator whose state is one fixed-size float64
-  vector of declared fields, each merged by sum, min or max (:func:`state_layout`):
-  the additive sums, a δ quantile sketch (:mod:`triage_monitor.sketch`), the table
-  of segment counts by (valid, tail tokens) for an exact C_tok, and δ's min and
-  max.  ``update`` / ``merge`` / ``compute`` / ``sync`` derive from the
-  declarations; a trailing window is the merge of its steps' vectors, so window
-  metrics pool the raw sums of the window instead of averaging per-step ratios,
-  and a multi-rank sync is a fixed-size all-reduce (docs/metrics.md#state).
+In the style of torchmetrics: :class:`MismatchStats` is an accumulator whose state is one fixed-size float64
+vector of declared fields, each merged by sum, min or max (:func:`state_layout`): the additive sums
+(:data:`~triage_monitor.state_kernel.SUM_FIELDS`, declared once, in the kernel that writes them), a δ quantile
+sketch (:mod:`triage_monitor.sketch`), the table of segment counts by (valid, tail tokens) for an exact C_tok,
+and δ's min and max.  ``update`` runs the one compiled pass of :mod:`triage_monitor.state_kernel` on the host
+copy of the tokens (whatever device the trainer uses); ``merge`` / ``sync`` / ``compute`` derive from the
+declarations; a trailing window is the merge of its steps' vectors, so window metrics pool the raw sums of the
+window instead of averaging per-step ratios, and a multi-rank sync is a fixed-size all-reduce
+(docs/metrics.md#state).
 
 All arithmetic on the accumulated quantities is float64; the inputs are the
 float32 values that the records store, so a recomputation from the Parquet
@@ -40,22 +36,12 @@ Tensor = torch.Tensor
 
 #: Quantiles of δ reported per step / window (docs/metrics.md#delta_quantiles), name → q.
 DELTA_QUANTILES = {"delta_q01": 0.01, "delta_q05": 0.05, "delta_q50": 0.50}
-#: r = learner − sampler is clamped to ±R before exp() in chi2_token, as verl does (its SAFETY_BOUND; docs/metrics.md#chi2_token).
-#: k3_kl is not clamped (verl does not clamp it); float64 keeps it finite for r ≤ 709 nats.
+#: r = learner − sampler is clamped to ±R before exp() in chi2_token, as verl does (its SAFETY_BOUND;
+#: docs/metrics.md#chi2_token); the kernel holds the same bound.  k3_kl is not clamped (verl does not clamp it);
+#: float64 keeps it finite for r ≤ 709 nats.
 LOG_RATIO_CLAMP = 20.0
-REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
-
-# The additive state of MismatchStats, one float64 each (reduced with SUM across ranks).
-SUM_FIELDS = (
-    "n_tokens", "n_responses_all", "n_responses_nonempty", "small_gap_count", "delta_sum", "delta_abs_sum",
-    "k3_sum", "exp_r_sq_sum", "log_ppl_diff_sum", "abs_adv_sum",
-    *(f"mass_{r}" for r in REGIONS), *(f"count_{r}" for r in REGIONS),
-    "lennorm_amp_neg", "lennorm_amp_pos",
-    # localisation (docs/metrics.md#localisation), over responses with A < 0
-    "neg_valid_tokens", "tail_tokens", "segments", "heavy_segments",
-    "pairs", "pairs_heavy", "pairs_prev_heavy", "pairs_both_heavy",
-    "responses_with_heavy", "responses_diluted",
-)
+REGIONS = state_kernel.REGIONS
+SUM_FIELDS = state_kernel.SUM_FIELDS
 
 #: Every metric name :meth:`MismatchStats.compute` returns, in display order.
 METRIC_NAMES = (
@@ -77,61 +63,6 @@ class MetricResult:
 
 
 # --------------------------------------------------------------------------- pure functions
-def region_codes(delta: Tensor, advantage: Tensor) -> Tensor:
-    """``(N,)`` int64 region of each token: 0 amp_neg, 1 amp_pos, 2 con_neg, 3 con_pos, 4 none.
-
-    Regions of docs/metrics.md#regions: amp_neg A<0, δ<0; amp_pos A>0, δ>0; con_neg A<0, δ>0;
-    con_pos A>0, δ<0.  Tokens with A = 0 or δ = 0 belong to no region.  One code per token, for ``bincount``.
-    """
-    a_neg, a_pos = advantage < 0, advantage > 0
-    d_neg, d_pos = delta < 0, delta > 0
-    code = torch.full(delta.shape, 4, dtype=torch.long, device=delta.device)
-    code = torch.where(a_neg & d_neg, 0, code)
-    code = torch.where(a_pos & d_pos, 1, code)
-    code = torch.where(a_neg & d_pos, 2, code)
-    return torch.where(a_pos & d_neg, 3, code)
-
-
-def quantiles(values: Tensor, qs: Sequence[float]) -> list:
-    """Quantiles of a 1-D tensor with linear interpolation (numpy's default ``method="linear"``).
-
-    Uses order statistics by ``kthvalue`` (O(n) each), so it works beyond
-    ``torch.quantile``'s 16M-element limit.  Returns NaN for an empty tensor.
-    """
-    n = values.numel()
-    if n == 0:
-        return [math.nan] * len(qs)
-    v = values.double()
-    out = []
-    for q in qs:
-        pos = q * (n - 1)
-        lo, frac = int(math.floor(pos)), pos - math.floor(pos)
-        a = float(torch.kthvalue(v, lo + 1).values)
-        b = float(torch.kthvalue(v, min(lo + 2, n)).values) if frac > 0 else a
-        out.append(a + (b - a) * frac)
-    return out
-
-
-def segment_tail_stats(batch: TokenBatch, tau_tail: float, width: int, heavy_fraction: float,
-                       dilution_threshold: float) -> dict:
-    """Localisation quantities of one batch (docs/metrics.md#localisation), over responses with A < 0.
-
-    A response's advantage is the mean advantage of its valid tokens (the GRPO
-    per-response value when advantages are broadcast).  A token is an
-    amplifying-tail token when its A < 0 and δ < τ_tail.  Segments are cut by
-    position (``width`` tokens) by :func:`segment_tail_counts`.
-
-    Returns a dict with ``seg_tail`` and ``seg_valid`` (``(K,)`` int64 per
-    segment of the A<0 responses, in (sample, k) order) and the float sums
-    ``neg_valid_tokens``, ``tail_tokens``, ``segments``, ``heavy_segments``,
-    ``pairs`` (segments with a predecessor k−1 in the same response),
-    ``pairs_heavy``, ``pairs_prev_heavy``, ``pairs_both_heavy``,
-    ``responses_with_heavy`` and ``responses_diluted``.
-    """
-    return _localisation(batch.delta, batch.advantage.float(), batch.sample_index, batch.position, batch.num_samples,
-                         float(tau_tail), width, heavy_fraction, dilution_threshold)
-
-
 def c_tok_from_segments(seg_tail: Tensor, seg_valid: Tensor, top_fraction: float = 0.05) -> float:
     """C_tok (docs/metrics.md#c_tok): share of all amplifying-tail tokens inside the top segments.
 
@@ -337,31 +268,32 @@ def state_layout(segment_width: int) -> StateLayout:
 class MismatchStats:
     """Fixed-size, mergeable state behind every metric of docs/metrics.md, torchmetrics-style.
 
-    The state is one float64 vector (:attr:`state`) laid out by :func:`state_layout`: the additive
-    sums of :data:`SUM_FIELDS`, the δ quantile sketch (:mod:`triage_monitor.sketch`), the table of
-    segment counts by (valid tokens, tail tokens) for C_tok, and δ's min and max.  Its size depends
-    only on the segment width (about 161 KB at W = 64), never on the tokens.
+    The state is one float64 vector (:attr:`state`, on the host) laid out by :func:`state_layout`: the additive
+    sums of :data:`SUM_FIELDS`, the δ quantile sketch (:mod:`triage_monitor.sketch`), the table of segment
+    counts by (valid tokens, tail tokens) for C_tok, and δ's min and max.  Its size depends only on the segment
+    width (about 161 KB at W = 64), never on the tokens.
 
-    ``update(batch, tau_tail)`` adds one batch; ``merge(other)`` adds another accumulator (a step of
-    another rank, or the steps of a window); ``compute()`` turns the state into metrics;
-    ``sync(group)`` all-reduces it across ``torch.distributed`` ranks.  ``tau_tail`` is the τ_tail
-    the localisation quantities were computed with (a merge of accumulators with different τ
-    reports the last one).
+    ``update(batch, tau_tail)`` adds one batch (the compiled pass of :mod:`triage_monitor.state_kernel`, on
+    the batch's host copy); ``merge(other)`` adds another accumulator (a step of another rank, or the steps of
+    a window); ``compute()`` turns the state into metrics; ``sync(group)`` all-reduces it across
+    ``torch.distributed`` ranks.  ``tau_tail`` is the τ_tail the localisation quantities were computed with (a
+    merge of accumulators with different τ reports the last one).
+
+    Raises:
+        ValueError: a given ``state`` of the wrong shape for the segment width.
     """
 
-    def __init__(self, config: Optional[MetricConfig] = None, device: Optional[torch.device] = None,
-                 state: Optional[Tensor] = None, tau_tail: float = math.nan):
+    def __init__(self, config: Optional[MetricConfig] = None, state: Optional[Tensor] = None,
+                 tau_tail: float = math.nan):
         self.config = config or MetricConfig()
         self.layout = state_layout(self.config.segment_width)
         if state is not None:
             if tuple(state.shape) != (self.layout.size,):
                 raise ValueError(f"MismatchStats state must have shape ({self.layout.size},) for segment width "
                                  f"{self.config.segment_width}, got {tuple(state.shape)}")
-            self.state = state.to(torch.float64)
-            self.device = self.state.device
+            self.state = state.detach().to("cpu", torch.float64)
         else:
-            self.device = torch.device(device) if device is not None else torch.device("cpu")
-            self.state = self.layout.identity(self.device)
+            self.state = self.layout.identity()
         self.tau_tail = float(tau_tail)
 
     def part(self, name: str) -> Tensor:
@@ -374,6 +306,10 @@ class MismatchStats:
         """``(len(SUM_FIELDS),)`` float64 view of the additive sums."""
         return self.part("sums")
 
+    def sum(self, name: str) -> float:
+        """One additive sum of :data:`SUM_FIELDS` by name."""
+        return float(self.sums[SUM_FIELDS.index(name)])
+
     @property
     def nbytes(self) -> int:
         """Bytes of the state (what a multi-rank sync sends per rank and reduction pass)."""
@@ -383,9 +319,8 @@ class MismatchStats:
     def update(self, batch: TokenBatch, tau_tail: float = math.nan) -> "MismatchStats":
         """Add one batch.  ``tau_tail`` (nats) is the amplifying-tail threshold in force; with NaN the
         localisation part is left empty (those metrics stay NaN)."""
-        dev = self.device
-        return self.update_flat(batch.delta.to(dev), batch.advantage.to(dev), batch.sample_index.to(dev),
-                                batch.position.to(dev), batch.num_samples, tau_tail)
+        return self.update_flat(batch.delta, batch.advantage, batch.sample_index, batch.position, batch.num_samples,
+                                tau_tail)
 
     def update_flat(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Tensor,
                     num_samples: int, tau_tail: float = math.nan) -> "MismatchStats":
@@ -393,121 +328,50 @@ class MismatchStats:
         offline recomputation both call, so they agree exactly).
 
         Args:
-            delta: ``(N,)`` float32, δ = learner − sampler log-prob (nats).
+            delta: ``(N,)`` float32, δ = learner − sampler log-prob (nats), on any device.
             advantage: ``(N,)`` float.
             sample_index: ``(N,)`` int64 in ``[0, num_samples)``, ascending.
             position: ``(N,)`` int64, unique and ascending within each sample.
             num_samples: S.
             tau_tail: τ_tail (nats) or NaN (no localisation).
+
+        Raises:
+            ValueError: the rows are not in (sample, position) order or a pair repeats.
         """
-        if self._fused(delta, advantage, sample_index, position, num_samples,
-                       state_kernel.MAGNITUDE if math.isnan(tau_tail) else state_kernel.BOTH, tau_tail):
-            self.tau_tail = float(tau_tail)
-            return self
-        prepared = self.add_magnitude(delta, advantage, sample_index, num_samples)
-        if not math.isnan(tau_tail):
-            self.add_localisation(delta, advantage, sample_index, position, num_samples, tau_tail, prepared)
+        mode = state_kernel.MAGNITUDE if math.isnan(tau_tail) else state_kernel.BOTH
+        self._kernel(delta, advantage, sample_index, position, num_samples, mode, tau_tail)
         self.tau_tail = float(tau_tail)
         return self
 
-    #: Update a CPU state with the one-pass kernel of :mod:`triage_monitor.state_kernel` (False: the torch
-    #: operations, as on an accelerator; the tests compare the two).
-    use_kernel = True
-
-    def _fused(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Optional[Tensor],
-               num_samples: int, mode: int, tau_tail: float = math.nan) -> bool:
-        """Apply the one-pass CPU kernel when the state and the inputs live on the CPU; False otherwise
-        (the caller then runs the torch operations)."""
-        if not (self.use_kernel and self.device.type == "cpu" and delta.device.type == "cpu"):
-            return False
-        cfg = self.config
-        pos = position if position is not None else torch.zeros_like(sample_index)
-        as_np = (lambda t, dt: t.detach().to(dt).contiguous().numpy())
-        status = state_kernel.update_state(
-            self.state.numpy(), self.layout.slices, SUM_FIELDS, as_np(delta, torch.float32),
-            as_np(advantage, torch.float32), as_np(sample_index, torch.int64), as_np(pos, torch.int64),
-            int(num_samples), mode=mode, tau_tail=tau_tail, width=cfg.segment_width,
-            small_gap_threshold=cfg.small_gap_threshold, heavy_fraction=cfg.heavy_fraction,
-            dilution_threshold=cfg.dilution_threshold)
-        return status == state_kernel.OK
-
-    def add_magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, num_samples: int) -> dict:
-        """The τ-independent part of :meth:`update_flat` (magnitude, direction, sketch, min/max).
-
-        Returns the per-response intermediates that :meth:`add_localisation` reuses (``prepared``)."""
-        if self._fused(delta, advantage, sample_index, None, num_samples, state_kernel.MAGNITUDE):
-            return {"fused": True}
-        chunks = _chunks(sample_index, int(num_samples), delta.device)
-        prepared = []
-        for a, b, s0, s1 in chunks:
-            prepared.append(self._magnitude(delta[a:b], advantage[a:b], sample_index[a:b] - s0, s1 - s0))
-        self.part("delta_sketch").add_(sketch.sketch_counts(delta))
-        if delta.numel():
-            mn, mx = torch.aminmax(delta)
-            torch.minimum(self.part("delta_min"), mn.double().reshape(1), out=self.part("delta_min"))
-            torch.maximum(self.part("delta_max"), mx.double().reshape(1), out=self.part("delta_max"))
-        return {"chunks": chunks, "per_chunk": prepared}
-
-    def _magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, S: int) -> dict:
-        cfg = self.config
-        dev = self.device
-        d64 = delta.double()
-        abs_a = advantage.double().abs()
-        abs_d = d64.abs()
-        r = d64.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        exp_r = torch.exp(r)                                                  # chi2_token: clamped r
-        nv = torch.bincount(sample_index, minlength=S)
-        per_resp = torch.bincount(sample_index, weights=d64, minlength=S)      # Σδ per response
-        nonempty = nv > 0
-        # quadrant key 3·sign(A) + sign(δ) + 4: 0 amp_neg, 8 amp_pos, 2 con_neg, 6 con_pos (A or δ = 0: none)
-        key = torch.sign(advantage).mul_(3).add_(torch.sign(delta)).add_(4).long()
-        # |A| mass per (response, quadrant key): the region masses, their length-normalised form and each
-        # response's signed advantage sum (keys 0-2: A < 0, 6-8: A > 0) all come from this one table
-        table = torch.bincount(sample_index * 9 + key, weights=abs_a, minlength=9 * S).view(S, 9)
-        quad = [0, 8, 2, 6]                                                    # order of REGIONS
-        mass = table.sum(0)[quad]
-        count = torch.bincount(key, minlength=9)[quad].double()
-        inv_len = 1.0 / nv.clamp(min=1).double()
-        lennorm = (table[:, [0, 8]] * inv_len[:, None]).sum(0)
-        resp_adv = table[:, 6:].sum(1) - table[:, :3].sum(1)                  # Σ A per response
-        f64 = (lambda x: torch.as_tensor(x, dtype=torch.float64, device=dev))
-        parts = [
-            f64(float(delta.numel())), f64(float(S)), nonempty.sum().double(),
-            (abs_d < cfg.small_gap_threshold).sum().double(), d64.sum(), abs_d.sum(),
-            (torch.exp(d64) - d64 - 1).sum(), (exp_r * exp_r).sum(),           # k3 on the unclamped δ
-            # verl's rollout_corr sign: mean log-prob (sampler) − mean log-prob (learner), per response
-            -(per_resp[nonempty] / nv[nonempty].double()).sum(), abs_a.sum(),
-            mass, count, lennorm,
-        ]
-        vec = torch.cat([p.reshape(-1) for p in parts])
-        self.state[:vec.numel()] += vec                      # SUM_FIELDS starts with these, in this order
-        return {"nv": nv, "per_resp_delta": per_resp, "per_resp_adv": resp_adv}
+    def add_magnitude(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, num_samples: int
+                      ) -> "MismatchStats":
+        """The τ-independent part of :meth:`update_flat` (magnitude, direction, sketch, min/max): what τ_tail's
+        calibration reads before the step's localisation can be added (:meth:`add_localisation`)."""
+        return self._kernel(delta, advantage, sample_index, None, num_samples, state_kernel.MAGNITUDE)
 
     def add_localisation(self, delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Tensor,
-                         num_samples: int, tau_tail: float, prepared: Optional[dict] = None) -> None:
-        """The τ_tail-dependent part of :meth:`update_flat`: segment sums and the C_tok table
-        (``prepared``: what :meth:`add_magnitude` returned for the same batch, to skip recomputing it)."""
-        if self._fused(delta, advantage, sample_index, position, num_samples, state_kernel.LOCALISATION,
-                       tau_tail):
-            return
+                         num_samples: int, tau_tail: float) -> "MismatchStats":
+        """The τ_tail-dependent part of :meth:`update_flat`: the segment sums and the C_tok table."""
+        return self._kernel(delta, advantage, sample_index, position, num_samples, state_kernel.LOCALISATION,
+                            tau_tail)
+
+    def _kernel(self, delta, advantage, sample_index, position, num_samples, mode, tau_tail=math.nan):
         cfg = self.config
-        W = cfg.segment_width
-        if prepared is None or "chunks" not in prepared:
-            prepared = {"chunks": _chunks(sample_index, int(num_samples), delta.device)}
-        per_chunk = prepared.get("per_chunk") or [None] * len(prepared["chunks"])
-        cells, sums = [], torch.zeros(len(_LOC_FIELDS), dtype=torch.float64)
-        for (a, b, s0, s1), prep in zip(prepared["chunks"], per_chunk):
-            loc = _localisation(delta[a:b], advantage[a:b], sample_index[a:b] - s0, position[a:b], s1 - s0,
-                                float(tau_tail), W, cfg.heavy_fraction, cfg.dilution_threshold, prep)
-            cells.append(loc.pop("seg_valid") * (W + 1) + loc.pop("seg_tail"))
-            sums += torch.tensor([loc[k] for k in _LOC_FIELDS], dtype=torch.float64)
-        if cells:
-            self.part("c_tok_table").add_(torch.bincount(torch.cat(cells), minlength=(W + 1) ** 2).double())
-        self.state[_LOC_START:_LOC_START + len(_LOC_FIELDS)] += sums.to(self.device)
+        host = (lambda t, dt: t.detach().to("cpu", dt).contiguous().numpy())
+        pos = host(position, torch.int64) if position is not None else np.zeros(delta.numel(), np.int64)
+        status = state_kernel.update_state(
+            self.state.numpy(), self.layout.slices, host(delta, torch.float32), host(advantage, torch.float32),
+            host(sample_index, torch.int64), pos, int(num_samples), mode=mode, tau_tail=tau_tail,
+            width=cfg.segment_width, small_gap_threshold=cfg.small_gap_threshold, heavy_fraction=cfg.heavy_fraction,
+            dilution_threshold=cfg.dilution_threshold)
+        if status != state_kernel.OK:
+            raise ValueError("MismatchStats: the tokens are not ordered by (sample, position) with unique pairs "
+                             "(build them with TokenBatch, which sorts them)")
+        return self
 
     def merge(self, other: "MismatchStats") -> "MismatchStats":
         """Add ``other``'s state into this one (in place; returns self)."""
-        self.layout.merge_into(self.state, other.state.to(self.device))
+        self.layout.merge_into(self.state, other.state)
         if not math.isnan(other.tau_tail):
             self.tau_tail = other.tau_tail
         return self
@@ -516,7 +380,7 @@ class MismatchStats:
     def merged(cls, parts: Iterable["MismatchStats"], config: Optional[MetricConfig] = None) -> "MismatchStats":
         """A new accumulator holding the merge of ``parts`` in order (e.g. a trailing window)."""
         parts = list(parts)
-        out = cls(config or (parts[0].config if parts else None), parts[0].device if parts else None)
+        out = cls(config or (parts[0].config if parts else None))
         for p in parts:
             out.merge(p)
         return out
@@ -528,7 +392,11 @@ class MismatchStats:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            self.layout.all_reduce(self.state, group)
+            if dist.get_backend(group) == "nccl":      # NCCL reduces device tensors: a device copy of the state
+                buf = self.state.to(torch.device("cuda", torch.cuda.current_device()))
+                self.state.copy_(self.layout.all_reduce(buf, group).cpu())
+            else:
+                self.layout.all_reduce(self.state, group)
         return self
 
     # ---------------------------------------------------------------- compute
@@ -603,12 +471,6 @@ class MismatchStats:
         return MetricResult({k: v[k] for k in METRIC_NAMES}, why)
 
 
-_LOC_FIELDS = ("neg_valid_tokens", "tail_tokens", "segments", "heavy_segments", "pairs", "pairs_heavy",
-               "pairs_prev_heavy", "pairs_both_heavy", "responses_with_heavy", "responses_diluted")
-_LOC_START = SUM_FIELDS.index(_LOC_FIELDS[0])
-assert SUM_FIELDS[_LOC_START:_LOC_START + len(_LOC_FIELDS)] == _LOC_FIELDS
-
-
 # --------------------------------------------------------------------------- calibration state
 def _calibration_part(stats: MismatchStats) -> Tensor:
     """``(sketch.SIZE + 2,)`` float64: the step's δ sketch, min and max (what τ_tail is calibrated from)."""
@@ -639,7 +501,7 @@ class MetricTracker:
     """
 
     def __init__(self, config: Optional[MetricConfig] = None, window: int = 25, tau_tail: Optional[float] = None,
-                 calibration_steps: int = 25, device=None):
+                 calibration_steps: int = 25):
         if window < 1 or calibration_steps < 1:
             raise ValueError(f"window and calibration_steps must be >= 1, got {window}, {calibration_steps}")
         if tau_tail is not None and not math.isfinite(tau_tail):
@@ -647,7 +509,6 @@ class MetricTracker:
         self.config = config or MetricConfig()
         self.window = int(window)
         self.calibration_steps = int(calibration_steps)
-        self.device = device
         self.tau_given = tau_tail is not None
         self.tau_tail = float(tau_tail) if tau_tail is not None else math.nan
         self.tau_frozen = self.tau_given
@@ -671,22 +532,21 @@ class MetricTracker:
         reports the global metrics; while τ_tail is calibrating, the step's δ sketch is all-reduced
         first (fixed size too), so τ_tail comes from the global δ.
         """
-        dev = self.device if self.device is not None else batch.device
-        stats = MismatchStats(self.config, dev)
-        delta, adv = batch.delta.to(dev), batch.advantage.to(dev)
-        sample_index = batch.sample_index.to(dev)
+        stats = MismatchStats(self.config)
+        # the host copy of the tokens the state update reads (a no-op for a CPU batch)
+        delta, adv = batch.delta.detach().cpu(), batch.advantage.detach().cpu()
+        sample_index, position = batch.sample_index.cpu(), batch.position.cpu()
         distributed = group is not None or _dist_ready()
         if self.tau_frozen:                                      # one pass: both parts with the frozen τ_tail
-            stats.update_flat(delta, adv, sample_index, batch.position.to(dev), batch.num_samples, self.tau_tail)
+            stats.update_flat(delta, adv, sample_index, position, batch.num_samples, self.tau_tail)
             if distributed:
                 stats.sync(group)
             return self.push(step, stats)
-        prepared = stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
+        stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
         part = _calibration_part(stats)                          # calibrating: τ_tail from the steps so far
         self._calibrate(step, calibration.sync_part(part, group) if distributed else part)
         if not math.isnan(self.tau_tail):
-            stats.add_localisation(delta, adv, sample_index, batch.position.to(dev), batch.num_samples,
-                                   self.tau_tail, prepared)
+            stats.add_localisation(delta, adv, sample_index, position, batch.num_samples, self.tau_tail)
         stats.tau_tail = self.tau_tail
         if distributed:
             stats.sync(group)
@@ -743,107 +603,6 @@ class MetricTracker:
         self.reference.step_numbers = list(sd.get("calib_steps", range(-len(calib), 0)))
 
 
-#: Tokens per piece of a CPU update: the batch is cut at response boundaries into pieces of about this
-#: size, so each piece's intermediates stay in cache.  The cut depends only on the batch, so live and offline
-#: updates of the same batch add the same partial sums in the same order.
-CPU_CHUNK_TOKENS = 1 << 15
-
-
-def _chunks(sample_index: Tensor, S: int, device) -> list:
-    """``[(token start, token end, sample start, sample end)]`` pieces of a batch, cut at response boundaries
-    (one piece on an accelerator)."""
-    N = sample_index.numel()
-    if torch.device(device).type != "cpu" or N <= CPU_CHUNK_TOKENS:
-        return [(0, N, 0, S)]
-    offsets = torch.zeros(S + 1, dtype=torch.long)
-    torch.cumsum(torch.bincount(sample_index, minlength=S), 0, out=offsets[1:])
-    targets = torch.arange(CPU_CHUNK_TOKENS, N, CPU_CHUNK_TOKENS)
-    cuts = torch.unique(torch.searchsorted(offsets, targets)).tolist()       # first response at/after each target
-    cuts = [c for c in cuts if 0 < c < S]
-    samples = [0, *cuts, S]
-    toks = offsets[samples].tolist()
-    return [(toks[i], toks[i + 1], samples[i], samples[i + 1]) for i in range(len(samples) - 1)]
-
-
-def segment_tail_counts(delta: Tensor, advantage: Tensor, sample_index: Tensor, position: Tensor,
-                        response_advantage: Tensor, tau_tail: float, width: int) -> tuple:
-    """The one definition of segments and amplifying-tail tokens (docs/metrics.md#localisation), used by the
-    metrics, the stage table's shuffle null and the dashboard.
-
-    Segments of ``width`` positions are cut over every response and those of A<0 responses (mean advantage of the
-    valid tokens < 0, ``response_advantage``) kept; a tail token has A < 0 and δ < ``tau_tail`` (nats).
-
-    Args:
-        delta, advantage: ``(N,)`` per valid token, ordered by sample, then position (float32 δ, as
-            :attr:`TokenBatch.delta <triage_monitor.batch.TokenBatch.delta>`).
-        sample_index, position: ``(N,)`` int64.
-        response_advantage: ``(S,)`` mean advantage of each response's valid tokens.
-
-    Returns:
-        ``(sample, number, valid, tail)``: ``(K,)`` int64 per kept segment (K in (sample, number) order): its
-        response index, its index k (positions [kW, (k+1)W)), its valid tokens and its tail tokens.
-    """
-    dev = delta.device
-    N = delta.numel()
-    if N == 0:
-        e = torch.zeros(0, dtype=torch.long, device=dev)
-        return e, e, e, e
-    if width & (width - 1) == 0:                                  # positions are >= 0: a shift is a floor division
-        number = position >> (width.bit_length() - 1)
-    else:
-        number = torch.div(position, width, rounding_mode="floor")
-    start = torch.ones(N, dtype=torch.bool, device=dev)          # first token of each segment
-    torch.ne(number[1:], number[:-1], out=start[1:])
-    start[1:] |= sample_index[1:] != sample_index[:-1]
-    first = torch.nonzero(start).squeeze(1)
-    seg_sample, seg_number = sample_index[first], number[first]
-    bounds = torch.cat([first, torch.tensor([N], device=dev)])
-    count = bounds[1:] - bounds[:-1]                              # (K,) valid tokens per segment
-    tail_cum = torch.zeros(N + 1, dtype=torch.int64, device=dev)
-    torch.cumsum((advantage < 0) & (delta < tau_tail), 0, out=tail_cum[1:])
-    seg_tail = tail_cum[bounds[1:]] - tail_cum[bounds[:-1]]       # (K,) amplifying-tail tokens per segment
-    keep = response_advantage[seg_sample] < 0                     # (K,) segment of an A<0 response
-    return seg_sample[keep], seg_number[keep], count[keep], seg_tail[keep]
-
-
-def _localisation(delta: Tensor, adv: Tensor, sample_index: Tensor, position: Tensor, S: int, tau_tail: float,
-                  width: int, heavy_fraction: float, dilution_threshold: float,
-                  prepared: Optional[dict] = None) -> dict:
-    """Localisation sums of one batch (tokens ordered by sample, then position).  Segments are cut over every
-    response (as :func:`~triage_monitor.segments.segment_tokens` would) and those of A<0 responses kept: a
-    response's segments are kept or dropped together, so predecessors are unchanged."""
-    dev = delta.device
-    if prepared is None:
-        prepared = {"nv": torch.bincount(sample_index, minlength=S),
-                    "per_resp_delta": torch.bincount(sample_index, weights=delta.double(), minlength=S)}
-    resp_adv = prepared.get("per_resp_adv")
-    if resp_adv is None:
-        resp_adv = torch.bincount(sample_index, weights=adv.double(), minlength=S)
-    nv = prepared["nv"].clamp(min=1).double()
-    if delta.numel() == 0:
-        e = torch.zeros(0, dtype=torch.long, device=dev)
-        return {"seg_tail": e, "seg_valid": e, **{k: 0.0 for k in _LOC_FIELDS}}
-    sample_k, number_k, seg_valid, seg_tail = segment_tail_counts(delta, adv, sample_index, position, resp_adv / nv,
-                                                                  tau_tail, width)
-    heavy = seg_tail.double() > heavy_fraction * seg_valid.double()
-    has_prev = torch.zeros_like(heavy)
-    prev_heavy = torch.zeros_like(heavy)
-    if heavy.numel() > 1:
-        has_prev[1:] = (sample_k[1:] == sample_k[:-1]) & (number_k[1:] == number_k[:-1] + 1)
-        prev_heavy[1:] = has_prev[1:] & heavy[:-1]
-    # dilution: A<0 responses holding at least one tail-heavy segment whose signed mean δ is small
-    resp_heavy = torch.zeros(S, dtype=torch.bool, device=dev)
-    resp_heavy[sample_k[heavy]] = True
-    resp_mean = prepared["per_resp_delta"] / nv
-    diluted = resp_heavy & (resp_mean.abs() < dilution_threshold)
-    sums = torch.stack([seg_valid.sum().double(), seg_tail.sum().double(),
-                        torch.tensor(float(seg_valid.numel()), dtype=torch.float64, device=dev),
-                        heavy.sum().double(), has_prev.sum().double(), (has_prev & heavy).sum().double(),
-                        prev_heavy.sum().double(), (prev_heavy & heavy).sum().double(),
-                        resp_heavy.sum().double(), diluted.sum().double()]).tolist()
-    return {"seg_tail": seg_tail, "seg_valid": seg_valid, **dict(zip(_LOC_FIELDS, sums))}
-
-
 def _dist_ready() -> bool:
     import torch.distributed as dist
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -852,4 +611,4 @@ def _dist_ready() -> bool:
 def compute_step_metrics(batch: TokenBatch, tau_tail: float = math.nan,
                          config: Optional[MetricConfig] = None) -> MetricResult:
     """Metrics of a single batch with a given τ_tail (nats): the one-call form of :class:`MismatchStats`."""
-    return MismatchStats(config, batch.device).update(batch, tau_tail).compute()
+    return MismatchStats(config).update(batch, tau_tail).compute()

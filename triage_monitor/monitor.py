@@ -139,7 +139,7 @@ class MismatchMonitor:
                        if self.reports else None)
         self._failed_sinks: set = set()
         self.tracker = MetricTracker(self.config.metrics, self.config.window, self.config.tau_tail,
-                                     self.config.calibration_steps, self.config.metrics_device)
+                                     self.config.calibration_steps)
         self.steps_logged = 0
         self._last_step: Optional[int] = None
         self._warned: set = set()          # warn-once keys (alignment, padding, dropped rows)

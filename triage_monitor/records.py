@@ -392,7 +392,7 @@ class RunLockedError(OutputError):
 
 
 #: ``MonitorConfig`` keys that steer only I/O, devices or start-up checks: attempts of one run may differ in them.
-IO_CONFIG_KEYS = frozenset({"record_tokens", "max_queue_bytes", "backpressure", "metrics_device",
+IO_CONFIG_KEYS = frozenset({"record_tokens", "max_queue_bytes", "backpressure",
                             "alignment_check_steps"})
 #: Manifest (``info``) keys that say what was trained or imported: an existing run continues only when they match
 #: (besides the metric configuration); a key set on one side only counts as a difference.

@@ -29,7 +29,8 @@ from numba import njit
 
 from .analysis import Run
 from .batch import TokenBatch
-from .metrics import c_tok_from_segments, segment_tail_counts
+from .metrics import c_tok_from_segments
+from .segments import segment_tokens
 
 Tensor = torch.Tensor
 
@@ -81,10 +82,9 @@ def tail_layout(batch: TokenBatch, tau_tail: float, width: int) -> TailLayout:
     """Per-segment valid and tail counts of the A<0 responses of ``batch``.
 
     ``response`` holds the sample index in ``batch`` (``batch.sample_id[response]``
-    is the recorded id).  Same definitions as
-    :func:`triage_monitor.metrics.segment_tail_stats`: a
+    is the recorded id).  The definitions of docs/metrics.md#localisation, as the state update counts them: a
     response's advantage is the mean over its valid tokens; a tail token has
-    A < 0 and δ < ``tau_tail`` (nats); segments are ``width`` positions wide.
+    A < 0 and δ < ``tau_tail`` (nats); segments are ``width`` positions wide (:mod:`triage_monitor.segments`).
     """
     return _layout(batch.sample_index, batch.position, batch.advantage, batch.delta, batch.num_samples,
                    tau_tail, width)
@@ -102,12 +102,15 @@ def tail_layout_from_tokens(tokens: pd.DataFrame, tau_tail: float, width: int) -
 
 def _layout(sample_index: Tensor, position: Tensor, advantage: Tensor, delta: Tensor, num_samples: int,
             tau_tail: float, width: int) -> TailLayout:
+    # segments as everywhere (triage_monitor.segments); a response's advantage is the mean over its valid tokens;
+    # a tail token has A < 0 and δ < τ_tail (compared in float32, as the state update does)
     nv = torch.bincount(sample_index, minlength=num_samples).clamp(min=1).double()
     resp_adv = torch.zeros(num_samples, dtype=torch.float64).index_add(0, sample_index, advantage.double()) / nv
-    sample, number, valid, tail = segment_tail_counts(delta.detach(), advantage, sample_index, position, resp_adv,
-                                                      tau_tail, width)
-    as_np = (lambda t: t.numpy().astype(np.int64))
-    return TailLayout(as_np(sample), as_np(valid), as_np(tail), as_np(number))
+    seg = segment_tokens(sample_index, position, width)
+    tail = seg.sum(((advantage < 0) & (delta.detach() < tau_tail)).long())
+    keep = resp_adv[seg.sample] < 0
+    as_np = (lambda t: t[keep].numpy().astype(np.int64))
+    return TailLayout(as_np(seg.sample), as_np(seg.count), as_np(tail), as_np(seg.number))
 
 
 def null_segment_counts(layout: TailLayout, draws: int = 499, seed: int = 0) -> np.ndarray:

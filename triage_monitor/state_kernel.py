@@ -1,13 +1,16 @@
-"""One-pass CPU update of the metric state (docs/metrics.md#performance), compiled with numba.
+"""The one update of the metric state (docs/metrics.md#state): a compiled pass over the tokens (numba).
 
 :class:`~triage_monitor.metrics.MismatchStats` keeps one fixed-size float64 state vector
-(docs/metrics.md#state).  On an accelerator it is updated by a sequence of torch operations; on the
-CPU -- the live monitor on a CPU job and every offline recomputation -- this module updates it in one
-pass over the tokens, response by response, with no intermediate arrays: each token's δ is read once
-for the magnitude sums, the region masses, the δ sketch, min and max, and once more (while still in
-cache) for the segments of an A < 0 response.  Both paths compute the same definitions: the counts
-(tokens, responses, regions, segments, the C_tok table, the sketch) are equal, the float64 sums agree
-to rounding (tests/test_state_kernel.py checks one against the other).
+(docs/metrics.md#state).  This module is the only code that writes it from tokens -- live, on the host copy of
+the step's tokens whatever device the trainer uses, and in every offline recomputation -- in one pass over
+the tokens, response by response, with no intermediate arrays: each token's δ is read once for the magnitude
+sums, the region masses, the δ sketch, min and max, and once more (while still in cache) for the segments of
+an A < 0 response.
+
+The additive part of the state is declared here, once (:data:`SUM_FIELDS`, each with the pass that writes
+it); the kernel writes every field by its name's index and marks it written, and :func:`update_state` refuses
+to return a state in which a declared field of the pass was not written, so a field added to the declaration
+and forgotten in the kernel fails the first update (and the tests), never silently stays 0.
 
 The kernel releases the GIL, so the offline map decodes the next step's Parquet files on another
 thread while this one computes.
@@ -18,7 +21,6 @@ and the number of responses, not with their product.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import math
 from typing import Optional
 
@@ -31,6 +33,42 @@ from . import sketch
 MAGNITUDE, LOCALISATION, BOTH = 1, 2, 3
 #: :func:`update_state` status codes.
 OK, UNSORTED = 0, 1
+
+#: The region names of docs/metrics.md#regions, in the order of the ``mass_*`` / ``count_*`` fields.
+REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
+
+#: The additive state of :class:`~triage_monitor.metrics.MismatchStats`, one float64 each (reduced with SUM
+#: across steps and ranks), declared once: (name, the pass of :func:`update_state` that writes it).
+SUM_FIELD_PASSES = (
+    *((name, MAGNITUDE) for name in (
+        "n_tokens", "n_responses_all", "n_responses_nonempty", "small_gap_count", "delta_sum", "delta_abs_sum",
+        "k3_sum", "exp_r_sq_sum", "log_ppl_diff_sum", "abs_adv_sum",
+        *(f"mass_{r}" for r in REGIONS), *(f"count_{r}" for r in REGIONS),
+        "lennorm_amp_neg", "lennorm_amp_pos")),
+    # localisation (docs/metrics.md#localisation), over responses with A < 0
+    *((name, LOCALISATION) for name in (
+        "neg_valid_tokens", "tail_tokens", "segments", "heavy_segments",
+        "pairs", "pairs_heavy", "pairs_prev_heavy", "pairs_both_heavy",
+        "responses_with_heavy", "responses_diluted")),
+)
+#: The names of :data:`SUM_FIELD_PASSES`, in state order.
+SUM_FIELDS = tuple(name for name, _ in SUM_FIELD_PASSES)
+_AT = {name: i for i, name in enumerate(SUM_FIELDS)}
+# the kernel addresses each field by its name (numba freezes these module constants when it compiles)
+F_N_TOKENS, F_N_RESPONSES_ALL, F_N_RESPONSES_NONEMPTY = _AT["n_tokens"], _AT["n_responses_all"], \
+    _AT["n_responses_nonempty"]
+F_SMALL_GAP, F_DELTA_SUM, F_DELTA_ABS_SUM = _AT["small_gap_count"], _AT["delta_sum"], _AT["delta_abs_sum"]
+F_K3_SUM, F_EXP_R_SQ_SUM, F_LOG_PPL_DIFF_SUM, F_ABS_ADV_SUM = _AT["k3_sum"], _AT["exp_r_sq_sum"], \
+    _AT["log_ppl_diff_sum"], _AT["abs_adv_sum"]
+F_MASS_AMP_NEG, F_MASS_AMP_POS, F_MASS_CON_NEG, F_MASS_CON_POS = (_AT[f"mass_{r}"] for r in REGIONS)
+F_COUNT_AMP_NEG, F_COUNT_AMP_POS, F_COUNT_CON_NEG, F_COUNT_CON_POS = (_AT[f"count_{r}"] for r in REGIONS)
+F_LENNORM_AMP_NEG, F_LENNORM_AMP_POS = _AT["lennorm_amp_neg"], _AT["lennorm_amp_pos"]
+F_NEG_VALID, F_TAIL, F_SEGMENTS, F_HEAVY = _AT["neg_valid_tokens"], _AT["tail_tokens"], _AT["segments"], \
+    _AT["heavy_segments"]
+F_PAIRS, F_PAIRS_HEAVY, F_PAIRS_PREV_HEAVY, F_PAIRS_BOTH_HEAVY = _AT["pairs"], _AT["pairs_heavy"], \
+    _AT["pairs_prev_heavy"], _AT["pairs_both_heavy"]
+F_RESP_HEAVY, F_RESP_DILUTED = _AT["responses_with_heavy"], _AT["responses_diluted"]
+N_SUMS = len(SUM_FIELDS)
 
 _SHIFT = np.int32(23 - sketch.MANTISSA_BITS)
 _KEY_LO = np.int32(sketch._KEY_LO - 1)
@@ -97,9 +135,15 @@ def _exp_into(delta, out, work):                            # pragma: no cover -
             out[i] = math.exp(x)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _put(sums, written, field, value):                       # pragma: no cover - compiled
+    sums[field] += value
+    written[field] = True
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_frac, dil_thr,
-            sums, idx, sk, table, ext, rec_seg, rec_resp, rec_n):    # pragma: no cover - compiled
+            sums, written, sk, table, ext, rec_seg, rec_resp, rec_n):    # pragma: no cover - compiled
     N = delta.shape[0]
     bits = delta.view(np.int32)
     shift = -1
@@ -288,70 +332,49 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
                     l_dil += 1
         i = j
     if do_mag:
-        sums[idx[0]] += N
-        sums[idx[1]] += n_samples if n_samples >= 0 else nonempty
-        sums[idx[2]] += nonempty
-        sums[idx[3]] += t_small
-        sums[idx[4]] += t_sd
-        sums[idx[5]] += t_sad
-        sums[idx[6]] += t_k3
-        sums[idx[7]] += t_e2
-        sums[idx[8]] += t_lpd
-        sums[idx[9]] += t_absa
-        for r in range(4):
-            sums[idx[10 + r]] += t_mass[r]
-            sums[idx[14 + r]] += t_cnt[r]
-        sums[idx[18]] += t_ln0
-        sums[idx[19]] += t_ln1
+        _put(sums, written, F_N_TOKENS, N)
+        _put(sums, written, F_N_RESPONSES_ALL, n_samples if n_samples >= 0 else nonempty)
+        _put(sums, written, F_N_RESPONSES_NONEMPTY, nonempty)
+        _put(sums, written, F_SMALL_GAP, t_small)
+        _put(sums, written, F_DELTA_SUM, t_sd)
+        _put(sums, written, F_DELTA_ABS_SUM, t_sad)
+        _put(sums, written, F_K3_SUM, t_k3)
+        _put(sums, written, F_EXP_R_SQ_SUM, t_e2)
+        _put(sums, written, F_LOG_PPL_DIFF_SUM, t_lpd)
+        _put(sums, written, F_ABS_ADV_SUM, t_absa)
+        _put(sums, written, F_MASS_AMP_NEG, t_mass[0])
+        _put(sums, written, F_MASS_AMP_POS, t_mass[1])
+        _put(sums, written, F_MASS_CON_NEG, t_mass[2])
+        _put(sums, written, F_MASS_CON_POS, t_mass[3])
+        _put(sums, written, F_COUNT_AMP_NEG, t_cnt[0])
+        _put(sums, written, F_COUNT_AMP_POS, t_cnt[1])
+        _put(sums, written, F_COUNT_CON_NEG, t_cnt[2])
+        _put(sums, written, F_COUNT_CON_POS, t_cnt[3])
+        _put(sums, written, F_LENNORM_AMP_NEG, t_ln0)
+        _put(sums, written, F_LENNORM_AMP_POS, t_ln1)
         if N > 0:
             ext[0] = min(ext[0], mn)
             ext[1] = max(ext[1], mx)
     if do_loc:
-        sums[idx[20]] += l_valid
-        sums[idx[21]] += l_tail
-        sums[idx[22]] += l_seg
-        sums[idx[23]] += l_heavy
-        sums[idx[24]] += l_pairs
-        sums[idx[25]] += l_pairs_h
-        sums[idx[26]] += l_pairs_ph
-        sums[idx[27]] += l_pairs_bh
-        sums[idx[28]] += l_resp_h
-        sums[idx[29]] += l_dil
+        _put(sums, written, F_NEG_VALID, l_valid)
+        _put(sums, written, F_TAIL, l_tail)
+        _put(sums, written, F_SEGMENTS, l_seg)
+        _put(sums, written, F_HEAVY, l_heavy)
+        _put(sums, written, F_PAIRS, l_pairs)
+        _put(sums, written, F_PAIRS_HEAVY, l_pairs_h)
+        _put(sums, written, F_PAIRS_PREV_HEAVY, l_pairs_ph)
+        _put(sums, written, F_PAIRS_BOTH_HEAVY, l_pairs_bh)
+        _put(sums, written, F_RESP_HEAVY, l_resp_h)
+        _put(sums, written, F_RESP_DILUTED, l_dil)
     rec_n[0] = n_rec_seg
     rec_n[1] = n_rec_resp
     return OK
 
 
-#: Order in which :func:`_kernel` writes the sums (names of :data:`triage_monitor.metrics.SUM_FIELDS`).
-KERNEL_FIELDS = (
-    "n_tokens", "n_responses_all", "n_responses_nonempty", "small_gap_count", "delta_sum", "delta_abs_sum",
-    "k3_sum", "exp_r_sq_sum", "log_ppl_diff_sum", "abs_adv_sum",
-    "mass_amp_neg", "mass_amp_pos", "mass_con_neg", "mass_con_pos",
-    "count_amp_neg", "count_amp_pos", "count_con_neg", "count_con_pos",
-    "lennorm_amp_neg", "lennorm_amp_pos",
-    "neg_valid_tokens", "tail_tokens", "segments", "heavy_segments",
-    "pairs", "pairs_heavy", "pairs_prev_heavy", "pairs_both_heavy",
-    "responses_with_heavy", "responses_diluted",
-)
-
-
-#: Tokens per piece: a batch is cut at the first response start at or after every multiple of this, the
-#: pieces are updated on :data:`THREADS` threads and their float sums added in piece order, so the state
-#: does not depend on the thread count (live and offline updates of one batch add the same partial sums).
+#: Tokens per piece: a batch is cut at the first response start at or after every multiple of this and the
+#: pieces' float sums are added in piece order, so rounding does not grow with the batch and live and offline
+#: updates of one batch add the same partial sums.
 PIECE_TOKENS = 1 << 16
-#: Threads updating the pieces of one batch (the kernel releases the GIL).  1 by default: the offline map
-#: already overlaps the next step's Parquet decode with this update, and on a shared 2-core machine a
-#: second lane cost more CPU time than it saved wall time; raise it on an idle many-core machine.
-THREADS = 1
-
-_pool = None
-
-
-def _threads():
-    global _pool
-    if _pool is None:
-        _pool = cf.ThreadPoolExecutor(THREADS, thread_name_prefix="triage-monitor-state")
-    return _pool
 
 
 @njit(nogil=True, cache=True)
@@ -372,7 +395,7 @@ def _cuts(sid, step):                                        # pragma: no cover 
     return np.array(out, dtype=np.int64)
 
 
-def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.ndarray, advantage: np.ndarray,
+def update_state(state: np.ndarray, slices: dict, delta: np.ndarray, advantage: np.ndarray,
                  sample: np.ndarray, position: np.ndarray, num_samples: int, *, mode: int, tau_tail: float,
                  width: int, small_gap_threshold: float, heavy_fraction: float, dilution_threshold: float,
                  null_input: Optional[list] = None) -> int:
@@ -381,15 +404,14 @@ def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.n
     Args:
         state: ``(size,)`` float64, C-contiguous, laid out by ``slices`` (the ``sums``, ``delta_sketch``,
             ``c_tok_table``, ``delta_min``, ``delta_max`` fields of
-            :func:`~triage_monitor.metrics.state_layout`); ``sum_fields`` names the ``sums`` entries.
+            :func:`~triage_monitor.metrics.state_layout`; ``sums`` holds :data:`SUM_FIELDS` in order).
         delta: ``(N,)`` float32 δ (nats); advantage: ``(N,)`` float32.
         sample: ``(N,)`` int64 response id of each token; position: ``(N,)`` int64.  Rows must be ordered by
             (sample, position) with unique pairs; a response is a run of equal ids.
         num_samples: S, the responses of the batch (empty ones included: ``n_responses_all``); -1: the
             responses holding a token (a run of ids), as a recomputation from the records counts them.
         mode: :data:`MAGNITUDE`, :data:`LOCALISATION` or :data:`BOTH`.
-        tau_tail: τ_tail (nats), compared with δ in float32 as the torch path does; ignored without
-            :data:`LOCALISATION`.
+        tau_tail: τ_tail (nats), compared with δ in float32; ignored without :data:`LOCALISATION`.
         width: segment width W (tokens).
         null_input: a list to which the batch's shuffle-null input is appended (with
             :data:`LOCALISATION`): ``(segment_valid, response_segments, response_tails)`` int32 arrays --
@@ -400,6 +422,10 @@ def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.n
         :data:`OK`, or :data:`UNSORTED` (nothing added) when the rows are not in (sample, position) order
         or a pair repeats (with :data:`MAGNITUDE` alone, only the sample order is checked and ``position``
         is not read).
+
+    Raises:
+        AssertionError: a field of :data:`SUM_FIELDS` that the pass should write was not written (a field
+            declared and forgotten in the kernel).
     """
     delta = np.ascontiguousarray(delta, dtype=np.float32)
     advantage = np.ascontiguousarray(advantage, dtype=np.float32)
@@ -408,42 +434,28 @@ def update_state(state: np.ndarray, slices: dict, sum_fields: tuple, delta: np.n
     N = delta.shape[0]
     if N and not _sorted(sample, position, bool(mode & LOCALISATION)):
         return UNSORTED
-    where = {name: i for i, name in enumerate(sum_fields)}
-    idx = np.array([where[n] for n in KERNEL_FIELDS], dtype=np.int64)
     sums, sk, table = state[slices["sums"]], state[slices["delta_sketch"]], state[slices["c_tok_table"]]
     cuts = _cuts(sample, PIECE_TOKENS) if N else np.array([0, 0], dtype=np.int64)
     pieces = len(cuts) - 1
-    partial = np.zeros((pieces, sums.shape[0]))             # each piece's float sums, added in piece order
+    partial = np.zeros((pieces, N_SUMS))                    # each piece's float sums, added in piece order
+    written = np.zeros(N_SUMS, dtype=np.bool_)
     ext = np.tile(np.array([[state[slices["delta_min"]][0], state[slices["delta_max"]][0]]]), (pieces, 1))
-    lanes = min(THREADS, pieces)
-    # integer counts (sketch, C_tok table) go to one private copy per lane: exact whatever the lane
-    sks = [sk] + [np.zeros_like(sk) for _ in range(lanes - 1)]
-    tables = [table] + [np.zeros_like(table) for _ in range(lanes - 1)]
     args = (int(mode), np.float32(tau_tail), int(width), float(small_gap_threshold), float(heavy_fraction),
             float(dilution_threshold))
-
     record = null_input is not None and bool(mode & LOCALISATION)
     rec_seg = np.empty(N if record else 0, dtype=np.int32)
     rec_resp = np.empty((N if record else 0, 2), dtype=np.int32)
     rec_n = np.zeros((pieces, 2), dtype=np.int64)
-
-    def lane(k):
-        for p in range(k, pieces, lanes):
-            a, b = cuts[p], cuts[p + 1]
-            _kernel(delta[a:b], advantage[a:b], sample[a:b], position[a:b],
-                    int(num_samples) if p == 0 else (0 if num_samples >= 0 else -1), *args,
-                    partial[p], idx, sks[k], tables[k], ext[p], rec_seg[a:b] if record else rec_seg,
-                    rec_resp[a:b] if record else rec_resp, rec_n[p])
-
-    if lanes == 1:
-        lane(0)
-    else:
-        list(_threads().map(lane, range(lanes)))
+    for p in range(pieces):
+        a, b = cuts[p], cuts[p + 1]
+        _kernel(delta[a:b], advantage[a:b], sample[a:b], position[a:b],
+                int(num_samples) if p == 0 else (0 if num_samples >= 0 else -1), *args,
+                partial[p], written, sk, table, ext[p], rec_seg[a:b] if record else rec_seg,
+                rec_resp[a:b] if record else rec_resp, rec_n[p])
+    missing = [name for (name, part), w in zip(SUM_FIELD_PASSES, written) if part & mode and not w]
+    assert not missing, f"state_kernel: declared state field(s) {missing} not written by the kernel"
     for p in range(pieces):
         sums += partial[p]
-    for k in range(1, lanes):
-        sk += sks[k]
-        table += tables[k]
     state[slices["delta_min"]] = ext[:, 0].min()
     state[slices["delta_max"]] = ext[:, 1].max()
     if record:
