@@ -8,6 +8,8 @@ docs/metrics.md defines every term.
 
 __version__ = "0.1.0"
 
+from .errors import TriageMonitorError  # noqa: E402  (the standard library only: costs nothing to import)
+
 # Public names, imported on first use (PEP 562): `import triage_monitor.analysis` (the dashboard's step-level
 # path) then does not import torch.
 _LAZY = {"TokenBatch": "batch", "InvalidTokenError": "batch", "TriageConfig": "controller",
@@ -22,5 +24,5 @@ def __getattr__(name):
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'triage_monitor' has no attribute {name!r}")
 
-__all__ = ["TokenBatch", "InvalidTokenError", "MismatchMonitor", "MonitorConfig", "MetricConfig", "MismatchStats",
+__all__ = ["TokenBatch", "InvalidTokenError", "TriageMonitorError", "MismatchMonitor", "MonitorConfig", "MetricConfig", "MismatchStats",
            "TriageController", "TriageConfig", "__version__"]

@@ -24,6 +24,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import TriageMonitorError
 from .records import MANIFEST, RunManifest, parse_table_file, read_manifest
 
 log = logging.getLogger("triage_monitor.analysis")
@@ -32,7 +33,7 @@ log = logging.getLogger("triage_monitor.analysis")
 # step-level data (Run.steps, the dashboard's first charts) does not pay for importing torch.
 
 
-class RunDirError(ValueError):
+class RunDirError(TriageMonitorError, ValueError):
     """The path is not a readable run directory (the message says why)."""
 
 

@@ -37,6 +37,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .errors import TriageMonitorError
+
 Tensor = torch.Tensor
 
 #: A log-probability above this is impossible (log p <= 0); the slack allows
@@ -58,7 +60,7 @@ INVALID_REASONS = (
 )
 
 
-class InvalidTokenError(ValueError):
+class InvalidTokenError(TriageMonitorError, ValueError):
     """A valid (masked-in) token carries an impossible value (docs/reliability.md).
 
     Attributes: ``field`` (argument name), ``sample`` (caller's row / sample

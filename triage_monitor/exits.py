@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import sys
 
+from .errors import TriageMonitorError
+
 OK = 0
 FINDING = 1
 INPUT_ERROR = 2
@@ -37,7 +39,7 @@ EPILOG = """exit statuses (every command):
 errors are printed as: triage-monitor COMMAND: error: MESSAGE"""
 
 
-class CommandError(Exception):
+class CommandError(TriageMonitorError):
     """A command stops with ``message`` and exit status ``code`` (:data:`INPUT_ERROR` by default)."""
 
     def __init__(self, message: str, code: int = INPUT_ERROR):

@@ -48,6 +48,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import OutputError, RunConflictError, RunLockedError, UnwritableOutputError  # noqa: F401
+
 log = logging.getLogger("triage_monitor.records")
 
 SCHEMA_VERSION = 3             # of run.json (3: flat table files; 2: hive step=/rank= dirs; 1: + duplicated config keys)
@@ -362,35 +364,6 @@ def _size_of(columns) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------ start checks
-class OutputError(Exception):
-    """An output (a run directory, a file) cannot be written as asked; raised at start, before any work.
-
-    Subclasses: :class:`UnwritableOutputError`, :class:`RunConflictError`, :class:`RunLockedError`.
-    ``path`` is the output concerned."""
-
-    def __init__(self, message: str, path=None):
-        super().__init__(message)
-        self.path = None if path is None else Path(path)
-
-
-class UnwritableOutputError(OutputError):
-    """The output path cannot be created or written (the message names the path and the OS reason)."""
-
-
-class RunConflictError(OutputError):
-    """The directory holds another run (another configuration, an older layout, an unreadable manifest).
-
-    ``differences``: ``{key: (old, new)}`` of the configuration keys that differ (docs/reliability.md#one-run-per-directory)."""
-
-    def __init__(self, message: str, path=None, differences: Optional[dict] = None):
-        super().__init__(message, path)
-        self.differences = dict(differences or {})
-
-
-class RunLockedError(OutputError):
-    """Another live process is writing the same rank of the run (it holds ``.writer-rank-<R>.lock``)."""
-
-
 #: ``MonitorConfig`` keys that steer only I/O, devices or start-up checks: attempts of one run may differ in them.
 IO_CONFIG_KEYS = frozenset({"record_tokens", "max_queue_bytes", "backpressure",
                             "alignment_check_steps"})

@@ -1,0 +1,53 @@
+"""The errors triage-monitor raises, under one base: ``except TriageMonitorError`` catches any of them.
+
+    TriageMonitorError
+    ├── OutputError                  an output cannot be written as asked (raised at start, before any work)
+    │   ├── UnwritableOutputError    the path cannot be created or written
+    │   ├── RunConflictError         the directory holds another run
+    │   └── RunLockedError           another live process writes the same rank
+    ├── analysis.RunDirError         (also a ValueError) the path is not a readable run directory
+    ├── batch.InvalidTokenError      (also a ValueError) a valid token carries an impossible value
+    └── exits.CommandError           a command stops with a message and an exit status
+
+Each error keeps the base classes it had before this one existed (``RunDirError`` and ``InvalidTokenError``
+are ``ValueError`` s), so ``except ValueError`` callers keep working.  This module imports nothing but the
+standard library: every other module may import it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+
+class TriageMonitorError(Exception):
+    """The base of every error triage-monitor raises on purpose (see the module's tree)."""
+
+
+class OutputError(TriageMonitorError):
+    """An output (a run directory, a file) cannot be written as asked; raised at start, before any work.
+
+    Subclasses: :class:`UnwritableOutputError`, :class:`RunConflictError`, :class:`RunLockedError`.
+    ``path`` is the output concerned (a :class:`~pathlib.Path`, or None)."""
+
+    def __init__(self, message: str, path=None):
+        super().__init__(message)
+        self.path = None if path is None else Path(path)
+
+
+class UnwritableOutputError(OutputError):
+    """The output path cannot be created or written (the message names the path and the OS reason)."""
+
+
+class RunConflictError(OutputError):
+    """The directory holds another run (another configuration, an older layout, an unreadable manifest).
+
+    ``differences``: ``{key: (old, new)}`` of the configuration keys that differ (docs/reliability.md#one-run-per-directory)."""
+
+    def __init__(self, message: str, path=None, differences: Optional[dict] = None):
+        super().__init__(message, path)
+        self.differences = dict(differences or {})
+
+
+class RunLockedError(OutputError):
+    """Another live process is writing the same rank of the run (it holds ``.writer-rank-<R>.lock``)."""
