@@ -357,19 +357,18 @@ def test_tracker_state_dict_while_calibrating_and_after_freezing():
     assert sd["calib"] == [] and sd["calib_steps"] == [] and sd["tau_frozen"] is True
 
 
-def test_tracker_loads_raw_delta_calibration_of_older_versions():
-    """An older state: raw δ values per reference step, no format tag, no step numbers.  With calibration_steps = 3
-    and two saved steps, one new step completes the window and the next freezes τ_tail at the 5 % quantile of all
-    three steps' δ (the saved step of very negative δ included)."""
-    a, b, c = np.linspace(-1, 0, 60), np.linspace(-10, -8, 60), np.linspace(-0.2, 0, 60)
+def test_tracker_refuses_calibration_data_not_in_the_sketch_format():
+    """Calibration data without the ``"sketch"`` format tag (raw δ values: no release wrote them) is refused with
+    a ValueError naming the format, before anything changes; a frozen state's calibration data is not read."""
     tr = MetricTracker(MetricConfig(segment_width=16), calibration_steps=3)
-    tr.load_state_dict({"tau_tail": float("nan"), "tau_frozen": False, "calib": [a.tolist(), b.astype(np.float32)]})
-    tr.step(0, _delta_batch(c))
-    assert not tr.tau_frozen
-    tr.step(1, _delta_batch(np.zeros(3)))
-    assert tr.tau_frozen
-    assert _within_sketch(tr.tau_tail, np.concatenate([a, b.astype(np.float32), c]))
-    assert tr.tau_tail < -7.9                        # inside b: the saved steps count
+    raw = {"tau_tail": float("nan"), "tau_frozen": False, "calib": [np.linspace(-1, 0, 60).tolist()]}
+    with pytest.raises(ValueError, match=r"calibration data of format None; this version loads the 'sketch' format"):
+        tr.load_state_dict(raw)
+    assert not tr.tau_frozen and math.isnan(tr.tau_tail) and tr.reference.parts == []
+    with pytest.raises(ValueError, match=r"format 'values'"):
+        tr.load_state_dict({**raw, "calib_format": "values"})
+    tr.load_state_dict({**raw, "tau_tail": -0.5, "tau_frozen": True})
+    assert tr.tau_frozen and tr.tau_tail == -0.5
 
 
 def test_tracker_state_without_calibration_data_calibrates_from_scratch():

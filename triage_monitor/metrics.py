@@ -589,14 +589,18 @@ class MetricTracker:
                 "calib_steps": [] if self.tau_frozen else list(self.reference.step_numbers)}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore :meth:`state_dict` output (``calib`` optional; δ values saved by older versions are
-        turned into sketches)."""
-        self.tau_tail, self.tau_frozen = float(sd["tau_tail"]), bool(sd["tau_frozen"])
-        calib = [] if self.tau_frozen else list(sd.get("calib", []))
-        if sd.get("calib_format") != "sketch":
-            calib = [_calibration_part(MismatchStats(self.config).update_flat(
-                torch.as_tensor(c).float().cpu(), torch.zeros(len(c)), torch.zeros(len(c), dtype=torch.long),
-                torch.arange(len(c)), 1)) for c in calib]
+        """Restore :meth:`state_dict` output (``calib`` optional: a state that only says ``tau_tail`` /
+        ``tau_frozen`` starts an empty reference window).
+
+        Raises:
+            ValueError: calibration data not in the sketch format :meth:`state_dict` writes
+                (``calib_format`` other than ``"sketch"``)."""
+        frozen = bool(sd["tau_frozen"])
+        calib = [] if frozen else list(sd.get("calib", []))
+        if calib and sd.get("calib_format") != "sketch":
+            raise ValueError(f"MetricTracker state: calibration data of format {sd.get('calib_format')!r}; this "
+                             f"version loads the 'sketch' format its state_dict writes")
+        self.tau_tail, self.tau_frozen = float(sd["tau_tail"]), frozen
         self.reference = calibration.ReferenceWindow(self.calibration_steps, 1, repeated="replace")
         self.reference.frozen = self.tau_frozen
         self.reference.parts = [[torch.as_tensor(c, dtype=torch.float64).cpu()] for c in calib]
