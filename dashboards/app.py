@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from triage_monitor.analysis import RunDirError, open_run, recompute
+from triage_monitor.analysis import RunDirError, open_run, recompute, run_signature
 from triage_monitor.config import MonitorConfig
 from triage_monitor import views
 
@@ -38,19 +38,9 @@ STAGE_AUTO_TOKENS = int(os.environ.get("TRIAGE_MONITOR_STAGE_AUTO_TOKENS", 5_000
 
 # ----------------------------------------------------------------------------- data (cached)
 def _signature(path: str) -> tuple:
-    """Changes whenever the run gains step files or its manifest is rewritten (cache key)."""
-    p = Path(path)
-    try:
-        man = (p / "run.json").stat().st_mtime_ns
-    except OSError:
-        man = None
-    try:
-        with os.scandir(p / "steps") as it:
-            entries = [e.name for e in it if e.name.startswith(("step-", "step="))]   # flat files / old hive dirs
-        newest = max(((p / "steps" / e).stat().st_mtime_ns for e in entries), default=0)
-    except OSError:
-        entries, newest = [], 0
-    return man, len(entries), newest
+    """Changes whenever the run gains step files or its manifest is rewritten (cache key;
+    :func:`triage_monitor.analysis.run_signature`)."""
+    return run_signature(path)
 
 
 @st.cache_data(show_spinner=False, max_entries=32)

@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage_monitor.alerts import check_alerts_setting
 from triage_monitor.controller import TriageConfig, TriageController
+from triage_monitor.layout import RunLayout
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 from triage_monitor.records import new_attempt_id, probe_writable
 from triage_monitor.trackers import check_keys, framework_metrics, specs_of
@@ -137,7 +138,7 @@ def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None) -> in
         return dist.get_rank()
     if os.environ.get("RANK", "").isdigit():
         return int(os.environ["RANK"])
-    claims = Path(run_dir) / ".ranks" / str(attempt)
+    claims = RunLayout(run_dir).rank_claims(attempt)
     claims.mkdir(parents=True, exist_ok=True)
     n = 0
     while True:

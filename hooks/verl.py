@@ -45,6 +45,7 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageConfig
+from triage_monitor.layout import RunLayout
 from triage_monitor.monitor import MonitorConfig
 from triage_monitor.records import new_attempt_id
 
@@ -152,7 +153,7 @@ def _ray_job_id() -> Optional[str]:
 
 
 def _job_dir(run_dir: str, job: Optional[str]) -> Path:
-    return Path(run_dir) / ".verl" / (job or f"pid-{os.getpid()}")
+    return RunLayout(run_dir).framework_dir("verl", job or f"pid-{os.getpid()}")
 
 
 def shared_attempt(run_dir: str, job: Optional[str]) -> int:

@@ -127,7 +127,7 @@ def held_file():
     size for the queue bound."""
     import numpy as np
 
-    from triage_monitor.records import DeferredColumns
+    from triage_monitor.sink import DeferredColumns
 
     def make(release, rows: int = 2, nbytes: int = 100) -> DeferredColumns:
         return DeferredColumns(lambda: (release is None or release.wait(10)) and {"x": np.arange(rows)}, nbytes, rows)

@@ -323,7 +323,7 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
     assert {"policy_loss", "final_loss", "loss_metrics/clip_ratio", "loss_metrics/triage/gate_weight_mean",
             "minibatch_rollout_logprobs_abs_diff_mean"} <= keys
     n_tokens = sum(sum(m) for m in rollout()["mask_lists"])
-    from triage_monitor.records import parse_table_file
+    from triage_monitor.layout import parse_table_file
     files = {parse_table_file(p.name): p for p in (run_dir / "tokens").iterdir()}
     steps = sorted({s for s, _, _ in files})
     assert steps == list(range(STEPS))

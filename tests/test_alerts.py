@@ -326,15 +326,19 @@ def test_live_and_replay_identical_including_resume():
 
 # ------------------------------------------------------------------------------------------- CLI
 def _write_steps(run_dir, df, attempt):
-    """The hive layout of manifest schemas 1-2 (still read): run.json + steps/step=S/rank=R/part-<attempt>.parquet."""
+    """Steps rows as a run directory holds them (triage_monitor.layout): run.json + one steps file per (step,
+    rank, attempt), ranks 0 and 1."""
     import pyarrow as pa
-    from triage_monitor.records import write_json_atomic, write_table_atomic
-    write_json_atomic({"schema_version": 1, "tool": "triage-monitor"}, run_dir / "run.json")
+    from triage_monitor.layout import RunLayout
+    from triage_monitor.manifest import write_json_atomic
+    from triage_monitor.sink import write_table_atomic
+    layout = RunLayout(run_dir)
+    write_json_atomic({"schema_version": 3, "tool": "triage-monitor"}, layout.manifest)
     for row in df.to_dict("records"):
         step = int(row.pop("step"))
         for rank in (0, 1):
             write_table_atomic(pa.Table.from_pylist([{**row, "attempt": attempt}]),
-                               run_dir / "steps" / f"step={step}" / f"rank={rank}" / f"part-{attempt}.parquet")
+                               layout.table_file("steps", step, rank, attempt))
 
 
 def test_cli_run_dir_and_wandb_csv_match_replay(tmp_path, capsys):

@@ -144,7 +144,7 @@ def test_state_cache_key_follows_the_settings_and_the_token_files(run):
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))   # a rewritten token file
     recompute_states(r, cache=True)
     assert len(_cache_files(r)) == 7
-    # the key names the token files relative to the run's parent: a run copied elsewhere (times kept) keeps it
+    # the key names the token files relative to the run directory: a run copied elsewhere (times kept) keeps it
     import shutil
 
     copy = open_run(shutil.copytree(r.path, r.path.parent / "elsewhere" / "run"))
@@ -255,21 +255,6 @@ def test_tokens_skip_an_unreadable_rank_file_and_name_every_file_when_none_reads
     with pytest.raises(KeyError) as err:
         r.tokens(3)
     assert str(err.value) == repr(f"step 3 has no token records in {d}")
-
-
-def test_tokens_of_the_older_hive_layout_take_the_rank_from_the_directory(tmp_path):
-    import pyarrow as pa
-
-    from triage_monitor.records import write_json_atomic, write_table_atomic
-
-    d = tmp_path / "old"
-    write_json_atomic({"schema_version": 2, "monitor_config": {}}, d / "run.json")
-    for rank, ids in ((0, [4, 1]), (3, [2])):
-        write_table_atomic(pa.table({"sample_id": ids, "position": [0] * len(ids), "learner_logp": [-1.0] * len(ids)}),
-                           d / "tokens" / "step=5" / f"rank={rank}" / "part-1.parquet")
-    df = open_run(d).tokens(5)
-    assert df["sample_id"].tolist() == [1, 2, 4] and df["rank"].tolist() == [0, 3, 0]
-    assert str(df["rank"].dtype) == "int64"
 
 
 # ------------------------------------------------------------------------------------------- compare_live
@@ -654,37 +639,6 @@ def test_step_state_merges_rank_files_sorts_unsorted_rows_and_skips_empty_files(
     assert step_state([one], -1.0, cfg)[SUM_FIELDS.index("n_tokens")] == 1
     no_tau = MismatchStats(cfg, state=torch.from_numpy(step_state(files, math.nan, cfg)))
     assert no_tau.part("c_tok_table").sum() == 0 and no_tau.sums[SUM_FIELDS.index("segments")] == 0
-
-
-def test_the_older_hive_layout_reads_the_latest_attempt_of_each_rank_and_skips_other_entries(tmp_path):
-    """``step=3/rank=R/part-<attempt>.parquet`` (manifest schema 2): ranks 2 and 10 at attempt 5 are read, in rank
-    order (10 after 2, not by path); attempt 4, hidden and underscore files, a non-Parquet file, a directory named
-    like a file, names whose attempt is not an integer (part-x, part-12-3, part-1-8) and entries that are no rank
-    directory are not."""
-    from triage_monitor.analysis import _latest_attempt, _parts
-
-    root = tmp_path / "tokens"
-    step = root / "step=3"
-    names = {2: ["part-5.parquet", "part-4.parquet", ".part-6.parquet", "_part-7.parquet", "notes.txt",
-                 "part-x.parquet", "part-12-3.parquet", "part-1-8.parquet"], 10: ["part-5.parquet"]}
-    for rank, files in names.items():
-        (step / f"rank={rank}").mkdir(parents=True)
-        for n in files:
-            (step / f"rank={rank}" / n).write_bytes(b"")
-    (step / "rank=2" / "part-9.parquet").mkdir()
-    for junk in ("rank=x", "README", "a", "b", "c"):
-        (step / junk).mkdir()
-    (root / "step=x").mkdir()
-    for r in range(11, 20):                                          # more ranks, so a stop at a junk entry shows
-        (step / f"rank={r}").mkdir()
-        (step / f"rank={r}" / "part-5.parquet").write_bytes(b"")
-    parts = _parts(root)
-    assert list(parts) == [3]
-    got = sorted((r, f.name) for r, f in parts[3])
-    assert got == sorted([(2, n) for n in ("part-5.parquet", "part-4.parquet", "part-x.parquet", "part-12-3.parquet",
-                                           "part-1-8.parquet")] + [(r, "part-5.parquet") for r in (10, *range(11, 20))])
-    latest = _latest_attempt(sorted(parts[3], key=lambda rf: rf[1].name != "part-x.parquet"))   # part-x first
-    assert [f.parent.name for f in latest] == [f"rank={r}" for r in (2, 10, *range(11, 20))]
 
 
 def test_an_empty_step_selection_gives_no_states_and_is_cached_like_any_other(run):

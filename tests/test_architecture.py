@@ -7,10 +7,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Layers in import order (docs/architecture.md); a module may import its own layer and the layers before it.
 LAYERS = [
-    ("errors", "config", "batch", "segments", "sketch", "state_kernel", "calibration", "alignment", "exits"),
+    ("errors", "layout", "config", "batch", "segments", "sketch", "state_kernel", "calibration", "alignment", "exits"),
     ("metrics",),
     ("corrections", "controller", "loss"),
-    ("records",),
+    ("manifest", "locks", "sink", "records"),
     ("alert_rules", "references", "alerts", "trackers", "wandb_logger", "tensorboard_logger", "mlflow_logger"),
     ("monitor",),
     ("engines", "analysis", "stages"),
@@ -74,3 +74,14 @@ def test_every_module_is_in_the_architecture_doc():
     for name in LEVEL:
         if name != "__main__":
             assert f"`{name}`" in doc or f"`{name}` " in doc or name in doc, name
+
+
+def test_errors_and_layout_import_only_the_standard_library():
+    """The error base and the run directory's names sit under everything: importing them imports no package."""
+    for name in ("errors", "layout"):
+        tree = ast.parse((ROOT / "triage_monitor" / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0 and node.module in ("__future__", "pathlib", "typing"), (name, node.module)
+            elif isinstance(node, ast.Import):
+                assert all(a.name in ("re", "uuid") for a in node.names), (name, [a.name for a in node.names])

@@ -156,3 +156,23 @@ def test_ctrl_c_ends_the_process_even_when_clean_up_hangs(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and time.time() - t0 < 20, err
     assert [ln for ln in err.splitlines() if ln.strip()] == ["triage-monitor demo: interrupted (Ctrl-C); stopped"]
+
+
+def test_resume_and_force_arguments(tmp_path):
+    import argparse
+
+    from triage_monitor.exits import add_existing_run_arguments
+
+    p = argparse.ArgumentParser()
+    add_existing_run_arguments(p)
+    assert vars(p.parse_args([])) == {"resume": False, "force": False}
+    assert vars(p.parse_args(["--resume"])) == {"resume": True, "force": False}
+    assert vars(p.parse_args(["--force"])) == {"resume": False, "force": True}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--resume", "--force"])          # one or the other
+    helps = {a.option_strings[0]: a.help for a in p._actions if a.option_strings[0] in ("--resume", "--force")}
+    assert ("continue the run already in --out as a new attempt even if its model / task / correction / seed / "
+            "source differ (the changes are recorded in run.json); the metric configuration must match"
+            == helps["--resume"])
+    assert "a run already there is moved to <out>.replaced-<UTC time>" in helps["--force"]
+    assert helps["--force"].startswith("start a new run in --out")

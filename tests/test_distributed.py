@@ -28,7 +28,7 @@ from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
 from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss  # noqa: E402
 from triage_monitor.metrics import METRIC_NAMES, MetricConfig, MetricTracker  # noqa: E402
-from triage_monitor.records import parse_table_file  # noqa: E402
+from triage_monitor.layout import parse_table_file  # noqa: E402
 
 B, T, STEPS = 12, 150, 3
 MCFG = MetricConfig(segment_width=16)

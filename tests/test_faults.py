@@ -287,17 +287,17 @@ def test_a_disk_without_free_blocks_refuses_the_start_naming_the_lock_file_and_h
     an ``UnwritableOutputError`` naming the lock file and the OS reason (typed out), its ``path`` the run
     directory, and the lock is not kept: once the disk has room, a monitor of that rank in the same process
     starts without taking over an earlier writer."""
-    from triage_monitor import records
+    from triage_monitor import locks
 
     d = tmp_path / "run"
     d.mkdir()
     lock = d / ".writer-rank-0.lock"
     lock.symlink_to("/dev/full")
-    held = dict(records._HELD)
+    held = dict(locks._HELD)
     with pytest.raises(UnwritableOutputError) as err:
         MismatchMonitor(d, MonitorConfig(window=2))
     assert str(err.value) == f"{lock}: cannot write the writer lock file: No space left on device"
-    assert err.value.path == d and records._HELD == held
+    assert err.value.path == d and locks._HELD == held
     lock.unlink()
     caplog.set_level(logging.WARNING, logger="triage_monitor")
     with MismatchMonitor(d, MonitorConfig(window=2)) as mon:
@@ -320,7 +320,7 @@ def test_a_directory_in_place_of_the_lock_file_refuses_the_start_naming_it(tmp_p
 # ============================================================================== backpressure
 def child_rss(d, mode, bound_mb, item_mb, n_items):
     """A producer that outruns the disk: n_items columns of item_mb MiB each into a bounded ParquetSink."""
-    from triage_monitor.records import ParquetSink
+    from triage_monitor.sink import ParquetSink
 
     rng = np.random.default_rng(0)
     n = int(item_mb * (1 << 20)) // 8
@@ -374,7 +374,7 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
     could make room), and after them not 1 byte."""
     import threading
 
-    from triage_monitor.records import ParquetSink
+    from triage_monitor.sink import ParquetSink
 
     def rows(n):
         return [{"x": float(i)} for i in range(n)]
@@ -411,7 +411,7 @@ def test_a_new_sink_blocks_on_256_mib_counts_nothing_and_writes_on_one_daemon_th
     backpressure is refused naming the value (message typed out here)."""
     import threading
 
-    from triage_monitor.records import ParquetSink
+    from triage_monitor.sink import ParquetSink
 
     def writers():
         return [t for t in threading.enumerate() if t.name == "triage-monitor-writer"]

@@ -335,7 +335,7 @@ def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
         assert a["triage/gate_downweighted_frac"] == pytest.approx(b["triage/gate_downweighted_frac"])
         assert a["vllm_kl"] == pytest.approx(b["vllm_kl"]) and "is_filter_ratio" in a
     run = tmp_path / "run"
-    from triage_monitor.records import parse_table_file
+    from triage_monitor.layout import parse_table_file
     keys = [parse_table_file(p.name) for p in (run / "tokens").iterdir()]
     steps = sorted({s for s, _, _ in keys})
     assert steps == [0, 1, 2, 3]

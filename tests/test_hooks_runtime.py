@@ -70,7 +70,7 @@ def _settings(tmp_path, **kw):
 
 
 def _check_run(run_dir, ranks):
-    from triage_monitor.records import parse_table_file
+    from triage_monitor.layout import parse_table_file
     files = {parse_table_file(p.name): p for p in (run_dir / "tokens").iterdir()}
     assert sorted({s for s, _, _ in files}) == list(range(STEPS))
     for s in range(STEPS):

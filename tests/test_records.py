@@ -1,14 +1,12 @@
-"""The run directory's writer side (triage_monitor.records): the background writer's flush deadline, the start
-checks' errors and messages, the manifest's JSON, the steps table's one schema."""
+"""The run directory's writer side (triage_monitor.records): the monitor's files and their queue sizes, the start
+checks' errors and messages, the tables' declared schemas (the steps table's included), moving a run aside."""
 
-import argparse
 import json
 import logging
 import math
 import threading
 import time
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -16,10 +14,11 @@ import torch
 
 from triage_monitor.analysis import open_run
 from triage_monitor.batch import TokenBatch
+from triage_monitor.layout import RunLayout
+from triage_monitor.manifest import RunManifest
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-from triage_monitor.records import (DeferredColumns, OutputError, ParquetSink, RunConflictError, RunManifest,
-                                    UnwritableOutputError, add_existing_run_arguments, read_manifest, table_file,
-                                    write_json_atomic)
+from triage_monitor.records import OutputError, RunConflictError, UnwritableOutputError
+from triage_monitor.sink import DeferredColumns
 
 
 def _batch(step, B=3, T=16):
@@ -52,40 +51,6 @@ def test_a_token_files_size_for_the_queue_bound_is_the_bytes_of_its_columns(tmp_
 
 
 # ------------------------------------------------------------------------------------------ the writer thread
-def test_flush_with_a_timeout_returns_at_the_deadline_and_without_waits_for_the_disk(tmp_path):
-    release = threading.Event()
-
-    def slow_columns():                       # a file the writer thread is still building
-        release.wait(10)
-        return {"x": np.arange(3)}
-
-    sink = ParquetSink(tmp_path, attempt=1)
-    try:
-        sink.submit("steps", 0, 0, DeferredColumns(slow_columns, 24, 3))
-        t0 = time.monotonic()
-        sink.flush(timeout=0.3)
-        waited = time.monotonic() - t0
-        assert 0.25 <= waited < 3, waited
-        assert sink.written_files == 0
-        threading.Timer(0.3, release.set).start()
-        sink.flush()                          # no timeout: until the file is on disk
-        assert sink.written_files == 1 and sink.written_rows == 3
-        assert pq.read_table(table_file(tmp_path, "steps", 0, 0, 1)).column("x").to_pylist() == [0, 1, 2]
-        # a removal queued behind a slow file is waited for too
-        old = table_file(tmp_path, "tokens", 0, 0, 0)
-        old.parent.mkdir()
-        old.write_bytes(b"")
-        release.clear()
-        sink.submit("steps", 1, 0, DeferredColumns(slow_columns, 24, 3))
-        sink.submit_delete("tokens", 0, 0, attempt=0)
-        threading.Timer(0.2, release.set).start()
-        sink.flush()
-        assert not old.exists() and sink.written_files == 2
-    finally:
-        release.set()
-        sink.close()
-
-
 def test_monitor_flush_passes_its_timeout_to_the_writer(tmp_path, held_file):
     release = threading.Event()
     with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2, tau_tail=-1.0)) as mon:
@@ -127,55 +92,6 @@ def test_a_conflict_message_names_the_first_eight_differences_and_counts_the_res
     with pytest.raises(RunConflictError) as err:
         MismatchMonitor(d, MonitorConfig(window=2), manifest={"demo_config": eight})
     assert "; ".join(listed[:8]) + "): continue it" in str(err.value) and "more" not in str(err.value)
-
-
-def test_resume_and_force_arguments(tmp_path):
-    p = argparse.ArgumentParser()
-    add_existing_run_arguments(p)
-    assert vars(p.parse_args([])) == {"resume": False, "force": False}
-    assert vars(p.parse_args(["--resume"])) == {"resume": True, "force": False}
-    assert vars(p.parse_args(["--force"])) == {"resume": False, "force": True}
-    with pytest.raises(SystemExit):
-        p.parse_args(["--resume", "--force"])          # one or the other
-    helps = {a.option_strings[0]: a.help for a in p._actions if a.option_strings[0] in ("--resume", "--force")}
-    assert ("continue the run already in --out as a new attempt even if its model / task / correction / seed / "
-            "source differ (the changes are recorded in run.json); the metric configuration must match"
-            == helps["--resume"])
-    assert "a run already there is moved to <out>.replaced-<UTC time>" in helps["--force"]
-    assert helps["--force"].startswith("start a new run in --out")
-
-
-# --------------------------------------------------------------------------------------------- the manifest
-def test_manifest_json_is_standard_json_with_nan_as_null(tmp_path):
-    obj = {"a": math.nan, "b": [1.5, math.inf, (2.0, -math.inf)], "c": {"d": math.nan, "e": "x"},
-           "f": np.int64(3), "g": np.float64(0.25), "h": tmp_path, "i": np.float32(0.5), "j": {3}}
-    write_json_atomic(obj, tmp_path / "m.json")
-    text = (tmp_path / "m.json").read_text()
-    assert json.loads(text) == {"a": None, "b": [1.5, None, [2.0, None]], "c": {"d": None, "e": "x"}, "f": 3,
-                                "g": 0.25, "h": str(tmp_path), "i": 0.5, "j": "{3}"}
-    assert "NaN" not in text and "Infinity" not in text
-    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
-
-
-def test_schema_one_manifest_reads_its_calibrated_tau_and_drops_duplicated_keys(tmp_path):
-    old = {"monitor_config": {"window": 4}, "tau_tail_calibrated": -0.7, "segment_width": 64, "window": 4,
-           "schema_version": 1, "future_key": [1, 2]}
-    (tmp_path / "run.json").write_text(json.dumps(old))
-    m = read_manifest(tmp_path)
-    assert m.calibration == {"tau_tail": -0.7} and m.tau_tail == -0.7 and m.schema_version == 1
-    assert m.extra == {"future_key": [1, 2]}
-    assert m.to_dict()["future_key"] == [1, 2] and "segment_width" not in m.to_dict()
-    assert "extra" not in m.to_dict()             # unknown keys go back at the top level, not under "extra"
-    odd = RunManifest.from_dict({**old, "extra": {"a": 1}})      # a key named like the field is one more unknown
-    assert odd.extra == {"future_key": [1, 2], "extra": {"a": 1}} and odd.to_dict()["extra"] == {"a": 1}
-    given = RunManifest.from_dict({**old, "monitor_config": {"tau_tail": -0.2}})
-    assert given.calibration is None and given.tau_tail == -0.2
-    (tmp_path / "run.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match=r"run.json: expected a JSON object, got list"):
-        read_manifest(tmp_path)
-    (tmp_path / "run.json").write_text("{")
-    with pytest.raises(ValueError, match=r"run.json: not valid JSON"):
-        read_manifest(tmp_path)
 
 
 # --------------------------------------------------------------------------------------- the steps table
@@ -238,16 +154,6 @@ def test_a_steps_file_with_more_than_one_row_is_skipped_and_named(tmp_path, capl
     assert run.unreadable == [(str(f), "2 rows, a steps file holds one")]
     warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
     assert warned == [f"triage-monitor: skipped unreadable file {f} (2 rows, a steps file holds one)"]
-
-
-
-def test_numpy_float32_nan_in_the_manifest_is_written_as_null(tmp_path):
-    """np.float32 is no Python float: its NaN / inf must become null too, not stop the monitor at start."""
-    with MismatchMonitor(tmp_path / "r", MonitorConfig(window=2), manifest={"lr": np.float32("nan"),
-                                                                           "clip": [np.float32("inf")]}):
-        pass
-    info = json.loads((tmp_path / "r" / "run.json").read_text())["info"]
-    assert info["lr"] is None and info["clip"] == [None]
 
 
 # ------------------------------------------------------------------------------------- force: moving a run aside
@@ -328,60 +234,6 @@ def test_force_is_refused_while_another_writer_holds_the_run(tmp_path):
     assert len([p for p in tmp_path.iterdir() if ".replaced-" in p.name]) == 1
 
 
-# ------------------------------------------------------------------------------------- the queue bound
-def test_a_full_queue_blocks_or_drops_and_a_closed_sink_counts_its_rows(tmp_path, held_file):
-    release = threading.Event()
-    sink = ParquetSink(tmp_path / "block", attempt=1, max_queue_bytes=150, backpressure="block")
-    try:
-        assert sink.submit("steps", 0, 0, held_file(release))    # alone in the queue: accepted
-        accepted = []
-        t = threading.Thread(target=lambda: accepted.append(sink.submit("steps", 1, 0, {"x": np.arange(7)})))
-        t.start()
-        t.join(0.5)
-        assert t.is_alive() and not accepted                      # 100 + 56 bytes > 150: waits for the writer
-        release.set()
-        t.join(10)
-        assert accepted == [True]
-        sink.flush()
-        assert sink.written_files == 2 and sink.written_rows == 9 and sink.dropped_rows == 0
-    finally:
-        release.set()
-        sink.close()
-    assert sink.closed and sink.submit("steps", 2, 0, [{"x": 1}, {"x": 2}]) is False and sink.dropped_rows == 2
-    sink.submit_delete("steps", 0, 0, attempt=1)                   # nothing queued after close
-    assert table_file(tmp_path / "block", "steps", 0, 0, 1).exists()
-
-    release = threading.Event()
-    sink = ParquetSink(tmp_path / "drop", attempt=1, max_queue_bytes=150, backpressure="drop")
-    try:
-        assert sink.submit("steps", 0, 0, held_file(release, rows=2))
-        assert sink.submit("steps", 1, 0, {"x": np.arange(6)}) is True        # 100 + 48 bytes fit
-        assert sink.submit("steps", 2, 0, {"x": np.arange(3)}) is False       # + 24 does not: dropped, counted
-        assert sink.submit("steps", 3, 0, [{"x": 1}]) is False                # a row counts 256 bytes
-        assert sink.dropped_rows == 4
-        release.set()
-        sink.flush()
-        assert sink.written_rows == 8 and sink.written_files == 2
-    finally:
-        release.set()
-        sink.close()
-    with pytest.raises(ValueError, match="backpressure must be 'block' or 'drop', got 'wait'"):
-        ParquetSink(tmp_path, attempt=1, backpressure="wait")
-
-
-def test_an_unwritable_file_is_counted_and_reported_once(tmp_path, caplog):
-    (tmp_path / "steps").write_text("")                  # the table directory cannot be created
-    sink = ParquetSink(tmp_path, attempt=1)
-    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
-        for s in range(3):
-            sink.submit("steps", s, 0, {"x": np.arange(4)})
-        sink.close()
-    assert sink.dropped_rows == 12 and sink.written_rows == 0 and sink.written_files == 0
-    assert sink.last_error.startswith(("FileExistsError: ", "NotADirectoryError: "))
-    warned = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
-    assert len(warned) == 1 and "steps rows for step 0" in warned[0]
-
-
 def test_token_files_hold_the_documented_columns_and_types(tmp_path):
     from triage_monitor.records import TOKEN_SCHEMA
 
@@ -391,13 +243,13 @@ def test_token_files_hold_the_documented_columns_and_types(tmp_path):
                              sample_ids=torch.tensor([11, 12]), group_ids=torch.tensor([4, 4]))
     with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=2, attempt=9) as mon:
         mon.log_step(3, b, token_extras={"gate_weight": torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64)})
-    t = pq.read_table(table_file(d, "tokens", 3, 2, 9))
+    t = pq.read_table(RunLayout(d).table_file("tokens", 3, 2, 9))
     assert t.schema == TOKEN_SCHEMA.append(pa.field("gate_weight", pa.float32()))
     assert t.to_pydict() == {"step": [3] * 3, "rank": [2] * 3, "sample_id": [11, 11, 12], "group_id": [4, 4, 4],
                              "position": [0, 1, 0], "learner_logp": [-1.0, -2.0, -0.5],
                              "sampler_logp": [-1.5, -2.0, -0.25], "advantage": [0.5, 0.5, -1.0],
                              "attempt": [9] * 3, "gate_weight": [1.0, 0.5, 0.0]}
-    row = pq.read_table(table_file(d, "steps", 3, 2, 9)).to_pylist()[0]
+    row = pq.read_table(RunLayout(d).table_file("steps", 3, 2, 9)).to_pylist()[0]
     assert (row["step"], row["rank"], row["attempt"], row["writer_dropped_rows"]) == (3, 2, 9, 0.0)
     assert abs(row["wall_time"] - time.time()) < 60 and row["n_tokens"] == 3.0
     assert json.loads(row["nan_reasons"]) == {k: v for k, v in json.loads(row["nan_reasons"]).items() if v}
@@ -406,8 +258,9 @@ def test_token_files_hold_the_documented_columns_and_types(tmp_path):
         with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, record_tokens=record), attempt=attempt) as mon:
             mon.log_step(3, b)
             mon.log_step(4, b)
-        assert table_file(d, "tokens", 4, 0, 9).exists() == record
-    assert not table_file(d, "tokens", 3, 0, 9).exists() and not table_file(d, "tokens", 3, 0, 10).exists()
+        assert RunLayout(d).table_file("tokens", 4, 0, 9).exists() == record
+    layout = RunLayout(d)
+    assert not layout.table_file("tokens", 3, 0, 9).exists() and not layout.table_file("tokens", 3, 0, 10).exists()
     assert sorted(p.name for p in (d / "steps").iterdir()) == ["step-00000003-rank-0000-attempt-10.parquet",
                                                                "step-00000004-rank-0000-attempt-10.parquet"]
 
@@ -450,113 +303,6 @@ def test_alert_rows_carry_the_writers_rank_and_attempt(tmp_path):
     (f,) = (d / "alerts").iterdir()
     got = pq.read_table(f).to_pylist()
     assert got == [{**row, "step": 7, "rank": 1, "attempt": attempt}]
-
-
-def test_config_differences_name_keys_set_on_one_side_only():
-    """An existing run's manifest against a new writer's configuration: a metric setting only the new one has, an
-    identity key only the old run has (a dict) and one only the new writer has, and a dict key whose inner keys
-    differ on both sides are all named, as (old, new) with None for the missing side."""
-    from triage_monitor.records import config_differences
-
-    old = RunManifest(monitor_config={"window": 10, "metrics": {"segment_width": 64}},
-                      info={"demo_config": {"steps": 30}, "column_map": {"lp": "learner_logp", "adv": "advantage"}})
-    metric, identity = config_differences(
-        old, {"window": 10, "metrics": {"segment_width": 64, "heavy_fraction": 0.1}, "record_tokens": False},
-        {"model": "qwen", "column_map": {"lp": "learner_logp", "s": "sampler_logp"}})
-    assert metric == {"monitor_config.metrics.heavy_fraction": (None, 0.1)}
-    assert identity == {"demo_config": ({"steps": 30}, None), "model": (None, "qwen"),
-                        "column_map.adv": ("advantage", None), "column_map.s": (None, "sampler_logp")}
-    # numpy scalars compare as the JSON values they are written as
-    assert config_differences(RunManifest(monitor_config={"window": 10}, info={"seed": 3}), {"window": np.int64(10)},
-                              {"seed": np.int64(3)}) == ({}, {})
-
-
-def test_close_waits_at_most_its_timeout_for_a_busy_writer_which_still_writes_the_file(tmp_path, held_file):
-    """``close(timeout=0.2)`` while the writer thread is busy with a file returns with the thread still running
-    (a hung disk does not hang the job's exit); the file is written once the writer gets on."""
-    release = threading.Event()
-    sink = ParquetSink(tmp_path, attempt=1)
-    try:
-        sink.submit("steps", 0, 0, held_file(release, rows=2))
-        sink.close(timeout=0.2)
-        assert sink.closed is True and sink._thread.is_alive() and sink.written_files == 0
-    finally:
-        release.set()
-    sink._thread.join(10)
-    assert not sink._thread.is_alive() and (sink.written_files, sink.written_rows) == (1, 2)
-
-
-def test_a_files_columns_are_cast_to_the_schema_it_was_submitted_with(tmp_path):
-    """``submit(..., schema)`` writes the schema's types: float64 and int64 columns given for a float32 / int32
-    schema come back float32 / int32 (the token files' compact columns); without a schema numpy's types stay."""
-    schema = pa.schema([("step", pa.int64()), ("rank", pa.int64()), ("x", pa.float32()), ("n", pa.int32())])
-    cols = {"step": np.array([3, 3]), "rank": np.array([0, 0]), "x": np.array([0.5, 1.5]), "n": np.array([7, 8])}
-    sink = ParquetSink(tmp_path, attempt=1)
-    try:
-        sink.submit("tokens", 3, 0, cols, schema)
-        sink.submit("tokens", 4, 0, {**cols, "step": np.array([4, 4])})
-    finally:
-        sink.close()
-    t = pq.read_table(table_file(tmp_path, "tokens", 3, 0, 1))
-    assert t.schema.equals(schema) and t.column("x").to_pylist() == [0.5, 1.5] and t.column("n").to_pylist() == [7, 8]
-    assert pq.read_table(table_file(tmp_path, "tokens", 4, 0, 1)).schema.types == [
-        pa.int64(), pa.int64(), pa.float64(), pa.int64()]
-
-
-def test_a_write_error_is_warned_once_naming_table_step_and_reason_and_kept_as_last_error(tmp_path, caplog):
-    """A file that cannot be written (a regular file where the table's directory goes) is warned once, with the
-    table, the step and the OS error (text typed out here); its rows are dropped; the next failure is not warned
-    again but becomes the last error."""
-    (tmp_path / "steps").write_text("not a directory")
-    caplog.set_level(logging.WARNING, logger="triage_monitor")
-    sink = ParquetSink(tmp_path, attempt=1)
-    try:
-        sink.submit("steps", 2, 0, {"x": np.arange(3)})
-        sink.flush()
-        sink.submit("steps", 3, 0, {"x": np.arange(4)})
-    finally:
-        sink.close()
-    first = f"[Errno 17] File exists: '{tmp_path / 'steps'}'"
-    assert [r.getMessage() for r in caplog.records] == [
-        f"triage-monitor could not write steps rows for step 2 ({first}); training continues, rows are counted as "
-        "dropped"]
-    assert sink.dropped_rows == 7 and sink.last_error == f"FileExistsError: {first}"
-
-
-def test_removals_keep_the_queue_count_so_flush_still_waits_for_every_file(tmp_path):
-    """Each queued removal counts one byte in the queue until it is done.  After 30 removals, a file queued
-    behind them (or behind a slow file and a removal) is still waited for by flush; a removal that fails drops no
-    row (it is reported as the last error)."""
-    release = threading.Event()
-
-    def slow_columns():
-        release.wait(10)
-        return {"x": np.arange(3)}
-
-    sink = ParquetSink(tmp_path, attempt=1)
-    try:
-        for s in range(30):
-            sink.submit_delete("tokens", s, 0, attempt=0)      # nothing to remove: no error
-        sink.flush()
-        assert (sink.last_error, sink.dropped_rows, sink.written_files) == (None, 0, 0)
-        sink.submit("steps", 0, 0, DeferredColumns(slow_columns, 24, 3))
-        threading.Timer(0.3, release.set).start()
-        sink.flush()
-        assert sink.written_files == 1
-        release.clear()
-        sink.submit("steps", 1, 0, DeferredColumns(slow_columns, 24, 3))
-        sink.submit_delete("tokens", 0, 0, attempt=0)
-        sink.submit("steps", 2, 0, DeferredColumns(slow_columns, 24, 3))
-        threading.Timer(0.3, release.set).start()
-        sink.flush()
-        assert sink.written_files == 3 and sink.written_rows == 9
-        table_file(tmp_path, "tokens", 5, 0, 0).mkdir(parents=True)     # a directory: unlink fails
-        sink.submit_delete("tokens", 5, 0, attempt=0)
-        sink.flush()
-        assert sink.dropped_rows == 0 and sink.last_error.startswith(("IsADirectoryError", "PermissionError"))
-    finally:
-        release.set()
-        sink.close()
 
 
 def test_a_steps_file_starts_with_step_and_rank_and_holds_each_once(tmp_path):

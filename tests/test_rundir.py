@@ -130,32 +130,6 @@ def test_every_table_reads_with_pandas_pyarrow_duckdb_and_polars(tmp_path):
     assert sorted(run.alerts()["step"]) == [9]
 
 
-def test_old_hive_layout_still_reads(tmp_path):
-    import pyarrow as pa
-
-    from triage_monitor.records import write_json_atomic, write_table_atomic
-
-    d = tmp_path / "old"
-    write_json_atomic({"schema_version": 2, "tool": "triage-monitor", "monitor_config": {}}, d / "run.json")
-    for step in range(3):
-        for attempt in (1, 2) if step == 1 else (1,):
-            write_table_atomic(pa.table({"x": [float(10 * step + attempt)], "attempt": [attempt]}),
-                               d / "steps" / f"step={step}" / "rank=0" / f"part-{attempt}.parquet")
-    run = open_run(d)
-    assert run.steps()["x"].tolist() == [1.0, 12.0, 21.0] and run.steps()["step"].tolist() == [0, 1, 2]
-    # refused, not continued: the message (typed out here) names the directory, the schema and the way out,
-    # and .path is the directory
-    from triage_monitor.records import RunConflictError
-
-    with pytest.raises(RunConflictError) as err:
-        MismatchMonitor(d)
-    assert str(err.value) == (
-        f"{d} holds a run in the older step=/rank= directory layout (manifest schema 2); this version reads it but "
-        "does not continue it: write to a new directory, or start over with --force / force=True (the old run is "
-        "moved to old.replaced-<time>)")
-    assert err.value.path == d
-
-
 # ============================================================================ one writer per rank
 HOLDER = """
 import sys, time
@@ -396,7 +370,8 @@ def test_the_atomic_writers_create_parents_and_leave_only_their_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from triage_monitor.records import write_json_atomic, write_table_atomic
+    from triage_monitor.manifest import write_json_atomic
+    from triage_monitor.sink import write_table_atomic
 
     path = tmp_path / "a" / "b" / "c.json"
     write_json_atomic({"x": float("nan"), "y": (1.5, float("inf"))}, path)

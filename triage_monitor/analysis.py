@@ -25,7 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import TriageMonitorError
-from .records import MANIFEST, RunManifest, parse_table_file, read_manifest
+from .layout import MANIFEST, RunLayout, temp_path
+from .manifest import RunManifest, read_manifest
 
 log = logging.getLogger("triage_monitor.analysis")
 
@@ -37,70 +38,27 @@ class RunDirError(TriageMonitorError, ValueError):
     """The path is not a readable run directory (the message says why)."""
 
 
-def _hive_int(p: Path, prefix: str):
-    """The integer of a hive directory ``<prefix><int>``; None (skip) for anything else."""
-    if not p.name.startswith(prefix) or not p.is_dir():
-        return None
+def run_signature(path) -> tuple:
+    """``(manifest mtime_ns or None, number of steps files, newest steps file mtime_ns)`` of the run directory
+    ``path``: it changes whenever the run gains step files or its manifest is rewritten (the dashboard's cache
+    key).  Never raises: what cannot be read counts as absent."""
+    layout = RunLayout(path)
     try:
-        return int(p.name[len(prefix):])
-    except ValueError:
-        return None
-
-
-def _parts(root: Path) -> dict:
-    """{step: [(rank, path), ...]} of the complete (non-hidden) Parquet files of table directory ``root``.
-
-    Reads the flat layout (``step-<S>-rank-<R>.parquet``, manifest schema 3) and the older hive layout
-    (``step=<S>/rank=<R>/part-<attempt>.parquet``); other entries are skipped."""
-    out: dict = {}
-    if not root.is_dir():
-        return out
-    for entry in root.iterdir():
-        key = parse_table_file(entry.name)
-        if key is not None:
-            if entry.is_file():
-                out.setdefault(key[0], []).append((key[1], entry))
-            continue
-        step = _hive_int(entry, "step=")
-        if step is None:
-            continue
-        for rank_dir in entry.iterdir():
-            rank = _hive_int(rank_dir, "rank=")
-            if rank is None:
-                continue
-            for f in rank_dir.iterdir():
-                if f.suffix == ".parquet" and not f.name.startswith((".", "_")) and f.is_file():
-                    out.setdefault(step, []).append((rank, f))
-    return out
-
-
-def _rank_of(f: Path) -> int:
-    """The rank of a table file of either layout."""
-    key = parse_table_file(f.name)
-    return key[1] if key is not None else int(f.parent.name[5:])
-
-
-def _latest_attempt(files: list) -> list:
-    """The files to read of one step, every rank, by rank.
-
-    The files of the step's latest attempt (``...-attempt-<A>.parquet``, or ``part-<A>.parquet`` in the older
-    hive layout): all ranks of one process start share one attempt id, so a step redone by a resumed job, even
-    on fewer ranks, is read from the new attempt alone; hive files whose name is not ``part-<int>.parquet`` are
-    skipped."""
-    parsed = []
-    for rank, f in files:
-        key = parse_table_file(f.name)
-        if key is not None:
-            parsed.append((key[2], rank, f))
-            continue
-        try:
-            parsed.append((int(f.stem.split("-", 1)[1]), rank, f))
-        except (IndexError, ValueError):
-            continue
-    if not parsed:
-        return []
-    latest = max(a for a, _, _ in parsed)
-    return [f for a, r, f in sorted(parsed, key=lambda x: x[1]) if a == latest]
+        man = layout.manifest.stat().st_mtime_ns
+    except OSError:
+        man = None
+    count, newest = 0, 0
+    try:
+        for files in layout.files("steps").values():
+            for f in files:
+                try:
+                    newest = max(newest, f.path.stat().st_mtime_ns)
+                except OSError:
+                    continue
+                count += 1
+    except OSError:
+        count, newest = 0, 0
+    return man, count, newest
 
 
 class Run:
@@ -116,6 +74,8 @@ class Run:
 
     def __init__(self, path):
         self.path = Path(path)
+        #: the run directory's names (:class:`~triage_monitor.layout.RunLayout`)
+        self.layout = RunLayout(self.path)
         self.unreadable: list = []
 
     def _skip_unreadable(self, f, reason: str) -> None:
@@ -135,7 +95,7 @@ class Run:
 
     @cached_property
     def manifest(self) -> RunManifest:
-        """The run's :class:`~triage_monitor.records.RunManifest` (``run.json``)."""
+        """The run's :class:`~triage_monitor.manifest.RunManifest` (``run.json``)."""
         return read_manifest(self.path)
 
     @cached_property
@@ -157,39 +117,39 @@ class Run:
 
     def step_numbers(self) -> list:
         """Sorted steps that have token files."""
-        return sorted(_parts(self.path / "tokens"))
+        return sorted(self.layout.files("tokens"))
 
     def tokens(self, step: int, columns: Optional[Sequence[str]] = None) -> pd.DataFrame:
         """Token rows of one step (all ranks, latest attempt) as a DataFrame, sorted by (sample_id, position).
 
-        A rank file that cannot be read is skipped and named in :attr:`unreadable` (with a WARNING).
+        ``columns``: only these (a ``rank`` column is always there). A rank file that cannot be read is skipped and named in :attr:`unreadable` (with a WARNING).
 
         Raises:
             KeyError: the step has no token file, or none of its token files is readable.
         """
-        files = _latest_attempt(_parts(self.path / "tokens").get(int(step), []))
+        files = self.layout.latest(self.layout.files("tokens").get(int(step), []))
         if not files:
             raise KeyError(f"step {step} has no token records in {self.path}")
         tables = []
         for f in files:
-            t = self._read(f, columns)
+            t = self._read(f.path, columns)
             if t is None:
                 continue
-            if "rank" not in t.column_names:      # hive layout: the rank is in the directory name
-                t = t.append_column("rank", pa.array([_rank_of(f)] * t.num_rows, pa.int64()))
+            if "rank" not in t.column_names:      # columns= without it: the rank of the file's name
+                t = t.append_column("rank", pa.array([f.rank] * t.num_rows, pa.int64()))
             tables.append(t)
         if not tables:
-            raise KeyError(f"step {step}: every token file is unreadable ({', '.join(map(str, files))})")
+            raise KeyError(f"step {step}: every token file is unreadable ({', '.join(str(f.path) for f in files)})")
         df = pa.concat_tables(tables, promote_options="default").to_pandas()
         sort = [c for c in ("sample_id", "position") if c in df.columns]
         return df.sort_values(sort, kind="stable").reset_index(drop=True) if sort else df
 
     def token_files(self, step: int) -> list:
         """Paths (str) of the step's token files of its latest attempt, one per rank, by rank."""
-        files = _latest_attempt(_parts(self.path / "tokens").get(int(step), []))
+        files = self.layout.latest(self.layout.files("tokens").get(int(step), []))
         if not files:
             raise KeyError(f"step {step} has no token records in {self.path}")
-        return [str(f) for f in files]
+        return [str(f.path) for f in files]
 
     def token_batch(self, step: int):
         """The step's valid tokens as a :class:`~triage_monitor.batch.TokenBatch` (float32 values exactly as recorded)."""
@@ -214,19 +174,18 @@ class Run:
         Returns an empty DataFrame with a ``step`` column when nothing was recorded yet.
         """
         rows = []
-        for step, files in sorted(_parts(self.path / "steps").items()):
-            for f in _latest_attempt(files):
-                r = _rank_of(f)
-                if rank is not None and r != rank:
+        for step, files in self.layout.latest_files("steps").items():
+            for f in files:
+                if rank is not None and f.rank != rank:
                     continue
-                t = self._read(f)
+                t = self._read(f.path)
                 if t is None:
                     continue
                 if t.num_rows != 1:
-                    self._skip_unreadable(f, f"{t.num_rows} rows, a steps file holds one")
+                    self._skip_unreadable(f.path, f"{t.num_rows} rows, a steps file holds one")
                     continue
                 d = t.to_pylist()[0]
-                d["step"], d["rank"] = step, r
+                d["step"], d["rank"] = step, f.rank
                 rows.append(d)
         if not rows:
             return pd.DataFrame({"step": pd.Series([], dtype="int64")})
@@ -238,13 +197,13 @@ class Run:
     def _table(self, name: str) -> pd.DataFrame:
         """All rows of a side table (``alerts``, ``quarantine``), latest attempt, with a ``step`` column."""
         frames = []
-        for step, files in sorted(_parts(self.path / name).items()):
-            for f in _latest_attempt(files):
-                t = self._read(f)
+        for step, files in self.layout.latest_files(name).items():
+            for f in files:
+                t = self._read(f.path)
                 if t is None:
                     continue
                 df = t.to_pandas()
-                df["step"], df["rank"] = step, _rank_of(f)
+                df["step"], df["rank"] = step, f.rank
                 frames.append(df)
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": []})
 
@@ -269,13 +228,13 @@ def open_run(path) -> Run:
         raise RunDirError(f"{p}: no such directory")
     if not p.is_dir():
         raise RunDirError(f"{p}: not a directory")
-    if not (p / MANIFEST).is_file():
+    if not RunLayout(p).manifest.is_file():
         raise RunDirError(f"{p}: not a triage-monitor run directory (no {MANIFEST})")
     run = Run(p)
     try:
         run.manifest
     except (OSError, ValueError) as exc:
-        raise RunDirError(f"{p / MANIFEST}: unreadable manifest ({exc})") from exc
+        raise RunDirError(f"{RunLayout(p).manifest}: unreadable manifest ({exc})") from exc
     return run
 
 
@@ -464,9 +423,9 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     explicit = tau_tail if tau_tail is not None else mc.tau_tail
     n_calib = int(calibration_steps if calibration_steps is not None else mc.calibration_steps)
     MetricTracker(cfg, win, explicit, n_calib)                       # validates window, τ_tail, calibration
-    parts_by_step = _parts(run.path / "tokens")
-    all_steps = sorted(parts_by_step)
-    files = {s: [str(f) for f in _latest_attempt(parts_by_step[s])] for s in all_steps}
+    latest = run.layout.latest_files("tokens")
+    all_steps = list(latest)
+    files = {s: [str(f.path) for f in latest[s]] for s in all_steps}
     todo = all_steps if steps is None else sorted({int(s) for s in steps})
     missing = [s for s in todo if s not in files]
     if missing:
@@ -475,7 +434,7 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     kw = dict(engine=engine, workers=workers, address=address, progress=progress)
     path = None
     if cache:
-        path = run.path / "analysis" / f"states-{_cache_key(files, todo, cfg, explicit, n_calib, tau_mode)}.npz"
+        path = run.layout.states_cache(_cache_key(run.layout, files, todo, cfg, explicit, n_calib, tau_mode))
         hit = _load_states(path, cfg, win, tau_mode)
         if hit is not None:
             return hit
@@ -514,7 +473,7 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     return out
 
 
-def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: str) -> str:
+def _cache_key(run_layout: RunLayout, files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: str) -> str:
     import hashlib
     from dataclasses import asdict
 
@@ -527,7 +486,7 @@ def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: s
     for s in sorted(files):
         for f in files[s]:
             st = Path(f).stat()
-            h.update(f"{s}:{Path(f).relative_to(Path(f).parents[2])}:{st.st_size}:{st.st_mtime_ns};".encode())
+            h.update(f"{s}:{run_layout.relative(f)}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()[:20]
 
 
@@ -560,9 +519,9 @@ def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepSt
 def _save_states(path: Path, states: StepStates) -> None:
     import numpy as np
 
+    tmp = temp_path(path.parent, ".npz")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".tmp-{path.name}")
         with open(tmp, "wb") as fh:
             nulls = states.null_inputs or []
             cat = (lambda k: np.concatenate([n[k] for n in nulls]) if nulls else np.zeros(0, np.int32))
@@ -572,7 +531,10 @@ def _save_states(path: Path, states: StepStates) -> None:
                                 null_resp_len=np.array([len(n[1]) for n in nulls], np.int64))
         tmp.replace(path)
     except OSError:
-        pass
+        try:
+            tmp.unlink(missing_ok=True)     # a failed save (full disk) leaves no temporary file behind
+        except OSError:
+            pass
 
 
 def _part(state, cfg):

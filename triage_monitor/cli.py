@@ -37,7 +37,7 @@ SUMMARY_COLUMNS = {"step": "step", "n_tokens": "tokens", "small_gap_share": "sma
 def demo_add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``triage-monitor demo``: ``--out`` plus every DemoConfig field."""
     from .demo import add_arguments as demo_options
-    from .records import add_existing_run_arguments
+    from .exits import add_existing_run_arguments
 
     parser.add_argument("--out", default="runs/demo", help="run directory to write (default: %(default)s)")
     add_existing_run_arguments(parser)
@@ -64,7 +64,7 @@ def study_add_arguments(parser: argparse.ArgumentParser) -> None:
     (defaulting to the study's job, :data:`triage_monitor.demo.study.STUDY_BASE`)."""
     from .demo import add_arguments as demo_options
     from .demo.study import ARMS, QUICK, STUDY_BASE
-    from .records import add_existing_run_arguments
+    from .exits import add_existing_run_arguments
 
     parser.add_argument("--out", default="runs/study", help="output directory (default: %(default)s)")
     add_existing_run_arguments(parser)
@@ -169,7 +169,7 @@ def analyze_run_cli(args: argparse.Namespace) -> int:
                                  "analyze")
     n_tokens = int(df["n_tokens"].sum())
     exits.note("analyze", f"recomputed {n_tokens:,} tokens of {len(df)} step(s) in {elapsed:.2f} s")
-    out = out or run.path / "analysis" / "metrics.csv"
+    out = out or run.layout.analysis_dir / "metrics.csv"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         (df.to_parquet if out.suffix.lower() == ".parquet" else df.to_csv)(out, index=False)

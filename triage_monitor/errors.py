@@ -40,7 +40,7 @@ class UnwritableOutputError(OutputError):
 
 
 class RunConflictError(OutputError):
-    """The directory holds another run (another configuration, an older layout, an unreadable manifest).
+    """The directory holds another run (another configuration, an unreadable manifest).
 
     ``differences``: ``{key: (old, new)}`` of the configuration keys that differ (docs/reliability.md#one-run-per-directory)."""
 
@@ -50,4 +50,5 @@ class RunConflictError(OutputError):
 
 
 class RunLockedError(OutputError):
-    """Another live process is writing the same rank of the run (it holds ``.writer-rank-<R>.lock``)."""
+    """Another live process is writing the same rank of the run (it holds the rank's writer lock file,
+    :meth:`~triage_monitor.layout.RunLayout.lock_file`)."""

@@ -65,3 +65,16 @@ def report_unreadable(command: str, run) -> list:
         names = "; ".join(f"{p} ({why})" for p, why in bad[:5]) + (f"; … {len(bad) - 5} more" if len(bad) > 5 else "")
         note(command, f"warning: {len(bad)} unreadable file(s) in {run.path} skipped: {names}")
     return bad
+
+
+def add_existing_run_arguments(parser) -> None:
+    """``--resume`` / ``--force`` (mutually exclusive) of the commands that write a run directory (``demo``,
+    ``study``, ``import``): what to do with a run already in ``--out``
+    (:func:`triage_monitor.records.check_run_dir`)."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run already in --out as a new attempt even if its model / task / correction / "
+                        "seed / source differ (the changes are recorded in run.json); the metric configuration "
+                        "must match")
+    g.add_argument("--force", action="store_true",
+                   help="start a new run in --out; a run already there is moved to <out>.replaced-<UTC time>")

@@ -31,8 +31,9 @@ import pandas as pd
 import torch
 
 from .batch import TokenBatch
+from .exits import add_existing_run_arguments
 from .monitor import MismatchMonitor, MonitorConfig
-from .records import OutputError, UnwritableOutputError, add_existing_run_arguments, probe_writable
+from .records import OutputError, UnwritableOutputError, probe_writable
 
 REQUIRED = ("step", "sample_id", "learner_logp", "sampler_logp", "advantage")
 OPTIONAL = ("position", "mask", "group_id")

@@ -48,7 +48,7 @@ from .alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
 from .metrics import METRIC_NAMES, MetricTracker
-from .records import MANIFEST, TOKEN_SCHEMA, RunWriter, new_attempt_id
+from .records import TOKEN_SCHEMA, RunWriter, new_attempt_id
 from .trackers import build_trackers
 
 log = logging.getLogger("triage_monitor")
@@ -106,12 +106,12 @@ class MismatchMonitor:
         attempt: attempt id shared by every process of this job start (default: rank 0's, broadcast
             over torch.distributed, or a new one).  Framework hooks pass the id drawn on the driver so
             that Ray workers without a process group still write one attempt.
-        resume: continue an existing run even though its :data:`~triage_monitor.records.IDENTITY_KEYS`
+        resume: continue an existing run even though its :data:`~triage_monitor.manifest.IDENTITY_KEYS`
             (model, task, correction, seed, ...) differ; the new attempt records the changes.
         force: start a new run; an existing one is moved to ``<run_dir>.replaced-<UTC time>`` (rank 0).
 
     Raises:
-        triage_monitor.records.OutputError: at construction, before any step: the run directory cannot be
+        triage_monitor.errors.OutputError: at construction, before any step: the run directory cannot be
             written (``UnwritableOutputError``, naming the path and the OS reason), holds a run of another
             configuration (``RunConflictError``, naming the differing keys), or another live process writes
             this rank (``RunLockedError``).  After construction, monitoring I/O never raises.
@@ -152,19 +152,19 @@ class MismatchMonitor:
             # overrides this.
             self.tracker.load_state_dict({"tau_tail": self.writer.resumed_tau_tail, "tau_frozen": True})
             log.info("triage-monitor: resumed run, tau_tail = %.6g nats from %s", self.writer.resumed_tau_tail,
-                     self.run_dir / MANIFEST)
+                     self.writer.layout.manifest)
         for lg in self.loggers:            # record the run's config (manifest) with each logger that takes one
             if hasattr(lg, "log_config"):
                 self._guard(lg, "log_config", self.manifest)
 
     @property
     def sink(self):
-        """The background Parquet writer (:class:`~triage_monitor.records.ParquetSink`)."""
+        """The background Parquet writer (:class:`~triage_monitor.sink.ParquetSink`)."""
         return self.writer.sink
 
     @property
     def manifest(self) -> dict:
-        """The run's manifest as the JSON object of ``run.json`` (:class:`~triage_monitor.records.RunManifest`)."""
+        """The run's manifest as the JSON object of ``run.json`` (:class:`~triage_monitor.manifest.RunManifest`)."""
         return self.writer.manifest.to_dict()
 
     # ---------------------------------------------------------------- per step

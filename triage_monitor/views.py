@@ -330,7 +330,7 @@ def gate_weights(batch, manifest):
     """Gate weight each token of ``batch`` would get (``(N,)`` float32 numpy, TokenBatch order).
 
     Uses :class:`~triage_monitor.controller.TriageController` with the Gate
-    settings found in the :class:`~triage_monitor.records.RunManifest` (``info.triage_config`` or
+    settings found in the :class:`~triage_monitor.manifest.RunManifest` (``info.triage_config`` or
     ``info.demo_config``, fields of ``TriageConfig``), the docs/metrics.md#gate
     defaults otherwise; no calibration state (fixed thresholds).
     """

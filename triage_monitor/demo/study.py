@@ -43,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 from ..alerts import NOISE_FLOOR_NATS, default_rules, replay_engine
+from ..layout import RunLayout
 from .grpo import DemoConfig
 
 #: Arms: overrides of the base configuration.
@@ -343,7 +344,7 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
     frames = {}
     for d in sorted((out / "runs").glob("*-s*")):
         arm, _, seed = d.name.rpartition("-s")
-        if not (arm in ARMS and seed.isdigit() and (d / "run.json").exists()):
+        if not (arm in ARMS and seed.isdigit() and RunLayout(d).manifest.exists()):
             continue
         run = open_run(d)
         live = run.steps()
