@@ -86,3 +86,42 @@ def test_the_alerts_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
 
     rows = pd.read_parquet(tmp_path / "runs" / "alerts-demo" / "alerts")
     assert sorted(zip(rows["step"], rows["rule"])) == [(6, "rho_asym_critical"), (7, "rho_asym_high")]
+
+
+def _documented_tables() -> dict:
+    """``{table: [(column, type), ...]}`` of docs/metrics.md#run-directory-tables, in the order documented; the
+    steps table's ``window/<name>`` row stands for ``window/`` + each column from ``n_tokens`` to ``tau_tail``."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    section = text[text.index("## Run directory tables"):]
+    section = section[:section.index("\n## ", 1)]
+    out = {}
+    for m in re.finditer(r"^### The (\w+) table\n(.*?)(?=^### |\Z)", section, re.M | re.S):
+        rows = re.findall(r"^\| `([^`]+)` \| (\w+) \|", m.group(2), re.M)
+        if m.group(1) == "steps":
+            names = [n for n, _ in rows]
+            metrics = rows[names.index("n_tokens"):names.index("tau_tail") + 1]
+            i = names.index("window/<name>")
+            rows[i:i + 1] = [(f"window/{n}", t) for n, t in metrics]
+        out[m.group(1)] = rows
+    return out
+
+
+def test_the_documented_columns_are_the_declared_schemas_of_every_table():
+    """Every declared column of every table is in docs/metrics.md#run-directory-tables with its type, in file
+    order, and every documented column is declared (the steps table: the monitor's declaration without extras)."""
+    import pyarrow as pa
+
+    from triage_monitor.layout import TABLES
+    from triage_monitor.monitor import steps_schema
+    from triage_monitor.records import table_schemas
+
+    types = {"int64": pa.int64(), "int32": pa.int32(), "float64": pa.float64(), "float32": pa.float32(),
+             "string": pa.string()}
+    documented = _documented_tables()
+    declared = table_schemas(steps_schema())
+    assert sorted(documented) == sorted(declared) == sorted(TABLES)
+    for table, schema in declared.items():
+        assert [n for n, _ in documented[table]] == schema.names, table
+        assert [types[t] for _, t in documented[table]] == schema.types, table
+    assert {"count_amp_neg", "padding_run_tokens", "alignment_suspect", "alerts_active", "nan_reasons",
+            "wall_time"} <= {n for n, _ in documented["steps"]}

@@ -315,3 +315,80 @@ def test_a_steps_file_starts_with_step_and_rank_and_holds_each_once(tmp_path):
     assert t.column_names[:2] == ["step", "rank"] and len(set(t.column_names)) == len(t.column_names)
     assert t.column("step").to_pylist() == [4] and t.column("rank").to_pylist() == [1]
     assert t.schema.field("step").type == pa.int64() and t.schema.field("rank").type == pa.int64()
+
+
+# ------------------------------------------------------------------------------------------ declared schemas
+def test_the_steps_table_has_the_schema_declared_from_the_metrics_the_counters_and_the_first_extras(tmp_path):
+    """Every steps file of a monitor has the declared schema of its first step's extras
+    (:func:`triage_monitor.monitor.steps_schema`): int64 step / rank, the step metrics, the integrity counters with
+    the alignment check, tau_tail_frozen, the window metrics, the extras, alerts_active (float64, in the order of
+    log_step's keys), then int64 attempt, float64 wall_time and the string nan_reasons; a key first seen late comes
+    after them, in the later files only."""
+    from triage_monitor.metrics import METRIC_NAMES
+    from triage_monitor.monitor import INTEGRITY_METRICS, steps_schema
+
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0)) as mon:
+        out = mon.log_step(0, _batch(0), extra={"reward": 1.0, "kl": 0.5})
+        mon.log_step(1, _batch(1), extra={"kl": 0.25})
+        mon.log_step(2, _batch(2), extra={"reward": 2.0, "late": 3.0})
+    declared = steps_schema(["reward", "kl"])
+    files = sorted((d / "steps").iterdir())
+    assert [pq.read_schema(f) for f in files[:2]] == [declared, declared]
+    assert pq.read_schema(files[2]) == declared.append(pa.field("late", pa.float64()))
+    assert declared.names == ["step", "rank", *[k for k in out if k != "step"], "attempt", "wall_time", "nan_reasons"]
+    assert set(declared.names) >= {*METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES), *INTEGRITY_METRICS,
+                                   "alignment_suspect", "alignment_shift", "alignment_ratio", "tau_tail_frozen",
+                                   "alerts_active"}
+    types = {f.name: f.type for f in declared}
+    assert {n for n, t in types.items() if t != pa.float64()} == {"step", "rank", "attempt", "nan_reasons"}
+    assert types["nan_reasons"] == pa.string() and types["step"] == types["rank"] == types["attempt"] == pa.int64()
+    row = pq.read_table(files[1]).to_pylist()[0]
+    assert math.isnan(row["reward"]) and row["kl"] == 0.25              # a declared extra a step lacks is NaN
+
+
+def test_a_steps_schema_refuses_bookkeeping_names_and_repeats():
+    from triage_monitor.monitor import steps_schema as monitor_steps_schema
+    from triage_monitor.records import steps_schema
+
+    assert steps_schema(["a", "b"]).names == ["step", "rank", "a", "b", "attempt", "wall_time", "nan_reasons"]
+    for bad, named in ((["a", "rank"], "['rank']"), (["a", "b", "a"], "['a']"), (["wall_time"], "['wall_time']")):
+        with pytest.raises(ValueError) as err:
+            steps_schema(bad)
+        assert str(err.value) == f"steps metric columns {named} are bookkeeping columns or given twice"
+    # the monitor's declaration leaves out extras named like bookkeeping columns and keeps one of a repeat
+    assert monitor_steps_schema(["x", "attempt", "x"]) == monitor_steps_schema(["x"])
+
+
+def test_a_writer_without_a_declared_steps_schema_takes_the_first_rows_keys(tmp_path):
+    """``RunWriter`` used without the monitor: the steps schema is the first row's keys (float64; the writer's own
+    ``writer_dropped_rows`` included), later rows are NaN where they lack one."""
+    from triage_monitor.records import RunWriter
+
+    w = RunWriter(tmp_path / "run", 5, 0, 1, MonitorConfig(window=2).to_dict(), {}, {"tool_version": "t"})
+    b = _batch(0)
+    w.record_step(0, b, {"a": 1.0, "b": 2}, {}, None)
+    w.record_step(1, b, {"b": 3.0}, {}, None)
+    w.close("finished", 2)
+    assert w.steps_schema.names == ["step", "rank", "a", "b", "writer_dropped_rows", "attempt", "wall_time",
+                                    "nan_reasons"]
+    rows = [pq.read_table(RunLayout(tmp_path / "run").table_file("steps", s, 0, 5)).to_pylist()[0] for s in (0, 1)]
+    assert (rows[0]["a"], rows[0]["b"], rows[1]["b"]) == (1.0, 2.0, 3.0) and math.isnan(rows[1]["a"])
+
+
+def test_every_tables_declared_schema_is_the_schema_its_files_have(tmp_path):
+    """The tokens, quarantine and alerts files have their declared schemas exactly (what docs/metrics.md names)."""
+    from triage_monitor.records import ALERT_SCHEMA, QUARANTINE_SCHEMA, TOKEN_SCHEMA
+
+    d = tmp_path / "run"
+    lp = torch.tensor([[-1.0, float("nan"), -0.5]])
+    b = TokenBatch.from_padded(lp, torch.tensor([[-1.5, -1.0, -0.25]]), torch.tensor([0.5]),
+                               torch.ones(1, 3, dtype=torch.bool), on_invalid="quarantine")
+    row = {"rule": "rho", "metric": "rho_asym", "value": 2.0, "threshold": 1.5, "window": 10, "level": "warning",
+           "title": "t", "text": "x"}
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), attempt=3) as mon:
+        mon.log_step(0, b)
+        mon.writer.record_alerts(0, [row])
+    layout = RunLayout(d)
+    for table, schema in (("tokens", TOKEN_SCHEMA), ("quarantine", QUARANTINE_SCHEMA), ("alerts", ALERT_SCHEMA)):
+        assert pq.read_schema(layout.table_file(table, 0, 0, 3)) == schema, table

@@ -48,7 +48,8 @@ from .alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
 from .metrics import METRIC_NAMES, MetricTracker
-from .records import TOKEN_SCHEMA, RunWriter, new_attempt_id
+from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, new_attempt_id
+from .records import steps_schema as records_steps_schema
 from .trackers import build_trackers
 
 log = logging.getLogger("triage_monitor")
@@ -69,6 +70,8 @@ QUARANTINE_METRICS = {
 #: ``alignment_shift`` and ``alignment_ratio`` (:func:`~triage_monitor.alignment.check_alignment`).
 INTEGRITY_METRICS = (*QUARANTINE_METRICS, "quarantined_count", "zero_logp_count", "padding_run_count",
                      "padding_run_tokens", "offset_response_count", "empty_response_count", "writer_dropped_rows")
+#: The input-alignment check of the first ``alignment_check_steps`` steps (NaN on the later ones).
+ALIGNMENT_METRICS = ("alignment_suspect", "alignment_shift", "alignment_ratio")
 #: The alert state of the step: the number of rules that fired and have not cleared (rank 0; NaN on the other
 #: ranks and without rules), so trackers and charts can overlay it (docs/alerts.md#trackers).
 ALERT_STATE = "alerts_active"
@@ -76,8 +79,27 @@ STATE_VERSION = 1
 
 
 #: Keys the monitor computes; an ``extra`` passed to log_step may not reuse them.
-RESERVED_KEYS = frozenset({"step", "tau_tail_frozen", "alignment_suspect", "alignment_shift", "alignment_ratio",
+RESERVED_KEYS = frozenset({"step", "tau_tail_frozen", *ALIGNMENT_METRICS,
                            ALERT_STATE, *INTEGRITY_METRICS, *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)})
+
+
+def step_columns(extras: Sequence[str] = ()) -> tuple:
+    """The float64 metric columns of the steps table, in file order: the step metrics (:data:`METRIC_NAMES`),
+    the integrity counters (:data:`INTEGRITY_METRICS`, the alignment check before ``writer_dropped_rows``),
+    ``tau_tail_frozen``, the ``window/<name>`` metrics, the ``extras`` given at the first step (their order;
+    names of the writer's bookkeeping columns left out) and ``alerts_active`` — the order of
+    :meth:`MismatchMonitor.log_step`'s keys."""
+    counters = [k for k in INTEGRITY_METRICS if k != "writer_dropped_rows"]
+    extras = [k for k in dict.fromkeys(extras) if k not in BOOKKEEPING_COLUMNS]
+    return (*METRIC_NAMES, *counters, *ALIGNMENT_METRICS, "writer_dropped_rows", "tau_tail_frozen",
+            *(f"window/{k}" for k in METRIC_NAMES), *extras, ALERT_STATE)
+
+
+def steps_schema(extras: Sequence[str] = ()) -> "pyarrow.Schema":
+    """The declared schema of a monitor's steps table whose first step passed ``extras`` (their names): int64
+    ``step`` / ``rank``, the float64 :func:`step_columns`, int64 ``attempt``, float64 ``wall_time`` and the
+    string ``nan_reasons`` (:func:`triage_monitor.records.steps_schema`; docs/metrics.md#run-directory-tables)."""
+    return records_steps_schema(step_columns(extras))
 
 
 class MismatchMonitor:
@@ -229,6 +251,8 @@ class MismatchMonitor:
         metrics.update(extra)
         reasons = {**step_res.nan_reasons, **{f"window/{k}": r for k, r in win_res.nan_reasons.items()}}
         fired = self._evaluate_alerts(step, metrics)
+        if self.writer.steps_schema is None:        # one schema for the run's steps table: declared at the first step
+            self.writer.declare_steps(steps_schema(list(extra)))
         self._record(step, batch, metrics, reasons, token_extras)
         if fired:
             self.writer.record_alerts(step, [a.to_row() if hasattr(a, "to_row") else dict(a) for a in fired])

@@ -5,8 +5,11 @@ to :mod:`triage_monitor.manifest`; the writer locks to :mod:`triage_monitor.lock
 writer to :mod:`triage_monitor.sink`.  Every table is readable as a whole by ``pandas.read_parquet(dir)``,
 ``pyarrow.dataset.dataset(dir)``, DuckDB or Polars, with ``step``, ``rank`` and ``attempt`` int64 columns.
 
-One schema per table (:data:`TOKEN_SCHEMA`, :data:`ALERT_SCHEMA`, :data:`QUARANTINE_SCHEMA`; the steps table:
-int64 ``step``/``rank``/``attempt``, float64 metrics, a string ``nan_reasons``).  ``attempt`` (nanoseconds since the epoch at monitor start, shared by the ranks of one job
+One declared schema per table (docs/metrics.md#run-directory-tables names every column): :data:`TOKEN_SCHEMA`
+(plus float32 token extras), :data:`QUARANTINE_SCHEMA`, :data:`ALERT_SCHEMA` and :func:`steps_schema` (int64
+``step``/``rank``, the float64 metric columns the monitor declares — :func:`triage_monitor.monitor.steps_schema`
+— and the extras given at the first step, int64 ``attempt``, float64 ``wall_time``, a string
+``nan_reasons``).  ``attempt`` (nanoseconds since the epoch at monitor start, shared by the ranks of one job
 start) is in the name and a column: a job resumed from a checkpoint writes a repeated step under its newer
 attempt, then removes that rank's files of the step from earlier attempts, so one (step, rank) has one file
 once the write is done.  Ranks an earlier attempt had and the resumed job has not stay on disk under the older
@@ -27,7 +30,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -61,6 +64,33 @@ QUARANTINE_SCHEMA = pa.schema([
     ("learner_logp", pa.float32()), ("sampler_logp", pa.float32()), ("advantage", pa.float32()),
     ("reason", pa.string()), ("attempt", pa.int64()),
 ])
+#: The bookkeeping columns of the steps table around its metric columns.
+STEPS_HEAD = (("step", pa.int64()), ("rank", pa.int64()))
+STEPS_TAIL = (("attempt", pa.int64()), ("wall_time", pa.float64()), ("nan_reasons", pa.string()))
+#: Their names: the writer's, never a metric column.
+BOOKKEEPING_COLUMNS = frozenset(n for n, _ in STEPS_HEAD + STEPS_TAIL)
+
+
+def steps_schema(metric_columns: Sequence[str]) -> pa.Schema:
+    """The steps table's schema for the float64 ``metric_columns`` (in order): int64 ``step`` and ``rank``, the
+    metric columns, int64 ``attempt``, float64 ``wall_time`` (seconds since the epoch) and the string
+    ``nan_reasons`` (JSON ``{metric: why NaN}``).
+
+    Raises:
+        ValueError: a metric column is named like a bookkeeping column or given twice."""
+    names = list(metric_columns)
+    bad = sorted({n for n in names if n in BOOKKEEPING_COLUMNS or names.count(n) > 1})
+    if bad:
+        raise ValueError(f"steps metric columns {bad} are bookkeeping columns or given twice")
+    return pa.schema([*STEPS_HEAD, *((n, pa.float64()) for n in names), *STEPS_TAIL])
+
+
+def table_schemas(steps: pa.Schema) -> dict:
+    """``{table: schema}`` of the four tables (:data:`~triage_monitor.layout.TABLES`), with ``steps`` as given
+    (:func:`triage_monitor.monitor.steps_schema`); token extras are not included."""
+    return {"tokens": TOKEN_SCHEMA, "steps": steps, "quarantine": QUARANTINE_SCHEMA, "alerts": ALERT_SCHEMA}
+
+
 def new_attempt_id() -> int:
     """A sortable attempt id: nanoseconds since the epoch."""
     return time.time_ns()
@@ -174,8 +204,10 @@ class RunWriter:
 
         resume, force: for an existing run of another configuration (:func:`check_run_dir`).
 
-    ``manifest`` exists on every rank; only rank 0 writes it.  The start checks raise (below); after them,
-    I/O errors never raise: they are logged once.  The writer holds ``.writer-rank-<rank>.lock`` until
+    ``manifest`` exists on every rank; only rank 0 writes it.  The steps table's schema is declared once
+    (:meth:`declare_steps`; the monitor declares it at its first step from the metrics and the extras of that
+    step) or, when nobody declares it, taken from the first row's keys.  The start checks raise (below); after
+    them, I/O errors never raise: they are logged once.  The writer holds ``.writer-rank-<rank>.lock`` until
     :meth:`close` (or the process's death).
 
     Raises:
@@ -191,7 +223,8 @@ class RunWriter:
         self.run_dir, self.attempt, self.rank = Path(run_dir), int(attempt), int(rank)
         self.layout = RunLayout(self.run_dir)
         self._warned: set = set()
-        self._step_columns: dict = {}
+        #: the steps table's schema (None until declared or until the first row)
+        self.steps_schema: Optional[pa.Schema] = None
         probe_writable(self.run_dir)
         self._lock = acquire_writer_lock(self.run_dir, self.rank, self.attempt)
         try:
@@ -244,9 +277,18 @@ class RunWriter:
         self.manifest.calibration = {"tau_tail": float(tau_tail), "frozen_at_step": int(step), "attempt": self.attempt}
         self.save_manifest()
 
+    def declare_steps(self, schema: pa.Schema) -> None:
+        """Declare the steps table's schema (:func:`steps_schema`) before the first row; a later declaration is
+        ignored (one run, one schema)."""
+        if self.steps_schema is None:
+            self.steps_schema = schema
+
     def record_step(self, step: int, batch, metrics: dict, reasons: dict, token_extras: Optional[dict],
                     record_tokens: bool = True) -> None:
-        """Queue the step's token rows (``record_tokens``), quarantined rows and the metric row."""
+        """Queue the step's token rows (``record_tokens``), quarantined rows and the metric row.
+
+        ``metrics``: ``{name: number}`` (``step`` ignored), written as float64; a declared column the step lacks
+        is NaN; ``reasons``: ``{metric: why NaN}``, written as JSON."""
         import torch
 
         from .batch import INVALID_REASONS
@@ -289,26 +331,26 @@ class RunWriter:
         row["wall_time"] = time.time()
         row["nan_reasons"] = json.dumps(reasons)
         row["writer_dropped_rows"] = float(self.sink.dropped_rows)
-        self.sink.submit("steps", step, self.rank, [self._step_row(step, row)])
+        self.sink.submit("steps", step, self.rank, [self._step_row(step, row)], self.steps_schema)
         for a in self.earlier_attempts:       # a repeated step replaces the earlier attempts' files of this rank
             for table in TABLES:
                 self.sink.submit_delete(table, step, self.rank, a)
 
     def _step_row(self, step: int, row: dict) -> dict:
-        """``row`` with every column of this writer's earlier rows (NaN where absent), so that the steps table
-        has one schema: the alignment checks of the first steps are NaN later; a key first seen late is warned."""
-        cols = self._step_columns
-        if not cols:
-            cols.update(dict.fromkeys(row))
-            cols.update(dict.fromkeys(("alignment_suspect", "alignment_shift", "alignment_ratio")))
-        new = [k for k in row if k not in cols]
+        """``row`` with every column of the steps schema (NaN where absent), so that the steps table has one
+        schema: the alignment checks of the first steps are NaN later.  Undeclared, the schema is the first row's
+        keys; a key first seen late is warned and added to the schema (later files carry it)."""
+        if self.steps_schema is None:
+            self.steps_schema = steps_schema([k for k in row if k not in BOOKKEEPING_COLUMNS])
+        new = [k for k in row if k not in self.steps_schema.names]
         if new:
             self._warn_once("columns", "triage-monitor: step %d brings new metric column(s) %s (extra keys not "
                             "passed at the first step): files of the steps/ table differ in columns; "
                             "open_run().steps() unites them, plain readers may take the first file's columns",
                             step, new)
-            cols.update(dict.fromkeys(new))
-        return {k: row.get(k, math.nan) for k in cols}
+            for k in new:
+                self.steps_schema = self.steps_schema.append(pa.field(k, pa.float64()))
+        return {k: row.get(k, math.nan) for k in self.steps_schema.names}
 
     def record_alerts(self, step: int, rows: list) -> None:
         """Queue the alert rows raised at ``step`` (each gets this attempt's id)."""
