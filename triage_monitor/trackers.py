@@ -26,6 +26,7 @@ This module imports no tracker library; each tracker module imports its own on f
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
@@ -43,6 +44,33 @@ KINDS = {"wandb": "triage_monitor.wandb_logger:WandbLogger",
          "mlflow": "triage_monitor.mlflow_logger:MLflowLogger"}
 
 Keys = Union[str, Sequence[str]]
+
+
+class CallGuard:
+    """Call a tracker library's function without ever raising: the first failure of each named operation is
+    reported (a warning with its traceback on ``logger``), later ones are only counted in :attr:`failures`.
+
+    Args:
+        owner: the tracker's name in the report (``"TensorBoardLogger"``).
+        logger: where the report goes.
+    """
+
+    def __init__(self, owner: str, logger: logging.Logger):
+        self.owner, self.logger = owner, logger
+        #: failures so far per operation name
+        self.failures: dict = {}
+
+    def __call__(self, what: str, fn, *a, **kw):
+        """``fn(*a, **kw)``, or None when it raised (reported once per ``what``)."""
+        try:
+            return fn(*a, **kw)
+        except Exception:
+            n = self.failures.get(what, 0)
+            self.failures[what] = n + 1
+            if n == 0:
+                self.logger.warning("%s: %s failed; skipped (further failures are counted, not reported)",
+                                    self.owner, what, exc_info=True)
+            return None
 
 
 @runtime_checkable
@@ -201,5 +229,5 @@ def specs_of(items: Iterable) -> list:
     return out
 
 
-__all__ = ["PREFIX", "CURATED_KEYS", "KINDS", "MetricLogger", "AlertObserver", "TrackerSpec", "check_keys",
+__all__ = ["PREFIX", "CURATED_KEYS", "KINDS", "CallGuard", "MetricLogger", "AlertObserver", "TrackerSpec", "check_keys",
            "select_metrics", "framework_metrics", "build_trackers", "specs_of"]
