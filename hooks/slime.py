@@ -25,7 +25,9 @@ parallelism, ``--use-tis`` (TRIAGE's TIS replaces it), a custom TIS or pg-loss r
 
 **Step and ranks.**  The loss receives no step; the monitored step counts Megatron optimizer steps (the
 global ``torch.optim`` step post-hook of :mod:`triage_monitor.hooks._runtime`).  Every rank runs the
-controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens).
+controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens).  Monitoring with
+tensor- or pipeline-parallel size > 1 raises on the first call: the monitor all-reduces over the world group,
+which the ranks that record nothing never join (a DP 2 × TP 2 gloo run hung at the first optimizer step).
 
 **What reaches slime's own log** (``train/<key>`` to W&B / TensorBoard, ``model.py`` L880-898).  slime sums each
 key of the micro-batches' log dicts on a rank, all-reduces the sums over the data-parallel group and divides by
@@ -237,10 +239,20 @@ class SlimeTriageLoss(LossHook):
             ``(loss, log)``: 0-dim loss, and a dict of 0-dim tensors (slime's metric names, ``triage/*``).
 
         Raises:
-            ValueError: an unsupported option (:func:`check_slime_args`).
+            ValueError: an unsupported option (:func:`check_slime_args`); monitoring (``run_dir``) with
+                tensor- or pipeline-parallel size > 1.
             KeyError: the batch has no ``rollout_log_probs`` (the rollout engine must return log-probs).
         """
         check_slime_args(args)
+        tp, pp = _model_parallel_sizes()
+        if self.settings.run_dir is not None and (tp > 1 or pp > 1):
+            # the monitor all-reduces over the world group, but only TP rank 0 of the last pipeline stage records:
+            # the other ranks never join, and the job would hang at the first optimizer step (a 4-rank DP 2 x TP 2
+            # gloo run did)
+            raise ValueError(f"triage-monitor slime loss: monitoring with tensor-parallel size {tp} / pipeline-"
+                             f"parallel size {pp} is not supported yet (the monitor's collectives need the "
+                             "data-parallel group); use SlimeTriageLoss(run_dir=None) for the controller only, or "
+                             "`triage-monitor import slime` on --save-debug-train-data dumps")
         from slime.backends.megatron_utils.loss import (get_log_probs_and_entropy,
                                                         get_rollout_top_p_logprob_kwargs)
         from slime.utils.ppo_utils import compute_policy_loss
@@ -298,6 +310,17 @@ def _data_parallel_size() -> int:
         return int(mpu.get_data_parallel_world_size(with_context_parallel=True))
     except Exception:
         return 1
+
+
+def _model_parallel_sizes() -> tuple:
+    """Megatron's (tensor-parallel, pipeline-parallel) sizes ((1, 1) when its parallel state is not initialised)."""
+    try:
+        from megatron.core import mpu
+
+        return (int(mpu.get_tensor_model_parallel_world_size()),
+                int(mpu.get_pipeline_model_parallel_world_size()))
+    except Exception:
+        return 1, 1
 
 
 def _tensor_parallel_rank() -> int:

@@ -533,3 +533,19 @@ def test_options_on_the_constructor(tmp_path):
     with pytest.raises(ValueError, match=r"SlimeTriageLoss: alerts, loggers given beside settings"):
         SlimeTriageLoss(settings=HookSettings(), alerts=False, loggers=["wandb"])
     assert cloudpickle.loads(cloudpickle.dumps(hook)).settings.loggers == s.loggers
+
+
+def test_monitoring_with_model_parallelism_is_refused(slime_modules, tmp_path, monkeypatch):
+    """Tensor- or pipeline-parallel size > 1: the ranks that record nothing would never join the monitor's
+    collectives (a DP 2 × TP 2 gloo run hung), so monitoring refuses at the first call; the controller alone runs."""
+    args = slime_args()
+    mb, logits = slime_micro_batch(amplifying_step(0), [0, 1], torch.zeros(()))
+    ssm = get_sum_of_sample_mean(mb["response_lengths"], mb["loss_masks"], mb["rollout_mask_sums"])
+    for sizes in ((2, 1), (1, 2)):
+        monkeypatch.setattr(slime_hook, "_model_parallel_sizes", lambda: sizes)
+        with pytest.raises(ValueError, match=rf"tensor-parallel size {sizes[0]} / pipeline-parallel size {sizes[1]}"):
+            SlimeTriageLoss(tmp_path / "run", triage=TriageConfig())(args, mb, logits, ssm)
+        loss, log = SlimeTriageLoss(triage=TriageConfig())(args, mb, logits, ssm)
+        assert torch.isfinite(loss) and "triage/gate_weight_mean" in log
+    assert not (tmp_path / "run").exists()
+    close_all()
