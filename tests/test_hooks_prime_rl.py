@@ -522,9 +522,10 @@ def dist_worker(rank: int, world: int, outdir: str) -> None:
         if rank == 0:                                                # monitors.log: rank 0's monitors only
             logged.append(filter_rl_trainer_tensor_stats_for_wandb(tensor_stats))
     close_all()
-    dist.destroy_process_group()
     lines.remove()
     (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "logged": logged, "alerts": lines.lines}))
+    dist.barrier()                   # neither rank tears its gloo pairs down while the other still uses them
+    dist.destroy_process_group()
 
 
 def test_curated_metrics_reach_prime_rls_logged_stats_and_alerts_fire_once(tmp_path):
