@@ -692,3 +692,17 @@ def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp
     rows = recording_tracker.read(rec)
     assert {r["pid"] for r in rows} == {pids[0]}
     assert sorted(r["rule"] for r in rows if r["kind"] == "alert") == sorted(alerts["rule"])
+
+
+def test_the_docs_lines_configure_the_hook():
+    """The snippet of docs/hooks.md#nemo-rl, run as written (``master_config.loss_fn`` NeMo's defaults): the hook
+    carries the controller, the run directory and the three options as configuration."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
+    section = text.split("\n## NeMo RL\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    ns = {"master_config": types.SimpleNamespace(loss_fn={})}
+    exec(code, ns)
+    s = ns["loss_fn"].settings
+    assert (s.run_dir, s.alerts, s.framework_keys) == ("results/triage", True, "curated")
+    assert s.triage is not None and [t.kind for t in s.loggers] == ["tensorboard", "mlflow"]
+    assert b"MismatchMonitor" not in cloudpickle.dumps(ns["loss_fn"])

@@ -479,6 +479,23 @@ def test_hook_options_are_validated_naming_the_option():
     assert s.alerts is False and s.loggers[0].kind == "mlflow" and s.framework_keys == ("window/rho_asym",)
 
 
+def test_the_docs_toml_lines_configure_the_hook():
+    """The ``[trainer.loss]`` block of docs/hooks.md#prime-rl, parsed as prime-rl parses its TOML: the kwargs build
+    the hook with the controller, prime-rl's loss settings and the three options as written."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
+    section = text.split("\n## prime-rl\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    loss = tomllib.loads(block)["trainer"]["loss"]
+    assert (loss["type"], loss["import_path"]) == ("custom", "triage_monitor.hooks.prime_rl.triage_loss")
+    kw = dict(loss["kwargs"], triage=TriageConfig(**loss["kwargs"]["triage"]))
+    hook = prime_rl.PrimeRLTriageLoss(**kw)
+    s = hook.settings
+    assert s.triage.gate_width == 64 and hook.surrogate_kwargs["kl_tau"] == 1e-3
+    assert s.alerts is True and s.framework_keys == "curated"
+    assert [(t.kind, dict(t.options)) for t in s.loggers] == [
+        ("tensorboard", {}), ("mlflow", {"tracking_uri": "file:/shared/mlruns"})]
+
+
 # ----------------------------------------------------------- 2 torchrun-like ranks (gloo): prime-rl's logging path
 DIST_STEPS = 6
 DIST_TOML = """

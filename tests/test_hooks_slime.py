@@ -549,3 +549,19 @@ def test_monitoring_with_model_parallelism_is_refused(slime_modules, tmp_path, m
         assert torch.isfinite(loss) and "triage/gate_weight_mean" in log
     assert not (tmp_path / "run").exists()
     close_all()
+
+
+def test_the_docs_lines_configure_the_hook():
+    """The ``mymod.py`` lines of docs/hooks.md#slime, run as written: the module-level hook slime's
+    ``--custom-loss-function-path mymod.triage_loss`` loads, with the controller and the three options."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
+    section = text.split("\n## slime\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n# mymod.py\n", 1)[1].split("```", 1)[0]
+    ns = {}
+    exec(code, ns)
+    s = ns["triage_loss"].settings
+    assert (s.run_dir, s.alerts, s.framework_keys, s.step_source) == ("/shared/runs/exp1", True, "curated",
+                                                                      "optimizer")
+    assert s.triage is not None and [t.kind for t in s.loggers] == ["tensorboard", "mlflow"]
