@@ -79,7 +79,7 @@ def study_add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{QUICK['seeds'][0]}, unless --arms / --seeds are given")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a prepared configuration: gpu = the NVFP4 regime without staleness at GPU scale "
-                             "(docs/study.md#gpu; options given explicitly win)")
+                             "(docs/study.md#the-nvfp4-regime-on-a-gpu; options given explicitly win)")
     demo_options(parser, exclude=PER_ARM_FIELDS + ("log_every",), suppress=True)
     parser.allow_abbrev = False   # --seed must not be read as --seeds (seeds are set per arm)
 

@@ -73,7 +73,7 @@ PER_ARM_FIELDS = ("seed", "correction", "sampler_recipe")
 
 #: ``--quick`` (``make demo``): the failing arm and the on-policy control, one seed, side by side.
 QUICK = dict(arms=("none", "fp32"), seeds=(0,))
-#: ``--preset gpu`` (scripts/gpu_study.sh, docs/study.md#gpu): the NVFP4 regime itself, no staleness.  A
+#: ``--preset gpu`` (scripts/gpu_study.sh, docs/study.md#the-nvfp4-regime-on-a-gpu): the NVFP4 regime itself, no staleness.  A
 #: wider and deeper model, a 1024-token vocabulary with a never-valid tail, 256-token responses with
 #: 64-token segments (4 per response), 16 × 16 responses a step and an Adam learning rate small enough
 #: that the sampler's quantised weights follow little of each update (follow correlation ≤ 0.3 was
@@ -98,6 +98,8 @@ RHO_BAND, SMALL_GAP_BAND, K3_FACTOR = 0.15, 0.05, 2.0
 WARNING_GROUPS = ("direction", "localization", "magnitude", "controller")
 #: the lead an early warning should have, as a fraction of the horizon
 LEAD_GOAL = 0.2
+#: seeds per arm below which the claim is not judged
+MIN_SEEDS = 3
 
 
 def arm_label(arm: str, base: DemoConfig) -> str:
@@ -615,8 +617,10 @@ def verdict(summary: pd.DataFrame, base: Optional[DemoConfig] = None) -> list[st
     f, c = by.get(FAILING_ARM), by.get(CONTROL_ARM)
     if f is not None and c is not None:
         holds = f["destabilised"] * 2 > f["seeds"] and c["destabilised"] == 0
+        word = ("HOLDS" if holds else "DOES NOT HOLD") if min(f["seeds"], c["seeds"]) >= MIN_SEEDS else \
+            f"not judged with fewer than {MIN_SEEDS} seeds per arm (the full study: docs/study.md)"
         lines.append(f"Claim ({FAILING_ARM} destabilises on most seeds, the on-policy control {CONTROL_ARM} on none): "
-                     f"{'HOLDS' if holds else 'DOES NOT HOLD'} — {FAILING_ARM} {_ratio(f['destabilised'], f['seeds'])}, "
+                     f"{word} — {FAILING_ARM} {_ratio(f['destabilised'], f['seeds'])}, "
                      f"{CONTROL_ARM} {_ratio(c['destabilised'], c['seeds'])}.")
         if c["alerts_on_healthy_runs"] or c["warned"]:
             lines.append(f"The default rules warned on the on-policy control ({c['warned']} run(s)).")
