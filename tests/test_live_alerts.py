@@ -200,7 +200,7 @@ def test_tracker_specs_travel_as_configuration():
     s = TrackerSpec.parse({"kind": "tensorboard", "keys": "all", "log_dir": "/x"})
     assert s == TrackerSpec("tensorboard", "all", {"log_dir": "/x"})
     assert pickle.loads(pickle.dumps(s)) == s and TrackerSpec.parse("mlflow").keys == "curated"
-    with pytest.raises(ValueError, match=r"tracker kind 'neptune' is not one of \['mlflow', 'tensorboard', 'wandb'\]"):
+    with pytest.raises(ValueError, match=r"tracker kind 'neptune' is not one of \[.*'mlflow', .*'tensorboard', .*'wandb'\]"):
         TrackerSpec.parse("neptune")
     with pytest.raises(ValueError, match="is a live object"):
         specs_of([Tracker()])
