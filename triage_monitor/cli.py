@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 # (for demo, study, analyze and alerts: this module's <command>_add_arguments / <command>_run_cli)
 COMMANDS = (
     ("demo", "triage_monitor.cli", "run the built-in GRPO job (NVFP4 sampler vs learner) with monitoring"),
-    ("study", "triage_monitor.cli", "run the built-in job's arms (none/tis/triage/fp32 control) x seeds and compare"),
+    ("study", "triage_monitor.cli", "run the built-in job's arms (none/tis/triage on a stale NVFP4 sampler, fp32-lag, the fp32 control) x seeds and compare"),
     ("analyze", "triage_monitor.cli", "recompute every metric of a run from its token Parquet files"),
     ("report", "triage_monitor.report", "write a self-contained HTML post-mortem of a run"),
     ("dashboard", "triage_monitor.dashboards.launch", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
