@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # This machine has a local CPU build of torch 2.13.0; a looser spec would pull a
 # multi-GB CUDA build.  pyproject.toml states the real compatible range for users.
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dashboard,wandb,test
+EXTRAS ?= dashboard,wandb,tensorboard,mlflow,test
 
 .PHONY: setup setup-test chromium demo test bench bench-dashboard clean
 setup: $(VENV)/.installed

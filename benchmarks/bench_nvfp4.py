@@ -6,7 +6,7 @@ quantized once per update and cached).  This script measures, for one decode ste
 model (TinyGPT, 2 layers, d = 64, all linears quantized: 9 activation calls; ``--quantize mlp``: 4):
 
   * the fake-quantization calls alone, with the shapes of one decode step:
-      - ``before, native``: the native backend before issue 23 (about 28 torch ops, a host
+      - ``before, native``: the native backend before this change (about 28 torch ops, a host
         synchronisation, the straight-through wrapper ``x + (q - x).detach()``), copied below;
       - ``before, torchao``: torchao's ``NVFP4Tensor`` round trip plus the same wrapper (the
         ``nvfp4`` recipe's default backend);
@@ -35,7 +35,7 @@ from triage_monitor.demo.model import GPTConfig, TinyGPT
 from triage_monitor.demo.task import VOCAB_SIZE
 
 
-# ---------------------------------------------------------------- the native backend before issue 23 (verbatim)
+# ---------------------------------------------------------------- the native backend before the compiled kernel (verbatim)
 def _legacy_round_e2m1(v):
     a = v.abs()
     q = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))

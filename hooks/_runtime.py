@@ -283,7 +283,7 @@ class WorkerRuntime:
         """The metrics to hand to the framework's own logger: ``settings.framework_keys`` of the last step this
         process logged, as ``triage/<name>`` floats, with ``triage/metrics_step`` (the step they belong to);
         ``{}`` before the first step.  In a loss hook the step being trained is logged when it closes, so a loss
-        call reports the previous step's values (docs/hooks.md#what-reaches-the-frameworks-logger)."""
+        call reports the previous step's values (docs/hooks.md#alerts-trackers-and-what-reaches-the-frameworks-logger)."""
         return framework_metrics(self.last_metrics, self.settings.framework_keys)
 
     def close(self) -> None:

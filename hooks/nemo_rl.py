@@ -33,6 +33,22 @@ Metrics: NeMo's own (``token_mult_prob_error``, ``gen_kl_error``, ``policy_kl_er
 ``probs_ratio*``, ``kl_penalty``, ``sampling_importance_ratio``, ``num_valid_samples``, ``approx_entropy``, ...)
 with ``ClippedPGLossFn``'s values and normalisation; ours under ``triage/`` (token-normalised like NeMo's).
 Steps: one monitored step per optimizer step of the worker (``self.optimizer.step()`` once per global batch).
+
+What reaches NeMo's own logger: ``settings.framework_keys`` of the last step the worker logged
+(:meth:`WorkerRuntime.framework_metrics`: the curated set by default, ``triage/<name>`` plus
+``triage/metrics_step``) go into the metrics dict of **one** loss call per monitored step — the first call after
+that step closed that has a valid sample — on the monitor's rank 0, as plain floats.  NeMo divides every
+micro-batch metric without ``_min`` / ``_max`` in its name by ``num_global_batches``
+(``nemo_rl/models/automodel/train.py`` L524-534), keeps only micro-batches with ``num_valid_samples > 0``
+(``models/policy/workers/dtensor_policy_worker_v2.py`` L527-537), lists them per key (``automodel/train.py``
+L1122-1134), concatenates the workers' lists (``models/policy/lm_policy.py`` L853-858) and GRPO sums each list
+(``algorithms/grpo.py`` L3466-3491; all at ``7ea279ab``): with one global batch per ``policy.train`` call
+(GRPO's default, ``train_global_batch_size`` = prompts × generations per step) the logged value is rank 0's
+steps-table value of step ``triage/metrics_step``, the step before the one being trained; with ``k`` global batches
+it is the mean of the ``k`` steps before each.  ``metric_normalizations`` marks these keys
+``MetricNormalizer.NONE`` (the Megatron split path rescales only the others).  NeMo has no key under ``triage/``.
+A controller statistic whose name is in ``framework_keys`` (``gate_downweighted_frac`` in the curated set) is the
+monitor's value; the others stay per micro-batch, token-normalised.
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ from triage_monitor.loss import agg_loss
 from triage_monitor.monitor import MonitorConfig
 
 from ._common import leading_positions
+from ._framework_options import first_hand_over, framework_names, hook_options, own_stats, reports
 from ._runtime import HookSettings, LossHook
 
 #: The NeMo RL commit this hook's call-site contract was read from.
@@ -124,15 +141,23 @@ class NemoRLTriageLoss(LossHook):
         triage: :class:`~triage_monitor.controller.TriageConfig` (or dict); None = NeMo's loss, monitored only.
         run_dir, monitor, manifest, on_invalid, step_source: :class:`~triage_monitor.hooks._runtime.HookSettings`.
         use_fused_linear_logprobs: as ``ClippedPGLossFn`` (read by ``prepare_loss_input``).
+        alerts: the rules rank 0's monitor evaluates: True (default, the shipped rules), False, a rule file path or
+            a list of rules.
+        loggers: trackers rank 0's monitor feeds, as configuration (``"tensorboard"``, ``{"kind": "mlflow", ...}``;
+            one may be given without a list); each worker builds its own.
+        framework_keys: the monitor's metrics handed to NeMo's metrics dict: ``"curated"`` (default), ``"all"`` or a
+            list of names (module docstring).
 
     Raises:
         ValueError: an option of :data:`UNSUPPORTED` is set (message names it and the TRIAGE alternative),
-            ``ratio_clip_c`` ≤ 1, or an unknown ``reference_policy_kl_type``.
+            ``ratio_clip_c`` ≤ 1, an unknown ``reference_policy_kl_type``, or a bad ``alerts`` / ``loggers`` /
+            ``framework_keys`` (naming the option).
     """
 
     def __init__(self, loss_cfg=None, triage=None, run_dir: Optional[str] = None, monitor=None,
                  manifest: Optional[dict] = None, on_invalid: str = "raise", step_source: str = "auto",
-                 use_fused_linear_logprobs: bool = False):
+                 use_fused_linear_logprobs: bool = False, alerts=True, loggers=(), framework_keys="curated"):
+        alerts, loggers, framework_keys = hook_options("NemoRLTriageLoss", alerts, loggers, framework_keys)
         cfg = _cfg_dict(loss_cfg)
         for name, ok in UNSUPPORTED.items():
             value = cfg.get(name, ok)
@@ -158,7 +183,8 @@ class NemoRLTriageLoss(LossHook):
         self.settings = HookSettings(run_dir=run_dir, monitor=monitor or MonitorConfig(), triage=triage,
                                      manifest={"framework": "nemo-rl", "nemo_rl_commit": NEMO_RL_COMMIT,
                                                **(manifest or {})},
-                                     on_invalid=on_invalid, step_source=step_source, key=uuid.uuid4().hex)
+                                     on_invalid=on_invalid, step_source=step_source, alerts=alerts,
+                                     loggers=loggers, framework_keys=framework_keys, key=uuid.uuid4().hex)
 
     # ------------------------------------------------------------- protocol
     @property
@@ -185,8 +211,18 @@ class NemoRLTriageLoss(LossHook):
         out.update({"loss": grad, "kl_penalty": grad, "num_valid_samples": mn.NONE, "positive_nll_loss": mn.NONE,
                     **{k: mn.NONE for k in EXTREMA}})
         if self.settings.triage is not None:
-            out.update({f"triage/{k}": mn.TOKENS for k in TRIAGE_STATS})
+            out.update({f"triage/{k}": mn.TOKENS for k in own_stats(dict.fromkeys(TRIAGE_STATS), self.settings)})
+        out.update({f"triage/{k}": mn.NONE for k in self._framework_names()})
         return out
+
+    def _framework_names(self) -> list:
+        """Every name the monitor may hand over (``framework_keys``; ``"all"``: the monitor's computed metrics, the
+        controller's statistics and the last step's other keys), with ``metrics_step``."""
+        names = framework_names(self.settings)
+        if names is None:
+            from triage_monitor.monitor import RESERVED_KEYS
+            names = {*RESERVED_KEYS, *TRIAGE_STATS, *(self.runtime.last_metrics or {})} - {"step"}
+        return sorted({*names, "metrics_step"}) if names else []
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, **kwargs):
         """Loss of one micro-batch (already divided by the global count) and NeMo's metrics + ``triage/*``.
@@ -225,8 +261,12 @@ class NemoRLTriageLoss(LossHook):
         metrics = self._nemo_metrics(batch, prev, gen, res, loss, kl, toks, data)
         if triage is not None:
             share = batch.num_tokens / (float(toks) + 1e-8)
-            for k, v in res.output.stats.items():
+            for k, v in own_stats(res.output.stats, self.settings).items():
                 metrics[f"triage/{k}"] = float(v) if k == "repair_loss" else float(v) * share
+        rt = self.runtime
+        if metrics["num_valid_samples"] > 0 and reports(rt) and first_hand_over(rt):
+            # once per monitored step, on rank 0, unscaled: NeMo's ÷ num_global_batches and GRPO's sum give it back
+            metrics.update(rt.framework_metrics())
         return loss, metrics
 
     def _nemo_metrics(self, batch, prev, gen, res, loss, kl, toks, data) -> dict:

@@ -33,7 +33,9 @@ and OpenRLHF's train/rollout IS correction (:func:`is_correction_coef`) as a per
 TIS and Repair off the loss equals ``PolicyLoss`` on the same tensors.  OpenRLHF's own returned metrics
 (``ppo_clip_ratio``, ``ppo_kl``, ``vllm_kl``, ``is_filter_ratio``) are computed by OpenRLHF's ``PolicyLoss``
 itself on the same tensors and keep their meaning; the controller's statistics are added to the actor's
-``fit`` status as ``triage/<name>`` (mean over the step's loss calls and the data-parallel ranks).
+``fit`` status as ``triage/<name>`` (mean over the step's loss calls and the data-parallel ranks), and so are
+the monitor's values of the fit's last optimizer step (``HookSettings.framework_keys``, default the curated
+set, with ``triage/metrics_step``; rank 0's, handed to every actor), which OpenRLHF logs as ``train/triage/*``.
 
 **Step.**  ``training_step``'s ``step`` argument is the micro-batch index within one PPO epoch and the actor's
 ``fit`` gets no global step, so the monitored step is the number of optimizer steps this actor has taken
@@ -242,8 +244,10 @@ class TriagePolicyActorMixin:
 
     ``triage_settings`` (class attribute): the :class:`HookSettings`.  ``init_model_from_pretrained`` installs
     :class:`OpenRLHFTriageLoss` on ``self.trainer`` (and restores its state from OpenRLHF's checkpoint);
-    ``fit`` adds ``triage/<stat>`` to the status OpenRLHF logs; ``save_checkpoint`` stores the hook's state in
-    ``client_states["triage"]``; ``save_model`` (called once, at the end of ``train``) closes the monitor.
+    ``fit`` adds to the status OpenRLHF logs the controller's ``triage/<stat>`` (mean over the fit's loss calls
+    and the DP ranks) and the monitor's values of the fit's last step (:meth:`triage_framework_metrics`; a name
+    in both takes the monitor's); ``save_checkpoint`` stores the hook's state in ``client_states["triage"]``;
+    ``save_model`` (called once, at the end of ``train``) closes the monitor.
     """
 
     triage_settings: Optional[HookSettings] = None
@@ -263,15 +267,32 @@ class TriagePolicyActorMixin:
             self.triage_loss.load_state_dict(state)
 
     def fit(self, kl_ctl: float = 0):
+        import torch.distributed as dist
+
         status = super().fit(kl_ctl)
+        dist_on = dist.is_available() and dist.is_initialized()
         stats = self.triage_loss.pop_stats()
         if stats:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
+            if dist_on:
                 stats = self.strategy.all_reduce(stats)          # OpenRLHF's own mean over the DP ranks
             status.update({f"triage/{k}": float(v) for k, v in stats.items()})
+        status.update(self.triage_framework_metrics(dist_on))
         return status
+
+    def triage_framework_metrics(self, dist_on: bool) -> dict:
+        """The monitor's values of the fit's last optimizer step (the current step: the fit has just closed it),
+        the ``framework_keys`` selection as ``triage/<name>`` with ``triage/metrics_step``, taken from rank 0 —
+        whose monitor judged the all-reduced metrics and holds the alert state — and handed to every rank, so the
+        status OpenRLHF merges from its actors carries rank 0's values whichever actor's status it keeps."""
+        out = self.triage_loss.runtime.framework_metrics()
+        if dist_on:
+            import torch.distributed as dist
+
+            if dist.get_world_size() > 1:
+                box = [out]
+                dist.broadcast_object_list(box, src=0)
+                out = box[0]
+        return out
 
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
         client_states = dict(client_states or {})
@@ -331,26 +352,41 @@ def parse_triage_args(argv: Sequence[str]):
 
     ``--triage.run_dir DIR`` (required), ``--triage.config FILE`` (JSON object of ``TriageConfig`` fields;
     default: the published TRIAGE configuration), ``--triage.monitor_only`` (no controller: OpenRLHF's loss),
-    ``--triage.manifest FILE`` (JSON facts stored in ``run.json``).
+    ``--triage.manifest FILE`` (JSON facts stored in ``run.json``), ``--triage.alerts`` (``default``: the shipped
+    rules; ``off``; or a rule file, read now), ``--triage.loggers`` (a JSON list of tracker specs or
+    comma-separated kinds, built by rank 0's monitor), ``--triage.framework_keys`` (what goes into OpenRLHF's
+    status: ``curated`` (default), ``all`` or metric names, comma-separated or a JSON list).
 
     Raises:
-        SystemExit: (argparse) a missing ``--triage.run_dir`` or a bad value.
+        SystemExit: (argparse) a missing ``--triage.run_dir`` or a bad value, the message naming the flag.
     """
+    from ._options import parse_alerts, parse_framework_keys, parse_loggers
+
     p = argparse.ArgumentParser(prog="python -m triage_monitor.hooks.openrlhf", add_help=False)
     p.add_argument("--triage.run_dir", dest="run_dir", required=True)
     p.add_argument("--triage.config", dest="config", default=None)
     p.add_argument("--triage.monitor_only", dest="monitor_only", action="store_true")
     p.add_argument("--triage.manifest", dest="manifest", default=None)
+    p.add_argument("--triage.alerts", dest="alerts", default="default")
+    p.add_argument("--triage.loggers", dest="loggers", default="")
+    p.add_argument("--triage.framework_keys", dest="framework_keys", default="curated")
     ns, rest = p.parse_known_args(list(argv))
     if ns.monitor_only and ns.config:
         p.error("--triage.monitor_only and --triage.config exclude each other")
+    try:
+        alerts = parse_alerts(ns.alerts, "--triage.alerts")
+        loggers = parse_loggers(ns.loggers, "--triage.loggers")
+        keys = parse_framework_keys(ns.framework_keys, "--triage.framework_keys")
+    except ValueError as exc:
+        p.error(str(exc))
     from triage_monitor.controller import TriageConfig
 
     triage = None if ns.monitor_only else TriageConfig(**(json.loads(open(ns.config).read()) if ns.config else {}))
     manifest = {"framework": "openrlhf"}
     if ns.manifest:
         manifest.update(json.loads(open(ns.manifest).read()))
-    return HookSettings(run_dir=ns.run_dir, triage=triage, manifest=manifest), rest
+    return HookSettings(run_dir=ns.run_dir, triage=triage, manifest=manifest, alerts=alerts, loggers=loggers,
+                        framework_keys=keys), rest
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

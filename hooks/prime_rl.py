@@ -28,6 +28,19 @@ Metrics: the default loss's own metrics under their names and with prime-rl's va
 ``masked_advantage_positive``, ``masked_advantage_negative``); prime-rl's trainer computes ``mismatch_kl/*``
 itself, outside the loss, so those stay as they are.  The controller's statistics go under ``triage/``.
 Steps: one monitored step per optimizer step (prime-rl's AdamW / Muon step once per ``progress.step``).
+
+What reaches prime-rl's own logger: on the monitor's rank 0 every sample's ``LossOutputs.metrics`` also carries
+``settings.framework_keys`` of the last step this process logged (:meth:`WorkerRuntime.framework_metrics`: the
+curated set by default, ``triage/<name>`` plus ``triage/metrics_step``) as 0-dim float32 tensors; the other ranks
+carry none.  prime-rl stacks them per sample (``compute_loss``, ``src/prime_rl/trainer/rl/loss.py`` L345-349,
+L396-401), appends them per micro-batch (``train.py`` L538-539) and ``Tensors.compute_stats``
+(``trainer/utils.py`` L245-280, ``train.py`` L623) all-gathers every rank's values (a rank without the key adds
+none) into ``<key>/mean``, ``/median``, ``/std``, ``/min``, ``/max``, which ``monitors.log`` hands to prime-rl's
+monitors (W&B, file, Prime; ``train.py`` L675-676; all at ``559b4477``): every value is rank 0's, so ``/mean``,
+``/median``, ``/min`` and ``/max`` are the monitor's value of step ``triage/metrics_step`` (the previous optimizer
+step: the step being trained is logged when it closes) and ``/std`` is 0 (up to float32 rounding).  ``filter_rl_trainer_tensor_stats_for_wandb`` (``trainer/utils.py`` L289-321) keeps every
+``triage/`` key, and prime-rl has no key under ``triage/``.  A controller statistic whose name is in
+``framework_keys`` (``gate_downweighted_frac`` in the curated set) is the monitor's value, not the sample's.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from triage_monitor.controller import TriageConfig
 from triage_monitor.corrections import dppo_kl_loss
 from triage_monitor.monitor import MonitorConfig
 
+from ._framework_options import hook_options, own_stats, reports
 from ._runtime import HookSettings, LossHook
 
 #: The prime-rl commit this hook's call-site contract was read from.
@@ -105,19 +119,28 @@ class PrimeRLTriageLoss(LossHook):
         manifest: extra facts for ``run.json``.
         dppo_mask_low, dppo_mask_high, adv_tau, kl_tau: prime-rl's ``DefaultLossConfig`` fields (same defaults).
         on_invalid, step_source: :class:`~triage_monitor.hooks._runtime.HookSettings`.
+        alerts: the rules rank 0's monitor evaluates: True (default, the shipped rules), False, a rule file path or
+            a list of rules / rule tables (:class:`~triage_monitor.hooks._runtime.HookSettings`).
+        loggers: trackers rank 0's monitor feeds, as configuration: ``"tensorboard"``, ``{kind = "mlflow", ...}``
+            (a single one may be given without the list).
+        framework_keys: the monitor's metrics handed to prime-rl's metrics: ``"curated"`` (default), ``"all"`` or
+            a list of names (module docstring).
         key: identity across processes (default: random; :func:`triage_loss` derives it from its kwargs).
 
     Raises:
-        ValueError: a negative DPPO threshold / temperature, or a bad ``on_invalid`` / ``step_source``.
+        ValueError: a negative DPPO threshold / temperature, a bad ``on_invalid`` / ``step_source``, or a bad
+            ``alerts`` / ``loggers`` / ``framework_keys`` (the message names the option).
     """
 
     def __init__(self, run_dir: Optional[str] = None, triage=None, monitor=None, manifest: Optional[dict] = None,
                  dppo_mask_low: float = 0.2, dppo_mask_high: float = 0.2, adv_tau: float = 1.0, kl_tau: float = 1e-3,
-                 on_invalid: str = "raise", step_source: str = "auto", key: Optional[str] = None):
+                 on_invalid: str = "raise", step_source: str = "auto", alerts=True, loggers=(),
+                 framework_keys="curated", key: Optional[str] = None):
         for name, v in (("dppo_mask_low", dppo_mask_low), ("dppo_mask_high", dppo_mask_high), ("adv_tau", adv_tau),
                         ("kl_tau", kl_tau)):
             if float(v) < 0:
                 raise ValueError(f"PrimeRLTriageLoss: {name} must be >= 0 (prime-rl's DefaultLossConfig), got {v}")
+        alerts, loggers, framework_keys = hook_options("PrimeRLTriageLoss", alerts, loggers, framework_keys)
         self.surrogate_kwargs = dict(mask_low=float(dppo_mask_low), mask_high=float(dppo_mask_high),
                                      adv_tau=float(adv_tau), kl_tau=float(kl_tau))
         # attempt=None: every torchrun rank builds this object itself; rank 0's attempt id is broadcast
@@ -125,6 +148,7 @@ class PrimeRLTriageLoss(LossHook):
                                      manifest={"framework": "prime-rl", "prime_rl_commit": PRIME_RL_COMMIT,
                                                **(manifest or {})},
                                      on_invalid=on_invalid, step_source=step_source, attempt=None,
+                                     alerts=alerts, loggers=loggers, framework_keys=framework_keys,
                                      key=key or uuid.uuid4().hex)
 
     def __call__(self, inputs, **kwargs) -> LossOutputs:
@@ -153,9 +177,16 @@ class PrimeRLTriageLoss(LossHook):
                                 surrogate_kwargs=self.surrogate_kwargs)
         with torch.no_grad():
             metrics = self._default_loss_metrics(t_logp.detach(), i_logp, adv, mask)
+        dev = res.loss.device
         if triage is not None:
-            dev = res.loss.device
-            metrics.update({f"triage/{k}": torch.tensor(float(v), device=dev) for k, v in res.output.stats.items()})
+            metrics.update({f"triage/{k}": torch.tensor(float(v), device=dev)
+                            for k, v in own_stats(res.output.stats, self.settings).items()})
+        rt = self.runtime
+        if reports(rt):
+            # rank 0 only: Tensors.compute_stats pools every rank's values, so each is rank 0's (module docstring);
+            # float32 like the empty tensor a rank without the key contributes to prime-rl's all-gather
+            metrics.update({k: torch.tensor(v, dtype=torch.float32, device=dev)
+                            for k, v in rt.framework_metrics().items()})
         return LossOutputs(loss=res.loss, metrics=metrics)
 
     def _default_loss_metrics(self, t_logp, i_logp, adv, mask) -> dict:
@@ -180,8 +211,8 @@ def triage_loss(inputs, **kwargs) -> LossOutputs:
     """The import-path target ``triage_monitor.hooks.prime_rl.triage_loss``, configured by ``[trainer.loss] kwargs``.
 
     ``kwargs`` are :class:`PrimeRLTriageLoss`'s arguments (``run_dir``, ``triage`` as a table of
-    :class:`TriageConfig` fields, ``monitor``, ``dppo_mask_low`` ...).  One hook per distinct kwargs per process,
-    keyed by their canonical JSON (the same key on every rank).
+    :class:`TriageConfig` fields, ``monitor``, ``dppo_mask_low`` ..., ``alerts``, ``loggers``, ``framework_keys``).
+    One hook per distinct kwargs per process, keyed by their canonical JSON (the same key on every rank).
 
     Raises:
         TypeError: an unknown keyword.  ValueError: from :class:`PrimeRLTriageLoss`.

@@ -26,6 +26,15 @@ Checked against skyrl 0.3.0 (PyPI), ``skyrl/backends/skyrl_train``:
   controller (``hooks/_runtime.py``).
 * **Step**: the loss call carries no step (SkyRL's ``global_step`` stays in the trainer's batch metadata), so
   the monitored step is the worker's optimizer-step count: the micro-batches of one mini-batch are one step.
+* **What reaches SkyRL's tracker**: besides SkyRL's own loss metrics, each loss call returns the monitor's values
+  of a completed step (:func:`~triage_monitor.hooks._options.dp_framework_metrics`: ``framework_keys``, default
+  the curated set, and ``triage/metrics_step``).  SkyRL averages loss metrics over the micro-batches of a
+  mini-batch and over the DP ranks (``reduce_metrics`` / ``all_reduce_metrics``, one collective per key: every
+  rank hands over the same keys), then over the mini-batches and epochs of its step.  So that this mean is one
+  monitored step's value, every call of one SkyRL step reports the same step — the last monitored step of the
+  previous SkyRL step — when the hook knows how many optimizer steps a SkyRL step has (``trainer=``:
+  ``train_batch_size // policy_mini_batch_size × update_epochs_per_batch``); without it each mini-batch reports
+  the step before it.  Names ending in ``_loss`` are left out (SkyRL sums those).
 * **SkyRL's own metrics**: the trainer's ``policy/rollout_train_logprobs_abs_diff_*`` and the worker's
   ``minibatch_rollout_logprobs_abs_diff_*`` are computed outside the loss and stay as they are; the loss's own
   metrics (``clip_ratio`` and, with ``off_policy_correction`` enabled, ``is_ratio_*``, ``tis_*``,
@@ -39,6 +48,7 @@ See docs/hooks.md#skyrl for the lines a user copies.
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Optional
 
 import torch
@@ -46,6 +56,7 @@ import torch
 from triage_monitor.batch import TokenBatch
 
 from ._common import leading_positions
+from ._options import check_alerts, check_framework_keys, check_loggers, dp_framework_metrics
 from ._runtime import HookSettings, LossHook
 
 #: SkyRL 0.3.0's loss reductions (``train/utils/utils.py`` ``validate_cfg``); all are advantage pre-scalings
@@ -81,6 +92,46 @@ def batch_from_skyrl(log_probs, rollout_logprobs, advantages, loss_mask, on_inva
     mask = loss_mask if loss_mask.dtype == torch.bool else loss_mask > 0
     return TokenBatch.from_padded(log_probs, rollout_logprobs, advantages, mask,
                                   positions=leading_positions(mask), on_invalid=on_invalid)
+
+
+def optimizer_steps_per_step(trainer) -> int:
+    """Optimizer steps of the policy in one SkyRL training step, from SkyRL's ``cfg.trainer``:
+    ``train_batch_size // policy_mini_batch_size`` mini-batches (SkyRL's ``compute_prompt_mini_batch_boundaries``
+    makes exactly that many) × ``update_epochs_per_batch``.
+
+    Raises:
+        ValueError: a size that is not a positive integer, or a mini-batch larger than the batch.
+    """
+    sizes = {k: getattr(trainer, k, None) for k in ("train_batch_size", "policy_mini_batch_size",
+                                                    "update_epochs_per_batch")}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(f"register(trainer=...): SkyRL trainer config needs positive integer {sorted(bad)}, got {bad}")
+    n = sizes["train_batch_size"] // sizes["policy_mini_batch_size"]
+    if n < 1:
+        raise ValueError(f"register(trainer=...): trainer.policy_mini_batch_size={sizes['policy_mini_batch_size']} "
+                         f"exceeds trainer.train_batch_size={sizes['train_batch_size']}")
+    return n * sizes["update_epochs_per_batch"]
+
+
+#: per process and hook (``settings.key``): (block of SkyRL steps, the framework metrics frozen for it); SkyRL may
+#: unpickle a fresh copy of the loss for a call, so this lives beside the runtime, not in the object
+_REPORTS: dict = {}
+_REPORTS_LOCK = threading.Lock()
+
+
+def _dp_size() -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    try:
+        from skyrl.backends.skyrl_train.distributed.ulysses.utils import get_ulysses_sequence_parallel_world_size
+
+        sp = max(1, int(get_ulysses_sequence_parallel_world_size()))
+    except Exception:  # noqa: BLE001 — no SkyRL SP state: no sequence parallelism
+        sp = 1
+    return max(1, dist.get_world_size() // sp)
 
 
 def _off_policy_enabled(config) -> bool:
@@ -124,21 +175,26 @@ class SkyRLTriageLoss(LossHook):
     (computed by SkyRL's ``ppo_policy_loss``) plus ours under ``triage/`` (floats).
 
     Args:
-        settings: :class:`HookSettings` (run directory, monitor and TRIAGE configuration); default: no
-            monitor, monitoring-only controller (TRIAGE off).
+        settings: :class:`HookSettings` (run directory, monitor and TRIAGE configuration, alerts, trackers,
+            framework keys); default: no monitor, monitoring-only controller (TRIAGE off).
         base: SkyRL PPO loss reproduced: ``"regular"`` or ``"dual_clip"`` (uses ``clip_ratio_c``).
         algorithm: SkyRL's ``cfg.trainer.algorithm``, to check it here rather than at the first worker call.
+        trainer: SkyRL's ``cfg.trainer``: its batch sizes give the optimizer steps of one SkyRL step
+            (:func:`optimizer_steps_per_step`), so that every loss call of one SkyRL step reports the same
+            monitored step (module docstring); None: 1.
 
     Raises:
-        ValueError: ``base`` unknown, or ``algorithm`` not supported (:func:`check_algorithm_config`).
+        ValueError: ``base`` unknown, or ``algorithm`` / ``trainer`` not supported (:func:`check_algorithm_config`).
     """
 
-    def __init__(self, settings: Optional[HookSettings] = None, *, base: str = "regular", algorithm=None):
+    def __init__(self, settings: Optional[HookSettings] = None, *, base: str = "regular", algorithm=None,
+                 trainer=None):
         if base not in SKYRL_BASE_LOSSES:
             raise ValueError(f"SkyRLTriageLoss: base must be one of {SKYRL_BASE_LOSSES} (SkyRL's PPO losses), "
                              f"got {base!r}")
         self.settings = settings if settings is not None else HookSettings()
         self.base = base
+        self.steps_per_report = optimizer_steps_per_step(trainer) if trainer is not None else 1
         if algorithm is not None:
             check_algorithm_config(algorithm, self.settings, base)
 
@@ -176,36 +232,67 @@ class SkyRLTriageLoss(LossHook):
         metrics = self.skyrl_metrics(log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs)
         if self.settings.triage is not None:
             metrics.update({f"triage/{k}": float(v) for k, v in res.output.stats.items()})
+        # the monitor's values of a completed step (a name also among the controller's statistics,
+        # gate_downweighted_frac, takes the monitored step's value, with triage/metrics_step)
+        metrics.update(self.framework_report())
         return res.loss, metrics
+
+    def framework_report(self) -> dict:
+        """What this call hands to SkyRL's loss metrics from the monitor: the metrics of the last step this worker
+        logged before the current block of ``steps_per_report`` optimizer steps began (one SkyRL step when
+        ``trainer=`` was given), the same keys on every rank (:func:`dp_framework_metrics`), names ending in
+        ``_loss`` left out; ``{}`` before the first step or without a run directory."""
+        rt = self.runtime
+        if self.settings.run_dir is None:
+            return {}
+        block = (rt.step_offset + rt.optimizer_steps) // self.steps_per_report
+        with _REPORTS_LOCK:
+            held = _REPORTS.get(self.settings.key)
+            if held is None or held[0] != block or held[2] is not rt:
+                mon = rt.monitor
+                out = dp_framework_metrics(rt.last_metrics, self.settings.framework_keys, mon.rank, _dp_size(),
+                                           self.settings.alerts is not False)
+                out = {k: v for k, v in out.items() if not (k.endswith("_loss") or k == "triage/loss")}
+                held = _REPORTS[self.settings.key] = (block, out, rt)
+        return dict(held[1])
 
 
 def register(settings: Optional[HookSettings] = None, *, name: str = "triage", base: str = "regular",
-             algorithm=None, **settings_kw) -> SkyRLTriageLoss:
+             algorithm=None, trainer=None, **settings_kw) -> SkyRLTriageLoss:
     """Register a :class:`SkyRLTriageLoss` in SkyRL's ``PolicyLossRegistry`` under ``name`` and return it.
 
     Call it on the driver before SkyRL's ``validate_cfg`` / ``initialize_ray`` (which syncs the registry into
     the Ray actor the workers read), and select it with ``trainer.algorithm.policy_loss_type=<name>``.
 
     Args:
-        settings: :class:`HookSettings`; or give its fields as keywords (``run_dir=``, ``triage=``, ...).
+        settings: :class:`HookSettings`; or give its fields as keywords (``run_dir=``, ``triage=``,
+            ``alerts=`` (True: the shipped rules; False; a rule file, read now; a list of rules), ``loggers=``
+            (tracker specs, built by rank 0's monitor), ``framework_keys=`` (``"curated"``, ``"all"`` or names), ...).
         name: registry name.
-        base, algorithm: as :class:`SkyRLTriageLoss`.
+        base, algorithm, trainer: as :class:`SkyRLTriageLoss` (``trainer=cfg.trainer``, ``algorithm=cfg.trainer.
+            algorithm``).
 
     Raises:
-        ImportError: SkyRL is not installed.  ValueError: ``name`` already registered, or as
-        :class:`SkyRLTriageLoss`.
+        ImportError: SkyRL is not installed.  ValueError: ``name`` already registered, a bad ``alerts`` /
+        ``loggers`` / ``framework_keys`` (naming the argument and the value), or as :class:`SkyRLTriageLoss`.
     """
     from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 
     if settings is None:
         settings_kw.setdefault("manifest", {"framework": "skyrl"})
+        for arg, check in (("alerts", check_alerts), ("loggers", check_loggers),
+                           ("framework_keys", check_framework_keys)):
+            if arg in settings_kw:
+                settings_kw[arg] = check(settings_kw[arg], f"register({arg}=...)")
         settings = HookSettings(**settings_kw)
     elif settings_kw:
         raise ValueError("register: give either settings or its fields as keywords, not both")
-    fn = SkyRLTriageLoss(settings, base=base, algorithm=algorithm)
+    else:
+        check_alerts(settings.alerts, "HookSettings.alerts")          # a rule file: read now, on the driver
+    fn = SkyRLTriageLoss(settings, base=base, algorithm=algorithm, trainer=trainer)
     PolicyLossRegistry.register(name, fn)
     return fn
 
 
 __all__ = ["SKYRL_LOSS_REDUCTIONS", "SKYRL_BASE_LOSSES", "batch_from_skyrl", "check_algorithm_config",
-           "SkyRLTriageLoss", "register"]
+           "optimizer_steps_per_step", "SkyRLTriageLoss", "register"]

@@ -25,7 +25,28 @@ parallelism, ``--use-tis`` (TRIAGE's TIS replaces it), a custom TIS or pg-loss r
 
 **Step and ranks.**  The loss receives no step; the monitored step counts Megatron optimizer steps (the
 global ``torch.optim`` step post-hook of :mod:`triage_monitor.hooks._runtime`).  Every rank runs the
-controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens).
+controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens).  Monitoring with
+tensor- or pipeline-parallel size > 1 raises on the first call: the monitor all-reduces over the world group,
+which the ranks that record nothing never join (a DP 2 × TP 2 gloo run hung at the first optimizer step).
+
+**What reaches slime's own log** (``train/<key>`` to W&B / TensorBoard, ``model.py`` L880-898).  slime sums each
+key of the micro-batches' log dicts on a rank, all-reduces the sums over the data-parallel group and divides by
+``step_global_batch_size`` (the step's rollout count, ``args.global_batch_size``: ``dp_schedule.py`` L150,
+``rollout.py`` L777, ``model.py`` L839), or by the all-reduced token count under ``--calculate-per-token-loss``
+(``observability/train_metric_utils.py`` L45-59, ``loss.py`` L1317, L1363-1382; all at ``624b824a``); every
+micro-batch of every rank must therefore carry the same keys.  The log gets ``settings.framework_keys`` of the
+last step the process logged (the curated set by default, ``triage/<name>`` and ``triage/metrics_step``) on every
+micro-batch, with the value placed so that the reduction returns the monitor's: per-rollout mean (slime's
+default) — rank 0's first micro-batch after the step closed carries value × ``args.global_batch_size``, every
+other entry 0, so the log shows rank 0's steps-table value of step ``triage/metrics_step`` exactly (the step
+before the one being trained; NaN stays NaN); per-token loss — each rank carries its own value × the micro-batch's
+token count (slime's ``num_tokens``), exact for the step and window metrics, which the monitor all-reduces over
+the ranks, and a token-weighted mean over the data-parallel ranks for their own values (the controller's
+statistics, the integrity counters); ``triage/alerts_active``, rank 0's only, is left out then when there is more
+than one data-parallel rank.  The controller's per-call statistics (``triage/gate_weight_mean``, ...; a name
+claimed by ``framework_keys`` is the monitor's value instead) are weighted by the micro-batch's share of the
+divisor (``sum_of_sample_mean`` of ones: its rollouts' share; or its tokens), so the log shows their
+rollout- (token-) weighted mean over the step.
 
 **Offline.**  ``triage-monitor import slime`` reads ``--save-debug-train-data`` dumps
 (:func:`triage_monitor.importers.slime_steps`).  slime is not on PyPI (the PyPI project ``slime`` is another
@@ -41,8 +62,10 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageConfig
-from triage_monitor.monitor import MonitorConfig
+from triage_monitor.monitor import ALERT_STATE, MonitorConfig
+from triage_monitor.trackers import PREFIX, select_metrics
 
+from ._framework_options import first_hand_over, hook_options, own_stats, reports
 from ._runtime import HookSettings, LossHook
 
 #: slime arguments the TRIAGE loss cannot honour: (attribute, value that is fine, why).
@@ -62,7 +85,7 @@ def check_slime_args(args) -> None:
     Raises:
         ValueError: names the option, its value and why (context parallel size > 1, ``--use-tis``, a custom TIS
             or pg-loss reducer, OPSM, ``--use-kl-loss``, advantage estimator ``gspo`` / ``cispo``, a loss type
-            other than ``custom_loss``).
+            other than ``custom_loss``, no positive ``global_batch_size`` without ``--calculate-per-token-loss``).
     """
     for name, ok, why in _UNSUPPORTED:
         value = getattr(args, name, ok)
@@ -76,6 +99,10 @@ def check_slime_args(args) -> None:
     if cp != 1:
         raise ValueError(f"triage-monitor slime loss: --context-parallel-size {cp} is not supported: each rank holds "
                          "a slice of every response, the Gate and Repair need whole responses")
+    gbs = getattr(args, "global_batch_size", None)
+    if not getattr(args, "calculate_per_token_loss", False) and not (isinstance(gbs, int) and gbs > 0):
+        raise ValueError(f"triage-monitor slime loss: --global-batch-size is {gbs!r}; slime sets it (the rollouts per "
+                         "step, its metric divisor) before training")
     loss_type = getattr(args, "loss_type", "custom_loss")
     if loss_type != "custom_loss":
         raise ValueError(f"triage-monitor slime loss: --loss-type {loss_type!r}; slime calls a custom loss function "
@@ -125,15 +152,36 @@ class SlimeTriageLoss(LossHook):
         monitor: :class:`MonitorConfig`.
         manifest: facts for ``run.json``.
         on_invalid: ``"raise"`` or ``"quarantine"``.
+        alerts: the rules rank 0's monitor evaluates: True (default, the shipped rules), False, a rule file path or
+            a list of rules.
+        loggers: trackers rank 0's monitor feeds, as configuration (``"tensorboard"``, ``{"kind": "mlflow", ...}``;
+            one may be given without a list).
+        framework_keys: the monitor's metrics put in slime's log: ``"curated"`` (default), ``"all"`` or a list of
+            names (module docstring).
         settings: a ready :class:`HookSettings` instead of the arguments above.
+
+    Raises:
+        ValueError: a bad ``alerts`` / ``loggers`` / ``framework_keys`` (naming the option), or one of them given
+            beside ``settings``.
     """
 
     def __init__(self, run_dir=None, triage: Optional[TriageConfig] = None, monitor: Optional[MonitorConfig] = None,
-                 manifest: Optional[dict] = None, on_invalid: str = "raise", *,
-                 settings: Optional[HookSettings] = None):
-        self.settings = settings or HookSettings(
+                 manifest: Optional[dict] = None, on_invalid: str = "raise", *, alerts=True, loggers=(),
+                 framework_keys="curated", settings: Optional[HookSettings] = None):
+        if settings is not None:
+            given = [n for n, v, d in (("alerts", alerts, True), ("loggers", loggers, ()),
+                                       ("framework_keys", framework_keys, "curated")) if v is not d and v != d]
+            if given:
+                raise ValueError(f"SlimeTriageLoss: {', '.join(given)} given beside settings; set them in the "
+                                 "HookSettings")
+            self.settings = settings
+            return
+        alerts, loggers, framework_keys = hook_options("SlimeTriageLoss", alerts, loggers, framework_keys)
+        # attempt=None: every Megatron rank builds this object at import; rank 0's attempt id is broadcast
+        self.settings = HookSettings(
             run_dir=run_dir, monitor=monitor or MonitorConfig(), triage=triage,
-            manifest={"framework": "slime", **(manifest or {})}, on_invalid=on_invalid, step_source="optimizer")
+            manifest={"framework": "slime", **(manifest or {})}, on_invalid=on_invalid, step_source="optimizer",
+            attempt=None, alerts=alerts, loggers=loggers, framework_keys=framework_keys)
 
     # ------------------------------------------------------------ the loss
     def triage_loss(self, args, batch: dict, log_probs: Sequence[torch.Tensor], record: bool = True):
@@ -191,10 +239,20 @@ class SlimeTriageLoss(LossHook):
             ``(loss, log)``: 0-dim loss, and a dict of 0-dim tensors (slime's metric names, ``triage/*``).
 
         Raises:
-            ValueError: an unsupported option (:func:`check_slime_args`).
+            ValueError: an unsupported option (:func:`check_slime_args`); monitoring (``run_dir``) with
+                tensor- or pipeline-parallel size > 1.
             KeyError: the batch has no ``rollout_log_probs`` (the rollout engine must return log-probs).
         """
         check_slime_args(args)
+        tp, pp = _model_parallel_sizes()
+        if self.settings.run_dir is not None and (tp > 1 or pp > 1):
+            # the monitor all-reduces over the world group, but only TP rank 0 of the last pipeline stage records:
+            # the other ranks never join, and the job would hang at the first optimizer step (a 4-rank DP 2 x TP 2
+            # gloo run did)
+            raise ValueError(f"triage-monitor slime loss: monitoring with tensor-parallel size {tp} / pipeline-"
+                             f"parallel size {pp} is not supported yet (the monitor's collectives need the "
+                             "data-parallel group); use SlimeTriageLoss(run_dir=None) for the controller only, or "
+                             "`triage-monitor import slime` on --save-debug-train-data dumps")
         from slime.backends.megatron_utils.loss import (get_log_probs_and_entropy,
                                                         get_rollout_top_p_logprob_kwargs)
         from slime.utils.ppo_utils import compute_policy_loss
@@ -239,8 +297,30 @@ class SlimeTriageLoss(LossHook):
             log["ois"] = sum_of_sample_mean((-ppo_kl).exp()).detach()
             log.update({k: sum_of_sample_mean(v) for k, v in tis_metrics.items()})
         if self.settings.triage is not None:
-            log.update(_triage_log(res, args, batch, logits.device))
+            log.update(_triage_log(res, args, batch, logits.device, sum_of_sample_mean, self.settings))
+        log.update(_framework_log(self.runtime, args, batch, logits.device))
         return loss, log
+
+
+def _data_parallel_size() -> int:
+    """Megatron's data-parallel world size (1 when Megatron's parallel state is not initialised)."""
+    try:
+        from megatron.core import mpu
+
+        return int(mpu.get_data_parallel_world_size(with_context_parallel=True))
+    except Exception:
+        return 1
+
+
+def _model_parallel_sizes() -> tuple:
+    """Megatron's (tensor-parallel, pipeline-parallel) sizes ((1, 1) when its parallel state is not initialised)."""
+    try:
+        from megatron.core import mpu
+
+        return (int(mpu.get_tensor_model_parallel_world_size()),
+                int(mpu.get_pipeline_model_parallel_world_size()))
+    except Exception:
+        return 1, 1
 
 
 def _tensor_parallel_rank() -> int:
@@ -262,19 +342,51 @@ def _old_log_probs(args, batch: dict, log_probs: Sequence[torch.Tensor]):
     return [t.detach() for t in (old if old else log_probs)]
 
 
-def _triage_log(res, args, batch: dict, device) -> dict:
-    """The controller's statistics as ``triage/<name>``, scaled so that slime's step reduction (sum over
-    micro-batches and ranks ÷ the step's sample count, or ÷ its token count under
-    ``--calculate-per-token-loss``) yields their sample- (token-) weighted mean."""
+def _divisor_share(args, batch: dict, sum_of_sample_mean, device) -> float:
+    """This micro-batch's part of slime's step divisor: its token count as slime's ``loss_function`` counts it
+    (``num_tokens``, under ``--calculate-per-token-loss``), else ``sum_of_sample_mean`` of ones — Σ mask / rollout
+    mask total over its samples, its share of the step's rollouts (``args.global_batch_size``; the samples of one
+    rollout add up to 1)."""
     if getattr(args, "calculate_per_token_loss", False):
-        weight = float(sum(max(int(torch.as_tensor(m).sum()), 1) for m in batch["loss_masks"]))
-    else:
-        weight = float(len(batch["response_lengths"]))
+        return float(sum(max(int(torch.as_tensor(m).sum()), 1) for m in batch["loss_masks"]))
+    n = int(sum(int(x) for x in batch["response_lengths"]))
+    return float(sum_of_sample_mean(torch.ones(n, device=device)))
+
+
+def _triage_log(res, args, batch: dict, device, sum_of_sample_mean, settings: HookSettings) -> dict:
+    """The controller's statistics as ``triage/<name>`` (those ``framework_keys`` does not claim), scaled so that
+    slime's step reduction (sum over micro-batches and ranks ÷ the step's rollout count, or ÷ its token count under
+    ``--calculate-per-token-loss``) yields their rollout- (token-) weighted mean."""
+    weight = _divisor_share(args, batch, sum_of_sample_mean, device)
     out = {}
-    for name, value in res.output.stats.items():
+    for name, value in own_stats(res.output.stats, settings).items():
         v = 0.0 if value != value else float(value)      # NaN (no tokens) adds nothing
         out[f"triage/{name}"] = torch.tensor(v * weight, device=device)
     return out
+
+
+def _framework_log(rt, args, batch: dict, device) -> dict:
+    """``framework_keys`` of the last step this process logged, as log entries that slime's reduction turns back
+    into the monitor's values (module docstring).  The keys depend only on this process's last metrics, which every
+    rank of the data-parallel group has alike; a process that records nothing (tensor-parallel rank > 0) has none,
+    like the rest of its group."""
+    last = rt.last_metrics
+    if not last:
+        return {}
+    values = select_metrics(last, rt.settings.framework_keys)          # NaN kept: the keys must not depend on it
+    values["metrics_step"] = float(last["step"])
+    per_token = bool(getattr(args, "calculate_per_token_loss", False))
+    rank0 = reports(rt)
+    if per_token:
+        if ALERT_STATE in values and _data_parallel_size() > 1:
+            del values[ALERT_STATE]                                      # rank 0's only: no per-token mean of it
+        tokens = float(sum(max(int(torch.as_tensor(m).sum()), 1) for m in batch["loss_masks"]))
+        scale = {k: tokens if (rank0 or k != ALERT_STATE) else 0.0 for k in values}
+    else:
+        first = rank0 and first_hand_over(rt)
+        gbs = float(getattr(args, "global_batch_size"))
+        scale = dict.fromkeys(values, gbs if first else 0.0)
+    return {PREFIX + k: torch.tensor(v * scale[k] if scale[k] else 0.0, device=device) for k, v in values.items()}
 
 
 __all__ = ["SlimeTriageLoss", "batch_from_slime", "check_slime_args", "log_slime_batch"]

@@ -18,6 +18,11 @@ monitor, controller and step accumulation live in this process's runtime; the st
   with TRL's aggregation for its ``loss_type`` (:data:`LOSS_TYPE_AGG`) and TRL's own per-token factors (entropy
   mask, off-policy mask, vLLM importance-sampling ratio) computed by TRL's own methods; TRL's graph is dropped.
   Our statistics go to TRL's logs under ``triage/``.
+* ``log``: TRL logs after the optimizer has stepped, so the monitored step that update closed is complete: it is
+  logged now, and the hook's curated metrics (``hook.framework_metrics()``: ``triage/window/rho_asym``, ...,
+  ``triage/alerts_active``, ``triage/metrics_step``) join TRL's log, which TRL's ``report_to`` callbacks forward
+  (W&B, TensorBoard, MLflow, ...).  Alerts and our own trackers (``HookSettings(alerts=..., loggers=...)``) are
+  the monitor's, on rank 0 (the accelerator's main process).
 
 Options the TRIAGE loss cannot honour raise a ``ValueError`` at construction (:meth:`TriageGRPOTrainer._check_triage`).
 """
@@ -142,7 +147,9 @@ class TriageGRPOTrainer(GRPOTrainer):
     Args (besides GRPOTrainer's):
         triage: :class:`~triage_monitor.hooks._runtime.HookSettings`: ``run_dir`` (None = no records),
             ``monitor``, ``triage`` (a :class:`~triage_monitor.controller.TriageConfig`; None keeps TRL's loss),
-            ``manifest``, ``on_invalid``, ``step_source``.  None: a plain GRPOTrainer.
+            ``manifest``, ``on_invalid``, ``step_source``, ``alerts`` (default: the shipped rules, on rank 0),
+            ``loggers`` (trackers fed by rank 0), ``framework_keys`` (what joins TRL's log, :meth:`log`).
+            None: a plain GRPOTrainer.
         record_sampler_logps: record generation-time log-probs on the plain ``transformers.generate`` path
             (default True; vLLM and ``rollout_func`` give their own).
 
@@ -164,6 +171,7 @@ class TriageGRPOTrainer(GRPOTrainer):
         self.triage_last = None
         self._tm_live = None
         self._tm_capture = False
+        self._tm_logged_step = None        # the monitored step whose metrics last joined TRL's log
         if triage is None:
             return
         if self.accelerator.num_processes > 1:       # every rank built its own settings: share rank 0's attempt id
@@ -345,6 +353,37 @@ class TriageGRPOTrainer(GRPOTrainer):
             scale = scale * inputs["importance_sampling_ratio"].float()
             on = True
         return batch.gather(scale.expand_as(logps)) if on else None
+
+    # ------------------------------------------------------------ logging
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """TRL's ``log``, with the triage metrics of the step just completed added to ``logs`` (docs/hooks.md#trl).
+
+        TRL logs after the optimizer step, so the monitored step that update closed (``state.global_step − 1``) is
+        complete: it is logged now (one ``log_step``; every rank does so, as every rank runs TRL's ``log``), and
+        ``hook.framework_metrics()`` joins ``logs``: ``HookSettings.framework_keys`` of that step as
+        ``triage/<name>`` floats (NaN left out) and ``triage/metrics_step``.  Each monitored step joins one
+        training log, the first after it; evaluation logs get none.  For a name the controller's statistics also
+        carry (``triage/gate_downweighted_frac``) TRL's own mean over the logging interval is kept (TRL merges
+        its ``_metrics`` last).  Monitoring never raises here.
+        """
+        if self.triage_hook is not None and self.model.training:
+            logs.update(self._triage_log_metrics())
+        return super().log(logs, *args, **kwargs)
+
+    def _triage_log_metrics(self) -> dict:
+        rt = self.triage_hook.runtime
+        try:
+            rt.flush()
+            out = rt.framework_metrics()
+        except Exception as exc:          # monitoring never stops training
+            rt._warn_once("trl-log", "triage-monitor: logging the step for TRL's log failed (%s: %s); training "
+                          "continues", type(exc).__name__, exc)
+            return {}
+        step = out.get("triage/metrics_step")
+        if step is None or step == self._tm_logged_step:
+            return {}
+        self._tm_logged_step = step
+        return out
 
     # ------------------------------------------------------------ lifecycle
     def train(self, *args, **kwargs):

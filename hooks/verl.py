@@ -16,6 +16,9 @@ Checked against the installed verl 0.9.1 (``trainer/ppo/core_algos.py``, ``worke
   verl's own metrics of that call are kept: ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``
   (verl's ``compute_policy_loss_vanilla`` on the detached tensors) and ``rollout_corr/*`` (verl's
   ``compute_rollout_correction_and_rejection_mask``, called exactly as verl's ``bypass_mode`` loss calls it).
+  Beside them the monitor's values of the last step the worker logged (``HookSettings.framework_keys``, default
+  the curated set, and ``triage/metrics_step``): verl averages them over micro-batches, data-parallel ranks and
+  mini-batches (all equal within one verl step) and logs them as ``actor/triage/<name>``.
 * **Reaching the workers.**  verl's registry is per process and nothing is pickled: the module
   :mod:`triage_monitor.hooks.verl_plugin`, named in ``actor_rollout_ref.model.external_lib`` (imported by
   ``HFModelConfig.__post_init__`` in every worker), registers the loss, built from environment variables
@@ -59,6 +62,9 @@ ENV_RUN_DIR = "TRIAGE_MONITOR_RUN_DIR"
 ENV_TRIAGE = "TRIAGE_MONITOR_TRIAGE"
 ENV_MONITOR = "TRIAGE_MONITOR_CONFIG"
 ENV_ON_INVALID = "TRIAGE_MONITOR_ON_INVALID"
+ENV_ALERTS = "TRIAGE_MONITOR_ALERTS"
+ENV_LOGGERS = "TRIAGE_MONITOR_LOGGERS"
+ENV_FRAMEWORK_KEYS = "TRIAGE_MONITOR_FRAMEWORK_KEYS"
 #: Policy-loss name registered by :mod:`triage_monitor.hooks.verl_plugin`.
 LOSS_NAME = "triage"
 #: verl's v1 trainer modes wrapped by :func:`register_trainers` (registered as ``triage_<mode>``).
@@ -196,11 +202,25 @@ def settings_from_env(environ=None) -> HookSettings:
     configuration); ``off``: Gate, TIS and Repair off — the loss is verl's own PPO loss, the hook only monitors.
     ``TRIAGE_MONITOR_CONFIG``: a JSON object of :class:`MonitorConfig` fields.
     ``TRIAGE_MONITOR_ON_INVALID``: ``raise`` (default) or ``quarantine``.
+    ``TRIAGE_MONITOR_ALERTS``: ``default`` (unset: the shipped rules), ``off``, or a rule file (TOML / YAML) —
+    read now, so a missing or bad file fails at start-up.
+    ``TRIAGE_MONITOR_LOGGERS``: a JSON list of tracker specs (``'["tensorboard", {"kind": "mlflow", ...}]'``) or
+    comma-separated kind names; rank 0's monitor builds them.
+    ``TRIAGE_MONITOR_FRAMEWORK_KEYS``: what goes into verl's metrics: ``curated`` (default), ``all``, or metric
+    names (JSON list or comma-separated).
 
     Raises:
         ValueError: a variable that does not parse, naming it and its value (or a bad config field).
     """
+    from ._options import parse_alerts, parse_framework_keys, parse_loggers
+
     env = os.environ if environ is None else environ
+    on_invalid = (env.get(ENV_ON_INVALID) or "raise").strip()
+    if on_invalid not in ("raise", "quarantine"):
+        raise ValueError(f"{ENV_ON_INVALID}={on_invalid!r}: use 'raise' or 'quarantine'")
+    alerts = parse_alerts(env.get(ENV_ALERTS), ENV_ALERTS)
+    loggers = parse_loggers(env.get(ENV_LOGGERS), ENV_LOGGERS)
+    keys = parse_framework_keys(env.get(ENV_FRAMEWORK_KEYS), ENV_FRAMEWORK_KEYS)
     run_dir = (env.get(ENV_RUN_DIR) or "").strip() or None
     raw = (env.get(ENV_TRIAGE) or "").strip()
     triage = None if raw.lower() == "off" else TriageConfig(**(_json_env(env, ENV_TRIAGE) or {}))
@@ -213,8 +233,9 @@ def settings_from_env(environ=None) -> HookSettings:
         version = None
     return HookSettings(run_dir=run_dir, monitor=MonitorConfig.from_dict(mon) if mon else MonitorConfig(),
                         triage=triage, manifest={"framework": "verl", "verl_version": version},
-                        on_invalid=(env.get(ENV_ON_INVALID) or "raise").strip(),
-                        attempt=_attempt(run_dir, job), key=f"verl-{job or os.getpid()}")
+                        on_invalid=on_invalid,
+                        attempt=_attempt(run_dir, job), key=f"verl-{job or os.getpid()}",
+                        alerts=alerts, loggers=loggers, framework_keys=keys)
 
 
 def _attempt(run_dir: Optional[str], job: Optional[str]) -> int:
@@ -285,15 +306,19 @@ def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> N
                 txt = (jd / "global_steps").read_text().strip()
             except OSError:
                 continue
-            acc = runtime._acc
             try:
                 if txt == DONE:
                     runtime.close()         # writes the last step, drains the writer, finishes run.json
                     (jd / "flushed").mkdir(exist_ok=True)
                     (jd / "flushed" / str(os.getpid())).touch()
                     return
-                if acc is not None and acc.step is not None and txt.lstrip("-").isdigit() and int(txt) != acc.step:
-                    runtime.flush()
+                # look and flush under the runtime's lock: a loss call of the new step may be buffering at the
+                # same moment (it flushes the old step itself); flushing after it would cut the new step in two
+                with runtime._lock:
+                    acc = runtime._acc
+                    if (acc is not None and acc.step is not None and txt.lstrip("-").isdigit()
+                            and int(txt) != acc.step):
+                        runtime.flush()
             except Exception as exc:  # noqa: BLE001 — monitoring never breaks the training job
                 runtime._warn_once("verl-watch", "triage-monitor: writing a step failed (%s: %s); training continues",
                                    type(exc).__name__, exc)
@@ -447,8 +472,23 @@ class VerlTriageLoss(LossHook):
         metrics = verl_metrics(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rc)
         if ctrl is not None:
             metrics.update({f"triage/{k}": float(v) for k, v in res.output.stats.items()})
-        self.last = res
+        # the monitor's values of the last step this worker logged (the previous verl step: this call's step is
+        # logged when it closes), all belonging to triage/metrics_step; a name also in the controller's statistics
+        # (gate_downweighted_frac) takes the monitored step's value
+        metrics.update(self.framework_metrics())
+        # detached statistics only: the result's per-token tensors (and the live log-probs' graph) are not kept
+        # across the optimizer step
+        self._live_last = {"loss": float(res.loss.detach()), "policy_loss": float(res.policy_loss.detach()),
+                           "n_tokens": int(res.batch.num_tokens), "stats": dict(res.output.stats),
+                           "gate_weight_min": float(res.output.gate_weights.min()) if res.batch.num_tokens else
+                           float("nan")}
         return res.loss, metrics
+
+    @property
+    def last(self) -> Optional[dict]:
+        """Detached statistics of this object's last call in this process (``loss``, ``policy_loss``,
+        ``n_tokens``, the controller's ``stats``, ``gate_weight_min``); None before the first call."""
+        return getattr(self, "_live_last", None)
 
     def __getstate__(self):
         return {"settings": self.settings}
@@ -536,8 +576,9 @@ class TriageTrainerMixin:
       has them write their last step (:func:`finish_workers`).
     * Decoupled mode: after ``_compute_advantage`` reads the step's learner (``old_log_probs``) and sampler
       (``rollout_log_probs``) log-probs, advantages, mask and ``uid`` from the TransferQueue and logs them as ONE
-      monitored step per ``global_steps`` (also with ``parameter_sync_step > 1``); the step's metrics are added to
-      verl's logged metrics as ``triage/<name>``.  In bypass mode the batch holds no learner log-probs: the
+      monitored step per ``global_steps`` (also with ``parameter_sync_step > 1``); the step's metrics selected by
+      ``TRIAGE_MONITOR_FRAMEWORK_KEYS`` (default the curated set) are added to verl's logged metrics as
+      ``triage/<name>``, with ``triage/metrics_step``.  In bypass mode the batch holds no learner log-probs: the
       TRIAGE loss monitors inside the workers.
     * At construction: raises ``ValueError`` for ``policy_loss.loss_mode=triage`` without bypass mode or without
       ``rollout.calculate_log_probs``; warns when nothing would be monitored.
@@ -562,9 +603,10 @@ class TriageTrainerMixin:
             publish_step(self.triage_settings.run_dir, self.global_steps)
         out = super().step(metrics, timing_raw)
         if self.triage_monitor is not None:
-            got = self.triage_monitor.flush() or {}
-            metrics.update({f"triage/{k}": float(v) for k, v in got.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
+            # this step's own values (no lag: the trainer logs the step it has just closed), the framework_keys
+            # selection as triage/<name> and triage/metrics_step; verl logs them under its global_steps
+            if self.triage_monitor.flush() is not None:
+                metrics.update(self.triage_monitor.framework_metrics())
         return out
 
     def fit(self, *args, **kwargs):

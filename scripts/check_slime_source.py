@@ -8,7 +8,10 @@ works too).  MEGATRON_CORE_SITE: a directory holding ``megatron`` (``pip install
 megatron-core==0.16.1``; 0.17+ needs Python 3.12).  Runs on a gloo world of 4 CPU processes (DP 2 × TP 2, real
 ``megatron.core.parallel_state``): slime's ``save_debug_train_data`` writes the dumps of tests/test_hooks_slime.py's
 two rollouts, which are compared with the transcription in tests/slime_contract.py and imported; then
-``SlimeTriageLoss`` is compared with slime's ``policy_loss_function`` on the same logits.
+``SlimeTriageLoss`` is compared with slime's ``policy_loss_function`` on the same logits; last, a gloo world of 2
+processes (DP 2) trains 6 steps of tests/test_hooks_slime.py's amplifying data through slime's own
+``loss_function`` (``--loss-type custom_loss --custom-loss-function-path``) and ``reduce_train_step_metrics``, and
+the reduced log is compared with rank 0's steps table (per-rollout mean and ``--calculate-per-token-loss``).
 """
 
 from __future__ import annotations
@@ -146,6 +149,131 @@ def check_loss(opts):
     dist.destroy_process_group()
 
 
+FW_STEPS = 6
+FW_MODULE = """
+from triage_monitor.controller import TriageConfig
+from triage_monitor.hooks.slime import SlimeTriageLoss
+from triage_monitor.monitor import MonitorConfig
+triage_loss = SlimeTriageLoss({run!r}, triage=TriageConfig(gate_width=4, calibration=dict(window=1)),
+                              monitor=MonitorConfig(window=4, calibration_steps=2),
+                              loggers=[{{"kind": "recorder", "path": {rec!r}}}])
+"""
+
+
+def _framework_worker(rank, world, opts, out, per_token):
+    """One DP rank: the hook module imported by slime's load_function (built at import, as in every Megatron
+    rank), FW_STEPS train steps of slime's loss_function on this rank's micro-batches, an optimizer step, slime's
+    reduce_train_step_metrics over the DP group; rank 0 keeps the reduced logs."""
+    _paths(opts)
+    import json
+    from argparse import Namespace
+
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{out}/rdv", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(1, 1)
+    import recording_tracker
+    recording_tracker.register()
+    lines = recording_tracker.AlertLines()
+    sys.path.insert(0, str(out))
+    from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, loss_function
+    try:
+        from slime.observability.train_metric_utils import reduce_train_step_metrics
+    except ImportError:                                   # v0.3.1: the same function in cp_utils
+        from slime.backends.megatron_utils.cp_utils import reduce_train_step_metrics
+    import slime_contract
+    from test_hooks_slime import GBS, PARTITION, amplifying_step, slime_args, slime_micro_batch
+
+    from triage_monitor.hooks._runtime import close_all
+    args = Namespace(**{**vars(slime_args(calculate_per_token_loss=per_token)), "loss_type": "custom_loss",
+                        "custom_loss_function_path": "triage_slime_check.triage_loss",
+                        "recompute_loss_function": False, "log_probs_chunk_size": -1, "global_batch_size": GBS})
+    param = torch.zeros((), requires_grad=True)
+    opt = torch.optim.SGD([param], lr=0.0)
+    logged, stand_in = [], 0.0
+    part, schedule = PARTITION[rank], [[0, 1], [2]]
+    for step in range(FW_STEPS):
+        samples = amplifying_step(step)
+        losses_reduced = []
+        for idx in schedule:
+            mb, logits = slime_micro_batch(samples, [part[j] for j in idx], param)
+            kw = dict(args=args, unconcat_tokens=mb["unconcat_tokens"], total_lengths=mb["total_lengths"],
+                      response_lengths=mb["response_lengths"], with_entropy=True)
+            real = get_log_probs_and_entropy(logits.detach(), **kw)[1]["log_probs"]
+            ours = slime_contract.get_log_probs_and_entropy(logits.detach(), **kw)[1]["log_probs"]
+            stand_in = max(stand_in, max(float((a - b).abs().max()) for a, b in zip(real, ours)))
+            loss, _, log = loss_function(args, mb, len(schedule), GBS, logits)
+            loss.backward()
+            losses_reduced.append(log)
+        opt.step()
+        opt.zero_grad()
+        reduced = reduce_train_step_metrics(losses_reduced, calculate_per_token_loss=per_token,
+                                            step_global_batch_size=GBS, cp_size=1,
+                                            dp_with_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
+        tokens = sum(max(int(samples[part[j]]["loss_masks"].sum()), 1) for mb_idx in schedule for j in mb_idx)
+        logged.append({"log": reduced, "tokens": tokens})
+    close_all()
+    dist.destroy_process_group()
+    lines.remove()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "logged": logged, "alerts": lines.lines,
+                                                         "stand_in_max_diff": stand_in}))
+
+
+def check_framework_log(opts):
+    import json
+    import math
+
+    import torch.multiprocessing as mp
+    _paths(opts)
+    import recording_tracker
+
+    from triage_monitor.trackers import CURATED_KEYS
+    for per_token in (False, True):
+        out = Path(tempfile.mkdtemp(dir=opts.out))
+        Path(out, "triage_slime_check.py").write_text(FW_MODULE.format(run=str(out / "run"),
+                                                                       rec=str(out / "rec.jsonl")))
+        mp.spawn(_framework_worker, args=(2, opts, str(out), per_token), nprocs=2, join=True)
+        res = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+        r0, r1 = (recording_tracker.steps_table(out / "run", rank=r) for r in (0, 1))
+        exact, worst, weighted = 0, 0.0, []
+        for s in range(1, FW_STEPS):
+            log = res[0]["logged"][s]["log"]
+            assert log["triage/metrics_step"] == s - 1 or abs(log["triage/metrics_step"] - (s - 1)) < 1e-5
+            t0, t1 = res[0]["logged"][s]["tokens"], res[1]["logged"][s]["tokens"]
+            for k in CURATED_KEYS:
+                key, v = f"triage/{k}", r0.loc[s - 1, k]
+                if per_token and k == "alerts_active":
+                    assert key not in log
+                    continue
+                if per_token and k == "gate_downweighted_frac":      # per rank: the ranks' token-weighted mean
+                    want = (v * t0 + r1.loc[s - 1, k] * t1) / (t0 + t1)
+                    weighted.append(abs(log[key] - want))
+                    continue
+                if math.isnan(v):
+                    assert math.isnan(log[key]), (s, k)
+                    continue
+                worst = max(worst, abs(log[key] - v) / max(1.0, abs(v)))
+                exact += 1
+        alerts = recording_tracker.alerts_table(out / "run")
+        rows = recording_tracker.read(out / "rec.jsonl")
+        print(f"{'--calculate-per-token-loss' if per_token else 'per-rollout mean'}: {exact} curated values of "
+              f"steps 1-{FW_STEPS - 1} vs rank 0's steps table, max rel diff {worst:.2g}"
+              + (f"; gate_downweighted_frac vs the ranks' token-weighted mean: max diff {max(weighted):.2g}; "
+                 "alerts_active not logged" if per_token else "")
+              + f"; window/rho_asym rank 0 == rank 1: {bool((r0['window/rho_asym'] == r1['window/rho_asym']).all())}"
+              f"; alerts {list(zip(alerts['step'], alerts['rule'], alerts['rank']))}, log lines per rank "
+              f"{[len(r['alerts']) for r in res]}, recorder pids == rank 0's: "
+              f"{sorted({r['pid'] for r in rows}) == [res[0]['pid']]}; attempts in the tokens "
+              f"{sorted(set(pd_tokens(out)))}; stand-in get_log_probs_and_entropy vs slime's: max diff "
+              f"{max(r['stand_in_max_diff'] for r in res):.2g}")
+
+
+def pd_tokens(out):
+    import pandas as pd
+    return pd.read_parquet(Path(out) / "run" / "tokens")["attempt"].tolist()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--slime", required=True)
@@ -155,6 +283,7 @@ def main():
     opts.out = opts.out or tempfile.mkdtemp(prefix="slime-check-")
     check_writers(opts)
     check_loss(opts)
+    check_framework_log(opts)
 
 
 if __name__ == "__main__":

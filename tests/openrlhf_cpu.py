@@ -151,11 +151,12 @@ def tiny_model_dir(path, seed=0):
     return path
 
 
-def experiences(actor, n=24, seed=0, max_prompt=6, max_resp=10):
+def experiences(actor, n=24, seed=0, max_prompt=6, max_resp=10, amplify=0.0):
     """``n`` single-sample ``Experience`` objects laid out as ``samples_generator`` builds them (prompt + response
     shifted by one, a tool span with mask 0, rollout log-probs 0.0 off the mask), with ``action_log_probs``
     from the actor (old policy) and rollout log-probs = old + noise, + 0.8 nats on every third sample (a sampler
-    that differs, enough for the Gate to act)."""
+    that differs, enough for the Gate to act).  ``amplify`` > 0 instead: rollout log-probs = old ∓ ``amplify``
+    nats (above the learner's on A < 0 samples, below on A > 0: the amplifying direction) ± 0.05 nats noise."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     g = torch.Generator().manual_seed(seed)
@@ -173,8 +174,13 @@ def experiences(actor, n=24, seed=0, max_prompt=6, max_resp=10):
         with torch.no_grad():
             old = actor(seq, am, attention_mask=attn).float()
         shift = 0.8 if i % 3 == 0 else 0.0                          # a sampler well above the learner: δ < 0
-        rollout = (old + shift + 0.3 * torch.randn(old.shape, generator=g)).clamp(max=-1e-4) * am
-        adv = torch.full(old.shape, float(torch.randn((), generator=g))) * am
+        noise = torch.randn(old.shape, generator=g)
+        a = float(torch.randn((), generator=g))
+        if amplify:
+            rollout = (old - amplify * (1.0 if a > 0 else -1.0) + 0.05 * noise).clamp(max=-1e-4) * am
+        else:
+            rollout = (old + shift + 0.3 * noise).clamp(max=-1e-4) * am
+        adv = torch.full(old.shape, a) * am
         out.append(Experience(sequences=seq, attention_mask=attn, action_mask=am, action_log_probs=old,
                               rollout_log_probs=rollout, advantages=adv, info={}))
     return out
@@ -220,10 +226,11 @@ def fit(obj, exps, seed=0):
         return obj.fit(kl_ctl=0.0)
 
 
-def ray_actor_run(obj, model_dir, fits=2, seed=0):
+def ray_actor_run(obj, model_dir, fits=2, seed=0, amplify=0.0):
     """Run inside a Ray policy actor (``actor.__ray_call__``): join the actors' gloo group from the
     MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE that OpenRLHF's ``BaseDistributedActor`` set, set up on the CPU,
-    ``fits`` fits of 16 samples (this rank's own), close the hook; returns (pid, statuses)."""
+    ``fits`` fits of 16 samples (this rank's own; :func:`experiences`' ``amplify``), close the hook; returns
+    (pid, statuses, what this actor's monitor was built with: rank, alert rule names, trackers)."""
     import os
 
     import torch.distributed as dist
@@ -232,7 +239,10 @@ def ray_actor_run(obj, model_dir, fits=2, seed=0):
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     set_up_policy_actor(obj, model_dir)
-    exps = experiences(obj.actor, n=16, seed=seed + 100 * dist.get_rank())
+    exps = experiences(obj.actor, n=16, seed=seed + 100 * dist.get_rank(), amplify=amplify)
     statuses = [fit(obj, exps, seed=k) for k in range(fits)]
+    mon = obj.triage_loss.monitor
+    info = {"rank": mon.rank, "rules": None if mon.alerts is None else [r.name for r in mon.alerts.rules],
+            "loggers": [(type(lg).__name__, lg.keys) for lg in mon.loggers]}
     obj.triage_loss.close()
-    return os.getpid(), statuses
+    return os.getpid(), statuses, info

@@ -17,6 +17,7 @@ import os
 from types import SimpleNamespace
 
 import cloudpickle
+import numpy as np
 import pytest
 import torch
 
@@ -41,13 +42,15 @@ MICRO = 2                                         # micro_train_batch_size_per_g
 MAX_SEQ_LEN = 64
 
 
-def rollout(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS):
+def rollout(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, amplify: float = 0.0):
     """One mini-batch laid out by SkyRL's own preprocessing: (sequences, loss_mask, rollout_logprobs, the
-    per-response lists, raw advantages (B, T), learner / old log-probs (B, T))."""
+    per-response lists, raw advantages (B, T), learner / old log-probs (B, T)).  The learner is the generator
+    ± 0.3 nats of noise; with ``amplify`` > 0 it is ``amplify`` nats off in the amplifying direction instead
+    (the generator above the learner on A < 0 responses, below on A > 0) ± 0.05 nats."""
     g = torch.Generator().manual_seed(seed)
     resp = [torch.randint(3, 50, (L,), generator=g).tolist() for L in lengths]
     prm = [torch.randint(3, 50, (P,), generator=g).tolist() for P in prompts]
-    rl = [(-torch.rand(L, generator=g) * 2 - 0.01) for L in lengths]
+    rl = [(-torch.rand(L, generator=g) * 2 - 0.01 - amplify) for L in lengths]
     masks = []
     for L in lengths:
         m = [1] * L
@@ -60,7 +63,9 @@ def rollout(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS):
     B, T = loss_mask.shape
     score = torch.randn(B, generator=g)
     adv = score[:, None] * action_mask                           # GRPO: one advantage per response
-    learner = torch.where(action_mask > 0, rollout_lp + 0.3 * torch.randn(B, T, generator=g), torch.full((B, T), -3.0))
+    noise = torch.randn(B, T, generator=g)
+    delta = amplify * torch.sign(score)[:, None] + 0.05 * noise if amplify else 0.3 * noise
+    learner = torch.where(action_mask > 0, rollout_lp + delta, torch.full((B, T), -3.0))
     old = torch.where(action_mask > 0, learner + 0.1 * torch.randn(B, T, generator=g), torch.zeros(B, T))
     return dict(sequences=seqs, attention_mask=attn, action_mask=action_mask, loss_mask=loss_mask,
                 rollout=rollout_lp, rl_lists=rl, mask_lists=masks, adv=adv, score=score,
@@ -205,8 +210,47 @@ def test_unsupported_configuration_raises_at_construction():
         SkyRLTriageLoss()(r["learner"], r["old"], r["adv"], AlgorithmConfig(), loss_mask=r["loss_mask"])
 
 
+def test_register_takes_alerts_loggers_framework_keys_and_checks_them(tmp_path):
+    """register(alerts=, loggers=, framework_keys=, trainer=) become the loss's settings (configuration only); a
+    bad value fails on the driver, naming the argument and the value."""
+    from skyrl.train.config import TrainerConfig
+    from triage_monitor.trackers import TrackerSpec
+
+    rules = tmp_path / "rules.toml"
+    rules.write_text('[[rules]]\nname = "r"\nmetric = "window/rho_asym"\ncondition = "above"\nthreshold = 1.5\n')
+    trainer = TrainerConfig()
+    trainer.train_batch_size, trainer.policy_mini_batch_size, trainer.update_epochs_per_batch = 64, 16, 2
+    try:
+        fn = register(name="triage_opts", run_dir=str(tmp_path / "run"), alerts=str(rules), loggers="tensorboard",
+                      framework_keys=["window/rho_asym", "k3_kl"], trainer=trainer)
+        assert fn.settings.alerts == str(rules) and fn.settings.loggers == [TrackerSpec("tensorboard")]
+        assert fn.settings.framework_keys == ("window/rho_asym", "k3_kl") and fn.steps_per_report == 8
+        assert b"TrackerSpec" in cloudpickle.dumps(fn) and cloudpickle.loads(cloudpickle.dumps(fn)).steps_per_report == 8
+        assert register(name="triage_opts_off", alerts=False).settings.alerts is False
+        bad = [(dict(alerts=str(tmp_path / "none.toml")), r"register\(alerts=...\)='.*none.toml': .*not a file"),
+               (dict(alerts=[{"name": "x", "metric": "rho_asym", "condition": "up", "threshold": 1}]),
+                r"register\(alerts=...\)\[0\].*condition"),
+               (dict(loggers=["comet"]), r"register\(loggers=...\)=\['comet'\]: tracker kind 'comet'"),
+               (dict(loggers=[object()]), r"register\(loggers=...\)=.*give a kind"),
+               (dict(framework_keys="most"), r"register\(framework_keys=...\)='most'"),
+               (dict(trainer=SimpleNamespace(train_batch_size=8, policy_mini_batch_size=16, update_epochs_per_batch=1)),
+                r"policy_mini_batch_size=16 exceeds trainer.train_batch_size=8")]
+        for i, (kw, match) in enumerate(bad):
+            with pytest.raises(ValueError, match=match):
+                register(name=f"triage_bad_{i}", **kw)
+    finally:
+        PolicyLossRegistry.reset()
+
+
 # ------------------------------------------------------------------------- registry → Ray workers (real)
-STEPS, MICRO_PER_STEP = 3, 4
+#: SkyRL training steps; mini-batches (optimizer steps) per SkyRL step; micro-batches per mini-batch
+STEPS, MINI_PER_STEP, MICRO_PER_STEP = 3, 2, 4
+#: a generator this many nats off the learner in the amplifying direction (rollout's ``amplify``)
+AMPLIFY = 0.5
+#: one rule per monitored step: the window's amplifying share above 0.9 held 1, 2, ... steps, so the biased
+#: generator raises exactly one alert at each monitored step, for the job (passed to register(alerts=...))
+RULES = [dict(name=f"held_{h}", metric="window/amp_share", condition="above", threshold=0.9, window=25, hold=h,
+              cooldown=100) for h in range(1, STEPS * MINI_PER_STEP + 1)]
 
 
 class _Model(torch.nn.Module):
@@ -223,7 +267,12 @@ class _Model(torch.nn.Module):
 
 
 class _Strategy:
-    """Stand-in for the FSDP strategy: plain backward and optimizer step."""
+    """Stand-in for the FSDP strategy: plain backward and optimizer step; SkyRL's own ``all_reduce`` (the DP mean
+    of the worker's metrics, on the gloo group)."""
+
+    from skyrl.backends.skyrl_train.distributed.strategy import DistributedStrategy as _DS
+
+    all_reduce = _DS.all_reduce
 
     def backward(self, loss, model, optimizer, **kw):
         loss.backward()
@@ -235,69 +284,105 @@ class _Strategy:
         return None
 
 
-def run_worker(rank: int, world: int, loss_name: str):
-    """One SkyRL policy worker: SkyRL's own __init__ (registry lookup), micro-batching and loss call site."""
+def run_worker(rank: int, world: int, loss_name: str, port: int):
+    """One SkyRL policy worker in a gloo process group with the other (SkyRL's workers always have one): SkyRL's
+    own ``__init__`` (registry lookup), ``forward_backward`` (micro-batching, the loss call site, the metric
+    reduction over micro-batches and its DP all-reduce) and ``optim_step`` per mini-batch; returns, besides the
+    run's facts, the metrics of every mini-batch as the trainer receives them (WorkerOutput.metrics, dp rank 0's)."""
     import torch.cuda
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
     from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
-    from skyrl.backends.skyrl_train.workers.worker_utils import BaseBatchIterator, get_microbatch_iterator
     from skyrl.train.config import TrainerConfig
 
+    torch.set_num_threads(1)
     torch.cuda.current_device = lambda: "cpu"                # GPU piece: the worker moves batches to the device
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = TrainerConfig()
     cfg.algorithm.policy_loss_type = loss_name
     cfg.algorithm.use_kl_loss = False
     cfg.algorithm.temperature = 1.0
     cfg.micro_train_batch_size_per_gpu = len(LENGTHS) // MICRO_PER_STEP
     worker = PolicyWorkerBase(cfg=cfg, world_size=world, rank=rank, local_rank=0, master_addr="127.0.0.1",
-                              master_port=29500, sequence_parallel_size=1)
+                              master_port=port, sequence_parallel_size=1)
+    # GPU piece: SkyRL's init_worker_process_group builds this mesh on "cuda"
+    worker.device_mesh = init_device_mesh("cpu", mesh_shape=(world, 1), mesh_dim_names=("dp", "sp"))
     model = _Model()
     worker.model, worker.strategy = model, _Strategy()
     worker.optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     worker.scheduler = torch.optim.lr_scheduler.ConstantLR(worker.optimizer, factor=1.0)
     worker.mesh_rank = SimpleNamespace(dp_size=world)
-    statuses = []
+    minibatch_metrics = []
     for step in range(STEPS):
-        r = rollout(seed=100 * rank + step)
-        B = len(LENGTHS)
-        model.table = r["learner"]
-        seqs = torch.arange(B)[:, None].expand(B, 3).contiguous()   # row id → its log-probs in the stand-in
-        data = TrainingInputBatch({
-            "sequences": seqs, "attention_mask": torch.ones(B, 3, dtype=torch.long),
-            "action_log_probs": r["old"], "base_action_log_probs": None, "values": None, "returns": None,
-            "advantages": scaled_advantages(r, cfg.algorithm.loss_reduction), "loss_mask": r["loss_mask"],
-            "response_mask": r["action_mask"], "rollout_logprobs": r["rollout"]})
-        data.metadata = {"response_length": r["loss_mask"].shape[1], "global_step": step + 1}
-        # PolicyWorkerBase.forward_backward's loop (its DP all-reduce of the metrics needs a process group)
-        for micro in get_microbatch_iterator(data, micro_batch_size=cfg.micro_train_batch_size_per_gpu,
-                                             max_tokens_per_microbatch=cfg.max_tokens_per_microbatch):
-            exp = BaseBatchIterator.batch_to_experience(micro)
-            statuses.append(worker._forward_backward_micro(exp, microbatch_weight=len(micro) / len(data)))
-        worker.optim_step()
+        for mini in range(MINI_PER_STEP):
+            r = rollout(seed=1000 * rank + 10 * step + mini, amplify=AMPLIFY)
+            B = len(LENGTHS)
+            model.table = r["learner"]
+            seqs = torch.arange(B)[:, None].expand(B, 3).contiguous()   # row id → its log-probs in the stand-in
+            data = TrainingInputBatch({
+                "sequences": seqs, "attention_mask": torch.ones(B, 3, dtype=torch.long),
+                "action_log_probs": r["old"], "base_action_log_probs": None, "values": None, "returns": None,
+                "advantages": scaled_advantages(r, cfg.algorithm.loss_reduction), "loss_mask": r["loss_mask"],
+                "response_mask": r["action_mask"], "rollout_logprobs": r["rollout"]})
+            data.metadata = {"response_length": r["loss_mask"].shape[1], "global_step": step + 1}
+            out = worker.forward_backward(data)
+            minibatch_metrics.append(dict(out.metrics))
+            worker.optim_step()
     hook = worker.policy_loss_fn
     rt = hook.runtime
-    out = {"pid": os.getpid(), "calls": rt.calls, "optimizer_steps": rt.optimizer_steps, "rank": rt.monitor.rank,
-           "is_ours": type(hook).__name__, "status_keys": sorted(k for k in statuses[0] if k != "loss_fn_outputs"),
-           "controller_calls": rt.controller.calls}
+    mon = rt.monitor
+    result = {"pid": os.getpid(), "calls": rt.calls, "optimizer_steps": rt.optimizer_steps, "rank": mon.rank,
+              "is_ours": type(hook).__name__, "controller_calls": rt.controller.calls, "metrics": minibatch_metrics,
+              "rules": None if mon.alerts is None else [x.name for x in mon.alerts.rules],
+              "loggers": [(type(lg).__name__, lg.keys) for lg in mon.loggers]}
     close_all()
+    dist.destroy_process_group()
+    return result
+
+
+def skyrl_logged(minibatch_metrics) -> list:
+    """What SkyRL's trainer logs per training step (trainer.py ``_execute_training_step`` and
+    ``train_critic_and_policy``): the mini-batches' metrics reduced by SkyRL's ``reduce_metrics``, ``policy/``."""
+    from collections import defaultdict
+
+    from skyrl.backends.skyrl_train.workers.worker_utils import reduce_metrics
+
+    out = []
+    for s in range(STEPS):
+        all_metrics = defaultdict(list)
+        for m in minibatch_metrics[s * MINI_PER_STEP:(s + 1) * MINI_PER_STEP]:
+            for k, v in m.items():
+                all_metrics[k].append(v)
+        out.append({f"policy/{k}": v for k, v in reduce_metrics(all_metrics, sum_loss_metrics=False).items()})
     return out
 
 
 def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
-    """A real local Ray cluster: the loss registered on the driver (with live state there), synced by SkyRL's
-    ``sync_registries`` and looked up by two real ``PolicyWorkerBase`` workers: 3 optimizer steps × 4
-    micro-batches each → 3 monitored steps, every token once, rank files from both workers, one run.json, SkyRL's
-    own status metrics next to ours."""
+    """A real local Ray cluster: the loss registered on the driver (with live state there; alerts, a tracker and
+    the trainer's batch sizes as register's arguments), synced by SkyRL's ``sync_registries`` and looked up by two
+    real ``PolicyWorkerBase`` workers in one gloo group: 3 SkyRL steps × 2 mini-batches × 4 micro-batches each → 6
+    monitored steps, every token once, rank files from both workers, one run.json, SkyRL's own status metrics next
+    to ours.  The options reach the monitors (rank 0's only); a generator biased in the amplifying direction raises
+    one alert per monitored step for the job, from rank 0; what SkyRL logs per step (its real reduction over
+    micro-batches, DP ranks and mini-batches) holds the curated keys of the previous SkyRL step's last monitored
+    step, equal to the steps table."""
     import pyarrow.parquet as pq
     import ray
 
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
+    from skyrl.train.config import TrainerConfig
+    from triage_monitor.trackers import CURATED_KEYS
 
     run_dir = tmp_path / "run"
+    trainer = TrainerConfig()
+    trainer.train_batch_size, trainer.policy_mini_batch_size = 2 * MINI_PER_STEP, 2
     fn = register(name="triage_ray_test", run_dir=str(run_dir),
                   monitor=MonitorConfig(window=2, calibration_steps=1),
-                  triage=TriageConfig(gate_width=4, repair_width=4), manifest={"framework": "skyrl"})
+                  triage=TriageConfig(gate_width=4, repair_width=4), manifest={"framework": "skyrl"},
+                  alerts=RULES, loggers=[{"kind": "wandb", "start": False}], trainer=trainer)
+    assert fn.steps_per_report == MINI_PER_STEP
     assert fn.controller is not None                 # live objects (controller, locks) in the driver process ...
     data = cloudpickle.dumps(fn)                     # ... never travel: the object pickles as configuration
     assert b"TriageController" not in data and b"RLock" not in data
@@ -309,31 +394,72 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
         sync_registries()                            # what SkyRL's initialize_ray does right after ray.init
         Worker = ray.remote(num_cpus=1)(_Host)
         hosts = [Worker.remote() for _ in range(2)]
-        results = ray.get([h.run.remote(i, 2, "triage_ray_test") for i, h in enumerate(hosts)])
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        results = ray.get([h.run.remote(i, 2, "triage_ray_test", port) for i, h in enumerate(hosts)])
     finally:
         ray.shutdown()
         PolicyLossRegistry.reset()
         fn.close()
+    n_steps = STEPS * MINI_PER_STEP
     assert len({r["pid"] for r in results}) == 2 and os.getpid() not in {r["pid"] for r in results}
     assert all(r["is_ours"] == "SkyRLTriageLoss" for r in results)
-    assert sorted(r["rank"] for r in results) == [0, 1]
-    assert all(r["optimizer_steps"] == STEPS and r["calls"] == STEPS * MICRO_PER_STEP for r in results)
-    assert all(r["controller_calls"] == STEPS * MICRO_PER_STEP for r in results)
-    keys = set(results[0]["status_keys"])
+    by_rank = {r["rank"]: r for r in results}
+    assert sorted(by_rank) == [0, 1]
+    assert all(r["optimizer_steps"] == n_steps and r["calls"] == n_steps * MICRO_PER_STEP for r in results)
+    assert all(r["controller_calls"] == n_steps * MICRO_PER_STEP for r in results)
+    keys = set(results[0]["metrics"][0])
     assert {"policy_loss", "final_loss", "loss_metrics/clip_ratio", "loss_metrics/triage/gate_weight_mean",
             "minibatch_rollout_logprobs_abs_diff_mean"} <= keys
     n_tokens = sum(sum(m) for m in rollout()["mask_lists"])
     from triage_monitor.layout import parse_table_file
     files = {parse_table_file(p.name): p for p in (run_dir / "tokens").iterdir()}
     steps = sorted({s for s, _, _ in files})
-    assert steps == list(range(STEPS))
+    assert steps == list(range(n_steps))
     for s in steps:
         assert sorted(r for st, r, _ in files if st == s) == [0, 1]           # one file per (step, rank)
         assert all(pq.read_table(f).num_rows == n_tokens for (st, _, _), f in files.items() if st == s)
     manifest = json.loads((run_dir / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "skyrl"
 
+    # register's options reached the monitors: rules and tracker on rank 0 only
+    assert by_rank[0]["rules"] == [r["name"] for r in RULES] and by_rank[0]["loggers"] == [("WandbLogger", "curated")]
+    assert by_rank[1]["rules"] is None and by_rank[1]["loggers"] == []
+    # one alert per monitored step for the job, raised by rank 0 on the all-reduced metrics; rank 1 raised none
+    import pandas as pd
+    alerts = pd.read_parquet(run_dir / "alerts")
+    assert sorted(zip(alerts["step"].astype(int), alerts["rule"])) == [(s, f"held_{s + 1}") for s in range(n_steps)]
+    assert set(alerts["rank"].astype(int)) == {0}
+    table = pd.read_parquet(run_dir / "steps")
+    rows = {(int(r["step"]), int(r["rank"])): r for _, r in table.iterrows()}
+    assert all(rows[(s, 1)]["delta_abs_mean"] > 0.3 for s in range(n_steps))          # generator != learner
+
+    # what SkyRL logs per training step: the metrics dp rank 0 returns, reduced over the step's mini-batches
+    for a, b in zip(results[0]["metrics"], results[1]["metrics"]):          # all-reduced: the same on both ranks
+        assert a == pytest.approx(b, nan_ok=True)
+    logged = skyrl_logged(by_rank[0]["metrics"])
+    assert not any(k.startswith("policy/loss_metrics/triage/window") for k in logged[0])
+    for s in range(1, STEPS):
+        got = logged[s]
+        last = s * MINI_PER_STEP - 1                  # the last monitored step of the previous SkyRL step
+        assert got["policy/loss_metrics/triage/metrics_step"] == last
+        r0, r1 = rows[(last, 0)], rows[(last, 1)]
+        want = [k for k in CURATED_KEYS if np.isfinite(r0[k])]
+        assert {"window/rho_asym", "rho_asym", "window/k3_kl", "delta_abs_mean", "alerts_active",
+                "gate_downweighted_frac"} <= set(want)
+        for k in want:
+            v = got[f"policy/loss_metrics/triage/{k}"]
+            if k == "gate_downweighted_frac":           # each rank's own Gate: SkyRL's mean over the DP ranks
+                assert v == pytest.approx((r0[k] + r1[k]) / 2, rel=1e-6, abs=1e-9), k
+            elif k == "alerts_active":                  # rank 0's count
+                assert v == pytest.approx(r0[k]) and r0[k] == last + 1 and np.isnan(r1[k])
+            else:                                       # all-reduced by the monitors: the same on both ranks
+                assert r1[k] == pytest.approx(r0[k], rel=1e-9, abs=1e-12), k
+                assert v == pytest.approx(r0[k], rel=1e-6, abs=1e-9), k
+
 
 class _Host:
-    def run(self, rank, world, loss_name):
-        return run_worker(rank, world, loss_name)
+    def run(self, rank, world, loss_name, port):
+        return run_worker(rank, world, loss_name, port)

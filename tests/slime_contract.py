@@ -125,3 +125,102 @@ def slime_pg_loss(args, batch, log_probs, sum_of_sample_mean):
     pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, torch.cat(batch["advantages"], dim=0), args.eps_clip,
                                                args.eps_clip_high, eps_clip_c=args.eps_clip_c)
     return sum_of_sample_mean(pg_loss), sum_of_sample_mean(pg_clipfrac), sum_of_sample_mean(ppo_kl)
+
+
+# ------------------------------------------------------- the custom-loss call site and the step's metric reduction
+# HEAD slime/backends/megatron_utils/loss.py lines 83-95 (get_rollout_top_p_logprob_kwargs).
+def get_rollout_top_p_logprob_kwargs(args, batch):
+    if args.rollout_top_p == 1.0:
+        return {}
+    top_p_token_ids = batch.get("rollout_top_p_token_ids")
+    top_p_token_offsets = batch.get("rollout_top_p_token_offsets")
+    if top_p_token_ids is None or top_p_token_offsets is None:
+        raise ValueError("rollout_top_p != 1.0 requires rollout_top_p_token_ids and rollout_top_p_token_offsets.")
+    return {"top_p_token_ids": top_p_token_ids, "top_p_token_offsets": top_p_token_offsets}
+
+
+# What HEAD loss.py lines 513-604 (get_log_probs_and_entropy) returns with tensor- and context-parallel size 1 and no
+# top-p replay: the shifted targets of _build_shifted_tokens (lines 305-312), log-softmax / entropy over the full
+# [T, V] logits (ppo_utils.calculate_log_probs_and_entropy, here without Megatron's vocab-parallel kernels) and the
+# per-sample slices of _extract_per_sample (lines 499-508).  Not a transcription of the kernels:
+# scripts/check_slime_source.py runs the hook with slime's own function.
+def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False,
+                              non_loss_data=True, top_p_token_ids=None, top_p_token_offsets=None):
+    assert non_loss_data and logits.dtype == torch.float32 and logits.dim() == 3 and logits.size(0) == 1
+    assert top_p_token_ids is None
+    logits = logits.squeeze(0)
+    if getattr(args, "rollout_temperature", 1.0) != 1.0:
+        logits = logits / args.rollout_temperature
+    T = logits.size(0)
+    full_tokens = torch.zeros(T, dtype=torch.long)
+    offset = 0
+    for tokens, total_length in zip(unconcat_tokens, total_lengths):
+        full_tokens[offset:offset + total_length - 1] = tokens[1:total_length]
+        offset += total_length
+    logp = torch.log_softmax(logits, dim=-1)
+    log_prob_full = logp.gather(-1, full_tokens.unsqueeze(-1)).squeeze(-1)
+    entropy_full = -(logp.exp() * logp).sum(-1)
+    log_probs, entropy = [], []
+    offset = 0
+    for total_length, response_length in zip(total_lengths, response_lengths):
+        end = offset + total_length
+        start = end - response_length
+        log_probs.append(log_prob_full[start - 1:end - 1])
+        entropy.append(entropy_full[start - 1:end - 1])
+        offset += total_length
+    res = {"log_probs": log_probs}
+    if with_entropy:
+        res["entropy"] = entropy
+    return torch.empty((0,)), res
+
+
+def install_slime_modules():
+    """Make the slime functions the hook imports at its call resolve to the pieces above (as inside slime):
+    ``slime.backends.megatron_utils.loss`` and ``slime.utils.ppo_utils``.  Returns what was there before."""
+    import sys
+    import types
+
+    saved = {}
+    mods = {}
+    for name in ("slime", "slime.backends", "slime.backends.megatron_utils", "slime.backends.megatron_utils.loss",
+                 "slime.utils", "slime.utils.ppo_utils"):
+        saved[name] = sys.modules.get(name)
+        mods[name] = sys.modules[name] = types.ModuleType(name)
+    loss = mods["slime.backends.megatron_utils.loss"]
+    loss.get_log_probs_and_entropy = get_log_probs_and_entropy
+    loss.get_rollout_top_p_logprob_kwargs = get_rollout_top_p_logprob_kwargs
+    mods["slime.utils.ppo_utils"].compute_policy_loss = compute_policy_loss
+    return saved
+
+
+# HEAD loss.py lines 1283-1382 (loss_function), the custom_loss branch, context parallel size 1 (the hook refuses
+# more), no recompute: num_tokens, the reducer, func(args, batch, logits, sum_of_sample_mean), the Megatron rescale
+# and the logging dict whose values[0] is num_tokens (per-token loss) or 0.
+def loss_function(args, batch, num_microbatches, step_global_batch_size, logits, func, dp_size=1):
+    num_tokens = sum([torch.clamp_min(loss_mask.sum(), 1) for loss_mask in batch["loss_masks"]])
+    sum_of_sample_mean = get_sum_of_sample_mean(batch["response_lengths"], batch["loss_masks"],
+                                                batch["rollout_mask_sums"], args.calculate_per_token_loss)
+    loss, log = func(args, batch, logits, sum_of_sample_mean)
+    if not args.calculate_per_token_loss:
+        loss = loss * num_microbatches / step_global_batch_size * dp_size
+    return (loss, (num_tokens if args.calculate_per_token_loss else torch.tensor(1)),
+            {"keys": list(log.keys()),
+             "values": torch.tensor([num_tokens if args.calculate_per_token_loss else 0] + list(log.values()))})
+
+
+# HEAD slime/observability/train_metric_utils.py lines 45-59 (reduce_train_step_metrics), cp_size 1; the DP
+# all-reduce is the sum over the ranks' summed values (``ranks``: per rank, its micro-batches' logging dicts).
+def reduce_train_step_metrics(ranks, *, calculate_per_token_loss, step_global_batch_size):
+    per_rank = []
+    for losses_reduced in ranks:
+        keys = losses_reduced[0]["keys"]
+        values = None
+        for item in losses_reduced:
+            values = item["values"] if values is None else values + item["values"]
+        assert len(keys) + 1 == values.numel()
+        per_rank.append((keys, values))
+    assert all(k == per_rank[0][0] for k, _ in per_rank)              # all_reduce needs the same layout everywhere
+    keys, values = per_rank[0][0], sum(v for _, v in per_rank)      # dist.all_reduce(values, dp_with_cp_group)
+    values = values.tolist()
+    num_samples_or_tokens = values[0] if calculate_per_token_loss else step_global_batch_size
+    return {key: value / num_samples_or_tokens for key, value in zip(keys, values[1:])}

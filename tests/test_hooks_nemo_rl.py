@@ -22,7 +22,10 @@ nemo_automodel), so the calling code is reproduced here from its public reposito
   micro-batches, ``loss_metrics["num_valid_samples"]``, ``optimizer.step()``);
 - ``nemo_rl/models/policy/lm_policy.py`` L779-816 (``policy.train``: the data sharded over data-parallel workers,
   ``loss_fn`` passed in ``common_kwargs`` to every worker on every call, i.e. re-pickled each time);
-- ``nemo_rl/algorithms/grpo.py`` L3466-3492 (the micro-batch metric lists summed, extrema min/max'd).
+- ``nemo_rl/algorithms/grpo.py`` L3466-3492 (the micro-batch metric lists summed, extrema min/max'd), with
+  ``automodel/train.py`` L1122-1134 (``aggregate_training_statistics``: each worker's micro-batch dicts listed per
+  key) and ``lm_policy.py`` L853-858 (the workers' lists concatenated): together what GRPO logs as its train
+  metrics.
 """
 
 import enum
@@ -32,15 +35,22 @@ import socket
 import sys
 import types
 
+import math
+from pathlib import Path
+
 import cloudpickle
 import pandas as pd
 import pytest
 import torch
 
-from triage_monitor.controller import TriageConfig
-from triage_monitor.hooks import nemo_rl
-from triage_monitor.hooks._runtime import close_all, runtime_for
-from triage_monitor.monitor import MonitorConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import recording_tracker  # noqa: E402
+from triage_monitor.controller import TriageConfig  # noqa: E402
+from triage_monitor.hooks import nemo_rl  # noqa: E402
+from triage_monitor.hooks._runtime import close_all, runtime_for  # noqa: E402
+from triage_monitor.monitor import MonitorConfig  # noqa: E402
+from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
 
 COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
 assert nemo_rl.NEMO_RL_COMMIT == COMMIT
@@ -321,10 +331,15 @@ class TinyLM(torch.nn.Module):
         return self.emb(input_ids) * 2.0
 
 
-def make_data(seed: int, rows: int = 8, model=None):
+def make_data(seed: int, rows: int = 8, model=None, amplify: bool = False):
     """GRPO-shaped data: prompt (token_mask 0), right-padded responses of different lengths, an environment span
     (token_mask 0) inside row 1; prev / reference log-probs around the model's (PPO ratios well outside the clip
-    range, some beyond the dual clip), generation log-probs below prev."""
+    range, some beyond the dual clip), generation log-probs below prev.
+
+    ``amplify``: the sampler biased in the amplifying direction instead — advantages −1.5 (even rows) / +0.5 (odd
+    rows) × U(1, 1.2), generation log-probs 0.5 nats (± 0.1 noise) above the model's on A<0 rows and 0.5 below
+    on A>0 rows (δ = learner − generation ≈ ∓0.5 on every token, A⁻ mass about three times A⁺'s: window ρ_asym
+    ≈ 3, the shipped rules fire)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (rows, S), generator=g)
     lengths = torch.randint(S - 8, S + 1, (rows,), generator=g)
@@ -342,6 +357,14 @@ def make_data(seed: int, rows: int = 8, model=None):
     ref = torch.zeros(rows, S)
     ref[:, 1:] = live + 0.2 * torch.randn(rows, S - 1, generator=g)
     adv = (torch.randn(rows, 1, generator=g) * token_mask).expand(rows, S).contiguous()
+    if amplify:
+        neg = (torch.arange(rows) % 2 == 0)[:, None]                 # A<0 on the even rows
+        scale = 1 + 0.2 * torch.rand(rows, 1, generator=g)
+        adv = (torch.where(neg, -1.5, 0.5) * scale * token_mask).expand(rows, S).contiguous()
+        biased = torch.zeros(rows, S)
+        biased[:, 1:] = (live + torch.where(neg, 0.5, -0.5) + 0.1 * torch.randn(rows, S - 1, generator=g)).clamp(
+            max=-1e-3)
+        gen = torch.where(token_mask > 0, biased, torch.zeros(()))
     sample_mask = torch.ones(rows)
     sample_mask[-1] = 0                                             # one invalid sample
     return {"input_ids": ids, "prev_logprobs": prev, "generation_logprobs": gen, "reference_policy_logprobs": ref,
@@ -430,8 +453,122 @@ def test_pickles_to_configuration_only(tmp_path):
     rt.close()
 
 
+def test_hook_options_are_validated_naming_the_option():
+    with pytest.raises(ValueError, match=r"NemoRLTriageLoss: alerts=3"):
+        nemo_rl.NemoRLTriageLoss({}, alerts=3)
+    with pytest.raises(ValueError, match=r"NemoRLTriageLoss: loggers: tracker kind 'nope'"):
+        nemo_rl.NemoRLTriageLoss({}, loggers=["nope"])
+    with pytest.raises(ValueError, match=r"NemoRLTriageLoss: loggers: .* is a live object"):
+        nemo_rl.NemoRLTriageLoss({}, loggers=[recording_tracker.RecordingTracker.__new__(
+            recording_tracker.RecordingTracker)])
+    with pytest.raises(ValueError, match=r"NemoRLTriageLoss: framework_keys=\[\]"):
+        nemo_rl.NemoRLTriageLoss({}, framework_keys=[])
+    hook = nemo_rl.NemoRLTriageLoss({}, run_dir="r", alerts="rules.toml", loggers="tensorboard",
+                                    framework_keys="all")
+    assert (hook.settings.alerts, [t.kind for t in hook.settings.loggers], hook.settings.framework_keys) == \
+        ("rules.toml", ["tensorboard"], "all")
+
+
+RULES = """
+[[rules]]
+name = "test_rho_asym_above_2"
+metric = "window/rho_asym"
+condition = "above"
+threshold = 2.0
+hold = 2
+level = "WARN"
+"""
+
+
+def train_calls(loss_fn, steps: int, gbs: int = 8, empty_first: int = -1):
+    """GRPO steps through the transcribed worker: one policy.train call per step on a persistent model and
+    optimizer (as NeMo's workers keep them), each call's metrics aggregated as grpo.py does.  ``empty_first``: the
+    call whose first micro-batch has no valid sample (NeMo drops its metrics)."""
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    out = []
+    for step in range(steps):
+        data = make_data(200 + step, rows=8, amplify=True)
+        if step == empty_first:
+            data["sample_mask"][:2] = 0
+        _, mb = worker_train(model, opt, data, loss_fn, gbs=gbs, mbs=2)
+        out.append(grpo_aggregate(mb))
+    return out
+
+
+def test_curated_metrics_reach_grpos_train_metrics_and_the_options_reach_the_monitor(nemo_interfaces, tmp_path):
+    """An amplifying sampler over 6 GRPO steps: the metrics GRPO aggregates from the loss's dicts hold the curated
+    keys with the steps-table value of the previous step (also when the step's first micro-batch has no valid
+    sample), NeMo's own keys unchanged; the rule file given as ``alerts`` is the one evaluated (its rule fires
+    once, logged once), the ``loggers`` tracker receives the steps and the alert."""
+    rules = tmp_path / "rules.toml"
+    rules.write_text(RULES)
+    rec = tmp_path / "rec.jsonl"
+    recording_tracker.register()
+    lines = recording_tracker.AlertLines()
+    loss_fn = nemo_rl.NemoRLTriageLoss({}, triage=TriageConfig(gate_width=4, calibration=dict(window=1)),
+                                       run_dir=str(tmp_path / "run"), monitor=MonitorConfig(window=4,
+                                                                                            calibration_steps=2),
+                                       alerts=str(rules), loggers=[{"kind": "recorder", "path": str(rec)}])
+    logged = train_calls(loss_fn, 6, empty_first=3)
+    close_all()
+    lines.remove()
+    steps = recording_tracker.steps_table(tmp_path / "run")
+    assert steps.index.tolist() == list(range(6))
+    checked = set()
+    for s, m in enumerate(logged):
+        assert set(NEMO_KEYS) <= set(m)
+        ours = {k for k in m if k.startswith("triage/")}
+        assert "triage/gate_weight_mean" in ours                          # per micro-batch, token-normalised
+        if s == 0:
+            assert "triage/metrics_step" not in ours and "triage/gate_downweighted_frac" not in ours
+            continue
+        assert m["triage/metrics_step"] == s - 1
+        for k in CURATED_KEYS:
+            v = steps.loc[s - 1, k]
+            if math.isfinite(v):
+                assert m[f"triage/{k}"] == pytest.approx(v, rel=1e-12), (s, k)
+                checked.add(k)
+            else:
+                assert f"triage/{k}" not in m
+    assert checked == set(CURATED_KEYS)
+    assert logged[5]["triage/alerts_active"] == steps.loc[4, "alerts_active"] == 1
+    alerts = recording_tracker.alerts_table(tmp_path / "run")
+    assert alerts["rule"].tolist() == ["test_rho_asym_above_2"] and alerts["rank"].tolist() == [0]
+    assert len(lines.lines) == 1 and "test_rho_asym_above_2" in lines.lines[0]
+    rows = recording_tracker.read(rec)
+    assert [r["rule"] for r in rows if r["kind"] == "alert"] == ["test_rho_asym_above_2"]
+    assert [r["step"] for r in rows if r["kind"] == "metrics"] == list(range(6))
+    norms = loss_fn.metric_normalizations
+    assert all(norms[f"triage/{k}"] is MetricNormalizer.NONE for k in (*CURATED_KEYS, "metrics_step"))
+    assert norms["triage/gate_weight_mean"] is MetricNormalizer.TOKENS
+
+
+def test_two_global_batches_per_call_log_the_mean_of_their_previous_steps(nemo_interfaces, tmp_path):
+    """train_global_batch_size half the step's rows: two optimizer steps (two monitored steps) per policy.train
+    call; NeMo's ÷ num_global_batches and GRPO's sum give the mean of the two steps before each global batch (as
+    docs/hooks.md#nemo-rl says; in the job's first call the global batch before any logged step adds 0); without
+    alerts triage/alerts_active is absent (NaN in the steps table)."""
+    loss_fn = nemo_rl.NemoRLTriageLoss({}, run_dir=str(tmp_path / "run"), alerts=False,
+                                       monitor=MonitorConfig(window=4, calibration_steps=2))
+    logged = train_calls(loss_fn, 3, gbs=4)
+    close_all()
+    steps = recording_tracker.steps_table(tmp_path / "run")
+    assert steps.index.tolist() == list(range(6))                          # 2 monitored steps per call
+    # the first call: its first global batch has no step before it and adds nothing, its second reports step 0
+    assert logged[0]["triage/metrics_step"] == 0.0
+    assert logged[0]["triage/window/rho_asym"] == pytest.approx(steps.loc[0, "window/rho_asym"] / 2, rel=1e-12)
+    for call in (1, 2):
+        before = [2 * call - 1, 2 * call]                                 # the steps before its 2 global batches
+        assert logged[call]["triage/metrics_step"] == pytest.approx(sum(before) / 2)
+        for k in ("window/rho_asym", "delta_abs_mean"):
+            assert logged[call][f"triage/{k}"] == pytest.approx(steps.loc[before, k].mean(), rel=1e-12)
+        assert "triage/alerts_active" not in logged[call]
+    assert steps["alerts_active"].isna().all()
+
+
 # ------------------------------------------------------------------------- real Ray cluster, 2 workers
-STEPS, GBS, MBS = 3, 16, 2
+STEPS, GBS, MBS = 4, 16, 2
 
 
 def ray_worker_class(ray):
@@ -443,8 +580,11 @@ def ray_worker_class(ray):
         def setup(self, rank, world, port):
             import torch.distributed as dist
 
+            import recording_tracker
             import test_hooks_nemo_rl as t
             t.install_nemo_interfaces()
+            recording_tracker.register()                             # the "recorder" tracker kind, in the worker
+            self.lines = recording_tracker.AlertLines()
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
             self.t, self.rank, self.world = t, rank, world
             self.model = t.TinyLM()
@@ -459,7 +599,7 @@ def ray_worker_class(ray):
             rt = loss_fn.runtime
             return {"pid": os.getpid(), "mb_metrics": mb, "calls": rt.calls, "controller_calls": rt.controller.calls,
                     "optimizer_steps": rt.optimizer_steps, "thresholds": rt.controller.state_dict()["thresholds"],
-                    "runtime_id": id(rt)}
+                    "runtime_id": id(rt), "alert_lines": list(self.lines.lines)}
 
         def finish(self):
             import torch.distributed as dist
@@ -471,10 +611,16 @@ def ray_worker_class(ray):
 
 
 def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp_path):
-    """lm_policy.train ships loss_fn to both workers on every call: 3 calls (3 optimizer steps) × 4 micro-batches
-    per worker give 3 monitored steps, each valid token once per rank, one run.json, and each worker's controller
-    calibrates once and keeps its thresholds across the re-pickled copies."""
+    """lm_policy.train ships loss_fn to both workers on every call: 4 calls (4 optimizer steps) × 4 micro-batches
+    per worker give 4 monitored steps, each valid token once per rank, one run.json, and each worker's controller
+    calibrates once and keeps its thresholds across the re-pickled copies.  With an amplifying sampler and the
+    shipped rules: GRPO's train metrics (both workers' lists, lm_policy.py L853-858) carry the curated keys with
+    rank 0's steps-table value of the previous step (the workers' gloo group all-reduces the step and window
+    metrics); each alert is raised once for the job (one alerts/ row, one log line, in worker 0 only) and reaches
+    the ``loggers`` tracker, which only worker 0 built."""
     import ray                          # installed by make setup-test (requirements-frameworks.txt): never skipped
+    recording_tracker.register()
+    rec = tmp_path / "rec.jsonl"
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}})
@@ -483,14 +629,15 @@ def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         loss_fn = nemo_rl.NemoRLTriageLoss({}, triage=TriageConfig(gate_width=4, calibration=dict(window=1)),
-                                           run_dir=str(tmp_path / "run"), monitor=MonitorConfig(window=2))
+                                           run_dir=str(tmp_path / "run"), monitor=MonitorConfig(window=2),
+                                           alerts=True, loggers=[{"kind": "recorder", "path": str(rec)}])
         Worker = ray_worker_class(ray)
         workers = [Worker.remote() for _ in range(2)]
         pids = ray.get([w.setup.remote(r, 2, port) for r, w in enumerate(workers)])
         valid = [[], []]
         results = []
         for step in range(STEPS):
-            full = make_data(100 + step, rows=GBS)
+            full = make_data(100 + step, rows=GBS, amplify=True)
             shards = [{k: v[r * GBS // 2:(r + 1) * GBS // 2] for k, v in full.items()} for r in range(2)]
             for r, sh in enumerate(shards):
                 valid[r].append(int((sh["token_mask"][:, 1:] * sh["sample_mask"].unsqueeze(-1)).sum()))
@@ -504,14 +651,15 @@ def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp
     for r in range(2):
         per_call = [res[r] for res in results]
         assert len({c["runtime_id"] for c in per_call}) == 1        # every unpickled copy found the same runtime
-        assert [c["calls"] for c in per_call] == [4, 8, 12]
-        assert [c["controller_calls"] for c in per_call] == [4, 8, 12]
-        assert [c["optimizer_steps"] for c in per_call] == [1, 2, 3]
+        assert [c["calls"] for c in per_call] == [4 * (i + 1) for i in range(STEPS)]
+        assert [c["controller_calls"] for c in per_call] == [4 * (i + 1) for i in range(STEPS)]
+        assert [c["optimizer_steps"] for c in per_call] == list(range(1, STEPS + 1))
         # window=1: step 0's δ (first shipped copy) calibrates the thresholds at step 1 (second copy), kept at step 2
         assert per_call[0]["thresholds"] is None and per_call[1]["thresholds"] is not None
         assert per_call[2]["thresholds"] == per_call[1]["thresholds"]
-        for c in per_call:
-            assert all(f"triage/{k}" in m for m in c["mb_metrics"] for k in nemo_rl.TRIAGE_STATS)
+        for c in per_call:      # the controller's per-micro-batch statistics, but the one the curated set claims
+            assert all(f"triage/{k}" in m for m in c["mb_metrics"] for k in nemo_rl.TRIAGE_STATS
+                       if k != "gate_downweighted_frac")
     assert runtime_for(loss_fn.settings).calls == 0                 # the driver never ran the loss
     tokens = pd.read_parquet(tmp_path / "run" / "tokens")
     counts = tokens.groupby(["step", "rank"]).size()
@@ -521,3 +669,40 @@ def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp
     manifest = json.loads((tmp_path / "run" / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "nemo-rl"
     assert set(tokens.attempt) == {manifest["attempts"][0]["attempt"]}
+    # what GRPO logs: both workers' micro-batch lists concatenated (lm_policy.py L853-858), then grpo.py's sums
+    steps = recording_tracker.steps_table(tmp_path / "run", rank=0)
+    other = recording_tracker.steps_table(tmp_path / "run", rank=1)
+    for step, res in enumerate(results):
+        m = grpo_aggregate(res[0]["mb_metrics"] + res[1]["mb_metrics"])
+        if step == 0:
+            assert "triage/metrics_step" not in m
+            continue
+        assert m["triage/metrics_step"] == step - 1
+        for k in CURATED_KEYS:
+            v = steps.loc[step - 1, k]
+            assert m.get(f"triage/{k}", float("nan")) == pytest.approx(v, rel=1e-12) if math.isfinite(v) \
+                else f"triage/{k}" not in m, (step, k)
+        # the step and window metrics are the job's (all-reduced): both ranks' rows agree
+        assert other.loc[step - 1, "window/rho_asym"] == pytest.approx(steps.loc[step - 1, "window/rho_asym"])
+    alerts = recording_tracker.alerts_table(tmp_path / "run")
+    assert "rho_asym_critical" in set(alerts["rule"]) and set(alerts["rank"]) == {0}
+    assert not alerts["rule"].duplicated().any()
+    assert len(results[-1][0]["alert_lines"]) == len(alerts) and results[-1][1]["alert_lines"] == []
+    assert grpo_aggregate(results[-1][0]["mb_metrics"] + results[-1][1]["mb_metrics"])["triage/alerts_active"] >= 1
+    rows = recording_tracker.read(rec)
+    assert {r["pid"] for r in rows} == {pids[0]}
+    assert sorted(r["rule"] for r in rows if r["kind"] == "alert") == sorted(alerts["rule"])
+
+
+def test_the_docs_lines_configure_the_hook():
+    """The snippet of docs/hooks.md#nemo-rl, run as written (``master_config.loss_fn`` NeMo's defaults): the hook
+    carries the controller, the run directory and the three options as configuration."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
+    section = text.split("\n## NeMo RL\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    ns = {"master_config": types.SimpleNamespace(loss_fn={})}
+    exec(code, ns)
+    s = ns["loss_fn"].settings
+    assert (s.run_dir, s.alerts, s.framework_keys) == ("results/triage", True, "curated")
+    assert s.triage is not None and [t.kind for t in s.loggers] == ["tensorboard", "mlflow"]
+    assert b"MismatchMonitor" not in cloudpickle.dumps(ns["loss_fn"])

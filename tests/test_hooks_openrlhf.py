@@ -12,11 +12,13 @@ the tests that need no OpenRLHF and one test that runs the module again in the s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import cloudpickle
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -42,6 +44,48 @@ def test_cli_arguments_split(tmp_path):
     assert s.run_dir == str(tmp_path / "r") and s.triage.gate_width == 32 and not s.triage.tis
     s, _ = hook.parse_triage_args(["--triage.run_dir", "x", "--triage.monitor_only"])
     assert s.triage is None and s.manifest["framework"] == "openrlhf"
+    assert s.alerts is True and s.loggers == [] and s.framework_keys == "curated"
+
+
+def test_cli_alerts_loggers_framework_keys(tmp_path, capsys):
+    """--triage.alerts / --triage.loggers / --triage.framework_keys become HookSettings' options (shipped with the
+    actor class into every actor); a bad value stops the launch with argparse's error naming the flag."""
+    from triage_monitor.trackers import TrackerSpec
+
+    rules = tmp_path / "rules.toml"
+    rules.write_text(rules_toml([1]))
+    s, rest = hook.parse_triage_args(["--triage.run_dir", "r", "--triage.alerts", str(rules), "--triage.loggers",
+                                      '["tensorboard", {"kind": "wandb", "start": false}]',
+                                      "--triage.framework_keys", "window/rho_asym,k3_kl", "--actor.x", "1"])
+    assert rest == ["--actor.x", "1"] and s.alerts == str(rules) and s.framework_keys == ("window/rho_asym", "k3_kl")
+    assert s.loggers == [TrackerSpec("tensorboard"), TrackerSpec("wandb", options={"start": False})]
+    s, _ = hook.parse_triage_args(["--triage.run_dir", "r", "--triage.alerts", "off", "--triage.loggers", "mlflow",
+                                   "--triage.framework_keys", "all"])
+    assert s.alerts is False and s.loggers == [TrackerSpec("mlflow")] and s.framework_keys == "all"
+    assert cloudpickle.loads(cloudpickle.dumps(s)) == s                   # configuration only
+    for flag, value, match in [("--triage.alerts", str(tmp_path / "none.toml"), "--triage.alerts='.*none.toml'"),
+                               ("--triage.loggers", "[wandb", "--triage.loggers='\\[wandb' is not JSON"),
+                               ("--triage.loggers", "comet", "--triage.loggers='comet': tracker kind 'comet'"),
+                               ("--triage.framework_keys", "[2]", "--triage.framework_keys='\\[2\\]'")]:
+        with pytest.raises(SystemExit) as e:
+            hook.parse_triage_args(["--triage.run_dir", "r", flag, value])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err), err
+
+
+def rules_toml(holds, metric="window/amp_share", threshold=0.9, window=25) -> str:
+    """Rules on ``metric`` above ``threshold`` held 1, 2, ... steps: on a sampler that keeps the condition true,
+    rule ``held_h`` fires once, at the h-th step (one alert per step for the job)."""
+    return "\n".join(f"""[[rules]]
+name = "held_{h}"
+metric = "{metric}"
+condition = "above"
+threshold = {threshold}
+window = {window}
+hold = {h}
+cooldown = 100
+""" for h in holds)
 
 
 if not IN_SIDE_ENV:
@@ -264,6 +308,29 @@ def test_real_training_keeps_openrlhf_metrics_and_adds_triage(runs):
 
 
 @pytest.mark.parametrize("name", ["off", "on"])
+def test_real_training_status_carries_the_monitors_values_of_the_fits_last_step(runs, name):
+    """The status PolicyModelActor.fit returns (what OpenRLHF logs as train/<key>) holds the curated keys of the
+    fit's last optimizer step — the current step, no lag — with the values of the monitor's steps table (read back
+    from the Parquet), and triage/metrics_step naming it; sampler != learner there."""
+    from triage_monitor.trackers import CURATED_KEYS
+
+    r = runs[name]
+    steps = pd.read_parquet(r["run"] / "steps").set_index("step")
+    for k, status in enumerate(r["statuses"]):
+        last = 3 * k + 2                                       # 3 optimizer steps per fit: 0-2, 3-5, 6-8
+        assert status["triage/metrics_step"] == last
+        row = steps.loc[last]
+        assert row["delta_abs_mean"] > 0.05                    # the sampler differs from the learner
+        want = {f"triage/{c}": float(row[c]) for c in CURATED_KEYS if c in row.index and np.isfinite(row[c])}
+        assert {"triage/window/rho_asym", "triage/window/small_gap_share", "triage/window/k3_kl",
+                "triage/delta_abs_mean", "triage/gate_downweighted_frac", "triage/alerts_active"} <= set(want)
+        assert {c: status[c] for c in want} == pytest.approx(want, rel=1e-9, abs=1e-12)
+        assert not any(c.startswith("triage/") and c not in want and c != "triage/metrics_step"
+                       and c[len("triage/"):] not in ("gate_weight_mean", "tis_clip_frac", "repair_loss",
+                                                      "repair_active_frac") for c in status)
+
+
+@pytest.mark.parametrize("name", ["off", "on"])
 def test_real_training_one_monitored_step_per_optimizer_step(runs, name):
     """3 fits × 3 optimizer steps (DeepSpeed-style accumulation of 4 micro-batches) = 9 monitored steps, every
     action token of every fit once per step's micro-batches, positions from the first action column."""
@@ -306,18 +373,29 @@ def test_checkpoint_state_round_trip(orl, tmp_path):
 
 
 def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
-    """A real local Ray cluster: OpenRLHF's RayActorGroup starts 2 policy actors of the hook's class (settings
-    shipped with the class), which form their gloo data-parallel group from the addresses OpenRLHF's
-    BaseDistributedActor set; each runs 2 fits of its own 16 samples (2 optimizer steps each) → 4 monitored steps
-    with rank files from both actors, every token once, one run.json; triage/* all-reduced like OpenRLHF's own."""
+    """A real local Ray cluster: OpenRLHF's RayActorGroup starts 2 policy actors of the hook's class (settings from
+    the --triage.* flags, shipped with the class), which form their gloo data-parallel group from the addresses
+    OpenRLHF's BaseDistributedActor set; each runs 2 fits of its own 16 samples (2 optimizer steps each) → 4
+    monitored steps with rank files from both actors, every token once, one run.json; triage/* all-reduced like
+    OpenRLHF's own.  The --triage.alerts / --triage.loggers options reach the monitors (rank 0's only); with a
+    sampler biased in the amplifying direction the rules raise one alert per step for the job, from rank 0; both
+    actors' statuses carry rank 0's monitor values of their fit's last step (the steps table's)."""
     import json
 
     import ray
     from openrlhf.trainer.ray.launcher import RayActorGroup
+    from triage_monitor.trackers import CURATED_KEYS
 
     model_dir = cpu.tiny_model_dir(tmp_path / "tiny")
-    s = HookSettings(run_dir=str(tmp_path / "run"), triage=TriageConfig(tis=False, gate_width=4, repair_width=4),
-                     monitor=MonitorConfig(calibration_steps=1), manifest={"framework": "openrlhf"})
+    (tmp_path / "triage.json").write_text('{"tis": false, "gate_width": 4, "repair_width": 4}')
+    (tmp_path / "rules.toml").write_text(rules_toml([1, 2, 3, 4]))
+    (tmp_path / "manifest.json").write_text('{"framework": "openrlhf"}')
+    s, rest = hook.parse_triage_args([
+        "--triage.run_dir", str(tmp_path / "run"), "--triage.config", str(tmp_path / "triage.json"),
+        "--triage.manifest", str(tmp_path / "manifest.json"), "--triage.alerts", str(tmp_path / "rules.toml"),
+        "--triage.loggers", '[{"kind": "wandb", "start": false}]'])
+    assert rest == []
+    s.monitor = MonitorConfig(calibration_steps=1)
     tests_dir = str(Path(__file__).parent)
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,       # GPUs: a label only
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
@@ -325,16 +403,42 @@ def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
                           "worker_process_setup_hook": "openrlhf_cpu.install_stubs"})
     try:
         group = RayActorGroup(1, 2, hook.policy_actor_class(s), pg=None, num_gpus_per_actor=1)
-        results = ray.get(group.async_run_method("__ray_call__", cpu.ray_actor_run, str(model_dir)), timeout=600)
+        results = ray.get(group.async_run_method("__ray_call__", cpu.ray_actor_run, str(model_dir), amplify=0.5),
+                          timeout=600)
     finally:
         ray.shutdown()
-    pids = {pid for pid, _ in results}
+    pids = {pid for pid, _, _ in results}
     assert len(pids) == 2 and os.getpid() not in pids
-    (_, st0), (_, st1) = results
+    (_, st0, info0), (_, st1, info1) = results
     for a, b in zip(st0, st1):
         assert a["triage/gate_downweighted_frac"] == pytest.approx(b["triage/gate_downweighted_frac"])
         assert a["vllm_kl"] == pytest.approx(b["vllm_kl"]) and "is_filter_ratio" in a
     run = tmp_path / "run"
+    # the options reached the monitors: rules and tracker on rank 0 only
+    assert (info0["rank"], info1["rank"]) == (0, 1)
+    assert info0["rules"] == ["held_1", "held_2", "held_3", "held_4"] and info0["loggers"] == [("WandbLogger",
+                                                                                               "curated")]
+    assert info1["rules"] is None and info1["loggers"] == []
+    # one alert per step for the job (rank 0, on the all-reduced metrics); rank 1 raised none
+    alerts = pd.read_parquet(run / "alerts")
+    assert sorted(zip(alerts["step"].astype(int), alerts["rule"])) == [(0, "held_1"), (1, "held_2"), (2, "held_3"),
+                                                                      (3, "held_4")]
+    assert set(alerts["rank"].astype(int)) == {0}
+    # each fit's status (both actors alike: what OpenRLHF logs whichever status it keeps) = rank 0's monitor values
+    steps = pd.read_parquet(run / "steps")
+    rows = {(int(r["step"]), int(r["rank"])): r for _, r in steps.iterrows()}
+    for k, (a, b) in enumerate(zip(st0, st1)):
+        last = 2 * k + 1
+        row = rows[(last, 0)]
+        want = {f"triage/{c}": float(row[c]) for c in CURATED_KEYS if np.isfinite(row[c])}
+        want["triage/metrics_step"] = float(last)
+        assert want["triage/alerts_active"] == last + 1 and np.isnan(rows[(last, 1)]["alerts_active"])
+        assert row["delta_abs_mean"] > 0.3                                  # sampler != learner
+        for status in (a, b):
+            assert {c: status[c] for c in want} == pytest.approx(want, rel=1e-9, abs=1e-12)
+        for c in CURATED_KEYS:                      # the all-reduced ones are the same on both ranks' rows
+            if c not in ("alerts_active", "gate_downweighted_frac") and np.isfinite(row[c]):
+                assert rows[(last, 1)][c] == pytest.approx(row[c], rel=1e-9, abs=1e-12), c
     from triage_monitor.layout import parse_table_file
     keys = [parse_table_file(p.name) for p in (run / "tokens").iterdir()]
     steps = sorted({s for s, _, _ in keys})
@@ -389,7 +493,8 @@ def test_policy_actor_class_is_a_ray_policy_model_actor(orl):
 
 # In the main venv only the tests above the side-environment runner are collected; the OpenRLHF tests run in
 # the side environment through test_openrlhf_suite_in_its_side_environment (no silent skip either way).
-MAIN_VENV_TESTS = ("test_cli_arguments_split", "test_openrlhf_suite_in_its_side_environment")
+MAIN_VENV_TESTS = ("test_cli_arguments_split", "test_cli_alerts_loggers_framework_keys",
+                   "test_openrlhf_suite_in_its_side_environment")
 if not IN_SIDE_ENV:
     for _name in [n for n in list(globals()) if n.startswith("test_") and n not in MAIN_VENV_TESTS]:
         del globals()[_name]

@@ -10,19 +10,30 @@ flash-attn), so the calling code is reproduced here from its public repository a
 - ``src/prime_rl/utils/utils.py`` L34-38 (``import_object``);
 - ``packages/prime-rl-configs/src/prime_rl/configs/trainer.py`` L494-530 (``DefaultLossConfig`` defaults,
   ``CustomLossConfig``: ``import_path``, ``kwargs``);
-- ``src/prime_rl/trainer/rl/train.py`` L307-323 (``rl_scale``: global count of rl loss tokens), L461-475 (the
-  per-micro-batch ``compute_loss`` call on ``split(sequence_lengths)``), L534-535 (metric tensors
-  ``.detach()``), L566 (``optimizer.step()`` once per step after all micro-batches).
+- ``src/prime_rl/trainer/rl/train.py`` L307-323 (``rl_scale``: global count of rl loss tokens, all-reduced over
+  the ranks), L461-475 (the per-micro-batch ``compute_loss`` call on ``split(sequence_lengths)``), L485 and
+  L538-539 (the loss and the metric tensors appended to ``Tensors`` per micro-batch), L566 (``optimizer.step()``
+  once per step after all micro-batches), L623 and L675-676 (``tensors.compute_stats()`` after the optimizer step;
+  ``monitors.log`` of the filtered stats, rank 0 only: ``src/prime_rl/monitors/__init__.py`` L59-61);
+- ``src/prime_rl/trainer/utils.py`` L205-235 (``flexible_all_gather``), L238-280 (``Tensors.compute_stats``: every
+  rank's values all-gathered into ``<key>/mean|median|std|min|max``), L283-321
+  (``filter_rl_trainer_tensor_stats_for_wandb``).
 
 Only type annotations (jaxtyping) and the ce / ref_kl components (absent in RL training: their weight streams
-are None) are left out.  The adapter itself is imported through ``import_object`` exactly as prime-rl does.
+are None) are left out; ``"cuda"`` is the CPU here and the process group gloo.  The adapter itself is imported
+through ``import_object`` exactly as prime-rl does.
 """
 
 import importlib
 import json
 import math
+import os
+import subprocess
+import sys
 import tomllib
+from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -30,10 +41,15 @@ import cloudpickle
 import pandas as pd
 import pytest
 import torch
+import torch.distributed as dist
 
-from triage_monitor.controller import TriageConfig
-from triage_monitor.hooks import prime_rl
-from triage_monitor.hooks._runtime import close_all
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import recording_tracker  # noqa: E402
+from triage_monitor.controller import TriageConfig  # noqa: E402
+from triage_monitor.hooks import prime_rl  # noqa: E402
+from triage_monitor.hooks._runtime import close_all  # noqa: E402
+from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
 
 COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
 assert prime_rl.PRIME_RL_COMMIT == COMMIT
@@ -193,9 +209,93 @@ def compute_loss(trainer_logprobs, inference_logprobs, ref_logprobs, advantages,
     return scaled_loss, aggregated
 
 
-def train_step_losses(micro_batches, rl_loss_fn, params=None):
-    """train.py L307-323 (rl_scale over all micro-batches, one rank) then L461-475 per micro-batch, backward."""
-    rl_scale = max(sum(int(mb["loss_mask"].sum()) for mb in micro_batches), 1)
+def flexible_all_gather(tensor):                                    # trainer/utils.py L205-235
+    assert tensor.ndim == 1, "Can only flexibly all-gather 1D tensors"
+    if dist.get_world_size() == 1:
+        return tensor
+    local_numel = tensor.numel()
+    local_numel_tensor = torch.tensor(local_numel, device=tensor.device)
+    all_numel_tensors = [torch.tensor(0, device=tensor.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(all_numel_tensors, local_numel_tensor)
+    all_numels = [numel.item() for numel in all_numel_tensors]
+    max_numel = int(max(all_numels))
+    if local_numel < max_numel:
+        tensor = torch.cat([tensor, torch.zeros(max_numel - local_numel, dtype=tensor.dtype, device=tensor.device)])
+    all_tensors = [torch.zeros(max_numel, dtype=tensor.dtype, device=tensor.device)
+                   for _ in range(dist.get_world_size())]
+    dist.all_gather(all_tensors, tensor)
+    return torch.cat([tensor[:numel] for tensor, numel in zip(all_tensors, all_numels)])
+
+
+class Tensors(defaultdict):                                         # trainer/utils.py L238-280 ("cuda" → cpu)
+    def __init__(self):
+        assert dist.is_initialized(), "Tensors requires a distributed environment"
+        super().__init__(list)
+
+    def compute_stats(self):
+        local_keys = list(self.keys())
+        gathered_keys = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered_keys, local_keys)
+        keys = sorted({key for rank_keys in gathered_keys if rank_keys is not None for key in rank_keys})
+        metrics = {}
+        for key in keys:
+            values = self.pop(key, [])
+            tensors = torch.cat(values, dim=0) if values else torch.empty(0)
+            assert tensors.ndim == 1, "Can only aggregate 1D tensors"
+            tensors = flexible_all_gather(tensors)
+            assert tensors.ndim == 1, "Can only aggregate 1D tensors"
+            if tensors.numel() == 0:
+                for stat in ("mean", "median", "std", "min", "max"):
+                    metrics[f"{key}/{stat}"] = float("nan")
+                continue
+            metrics[f"{key}/mean"] = tensors.mean().item()
+            metrics[f"{key}/median"] = torch.median(tensors).item()
+            metrics[f"{key}/std"] = tensors.std().item()
+            metrics[f"{key}/min"] = tensors.min().item()
+            metrics[f"{key}/max"] = tensors.max().item()
+            self[key].append(tensors.tolist())
+        return metrics
+
+
+def _is_env_tensor_stat(key, allowed_stats):                        # trainer/utils.py L283-286
+    parts = key.split("/")
+    return len(parts) >= 3 and parts[-1] in allowed_stats
+
+
+def filter_rl_trainer_tensor_stats_for_wandb(metrics):              # trainer/utils.py L289-321
+    skip_prefixes = ("trainer_probs/", "inference_probs/")
+    mean_max_only_prefixes = ("is_masked/", "is_masked_low/", "is_masked_high/", "masked_advantage_positive/",
+                              "masked_advantage_negative/", "mismatch_kl/", "masked_mismatch_kl/",
+                              "unmasked_mismatch_kl/", "ref_kl/is_masked/", "ref_kl/masked_mismatch_kl/",
+                              "ref_kl/unmasked_mismatch_kl/")
+    out = {}
+    for k, v in metrics.items():
+        if k == "step":
+            out[k] = v
+            continue
+        if any(k.startswith(p) for p in skip_prefixes):
+            continue
+        if k.startswith("entropy/") and not _is_env_tensor_stat(k, {"mean", "std", "max"}):
+            continue
+        if any(k.startswith(p) for p in mean_max_only_prefixes):
+            if _is_env_tensor_stat(k, {"mean", "std", "max"}):
+                out[k] = v
+                continue
+            if not (k.endswith("/mean") or k.endswith("/max")):
+                continue
+        out[k] = v
+    return out
+
+
+def train_step_losses(micro_batches, rl_loss_fn, params=None, all_reduce=None):
+    """train.py L307-323 (rl_scale over all micro-batches, all-reduced over the ranks when given) then L461-475
+    per micro-batch, backward."""
+    rl_scale = sum(int(mb["loss_mask"].sum()) for mb in micro_batches)
+    if all_reduce is not None:
+        global_scales = torch.tensor([rl_scale, 0, 0], dtype=torch.int64)
+        all_reduce(global_scales)                                   # dist.all_reduce(..., SUM, dp_cp_group)
+        rl_scale = int(global_scales[0])
+    rl_scale = max(rl_scale, 1)
     out = []
     for mb in micro_batches:
         lp = mb["trainer_logprobs"] if params is None else mb["trainer_logprobs"] + params
@@ -231,6 +331,27 @@ def packed_micro_batch(seed: int, lengths=(30, 42, 17), prompt=(6, 9, 4)):
         adv[start:start + L] = torch.randn((), generator=g) * 1.5
         start += L
     mask[lengths[0] + 20:lengths[0] + 25] = False                   # tool output inside sample 1
+    inference = torch.where(mask, inference, torch.zeros(()))
+    return {"trainer_logprobs": trainer.unsqueeze(0).requires_grad_(), "inference_logprobs": inference.unsqueeze(0),
+            "advantages": adv.unsqueeze(0), "loss_mask": mask.unsqueeze(0), "sequence_lengths": list(lengths)}
+
+
+def amplifying_micro_batch(seed: int, lengths=(30, 42, 17, 25), prompt=(6, 9, 4, 5)):
+    """A packed micro-batch whose sampler is biased in the amplifying direction: advantages alternate
+    −1.5 / +0.5 (× U(1, 1.2)) per sample, and the inference log-probs sit 0.4 nats above the trainer's on the A<0
+    samples and 0.4 below on the A>0 ones (δ = trainer − inference ≈ ∓0.4): every loss token amplifies, the A⁻
+    mass three times the A⁺ mass (window ρ_asym ≈ 3 from the first step: the shipped rules fire)."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    trainer = -torch.rand(T, generator=g) * 2 - 0.5
+    mask = torch.zeros(T, dtype=torch.bool)
+    adv = torch.zeros(T)
+    start = 0
+    for i, (L, P) in enumerate(zip(lengths, prompt)):
+        mask[start + P:start + L] = True
+        adv[start:start + L] = (-1.5 if i % 2 == 0 else 0.5) * (1 + 0.2 * float(torch.rand((), generator=g)))
+        start += L
+    inference = (trainer + torch.where(adv < 0, 0.4, -0.4) + 0.02 * torch.randn(T, generator=g)).clamp(max=-1e-3)
     inference = torch.where(mask, inference, torch.zeros(()))
     return {"trainer_logprobs": trainer.unsqueeze(0).requires_grad_(), "inference_logprobs": inference.unsqueeze(0),
             "advantages": adv.unsqueeze(0), "loss_mask": mask.unsqueeze(0), "sequence_lengths": list(lengths)}
@@ -341,3 +462,170 @@ def test_unsupported_inputs_raise_clearly():
         hook(LossInputs(t, i, None, a, m), kl_tau=0.1)
     out = hook(SimpleNamespace(trainer_logprobs=t, inference_logprobs=i, advantages=a, loss_mask=m))
     assert out.loss.dim() == 0
+
+
+def test_hook_options_are_validated_naming_the_option():
+    with pytest.raises(ValueError, match=r"PrimeRLTriageLoss: alerts=3"):
+        prime_rl.PrimeRLTriageLoss(alerts=3)
+    with pytest.raises(ValueError, match=r"PrimeRLTriageLoss: loggers: tracker kind 'nope'"):
+        prime_rl.triage_loss(None, loggers=["nope"])
+    with pytest.raises(ValueError, match=r"PrimeRLTriageLoss: framework_keys='some'"):
+        prime_rl.PrimeRLTriageLoss(framework_keys="some")
+    with pytest.raises(ValueError, match=r"PrimeRLTriageLoss: alerts\[0\]: missing required field"):
+        prime_rl.PrimeRLTriageLoss(alerts=[{"name": "x"}])
+    hook = prime_rl.PrimeRLTriageLoss("r", alerts=False, loggers={"kind": "mlflow", "tracking_uri": "file:/m"},
+                                      framework_keys=["window/rho_asym"])
+    s = hook.settings
+    assert s.alerts is False and s.loggers[0].kind == "mlflow" and s.framework_keys == ("window/rho_asym",)
+
+
+def test_the_docs_toml_lines_configure_the_hook():
+    """The ``[trainer.loss]`` block of docs/hooks.md#prime-rl, parsed as prime-rl parses its TOML: the kwargs build
+    the hook with the controller, prime-rl's loss settings and the three options as written."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
+    section = text.split("\n## prime-rl\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    loss = tomllib.loads(block)["trainer"]["loss"]
+    assert (loss["type"], loss["import_path"]) == ("custom", "triage_monitor.hooks.prime_rl.triage_loss")
+    kw = dict(loss["kwargs"], triage=TriageConfig(**loss["kwargs"]["triage"]))
+    hook = prime_rl.PrimeRLTriageLoss(**kw)
+    s = hook.settings
+    assert s.triage.gate_width == 64 and hook.surrogate_kwargs["kl_tau"] == 1e-3
+    assert s.alerts is True and s.framework_keys == "curated"
+    assert [(t.kind, dict(t.options)) for t in s.loggers] == [
+        ("tensorboard", {}), ("mlflow", {"tracking_uri": "file:/shared/mlruns"})]
+
+
+# ----------------------------------------------------------- 2 torchrun-like ranks (gloo): prime-rl's logging path
+DIST_STEPS = 6
+DIST_TOML = """
+[trainer.loss]
+type = "custom"
+import_path = "triage_monitor.hooks.prime_rl.triage_loss"
+
+[trainer.loss.kwargs]
+run_dir = "{run}"
+triage = {{ gate_width = 8, calibration = {{ window = 1 }} }}
+monitor = {{ window = 4, calibration_steps = 2 }}
+alerts = true
+loggers = [{{ kind = "recorder", path = "{rec}" }}]
+framework_keys = "curated"
+"""
+
+
+def dist_worker(rank: int, world: int, outdir: str) -> None:
+    """One trainer rank: prime-rl's train step (transcribed above) over DIST_STEPS optimizer steps, 2 amplifying
+    micro-batches per rank and step; rank 0 keeps what ``monitors.log`` receives (the filtered tensor stats)."""
+    out = Path(outdir)
+    recording_tracker.register()
+    lines = recording_tracker.AlertLines()
+    dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=rank, world_size=world)
+    loss_cfg = tomllib.loads(DIST_TOML.format(run=out / "run", rec=out / "recorder.jsonl"))["trainer"]["loss"]
+    fn = setup_rl_loss_fn(CustomLossConfig(loss_cfg["import_path"], loss_cfg["kwargs"]))
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.AdamW([w], lr=1e-4)
+    logged = []
+    for step in range(DIST_STEPS):
+        tensors = Tensors()                                          # train.py L331
+        mbs = [amplifying_micro_batch(1000 * rank + 10 * step + m) for m in range(2)]
+        for loss, loss_tensors in train_step_losses(mbs, fn, params=w, all_reduce=dist.all_reduce):
+            tensors["loss"].append(loss.unsqueeze(0))                # L485
+            for key, loss_tensor in loss_tensors.items():            # L538-539
+                tensors[key].append(loss_tensor)
+        opt.step()                                                   # L566: the monitor logs the step here
+        opt.zero_grad()
+        tensor_stats = tensors.compute_stats()                       # L623
+        tensor_stats["step"] = step                                  # L675 (progress.step)
+        if rank == 0:                                                # monitors.log: rank 0's monitors only
+            logged.append(filter_rl_trainer_tensor_stats_for_wandb(tensor_stats))
+    close_all()
+    lines.remove()
+    (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "logged": logged, "alerts": lines.lines}))
+    dist.barrier()                   # neither rank tears its gloo pairs down while the other still uses them
+    dist.destroy_process_group()
+
+
+def test_curated_metrics_reach_prime_rls_logged_stats_and_alerts_fire_once(tmp_path):
+    """2 ranks (gloo) through prime-rl's loss, metric and logging path with an amplifying sampler and the docs'
+    TOML (alerts, loggers, framework_keys): the stats prime-rl logs hold, under triage/<key>/{mean,median,min,max},
+    rank 0's steps-table value of the previous step (std 0 up to float32 rounding), never a prime-rl name; the
+    shipped rules fire, each alert once for the job: one row in alerts/, one log line on rank 0 and none on rank 1,
+    one alert record in the "recorder" tracker, which only rank 0's monitor built and fed."""
+    run_dist(tmp_path)
+    check_dist(tmp_path)
+
+
+def run_dist(tmp_path, script: str = __file__, pythonpath: str = "") -> None:
+    """Run ``script <rank> 2 <tmp_path>`` as 2 processes (this file: :func:`dist_worker`) and wait for both."""
+    path = os.pathsep.join(p for p in (pythonpath, str(Path(__file__).resolve().parents[1])) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=300)[0].decode())
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o
+
+
+def check_dist(tmp_path) -> None:
+    """The assertions of the 2-rank test on what :func:`dist_worker` left in ``tmp_path``."""
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    run = tmp_path / "run"
+    steps = recording_tracker.steps_table(run, rank=0)
+    assert steps.index.tolist() == list(range(DIST_STEPS))
+    logged = res[0]["logged"]
+    assert [e["step"] for e in logged] == list(range(DIST_STEPS)) and res[1]["logged"] == []
+    checked = set()
+    for entry in logged:
+        s = entry["step"]
+        ours = {k for k in entry if k.startswith("triage/")}
+        own = {k.rsplit("/", 1)[0] for k in entry if not k.startswith("triage/") and k != "step"}
+        assert own == {"loss", *prime_rl.DEFAULT_LOSS_METRICS}           # prime-rl's names, none under triage/
+        # the controller's per-sample statistics keep their names, but not the one the curated set claims
+        assert {"triage/gate_weight_mean/mean", "triage/repair_loss/mean"} <= ours
+        if s == 0:                                                       # nothing logged before the first step
+            assert not any(k.startswith(("triage/window/", "triage/metrics_step")) for k in ours)
+            assert "triage/gate_downweighted_frac/mean" not in ours
+            continue
+        assert entry["triage/metrics_step/mean"] == s - 1                # one step behind
+        row = steps.loc[s - 1]
+        for k in CURATED_KEYS:
+            if not math.isfinite(row[k]):
+                assert f"triage/{k}/mean" not in entry, k
+                continue
+            for stat in ("mean", "median", "min", "max"):
+                assert entry[f"triage/{k}/{stat}"] == pytest.approx(row[k], rel=1e-6, abs=1e-7), (s, k, stat)
+            assert entry[f"triage/{k}/std"] <= 1e-6 * max(1.0, abs(row[k]))   # 0 up to float32 rounding
+            checked.add(k)
+    assert checked == set(CURATED_KEYS)
+    # the ranks' own values differ (the Gate's share): what prime-rl logs is rank 0's, not a pool of both
+    other = recording_tracker.steps_table(run, rank=1)
+    assert (other["gate_downweighted_frac"] != steps["gate_downweighted_frac"]).any()
+    alerts = recording_tracker.alerts_table(run)
+    assert len(alerts) >= 1 and set(alerts["rank"]) == {0} and not alerts["rule"].duplicated().any()
+    assert "rho_asym_critical" in set(alerts["rule"])
+    assert len(res[0]["alerts"]) == len(alerts) and res[1]["alerts"] == []
+    first = int(alerts["step"].min())
+    assert first < DIST_STEPS - 1 and logged[first + 1]["triage/alerts_active/mean"] >= 1   # seen in prime-rl's log
+    rows = recording_tracker.read(tmp_path / "recorder.jsonl")
+    assert {r["pid"] for r in rows} == {res[0]["pid"]}                   # built and fed by rank 0 only
+    assert sorted(r["rule"] for r in rows if r["kind"] == "alert") == sorted(alerts["rule"])
+    assert [r["step"] for r in rows if r["kind"] == "metrics"] == list(range(DIST_STEPS))
+    for r in rows:
+        if r["kind"] == "metrics":
+            assert r["metrics"]["window/rho_asym"] == pytest.approx(steps.loc[r["step"], "window/rho_asym"])
+    assert steps_table_nan(run, "alerts_active", rank=1)                  # rank 1 evaluates no rule
+
+
+def steps_table_nan(run, col, rank):
+    return bool(recording_tracker.steps_table(run, rank=rank)[col].isna().all())
+
+
+if __name__ == "__main__":
+    dist_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

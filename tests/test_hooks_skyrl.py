@@ -23,7 +23,7 @@ from triage_monitor.hooks._runtime import HookSettings
 from triage_monitor.hooks.skyrl import SkyRLTriageLoss, batch_from_skyrl
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = 15          # tests in tests/skyrl_checks.py
+CHECKS = 16          # tests in tests/skyrl_checks.py
 
 
 def test_skyrl_0_3_0_real_code_paths(side_env):
@@ -60,3 +60,40 @@ def test_errors_name_the_problem():
         SkyRLTriageLoss(base="cispo")
     with pytest.raises(ValueError, match="generator.sampling_params.logprobs"):
         batch_from_skyrl(torch.zeros(1, 2), None, torch.zeros(1, 2), torch.ones(1, 2))
+
+
+def test_dp_metrics_have_the_same_keys_on_every_rank(tmp_path):
+    """SkyRL all-reduces loss metrics key by key, so every rank must hand over the same keys: a rank's own NaN
+    keeps its key, the alert state (rank 0's only) is rank 0's count × the DP size there and 0 elsewhere (SkyRL's
+    mean is then rank 0's count), left out on every rank without rules; names ending in _loss are not handed over
+    (SkyRL sums those)."""
+    from triage_monitor.hooks._options import dp_framework_metrics
+
+    nan = float("nan")
+    rank0 = {"step": 7, "window/rho_asym": 1.6, "rho_asym": 2.0, "gate_downweighted_frac": 0.25, "alerts_active": 2.0,
+             "window/c_tok": nan, "n_tokens": 10.0}
+    rank1 = {**rank0, "gate_downweighted_frac": nan, "alerts_active": nan}
+    got = [dp_framework_metrics(m, "curated", r, 4, True) for r, m in ((0, rank0), (1, rank1))]
+    assert list(got[0]) == list(got[1])                                  # same keys, same order
+    assert got[0]["triage/alerts_active"] == 8.0 and got[1]["triage/alerts_active"] == 0.0
+    assert (8.0 + 0.0 * 3) / 4 == rank0["alerts_active"]
+    assert got[0]["triage/metrics_step"] == 7.0 and "triage/n_tokens" not in got[0]
+    assert got[1]["triage/gate_downweighted_frac"] != got[1]["triage/gate_downweighted_frac"]     # NaN kept
+    off = [dp_framework_metrics({**m, "alerts_active": nan}, "curated", r, 4, False) for r, m in ((0, rank0), (1, rank1))]
+    assert "triage/alerts_active" not in off[0] and list(off[0]) == list(off[1])
+    assert dp_framework_metrics(None, "curated", 0, 4, True) == {}
+    fn = SkyRLTriageLoss(HookSettings(framework_keys="all"))
+    assert fn.framework_report() == {}                                   # no run directory: nothing
+    fn = SkyRLTriageLoss(HookSettings(run_dir=str(tmp_path / "run"), framework_keys="all", rank=0))
+    fn.runtime.last_metrics = {"step": 3, "repair_loss": 0.1, "window/rho_asym": 1.2}
+    assert fn.framework_report() == {"triage/window/rho_asym": 1.2, "triage/metrics_step": 3.0}
+    fn.runtime.last_metrics = {"step": 4, "window/rho_asym": 1.3}        # same block of optimizer steps: frozen
+    assert fn.framework_report()["triage/metrics_step"] == 3.0
+    fn.close()
+    from triage_monitor.hooks.skyrl import optimizer_steps_per_step
+    from types import SimpleNamespace
+    assert optimizer_steps_per_step(SimpleNamespace(train_batch_size=1024, policy_mini_batch_size=256,
+                                                    update_epochs_per_batch=1)) == 4
+    with pytest.raises(ValueError, match=r"positive integer \['update_epochs_per_batch'\]"):
+        optimizer_steps_per_step(SimpleNamespace(train_batch_size=8, policy_mini_batch_size=4,
+                                                 update_epochs_per_batch=0))

@@ -13,13 +13,22 @@ import pandas as pd
 import pytest
 import torch
 
+import math
+import sys
+
+import recording_tracker
+import slime_contract
 from slime_contract import (get_sum_of_sample_mean, save_debug_train_data_v031, save_debug_train_data_v2,
                             slime_pg_loss)
+from triage_monitor.alert_rules import Rule
 from triage_monitor.cli import main
 from triage_monitor.controller import TriageConfig
-from triage_monitor.hooks._runtime import close_all
+from triage_monitor.hooks import slime as slime_hook
+from triage_monitor.hooks._runtime import HookSettings, close_all
 from triage_monitor.hooks.slime import SlimeTriageLoss, check_slime_args
 from triage_monitor.importers import slime_steps
+from triage_monitor.monitor import MonitorConfig
+from triage_monitor.trackers import CURATED_KEYS
 
 
 # ------------------------------------------------------------------ data
@@ -216,7 +225,8 @@ def slime_args(**kw):
     base = dict(eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None, use_rollout_logprobs=False,
                 calculate_per_token_loss=False, entropy_coef=0.0, use_tis=False, use_kl_loss=False, use_opsm=False,
                 advantage_estimator="grpo", custom_tis_function_path=None, get_mismatch_metrics=False,
-                loss_type="custom_loss", context_parallel_size=1, allgather_cp=False)
+                loss_type="custom_loss", context_parallel_size=1, allgather_cp=False, global_batch_size=5,
+                rollout_top_p=1.0, rollout_temperature=1.0)
     base.update(kw)
     return Namespace(**base)
 
@@ -322,8 +332,236 @@ def test_other_tensor_parallel_ranks_write_nothing_and_stay_in_step(tmp_path):
     ({"use_tis": True}, "use-tis"), ({"use_kl_loss": True}, "use-kl-loss"), ({"use_opsm": True}, "use-opsm"),
     ({"advantage_estimator": "gspo"}, "gspo"), ({"context_parallel_size": 2}, "context-parallel-size 2"),
     ({"custom_tis_function_path": "m.f"}, "custom-tis-function-path"), ({"loss_type": "policy_loss"}, "custom_loss"),
+    ({"global_batch_size": None}, "global-batch-size is None"),
 ])
 def test_unsupported_options_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         check_slime_args(slime_args(**kw))
     check_slime_args(slime_args())                                    # the defaults are fine
+
+
+# ------------------------------------- slime's custom-loss call site and step reduction (tests/slime_contract.py)
+V = 40
+ROLLOUT_IDS = [0, 1, 2, 2, 3, 4]                 # samples 2 and 3: two training samples of one rollout
+GBS = len(set(ROLLOUT_IDS))                      # args.global_batch_size: the step's rollouts
+
+
+@pytest.fixture
+def slime_modules():
+    saved = slime_contract.install_slime_modules()
+    yield
+    for name, mod in saved.items():
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+
+
+def amplifying_step(seed: int) -> list:
+    """One step's 6 training samples (5 rollouts) with their logits, the sampler biased in the amplifying direction:
+    advantage +0.5 on samples 2 and 5, −1.5 on the others (× U(1, 1.2); each DP shard of PARTITION holds both
+    signs); the rollout log-probs 0.5 nats (± 0.1) above the live ones (from the logits) on A<0 samples and 0.5
+    below on A>0 ones: δ ≈ ∓0.5 on every loss token, window ρ_asym well above the rules' thresholds."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(6):
+        P, L = int(torch.randint(3, 7, (), generator=g)), int(torch.randint(10, 24, (), generator=g))
+        tokens = torch.randint(0, V, (P + L,), generator=g)
+        logits = torch.randn(P + L, V, generator=g) * 1.5
+        _, o = slime_contract.get_log_probs_and_entropy(logits[None], args=slime_args(), unconcat_tokens=[tokens],
+                                                        total_lengths=[P + L], response_lengths=[L])
+        live = o["log_probs"][0]
+        mask = torch.ones(L, dtype=torch.int32)
+        mask[4:6] = 0                                                     # tool output
+        adv = (-1.5 if i % 3 != 2 else 0.5) * (1 + 0.2 * float(torch.rand((), generator=g)))
+        bias = 0.5 if adv < 0 else -0.5
+        out.append({"tokens": tokens, "logits": logits, "total_lengths": P + L, "response_lengths": L,
+                    "loss_masks": mask, "advantages": torch.full((L,), adv),
+                    "rollout_log_probs": (live + bias + 0.1 * torch.randn(L, generator=g)).clamp(max=-1e-3),
+                    "log_probs": live + 0.05 * torch.randn(L, generator=g)})
+    sums = {}
+    for rid, smp in zip(ROLLOUT_IDS, out):
+        sums[rid] = sums.get(rid, 0) + int(smp["loss_masks"].sum())
+    for rid, smp in zip(ROLLOUT_IDS, out):
+        smp["rollout_mask_sum"] = float(sums[rid])
+    return out
+
+
+def slime_micro_batch(samples: list, idx: list, offset: torch.Tensor):
+    """slime's micro-batch dict for samples ``idx`` and its packed ``[1, T, V]`` logits (``offset`` added: the
+    parameter the optimizer steps)."""
+    pick = [samples[j] for j in idx]
+    mb = {"unconcat_tokens": [p["tokens"] for p in pick], "total_lengths": [p["total_lengths"] for p in pick],
+          "response_lengths": [p["response_lengths"] for p in pick], "loss_masks": [p["loss_masks"] for p in pick],
+          "advantages": [p["advantages"] for p in pick], "rollout_log_probs": [p["rollout_log_probs"] for p in pick],
+          "log_probs": [p["log_probs"] for p in pick],
+          "rollout_mask_sums": torch.tensor([p["rollout_mask_sum"] for p in pick])}
+    logits = torch.cat([p["logits"] for p in pick])[None] + offset
+    return mb, logits
+
+
+def slime_train(hooks, args, steps: int, partitions, schedule, seed0: int = 0) -> list:
+    """``steps`` slime train steps (model.py train_one_step): every DP rank (one hook each) runs its micro-batches
+    through loss_function → backward; one optimizer step; then reduce_train_step_metrics over the ranks.  Returns
+    the reduced log of each step (what slime logs as ``train/<key>``)."""
+    param = torch.zeros((), requires_grad=True)
+    opt = torch.optim.SGD([param], lr=0.0)
+    logged = []
+    for step in range(steps):
+        samples = amplifying_step(seed0 + step)
+        ranks = []
+        for hook, part in zip(hooks, partitions):
+            losses_reduced = []
+            for mb_idx in schedule:
+                mb, logits = slime_micro_batch(samples, [part[j] for j in mb_idx], param)
+                loss, _, log = slime_contract.loss_function(args, mb, len(schedule), args.global_batch_size, logits,
+                                                            hook, dp_size=len(hooks))
+                loss.backward()
+                losses_reduced.append(log)
+            ranks.append(losses_reduced)
+        opt.step()                                                   # model.py L679: the monitors log the step
+        opt.zero_grad()
+        logged.append(slime_contract.reduce_train_step_metrics(
+            ranks, calculate_per_token_loss=args.calculate_per_token_loss,
+            step_global_batch_size=args.global_batch_size))
+    return logged
+
+
+RULE = Rule(name="test_rho_asym_above_2", metric="window/rho_asym", condition="above", threshold=2.0, hold=2)
+
+
+def two_ranks(tmp_path, triage=TriageConfig(gate_width=4, calibration=dict(window=1)), **options):
+    """The hooks of two data-parallel ranks (slime builds one per Megatron rank at import; here both in one
+    process, with their rank and the job's attempt fixed in the settings)."""
+    recording_tracker.register()
+    opts = dict(alerts=[RULE], loggers=[{"kind": "recorder", "path": str(tmp_path / "rec.jsonl")}])
+    opts.update(options)
+    return [SlimeTriageLoss(settings=HookSettings(
+        run_dir=str(tmp_path / "run"), triage=triage, monitor=MonitorConfig(window=4, calibration_steps=2),
+        manifest={"framework": "slime"}, step_source="optimizer", rank=r, attempt=7, **opts)) for r in (0, 1)]
+
+
+def test_curated_metrics_reach_slimes_step_log_per_rollout_mean(slime_modules, tmp_path):
+    """Two DP ranks, slime's default per-rollout mean, an amplifying sampler, 6 steps: the log slime reduces (every
+    micro-batch of both ranks with the same keys, summed, all-reduced, ÷ global_batch_size) holds the curated keys
+    with rank 0's steps-table value of the previous step — although the two ranks' monitors differ here (no
+    process group: each judged its own tokens); the rule given as ``alerts`` fires once, on rank 0, is logged
+    once and reaches the ``loggers`` tracker, which only rank 0 built."""
+    hooks = two_ranks(tmp_path)
+    lines = recording_tracker.AlertLines()
+    logged = slime_train(hooks, slime_args(), 6, PARTITION, [[0, 1], [2]])
+    close_all()
+    lines.remove()
+    steps = recording_tracker.steps_table(tmp_path / "run", rank=0)
+    other = recording_tracker.steps_table(tmp_path / "run", rank=1)
+    assert (steps["window/rho_asym"] != other["window/rho_asym"]).all()      # what is logged can only be rank 0's
+    checked = set()
+    own = {"loss", "pg_loss", "entropy_loss", "pg_clipfrac", "ppo_kl", "train_rollout_logprob_abs_diff"}
+    for s, log in enumerate(logged):
+        assert own <= set(log) and all(k.startswith("triage/") for k in set(log) - own)   # no name of slime's
+        if s == 0:
+            assert "triage/metrics_step" not in log and "triage/gate_downweighted_frac" not in log
+            continue
+        assert log["triage/metrics_step"] == pytest.approx(s - 1, abs=1e-5)
+        for k in CURATED_KEYS:
+            v = steps.loc[s - 1, k]
+            if math.isfinite(v):
+                assert log[f"triage/{k}"] == pytest.approx(v, rel=1e-6, abs=1e-7), (s, k)
+                checked.add(k)
+            else:
+                assert math.isnan(log[f"triage/{k}"]), (s, k)                # NaN stays NaN, the key stays
+    assert checked == set(CURATED_KEYS)
+    assert 0 < log["triage/gate_weight_mean"] <= 1                          # the controller's, rollout-weighted
+    alerts = recording_tracker.alerts_table(tmp_path / "run")
+    assert alerts["rule"].tolist() == ["test_rho_asym_above_2"] and alerts["rank"].tolist() == [0]
+    assert len(lines.lines) == 1
+    assert logged[int(alerts["step"][0]) + 1]["triage/alerts_active"] == pytest.approx(1.0)
+    rows = recording_tracker.read(tmp_path / "rec.jsonl")
+    assert [r["rule"] for r in rows if r["kind"] == "alert"] == ["test_rho_asym_above_2"]
+    assert [r["step"] for r in rows if r["kind"] == "metrics"] == list(range(6))     # rank 0's steps only
+
+
+def test_controller_statistics_are_weighted_by_rollouts_not_samples(slime_modules, tmp_path):
+    """Gate off: every call's gate_weight_mean is 1, so the reduced log must show exactly 1 — with 6 samples of 5
+    rollouts a weight per sample (the old scaling) gave 6/5."""
+    hooks = two_ranks(tmp_path, triage=TriageConfig(gate=False, tis=False, repair=False), alerts=False, loggers=[])
+    logged = slime_train(hooks, slime_args(), 2, PARTITION, [[0, 1], [2]])
+    close_all()
+    assert [log["triage/gate_weight_mean"] for log in logged] == pytest.approx([1.0, 1.0], rel=1e-6)
+    assert "triage/alerts_active" in logged[1] and math.isnan(logged[1]["triage/alerts_active"])   # alerts=False
+
+
+def test_per_token_loss(slime_modules, tmp_path, monkeypatch):
+    """--calculate-per-token-loss divides by the all-reduced token count: on one DP rank the log holds the steps
+    table's values; on two, each rank's own value weighted by its tokens (the monitor all-reduces the step and
+    window metrics in a real job, so they agree), and triage/alerts_active, rank 0's only, is left out."""
+    args = slime_args(calculate_per_token_loss=True)
+    one = SlimeTriageLoss(str(tmp_path / "one"), triage=TriageConfig(), monitor=MonitorConfig(window=4,
+                                                                                              calibration_steps=2))
+    logged = slime_train([one], args, 3, [list(range(6))], [[0, 1, 2], [3, 4, 5]])
+    close_all()
+    steps = recording_tracker.steps_table(tmp_path / "one")
+    for s in (1, 2):
+        for k in CURATED_KEYS:
+            assert logged[s][f"triage/{k}"] == pytest.approx(steps.loc[s - 1, k], rel=1e-6, abs=1e-7), (s, k)
+    monkeypatch.setattr(slime_hook, "_data_parallel_size", lambda: 2)
+    hooks = two_ranks(tmp_path / "two")
+    logged = slime_train(hooks, args, 2, PARTITION, [[0, 1], [2]])
+    close_all()
+    r0, r1 = (recording_tracker.steps_table(tmp_path / "two" / "run", rank=r) for r in (0, 1))
+    samples = amplifying_step(1)
+    tokens = [sum(max(int(samples[j]["loss_masks"].sum()), 1) for j in part) for part in PARTITION]
+    for k in ("window/rho_asym", "delta_abs_mean", "gate_downweighted_frac"):
+        want = (r0.loc[0, k] * tokens[0] + r1.loc[0, k] * tokens[1]) / sum(tokens)
+        assert logged[1][f"triage/{k}"] == pytest.approx(want, rel=1e-6), k
+    assert "triage/alerts_active" not in logged[1]
+
+
+def test_options_on_the_constructor(tmp_path):
+    recording_tracker.register()
+    hook = SlimeTriageLoss(tmp_path / "run", alerts=str(tmp_path / "rules.toml"),
+                           loggers={"kind": "recorder", "path": "x"}, framework_keys=["window/rho_asym"])
+    s = hook.settings
+    assert (s.alerts, s.loggers[0].kind, s.framework_keys, s.step_source) == \
+        (str(tmp_path / "rules.toml"), "recorder", ("window/rho_asym",), "optimizer")
+    with pytest.raises(ValueError, match=r"SlimeTriageLoss: alerts=3"):
+        SlimeTriageLoss(alerts=3)
+    with pytest.raises(ValueError, match=r"SlimeTriageLoss: loggers: tracker kind 'nope'"):
+        SlimeTriageLoss(loggers="nope")
+    with pytest.raises(ValueError, match=r"SlimeTriageLoss: framework_keys='x'"):
+        SlimeTriageLoss(framework_keys="x")
+    with pytest.raises(ValueError, match=r"SlimeTriageLoss: alerts, loggers given beside settings"):
+        SlimeTriageLoss(settings=HookSettings(), alerts=False, loggers=["wandb"])
+    assert cloudpickle.loads(cloudpickle.dumps(hook)).settings.loggers == s.loggers
+
+
+def test_monitoring_with_model_parallelism_is_refused(slime_modules, tmp_path, monkeypatch):
+    """Tensor- or pipeline-parallel size > 1: the ranks that record nothing would never join the monitor's
+    collectives (a DP 2 × TP 2 gloo run hung), so monitoring refuses at the first call; the controller alone runs."""
+    args = slime_args()
+    mb, logits = slime_micro_batch(amplifying_step(0), [0, 1], torch.zeros(()))
+    ssm = get_sum_of_sample_mean(mb["response_lengths"], mb["loss_masks"], mb["rollout_mask_sums"])
+    for sizes in ((2, 1), (1, 2)):
+        monkeypatch.setattr(slime_hook, "_model_parallel_sizes", lambda: sizes)
+        with pytest.raises(ValueError, match=rf"tensor-parallel size {sizes[0]} / pipeline-parallel size {sizes[1]}"):
+            SlimeTriageLoss(tmp_path / "run", triage=TriageConfig())(args, mb, logits, ssm)
+        loss, log = SlimeTriageLoss(triage=TriageConfig())(args, mb, logits, ssm)
+        assert torch.isfinite(loss) and "triage/gate_weight_mean" in log
+    assert not (tmp_path / "run").exists()
+    close_all()
+
+
+def test_the_docs_lines_configure_the_hook():
+    """The ``mymod.py`` lines of docs/hooks.md#slime, run as written: the module-level hook slime's
+    ``--custom-loss-function-path mymod.triage_loss`` loads, with the controller and the three options."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
+    section = text.split("\n## slime\n", 1)[1].split("\n## ", 1)[0]
+    code = section.split("```python\n# mymod.py\n", 1)[1].split("```", 1)[0]
+    ns = {}
+    exec(code, ns)
+    s = ns["triage_loss"].settings
+    assert (s.run_dir, s.alerts, s.framework_keys, s.step_source) == ("/shared/runs/exp1", True, "curated",
+                                                                      "optimizer")
+    assert s.triage is not None and [t.kind for t in s.loggers] == ["tensorboard", "mlflow"]

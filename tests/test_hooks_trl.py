@@ -40,6 +40,7 @@ from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
 from triage_monitor.hooks.trl import LOSS_TYPE_AGG, TriageGRPOTrainer  # noqa: E402
 from triage_monitor.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MonitorConfig  # noqa: E402
+from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
 
 WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
 GA = 2
@@ -66,15 +67,16 @@ def reward_count_a(completions, **kwargs):
     return [float(c.split().count("a")) - 0.3 * len(c.split()) for c in completions]
 
 
-def make_trainer(tmp, triage: HookSettings | None, *, max_steps=3, n_prompts=16, **cfg):
+def make_trainer(tmp, triage: HookSettings | None, *, max_steps=3, n_prompts=16, cls=None, reward=reward_count_a,
+                 **cfg):
     tok = tiny_tokenizer()
     ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i % 8:(i % 8) + 3]) for i in range(n_prompts)]})
     kw = dict(output_dir=str(tmp / "out"), per_device_train_batch_size=4, num_generations=4, max_completion_length=12,
               max_steps=max_steps, learning_rate=5e-3, logging_steps=1, report_to="none", use_cpu=True, beta=0.0,
               save_strategy="no", seed=0, gradient_accumulation_steps=GA, temperature=1.0)
     kw.update(cfg)
-    return TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=trl.GRPOConfig(**kw),
-                             train_dataset=ds, processing_class=tok, triage=triage)
+    return (cls or TriageGRPOTrainer)(model=tiny_model(len(tok)), reward_funcs=reward, args=trl.GRPOConfig(**kw),
+                                      train_dataset=ds, processing_class=tok, triage=triage)
 
 
 def spy_inputs(trainer) -> list:
@@ -198,6 +200,41 @@ def test_trl_logs_kept_and_ours_under_triage(trl_run):
         assert k in logs, k
     assert {"triage/gate_weight_mean", "triage/gate_downweighted_frac", "triage/repair_loss"} <= logs
     assert not any(k.startswith("triage/triage/") for k in logs)
+
+
+def curated_in_trl_log(trainer, run_dir, controller: bool) -> list:
+    """Check that every training log row of TRL at step N (its ``log_history``: the optimizer steps done) carries the
+    curated triage metrics of monitored step N − 1, equal to that step's row in the run directory (NaN ones left
+    out), and that TRL's own names are untouched; returns the training rows."""
+    steps = pd.read_parquet(run_dir / "steps").set_index("step")
+    rows = [r for r in trainer.state.log_history if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    for row in rows:
+        s = row["step"] - 1
+        assert row["triage/metrics_step"] == s
+        for k in CURATED_KEYS:
+            v = steps.loc[s, k] if k in steps.columns else math.nan
+            if math.isfinite(v):
+                assert row["triage/" + k] == pytest.approx(v, rel=1e-9, abs=1e-12), (s, k)
+            else:
+                assert "triage/" + k not in row, (s, k)
+        assert row["triage/alerts_active"] >= 0                  # rank 0 evaluates the default rules
+        assert ("triage/gate_downweighted_frac" in row) == controller
+    ours = {k for r in rows for k in r if k.startswith("triage/")}
+    trl_own = {k for r in rows for k in r if not k.startswith("triage/")}
+    assert not any(k.startswith(("triage", "window/")) for k in trl_own) and {"loss", "reward", "entropy"} <= trl_own
+    assert {"triage/" + k for k in CURATED_KEYS if controller or k != "gate_downweighted_frac"} - ours <= {
+        "triage/rho_asym", "triage/window/rho_asym", "triage/window/c_tok"}    # only undefined ratios may be absent
+    summary = [r for r in trainer.state.log_history if "train_runtime" in r]
+    assert summary and not any(k.startswith("triage/") for k in summary[0])   # each step joins one log only
+    return rows
+
+
+def test_curated_metrics_reach_trls_log_with_the_controller(trl_run):
+    """With the controller: TRL's log at step N holds the curated keys of monitored step N − 1 (logging_steps=1);
+    the Gate fraction is TRL's mean of the controller's per-call values, equal to the monitor's for the step."""
+    rows = curated_in_trl_log(trl_run["trainer"], trl_run["run_dir"], controller=True)
+    assert [r["triage/metrics_step"] for r in rows] == [0, 1, 2]
 
 
 def test_manifest_says_which_sampler_logps(trl_run):
@@ -367,7 +404,10 @@ def test_monitor_only_keeps_trl_loss(tmp_path):
     assert sorted(tokens["step"].astype(int).unique()) == [0, 1]
     assert "gate_weight" not in tokens.columns
     assert (tokens["learner_logp"] - tokens["sampler_logp"]).abs().max() < 1e-2
-    assert not any(k.startswith("triage/") for row in trainer.state.log_history for k in row)
+    # monitoring only: the curated keys reach TRL's log too, no controller statistics
+    rows = curated_in_trl_log(trainer, tmp_path / "run", controller=False)
+    assert [r["triage/metrics_step"] for r in rows] == [0, 1]
+    assert not any(k.startswith(("triage/gate", "triage/repair", "triage/tis")) for r in rows for k in r)
     assert trainer.triage_last is None and len(captured) == 2
 
 
@@ -411,6 +451,125 @@ def test_rollout_func_logprobs_are_the_sampler_logps(tmp_path):
     assert info["sampler_logp_kind"] == "rollout_func logprobs"
 
 
+# ------------------------------------------------- alerts and trackers through a real TRL run
+def reward_first_word(completions, **kwargs):
+    """1 when the completion starts with one of a-d, else 0: the sign of the advantage does not depend on length."""
+    return [float(bool(c.split()) and c.split()[0] in WORDS[:4]) for c in completions]
+
+
+class AmplifyingSamplerTrainer(TriageGRPOTrainer):
+    """A sampler whose error leans the amplifying way (docs/metrics.md#rho_asym), standing in for a low-precision
+    one: once TRL has scored the batch, the sampler log-probs recorded during generation are scaled toward 0 (× 0.8:
+    the sampler rates the token higher than the learner, δ < 0) on every A<0 token and on 3 of 4 A>0 tokens, and
+    away from 0 (× 1.2: δ > 0) on the A>0 tokens at positions 0, 4, 8: every A<0 token lands in the amplifying A⁻
+    region, about a quarter of the A>0 tokens in A⁺, so ρ_asym ≈ 3 and the default rho_asym_critical (> 1.8, hold
+    3) fires on the third step.  TRL's loss never reads these values (no vLLM, no off-policy mask)."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        s, adv = out["sampling_per_token_logps"], out["advantages"]
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        pos = torch.arange(s.size(1), device=s.device).expand_as(s)
+        out["sampling_per_token_logps"] = torch.where((adv > 0) & (pos % 4 == 0), s * 1.2, s * 0.8)
+        return out
+
+
+def pooled_rho_asym(tokens) -> list:
+    """ρ_asym over steps 0..s for each step s (a 25-step window pools them all), from the token rows alone."""
+    d = tokens["learner_logp"] - tokens["sampler_logp"]
+    a = tokens["advantage"]
+    neg = (a.abs() * ((a < 0) & (d < 0))).groupby(tokens["step"]).sum().cumsum()
+    pos = (a.abs() * ((a > 0) & (d > 0))).groupby(tokens["step"]).sum().cumsum()
+    return list(neg / pos)
+
+
+def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path, monkeypatch):
+    """A real GRPOTrainer.train() (3 steps) with the hook in monitoring mode, report_to W&B (offline) and
+    TensorBoard, the shipped default rules, and our three trackers as HookSettings(loggers=...): the amplifying
+    sampler raises rho_asym_critical at monitored step 2, and each tracker's own reader finds it and the curated
+    keys — W&B's offline transaction log (TRL's rows ``train/triage/*`` at ``train/global_step``, ours ``triage/*``
+    at ``triage/step``, the alert record), TensorBoard's EventAccumulator (our event files and TRL's), the
+    MlflowClient on a file store."""
+    if os.environ.get("CI") == "true":
+        import wandb
+    else:
+        wandb = pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+    from test_trackers import tb_read
+    from triage_monitor.analysis import open_run
+    from test_wandb import history_rows, of_kind, read_wandb_records
+
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": tmp_path, "WANDB_CONFIG_DIR": tmp_path / "wcfg",
+                 "WANDB_CACHE_DIR": tmp_path / "wcache", "WANDB_DATA_DIR": tmp_path / "wdata", "WANDB_SILENT": "true",
+                 "WANDB_CONSOLE": "off", "WANDB_PROJECT": "triage-trl", "MLFLOW_ALLOW_FILE_STORE": "true",
+                 "MLFLOW_DISABLE_TELEMETRY": "true"}.items():
+        monkeypatch.setenv(k, str(v))
+    uri = "file:" + str(tmp_path / "mlruns")
+    run_dir, tb_dir = tmp_path / "run", tmp_path / "tb"
+    settings = HookSettings(run_dir=str(run_dir), loggers=[
+        "wandb", {"kind": "tensorboard", "log_dir": str(tb_dir)},
+        {"kind": "mlflow", "tracking_uri": uri, "experiment": "trl"}])
+    trainer = make_trainer(tmp_path, settings, max_steps=3, cls=AmplifyingSamplerTrainer, reward=reward_first_word,
+                           gradient_accumulation_steps=1, per_device_train_batch_size=8,
+                           report_to=["wandb", "tensorboard"])
+    try:
+        trainer.train()
+    finally:
+        wandb.finish()
+        wandb.teardown()                 # waits for wandb-core to write the transaction log
+
+    # the run directory: window ρ_asym worked out from the token rows, the default rule's alert
+    tokens = pd.read_parquet(run_dir / "tokens")
+    steps = pd.read_parquet(run_dir / "steps").set_index("step")
+    rho = pooled_rho_asym(tokens)
+    assert list(steps["window/rho_asym"]) == pytest.approx(rho, rel=1e-6) and min(rho) > 1.8
+    alerts = open_run(run_dir).alerts()
+    assert list(zip(alerts["step"], alerts["rule"])) == [(2, "rho_asym_critical")]
+    # TRL's own log: step N holds monitored step N - 1
+    rows = curated_in_trl_log(trainer, run_dir, controller=False)
+    assert [r["triage/window/rho_asym"] for r in rows] == pytest.approx(rho, rel=1e-6)
+    assert [r["triage/alerts_active"] for r in rows] == [0, 0, 1]
+
+    # W&B: one offline run, TRL's and ours
+    (log_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    recs = read_wandb_records(log_file)
+    (alert,) = of_kind(recs, "alert")
+    assert (alert.title, alert.level) == ("triage ERROR: rho_asym_critical", "ERROR")
+    assert "is above 1.8 at step 2" in alert.text
+    hist = history_rows(recs)
+    trl_rows = [h for h in hist if "train/triage/metrics_step" in h]
+    assert [h["train/global_step"] for h in trl_rows] == [1, 2, 3]
+    assert [h["train/triage/window/rho_asym"] for h in trl_rows] == pytest.approx(rho, rel=1e-6)
+    assert [h["train/triage/alerts_active"] for h in trl_rows] == [0, 0, 1]
+    for h in trl_rows:
+        assert {"train/triage/" + k for k in CURATED_KEYS if k != "gate_downweighted_frac"} <= set(h)
+        assert {"train/loss", "train/reward"} <= set(h)             # TRL's own keys, unchanged, in the same rows
+    ours = [h for h in hist if "triage/step" in h]
+    assert [h["triage/step"] for h in ours] == [0, 1, 2]
+    assert [h["triage/window/rho_asym"] for h in ours] == pytest.approx(rho, rel=1e-6)
+
+    # TensorBoard: our tracker's event files, and TRL's (report_to) with the same values one step later
+    scalars, texts = tb_read(tb_dir)
+    assert scalars["triage/window/rho_asym"] == [(s, pytest.approx(rho[s], rel=1e-6)) for s in range(3)]
+    assert scalars["triage/alerts_active"] == [(0, 0.0), (1, 0.0), (2, 1.0)]
+    ((step, text),) = texts["triage/alerts"]
+    assert step == 2 and text.startswith("**triage ERROR: rho_asym_critical** at step 2")
+    (trl_tb,) = (tmp_path / "out" / "runs").iterdir()
+    trl_scalars, _ = tb_read(trl_tb)
+    assert trl_scalars["train/triage/window/rho_asym"] == [(s + 1, pytest.approx(rho[s], rel=1e-6)) for s in range(3)]
+    assert trl_scalars["train/triage/metrics_step"] == [(1, 0.0), (2, 1.0), (3, 2.0)]
+
+    # MLflow: our tracker's run, ended when the hook closed
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("trl").experiment_id])
+    assert run.info.status == "FINISHED"
+    hist_rho = sorted(client.get_metric_history(run.info.run_id, "triage/window/rho_asym"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in hist_rho] == [(s, pytest.approx(rho[s], rel=1e-6)) for s in range(3)]
+    assert run.data.tags["triage.alert.rho_asym_critical"].startswith("ERROR at step 2: window/rho_asym = ")
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "triage/alerts")] == [
+        "triage/alerts/step00000002-rho_asym_critical.txt"]
+
+
 def test_checkpoint_keeps_controller_state(tmp_path):
     """The controller's calibration data is saved in TRL's checkpoint folder and restored when TRL resumes from it:
     with a 1-step calibration window, the resumed run calibrates on its first call from the saved step-0 values
@@ -442,21 +601,29 @@ def test_checkpoint_keeps_controller_state(tmp_path):
 
 
 TWO_RANKS = """
+import json
 import sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 import torch.distributed as dist
 import test_hooks_trl as T
+from triage_monitor.alerts import Rule
 from triage_monitor.controller import TriageConfig
 from triage_monitor.hooks.trl import HookSettings
 
 out = Path({out!r})
-trainer = T.make_trainer(out / f"r{{dist.get_rank() if dist.is_initialized() else 'x'}}",
-                         HookSettings(run_dir=str(out / "run"), triage=TriageConfig()), max_steps=2, n_prompts=8)
+# a rule that holds on every step (the paths always differ a little): it must fire once for the job, on rank 0
+rules = [Rule("gap_seen", "window/delta_abs_mean", "above", 0.0)]
+settings = HookSettings(run_dir=str(out / "run"), triage=TriageConfig(), alerts=rules,
+                        loggers=[{{"kind": "tensorboard", "log_dir": str(out / "tb")}}])
+trainer = T.make_trainer(out / f"r{{dist.get_rank() if dist.is_initialized() else 'x'}}", settings, max_steps=2,
+                         n_prompts=8)
 trainer.train()
 # one file per rank: two processes printing to one pipe can interleave their lines
 with open(out / f"rank-{{dist.get_rank()}}.txt", "w") as f:
     print("RANK", dist.get_rank(), dist.get_world_size(), trainer.triage_hook.settings.attempt, file=f)
+logged = [{{k: v for k, v in r.items() if k.startswith("triage/")}} for r in trainer.state.log_history if "loss" in r]
+(out / f"logs-{{dist.get_rank()}}.json").write_text(json.dumps(logged))
 """
 
 
@@ -487,6 +654,21 @@ def test_two_accelerate_ranks_write_one_run(tmp_path):
         assert sorted(r for s, r, _ in keys if s == step) == [0, 1]
     tokens = pd.read_parquet(run / "tokens")
     assert set(tokens["attempt"].astype(int)) == {int(ranks[0][2])}
+    # alerts and trackers are rank 0's (the accelerator's main process): one alert for the job, one event file
+    from test_trackers import tb_read
+    from triage_monitor.analysis import open_run
+
+    alerts = open_run(run).alerts()
+    assert list(zip(alerts["step"], alerts["rule"])) == [(0, "gap_seen")]
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    _, texts = tb_read(tmp_path / "tb")
+    assert [s for s, _ in texts["triage/alerts"]] == [0]
+    # TRL's log on both ranks gets the step's global metrics; the alert count only where the rules run
+    logs = [json.loads((tmp_path / f"logs-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["triage/metrics_step"] for r in logs[0]] == [r["triage/metrics_step"] for r in logs[1]] == [0, 1]
+    assert [r["triage/alerts_active"] for r in logs[0]] == [1, 1] and "triage/alerts_active" not in logs[1][0]
+    for r0, r1 in zip(*logs):
+        assert r0["triage/window/k3_kl"] == r1["triage/window/k3_kl"]       # all-reduced over the 2 ranks
 
 
 # -------------------------------------------------------------- the oldest TRL claimed

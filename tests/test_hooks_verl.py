@@ -147,7 +147,9 @@ def test_triage_on_uses_verls_normaliser_and_adds_up_over_micro_batches(registry
     live, rollout, adv, mask = make_actor_batch(seed=1)
     cfg = global_info(actor_config(), mask, dp=2, share=1)
     whole, metrics = call(fn, live, rollout, adv, mask, agg, cfg)
-    assert float(fn.last.output.gate_weights.min()) < 1.0 and "triage/gate_weight_mean" in metrics
+    assert fn.last["gate_weight_min"] < 1.0 and "triage/gate_weight_mean" in metrics
+    # only detached statistics outlive the call (no per-token tensor, no autograd graph)
+    assert not any(torch.is_tensor(v) for v in (*fn.last.values(), *fn.last["stats"].values()))
     batch = TokenBatch.from_padded(live, rollout, adv, mask)
     spec = hook.verl_aggregation(agg, mask, cfg)
     expected = triage_policy_loss(TriageController(cfg_t), batch, 0, old_logp=batch.sampler_logp, clip_low=0.2,
@@ -180,21 +182,26 @@ def test_verl_normalisers_by_hand():
 
 
 # ------------------------------------------------------------------ verl's real worker call site (v1 layout)
-def v1_micro_batch(seed=5):
+def v1_micro_batch(seed=5, amplify=0.0):
     """A v1 micro-batch as the FSDP engine hands it to ppo_loss: nested (jagged) prompts / responses / response
     fields from the TransferQueue, and the remove-padding model output (one log-prob per prompt+response token,
-    of the *next* token) as a nested tensor."""
+    of the *next* token) as a nested tensor.  ``amplify`` > 0: a sampler biased in the amplifying direction by
+    that many nats (above the learner on the A < 0 responses, below it on the A > 0 one), ±0.05 nats noise."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
 
     g = torch.Generator().manual_seed(seed)
     prompt_lens, resp_lens = [4, 2, 3], [30, 13, 21]
     B, T = 3, max(resp_lens)
-    live = [(-torch.rand(n, generator=g) * 2 - 1e-3) for n in resp_lens]
-    rollout = [(x + 0.5 * torch.randn(len(x), generator=g)).clamp(max=-1e-4) for x in live]
+    adv_row = [-1.0, 0.5, -0.3]
+    live = [(-torch.rand(n, generator=g) * 2 - 1e-3 - amplify) for n in resp_lens]
+    if amplify:
+        rollout = [(x - amplify * (1.0 if a > 0 else -1.0) + 0.05 * torch.randn(len(x), generator=g)).clamp(max=-1e-4)
+                   for x, a in zip(live, adv_row)]
+    else:
+        rollout = [(x + 0.5 * torch.randn(len(x), generator=g)).clamp(max=-1e-4) for x in live]
     for x, r in zip(live, rollout):
         x[3], r[3] = -0.9, -2.5                                    # ratio e^1.6 ≈ 5 > 3: a dual-clip token
-    adv_row = [-1.0, 0.5, -0.3]
     nested = lambda xs: torch.nested.as_nested_tensor(xs, layout=torch.jagged)  # noqa: E731
     flat = torch.cat([torch.cat([-torch.rand(p - 1, generator=g), lv, torch.zeros(1)])
                       for p, lv in zip(prompt_lens, live)])
@@ -213,15 +220,16 @@ def v1_micro_batch(seed=5):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_through_verls_ppo_loss_v1_layout(registry, agg):
+def test_through_verls_ppo_loss_v1_layout(registry, agg, tmp_path):
     """verl's worker loss entry (workers.utils.losses.ppo_loss) looks the loss up by policy_loss.loss_mode, slices
     the nested model output back to (B, T) and passes the global counts: TRIAGE off gives verl's own ppo_loss
-    with loss_mode=vanilla; TRIAGE on gives the core loss on the same (B, T) tensors."""
+    with loss_mode=vanilla; TRIAGE on gives the core loss on the same (B, T) tensors (the recorded tokens)."""
     from verl.workers.config import PolicyLossConfig
     from verl.workers.utils.losses import ppo_loss
 
     hook.register(HookSettings(triage=None), name="triage_off")
-    fn_on = hook.register(HookSettings(triage=TriageConfig(gate_width=8)))
+    fn_on = hook.register(HookSettings(run_dir=str(tmp_path / "run"), triage=TriageConfig(gate_width=8),
+                                       monitor=MonitorConfig(calibration_steps=1)))
     losses = {}
     for mode in ("triage_off", "vanilla", "triage"):
         data, flat, live, rollout, adv, mask = v1_micro_batch()
@@ -234,8 +242,10 @@ def test_through_verls_ppo_loss_v1_layout(registry, agg):
     assert torch.allclose(losses["triage_off"][0], losses["vanilla"][0], rtol=1e-6, atol=1e-7)
     assert torch.allclose(losses["triage_off"][1], losses["vanilla"][1], rtol=1e-5, atol=1e-8)
     assert losses["triage_off"][2]["actor/pg_clipfrac_lower"] == losses["vanilla"][2]["actor/pg_clipfrac_lower"] > 0
-    assert torch.equal(fn_on.last.batch.learner_logp.detach(), live[mask])
-    assert torch.equal(fn_on.last.batch.sampler_logp, rollout[mask])
+    fn_on.close()
+    tokens = pd.read_parquet(tmp_path / "run" / "tokens").sort_values(["sample_id", "position"])
+    assert torch.equal(torch.tensor(tokens["learner_logp"].to_numpy()), live[mask])
+    assert torch.equal(torch.tensor(tokens["sampler_logp"].to_numpy()), rollout[mask])
     batch = TokenBatch.from_padded(live, rollout, adv, mask)
     spec = hook.verl_aggregation(agg, mask, actor_config())
     expected = triage_policy_loss(TriageController(TriageConfig(gate_width=8)), batch, 0, old_logp=batch.sampler_logp,
@@ -277,6 +287,43 @@ def test_settings_from_env(tmp_path):
         hook.settings_from_env({"TRIAGE_MONITOR_TRIAGE": "gate_width=3"})
     with pytest.raises(ValueError, match="gate_width"):
         hook.settings_from_env({"TRIAGE_MONITOR_TRIAGE": '{"gate_width": 0}'})
+
+
+def test_settings_from_env_alerts_loggers_framework_keys(tmp_path):
+    """TRIAGE_MONITOR_ALERTS / _LOGGERS / _FRAMEWORK_KEYS become HookSettings' alerts / loggers / framework_keys;
+    a bad value fails when the settings are read (the plugin's import in a worker, the trainer's construction),
+    naming the variable and the value."""
+    from triage_monitor.trackers import TrackerSpec
+
+    rules = tmp_path / "rules.toml"
+    rules.write_text(RULES_TOML)
+    s = hook.settings_from_env({})
+    assert s.alerts is True and s.loggers == [] and s.framework_keys == "curated"
+    s = hook.settings_from_env({"TRIAGE_MONITOR_ALERTS": str(rules), "TRIAGE_MONITOR_FRAMEWORK_KEYS": "all",
+                                "TRIAGE_MONITOR_LOGGERS": '["tensorboard", {"kind": "mlflow", "keys": "all", '
+                                                          '"tracking_uri": "file:/tmp/mlruns"}]'})
+    assert s.alerts == str(rules) and s.framework_keys == "all"
+    assert s.loggers == [TrackerSpec("tensorboard"), TrackerSpec("mlflow", "all", {"tracking_uri": "file:/tmp/mlruns"})]
+    assert hook.settings_from_env({"TRIAGE_MONITOR_ALERTS": "off"}).alerts is False
+    assert hook.settings_from_env({"TRIAGE_MONITOR_ALERTS": "default"}).alerts is True
+    assert hook.settings_from_env({"TRIAGE_MONITOR_LOGGERS": "tensorboard,wandb"}).loggers == [
+        TrackerSpec("tensorboard"), TrackerSpec("wandb")]
+    assert hook.settings_from_env({"TRIAGE_MONITOR_FRAMEWORK_KEYS": "window/rho_asym, k3_kl"}).framework_keys == (
+        "window/rho_asym", "k3_kl")
+    assert hook.settings_from_env({"TRIAGE_MONITOR_FRAMEWORK_KEYS": '["c_tok"]'}).framework_keys == ("c_tok",)
+    bad_rules = tmp_path / "bad.toml"
+    bad_rules.write_text('[[rules]]\nname = "x"\nmetric = "rho_asym"\ncondition = "upward"\nthreshold = 1\n')
+    for env, match in [({"TRIAGE_MONITOR_ALERTS": str(tmp_path / "missing.toml")},
+                        r"TRIAGE_MONITOR_ALERTS='.*missing.toml': .*not a file.*'default', 'off'"),
+                       ({"TRIAGE_MONITOR_ALERTS": str(bad_rules)}, r"TRIAGE_MONITOR_ALERTS='.*bad.toml'.*condition"),
+                       ({"TRIAGE_MONITOR_LOGGERS": "[tensorboard"}, r"TRIAGE_MONITOR_LOGGERS='\[tensorboard' is not JSON"),
+                       ({"TRIAGE_MONITOR_LOGGERS": "neptune"}, r"TRIAGE_MONITOR_LOGGERS='neptune': .*'neptune'"),
+                       ({"TRIAGE_MONITOR_LOGGERS": '[{"keys": "all"}]'}, r"TRIAGE_MONITOR_LOGGERS=.*'kind'"),
+                       ({"TRIAGE_MONITOR_FRAMEWORK_KEYS": ","}, r"TRIAGE_MONITOR_FRAMEWORK_KEYS=',': .*metric names"),
+                       ({"TRIAGE_MONITOR_FRAMEWORK_KEYS": "[1]"}, r"TRIAGE_MONITOR_FRAMEWORK_KEYS='\[1\]': .*metric names"),
+                       ({"TRIAGE_MONITOR_ON_INVALID": "drop"}, r"TRIAGE_MONITOR_ON_INVALID='drop'")]:
+        with pytest.raises(ValueError, match=match):
+            hook.settings_from_env(env)
 
 
 def test_loss_object_pickles_as_configuration(tmp_path, registry):
@@ -337,35 +384,77 @@ def test_without_published_step_counts_optimizer_steps_and_says_so(tmp_path, reg
 
 # ------------------------------------------------------------------ Ray workers, the way external_lib reaches them
 WORKER_STEPS, MINI, MICRO = 3, 2, 2
+#: a sampler this many nats off the learner in the amplifying direction (v1_micro_batch)
+AMPLIFY = 0.5
+#: the rules of the Ray test (TRIAGE_MONITOR_ALERTS): the window's ρ_asym above 1.5 held 1, 2 and 3 steps, so a
+#: sampler biased in the amplifying direction raises exactly one alert at each of the 3 steps, for the job
+RULES_TOML = "\n".join(f"""[[rules]]
+name = "rho_asym_held_{h}"
+metric = "window/rho_asym"
+condition = "above"
+threshold = 1.5
+window = 2
+hold = {h}
+cooldown = 100
+level = "WARN"
+""" for h in (1, 2, 3))
 
 
-def ray_worker_train(worker: int, steps_done) -> dict:
+def ray_worker_train(worker: int, steps_done, port=None) -> dict:
     """One verl worker: verl's own import_external_libs loads the plugin (as HFModelConfig does for
     actor_rollout_ref.model.external_lib), then 2 mini-batches (optimizer steps) × 2 micro-batches per global step
-    through verl's real ppo_loss."""
+    through verl's real ppo_loss.  With ``port`` the 2 workers first form a gloo process group, as verl's FSDP
+    workers always have one (the monitors then all-reduce), and the metrics ppo_loss returns go through verl's
+    own reduction: micro-batches collected as its ``postprocess_batch_func`` does (``append_to_dict``), gathered
+    over the data-parallel group by its ``allgather_dict_into_dict`` (``_postprocess_output``), reduced per
+    mini-batch with ``Metric.aggregate_dp`` on the output rank (``update_actor``); the driver finishes what the
+    trainer does (``rename_dict(..., "actor/")``, ``reduce_metrics``)."""
+    import torch.distributed as dist
     from verl.utils.import_utils import import_external_libs
+    from verl.utils.metric import Metric
+    from verl.utils.py_functional import append_to_dict
+    from verl.utils.torch_functional import allgather_dict_into_dict
     from verl.workers.config import PolicyLossConfig
     from verl.workers.utils.losses import ppo_loss
 
+    if port is not None and not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=worker, world_size=2)
     import_external_libs("triage_monitor.hooks.verl_plugin")
     from triage_monitor.hooks import verl_plugin
 
+    torch.set_num_threads(1)
     w = torch.nn.Parameter(torch.zeros(()))
     opt = torch.optim.SGD([w], lr=0.01)
     cfg = actor_config(policy_loss=PolicyLossConfig(loss_mode="triage"))
     n_tokens = 0
     step = steps_done
+    outputs = []
     for mini in range(MINI):
+        micro_metrics: dict = {}
         for micro in range(MICRO):
-            data, flat, *_ = v1_micro_batch(seed=1000 * worker + 100 * step + 10 * mini + micro)
-            loss, _ = ppo_loss(cfg, {"log_probs": (flat + w).clamp(max=-1e-4)}, data)
+            data, flat, *_ = v1_micro_batch(seed=1000 * worker + 100 * step + 10 * mini + micro,
+                                            amplify=AMPLIFY if port is not None else 0.0)
+            loss, metrics = ppo_loss(cfg, {"log_probs": (flat + w).clamp(max=-1e-4)}, data)
             loss.backward()
+            append_to_dict(micro_metrics, metrics)              # postprocess_batch_func (engine/utils.py)
             n_tokens += int(sum(data["response_mask"].offsets().diff()))
         opt.step()
         opt.zero_grad()
+        if dist.is_initialized():                               # _postprocess_output (engine_workers.py)
+            micro_metrics = allgather_dict_into_dict(data=micro_metrics, group=None)
+        outputs.append(micro_metrics)
+    logged = {}                                                 # update_actor (engine_workers.py), output rank
+    for output in outputs:
+        for key, val in output.items():
+            if isinstance(val, list):
+                output[key] = Metric.aggregate_dp(val) if isinstance(val[0], Metric) else [x for v in val for x in v]
+        append_to_dict(logged, output)
     rt = verl_plugin.LOSS.runtime
-    return {"pid": os.getpid(), "tokens": n_tokens, "rank": rt.monitor.rank, "attempt": rt.settings.attempt,
-            "trainers": verl_plugin.TRAINERS}
+    mon = rt.monitor
+    return {"pid": os.getpid(), "tokens": n_tokens, "rank": mon.rank, "attempt": rt.settings.attempt,
+            "trainers": verl_plugin.TRAINERS, "logged": logged,
+            "loggers": [(type(lg).__name__, lg.keys) for lg in mon.loggers],
+            "rules": None if mon.alerts is None else [r.name for r in mon.alerts.rules]}
 
 
 @pytest.fixture(scope="module")
@@ -373,11 +462,16 @@ def ray_cluster(tmp_path_factory):
     """One real local Ray cluster (2 CPUs) for the worker and trainer tests, the TRIAGE_MONITOR_* variables of the
     workers' run in the job's runtime_env (as ``ray_kwargs.ray_init.runtime_env.env_vars`` sets them in verl)."""
     ray = pytest.importorskip("ray")
-    run = tmp_path_factory.mktemp("ray") / "workers-run"
+    root = tmp_path_factory.mktemp("ray")
+    run = root / "workers-run"
+    rules = root / "rules.toml"
+    rules.write_text(RULES_TOML)
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
            "TRIAGE_MONITOR_RUN_DIR": str(run), "TRIAGE_MONITOR_TRIAGE": '{"gate_width": 8}',
-           "TRIAGE_MONITOR_CONFIG": '{"window": 2, "calibration_steps": 1}', "VERL_USE_EXTERNAL_PLUGINS": "none"}
+           "TRIAGE_MONITOR_CONFIG": '{"window": 2, "calibration_steps": 1}', "VERL_USE_EXTERNAL_PLUGINS": "none",
+           "TRIAGE_MONITOR_ALERTS": str(rules),
+           "TRIAGE_MONITOR_LOGGERS": '[{"kind": "wandb", "start": false, "keys": "all"}]'}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
              runtime_env={"env_vars": env})
     try:
@@ -386,28 +480,52 @@ def ray_cluster(tmp_path_factory):
         ray.shutdown()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def verl_logged_metrics(per_worker: list) -> dict:
+    """What verl's trainer logs of the actor update (trainer_base.py ``_update_actor``): the output rank's
+    (data-parallel rank 0) metrics, prefixed ``actor/`` and reduced over the mini-batches by ``reduce_metrics``."""
+    from verl.utils.metric import reduce_metrics
+    from verl.utils.py_functional import rename_dict
+
+    out = next(r for r in per_worker if r["rank"] == 0)["logged"]
+    return reduce_metrics(rename_dict(dict(out), "actor/"))
+
+
 def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_cluster):
-    """2 Ray worker processes load the loss as external_lib does; 3 global steps published by the driver (as the
-    triage_* trainer's step() does), then finish_workers (as its fit() does; Ray ends workers without atexit)
-    → exactly 3 monitored steps numbered 1..3, every token once, rank files from both workers, one run.json,
-    one attempt."""
+    """2 Ray worker processes (a gloo process group between them, as verl's FSDP workers) load the loss as
+    external_lib does; 3 global steps published by the driver (as the triage_* trainer's step() does), then
+    finish_workers (as its fit() does; Ray ends workers without atexit) → exactly 3 monitored steps numbered 1..3,
+    every token once, rank files from both workers, one run.json, one attempt.  The TRIAGE_MONITOR_ALERTS /
+    _LOGGERS variables reach the workers' monitors (rules and tracker on rank 0 only); with a sampler biased in the
+    amplifying direction the rules raise one alert per step for the job, from rank 0; the curated keys are in
+    what verl's own reduction of ppo_loss's metrics logs, each equal to the monitor's value of the step before
+    (read back from the steps table)."""
     import json
 
     import ray
+    from triage_monitor.trackers import CURATED_KEYS
 
     run = ray_cluster
 
     @ray.remote(num_cpus=1)
     class Worker:
-        def train(self, worker, step):
+        def train(self, worker, step, port):
             import test_hooks_verl as t
-            return t.ray_worker_train(worker, step)
+            return t.ray_worker_train(worker, step, port)
 
     workers = [Worker.remote() for _ in range(2)]
+    port = _free_port()
     results = []
     for step in range(1, WORKER_STEPS + 1):
         hook.publish_step(str(run), step)
-        results.append(ray.get([w.train.remote(i, step) for i, w in enumerate(workers)]))
+        results.append(ray.get([w.train.remote(i, step, port) for i, w in enumerate(workers)]))
     assert hook.finish_workers(str(run), timeout=60)                  # the trainer's fit() ends with this
     last = results[-1]
     assert {r["rank"] for r in last} == {0, 1} and len({r["pid"] for r in last}) == 2
@@ -420,9 +538,47 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
         for r in per_worker:
             got = tokens[(tokens["step"].astype(int) == s) & (tokens["rank"].astype(int) == r["rank"])]
             assert len(got) == r["tokens"]                           # every token once
+            assert float((got["learner_logp"] - got["sampler_logp"]).abs().mean()) > 0.4   # sampler != learner
     manifest = json.loads((run / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "verl"
     assert manifest["attempts"][0]["attempt"] == last[0]["attempt"] and manifest["status"] == "finished"
+
+    # the options of the environment reached the monitors: rules and the tracker on rank 0 only
+    by_rank = {r["rank"]: r for r in last}
+    assert by_rank[0]["rules"] == ["rho_asym_held_1", "rho_asym_held_2", "rho_asym_held_3"]
+    assert by_rank[0]["loggers"] == [("WandbLogger", "all")]
+    assert by_rank[1]["rules"] is None and by_rank[1]["loggers"] == []
+    # one alert per step for the job, raised by rank 0 on the all-reduced metrics; rank 1 raised none
+    alerts = pd.read_parquet(run / "alerts")
+    assert sorted(zip(alerts["step"].astype(int), alerts["rule"])) == [
+        (1, "rho_asym_held_1"), (2, "rho_asym_held_2"), (3, "rho_asym_held_3")]
+    assert set(alerts["rank"].astype(int)) == {0}
+    rows = {(int(r["step"]), int(r["rank"])): r for _, r in steps.iterrows()}
+    assert [rows[(s, 0)]["alerts_active"] for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
+    assert all(np.isnan(rows[(s, 1)]["alerts_active"]) for s in (1, 2, 3))
+
+    # what verl logs: the curated keys of the step before (the loss runs before its own step is logged)
+    first = verl_logged_metrics(results[0])
+    assert "actor/triage/metrics_step" not in first and not any(k.startswith("actor/triage/window") for k in first)
+    for s in (2, 3):
+        logged = verl_logged_metrics(results[s - 1])
+        assert logged["actor/triage/metrics_step"] == s - 1
+        r0, r1 = rows[(s - 1, 0)], rows[(s - 1, 1)]
+        want = {k for k in CURATED_KEYS if np.isfinite(r0[k])}
+        assert {"window/rho_asym", "rho_asym", "window/k3_kl", "delta_abs_mean", "alerts_active",
+                "gate_downweighted_frac"} <= want
+        assert {k[len("actor/triage/"):] for k in logged if k.startswith("actor/triage/")} >= want
+        for k in want:
+            got = logged[f"actor/triage/{k}"]
+            if k == "gate_downweighted_frac":           # each rank's own Gate: verl's mean over the dp ranks
+                assert got == pytest.approx((r0[k] + r1[k]) / 2, rel=1e-6, abs=1e-9), k
+            elif k == "alerts_active":                  # rank 0's count (the other ranks hand over none)
+                assert got == r0[k] and np.isnan(r1[k])
+            else:                                       # all-reduced by the monitors: the same on both ranks
+                assert r1[k] == pytest.approx(r0[k], rel=1e-9, abs=1e-12), k
+                assert got == pytest.approx(r0[k], rel=1e-6, abs=1e-9), k
+        assert logged["actor/triage/window/rho_asym"] > 1.5
+        assert "actor/pg_clipfrac" in logged and "actor/pg_loss" in logged     # verl's own keys, untouched
 
 
 def task_runner_compute_advantage() -> dict:
@@ -505,10 +661,13 @@ def test_triage_trainer_monitors_the_transfer_queue_batch(ray_cluster, tmp_path)
     assert abs(float(got["adv"][0][0]) + float(got["adv"][1][0])) < 1e-5   # GRPO: ± within a group
 
 
-def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path):
+@pytest.mark.parametrize("keys", ["curated", ["n_tokens", "delta_mean"]])
+def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path, keys):
     """TriageTrainerMixin.step around a trainer's step: global_steps published before, the monitored step flushed
-    after, its metrics in verl's metrics dict as triage/<name>."""
+    after, the framework_keys selection of its metrics (the curated set by default) in verl's metrics dict as
+    triage/<name> with triage/metrics_step = this step (no lag), equal to the steps table; nothing else of ours."""
     from triage_monitor.hooks.verl import TriageTrainerMixin, VerlBatchMonitor
+    from triage_monitor.trackers import CURATED_KEYS
 
     run = str(tmp_path / "run")
     live, rollout, adv, mask = make_actor_batch()
@@ -517,21 +676,38 @@ def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path):
     class OwnStep:                                  # stands for verl's PPOTrainer.step (our test double)
         def step(self, metrics, timing_raw):
             seen["published"] = hook.read_step(run)
-            self.triage_monitor.runtime.record(self.global_steps, TokenBatch.from_padded(live, rollout, adv, mask))
+            if self.global_steps == 12:
+                self.triage_monitor.runtime.record(self.global_steps,
+                                                   TokenBatch.from_padded(live, rollout, adv, mask))
+            metrics["actor/pg_loss"] = 0.5                        # verl's own keys stay
             return "batch-meta"
 
     class T(TriageTrainerMixin, OwnStep):
         pass
 
     t = T.__new__(T)
-    t.triage_settings = HookSettings(run_dir=run)
+    t.triage_settings = hook.settings_from_env({"TRIAGE_MONITOR_RUN_DIR": run, "TRIAGE_MONITOR_FRAMEWORK_KEYS":
+                                                keys if isinstance(keys, str) else ",".join(keys)})
     t.triage_monitor = VerlBatchMonitor(t.triage_settings)
     t.global_steps = 12
     metrics = {}
     assert t.step(metrics, {}) == "batch-meta"
+    t.global_steps = 13                             # a step that monitored nothing adds nothing (no stale values)
+    later = {}
+    t.step(later, {})
     t.triage_monitor.close()
-    assert seen["published"] == 12 and metrics["triage/n_tokens"] == int(mask.sum())
-    assert sorted(pd.read_parquet(tmp_path / "run" / "steps")["step"].astype(int)) == [12]
+    assert seen["published"] == 13 and later == {"actor/pg_loss": 0.5}
+    row = pd.read_parquet(tmp_path / "run" / "steps").iloc[0]
+    assert int(row["step"]) == 12
+    names = CURATED_KEYS if keys == "curated" else keys
+    want = {f"triage/{k}": float(row[k]) for k in names if k in row.index and np.isfinite(row[k])}
+    want["triage/metrics_step"] = 12.0
+    assert {k: v for k, v in metrics.items() if k.startswith("triage/")} == pytest.approx(want)
+    assert metrics["actor/pg_loss"] == 0.5
+    if keys == "curated":
+        assert {"triage/window/rho_asym", "triage/rho_asym", "triage/alerts_active"} <= set(metrics)
+    else:
+        assert metrics["triage/n_tokens"] == int(mask.sum())
 
 
 # ------------------------------------------------------------------ monitoring from the v1 trainer's batches

@@ -200,7 +200,7 @@ def test_tracker_specs_travel_as_configuration():
     s = TrackerSpec.parse({"kind": "tensorboard", "keys": "all", "log_dir": "/x"})
     assert s == TrackerSpec("tensorboard", "all", {"log_dir": "/x"})
     assert pickle.loads(pickle.dumps(s)) == s and TrackerSpec.parse("mlflow").keys == "curated"
-    with pytest.raises(ValueError, match=r"tracker kind 'neptune' is not one of \['mlflow', 'tensorboard', 'wandb'\]"):
+    with pytest.raises(ValueError, match=r"tracker kind 'neptune' is not one of \[.*'mlflow', .*'tensorboard', .*'wandb'\]"):
         TrackerSpec.parse("neptune")
     with pytest.raises(ValueError, match="is a live object"):
         specs_of([Tracker()])
@@ -254,3 +254,23 @@ def test_alerts_and_analyze_commands_end_with_the_verdict_and_name_the_waiting_r
     assert main(["analyze", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "recomputation check: all" in out and " ".join(out.split()).endswith(" ".join(verdict.split()))
+
+
+def test_a_tracker_that_cannot_start_is_left_out_and_an_unknown_option_is_refused(tmp_path, caplog, monkeypatch):
+    """A tracker whose constructor fails warns once and the monitor goes on; a misspelt option is an error naming it
+    when the spec is made (on the driver for a hook), not a failure inside a worker."""
+    from triage_monitor import tensorboard_logger
+
+    def broken(*a, **k):
+        raise OSError("read-only file system")
+
+    with pytest.raises(ValueError, match=r"tracker 'tensorboard': unknown option\(s\) \['logdir'\]"):
+        TrackerSpec("tensorboard", options={"logdir": "/x"})
+    spec = TrackerSpec("tensorboard", options={"log_dir": str(tmp_path / "tb")})
+    monkeypatch.setattr(tensorboard_logger.TensorBoardLogger, "__init__", broken)
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        with MismatchMonitor(tmp_path / "run", loggers=[spec]) as mon:
+            mon.log_step(0, biased(0))
+    assert mon.loggers == []
+    assert [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()] == [
+        "triage-monitor: the tensorboard tracker could not start (OSError: read-only file system); it is left out"]

@@ -299,3 +299,36 @@ def test_ste_without_a_gradient_returns_the_grid_values():
     assert torch.equal(fake_quantize_ste(x.detach(), backend="native"), nvfp4_fake_quantize(x, backend="native"))
     y = fake_quantize_ste(x.detach().requires_grad_())
     assert y.requires_grad and y.grad_fn is not None
+
+
+def test_device_quantizer_uses_a_compiled_function_only_when_it_is_bit_exact(monkeypatch, caplog):
+    import triage_monitor.nvfp4 as nv
+
+    monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
+    x = torch.randn(4, 1, 64)
+    # a "compiler" returning the same function: accepted, and the result is the eager ops' bits
+    fn = nv._device_quantizer("cpu", compile_fn=lambda f: f)
+    assert fn is not nv._native_torch and torch.equal(fn(x, 1, True), nv._native_torch(x, 1, True))
+    assert nv._device_quantizer("cpu") is fn                        # cached per device type
+    # one that is off by an ulp is refused at first use: the eager ops, with a warning
+    monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
+    off = lambda f: (lambda xf, rows, tl: torch.nextafter(f(xf, rows, tl), torch.tensor(10.0)))
+    assert nv._device_quantizer("cpu", compile_fn=off) is nv._native_torch
+    assert "eager torch ops" in caplog.text
+    # one that compiles but raises later falls back for good
+    monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
+    calls = []
+
+    def flaky(f):
+        def run(xf, rows, tl):
+            calls.append(1)
+            if len(calls) > 10:
+                raise RuntimeError("recompile failed")
+            return f(xf, rows, tl)
+        return run
+    fn = nv._device_quantizer("cpu", compile_fn=flaky)
+    assert torch.equal(fn(x, 1, True), nv._native_torch(x, 1, True))    # the 11th call raises, answered eagerly
+    assert nv._DEVICE_QUANTIZERS["cpu"] is nv._native_torch
+    monkeypatch.setenv("TRIAGE_NVFP4_COMPILE", "0")
+    monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
+    assert nv._device_quantizer("cpu", compile_fn=lambda f: f) is nv._native_torch

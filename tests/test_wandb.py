@@ -53,11 +53,14 @@ def read_wandb_records(path) -> list:
 
 
 def history_rows(records) -> list:
+    """W&B history rows as dicts (NaN as the string "NaN"); W&B's own ``_step`` / ``_runtime`` / ``_timestamp`` left
+    out."""
     rows = []
     for r in records:
         if r.WhichOneof("record_type") == "history":
-            rows.append({(it.key or "/".join(it.nested_key)): json.loads(it.value_json.replace("NaN", '"NaN"'))
-                         for it in r.history.item})
+            row = {(it.key or "/".join(it.nested_key)): json.loads(it.value_json.replace("NaN", '"NaN"'))
+                   for it in r.history.item}
+            rows.append({k: v for k, v in row.items() if not k.startswith("_")})
     return rows
 
 
@@ -106,9 +109,49 @@ def logged(tmp_path) -> list:
     return recs
 
 
+CURATED = ("window/rho_asym", "rho_asym", "window/small_gap_share", "window/k3_kl", "window/c_tok",
+           "delta_abs_mean", "gate_downweighted_frac", "alerts_active")     # docs/alerts.md#trackers, typed out
+
+
+def test_the_curated_set_by_default_everything_with_keys_all(offline):
+    """A full step's metrics: by default only the curated keys (and triage/step) reach W&B; keys="all" logs every
+    number; a list logs those names."""
+    step = {"step": 3, "window/rho_asym": 1.9, "rho_asym": math.nan, "window/small_gap_share": 0.8,
+            "window/k3_kl": 1e-3, "window/c_tok": 0.21, "delta_abs_mean": 0.05, "gate_downweighted_frac": 0.125,
+            "alerts_active": 1.0, "nonfinite_count": 0.0, "reward": 0.5, "n_tokens": 640.0, "label": "text"}
+    run = init(offline)
+    for keys in ("curated", "all", ["reward", "window/c_tok"]):
+        WandbLogger(run, keys=keys).log_metrics(3, step)
+    run.finish()
+    curated, everything, two = history_rows(logged(offline))
+    assert set(curated) == {"triage/step"} | {"triage/" + k for k in CURATED}
+    assert curated["triage/window/rho_asym"] == 1.9 and curated["triage/rho_asym"] == "NaN"
+    assert curated["triage/alerts_active"] == 1 and curated["triage/step"] == 3
+    numbers = {k for k, v in step.items() if k != "step" and not isinstance(v, str)}
+    assert set(everything) == {"triage/step"} | {"triage/" + k for k in numbers}
+    assert everything["triage/reward"] == 0.5 and everything["triage/n_tokens"] == 640
+    assert set(two) == {"triage/step", "triage/reward", "triage/window/c_tok"}
+    with pytest.raises(ValueError, match="keys='most'"):
+        WandbLogger(run, keys="most")
+
+
+def test_emit_sends_a_wandb_alert_record(offline):
+    """WandbLogger is an alert sink itself: emit(alert) = a W&B alert record on its run (wait_s in ms)."""
+    from triage_monitor.alerts import Alert
+
+    run = init(offline)
+    lg = WandbLogger(run)
+    lg.emit(Alert(5, "rho_asym_critical", "window/rho_asym", 2.1, 1.8, 25, "ERROR", "triage ERROR: rho_asym_critical",
+                  "window/rho_asym = 2.1 is above 1.8 at step 5", 300.0))
+    run.finish()
+    (alert,) = of_kind(logged(offline), "alert")
+    assert (alert.title, alert.level, alert.wait_duration) == ("triage ERROR: rho_asym_critical", "ERROR", 300_000)
+    assert alert.text == "window/rho_asym = 2.1 is above 1.8 at step 5"
+
+
 def test_metrics_config_and_alerts_reach_the_wandb_log(offline):
     run = init(offline, config={"lr": 1e-6})
-    lg = WandbLogger(run, config={"framework": "demo", "window": 25})
+    lg = WandbLogger(run, config={"framework": "demo", "window": 25}, keys="all")
     fired = []
     eng = AlertEngine([Rule("rho_high", "window/rho_asym", "above", 1.45, window=25, level="ERROR", wait_s=120),
                        Rule("nonfinite", "nonfinite_count", "above", 0, level="WARN", wait_s=0)],
@@ -140,7 +183,8 @@ def test_metrics_config_and_alerts_reach_the_wandb_log(offline):
     assert [(a.title, a.level) for a in alerts] == [("triage ERROR: rho_high", "ERROR"),
                                                    ("triage WARN: nonfinite", "WARN")]
     assert [a.text for a in alerts] == [a.text for a in fired]
-    assert "window/rho_asym = 1.504 is above 1.45 at step 1 (window 25 steps" in alerts[0].text
+    assert "window/rho_asym = 1.504 is above 1.45 at step 1 (pooled over steps 0–1 (2 of a 25-step window)" in \
+        alerts[0].text
     assert "nonfinite_count = 3 is above 0 at step 2" in alerts[1].text
     assert alerts[0].wait_duration == 120_000                        # milliseconds
     assert alerts[1].wait_duration == 60_000                         # 0 -> W&B's default of one minute
@@ -192,8 +236,10 @@ def test_monitor_feeds_wandb_and_alerts_table(offline):
     run.finish()
     hist = history_rows(logged(offline))
     assert [h["triage/step"] for h in hist] == list(range(6))
-    for h, m in zip(hist, returned):
-        assert h["triage/window/delta_abs_mean"] == pytest.approx(m["window/delta_abs_mean"], rel=1e-12)
+    for h, m in zip(hist, returned):         # the curated keys (no controller: no Gate fraction), as returned
+        assert set(h) == {"triage/step"} | {"triage/" + k for k in CURATED if k != "gate_downweighted_frac"}
+        for k in ("window/rho_asym", "delta_abs_mean", "window/k3_kl", "alerts_active"):
+            assert h["triage/" + k] == pytest.approx(m[k], rel=1e-12), k
     live = [a.to_row() for a in eng.fired]
     assert ("nonfinite", 4) in [(r["rule"], r["step"]) for r in live]
     table = open_run(offline / "run").alerts()
@@ -202,9 +248,35 @@ def test_monitor_feeds_wandb_and_alerts_table(offline):
     assert [a.title for a in alert_recs] == [r["title"] for r in live]
 
 
+def test_monitor_default_rules_alert_through_the_logger(offline):
+    """The monitor's own engine (the shipped default rules) sends every alert to a tracker that has emit(): the
+    WandbLogger given as a logger raises W&B alert records, no sink wired by hand.  The sampler sits above the
+    learner on every A<0 token and on 3 of 4 A>0 tokens, below it on the other A>0 tokens: ρ_asym = (8·16)/(8·4)
+    = 4.0 by hand, so rho_asym_critical (> 1.8, hold 3) fires at step 2."""
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.monitor import MismatchMonitor
+
+    run = init(offline)
+    g = torch.Generator().manual_seed(1)
+    adv = torch.tensor([1.0, -1.0] * 8)
+    pos = torch.arange(16).expand(16, 16)
+    delta = torch.where((adv[:, None] > 0) & (pos % 4 == 0), 0.1, -0.1)
+    with MismatchMonitor(offline / "run", loggers=[WandbLogger(run)]) as mon:
+        for step in range(3):
+            sampler = -3 * torch.rand(16, 16, generator=g) - 0.2
+            m = mon.log_step(step, TokenBatch.from_padded(sampler + delta, sampler, adv, torch.ones(16, 16)))
+    assert m["window/rho_asym"] == pytest.approx(4.0, rel=1e-6)
+    run.finish()
+    recs = logged(offline)
+    (alert,) = of_kind(recs, "alert")
+    assert (alert.title, alert.level) == ("triage ERROR: rho_asym_critical", "ERROR")
+    assert "is above 1.8 at step 2" in alert.text and alert.wait_duration == 600_000
+    assert [h["triage/alerts_active"] for h in history_rows(recs)] == [0, 0, 1]
+
+
 def test_failing_wandb_call_is_reported_once(offline, caplog):
     run = init(offline)
-    lg = WandbLogger(run)
+    lg = WandbLogger(run, keys="all")
     with caplog.at_level(logging.WARNING, logger="triage_monitor.wandb"):
         lg.log_metrics(0, {"x": 1.0, "bad": "text"})
         lg.log_metrics(1, {"x": 2.0, "bad": "text"})
@@ -212,10 +284,11 @@ def test_failing_wandb_call_is_reported_once(offline, caplog):
     with caplog.at_level(logging.WARNING, logger="triage_monitor.wandb"):
         lg.log_metrics(2, {"x": 3.0})                     # the run is finished: wandb raises
         lg.log_metrics(3, {"x": 4.0})
-    msgs = [r.getMessage() for r in caplog.records]
-    assert sum("'bad'" in m for m in msgs) == 1
-    assert sum("run.log failed" in m for m in msgs) == 1
-    assert [h["triage/x"] for h in history_rows(logged(offline))] == [1.0, 2.0]
+    msgs = [r.getMessage() for r in caplog.records if r.name == "triage_monitor.wandb"]
+    assert msgs == ["WandbLogger: run.log failed; skipped (further failures are counted, not reported)"]
+    assert lg._guard.failures == {"run.log": 2}                  # a non-number is skipped, silently
+    hist = history_rows(logged(offline))
+    assert [h["triage/x"] for h in hist] == [1.0, 2.0] and not any("triage/bad" in h for h in hist)
 
 
 def test_failed_init_is_reported_once_and_not_retried(offline, caplog):

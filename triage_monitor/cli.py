@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 # (for demo, study, analyze and alerts: this module's <command>_add_arguments / <command>_run_cli)
 COMMANDS = (
     ("demo", "triage_monitor.cli", "run the built-in GRPO job (NVFP4 sampler vs learner) with monitoring"),
-    ("study", "triage_monitor.cli", "run the built-in job's arms (none/tis/triage/fp32 control) x seeds and compare"),
+    ("study", "triage_monitor.cli", "run the built-in job's arms (none/tis/triage on a stale NVFP4 sampler, fp32-lag, the fp32 control) x seeds and compare"),
     ("analyze", "triage_monitor.cli", "recompute every metric of a run from its token Parquet files"),
     ("report", "triage_monitor.report", "write a self-contained HTML post-mortem of a run"),
     ("dashboard", "triage_monitor.dashboards.launch", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
@@ -60,45 +60,48 @@ def demo_run_cli(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- study
 def study_add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``triage-monitor study``: arms, seeds, jobs, --quick, --out and every DemoConfig field
-    (defaulting to the study's job, :data:`triage_monitor.demo.study.STUDY_BASE`)."""
+    """Options of ``triage-monitor study``: arms, seeds, jobs, --quick, --preset, --out and every DemoConfig field
+    except those the arms set per run (seed, correction, sampler recipe)."""
     from .demo import add_arguments as demo_options
-    from .demo.study import ARMS, QUICK, STUDY_BASE
+    from .demo.study import ARMS, DEFAULT_ARMS, PER_ARM_FIELDS, PRESETS, QUICK
     from .exits import add_existing_run_arguments
 
     parser.add_argument("--out", default="runs/study", help="output directory (default: %(default)s)")
     add_existing_run_arguments(parser)
     parser.add_argument("--arms", default=None,
-                        help=f"comma-separated arms out of {','.join(ARMS)} (default: all)")
+                        help=f"comma-separated arms out of {','.join(ARMS)} (default: {','.join(DEFAULT_ARMS)})")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: 0,1,2)")
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process each (default: 1)")
     parser.add_argument("--rejudge", action="store_true",
                         help="run nothing: judge the run directories already in OUT/runs again and rewrite the report")
     parser.add_argument("--quick", action="store_true",
                         help=f"the short version (`make demo`): arms {','.join(QUICK['arms'])}, seed "
-                             f"{QUICK['seeds'][0]}, {QUICK['steps']} steps, unless given explicitly")
-    demo_options(parser)
-    parser.set_defaults(**{**STUDY_BASE, "steps": None})
+                             f"{QUICK['seeds'][0]}, unless --arms / --seeds are given")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a prepared configuration: gpu = the NVFP4 regime without staleness at GPU scale "
+                             "(docs/study.md#the-nvfp4-regime-on-a-gpu; options given explicitly win)")
+    demo_options(parser, exclude=PER_ARM_FIELDS + ("log_every",), suppress=True)
+    parser.allow_abbrev = False   # --seed must not be read as --seeds (seeds are set per arm)
 
 
 def study_run_cli(args: argparse.Namespace) -> int:
     """Run the study into ``args.out``; exit 2 on a bad option (docs/cli.md#exit-statuses)."""
-    from .demo import config_from_args
-    from .demo.study import ARMS, QUICK, STUDY_BASE, rejudge, run_study
+    from dataclasses import fields
+
+    from .demo import DemoConfig
+    from .demo.study import rejudge, run_study, study_config
     from .exits import CommandError
 
     try:
-        quick = args.quick
-        arms = (args.arms or ",".join(QUICK["arms"] if quick else ARMS)).split(",")
-        arms = [a.strip() for a in arms if a.strip()]
-        try:
-            seeds = [int(s) for s in (args.seeds or ",".join(map(str, QUICK["seeds"] if quick else (0, 1, 2)))
-                                      ).split(",") if s.strip()]
-        except ValueError:
-            raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
-        if args.steps is None:
-            args.steps = QUICK["steps"] if quick else STUDY_BASE["steps"]
-        cfg = config_from_args(args)
+        given = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if hasattr(args, f.name)}
+        cfg, arms, seeds = study_config(args.preset, args.quick, **given)
+        if args.arms:
+            arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+        if args.seeds:
+            try:
+                seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+            except ValueError:
+                raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
         if args.rejudge:
             rejudge(cfg, args.out)
             return 0

@@ -252,7 +252,7 @@ def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = Tr
             if not 0 < amax < math.inf:   # all zero: zeros; NaN/inf somewhere: NaN everywhere
                 return torch.zeros_like(x) if amax == 0 else torch.full_like(x, float("nan"))
             return out.reshape(x.shape).to(x.dtype)
-        return _native_torch(xf, rows, two_level).reshape(x.shape).to(x.dtype)
+        return _device_quantizer(xf.device)(xf, rows, two_level).reshape(x.shape).to(x.dtype)
 
 
 def _native_torch(xf: Tensor, rows: int, two_level: bool) -> Tensor:
@@ -275,6 +275,55 @@ def _native_torch(xf: Tensor, rows: int, two_level: bool) -> Tensor:
     elems = _round_e2m1((xf.reshape(tiles.shape) * recip).clamp(-E2M1_MAX, E2M1_MAX))
     out = torch.where(amax == 0, 0.0, elems * (s8 * tensor_scale if two_level else s8))
     return torch.where(torch.isfinite(amax), out, float("nan"))
+
+
+_DEVICE_QUANTIZERS: dict = {}
+_log = logging.getLogger(__name__)
+
+
+def _device_quantizer(device, compile_fn=None):
+    """The function that runs :func:`_native_torch` on ``device`` (cached per device type).
+
+    On CUDA the ~20 small ops of :func:`_native_torch` are compiled into a few fused kernels with
+    ``torch.compile`` (a decode step of a small model calls the quantizer for every linear: on a GPU the
+    cost is one kernel launch per op).  The compiled function is used only if it reproduces the eager ops
+    bit for bit on a set of random inputs at first use; if compiling or that check fails, or a later call
+    raises, the eager ops are used from then on (with one warning).  ``TRIAGE_NVFP4_COMPILE=0`` in the
+    environment keeps the eager ops.  Other devices use the eager ops.  ``compile_fn`` (tests): the compiler
+    to use instead of ``torch.compile``, and compile on any device.
+    """
+    import os
+
+    kind = torch.device(device).type
+    if kind in _DEVICE_QUANTIZERS:
+        return _DEVICE_QUANTIZERS[kind]
+    fn = _native_torch
+    if (kind == "cuda" or compile_fn is not None) and os.environ.get("TRIAGE_NVFP4_COMPILE", "1") != "0":
+        try:
+            compiled = (compile_fn or (lambda f: torch.compile(f, dynamic=True)))(_native_torch)
+            g = torch.Generator(device=device).manual_seed(0)
+            for shape, rows in (((8, 1, 64), 1), ((8, 3, 256), 1), ((64, 64), 1), ((48, 32), 16), ((5, 1, 32), 1)):
+                x = torch.randn(*shape, generator=g, device=device) * torch.rand(*shape, generator=g, device=device) ** 4
+                for two_level in (True, False):
+                    a, b = compiled(x, rows, two_level), _native_torch(x, rows, two_level)
+                    if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                        raise ValueError(f"compiled NVFP4 quantizer differs from the eager ops (shape {shape})")
+            fn = _guarded(compiled, kind)
+        except Exception as exc:   # no compiler, or not bit-exact: the eager ops (same numerics, more launches)
+            _log.warning("NVFP4 on %s: using the eager torch ops (%s)", kind, exc)
+    _DEVICE_QUANTIZERS[kind] = fn
+    return fn
+
+
+def _guarded(compiled, kind):
+    def run(xf, rows, two_level):
+        try:
+            return compiled(xf, rows, two_level)
+        except Exception as exc:   # e.g. a recompilation that fails: fall back for good
+            _log.warning("NVFP4 on %s: the compiled quantizer failed (%s); using the eager torch ops", kind, exc)
+            _DEVICE_QUANTIZERS[kind] = _native_torch
+            return _native_torch(xf, rows, two_level)
+    return run
 
 
 def fake_quantize_ste(x: Tensor, **kwargs) -> Tensor:

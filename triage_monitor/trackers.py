@@ -26,6 +26,8 @@ This module imports no tracker library; each tracker module imports its own on f
 
 from __future__ import annotations
 
+import logging
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable
@@ -43,6 +45,33 @@ KINDS = {"wandb": "triage_monitor.wandb_logger:WandbLogger",
          "mlflow": "triage_monitor.mlflow_logger:MLflowLogger"}
 
 Keys = Union[str, Sequence[str]]
+
+
+class CallGuard:
+    """Call a tracker library's function without ever raising: the first failure of each named operation is
+    reported (a warning with its traceback on ``logger``), later ones are only counted in :attr:`failures`.
+
+    Args:
+        owner: the tracker's name in the report (``"TensorBoardLogger"``).
+        logger: where the report goes.
+    """
+
+    def __init__(self, owner: str, logger: logging.Logger):
+        self.owner, self.logger = owner, logger
+        #: failures so far per operation name
+        self.failures: dict = {}
+
+    def __call__(self, what: str, fn, *a, **kw):
+        """``fn(*a, **kw)``, or None when it raised (reported once per ``what``)."""
+        try:
+            return fn(*a, **kw)
+        except Exception:
+            n = self.failures.get(what, 0)
+            self.failures[what] = n + 1
+            if n == 0:
+                self.logger.warning("%s: %s failed; skipped (further failures are counted, not reported)",
+                                    self.owner, what, exc_info=True)
+            return None
 
 
 @runtime_checkable
@@ -142,6 +171,21 @@ class TrackerSpec:
             raise ValueError(f"tracker kind {self.kind!r} is not one of {sorted(KINDS)}")
         object.__setattr__(self, "keys", check_keys(self.keys, f"tracker {self.kind!r} keys"))
         object.__setattr__(self, "options", dict(self.options))
+        import inspect
+
+        params = inspect.signature(self.tracker_class()).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            bad = sorted(set(self.options) - set(params) - {"keys"})
+            if bad:
+                raise ValueError(f"tracker {self.kind!r}: unknown option(s) {bad}; it takes "
+                                 f"{sorted(k for k in params if k not in ('self', 'keys'))}")
+
+    def tracker_class(self):
+        """The tracker class of :attr:`kind` (imports its module, not the tracker library)."""
+        import importlib
+
+        mod, cls = KINDS[self.kind].split(":")
+        return getattr(importlib.import_module(mod), cls)
 
     @classmethod
     def parse(cls, item) -> "TrackerSpec":
@@ -163,25 +207,29 @@ class TrackerSpec:
 
     def build(self):
         """The live tracker (imports its module now)."""
-        import importlib
-
-        mod, cls = KINDS[self.kind].split(":")
-        return getattr(importlib.import_module(mod), cls)(keys=self.keys, **self.options)
+        return self.tracker_class()(keys=self.keys, **self.options)
 
 
 def build_trackers(items: Iterable) -> list:
     """Live trackers from a mix of live objects (anything with ``log_metrics``, kept as it is) and
-    :class:`TrackerSpec` plain forms (built now).
+    :class:`TrackerSpec` plain forms (built now).  A tracker whose construction fails (its directory cannot be
+    made, ...) is reported once as a warning and left out: monitoring never stops training.
 
     Raises:
-        ValueError: an item that is neither (naming it).
+        ValueError: an item that is neither, an unknown kind or option (naming it).
     """
     out = []
     for item in items or ():
         if isinstance(item, MetricLogger) or hasattr(item, "log_metrics"):
             out.append(item)
-        else:
-            out.append(TrackerSpec.parse(item).build())
+            continue
+        spec = TrackerSpec.parse(item)
+        try:
+            out.append(spec.build())
+        except Exception as exc:  # noqa: BLE001 — a tracker is optional; training goes on without it
+            logging.getLogger("triage_monitor").warning(
+                "triage-monitor: the %s tracker could not start (%s: %s); it is left out", spec.kind,
+                type(exc).__name__, exc)
     return out
 
 
@@ -201,5 +249,5 @@ def specs_of(items: Iterable) -> list:
     return out
 
 
-__all__ = ["PREFIX", "CURATED_KEYS", "KINDS", "MetricLogger", "AlertObserver", "TrackerSpec", "check_keys",
+__all__ = ["PREFIX", "CURATED_KEYS", "KINDS", "CallGuard", "MetricLogger", "AlertObserver", "TrackerSpec", "check_keys",
            "select_metrics", "framework_metrics", "build_trackers", "specs_of"]

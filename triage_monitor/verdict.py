@@ -1,6 +1,6 @@
 """The one-line health verdict of a run: what the numbers on screen mean for it.
 
-``analyze``, ``alerts`` and the report end with it (docs/alerts.md#the-verdict), e.g.::
+``analyze``, ``alerts`` and the report end with it (docs/alerts.md#rules-that-cannot-evaluate-yet-and-the-verdict), e.g.::
 
     verdict: OK — window ρ_asym 0.97 at step 29, below the healthy reference 1.023 (published healthy 1.023–1.337;
     alert thresholds 1.45 WARN, 1.8 ERROR); no alert; 4 rule(s) not evaluable before step 50–74

@@ -24,7 +24,7 @@ import logging
 import math
 from typing import Any, Mapping, Optional
 
-from .trackers import PREFIX, check_keys, select_metrics
+from .trackers import PREFIX, CallGuard, check_keys, select_metrics
 
 log = logging.getLogger("triage_monitor.wandb")
 _missing_reported = False
@@ -44,22 +44,11 @@ def import_wandb():
     return wandb
 
 
-class _Guard:
-    """Report the first failure of each named operation, count the rest."""
+class _Guard(CallGuard):
+    """Report the first failure of each named operation, count the rest (on the ``triage_monitor.wandb`` logger)."""
 
     def __init__(self, owner: str):
-        self.owner, self.failures = owner, {}
-
-    def __call__(self, what: str, fn, *a, **kw):
-        try:
-            return fn(*a, **kw)
-        except Exception:
-            n = self.failures.get(what, 0)
-            self.failures[what] = n + 1
-            if n == 0:
-                log.warning("%s: %s failed; skipped (further failures are counted, not reported)",
-                            self.owner, what, exc_info=True)
-            return None
+        super().__init__(owner, log)
 
 
 class WandbLogger:

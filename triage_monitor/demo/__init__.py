@@ -1,9 +1,10 @@
 """The built-in demo RL job: ``triage-monitor demo`` (one run) and ``triage-monitor study`` (arms × seeds).
 
-A real (small) GRPO run on CPU: a tiny causal transformer learns multi-digit
-addition with an exact reward, or 64-token walks with partial credit (a task
-that keeps its entropy), sampling with NVFP4 W4A4 linears and learning with a
-different numeric recipe, every step recorded through the public API
+A real (small) GRPO run on the CPU (or a CUDA device): a tiny causal
+transformer learns 64-token walks with partial credit (a task that keeps its
+entropy; the default, the mismatch study's job) or multi-digit addition with an
+exact reward, sampling with NVFP4 W4A4 linears (by default 8 updates stale:
+asynchronous rollout) and learning in fp32, every step recorded through the public API
 (:class:`~triage_monitor.TokenBatch`,
 :class:`~triage_monitor.controller.TriageController`,
 :class:`~triage_monitor.monitor.MismatchMonitor`, the default alert rules).
@@ -25,9 +26,9 @@ _HELP = {
     "seed": "random seed; the same seed (and --threads) gives the same run",
     "group_size": "responses per prompt (G)",
     "prompts_per_step": "prompts per rollout",
-    "sampler_recipe": "numerics of the sampler's MLP projections: nvfp4 = W4A4, 1x16 blocks, two-level scales "
-                      "(torchao); nvfp4_16x16 = 16x16 weight tiles, single-level scales; fp32 = no quantization",
-    "learner_recipe": "numerics of the learner's MLP projections (same choices; straight-through gradients)",
+    "sampler_recipe": "numerics of the sampler's --quantize linears: nvfp4 = W4A4, 1x16 blocks, two-level scales; "
+                      "nvfp4_16x16 = 16x16 weight tiles, single-level scales; fp32 = no quantization",
+    "learner_recipe": "numerics of the learner's --quantize linears (same choices; straight-through gradients)",
     "correction": "off-policy correction: none (plain PPO), tis (TIS clip), triage (TIS + Gate + Repair)",
     "sft_steps": "maximum supervised warm-start steps before GRPO",
     "sft_target": "stop the warm start once greedy held-out accuracy reaches this (0: run all --sft-steps)",
@@ -53,20 +54,34 @@ _HELP = {
     "d_model": "model width (multiple of 16)",
     "threads": "torch CPU threads",
     "log_every": "print a metrics row every k steps",
-    "eval_size": "held-out problems scored greedily every step (the accuracy column)",
+    "eval_size": "held-out problems scored greedily every --eval-every steps (the accuracy column)",
+    "eval_every": "steps between two greedy held-out scores (accuracy is NaN in between)",
+    "follow_every": "steps between two measurements of the sampler-follow correlation (follow_corr: learner vs "
+                    "sampler log-prob change over one update)",
+    "vocab_tail": "walk task: extra never-valid token ids (a long-tail vocabulary)",
+    "device": "torch device: cpu, or cuda / cuda:N (the model, the rollout and the loss run there)",
     "task": "addition (exact answer) or walk (long responses, many valid answers, partial credit: keeps entropy)",
     "response_len": "walk task: response length in tokens",
     "alphabet": "walk task: allowed digits per prompt",
     "quantize": "linears that run the recipes: mlp (as the published NVFP4 runs), mlp+attn, all (+ LM head: "
                 "exaggerated)",
-    "sampler_lag": "the sampler generates with the weights of this many updates ago (asynchronous rollout)",
+    "sampler_lag": "the sampler generates with the weights of this many updates ago (asynchronous rollout; "
+                   "0 = on-policy)",
     "gate_thresholds": "TRIAGE Gate thresholds: fixed (published) or calibrated on the first --calibration-steps",
     "nvfp4_backend": "torchao (reference) or native (bit-identical, faster on CPU)",
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add one ``--option`` per :class:`DemoConfig` field (``--out`` is the caller's); returns ``parser``."""
+def add_arguments(parser: argparse.ArgumentParser, *, exclude=(), defaults=None,
+                  suppress: bool = False) -> argparse.ArgumentParser:
+    """Add one ``--option`` per :class:`DemoConfig` field (``--out`` is the caller's); returns ``parser``.
+
+    Args:
+        exclude: field names to leave out (``study`` sets ``seed``, ``correction`` and ``sampler_recipe`` per arm).
+        defaults: field → default shown in the help (default: :class:`DemoConfig`'s).
+        suppress: do not set attributes for options not given (``argparse.SUPPRESS``), so a caller can
+            tell an explicit option from a default (``study --preset``); the help still shows the default.
+    """
     from ..nvfp4 import RECIPES
 
     from .grpo import GATE_THRESHOLDS, QUANTIZE
@@ -77,14 +92,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                "nvfp4_backend": ["torchao", "native"],
                "normalization": ["per_response", "global_token"], "gate_scope": ["q3", "whole"],
                "repair_scope": ["adv_positive", "q2", "whole"]}
+    shown = {f.name: f.default for f in fields(DemoConfig)}
+    shown.update(defaults or {})
     for f in fields(DemoConfig):
+        if f.name in exclude:
+            continue
         flag = "--" + f.name.replace("_", "-")
-        help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (default: %(default)s)"
+        default = shown[f.name]
+        help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})"
+        kw = dict(default=argparse.SUPPRESS if suppress else default, help=help_)
         if f.name == "tis_clip":
-            parser.add_argument(flag, type=float, nargs=2, default=f.default, metavar=("LO", "HI"), help=help_)
+            parser.add_argument(flag, type=float, nargs=2, metavar=("LO", "HI"), **kw)
         else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, choices=choices.get(f.name),
-                                help=help_)
+            parser.add_argument(flag, type=type(f.default), choices=choices.get(f.name), **kw)
     return parser
 
 

@@ -53,7 +53,7 @@ class CausalSelfAttention(nn.Module):
         if T == 1:
             y = F.scaled_dot_product_attention(q, k, v)
         else:
-            mask = torch.ones(T, k.shape[2], dtype=torch.bool).tril(k.shape[2] - T)
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, C)), (k, v)
 

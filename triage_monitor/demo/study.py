@@ -1,32 +1,40 @@
 """``triage-monitor study``: the demo job's arms × seeds, destabilisation, alert timing and one comparison report.
 
-The study runs the demo GRPO job (:mod:`.grpo`) once per (arm, seed):
+The study runs the demo GRPO job (:mod:`.grpo`, :class:`~.grpo.DemoConfig`'s defaults) once per
+(arm, seed).  Its mismatch mechanism (docs/study.md): an NVFP4 W4A4 sampler that generates with
+the weights of ``sampler_lag`` (8) updates ago, an asynchronous rollout, against an fp32 learner:
 
-==========  =================================================================
-``none``    NVFP4 sampler, fp32 learner, no correction (plain PPO)
-``tis``     same numerics, TIS weights
-``triage``  same numerics, TRIAGE (TIS + Gate + Repair, calibrated Gate)
-``fp32``    control: the same job with a full-precision sampler, no correction
-==========  =================================================================
+============  ===================================================================================
+``none``      lagged NVFP4 sampler, no correction (plain PPO): the arm expected to fail
+``tis``       same sampler, TIS weights (clip [0, 2])
+``triage``    same sampler, TRIAGE (TIS + Gate + Repair, Gate calibrated on the first steps)
+``fp32-lag``  fp32 sampler with the same lag, no correction: staleness without 4-bit numerics
+``fp32``      fp32 sampler on-policy (lag 0), no correction: the control
+``none-mlp``  (GPU preset) NVFP4 on the MLP linears only, no correction: the deployed scope
+============  ===================================================================================
 
-Every arm shares the learning rate, seeds and task; only the sampler numerics
-(``fp32``) or the correction differ, so a failure of ``none`` that ``fp32``
+All arms share the learning rate, seeds, prompts and model, so a failure of ``none`` that ``fp32``
 does not share is a mismatch effect, not a learning-rate blow-up.
 
-Destabilisation (fixed before any run, :func:`destabilisation_step`): the
-trailing :data:`SMOOTH_STEPS`-step mean reward falls below
-:data:`COLLAPSE_FRACTION` of its running peak and stays below it until the end
-of the run, for at least :data:`MIN_STAY` steps.
+Definitions (fixed before any run; docs/study.md#definitions):
 
-Each run is also judged by the shipped default alert rules
-(:func:`triage_monitor.alerts.default_rules`, replayed on its per-step
-metrics) and by when the direction metric (pooled ``window/rho_asym``) and
-the magnitude metrics (``window/small_gap_share``, ``window/k3_kl``) leave the
-healthy band of the run's own reference window (:func:`onsets`).
+* **destabilised** (:func:`destabilisation_step`): the trailing :data:`SMOOTH_STEPS`-step mean
+  reward is below :data:`COLLAPSE_FRACTION` × its running peak on :data:`MIN_STAY` consecutive
+  steps; the step is the first of them.  A deep dip that recovers counts.
+* **mismatch blow-up** (:func:`blowup_step`): the trailing 10-step mean of the per-step mean |δ|
+  (or of the per-step k3 KL) exceeds :data:`BLOWUP_FACTOR` × its value over the first 10 steps at
+  full staleness, above the noise floor.
+* **direction onset** (:func:`onsets`): window ρ_asym above (one-sided, rising amplification) or
+  outside (two-sided) the band of the run's own reference steps.
+* **alerts**: the shipped default rules, live (the run directory's ``alerts/`` table; a replay
+  over the same metrics is checked against it); lead = destabilisation − first early warning.
+* **sampler-follow correlation** (``follow``): mean of the run's ``follow_corr`` probes
+  (:func:`~.grpo.follow_correlation`).
 
-Output (``out``): one run directory per (arm, seed) under ``runs/``,
-``study.html`` (plotly, self-contained), ``summary.csv`` (one row per run),
-``trajectories.csv`` (the key per-step columns of every run) and ``study.json`` (configuration, definitions, the table).
+Output (``out``): one run directory per (arm, seed) under ``runs/``, ``study.html`` (plotly,
+self-contained), ``summary.csv`` (one row per run), ``arms.csv`` (one row per arm),
+``trajectories.csv`` (key per-step columns of every run) and ``study.json`` (configuration,
+definitions, the tables).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -46,47 +54,84 @@ from ..alerts import NOISE_FLOOR_NATS, default_rules, replay_engine
 from ..layout import RunLayout
 from .grpo import DemoConfig
 
-#: Arms: overrides of the base configuration.
+#: Arms: overrides of the base configuration (the base's ``sampler_lag`` is the study's staleness).
 ARMS = {
     "none": dict(correction="none"),
     "tis": dict(correction="tis"),
     "triage": dict(correction="triage"),
-    "fp32": dict(sampler_recipe="fp32", correction="none"),
+    "fp32-lag": dict(sampler_recipe="fp32", correction="none"),
+    "fp32": dict(sampler_recipe="fp32", correction="none", sampler_lag=0),
+    "none-mlp": dict(correction="none", quantize="mlp"),
 }
-ARM_LABELS = {"none": "NVFP4 sampler · no correction", "tis": "NVFP4 sampler · TIS",
-              "triage": "NVFP4 sampler · TRIAGE", "fp32": "fp32 sampler (control) · no correction"}
-ARM_COLORS = {"none": "#dc2626", "tis": "#d97706", "triage": "#2563eb", "fp32": "#6b7280"}
+#: The study's arms when ``--arms`` is not given.
+DEFAULT_ARMS = ("none", "tis", "triage", "fp32-lag", "fp32")
+#: The arm expected to fail, and the on-policy control.
+FAILING_ARM, CONTROL_ARM = "none", "fp32"
+ARM_COLORS = {"none": "#dc2626", "tis": "#d97706", "triage": "#2563eb", "fp32-lag": "#7c3aed", "fp32": "#6b7280",
+              "none-mlp": "#059669"}
+#: The study's fields that arms set (not options of ``study``: they would overlap ``--arms`` / ``--seeds``).
+PER_ARM_FIELDS = ("seed", "correction", "sampler_recipe")
 
-#: The study's job: 64-token walks (entropy kept), 64-token segments for Gate and monitor, calibrated Gate.
-STUDY_BASE = dict(task="walk", response_len=64, alphabet=4, sft_steps=25, sft_target=0.0, prompts_per_step=4,
-                  group_size=8, eval_size=8, gate_width=64, repair_width=128, segment_width=64, window=25,
-                  calibration_steps=10, gate_thresholds="calibrated", quantize="all", sampler_lag=0,
-                  nvfp4_backend="native", lr=1e-3, steps=120, log_every=10)
-#: ``--quick`` (``make demo``): one seed of the uncorrected and the TRIAGE arm side by side, fewer steps.
-QUICK = dict(arms=("none", "triage"), seeds=(0,), steps=60)
+#: ``--quick`` (``make demo``): the failing arm and the on-policy control, one seed, side by side.
+QUICK = dict(arms=("none", "fp32"), seeds=(0,))
+#: ``--preset gpu`` (scripts/gpu_study.sh, docs/study.md#the-nvfp4-regime-on-a-gpu): the NVFP4 regime itself, no staleness.  A
+#: wider and deeper model, a 1024-token vocabulary with a never-valid tail, 256-token responses with
+#: 64-token segments (4 per response), 16 × 16 responses a step and an Adam learning rate small enough
+#: that the sampler's quantised weights follow little of each update (follow correlation ≤ 0.3 was
+#: measured at lr 1e-4 with every linear quantised and 3e-5 MLP-only on the CPU job).
+GPU_PRESET = dict(
+    config=dict(d_model=256, n_layer=4, n_head=8, vocab_tail=1010, response_len=256, segment_width=64,
+                gate_width=64, repair_width=128, prompts_per_step=16, group_size=16, lr=3e-5, steps=600,
+                sampler_lag=0, sft_steps=300, sft_batch=64, eval_size=16, eval_every=25, follow_every=25,
+                device="cuda"),
+    arms=("none", "tis", "triage", "fp32", "none-mlp"), seeds=(0,))
+PRESETS = {"gpu": GPU_PRESET}
 
 SMOOTH_STEPS = 10
 COLLAPSE_FRACTION = 0.5
 MIN_STAY = 10
+BLOWUP_FACTOR = 10.0
+#: steps of the reference of :func:`blowup_step` and :func:`onsets`, from the first step at full staleness
+REF_STEPS = 10
 #: relative widths of the healthy bands of :func:`onsets` (at least; 3 MADs when wider)
 RHO_BAND, SMALL_GAP_BAND, K3_FACTOR = 0.15, 0.05, 2.0
 #: alert groups that count as early warnings (integrity rules catch bugs, not drift)
 WARNING_GROUPS = ("direction", "localization", "magnitude", "controller")
+#: the lead an early warning should have, as a fraction of the horizon
+LEAD_GOAL = 0.2
+#: seeds per arm below which the claim is not judged
+MIN_SEEDS = 3
+
+
+def arm_label(arm: str, base: DemoConfig) -> str:
+    """A short description of an arm under ``base`` (e.g. ``NVFP4 sampler 8 stale · TIS``)."""
+    cfg = replace(base, **ARMS[arm])
+    num = "fp32" if cfg.sampler_recipe == "fp32" else ("NVFP4 (MLP)" if cfg.quantize == "mlp" else "NVFP4")
+    lag = f" {cfg.sampler_lag} stale" if cfg.sampler_lag else " on-policy"
+    corr = {"none": "no correction", "tis": "TIS", "triage": "TRIAGE"}[cfg.correction]
+    tail = " (control)" if arm == CONTROL_ARM else ""
+    return f"{num} sampler{lag} · {corr}{tail}"
 
 
 # ------------------------------------------------------------------------------ judging one run
+def _trailing(values, n: int = SMOOTH_STEPS) -> np.ndarray:
+    """Trailing ``n``-row mean, NaN before ``n`` rows exist (NaN values are skipped inside a window)."""
+    return pd.Series(np.asarray(values, dtype=float)).rolling(n, min_periods=1).mean().where(
+        pd.Series(np.arange(len(values))) >= n - 1).to_numpy()
+
+
 def destabilisation_step(steps: Sequence[int], reward: Sequence[float]) -> Optional[int]:
     """The step at which a run destabilised, or None.
 
-    Definition: ``m(t)`` = mean reward over the trailing :data:`SMOOTH_STEPS`
-    steps (defined once that many steps exist); ``peak(t)`` = max of ``m`` up
-    to ``t``.  The run destabilised at the first step ``t`` where
-    ``m(t) < COLLAPSE_FRACTION · peak(t)`` and ``m`` stays below
-    ``COLLAPSE_FRACTION · peak`` at every later step, with at least
-    :data:`MIN_STAY` steps from ``t`` to the end of the run.
+    Definition (docs/study.md#definitions): ``m(t)`` = mean reward over the trailing
+    :data:`SMOOTH_STEPS` steps (defined once that many steps exist); ``peak(t)`` = the maximum of
+    ``m`` up to ``t``.  The run destabilised at the first step ``t`` such that
+    ``m < COLLAPSE_FRACTION · peak`` holds at ``t`` and at the :data:`MIN_STAY` − 1 steps after it
+    (``MIN_STAY`` consecutive steps).  What happens afterwards does not matter: a deep dip that
+    recovers counts; a drop in the last ``MIN_STAY`` − 1 steps of the run cannot be called.
 
     Args:
-        steps: ``(n,)`` increasing step numbers; reward: ``(n,)`` mean reward per step.
+        steps: ``(n,)`` increasing step numbers, one row per step; reward: ``(n,)`` mean reward per step.
 
     Raises:
         ValueError: different lengths.
@@ -94,15 +139,43 @@ def destabilisation_step(steps: Sequence[int], reward: Sequence[float]) -> Optio
     steps, reward = np.asarray(steps), np.asarray(reward, dtype=float)
     if steps.shape != reward.shape:
         raise ValueError(f"destabilisation_step: steps {steps.shape} and reward {reward.shape} differ in length")
-    m = pd.Series(reward).rolling(SMOOTH_STEPS, min_periods=SMOOTH_STEPS).mean().to_numpy()
+    m = _trailing(reward)
     peak = np.fmax.accumulate(np.where(np.isnan(m), -np.inf, m))
     below = ~np.isnan(m) & (m < COLLAPSE_FRACTION * peak)
-    # first index from which `below` holds to the end
-    tail_ok = np.logical_and.accumulate(below[::-1])[::-1]
-    idx = np.flatnonzero(tail_ok)
-    if not idx.size or len(steps) - idx[0] < MIN_STAY:
+    run = 0
+    for i, b in enumerate(below):
+        run = run + 1 if b else 0
+        if run == MIN_STAY:
+            return int(steps[i - MIN_STAY + 1])
+    return None
+
+
+def blowup_step(steps: Sequence[int], values: Sequence[float], ref_start: int = 0,
+                guard: Optional[Sequence[float]] = None, factor: float = BLOWUP_FACTOR) -> Optional[int]:
+    """The first step at which a mismatch magnitude has grown ``factor``-fold, or None.
+
+    ``m(t)`` = trailing :data:`SMOOTH_STEPS`-row mean of ``values`` (per-step mean |δ| in nats, or
+    per-step k3 KL); the reference is ``m`` at row ``ref_start + SMOOTH_STEPS − 1`` (the mean over
+    the rows ``[ref_start, ref_start + SMOOTH_STEPS)``: for a lagged sampler the first steps at full
+    staleness).  Returns the first later step with ``m(t) > factor · reference``; rows whose trailing
+    mean of ``guard`` (the per-step mean |δ|) is below :data:`~triage_monitor.alerts.NOISE_FLOOR_NATS`
+    are at noise level and never count.  None if the run is too short for the reference.
+
+    Raises:
+        ValueError: lengths differ, or ``ref_start < 0``.
+    """
+    steps, v = np.asarray(steps), np.asarray(values, dtype=float)
+    if steps.shape != v.shape or (guard is not None and np.shape(guard) != v.shape):
+        raise ValueError("blowup_step: steps, values and guard must have one row each")
+    if ref_start < 0:
+        raise ValueError(f"blowup_step: ref_start must be >= 0, got {ref_start}")
+    m = _trailing(v)
+    r = ref_start + SMOOTH_STEPS - 1
+    if r >= len(v) or not np.isfinite(m[r]):
         return None
-    return int(steps[idx[0]])
+    ok = np.ones(len(v), bool) if guard is None else ~(_trailing(guard) < NOISE_FLOOR_NATS)
+    hit = np.flatnonzero((np.arange(len(v)) > r) & (m > factor * m[r]) & ok)
+    return int(steps[hit[0]]) if hit.size else None
 
 
 def _band(ref: np.ndarray, rel: float) -> tuple[float, float]:
@@ -114,32 +187,25 @@ def _band(ref: np.ndarray, rel: float) -> tuple[float, float]:
     return med - half, med + half
 
 
-def onsets(df: pd.DataFrame, window: int) -> dict:
-    """When the direction and magnitude metrics leave the healthy band of the run's reference window.
+def onsets(df: pd.DataFrame, ref_start: int = 0) -> dict:
+    """When the direction and magnitude metrics leave the band of the run's own reference steps.
 
-    Reference window: the ``window`` steps after the first full trailing window
-    (steps ``[first + window − 1, first + 2·window − 1)``).  Bands:
-    ``window/rho_asym`` median ± max(3 MAD, 15 % of the median);
-    ``window/small_gap_share`` below median − max(3 MAD, 0.05);
-    ``window/k3_kl`` above :data:`K3_FACTOR` × its median.  A step whose
-    ``window/delta_abs_mean`` is below :data:`~triage_monitor.alerts.NOISE_FLOOR_NATS`
-    is at noise level: it neither defines nor leaves a band.
-
-    Args:
-        df: per-step metrics (``step`` and the ``window/`` columns of the monitor).
-        window: the monitor's window in steps.
+    Reference: the :data:`REF_STEPS` rows from ``ref_start`` (the first step at full staleness).
+    Bands: ``window/rho_asym`` median ± max(3 MAD, 15 % of the median); ``window/small_gap_share``
+    below median − max(3 MAD, 0.05); ``window/k3_kl`` above :data:`K3_FACTOR` × its median.  A row
+    whose ``window/delta_abs_mean`` is below :data:`~triage_monitor.alerts.NOISE_FLOOR_NATS` is at
+    noise level: it neither defines nor leaves a band.
 
     Returns:
-        ``direction``, ``small_gap``, ``k3``: first step outside the band after
-        the reference window (None if never), ``rho_band`` (lo, hi),
-        ``noise_steps`` (count of steps at noise level).
+        ``direction_up`` (first step after the reference above the ρ_asym band: rising
+        amplification, one-sided), ``direction_2s`` (first step outside it, either side),
+        ``small_gap``, ``k3`` (None if never), ``rho_band`` (lo, hi), ``noise_steps`` (rows at noise level).
     """
     d = df.sort_values("step").reset_index(drop=True)
     steps = d["step"].to_numpy()
     noise = d.get("window/delta_abs_mean", pd.Series(np.inf, index=d.index)).to_numpy(float) < NOISE_FLOOR_NATS
-    start = window - 1
-    ref = slice(start, start + window)
-    after = np.arange(len(d)) >= start + window
+    ref = slice(ref_start, ref_start + REF_STEPS)
+    after = np.arange(len(d)) >= ref_start + REF_STEPS
 
     def first(mask):
         idx = np.flatnonzero(mask & after & ~noise)
@@ -149,35 +215,64 @@ def onsets(df: pd.DataFrame, window: int) -> dict:
     rho = d["window/rho_asym"].to_numpy(float)
     lo, hi = _band(np.where(noise, np.nan, rho)[ref], RHO_BAND)
     out["rho_band"] = (lo, hi)
-    out["direction"] = first((rho < lo) | (rho > hi)) if math.isfinite(lo) else None
-    sg = d["window/small_gap_share"].to_numpy(float)
-    lo_sg, _ = _band(np.where(noise, np.nan, sg)[ref], 0.0)
+    ok = math.isfinite(lo)
+    out["direction_up"] = first(rho > hi) if ok else None
+    out["direction_2s"] = first((rho < lo) | (rho > hi)) if ok else None
+    sg = np.where(noise, np.nan, d["window/small_gap_share"].to_numpy(float))
+    lo_sg, _ = _band(sg[ref], 0.0)
     med_sg = float(np.nanmedian(sg[ref])) if np.isfinite(sg[ref]).any() else math.nan
     out["small_gap"] = first(sg < min(lo_sg, med_sg - SMALL_GAP_BAND)) if math.isfinite(med_sg) else None
-    k3 = d["window/k3_kl"].to_numpy(float)
-    med_k3 = float(np.nanmedian(np.where(noise, np.nan, k3)[ref])) if (np.isfinite(k3[ref]) & ~noise[ref]).any() \
-        else math.nan
+    k3 = np.where(noise, np.nan, d["window/k3_kl"].to_numpy(float))
+    med_k3 = float(np.nanmedian(k3[ref])) if np.isfinite(k3[ref]).any() else math.nan
     out["k3"] = first(k3 > K3_FACTOR * med_k3) if math.isfinite(med_k3) else None
     return out
 
 
-def judge_run(df: pd.DataFrame, window: int, rules=None) -> dict:
-    """Destabilisation, onsets and default-rule alerts of one run's per-step metrics ``df``.
+def _ref_start(d: pd.DataFrame, lag: Optional[int]) -> int:
+    """Row of the first step at full staleness (0 on-policy)."""
+    if "sampler_staleness" in d:
+        st = d["sampler_staleness"].to_numpy(float)
+        full = np.flatnonzero(st >= np.nanmax(st)) if np.isfinite(st).any() else np.array([0])
+        return int(full[0]) if full.size else 0
+    return min(int(lag or 0), max(len(d) - 1, 0))
 
-    Returns a dict: ``steps`` (horizon), ``destabilised_at``, ``direction_onset``,
-    ``small_gap_onset``, ``k3_onset``, ``first_alert`` (step of the first
-    early-warning alert, groups :data:`WARNING_GROUPS`), ``first_alert_rule``,
-    ``lead_steps`` / ``lead_frac`` (destabilisation − first alert, and that as a
-    fraction of the horizon; None without both), ``alerts`` (list of
-    ``(step, rule)``), ``noise_level_steps`` (most steps at which the noise guard held
-    a guarded rule back), ``reward_peak`` and ``reward_final`` (trailing
-    means), ``delta_abs_first`` / ``delta_abs_last`` (mean |δ|, nats, first and
-    last 10 % of the run) and ``rho_window_last``.
+
+def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[pd.DataFrame] = None,
+              lag: Optional[int] = None) -> dict:
+    """Destabilisation, blow-up, onsets, alerts and diagnostics of one run's per-step metrics ``df``.
+
+    Args:
+        df: the run's per-step table (``step``, ``reward``, ``delta_abs_mean``, ``k3_kl``,
+            ``grad_norm``, ``follow_corr``, the ``window/`` columns).
+        window: the monitor's window in steps (the range of window ρ_asym starts at its first full window).
+        rules: the alert rules replayed (None: the shipped defaults).
+        live_alerts: the run directory's live ``alerts/`` table (``step``, ``rule``); None: use the replay.
+        lag: the sampler lag, when ``df`` has no ``sampler_staleness`` column.
+
+    Returns:
+        A dict: ``steps``; ``destabilised_at``, ``blowup_delta_at``, ``blowup_k3_at`` (steps or None);
+        ``reward_first`` / ``reward_peak`` / ``reward_min`` / ``reward_last`` (trailing-10 means);
+        ``delta_abs_ref`` (10-step mean |δ| at the reference, nats), ``delta_abs_max10``,
+        ``delta_abs_last``; ``rho_window_min`` / ``rho_window_max`` (window ρ_asym from the first full
+        window, noise-level steps left out); ``grad_norm_max``; ``follow`` (mean follow correlation);
+        ``direction_onset_up`` (one-sided), ``direction_onset_2s`` (two-sided), ``small_gap_onset``,
+        ``k3_onset``; ``first_alert``, ``first_alert_rule``, ``lead_steps``, ``lead_frac``,
+        ``n_alerts`` (early warnings, groups :data:`WARNING_GROUPS`), ``first_<group>_alert`` (first step
+        of each of those groups: ``first_direction_alert``, ...), ``alerts`` (list of
+        ``(step, rule)``), ``alerts_source`` (``live`` or ``replay``), ``live_equals_replay``
+        (None without a live table) and ``noise_level_steps``.
     """
     d = df.sort_values("step").reset_index(drop=True)
     steps = d["step"].to_numpy()
-    destab = destabilisation_step(steps, d["reward"].to_numpy(float))
-    on = onsets(d, window)
+    n = len(d)
+    reward = d["reward"].to_numpy(float)
+    destab = destabilisation_step(steps, reward)
+    r0 = _ref_start(d, lag)
+    delta = d["delta_abs_mean"].to_numpy(float)
+    k3 = d["k3_kl"].to_numpy(float) if "k3_kl" in d else np.full(n, np.nan)
+    blow_d = blowup_step(steps, delta, r0, guard=delta)
+    blow_k = blowup_step(steps, k3, r0, guard=delta)
+    on = onsets(d, r0)
     quiet = logging.getLogger("triage_monitor.alerts")
     level = quiet.level
     quiet.setLevel(logging.WARNING)     # "cleared" lines of every replayed run would drown the table
@@ -186,23 +281,46 @@ def judge_run(df: pd.DataFrame, window: int, rules=None) -> dict:
     finally:
         quiet.setLevel(level)
     groups = {r.name: r.group for r in eng.rules}
-    warn = [a for a in eng.fired if groups.get(a.rule) in WARNING_GROUPS]
+    replayed = [(int(a.step), a.rule) for a in eng.fired if groups.get(a.rule) in WARNING_GROUPS]
+    if live_alerts is not None and len(live_alerts):
+        live = sorted((int(s), str(r)) for s, r in zip(live_alerts["step"], live_alerts["rule"])
+                      if groups.get(str(r)) in WARNING_GROUPS)
+    else:
+        live = [] if live_alerts is not None else None
+    warn = live if live is not None else replayed
     first = warn[0] if warn else None
-    lead = (destab - first.step) if (destab is not None and first is not None) else None
-    n = len(d)
-    m = d["reward"].rolling(SMOOTH_STEPS, min_periods=1).mean()
-    tenth = max(1, n // 10)
+    lead = (destab - first[0]) if (destab is not None and first is not None) else None
+    m = _trailing(reward)
+    dm = _trailing(delta)
+    rho = d["window/rho_asym"].to_numpy(float)
+    wnoise = d.get("window/delta_abs_mean", pd.Series(np.inf, index=d.index)).to_numpy(float) < NOISE_FLOOR_NATS
+    rho_ok = rho[(np.arange(n) >= window - 1) & ~wnoise & np.isfinite(rho)]
+    follow = d["follow_corr"].to_numpy(float) if "follow_corr" in d else np.array([np.nan])
     noise = max(eng.noise_steps.values(), key=len, default=[])
+    ref_row = min(r0 + SMOOTH_STEPS - 1, n - 1)
+
+    def fin(x):
+        return float(x) if np.isfinite(x) else math.nan
+
     return {
-        "steps": n, "destabilised_at": destab,
-        "direction_onset": on["direction"], "small_gap_onset": on["small_gap"], "k3_onset": on["k3"],
-        "first_alert": first.step if first else None, "first_alert_rule": first.rule if first else None,
-        "lead_steps": lead, "lead_frac": (lead / n) if lead is not None else None,
-        "alerts": [(int(a.step), a.rule) for a in warn], "noise_level_steps": len(noise),
-        "reward_peak": float(m.max()), "reward_final": float(m.iloc[-1]),
-        "delta_abs_first": float(d["delta_abs_mean"].iloc[:tenth].mean()),
-        "delta_abs_last": float(d["delta_abs_mean"].iloc[-tenth:].mean()),
-        "rho_window_last": float(d["window/rho_asym"].iloc[-1]),
+        "steps": n, "destabilised_at": destab, "blowup_delta_at": blow_d, "blowup_k3_at": blow_k,
+        "reward_first": fin(m[min(SMOOTH_STEPS - 1, n - 1)]), "reward_peak": fin(np.nanmax(m)) if np.isfinite(m).any()
+        else math.nan, "reward_min": fin(np.nanmin(m)) if np.isfinite(m).any() else math.nan,
+        "reward_last": fin(m[-1]),
+        "delta_abs_ref": fin(dm[ref_row]), "delta_abs_max10": fin(np.nanmax(dm)) if np.isfinite(dm).any()
+        else math.nan, "delta_abs_last": fin(dm[-1]),
+        "rho_window_min": fin(rho_ok.min()) if rho_ok.size else math.nan,
+        "rho_window_max": fin(rho_ok.max()) if rho_ok.size else math.nan,
+        "grad_norm_max": fin(np.nanmax(d["grad_norm"].to_numpy(float))) if "grad_norm" in d else math.nan,
+        "follow": fin(np.nanmean(follow)) if np.isfinite(follow).any() else math.nan,
+        "direction_onset_up": on["direction_up"], "direction_onset_2s": on["direction_2s"],
+        "small_gap_onset": on["small_gap"], "k3_onset": on["k3"],
+        "first_alert": first[0] if first else None, "first_alert_rule": first[1] if first else None,
+        "lead_steps": lead, "lead_frac": (lead / n) if lead is not None else None, "n_alerts": len(warn),
+        **{f"first_{g}_alert": next((st for st, r in warn if groups.get(r) == g), None) for g in WARNING_GROUPS},
+        "alerts": warn, "alerts_source": "live" if live is not None else "replay",
+        "live_equals_replay": (live == replayed) if live is not None else None,
+        "noise_level_steps": len(noise),
     }
 
 
@@ -214,6 +332,11 @@ def _console():
     return console if console.is_terminal else Console(width=200)   # a log file gets the whole table
 
 
+def _progress_payload(m: dict) -> dict:
+    return {"step": int(m["step"]), "reward": float(m.get("reward", math.nan)),
+            "delta": float(m.get("delta_abs_mean", math.nan))}
+
+
 def _run_one(job: tuple) -> tuple:
     """Worker: run one (arm, seed) and return (key, per-step frame, attrs)."""
     key, cfg_dict, out_dir, queue, existing = job
@@ -223,26 +346,84 @@ def _run_one(job: tuple) -> tuple:
 
     torch.set_num_threads(cfg_dict.get("threads", 1))
     cfg = DemoConfig(**cfg_dict)
-    cb = (lambda _m: queue.put((key, 1))) if queue is not None else None
+    cb = (lambda m: queue.put((key, _progress_payload(m)))) if queue is not None else None
     df = run_demo(cfg, out_dir, quiet=True, on_step=cb, **existing)
     return key, df, dict(df.attrs)
 
 
-def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: Sequence[int] = (0, 1, 2),
+class _ArmProgress:
+    """Progress per run: a rich bar per run on a terminal; plain lines (every tenth of the steps and at
+    the end of each run) when the output is not a terminal, so a log file shows them as they happen."""
+
+    def __init__(self, console, plan: dict, steps: int, enabled: bool = True):
+        self.console, self.steps, self.enabled = console, steps, enabled
+        self.live = enabled and console.is_terminal
+        self.every = max(1, steps // 10)
+        self.t0 = time.perf_counter()
+        self.rewards = {k: [] for k in plan}
+        self.bar = None
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+            self.tasks = {k: self.bar.add_task(f"{k[0]} s{k[1]}", total=steps, info="") for k in plan}
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def update(self, key, p: dict) -> None:
+        if not self.enabled:
+            return
+        r = self.rewards[key]
+        r.append(p["reward"])
+        trail = float(np.mean(r[-SMOOTH_STEPS:]))
+        info = f"reward {trail:.2f}  |δ| {p['delta']:.3g}"
+        done = p["step"] + 1
+        if self.bar is not None:
+            self.bar.update(self.tasks[key], completed=done, info=info)
+        elif done % self.every == 0 or done == self.steps:
+            self.console.print(f"{key[0]} s{key[1]}: step {done}/{self.steps}, trailing-{SMOOTH_STEPS} {info} nats, "
+                               f"{time.perf_counter() - self.t0:.0f} s", highlight=False, soft_wrap=True)
+
+
+def plan_study(base: DemoConfig, out, arms: Sequence[str], seeds: Sequence[int]) -> dict:
+    """``{(arm, seed): (DemoConfig, run directory)}`` of a study (arms' overrides applied to ``base``).
+
+    Raises:
+        ValueError: an unknown arm, no arm or no seed.
+    """
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise ValueError(f"study: arms must be a non-empty subset of {tuple(ARMS)}, got {list(arms)}")
+    if not seeds:
+        raise ValueError("study: give at least one seed")
+    out = Path(out)
+    return {(arm, int(seed)): (replace(base, seed=int(seed), **ARMS[arm]), out / "runs" / f"{arm}-s{seed}")
+            for arm in arms for seed in seeds}
+
+
+def run_study(base: DemoConfig, out, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequence[int] = (0, 1, 2),
               jobs: int = 1, console=None, progress: bool = True, resume: bool = False,
               force: bool = False) -> pd.DataFrame:
     """Run every (arm, seed), judge each run and write the comparison report into ``out``.
 
     Args:
-        base: the shared configuration (its ``correction`` / ``sampler_recipe`` / ``seed``
-            are set per arm and seed from :data:`ARMS`).
+        base: the shared configuration (its ``correction`` / ``sampler_recipe`` / ``seed`` and, for
+            ``fp32``, ``sampler_lag`` are set per arm and seed from :data:`ARMS`).
         out: output directory (created).
         arms: names from :data:`ARMS`; seeds: integers.
         jobs: runs in parallel (separate processes; 1 = in this process).
         resume / force: what to do with a run already in ``out/runs/<arm>-s<seed>``
             (docs/reliability.md#one-run-per-directory): continue it as a new attempt, or move it aside.
-        console: ``rich.console.Console`` for the progress bar and the table (default: a new one).
-        progress: show the progress bar.
+        console: ``rich.console.Console`` for progress and the table (default: a new one).
+        progress: show progress (one bar per run on a terminal, plain lines otherwise).
 
     Returns:
         The summary table, one row per run (also ``out/summary.csv``).
@@ -252,56 +433,42 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = tuple(ARMS), seeds: S
         triage_monitor.records.OutputError: a run directory holds another run, is locked by a live process,
             or cannot be written (raised before that run's first step).
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bad = [a for a in arms if a not in ARMS]
-    if bad or not arms:
-        raise ValueError(f"study: arms must be a non-empty subset of {tuple(ARMS)}, got {list(arms)}")
-    if not seeds:
-        raise ValueError("study: give at least one seed")
     if jobs < 1:
         raise ValueError(f"study: jobs must be >= 1, got {jobs}")
+    plan = plan_study(base, out, arms, seeds)
     console = console or _console()
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    plan = {}
-    for arm in arms:
-        for seed in seeds:
-            cfg = replace(base, seed=int(seed), **ARMS[arm])
-            plan[(arm, int(seed))] = (cfg, out / "runs" / f"{arm}-s{seed}")
     console.print(f"[bold]triage-monitor study[/]: {len(arms)} arm(s) × {len(seeds)} seed(s), {base.steps} steps "
-                  f"each → {out}")
-    console.print(f"mismatch: {replace(base, **ARMS['none']).mechanism()}")
+                  f"each, {min(jobs, len(plan))} at a time → {out}", highlight=False)
+    console.print(f"mismatch: {mechanism_sentence(base)}", highlight=False, soft_wrap=True)
     frames, attrs = {}, {}
     existing = {"resume": resume, "force": force}
-    cols = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*cols, console=console, disable=not progress) as bar:
-        total = bar.add_task("study (steps)", total=len(plan) * base.steps)
+    with _ArmProgress(console, plan, base.steps, enabled=progress) as bar:
         if jobs == 1:
             for key, (cfg, path) in plan.items():
-                bar.update(total, description=f"study: {key[0]} seed {key[1]}")
-                _, frames[key], attrs[key] = _run_inline(key, cfg, path, lambda: bar.advance(total), existing)
+                _, frames[key], attrs[key] = _run_inline(key, cfg, path, bar.update, existing)
         else:
-            _run_parallel(plan, jobs, frames, attrs, lambda: bar.advance(total), existing)
+            _run_parallel(plan, jobs, frames, attrs, bar.update, existing)
     seconds = time.perf_counter() - t0
-    summary = summarize(frames, attrs, base.window)
+    summary = summarize(frames, attrs, base.window, out)
     write_outputs(out, base, frames, summary, seconds)
-    print_summary(console, summary, out, seconds)
+    print_summary(console, summary, out, seconds, base)
     return summary
 
 
-def _run_inline(key, cfg: DemoConfig, path: Path, tick: Callable[[], None], existing: dict):
+def _run_inline(key, cfg: DemoConfig, path: Path, tick: Callable, existing: dict):
     from .grpo import run_demo
 
-    df = run_demo(cfg, path, quiet=True, on_step=lambda _m: tick(), **existing)
+    df = run_demo(cfg, path, quiet=True, on_step=lambda m: tick(key, _progress_payload(m)), **existing)
     return key, df, dict(df.attrs)
 
 
-def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callable[[], None], existing: dict) -> None:
+def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callable, existing: dict) -> None:
     import multiprocessing as mp
     import queue as queue_mod
-    from concurrent.futures import ProcessPoolExecutor, wait, FIRST_COMPLETED
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     from ..engines import ignore_sigint, stop_pool
 
@@ -310,29 +477,45 @@ def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callab
                                                        initializer=ignore_sigint) as pool, stop_pool(pool):
         q = manager.Queue()
         pending = {pool.submit(_run_one, (key, asdict(cfg), str(path), q, existing)) for key, (cfg, path) in plan.items()}
-        while pending:
-            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+
+        def drain():
             while True:
                 try:
-                    q.get_nowait()
+                    key, payload = q.get_nowait()
                 except queue_mod.Empty:
-                    break
-                tick()
+                    return
+                tick(key, payload)
+
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            drain()
             for fut in done:
                 key, df, at = fut.result()
                 frames[key], attrs[key] = df, at
+        drain()
+
+
+def _live_alerts(run_dir: Path) -> Optional[pd.DataFrame]:
+    """The run directory's live alerts table (``step``, ``rule``), or None when the run has no directory."""
+    from ..analysis import open_run
+
+    if not (Path(run_dir) / "run.json").exists():
+        return None
+    tab = open_run(run_dir).alerts()
+    if "rule" not in tab:
+        return pd.DataFrame({"step": [], "rule": []})
+    return tab
 
 
 def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
     """Judge the run directories of a finished study in ``out/runs`` again and rewrite its outputs.
 
-    For new alert rules or definitions without re-running: each ``<arm>-s<seed>``
-    directory's per-step table is read back (``open_run(run_dir).steps()``);
-    when ``base.window`` differs from the run's monitor window, the metrics are
-    recomputed from the token records with ``base.window``
-    (:func:`triage_monitor.analysis.recompute`) and the training-loop columns
-    (reward, controller stats, gradient norm) are kept.  ``base`` also supplies
-    the mechanism text.
+    For new definitions without re-running: each ``<arm>-s<seed>`` directory's per-step table is read
+    back (``open_run(run_dir).steps()``); when ``base.window`` differs from the run's monitor window,
+    the metrics are recomputed from the token records with ``base.window``
+    (:func:`triage_monitor.analysis.recompute`) and the training-loop columns (reward, controller
+    stats, gradient norm) are kept; alerts are then replayed (the live table belongs to the old window).
+    ``base`` also supplies the mechanism text.
 
     Raises:
         ValueError: ``out/runs`` holds no ``<arm>-s<seed>`` run directory.
@@ -342,6 +525,7 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
     console = console or _console()
     out = Path(out)
     frames = {}
+    same_window = True
     for d in sorted((out / "runs").glob("*-s*")):
         arm, _, seed = d.name.rpartition("-s")
         if not (arm in ARMS and seed.isdigit() and RunLayout(d).manifest.exists()):
@@ -349,165 +533,353 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
         run = open_run(d)
         live = run.steps()
         if run.config.window != base.window:
+            same_window = False
             rec = recompute(run, window=base.window)
             live = rec.merge(live[["step", *[c for c in live.columns if c not in rec.columns]]], on="step",
                              how="left")
         frames[(arm, int(seed))] = live
     if not frames:
         raise ValueError(f"study: no <arm>-s<seed> run directory under {out / 'runs'}")
-    summary = summarize(frames, {}, base.window)
-    write_outputs(out, base, frames, summary, math.nan)
-    print_summary(console, summary, out, math.nan)
+    summary = summarize(frames, {}, base.window, out if same_window else None)
+    write_outputs(out, base, frames, summary, math.nan, live=same_window)
+    print_summary(console, summary, out, math.nan, base)
     return summary
 
 
-def summarize(frames: dict, attrs: dict, window: int) -> pd.DataFrame:
-    """One row per (arm, seed): :func:`judge_run` plus wall time; sorted by arm order then seed."""
+def summarize(frames: dict, attrs: dict, window: int, out: Optional[Path] = None) -> pd.DataFrame:
+    """One row per (arm, seed): :func:`judge_run` (live alerts from ``out/runs/<arm>-s<seed>`` when ``out``
+    is given) plus wall time; sorted by arm order then seed."""
     rows = []
     for (arm, seed), df in frames.items():
-        j = judge_run(df, window)
+        live = _live_alerts(out / "runs" / f"{arm}-s{seed}") if out is not None else None
+        j = judge_run(df, window, live_alerts=live)
         j.pop("alerts")
         rows.append({"arm": arm, "seed": seed, **j, "seconds": attrs.get((arm, seed), {}).get("seconds_total")})
     order = {a: i for i, a in enumerate(ARMS)}
-    out = pd.DataFrame(rows)
-    return out.sort_values(["arm", "seed"], key=lambda c: c.map(order) if c.name == "arm" else c).reset_index(
+    table = pd.DataFrame(rows)
+    return table.sort_values(["arm", "seed"], key=lambda c: c.map(order) if c.name == "arm" else c).reset_index(
         drop=True)
 
 
-# ------------------------------------------------------------------------------ report
-def _opt(v):
-    return "—" if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
-
-
-def verdict(summary: pd.DataFrame) -> list[str]:
-    """Plain-language findings of the summary table (one sentence each)."""
-    lines = []
+def arm_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per arm: seeds, destabilised / blown-up counts, steps to destabilise (median, min–max),
+    trailing reward minimum (median, min–max), early warnings (runs warned, median lead, runs with a lead of
+    at least :data:`LEAD_GOAL` of the horizon, alerts on runs that did not destabilise) and mean follow."""
+    out = []
     for arm, g in summary.groupby("arm", sort=False):
-        n_d = int(g["destabilised_at"].notna().sum())
-        when = ", ".join(str(int(x)) for x in g["destabilised_at"].dropna())
-        n_a = int(g["first_alert"].notna().sum())
-        lines.append(f"{ARM_LABELS.get(arm, arm)}: destabilised on {n_d}/{len(g)} seed(s)"
-                     + (f" (steps {when})" if n_d else "") + f"; default rules warned on {n_a}/{len(g)}.")
+        dst = g["destabilised_at"].dropna()
+        bl = g[["blowup_delta_at", "blowup_k3_at"]].min(axis=1, skipna=True).dropna()
+        lead = g["lead_steps"].dropna()
+        healthy = g[g["destabilised_at"].isna()]
+        out.append({
+            "arm": arm, "seeds": len(g), "destabilised": int(dst.size),
+            "steps_to_destabilise_median": float(dst.median()) if dst.size else math.nan,
+            "steps_to_destabilise_range": f"{int(dst.min())}–{int(dst.max())}" if dst.size else "—",
+            "blown_up": int(bl.size),
+            "reward_min_median": float(g["reward_min"].median()),
+            "reward_min_range": f"{g['reward_min'].min():.2f}–{g['reward_min'].max():.2f}",
+            "reward_last_median": float(g["reward_last"].median()),
+            "grad_norm_max_median": float(g["grad_norm_max"].median()),
+            "follow_mean": float(g["follow"].mean()),
+            "warned": int(g["first_alert"].notna().sum()),
+            "warned_before_destabilising": int((g["lead_steps"] > 0).sum()),
+            "lead_median": float(lead.median()) if lead.size else math.nan,
+            "lead_goal_met": int((g["lead_frac"] >= LEAD_GOAL).sum()),
+            "healthy_runs": len(healthy), "alerts_on_healthy_runs": int(healthy["n_alerts"].sum()),
+        })
+    return pd.DataFrame(out)
+
+
+# ------------------------------------------------------------------------------ report
+def mechanism_sentence(base: DemoConfig) -> str:
+    """The plain sentence on the mismatch of the study's failing arm (its :meth:`DemoConfig.mechanism`)."""
+    return replace(base, **ARMS[FAILING_ARM]).mechanism()
+
+
+def _ratio(n: int, d: int) -> str:
+    return f"{n}/{d}"
+
+
+def verdict(summary: pd.DataFrame, base: Optional[DemoConfig] = None) -> list[str]:
+    """Plain-language findings (one sentence each): per arm, the claim, the corrections and the alerts."""
+    arms = arm_table(summary)
+    by = {r["arm"]: r for _, r in arms.iterrows()}
+    lines = []
+    for _, r in arms.iterrows():
+        label = arm_label(r["arm"], base) if base is not None else r["arm"]
+        when = ""
+        if r["destabilised"]:
+            when = f" (steps {r['steps_to_destabilise_range']}, median {r['steps_to_destabilise_median']:.0f})"
+        lines.append(f"{r['arm']} — {label}: destabilised on {_ratio(r['destabilised'], r['seeds'])} seed(s){when}; "
+                     f"trailing-{SMOOTH_STEPS} reward minimum median {r['reward_min_median']:.2f} "
+                     f"(range {r['reward_min_range']}); mismatch blow-up on {_ratio(r['blown_up'], r['seeds'])}; "
+                     f"default rules warned on {_ratio(r['warned'], r['seeds'])}, before destabilising on "
+                     f"{r['warned_before_destabilising']}; follow correlation {r['follow_mean']:.2f}.")
+    f, c = by.get(FAILING_ARM), by.get(CONTROL_ARM)
+    if f is not None and c is not None:
+        holds = f["destabilised"] * 2 > f["seeds"] and c["destabilised"] == 0
+        word = ("HOLDS" if holds else "DOES NOT HOLD") if min(f["seeds"], c["seeds"]) >= MIN_SEEDS else \
+            f"not judged with fewer than {MIN_SEEDS} seeds per arm (the full study: docs/study.md)"
+        lines.append(f"Claim ({FAILING_ARM} destabilises on most seeds, the on-policy control {CONTROL_ARM} on none): "
+                     f"{word} — {FAILING_ARM} {_ratio(f['destabilised'], f['seeds'])}, "
+                     f"{CONTROL_ARM} {_ratio(c['destabilised'], c['seeds'])}.")
+        if c["alerts_on_healthy_runs"] or c["warned"]:
+            lines.append(f"The default rules warned on the on-policy control ({c['warned']} run(s)).")
+        else:
+            lines.append("The default rules never warned on the on-policy control.")
+    if f is not None:
+        for arm in ("tis", "triage"):
+            r = by.get(arm)
+            if r is None:
+                continue
+            fewer = r["destabilised"] < f["destabilised"] if r["seeds"] == f["seeds"] else None
+            word = ("fewer" if fewer else "no fewer") if fewer is not None else "a different number of"
+            lines.append(f"{arm.upper()} vs {FAILING_ARM}: {word} destabilised seeds "
+                         f"({_ratio(r['destabilised'], r['seeds'])} vs {_ratio(f['destabilised'], f['seeds'])}); "
+                         f"reward minimum median {r['reward_min_median']:.2f} (range {r['reward_min_range']}) vs "
+                         f"{f['reward_min_median']:.2f} ({f['reward_min_range']}); last {r['reward_last_median']:.2f} "
+                         f"vs {f['reward_last_median']:.2f}.")
+        n = int(summary.loc[summary["arm"] == FAILING_ARM, "steps"].max())
+        lines.append(f"Alerts on {FAILING_ARM}: a lead of at least {LEAD_GOAL:.0%} of the horizon ({LEAD_GOAL * n:.0f} "
+                     f"steps) on {_ratio(f['lead_goal_met'], f['destabilised'])} destabilised run(s); median lead "
+                     f"{f['lead_median']:.0f} steps." if f["destabilised"] else
+                     f"Alerts on {FAILING_ARM}: no run destabilised, so no lead to measure.")
+    if f is not None and f["destabilised"]:
+        g = summary[(summary["arm"] == FAILING_ARM) & summary["destabilised_at"].notna()]
+        early = int((g["first_direction_alert"] < g["destabilised_at"]).sum()) if "first_direction_alert" in g else 0
+        lines.append(f"Direction rules alone (ρ_asym) on {FAILING_ARM}: before destabilising on {early}/{len(g)} "
+                     f"destabilised run(s).")
+    for name, sel in (("the on-policy control", summary["arm"] == CONTROL_ARM),
+                      ("the other arms", summary["arm"] != CONTROL_ARM)):
+        held = summary[sel & summary["destabilised_at"].isna()]
+        if len(held):
+            n_al = int(held["n_alerts"].sum())
+            lines.append(f"False alerts on {name}: {n_al} early warning(s) on {len(held)} run(s) that did not "
+                         f"destabilise ({n_al / len(held):.1f} per run; runs with any: {int((held['n_alerts'] > 0).sum())}).")
     return lines
 
 
-def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: float) -> str:
-    """The self-contained comparison report (plotly.js inline)."""
+def pick_pair(summary: pd.DataFrame) -> tuple:
+    """``((arm, seed) of a failing run or None, (arm, seed) of a held run or None)`` for the side-by-side
+    view: the first destabilised run of the failing arm (else of any arm) and the control of the same seed
+    (else the first run that held)."""
+    bad = summary[summary["destabilised_at"].notna()]
+    good = summary[summary["destabilised_at"].isna()]
+    pref = bad[bad["arm"] == FAILING_ARM]
+    fail = pref.iloc[0] if len(pref) else (bad.iloc[0] if len(bad) else None)
+    held = None
+    if len(good):
+        ctl = good[good["arm"] == CONTROL_ARM]
+        if fail is not None:
+            same = ctl[ctl["seed"] == fail["seed"]]
+            ctl = same if len(same) else ctl
+        held = ctl.iloc[0] if len(ctl) else good.iloc[0]
+    key = lambda r: None if r is None else (r["arm"], int(r["seed"]))
+    return key(fail), key(held)
+
+
+def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: float,
+                out: Optional[Path] = None) -> str:
+    """The self-contained comparison report (plotly.js inline): one column of charts per arm, every seed.
+
+    With ``out`` the alerts shown are the live ones of ``out/runs/<arm>-s<seed>``; without, a replay."""
     import html
 
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    panels = [("reward", "reward (trailing mean)", True), ("window/rho_asym", "window ρ_asym (direction)", False),
-              ("window/small_gap_share", "window small-gap share", False), ("window/k3_kl", "window k3 KL", False),
-              ("window/delta_abs_mean", "window mean |δ| (nats)", False),
-              ("gate_downweighted_frac", "Gate down-weighted fraction", False),
-              ("repair_active_frac", "Repair active fraction", False), ("grad_norm", "gradient norm", False)]
-    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.025,
-                        subplot_titles=[p[1] for p in panels])
-    dashes = ("solid", "dash", "dot", "dashdot", "longdash")
-    alerts_by_run = {}
-    for (arm, seed), df in frames.items():
+    from ..views import add_rho_asym_guides
+
+    panels = [("reward", f"reward (trailing {SMOOTH_STEPS})", True),
+              ("window/rho_asym", "window ρ_asym (direction)", False),
+              ("window/delta_abs_mean", "window mean |δ| (nats)", False), ("window/k3_kl", "window k3 KL", False),
+              ("window/small_gap_share", "window small-gap share", False),
+              ("gate_downweighted_frac", "Gate down-weighted fraction", False), ("grad_norm", "gradient norm", False),
+              ("follow_corr", "sampler-follow correlation", False)]
+    arms = list(dict.fromkeys(a for a in ARMS if any(k[0] == a for k in frames)))
+    fig = make_subplots(rows=len(panels), cols=len(arms), shared_xaxes=True, shared_yaxes="rows",
+                        vertical_spacing=0.03, horizontal_spacing=0.015,
+                        column_titles=[f"{a}: {arm_label(a, base)}" for a in arms],
+                        row_titles=[p[1] for p in panels])
+    dashes = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+    judged = {}
+    for (arm, seed), df in sorted(frames.items(), key=lambda kv: (arms.index(kv[0][0]), kv[0][1])):
         d = df.sort_values("step")
+        c = arms.index(arm) + 1
         name = f"{arm} s{seed}"
+        j = judge_run(d, base.window, live_alerts=_live_alerts(out / "runs" / f"{arm}-s{seed}") if out else None)
+        judged[(arm, seed)] = j
         for i, (col, _, smooth) in enumerate(panels, start=1):
             if col not in d:
                 continue
-            y = d[col].rolling(SMOOTH_STEPS, min_periods=1).mean() if smooth else d[col]
-            fig.add_trace(go.Scatter(x=d["step"], y=y, mode="lines", name=name, legendgroup=name,
-                                     showlegend=i == 1, line=dict(color=ARM_COLORS.get(arm), width=1.4,
-                                                                  dash=dashes[seed % len(dashes)])), row=i, col=1)
-        j = judge_run(d, base.window)
-        alerts_by_run[name] = j["alerts"]
-        if j["alerts"]:
-            st = [s for s, _ in j["alerts"]]
-            rho = d.set_index("step")["window/rho_asym"].reindex(st)
-            fig.add_trace(go.Scatter(x=st, y=rho, mode="markers", name=f"{name} alerts", legendgroup=name,
-                                     showlegend=False, marker=dict(symbol="triangle-down", size=10,
-                                                                   color=ARM_COLORS.get(arm)),
-                                     text=[r for _, r in j["alerts"]], hovertemplate="%{text} @ %{x}"),
-                          row=2, col=1)
+            y = _trailing(d[col]) if smooth else d[col]
+            mode = "markers+lines" if col == "follow_corr" else "lines"
+            x, yy = (d["step"][d[col].notna()], d[col].dropna()) if col == "follow_corr" else (d["step"], y)
+            fig.add_trace(go.Scatter(x=x, y=yy, mode=mode, name=name, legendgroup=name, showlegend=i == 1,
+                                     line=dict(color=ARM_COLORS.get(arm), width=1.3, dash=dashes[seed % len(dashes)]),
+                                     marker=dict(size=4)), row=i, col=c)
         if j["destabilised_at"] is not None:
-            fig.add_vline(x=j["destabilised_at"], line=dict(color=ARM_COLORS.get(arm), dash="dot", width=1))
-    fig.update_layout(height=230 * len(panels), template="plotly_white", margin=dict(l=60, r=20, t=40, b=40),
-                      legend=dict(orientation="h", y=1.02, x=0, yanchor="bottom"))
-    fig.update_yaxes(type="log", row=4, col=1)
-    fig.update_yaxes(type="log", row=5, col=1)
+            fig.add_vline(x=j["destabilised_at"], line=dict(color=ARM_COLORS.get(arm), dash="dot", width=1), col=c,
+                          row="all")
+    for (arm, seed), j in judged.items():
+        if j["alerts"]:
+            d = frames[(arm, seed)].sort_values("step").set_index("step")
+            st = [s for s, _ in j["alerts"]]
+            fig.add_trace(go.Scatter(x=st, y=d["window/rho_asym"].reindex(st), mode="markers", name=f"{arm} s{seed} alerts",
+                                     legendgroup=f"{arm} s{seed}", showlegend=False,
+                                     marker=dict(symbol="triangle-down", size=9, color=ARM_COLORS.get(arm)),
+                                     text=[r for _, r in j["alerts"]], hovertemplate="%{text} @ %{x}"),
+                          row=2, col=arms.index(arm) + 1)
+    for i, arm in enumerate(arms, start=1):
+        add_rho_asym_guides(fig, row=2, col=i)
+    shown = set()
+    for tr in fig.data:   # one legend entry per guide (the helper shows them only on row 1)
+        meta = tr.meta if isinstance(tr.meta, dict) else None
+        if meta and "guide" in meta and meta["guide"] not in shown:
+            tr.showlegend = True
+            shown.add(meta["guide"])
+    fig.update_layout(height=210 * len(panels), template="plotly_white", margin=dict(l=60, r=120, t=70, b=40),
+                      legend=dict(orientation="h", y=1.01, x=0, yanchor="bottom", font=dict(size=10)))
+    fig.update_annotations(font_size=11)
+    for c in range(1, len(arms) + 1):
+        fig.update_yaxes(type="log", row=3, col=c)
+        fig.update_yaxes(type="log", row=4, col=c)
     chart = fig.to_html(full_html=False, include_plotlyjs="inline", default_width="100%",
                         config={"displaylogo": False, "responsive": True})
-    cols = ["arm", "seed", "destabilised_at", "direction_onset", "small_gap_onset", "k3_onset", "first_alert",
-            "first_alert_rule", "lead_steps", "lead_frac", "noise_level_steps", "reward_peak", "reward_final",
-            "delta_abs_first", "delta_abs_last", "rho_window_last", "seconds"]
-    shown = summary[cols].astype(object)
-    table = shown.where(shown.notna(), "—").to_html(index=False, border=0, float_format=lambda x: f"{x:.4g}")
-    findings = "".join(f"<li>{html.escape(s)}</li>" for s in verdict(summary))
-    alert_list = "".join(f"<li><b>{html.escape(k)}</b>: "
-                         + (html.escape(", ".join(f"{r} @ {s}" for s, r in v)) or "none") + "</li>"
-                         for k, v in alerts_by_run.items())
+
+    def table(frame: pd.DataFrame) -> str:
+        shown = frame.astype(object)
+        return shown.where(shown.notna(), "—").to_html(index=False, border=0, float_format=lambda x: f"{x:.3g}")
+
+    cols = ["arm", "seed", "destabilised_at", "blowup_delta_at", "blowup_k3_at", "reward_first", "reward_min",
+            "reward_last", "delta_abs_ref", "delta_abs_max10", "delta_abs_last", "rho_window_min", "rho_window_max",
+            "grad_norm_max", "follow", "direction_onset_up", "direction_onset_2s", "small_gap_onset", "k3_onset",
+            "first_alert", "first_alert_rule", "lead_steps", "lead_frac", "first_direction_alert",
+            "first_localization_alert", "first_magnitude_alert", "n_alerts", "alerts_source",
+            "noise_level_steps", "seconds"]
+    findings = "".join(f"<li>{html.escape(s)}</li>" for s in verdict(summary, base))
+    runs_alerts = "".join(f"<li><b>{html.escape(f'{a} s{s}')}</b>: "
+                          + (html.escape(", ".join(f"{r} @ {st}" for st, r in j["alerts"])) or "none") + "</li>"
+                          for (a, s), j in judged.items())
+    fail, held = pick_pair(summary)
+    pair = ""
+    if fail and held:
+        pair = (f"<p>Side by side: <b>{fail[0]} s{fail[1]}</b> (destabilised) and <b>{held[0]} s{held[1]}</b> "
+                f"(held) — <code>triage-monitor dashboard runs/{fail[0]}-s{fail[1]} runs/{held[0]}-s{held[1]}</code> "
+                f"from this folder.</p>")
+    mech = html.escape(mechanism_sentence(base))
+    took = f"{seconds:.0f} s wall time" if math.isfinite(seconds) else "judged again from the run directories"
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>triage-monitor study</title>
 <style>body{{font-family:Helvetica,Arial,sans-serif;margin:0;background:#f9fafb;color:#111827}}
-main{{max-width:1280px;margin:0 auto;padding:24px 32px 60px}} table{{border-collapse:collapse;font-size:12.5px;
-background:white}} th,td{{border:1px solid #e5e7eb;padding:4px 7px;text-align:right}} th{{background:#f3f4f6}}
-.note{{color:#4b5563;font-size:13px}} .warn{{background:#fef3c7;border:1px solid #f59e0b;padding:8px 12px}}</style>
+main{{max-width:1500px;margin:0 auto;padding:24px 32px 60px}} table{{border-collapse:collapse;font-size:12px;
+background:white}} th,td{{border:1px solid #e5e7eb;padding:3px 6px;text-align:right}} th{{background:#f3f4f6}}
+.note{{color:#4b5563;font-size:13px}} .mech{{background:#fef3c7;border:1px solid #f59e0b;padding:8px 12px}}</style>
 </head><body><main>
-<h1>triage-monitor study: NVFP4 sampler vs corrections</h1>
+<h1>triage-monitor study: a stale NVFP4 sampler, corrections and controls</h1>
 <div class="note">generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {len(frames)} run(s),
-{base.steps} steps each, {seconds:.0f} s wall time.</div>
-<p class="warn"><b>Mismatch mechanism.</b> {html.escape(replace(base, **ARMS['none']).mechanism())}</p>
+{base.steps} steps each, {took}; docs/study.md describes the job and the definitions.</div>
+<p class="mech"><b>Mismatch mechanism.</b> {mech}</p>
+{pair}
 <h2>Findings</h2><ul>{findings}</ul>
-<h2>Steps to destabilise, onsets and alerts</h2>
-<div class="note">Destabilised: the trailing {SMOOTH_STEPS}-step mean reward falls below {COLLAPSE_FRACTION:g} × its
-running peak and stays there to the end (≥ {MIN_STAY} steps). Onsets: first step after the reference window
-(steps {base.window - 1}–{2 * base.window - 2}) where window ρ_asym leaves median ± max(3 MAD, {RHO_BAND:.0%}),
-window small-gap share drops more than max(3 MAD, {SMALL_GAP_BAND}) or window k3 KL exceeds {K3_FACTOR:g}× its
-median. First alert: the shipped default rules replayed on the run (groups {', '.join(WARNING_GROUPS)});
-lead = destabilisation − first alert (fraction of the horizon). Noise-level steps: window mean |δ| below
-{NOISE_FLOOR_NATS:g} nats, where ρ_asym is rounding noise and the direction rules are held back.</div>
-<div style="overflow-x:auto">{table}</div>
-<h2>Over steps</h2><div class="note">One colour per arm, one dash style per seed; ▼ alerts on the ρ_asym panel;
-dotted vertical lines: destabilisation.</div>
+<h2>Per arm</h2>
+<div style="overflow-x:auto">{table(arm_table(summary))}</div>
+<h2>Per run: steps to destabilise, blow-up, onsets, alerts, diagnostics</h2>
+<div class="note">Destabilised: the trailing {SMOOTH_STEPS}-step mean reward below {COLLAPSE_FRACTION:g} × its running
+peak on {MIN_STAY} consecutive steps (the first of them; a dip that recovers counts). Blow-up: the trailing
+{SMOOTH_STEPS}-step mean of the per-step mean |δ| (or k3 KL) above {BLOWUP_FACTOR:g} × its value over the first
+{SMOOTH_STEPS} steps at full staleness (delta_abs_ref, nats), above the {NOISE_FLOOR_NATS:g}-nat noise floor.
+Reward columns are trailing-{SMOOTH_STEPS} means (first = at step {SMOOTH_STEPS - 1}); rho_window_* is the range of
+window ρ_asym from the first full window, noise-level steps left out; follow is the mean sampler-follow
+correlation. Direction onset: first step above (one-sided, rising amplification: direction_onset_up) or outside
+(two-sided: direction_onset_2s) median ± max(3 MAD, {RHO_BAND:.0%}) of window ρ_asym over the {REF_STEPS} reference
+steps. First alert: the shipped default rules, live during the run (groups {', '.join(WARNING_GROUPS)});
+lead = destabilisation − first alert (lead_frac: of the horizon; goal ≥ {LEAD_GOAL:.0%}).</div>
+<div style="overflow-x:auto">{table(summary[cols])}</div>
+<h2>Over steps</h2><div class="note">One column per arm, one dash style per seed; dotted vertical lines:
+destabilisation; window ρ_asym panel: the published healthy band and the alert thresholds.</div>
 {chart}
-<h2>Alerts per run</h2><ul>{alert_list}</ul>
+<h2>Early-warning alerts per run</h2><ul>{runs_alerts}</ul>
 </main></body></html>
 """
 
 
-def write_outputs(out: Path, base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: float) -> None:
-    """Write ``summary.csv``, ``trajectories.csv`` (per-step key columns of every run), ``study.json`` and
-    ``study.html`` into ``out``."""
+def write_outputs(out: Path, base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: float,
+                  live: bool = True) -> None:
+    """Write ``summary.csv``, ``arms.csv``, ``trajectories.csv`` (per-step key columns of every run),
+    ``study.json`` and ``study.html`` into ``out`` (``live``: the report lists the runs' live alerts)."""
     summary.to_csv(out / "summary.csv", index=False)
-    keep = ["step", "reward", "delta_abs_mean", "window/delta_abs_mean", "rho_asym", "window/rho_asym",
+    arms = arm_table(summary)
+    arms.to_csv(out / "arms.csv", index=False)
+    keep = ["step", "reward", "delta_abs_mean", "window/delta_abs_mean", "rho_asym", "window/rho_asym", "k3_kl",
             "window/small_gap_share", "window/k3_kl", "delta_min", "sampler_nll", "gate_downweighted_frac",
-            "repair_active_frac", "grad_norm"]
+            "repair_active_frac", "grad_norm", "follow_corr", "sampler_staleness"]
     pd.concat([df[[c for c in keep if c in df]].assign(arm=arm, seed=seed) for (arm, seed), df in frames.items()]
               ).to_csv(out / "trajectories.csv", index=False)
     meta = {"base_config": asdict(base), "arms": {a: ARMS[a] for a in dict.fromkeys(k[0] for k in frames)},
-            "mechanism": replace(base, **ARMS["none"]).mechanism(),
+            "mechanism": mechanism_sentence(base),
             "destabilisation": {"smooth_steps": SMOOTH_STEPS, "collapse_fraction": COLLAPSE_FRACTION,
                                 "min_stay": MIN_STAY},
-            "noise_floor_nats": NOISE_FLOOR_NATS, "seconds": seconds,
+            "blowup": {"factor": BLOWUP_FACTOR, "reference_steps": SMOOTH_STEPS},
+            "lead_goal": LEAD_GOAL, "noise_floor_nats": NOISE_FLOOR_NATS, "seconds": seconds,
+            "verdict": verdict(summary, base),
+            "per_arm": json.loads(arms.to_json(orient="records")),
             "runs": json.loads(summary.to_json(orient="records"))}
     (out / "study.json").write_text(json.dumps(meta, indent=1, default=str))
-    (out / "study.html").write_text(report_html(base, frames, summary, seconds), encoding="utf-8")
+    (out / "study.html").write_text(report_html(base, frames, summary, seconds, out if live else None),
+                                        encoding="utf-8")
 
 
-def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float) -> None:
-    """The table, the findings and where to look next."""
+def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, base: Optional[DemoConfig] = None) -> None:
+    """The per-run table, the findings and where to look next."""
     from rich.table import Table
 
-    t = Table(title="steps to destabilise (— = stable), onsets and first alert")
-    cols = ["arm", "seed", "destabilised_at", "direction_onset", "small_gap_onset", "k3_onset", "first_alert",
-            "first_alert_rule", "lead_frac", "reward_peak", "reward_final", "delta_abs_last"]
+    t = Table(title="steps to destabilise (— = held), blow-up, first alert")
+    cols = ["arm", "seed", "destabilised_at", "blowup_delta_at", "reward_first", "reward_min", "reward_last",
+            "delta_abs_max10", "rho_window_max", "grad_norm_max", "follow", "direction_onset_up", "first_alert",
+            "first_alert_rule", "lead_steps"]
     for c in cols:
         t.add_column(c.replace("_", " "), justify="right")
     for _, r in summary.iterrows():
         t.add_row(*[(f"{v:.3g}" if isinstance(v, float) else str(v)) if v is not None and not
                     (isinstance(v, float) and math.isnan(v)) else "—" for v in (r[c] for c in cols)])
     console.print(t)
-    for line in verdict(summary):
-        console.print(line)
-    first_seed = summary["seed"].iloc[0]
-    dirs = " ".join(str(out / "runs" / f"{a}-s{first_seed}") for a in dict.fromkeys(summary["arm"]))
-    console.print(f"study: {seconds:.0f} s.  Report: [bold]{out / 'study.html'}[/]  (table: {out / 'summary.csv'})")
-    console.print(f"Dashboard (seed {first_seed} of each arm): triage-monitor dashboard {dirs}")
+    for line in verdict(summary, base):
+        console.print(line, highlight=False, soft_wrap=True)
+    took = f"{seconds:.0f} s" if math.isfinite(seconds) else "judged again"
+    console.print(f"study: {took}.  Report: [bold]{out / 'study.html'}[/]  (tables: {out / 'summary.csv'}, "
+                  f"{out / 'arms.csv'})", highlight=False, soft_wrap=True)
+    fail, held = pick_pair(summary)
+    if fail and held:
+        console.print(f"Failing: {fail[0]} s{fail[1]}; held: {held[0]} s{held[1]}.  Side by side: triage-monitor "
+                      f"dashboard {out / 'runs' / f'{fail[0]}-s{fail[1]}'} {out / 'runs' / f'{held[0]}-s{held[1]}'}",
+                      highlight=False, soft_wrap=True)
+    else:
+        first_seed = summary["seed"].iloc[0]
+        dirs = " ".join(str(out / "runs" / f"{a}-s{first_seed}") for a in dict.fromkeys(summary["arm"]))
+        console.print(f"Dashboard (seed {first_seed} of each arm): triage-monitor dashboard {dirs}",
+                      highlight=False, soft_wrap=True)
+
+
+def study_config(preset: Optional[str] = None, quick: bool = False, **given) -> tuple:
+    """The base :class:`DemoConfig`, arms and seeds of a study: ``DemoConfig`` defaults, then the preset
+    (:data:`PRESETS`), then ``given`` (explicit options win).
+
+    Returns:
+        ``(DemoConfig, arms, seeds)``.
+
+    Raises:
+        ValueError: an unknown preset, a field in ``given`` that arms set per run (:data:`PER_ARM_FIELDS`),
+            or an invalid configuration value.
+    """
+    if preset is not None and preset not in PRESETS:
+        raise ValueError(f"study: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    bad = [k for k in given if k in PER_ARM_FIELDS]
+    if bad:
+        raise ValueError(f"study: {', '.join(bad)} are set per arm and seed (--arms, --seeds)")
+    names = {f.name for f in fields(DemoConfig)}
+    p = PRESETS.get(preset, {})
+    cfg = DemoConfig(**{**p.get("config", {}), **{k: v for k, v in given.items() if k in names}})
+    arms = tuple(QUICK["arms"] if quick else p.get("arms", DEFAULT_ARMS))
+    seeds = tuple(QUICK["seeds"] if quick else p.get("seeds", (0, 1, 2)))
+    return cfg, arms, seeds

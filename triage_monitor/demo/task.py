@@ -9,7 +9,7 @@ so a small transformer learns it in minutes on a CPU.  The reward is exact:
 1.0 when the response up to its first ``EOS`` equals the answer, else 0.0.
 
 :class:`WalkTask` is the long-response task of the mismatch study: 64-token
-responses with many valid answers and partial credit, so the policy keeps its
+responses (4 segments of 16 tokens) with many valid answers and partial credit, so the policy keeps its
 entropy under RL (on a task with one right answer GRPO sharpens the policy
 until learner and sampler agree on almost every token and the mismatch heals
 itself).
@@ -34,13 +34,14 @@ class AdditionTask:
 
     Attributes:
         prompt_len: ``2·digits + 3`` tokens; max_answer_len: ``digits + 2``
-            tokens (sum digits plus ``EOS``).
+            tokens (sum digits plus ``EOS``); vocab_size: :data:`VOCAB_SIZE`.
     """
 
     def __init__(self, digits: int = 4):
         if not 1 <= digits <= 9:
             raise ValueError(f"AdditionTask: digits must be in 1..9, got {digits}")
         self.digits = digits
+        self.vocab_size = VOCAB_SIZE
         self.prompt_len = 2 * digits + 3
         self.max_answer_len = digits + 2
         self._pow = 10 ** torch.arange(digits - 1, -1, -1)
@@ -62,7 +63,7 @@ class AdditionTask:
         """
         total = ops.sum(dim=1)
         ndig = torch.where(total > 0, torch.floor(torch.log10(total.clamp_min(1).double())).long() + 1, 1)
-        k = torch.arange(self.max_answer_len)
+        k = torch.arange(self.max_answer_len, device=ops.device)
         digs = (total.unsqueeze(1) // 10 ** k.clamp_max(self.digits)) % 10  # least significant first
         tokens = torch.where(k < ndig.unsqueeze(1), digs, torch.full_like(digs, EOS))
         return tokens, ndig + 1
@@ -76,8 +77,9 @@ class AdditionTask:
         ref, length = self.answers(ops)
         n, T = responses.shape
         L = self.max_answer_len
-        resp = responses[:, :L] if T >= L else torch.cat([responses, torch.full((n, L - T), -1)], dim=1)
-        k = torch.arange(L)
+        resp = responses[:, :L] if T >= L else torch.cat(
+            [responses, torch.full((n, L - T), -1, device=responses.device)], dim=1)
+        k = torch.arange(L, device=responses.device)
         ok = ((resp == ref) | (k >= length.unsqueeze(1))).all(dim=1)
         return ok.float()
 
@@ -101,19 +103,24 @@ class WalkTask:
     default 4 symbols): GRPO has no reason to collapse it to one answer.
 
     Args:
-        length: response tokens (>= 1; 64 gives one 64-token segment per response).
+        length: response tokens (>= 1; 64 with 16-token segments gives 4 segments per response).
         alphabet: allowed digits per prompt (2..9).
+        vocab_tail: extra token ids ``VOCAB_SIZE … VOCAB_SIZE + vocab_tail − 1`` that are never valid
+            (a long-tail vocabulary: the policy must learn to give them no mass).
 
     Attributes:
-        prompt_len: ``alphabet + 2``; max_answer_len: ``length``.
+        prompt_len: ``alphabet + 2``; max_answer_len: ``length``; vocab_size: ``VOCAB_SIZE + vocab_tail``.
     """
 
-    def __init__(self, length: int = 64, alphabet: int = 4):
+    def __init__(self, length: int = 64, alphabet: int = 4, vocab_tail: int = 0):
         if not isinstance(length, int) or length < 1:
             raise ValueError(f"WalkTask: length must be an integer >= 1, got {length!r}")
         if not 2 <= alphabet <= 9:
             raise ValueError(f"WalkTask: alphabet must be in 2..9, got {alphabet}")
+        if vocab_tail < 0:
+            raise ValueError(f"WalkTask: vocab_tail must be >= 0, got {vocab_tail}")
         self.length, self.alphabet = length, alphabet
+        self.vocab_size = VOCAB_SIZE + vocab_tail
         self.prompt_len = alphabet + 2
         self.max_answer_len = length
 
