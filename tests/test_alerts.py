@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from triage_monitor.alerts import AlertEngine, CallbackSink, LoggingSink, Rule, default_rules, load_rules, replay
-from triage_monitor.cli import alerts_cli
+from triage_monitor.commands.alerts import main as alerts_cli
 
 
 def run(rule_or_rules, values, steps=None, metric=None):

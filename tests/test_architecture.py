@@ -15,7 +15,7 @@ LAYERS = [
     ("monitor",),
     ("engines", "analysis", "stages"),
     ("verdict", "views", "report", "dashboards", "importers", "nvfp4", "demo"),
-    ("cli", "__main__"),
+    ("commands", "cli", "__main__"),
 ]
 LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 

@@ -16,6 +16,7 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from triage_monitor.dashboards import launch as dashboard  # noqa: E402
+from triage_monitor.commands import dashboard as dashboard_cmd  # noqa: E402
 from triage_monitor.analysis import open_run, recompute  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
@@ -249,7 +250,7 @@ def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
 
 
 def test_launcher_command_and_validation(demo_run_dir, tmp_path, capsys):
-    p = dashboard.add_arguments(argparse.ArgumentParser())
+    p = dashboard_cmd.add_arguments(argparse.ArgumentParser())
     args = p.parse_args([str(demo_run_dir)])
     assert (args.host, args.port) == ("127.0.0.1", 8501)
     cmd = dashboard.build_command([str(demo_run_dir)], args.host, 9000)
@@ -258,12 +259,12 @@ def test_launcher_command_and_validation(demo_run_dir, tmp_path, capsys):
     assert cmd[cmd.index("--") + 1:] == [str(demo_run_dir)]
     assert Path(cmd[4]).parent.name == "dashboards" and (Path(cmd[4]).parent / "__init__.py").is_file()
     args = p.parse_args([str(demo_run_dir), "--host", "0.0.0.0", "--port", "8600", "--print-command"])
-    assert dashboard.run_cli(args) == 0
+    assert dashboard_cmd.run(args) == 0
     out = capsys.readouterr().out
     assert "--server.address 0.0.0.0" in out and "--server.port 8600" in out
     assert str(Path(demo_run_dir).resolve()) in out
     (tmp_path / "x").mkdir()
-    assert dashboard.run_cli(p.parse_args([str(demo_run_dir), str(tmp_path / "x")])) == 2
+    assert dashboard_cmd.run(p.parse_args([str(demo_run_dir), str(tmp_path / "x")])) == 2
     assert "not a triage-monitor run directory" in capsys.readouterr().err
     with pytest.raises(ValueError, match="port"):
         dashboard.build_command([], port=70000)

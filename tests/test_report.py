@@ -10,18 +10,19 @@ import pytest
 pytest.importorskip("plotly")
 
 from triage_monitor import report  # noqa: E402
+from triage_monitor.commands import report as report_cmd  # noqa: E402
 from triage_monitor.analysis import open_run  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor  # noqa: E402
 from triage_monitor.stages import stage_table  # noqa: E402
 
 
 def _parse(argv):
-    return report.add_arguments(argparse.ArgumentParser()).parse_args(argv)
+    return report_cmd.add_arguments(argparse.ArgumentParser()).parse_args(argv)
 
 
 def test_report_is_self_contained_with_charts_and_stage_table(demo_run_dir, demo_run_dir_none, tmp_path, capsys):
     out = tmp_path / "sub" / "report.html"
-    assert report.run_cli(_parse([str(demo_run_dir), str(demo_run_dir_none), "-o", str(out), "--draws", "99"])) == 0
+    assert report_cmd.run(_parse([str(demo_run_dir), str(demo_run_dir_none), "-o", str(out), "--draws", "99"])) == 0
     assert "self-contained" in capsys.readouterr().out
     text = out.read_text(encoding="utf-8")
     # offline: no external script, stylesheet or font; plotly.js inlined exactly once
@@ -50,22 +51,22 @@ def test_report_is_self_contained_with_charts_and_stage_table(demo_run_dir, demo
 
 def test_report_options_and_errors(demo_run_dir, tmp_path, capsys):
     out = tmp_path / "r.html"
-    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(out), "--anchors", "4", "9", "--window", "3",
+    assert report_cmd.run(_parse([str(demo_run_dir), "-o", str(out), "--anchors", "4", "9", "--window", "3",
                                   "--draws", "19"])) == 0
     text = out.read_text(encoding="utf-8")
     assert "<td>step 4</td>" in text and "<td>2-4</td>" in text and "<td>7-9</td>" in text
     assert "3-step window" in text
     (tmp_path / "plain").mkdir()
-    assert report.run_cli(_parse([str(tmp_path / "plain"), "-o", str(tmp_path / "x.html")])) == 2
+    assert report_cmd.run(_parse([str(tmp_path / "plain"), "-o", str(tmp_path / "x.html")])) == 2
     assert "not a triage-monitor run directory" in capsys.readouterr().err
     MismatchMonitor(tmp_path / "empty").close()
-    assert report.run_cli(_parse([str(tmp_path / "empty"), "-o", str(tmp_path / "y.html")])) == 2
+    assert report_cmd.run(_parse([str(tmp_path / "empty"), "-o", str(tmp_path / "y.html")])) == 2
     assert "no recorded steps" in capsys.readouterr().err
-    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "z.html"), "--anchors", "999"])) == 2
+    assert report_cmd.run(_parse([str(demo_run_dir), "-o", str(tmp_path / "z.html"), "--anchors", "999"])) == 2
     assert "not recorded" in capsys.readouterr().err
     assert not (tmp_path / "x.html").exists() and not (tmp_path / "z.html").exists()
     (tmp_path / "afile").write_text("")
-    assert report.run_cli(_parse([str(demo_run_dir), "-o", str(tmp_path / "afile" / "r.html"), "--draws", "9"])) == 3
+    assert report_cmd.run(_parse([str(demo_run_dir), "-o", str(tmp_path / "afile" / "r.html"), "--draws", "9"])) == 3
     err = capsys.readouterr().err
     assert "triage-monitor report: error: cannot write" in err and "afile" in err
 

@@ -4,7 +4,7 @@ hands fired alerts to sinks, and replays a recorded history offline.
 The rules themselves (fields, conditions, noise guard, rule files, the shipped
 defaults) live in :mod:`triage_monitor.alert_rules`; they are re-exported here
 (``from triage_monitor.alerts import Rule, default_rules, load_rules``).
-The command ``triage-monitor alerts`` is :func:`triage_monitor.cli.alerts_cli`.
+The command ``triage-monitor alerts`` is :mod:`triage_monitor.commands.alerts`.
 
 Hysteresis: a rule fires when its condition has held on ``hold`` consecutive
 evaluated steps and at least ``cooldown`` steps have passed since it last

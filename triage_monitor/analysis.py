@@ -20,6 +20,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -274,8 +275,6 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
     Raises:
         ValueError: a (sample_id, position) pair occurs twice in a file (named by ``path_hint``).
     """
-    import numpy as np
-
     from .metrics import MismatchStats
     from .state_kernel import BOTH, MAGNITUDE, OK, update_state
 
@@ -309,8 +308,6 @@ def _step_result(parts: list, tau_tail: float, config, path_hint: str = "") -> t
     """``(state, null_input)`` of one step: :func:`state_of_arrays` and the step's C_tok shuffle-null input
     (``(segment_valid, response_segments, response_tails)`` int32 arrays, the ranks' concatenated; empty
     without τ_tail).  What the engines map."""
-    import numpy as np
-
     nulls: list = []
     state = state_of_arrays(parts, tau_tail, config, path_hint, nulls)
     cat = (lambda k: np.concatenate([n[k] for n in nulls]) if nulls else np.zeros(0, np.int32))
@@ -463,8 +460,6 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
         redo = [s for s in need if not _same(taus[s], cand[s])]
         if redo:
             states.update(run_map(redo, taus, "recomputing with the calibrated tau_tail"))
-    import numpy as np
-
     size = MismatchStats(cfg).state.numel()
     mat = np.stack([states[s] for s in todo]) if todo else np.zeros((0, size))
     out = StepStates(todo, mat, [taus[s] for s in todo], cfg, win, tau_mode, [nulls[s] for s in todo])
@@ -502,8 +497,6 @@ def state_kernel_fields() -> tuple:
 
 
 def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepStates]:
-    import numpy as np
-
     try:
         with np.load(path) as z:
             split = (lambda values, lengths: np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else [])
@@ -517,8 +510,6 @@ def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepSt
 
 
 def _save_states(path: Path, states: StepStates) -> None:
-    import numpy as np
-
     tmp = temp_path(path.parent, ".npz")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -663,3 +654,89 @@ def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
         out.append({"metric": c, "max_rel_diff": m, "equal": m <= rtol, "compared": len(keep),
                     "provisional": int(skip.sum())})
     return pd.DataFrame(out)
+
+
+# --------------------------------------------------------------------------- live vs recomputed after a resume
+def differing_steps(live, rec, metric: str, rtol: float = 1e-9) -> set:
+    """Steps where ``live`` and ``rec`` values of ``metric`` differ (NaN on both sides is equal)."""
+    m = live[["step", metric]].merge(rec[["step", metric]], on="step", suffixes=("_live", "_rec"))
+    a, b = m[f"{metric}_live"].to_numpy(float), m[f"{metric}_rec"].to_numpy(float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        same = (np.isnan(a) & np.isnan(b)) | (np.abs(a - b) <= rtol * np.maximum(np.abs(a), np.abs(b)))
+    return set(m["step"].to_numpy()[~same].tolist())
+
+
+def provisional_skips(live, rec, window: int) -> dict:
+    """{metric: steps} that :func:`~triage_monitor.analysis.compare_live` leaves out: the τ-dependent metrics
+    of live steps with a provisional τ_tail, and of the windows holding one (frozen τ mode only)."""
+
+    if rec.attrs.get("tau_mode", "frozen") != "frozen" or "tau_tail_frozen" not in live.columns:
+        return {}
+    prov = set(live.loc[live["tau_tail_frozen"].astype(float) == 0, "step"].astype(int))
+    steps = set(live["step"].astype(int))
+    win = {s for s in steps if any(s - window < p <= s for p in prov)}
+    return {**{m: prov for m in TAU_DEPENDENT}, **{f"window/{m}": win for m in TAU_DEPENDENT}}
+
+
+def resume_explanations(run, live, rec) -> tuple:
+    """Which live/recomputed differences a resumed (multi-attempt) run explains, and why.
+
+    Two effects of a later attempt (a resumed job, or a re-run into the same directory) on what the live
+    monitor computed, that the recomputation from the visible token files cannot reproduce:
+
+    * **τ_tail from replaced steps**: the later attempt read back the τ_tail that run.json recorded, which
+      an earlier attempt calibrated on its own first steps; when the later attempt rewrote those steps,
+      the recomputation calibrates on the new ones.  The τ-dependent metrics
+      (:data:`~triage_monitor.analysis.TAU_DEPENDENT`) of every step whose live τ_tail differs from the
+      recomputed one are explained.
+    * **restarted window**: each process start begins an empty trailing window, so a live window that
+      ends after a resume holds only that attempt's steps; the recomputation pools the visible steps of
+      every attempt.  The ``window/`` metrics of windows whose visible steps come from more than one
+      attempt are explained.
+
+    Returns:
+        ``({metric: set of steps}, [sentence, ...])``; empty for a run with one attempt.
+    """
+
+    if "attempt" not in live.columns or live["attempt"].nunique() < 2 and len(run.manifest.attempts) < 2:
+        return {}, []
+    att = dict(zip(live["step"].astype(int), live["attempt"]))
+    steps = sorted(att)
+    window = int(rec.attrs.get("window") or run.config.window)
+    explained: dict = {}
+    reasons = []
+    cal = run.manifest.calibration if isinstance(run.manifest.calibration, dict) else {}
+    tau_steps = set()
+    if "tau_tail" in live.columns and "tau_tail" in rec.columns:
+        tau_steps = differing_steps(live, rec, "tau_tail")
+        if "tau_tail_frozen" in live.columns:      # provisional steps are left out by compare_live already
+            frozen = set(live.loc[live["tau_tail_frozen"].astype(float) == 1, "step"].astype(int))
+            tau_steps &= frozen
+    if tau_steps:
+        n_cal = int(run.config.calibration_steps)
+        replaced = [s for s in steps[:n_cal] if cal.get("attempt") is not None and att[s] != cal.get("attempt")]
+        live_tau = float(live.loc[live["step"] == min(tau_steps), "tau_tail"].iloc[0])
+        rec_tau = float(rec.loc[rec["step"] == min(tau_steps), "tau_tail"].iloc[0])
+        why = (f"run.json's tau_tail was calibrated by attempt {cal.get('attempt')} on steps that attempt "
+               f"{att[replaced[0]]} later rewrote ({replaced[0]}..{replaced[-1]})" if replaced else
+               "the live monitor restored tau_tail from run.json at a resume")
+        reasons.append(f"resume: {why}; the live steps used tau_tail = {live_tau:.6g}, the recomputation calibrates "
+                       f"{rec_tau:.6g} from the visible steps, so the tau-dependent metrics "
+                       f"({', '.join(TAU_DEPENDENT)}) of {len(tau_steps)} step(s) differ as expected")
+        for m in TAU_DEPENDENT:
+            explained.setdefault(m, set()).update(tau_steps)
+            explained.setdefault(f"window/{m}", set()).update(tau_steps)
+    mixed = {s for s in steps if len({att[t] for t in steps if s - window < t <= s}) > 1}
+    if mixed:
+        reasons.append(f"resume: the live trailing window restarts at each attempt, while the recomputation pools "
+                       f"the visible steps of every attempt: the window/ metrics of {len(mixed)} step(s) "
+                       f"({min(mixed)}..{max(mixed)}) whose window spans two attempts differ as expected")
+        for m in rec.columns:
+            if m.startswith("window/"):
+                explained.setdefault(m, set()).update(mixed)
+    # a window holding a step whose τ-dependent values differ differs as well
+    if tau_steps:
+        near = {s for s in steps if any(s - window < t <= s for t in tau_steps)}
+        for m in TAU_DEPENDENT:
+            explained.setdefault(f"window/{m}", set()).update(near)
+    return explained, reasons

@@ -80,3 +80,8 @@ class MonitorConfig:
         d = dict(d)
         d["metrics"] = MetricConfig(**d.get("metrics", {}))
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+#: Fields of a per-token table that ``triage-monitor import table`` maps to columns (docs/hooks.md).
+TABLE_REQUIRED_FIELDS = ("step", "sample_id", "learner_logp", "sampler_logp", "advantage")
+TABLE_OPTIONAL_FIELDS = ("position", "mask", "group_id")

@@ -1,0 +1,116 @@
+"""``triage-monitor alerts``: replay the alert rules over a run or a metrics CSV; name the rules that could not
+evaluate yet; end with the verdict."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of ``triage-monitor alerts``; returns ``parser``."""
+    parser.add_argument("run_dir", nargs="?", help="run directory (its steps/ table is replayed)")
+    parser.add_argument("--rules", help="rules file (.toml, .yaml); default: the shipped default rules")
+    parser.add_argument("--from-csv", dest="from_csv", metavar="CSV",
+                        help="replay a metrics history CSV (e.g. a W&B history export) instead of RUN_DIR")
+    parser.add_argument("--step-column", dest="step_column", default="step",
+                        help="step column of the CSV (default: step; 'triage/step' is accepted as 'step')")
+    parser.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay the rules over ``args.run_dir`` (its live per-step metrics, ``open_run(run_dir).steps()``)
+    or ``args.from_csv`` and print when each would have fired.  Returns the exit code
+    (docs/cli.md#exit-statuses: 0 no alert, 1 at least one alert, 2 bad input or an empty run / CSV,
+    3 an input the OS refused to read; the message on stderr)."""
+    import json
+    from dataclasses import fields
+
+    import pandas as pd
+
+    from ..alerts import Alert, default_rules, load_rules, normalize_columns, replay_engine
+
+    from .. import exits
+
+    if args.run_dir and args.from_csv:
+        exits.error("alerts", f"give RUN_DIR or --from-csv CSV, not both (got {args.run_dir} and {args.from_csv})")
+        return exits.INPUT_ERROR
+    run = None
+    try:
+        rules = load_rules(args.rules) if args.rules else default_rules()
+        if args.from_csv:
+            frame = normalize_columns(pd.read_csv(args.from_csv))
+            step_col = args.step_column[len("triage/"):] if args.step_column.startswith("triage/") \
+                and args.step_column not in frame.columns else args.step_column
+            if frame.empty:
+                raise ValueError(f"{args.from_csv}: the CSV has no rows, nothing to replay")
+        elif args.run_dir:
+            from ..analysis import open_run  # lazy: analysis imports torch
+            run = open_run(args.run_dir)
+            frame, step_col = run.steps(), "step"
+            if frame.empty:
+                raise ValueError(f"{run.path}: the run has no recorded steps yet, nothing to replay")
+        else:
+            raise ValueError("give RUN_DIR or --from-csv CSV")
+        engine = replay_engine(rules, frame, step_column=step_col)
+        alerts = engine.fired
+    except PermissionError as e:
+        exits.error("alerts", e)
+        return exits.OUTPUT_ERROR
+    except (OSError, ValueError, ImportError) as e:
+        exits.error("alerts", e)
+        return exits.INPUT_ERROR
+    if run is not None:
+        exits.report_unreadable("alerts", run)
+    absent = sorted({r.metric for r in rules} - set(frame.columns))
+    rows = [a.to_row() for a in alerts]
+    if args.format == "json":
+        print(json.dumps(rows, indent=1, default=float))
+    elif args.format == "csv":
+        pd.DataFrame(rows, columns=[f.name for f in fields(Alert) if f.name != "wait_s"]).to_csv(
+            sys.stdout, index=False)
+    else:
+        _print_alert_table(rows, len(frame), len(rules))
+    noise = {name: steps for name, steps in engine.noise_steps.items() if steps}
+    if noise:
+        guards = {(r.guard_metric, r.guard_min) for r in rules if r.name in noise}
+        how = "; ".join(f"{m} < {t:.4g}" for m, t in sorted(guards))
+        print(f"note: noise level ({how}: the learner and sampler agree to rounding, direction ratios are "
+              f"noise) held back " + ", ".join(f"{n} on {len(s)} step(s)" for n, s in noise.items()), file=sys.stderr)
+    if absent:
+        print(f"note: metric(s) absent from the history, their rules never evaluated: {absent}", file=sys.stderr)
+    from ..verdict import health_verdict
+
+    verdict = health_verdict(frame, engine)
+    out = sys.stdout if args.format == "table" else sys.stderr   # csv / json stay machine-readable
+    waiting = [(n, why) for n, why in verdict.not_evaluable if why.startswith("not evaluable")]
+    if waiting:
+        print(f"{len(waiting)} rule(s) could not evaluate yet over these {len(frame)} step(s):", file=out)
+        for n, why in waiting:
+            print(f"  {n}: {why}", file=out)
+    print(verdict.line, file=out)
+    return exits.FINDING if rows else exits.OK
+
+
+def _print_alert_table(rows: list, n_steps: int, n_rules: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"{len(rows)} alert(s) from {n_rules} rule(s) over {n_steps} step(s)")
+    for c in ("step", "level", "rule", "metric", "value", "threshold", "text"):
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(str(r["step"]), r["level"], r["rule"], r["metric"], f"{r['value']:.4g}", f"{r['threshold']:.4g}",
+                  r["text"])
+    Console(width=160).print(t)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``triage-monitor alerts RUN_DIR [--rules FILE] [--from-csv CSV --step-column step]`` without the
+    top-level options; returns the exit code (see :func:`alerts_run_cli`)."""
+    p = add_arguments(argparse.ArgumentParser(
+        prog="triage-monitor alerts", description="Replay alert rules over a finished run or a metrics CSV."))
+    return run(p.parse_args(argv))

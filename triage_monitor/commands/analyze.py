@@ -1,0 +1,160 @@
+"""``triage-monitor analyze``: recompute every metric of a run from its token records, check them against the live
+values, end with the run's verdict."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+#: Columns `analyze` prints (all columns are saved).
+SUMMARY_COLUMNS = {"step": "step", "n_tokens": "tokens", "small_gap_share": "small|δ|", "delta_q05": "q05 δ",
+                   "k3_kl": "k3", "rho_asym": "ρ_asym", "rho_asym_lennorm": "ρ_len", "window/rho_asym": "ρ_win",
+                   "c_tok": "C_tok", "r_amp": "r_amp", "h_seg": "H_seg", "tau_tail": "τ_tail"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``triage-monitor analyze``."""
+    parser.add_argument("run_dir", help="run directory written by MismatchMonitor")
+    parser.add_argument("--window", type=int, default=None, help="trailing window in steps (default: the run's)")
+    parser.add_argument("--tau-tail", type=float, default=None, help="explicit tau_tail in nats (default: the run's)")
+    parser.add_argument("--out", default=None,
+                        help="where to save the full table (.csv or .parquet; default RUN_DIR/analysis/metrics.csv)")
+    parser.add_argument("--rows", type=int, default=20, help="rows to print (the last ones); 0 prints all")
+    parser.add_argument("--tau-mode", choices=("frozen", "live"), default="frozen",
+                        help="frozen (default): one tau_tail for every step, the post-mortem; live: replay the "
+                             "provisional tau_tail the live monitor used on its reference steps")
+    parser.add_argument("--workers", type=int, default=1, help="local worker processes (default: 1, this one)")
+    parser.add_argument("--engine", choices=("local", "ray"), default="local",
+                        help="map the steps here (local) or on a Ray cluster (needs triage-monitor[ray])")
+    parser.add_argument("--address", default=None,
+                        help="Ray cluster address for --engine ray (default: RAY_ADDRESS, else a new local cluster)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Recompute the run's metrics, print a summary table, save the full one, compare with the live values.
+
+    Exit status (docs/cli.md#exit-statuses): 0 every compared metric equals its live value (or differs only
+    as the expected consequence of a resume, which is stated); 1 live and recomputed values differ;
+    2 not a run, a run without token records, a bad option or an unreadable token file; 3 the table
+    cannot be saved."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .. import exits
+    from ..analysis import RunDirError, open_run, recompute
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    out = Path(args.out) if args.out else None
+    if out is not None and out.suffix.lower() not in (".csv", ".parquet"):
+        raise exits.CommandError(f"--out {out}: unknown table format {out.suffix or '(no extension)'!r}; "
+                                 "use a .csv or .parquet file name")
+    try:
+        run = open_run(args.run_dir)
+    except RunDirError as exc:
+        raise exits.CommandError(str(exc)) from None
+    n_steps = len(run.step_numbers())
+    if not n_steps:
+        raise exits.CommandError(f"{run.path}: the run has no recorded steps with token records yet, nothing to "
+                                 "analyze")
+    from .. import metrics  # noqa: F401  (imports torch now, so the throughput below times the recomputation only)
+    exits.note("analyze", f"recomputing {n_steps} step(s) of {run.path} …")
+    t0 = time.perf_counter()
+    try:
+        df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True, tau_mode=args.tau_mode,
+                       cache=True, workers=args.workers, engine=args.engine, address=args.address)
+    except (ValueError, ImportError, KeyError) as exc:     # an unreadable token file (ArrowInvalid is a ValueError)
+        raise exits.CommandError(str(exc)) from None
+    elapsed = time.perf_counter() - t0
+    if df.empty:
+        raise exits.CommandError(f"{run.path}: the run has no recorded steps with token records yet, nothing to "
+                                 "analyze")
+    n_tokens = int(df["n_tokens"].sum())
+    exits.note("analyze", f"recomputed {n_tokens:,} tokens of {len(df)} step(s) in {elapsed:.2f} s")
+    out = out or run.layout.analysis_dir / "metrics.csv"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        (df.to_parquet if out.suffix.lower() == ".parquet" else df.to_csv)(out, index=False)
+    except OSError as exc:
+        raise exits.CommandError(f"cannot save the table to {out}: {exc.strerror or exc}", exits.OUTPUT_ERROR) \
+            from None
+
+    shown = df if args.rows == 0 else df.tail(args.rows)
+    table = Table(title=f"{run.path}  ({len(df)} steps, {n_tokens:,} tokens)")
+    for c in SUMMARY_COLUMNS:
+        table.add_column(SUMMARY_COLUMNS[c], justify="right", no_wrap=True)
+    for _, r in shown.iterrows():
+        table.add_row(*[_fmt(r[c]) for c in SUMMARY_COLUMNS])
+    console.print(table)
+    console.print(f"recomputed {n_tokens:,} tokens in {elapsed:.2f} s "
+                  f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
+    live = run.steps() if args.window is None and args.tau_tail is None else None
+    exits.report_unreadable("analyze", run)
+    verdict = _verdict(live if live is not None and not live.empty else df)
+    try:
+        return _compare_with_live(console, run, df, live)
+    finally:
+        console.print(verdict.line, style=_VERDICT_STYLE[verdict.level], highlight=False)
+
+
+#: rich styles of the verdict levels
+_VERDICT_STYLE = {"NO SIGNAL": "dim", "OK": "green", "WATCH": "yellow", "WARNING": "bold yellow",
+                  "CRITICAL": "bold red"}
+
+
+def _verdict(frame, rules=None):
+    """The run's health verdict (:func:`triage_monitor.verdict.health_verdict`) after replaying ``rules``
+    (default: the shipped ones) over ``frame``."""
+    from ..alerts import replay_engine
+    from ..verdict import health_verdict
+
+    return health_verdict(frame, replay_engine(rules, frame))
+
+
+def _compare_with_live(console, run, df, live) -> int:
+    """The recomputation check: the recomputed table ``df`` against the live steps; returns the exit code."""
+    from .. import exits
+    from ..analysis import compare_live, differing_steps, provisional_skips, resume_explanations
+
+    if live is None or live.empty:
+        return exits.OK
+    cmp = compare_live(run, df, live=live)
+    prov = int(cmp["provisional"].max()) if len(cmp) else 0
+    if prov:
+        console.print(f"{int(cmp.loc[cmp['metric'] == 'tau_tail', 'provisional'].sum())} live step(s) used a "
+                      "provisional tau_tail (tau_tail_frozen = 0) while it was calibrating; the recomputation "
+                      "uses the frozen value for every step, so their localisation metrics (and the windows "
+                      "holding them) are not compared (--tau-mode live replays the provisional values)")
+    bad = cmp[~cmp["equal"]]
+    if bad.empty:
+        console.print(f"[green]recomputation check: all {len(cmp)} metrics equal the live values (recomputed "
+                      f"from tokens/: the records are complete)[/green]")
+        return exits.OK
+    explained, reasons = resume_explanations(run, live, df)
+    skipped = provisional_skips(live, df, int(df.attrs.get("window") or run.config.window))
+    unexplained = [m for m in bad["metric"]
+                   if differing_steps(live, df, m) - explained.get(m, set()) - skipped.get(m, set())]
+    console.print(f"[yellow]{len(bad)} metrics differ from the live values:[/yellow]")
+    console.print(bad.to_string(index=False))
+    for line in reasons:
+        console.print(line)
+    if not unexplained:
+        console.print(f"[green]every difference is the expected consequence of the run's {len(run.manifest.attempts)} "
+                      "attempts (above); the other metrics equal the live values[/green]")
+        return exits.OK
+    exits.note("analyze", f"{len(unexplained)} metric(s) differ from the live values beyond what a resume "
+                          f"explains: {', '.join(unexplained[:8])}{' …' if len(unexplained) > 8 else ''}")
+    return exits.FINDING
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        return f"{v:,.0f}" if abs(v) >= 1000 or v == int(v) else f"{v:.3g}"
+    return str(v)
