@@ -7,9 +7,9 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.corrections import (
-    dppo_kl_loss, geometric_mean_ratio, sequence_mask_weights, get_correction, icepop_weights, list_corrections, mis_weights, ppo_clip_loss,
+    dppo_kl_loss, geometric_mean_ratio, sequence_mask_weights, get_surrogate, icepop_weights, list_surrogates, mis_weights, ppo_clip_loss,
     reference_kl,
-    register_correction, sequence_is_geometric_weights, sequence_is_product_weights, sequence_log_ratio_sum,
+    register_surrogate, sequence_is_geometric_weights, sequence_is_product_weights, sequence_log_ratio_sum,
     tis_weights,
 )
 
@@ -133,23 +133,31 @@ def test_mis_band_bounds_sampler_over_learner_like_verl():
         assert ours.tolist() == mask[rows[1]].tolist(), (low, high)
 
 
-def test_registry(monkeypatch):
+def test_the_surrogate_registry_is_what_the_loss_dispatches_on(monkeypatch):
+    """Both per-token policy losses are registered under one signature; triage_policy_loss(surrogate=name) runs the
+    registered function (a test entry registered here is used by it), an unknown name is refused naming the known."""
     from triage_monitor import corrections
-    monkeypatch.setattr(corrections, "_REGISTRY", dict(corrections._REGISTRY))   # the test's entry goes away after it
-    names = list_corrections()
-    for n in ("ppo_clip", "tis", "icepop", "mis", "seq_is_product", "seq_is_geometric"):
-        assert n in names
-    assert get_correction("tis") is tis_weights
-    with pytest.raises(KeyError, match="unknown correction 'nope'"):
-        get_correction("nope")
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.controller import TriageConfig, TriageController
+    from triage_monitor.loss import triage_policy_loss
+
+    monkeypatch.setattr(corrections, "_SURROGATES", dict(corrections._SURROGATES))   # the test's entry goes away
+    assert list_surrogates() == ["ppo_clip", "dppo_kl"]
+    assert get_surrogate("ppo_clip") is ppo_clip_loss and get_surrogate("dppo_kl") is dppo_kl_loss
+    with pytest.raises(ValueError, match=r"unknown surrogate 'nope'; known: \['ppo_clip', 'dppo_kl'\]"):
+        get_surrogate("nope")
     with pytest.raises(ValueError, match="already registered"):
-        register_correction("tis")(lambda *a: None)
+        register_surrogate("ppo_clip")(lambda *a, **k: None)
 
-    @register_correction("_test_identity")
-    def ident(old, samp):
-        return torch.ones_like(old)
+    @register_surrogate("_test_linear")
+    def linear(learner_logp, old_logp, advantage, scale=1.0):
+        return -scale * advantage * learner_logp
 
-    assert get_correction("_test_identity") is ident and "_test_identity" in list_corrections()
+    b = TokenBatch.from_flat(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.5]), torch.tensor([1.0, -1.0]),
+                             torch.zeros(2, dtype=torch.long), torch.arange(2))
+    plain = TriageController(TriageConfig(gate=False, tis=False, repair=False))
+    res = triage_policy_loss(plain, b, 0, agg_mode="token_sum", surrogate="_test_linear", surrogate_kwargs={"scale": 2.0})
+    assert res.loss.item() == pytest.approx(-2 * (1 * -1.0 + -1 * -2.0))         # −2·(A·lp) summed: −2·(−1 + 2)
 
 
 def test_dppo_kl_loss_by_hand():

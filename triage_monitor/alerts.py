@@ -37,7 +37,7 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -70,6 +70,29 @@ class Alert:
         d = asdict(self)
         d.pop("wait_s")
         return d
+
+
+# ------------------------------------------------------------------------------------- the seams
+@runtime_checkable
+class AlertSink(Protocol):
+    """Where an alert goes: ``emit(alert)`` for every :class:`Alert` raised (a ``close()`` is optional)."""
+
+    def emit(self, alert: Alert) -> None: ...
+
+
+@runtime_checkable
+class AlertObserver(Protocol):
+    """What the monitor runs the step's metrics through: :class:`AlertEngine`, or an engine of your own
+    (``observe`` returns the alerts fired at the step; a ``close()`` is optional)."""
+
+    def observe(self, step: int, metrics: Mapping[str, Any]) -> list: ...
+
+
+@runtime_checkable
+class Closable(Protocol):
+    """Anything with a ``close()`` (a sink, a tracker) that the owner calls at the end."""
+
+    def close(self) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------- sinks
@@ -395,7 +418,7 @@ class AlertEngine:
         """Close sinks that have ``close()``; report failure counts and rules that never evaluated."""
         for s in self.sinks:
             try:
-                if hasattr(s, "close"):
+                if isinstance(s, Closable):
                     s.close()
             except Exception:
                 log.warning("alerts: closing sink %r failed", s, exc_info=True)
@@ -451,7 +474,7 @@ def build_engine(alerts=None, sinks: Sequence[Any] = ()) -> Optional["AlertEngin
     """
     if alerts is False:
         return None
-    if alerts is not None and not isinstance(alerts, bool) and hasattr(alerts, "observe"):
+    if isinstance(alerts, AlertObserver):
         return alerts
     alerts = check_alerts_setting(alerts)
     rules = load_rules(alerts) if isinstance(alerts, str) else default_rules() if alerts in (None, True) else alerts
@@ -525,5 +548,5 @@ def normalize_columns(frame):
     return frame.rename(columns=ren) if ren else frame
 
 
-__all__ = ["Rule", "Alert", "RuleStatus", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
+__all__ = ["Rule", "Alert", "RuleStatus", "AlertSink", "AlertObserver", "Closable", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
            "replay", "replay_engine", "normalize_columns", "build_engine", "check_alerts_setting", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS"]

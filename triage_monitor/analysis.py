@@ -306,12 +306,13 @@ def step_state(files: Sequence, tau_tail: float, config) -> "np.ndarray":
 
 def _step_result(parts: list, tau_tail: float, config, path_hint: str = "") -> tuple:
     """``(state, null_input)`` of one step: :func:`state_of_arrays` and the step's C_tok shuffle-null input
-    (``(segment_valid, response_segments, response_tails)`` int32 arrays, the ranks' concatenated; empty
-    without τ_tail).  What the engines map."""
+    (a :class:`~triage_monitor.state_kernel.NullInput`, the ranks' concatenated; empty without τ_tail).  What
+    the engines map."""
+    from .state_kernel import NullInput
+
     nulls: list = []
     state = state_of_arrays(parts, tau_tail, config, path_hint, nulls)
-    cat = (lambda k: np.concatenate([n[k] for n in nulls]) if nulls else np.zeros(0, np.int32))
-    return state, (cat(0), cat(1), cat(2))
+    return state, NullInput.concat(nulls)
 
 
 def _prefetch(files, tau_tail, config):

@@ -3,9 +3,11 @@
 Pure tensor functions in the style of verl's ``core_algos.py``: every input is
 a flat per-token tensor ``(N,)`` (the :class:`~triage_monitor.batch.TokenBatch`
 layout), log-probs in nats, outputs are detached weights ``(N,)`` float32
-(or a per-token loss for :func:`ppo_clip_loss`).  Each is registered by name::
+(or a per-token loss for the surrogates).  The per-token policy losses share one signature
+(:class:`Surrogate`) and are registered by name, which is what :func:`triage_monitor.loss.triage_policy_loss`
+dispatches on::
 
-    fn = get_correction("tis"); w = fn(old_logp, sampler_logp)
+    loss = get_surrogate("ppo_clip")(learner_logp, old_logp, advantage, clip_low=0.2, clip_high=0.28)
 
 Naming: ``old_logp`` is the learner's log-prob at rollout time (verl
 ``old_log_probs``), ``sampler_logp`` the rollout engine's (verl
@@ -33,7 +35,7 @@ Framework defaults (as documented by the frameworks; each option is configurable
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -45,38 +47,47 @@ SeqSpec = Union[TokenBatch, Tuple[Tensor, int]]
 #: |log ratio| bound before exp, as verl/SkyRL do (exp(±20) ≈ 5e8 / 2e-9).
 LOG_RATIO_BOUND = 20.0
 
-_REGISTRY: Dict[str, Callable] = {}
+class Surrogate(Protocol):
+    """A per-token policy loss (verl's ``core_algos`` policy losses are the model: one typed signature, a registry
+    used for dispatch): ``fn(learner_logp, old_logp, advantage, **options) -> (N,)`` float32, differentiable
+    w.r.t. ``learner_logp`` (nats), ``old_logp`` the anchor (detached)."""
+
+    def __call__(self, learner_logp: Tensor, old_logp: Tensor, advantage: Tensor, **options) -> Tensor: ...
 
 
-def register_correction(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` under ``name``.
+_SURROGATES: Dict[str, Surrogate] = {}
+
+
+def register_surrogate(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register a :class:`Surrogate` under ``name`` (what ``triage_policy_loss(surrogate=name)``
+    dispatches to).
 
     Raises:
         ValueError: ``name`` is already registered to a different function.
     """
     def deco(fn: Callable) -> Callable:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"correction {name!r} is already registered ({_REGISTRY[name].__qualname__})")
-        _REGISTRY[name] = fn
+        if name in _SURROGATES and _SURROGATES[name] is not fn:
+            raise ValueError(f"surrogate {name!r} is already registered ({_SURROGATES[name].__qualname__})")
+        _SURROGATES[name] = fn
         return fn
     return deco
 
 
-def get_correction(name: str) -> Callable:
-    """The function registered under ``name``.
+def get_surrogate(name: str) -> Surrogate:
+    """The surrogate registered under ``name``.
 
     Raises:
-        KeyError: unknown name (the message lists the known ones).
+        ValueError: unknown name (the message lists the known ones).
     """
     try:
-        return _REGISTRY[name]
+        return _SURROGATES[name]
     except KeyError:
-        raise KeyError(f"unknown correction {name!r}; known: {list_corrections()}") from None
+        raise ValueError(f"unknown surrogate {name!r}; known: {list_surrogates()}") from None
 
 
-def list_corrections() -> List[str]:
-    """Sorted names of all registered corrections."""
-    return sorted(_REGISTRY)
+def list_surrogates() -> List[str]:
+    """Names of the registered surrogates, in registration order."""
+    return list(_SURROGATES)
 
 
 # ------------------------------------------------------------------ helpers
@@ -113,7 +124,7 @@ def sequence_log_ratio_sum(log_ratio: Tensor, seq: SeqSpec) -> Tuple[Tensor, Ten
 
 
 # --------------------------------------------------------------- per token
-@register_correction("ppo_clip")
+@register_surrogate("ppo_clip")
 def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: float = 0.2,
                   clip_high: float = 0.28, dual_clip: Optional[float] = None) -> Tensor:
     """Per-token PPO clipped surrogate loss, ``(N,)`` float32, differentiable w.r.t. ``logp``.
@@ -145,7 +156,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: f
     return loss
 
 
-@register_correction("dppo_kl")
+@register_surrogate("dppo_kl")
 def dppo_kl_loss(logp: Tensor, anchor_logp: Tensor, advantage: Tensor, mask_low: float = 0.2,
                  mask_high: float = 0.2, adv_tau: float = 1.0, kl_tau: float = 1e-3,
                  return_masks: bool = False):
@@ -183,7 +194,6 @@ def dppo_kl_loss(logp: Tensor, anchor_logp: Tensor, advantage: Tensor, mask_low:
     return loss
 
 
-@register_correction("reference_kl")
 def reference_kl(logp: Tensor, ref_logp: Tensor, kl_type: str = "k3", input_clamp: Optional[float] = 20.0,
                  output_clamp: Optional[float] = 10.0, score_function: bool = True) -> Tensor:
     """Per-token KL(π_θ ‖ π_ref) estimate, ``(N,)`` float32, differentiable w.r.t. ``logp`` (Schulman's k1/k2/k3,
@@ -221,7 +231,6 @@ def reference_kl(logp: Tensor, ref_logp: Tensor, kl_type: str = "k3", input_clam
     return kl
 
 
-@register_correction("tis")
 def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: float = 2.0) -> Tensor:
     """Truncated importance sampling weight ``(N,)`` float32, detached (docs/metrics.md#baselines).
 
@@ -235,7 +244,6 @@ def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: 
     return torch.exp(_log_ratio(old_logp, sampler_logp)).clamp(low, high)
 
 
-@register_correction("icepop")
 def icepop_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.5, high: float = 2.0,
                    keep_ratio: bool = True) -> Tensor:
     """IcePop token masking ``(N,)`` float32, detached (docs/metrics.md#baselines; Ring-1T/IcePop).
@@ -265,7 +273,6 @@ def geometric_mean_ratio(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec) -
     return torch.exp(mean.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
-@register_correction("mis")
 def mis_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: float = 1.001,
                 low: Optional[float] = None) -> Tensor:
     """MIS / geometric sequence masking ``(N,)`` float32 in {0, 1}, detached (docs/metrics.md#baselines).
@@ -289,7 +296,6 @@ def mis_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: floa
     return keep[idx]
 
 
-@register_correction("seq_is_product")
 def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
                                 high: float = 2.0) -> Tensor:
     """Sequence IS, **product form**, ``(N,)`` float32, detached (docs/metrics.md#baselines).
@@ -309,7 +315,6 @@ def sequence_is_product_weights(old_logp: Tensor, sampler_logp: Tensor, seq: Seq
     return w[idx]
 
 
-@register_correction("seq_mask_product")
 def sequence_mask_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, high: Optional[float] = 3.0,
                           low: Optional[float] = None) -> Tensor:
     """Sequence-level **masked** IS, product form, ``(N,)`` float32, detached (docs/metrics.md#baselines).
@@ -337,7 +342,6 @@ def sequence_mask_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, 
     return w[idx]
 
 
-@register_correction("seq_is_geometric")
 def sequence_is_geometric_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
                                   high: float = 2.0) -> Tensor:
     """Sequence IS, **geometric form**, ``(N,)`` float32, detached (docs/metrics.md#baselines; GSPO-style).
@@ -356,7 +360,7 @@ def sequence_is_geometric_weights(old_logp: Tensor, sampler_logp: Tensor, seq: S
 
 
 __all__ = [
-    "register_correction", "get_correction", "list_corrections", "ppo_clip_loss", "tis_weights",
+    "Surrogate", "register_surrogate", "get_surrogate", "list_surrogates", "ppo_clip_loss", "tis_weights",
     "icepop_weights", "geometric_mean_ratio", "mis_weights", "sequence_is_product_weights",
     "sequence_is_geometric_weights", "sequence_log_ratio_sum", "LOG_RATIO_BOUND",
 ]

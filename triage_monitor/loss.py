@@ -53,7 +53,7 @@ import torch
 
 from .batch import TokenBatch
 from .controller import NORMALIZATIONS, TriageController, TriageOutput, _all_reduce_sum
-from .corrections import dppo_kl_loss, ppo_clip_loss
+from .corrections import get_surrogate, list_surrogates
 
 Tensor = torch.Tensor
 
@@ -61,7 +61,8 @@ AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_s
 
 #: Per-token policy losses :func:`triage_policy_loss` can weight: PPO-clip (verl, TRL, OpenRLHF, SkyRL, NeMo RL)
 #: and DPPO-Binary-TV + squared-log-ratio KL (prime-rl's default), both from :mod:`triage_monitor.corrections`.
-SURROGATES = ("ppo_clip", "dppo_kl")
+#: The shipped per-token policy losses (more can be registered: :func:`triage_monitor.corrections.register_surrogate`).
+SURROGATES = tuple(list_surrogates())
 
 #: ``TriageConfig.normalization`` → aggregation mode.
 NORMALIZATION_TO_AGG = {"global_token": "token_mean", "per_response": "seq_mean_token_mean"}
@@ -238,14 +239,11 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
     mode = agg_mode or NORMALIZATION_TO_AGG[controller.config.normalization]
     if mode not in AGG_MODES:
         raise ValueError(f"triage_policy_loss: agg_mode must be one of {AGG_MODES}, got {mode!r}")
-    if surrogate not in SURROGATES:
-        raise ValueError(f"triage_policy_loss: surrogate must be one of {SURROGATES}, got {surrogate!r}")
+    surrogate_fn = get_surrogate(surrogate)            # ValueError naming the registered ones
     old = batch.learner_logp.detach() if old_logp is None else old_logp.detach()
     out = controller(batch, step=step, old_logp=old, repair_denominator=repair_denominator)
-    if surrogate == "dppo_kl":
-        ptl = dppo_kl_loss(batch.learner_logp, old, batch.advantage, **(surrogate_kwargs or {}))
-    else:
-        ptl = ppo_clip_loss(batch.learner_logp, old, batch.advantage, clip_low, clip_high, dual_clip)
+    options = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip) if surrogate == "ppo_clip" else {}
+    ptl = surrogate_fn(batch.learner_logp, old, batch.advantage, **{**options, **(surrogate_kwargs or {})})
     if token_scale is not None:
         ptl = ptl * token_scale.detach().float()
     fixed = denominator is not None or response_denominator is not None

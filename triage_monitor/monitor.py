@@ -43,14 +43,14 @@ import numpy as np
 import torch
 
 from . import __version__
-from .alerts import build_engine
+from .alerts import Alert, AlertSink, Closable, build_engine
 from .alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
 from .metrics import METRIC_NAMES, MetricTracker
 from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, new_attempt_id
 from .records import steps_schema as records_steps_schema
-from .trackers import build_trackers
+from .trackers import ConfigRecorder, build_trackers
 
 log = logging.getLogger("triage_monitor")
 
@@ -157,7 +157,7 @@ class MismatchMonitor:
         #: rank 0 reports: it evaluates the rules and calls the trackers (its metrics are the global ones)
         self.reports = self.rank == 0
         self.loggers = build_trackers(loggers) if self.reports else []
-        self.alerts = (build_engine(alerts, sinks=[lg for lg in self.loggers if hasattr(lg, "emit")])
+        self.alerts = (build_engine(alerts, sinks=[lg for lg in self.loggers if isinstance(lg, AlertSink)])
                        if self.reports else None)
         self._failed_sinks: set = set()
         self.tracker = MetricTracker(self.config.metrics, self.config.window, self.config.tau_tail,
@@ -176,7 +176,7 @@ class MismatchMonitor:
             log.info("triage-monitor: resumed run, tau_tail = %.6g nats from %s", self.writer.resumed_tau_tail,
                      self.writer.layout.manifest)
         for lg in self.loggers:            # record the run's config (manifest) with each logger that takes one
-            if hasattr(lg, "log_config"):
+            if isinstance(lg, ConfigRecorder):
                 self._guard(lg, "log_config", self.manifest)
 
     @property
@@ -255,7 +255,7 @@ class MismatchMonitor:
             self.writer.declare_steps(steps_schema(list(extra)))
         self._record(step, batch, metrics, reasons, token_extras)
         if fired:
-            self.writer.record_alerts(step, [a.to_row() if hasattr(a, "to_row") else dict(a) for a in fired])
+            self.writer.record_alerts(step, [a.to_row() if isinstance(a, Alert) else dict(a) for a in fired])
         for lg in self.loggers:
             self._guard(lg, "log_metrics", step, metrics)
         self.steps_logged += 1
@@ -350,7 +350,7 @@ class MismatchMonitor:
         ("finished"; "failed" when the ``with`` block raised)."""
         self.writer.sink.close()
         for obj in [*self.loggers, self.alerts]:
-            if obj is not None and hasattr(obj, "close"):
+            if isinstance(obj, Closable):
                 self._guard(obj, "close")
         self.writer.close(status, self.steps_logged)
 

@@ -31,6 +31,7 @@ from .analysis import Run
 from .batch import TokenBatch
 from .metrics import c_tok_from_segments
 from .segments import segment_tokens
+from .state_kernel import NullInput
 
 Tensor = torch.Tensor
 
@@ -391,29 +392,6 @@ def format_stage_table(table: pd.DataFrame) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------- shuffle null from the states
-@dataclass(frozen=True)
-class NullInput:
-    """What the C_tok shuffle null of a window needs beyond its state (docs/metrics.md#shuffle_null), recorded
-    by the state update (:func:`triage_monitor.state_kernel.update_state`) while it cuts the segments.
-
-    Attributes:
-        segment_valid: ``(M,)`` int32, valid tokens of each segment of every A<0 response holding at least one
-            amplifying-tail token, response by response.
-        response_segments: ``(R,)`` int32, segments of each such response.
-        response_tails: ``(R,)`` int32, its amplifying-tail tokens.
-    """
-
-    segment_valid: np.ndarray
-    response_segments: np.ndarray
-    response_tails: np.ndarray
-
-    @staticmethod
-    def concat(parts: Sequence["NullInput"]) -> "NullInput":
-        cat = (lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32))
-        return NullInput(cat([p.segment_valid for p in parts]), cat([p.response_segments for p in parts]),
-                         cat([p.response_tails for p in parts]))
-
-
 def shuffle_null_from_state(null_input: NullInput, c_tok_table, width: int, draws: int = 499, seed: int = 0,
                             top_fraction: float = 0.05) -> np.ndarray:
     """C_tok under the shuffle null (docs/metrics.md#shuffle_null) from a window's state: ``(draws,)`` float64.

@@ -22,7 +22,7 @@ and the number of responses, not with their product.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 from numba import njit
@@ -371,6 +371,29 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
     return OK
 
 
+class NullInput(NamedTuple):
+    """What the C_tok shuffle null of a window needs beyond its state (docs/metrics.md#shuffle_null), recorded
+    by :func:`update_state` while it cuts the segments.
+
+    Attributes:
+        segment_valid: ``(M,)`` int32, valid tokens of each segment of every A<0 response holding at least one
+            amplifying-tail token, response by response.
+        response_segments: ``(R,)`` int32, segments of each such response.
+        response_tails: ``(R,)`` int32, its amplifying-tail tokens.
+    """
+
+    segment_valid: np.ndarray
+    response_segments: np.ndarray
+    response_tails: np.ndarray
+
+    @staticmethod
+    def concat(parts: Sequence["NullInput"]) -> "NullInput":
+        """The parts one after the other (the ranks of a step, the steps of a window); empty for no part."""
+        cat = (lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32))
+        return NullInput(cat([p.segment_valid for p in parts]), cat([p.response_segments for p in parts]),
+                         cat([p.response_tails for p in parts]))
+
+
 #: Tokens per piece: a batch is cut at the first response start at or after every multiple of this and the
 #: pieces' float sums are added in piece order, so rounding does not grow with the batch and live and offline
 #: updates of one batch add the same partial sums.
@@ -414,7 +437,7 @@ def update_state(state: np.ndarray, slices: dict, delta: np.ndarray, advantage: 
         tau_tail: τ_tail (nats), compared with δ in float32; ignored without :data:`LOCALISATION`.
         width: segment width W (tokens).
         null_input: a list to which the batch's shuffle-null input is appended (with
-            :data:`LOCALISATION`): ``(segment_valid, response_segments, response_tails)`` int32 arrays --
+            :data:`LOCALISATION`): a :class:`NullInput` of int32 arrays --
             the valid tokens of each segment of every A < 0 response holding a tail token, in order, and per
             such response its number of segments and of tail tokens (:func:`shuffle_null_c_tok`).
 
@@ -461,7 +484,7 @@ def update_state(state: np.ndarray, slices: dict, delta: np.ndarray, advantage: 
     if record:
         segs = [rec_seg[cuts[p]:cuts[p] + rec_n[p, 0]] for p in range(pieces)]
         resp = [rec_resp[cuts[p]:cuts[p] + rec_n[p, 1]] for p in range(pieces)]
-        null_input.append((np.concatenate(segs) if segs else np.zeros(0, np.int32),
-                           np.concatenate([r[:, 0] for r in resp]) if resp else np.zeros(0, np.int32),
-                           np.concatenate([r[:, 1] for r in resp]) if resp else np.zeros(0, np.int32)))
+        null_input.append(NullInput(np.concatenate(segs) if segs else np.zeros(0, np.int32),
+                                    np.concatenate([r[:, 0] for r in resp]) if resp else np.zeros(0, np.int32),
+                                    np.concatenate([r[:, 1] for r in resp]) if resp else np.zeros(0, np.int32)))
     return OK

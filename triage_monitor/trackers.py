@@ -1,7 +1,7 @@
 """Trackers: where a step's metrics and alerts go besides the run directory (W&B, TensorBoard, MLflow).
 
 A tracker is any object with ``log_metrics(step, metrics)`` and ``close()`` (:class:`MetricLogger`); one that
-also has ``emit(alert)`` (:class:`AlertObserver`) receives every alert the monitor's rules raise, and one with
+also has ``emit(alert)`` (:class:`triage_monitor.alerts.AlertSink`) receives every alert the monitor's rules raise, and one with
 ``log_config(mapping)`` receives the run's manifest once.  The shipped ones are lazily imported, optional, and
 never raise into the training loop:
 
@@ -76,18 +76,17 @@ class CallGuard:
 
 @runtime_checkable
 class MetricLogger(Protocol):
-    """What the monitor calls on a tracker every step (rank 0) and at the end."""
+    """What the monitor calls on a tracker every step (rank 0); a ``close()`` (called at the end) is optional
+    (:class:`triage_monitor.alerts.Closable`)."""
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
-    def close(self) -> None: ...
-
 
 @runtime_checkable
-class AlertObserver(Protocol):
-    """What the alert engine calls for every alert raised (an alert sink)."""
+class ConfigRecorder(Protocol):
+    """A tracker that records the run's manifest once (``log_config(mapping)``, JSON-able)."""
 
-    def emit(self, alert) -> None: ...
+    def log_config(self, config: Mapping[str, Any]) -> None: ...
 
 
 def check_keys(keys: Keys, where: str = "keys") -> Keys:
@@ -220,7 +219,7 @@ def build_trackers(items: Iterable) -> list:
     """
     out = []
     for item in items or ():
-        if isinstance(item, MetricLogger) or hasattr(item, "log_metrics"):
+        if isinstance(item, MetricLogger):
             out.append(item)
             continue
         spec = TrackerSpec.parse(item)
@@ -242,12 +241,12 @@ def specs_of(items: Iterable) -> list:
     """
     out = []
     for item in items or ():
-        if hasattr(item, "log_metrics"):
+        if isinstance(item, MetricLogger):
             raise ValueError(f"tracker {item!r} is a live object; a hook needs configuration it can rebuild in each "
                              f"worker: a kind name, a TrackerSpec or a mapping with 'kind'")
         out.append(TrackerSpec.parse(item))
     return out
 
 
-__all__ = ["PREFIX", "CURATED_KEYS", "KINDS", "CallGuard", "MetricLogger", "AlertObserver", "TrackerSpec", "check_keys",
+__all__ = ["PREFIX", "CURATED_KEYS", "KINDS", "CallGuard", "MetricLogger", "ConfigRecorder", "TrackerSpec", "check_keys",
            "select_metrics", "framework_metrics", "build_trackers", "specs_of"]
