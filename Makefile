@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dashboard,wandb,tensorboard,mlflow,test
 
-.PHONY: setup setup-test chromium demo test bench bench-dashboard clean
+.PHONY: setup setup-test chromium demo test test-fast bench bench-dashboard clean
 setup: $(VENV)/.installed
 # the test set-up adds the RL frameworks whose hooks the tests exercise (about 1 min, CPU-only, torch untouched)
 setup-test: $(VENV)/.installed $(VENV)/.frameworks chromium
@@ -32,7 +32,13 @@ demo: setup
 	$(BIN)/triage-monitor study --quick --jobs 2 --out runs/demo
 
 test: setup-test
+	$(BIN)/ruff check triage_monitor hooks dashboards
+	$(BIN)/mypy triage_monitor
 	$(BIN)/python -m pytest -q
+
+# the fast tests only (no study runs, frameworks, browser or spawned processes): a few minutes
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow and not framework and not browser and not multiprocess"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_core.py

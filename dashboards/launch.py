@@ -10,17 +10,12 @@ reported at once instead of inside the page.
 
 from __future__ import annotations
 
-import argparse
-import shlex
-import signal
-import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
 from typing import Optional, Sequence
 
 from triage_monitor.analysis import RunDirError, open_run
-from triage_monitor.exits import INPUT_ERROR, INTERRUPTED, error
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501

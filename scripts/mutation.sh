@@ -27,7 +27,7 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 if [ "${1:-}" = "--continue" ]; then
   # A run takes hours on a small machine: mutmut keeps each mutant's result in $WORK, so a stopped run (Ctrl-C, a
   # reboot) goes on where it stopped.  The tests are HEAD's, so the survivors and "no tests" mutants not explained
-  # in docs/mutation/*.txt are run again against tests written since.  Package source changed since the run
+  # in scripts/mutation/*.txt are run again against tests written since.  Package source changed since the run
   # started is exported too (files newer than their mutants): mutmut hashes each function and forgets the results
   # of the functions whose source changed (their mutants are run again, renumbered), keeping all the others.
   run=$(cat "$WORK/.mutation-commit" 2>/dev/null) || { echo "mutation.sh: no run in $WORK to continue" >&2; exit 2; }
@@ -66,7 +66,7 @@ PY
   echo "continuing the mutation run of $run in $WORK with the tests of $(git -C "$ROOT" rev-parse --short HEAD)" \
        "(package source of $(git -C "$ROOT" rev-parse --short "$source_of"))"
   start=$(date +%s)
-  # the survivors not yet explained in docs/mutation/*.txt (listed ones cannot change verdict)
+  # the survivors not yet explained in scripts/mutation/*.txt (listed ones cannot change verdict)
   mapfile -t again < <("$PY" "$ROOT/scripts/mutation_report.py" --open-names)
   echo "re-running ${#again[@]} unexplained survivors and \"no tests\" mutants with the current tests, then the mutants not run"
   [ ${#again[@]} -eq 0 ] || nice -n "$NICE" "$PY" -m mutmut run --max-children "$JOBS" "${again[@]}" >/dev/null || true

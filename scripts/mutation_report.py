@@ -4,14 +4,14 @@ Reads the results mutmut keeps in ``mutants/*.meta`` and prints, per module:
 
 * killed: a test failed (a timeout counts too: a test detected the mutant by hanging);
 * survived, no tests (no selected test calls the mutated function);
-* equivalent: survivors listed in docs/mutation/equivalent*.txt with the reason (a glob of mutant names, then the
+* equivalent: survivors listed in scripts/mutation/equivalent*.txt with the reason (a glob of mutant names, then the
   reason); the names are those of the run's commit;
 * accelerator only: survivors listed with a reason starting "accelerator only", and those whose one change is
   where a tensor lives (a ``device=`` argument set to None or
   dropped, ``dev = None``, ``.to(None)``): on this CPU-only machine every tensor is on the CPU either way, so no
   test here can tell; on an accelerator they would mix devices;
 * not run: mutants the run has not reached yet;
-* reviewed survivors that stay (docs/mutation/left*.txt, same format: e.g. a branch only a multi-process or
+* reviewed survivors that stay (scripts/mutation/left*.txt, same format: e.g. a branch only a multi-process or
   accelerator job takes) count as survived; they are only left out of ``--list``;
 * score = killed / (killed + survived + no tests − equivalent − accelerator only), over the mutants run.
 
@@ -28,14 +28,14 @@ from pathlib import Path
 
 from mutmut.__main__ import SourceFileMutationData, get_diff_for_mutant, status_by_exit_code, walk_mutatable_files
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "mutation"
+DOCS = Path(__file__).resolve().parent / "mutation"
 _DEVICE_ARG = re.compile(r"device\s*=\s*[\w.\[\]]+")
 _TO_DEVICE = re.compile(r"\.to\((?:None|[\w.]*device[\w.]*)\)")
 _DEVICE_VAR = re.compile(r"^\s*(dev|device)\s*=")
 
 
 def reasons(kind: str) -> list:
-    """``[(glob, reason)]`` of docs/mutation/<kind>*.txt (``#`` comments and blank lines skipped)."""
+    """``[(glob, reason)]`` of scripts/mutation/<kind>*.txt (``#`` comments and blank lines skipped)."""
     out = []
     lines = [ln for f in sorted(DOCS.glob(f"{kind}*.txt")) for ln in f.read_text().splitlines()]
     for line in lines:
@@ -112,7 +112,7 @@ def main(argv: list) -> int:
         return 0
     stale = [p for p, _ in listed + left if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if stale:      # a list line naming no mutant of this run: a typo, or a function that changed since
-        print(f"warning: {len(stale)} line(s) of docs/mutation/*.txt match no mutant: {', '.join(stale)}")
+        print(f"warning: {len(stale)} line(s) of scripts/mutation/*.txt match no mutant: {', '.join(stale)}")
     cols = ["killed", "survived", "no tests", "equivalent", "accelerator only", "not run", "other"]
     print(f"{'module':30} " + " ".join(f"{c:>9}" for c in ["killed", "survived", "no tests", "equiv.", "accel.",
                                                              "not run", "other"]) + f" {'score':>7}")

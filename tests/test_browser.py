@@ -25,6 +25,8 @@ import pytest
 
 from triage_monitor.dashboards.launch import build_command
 
+pytestmark = pytest.mark.browser
+
 ARTIFACTS = Path(os.environ.get("TRIAGE_MONITOR_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts"))
 
 

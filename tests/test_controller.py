@@ -384,6 +384,7 @@ def _dist_worker(rank, world, init_file, result_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_distributed_reduction_matches_single_process(plain_main):
     learner, samp, adv, mask, loss, w = _random_padded(5)
     lr = learner.clone().requires_grad_(True)

@@ -19,6 +19,8 @@ from triage_monitor.demo.model import GPTConfig, TinyGPT  # noqa: E402
 from triage_monitor.demo.task import EOS, VOCAB_SIZE, AdditionTask  # noqa: E402
 from triage_monitor.nvfp4 import get_recipe, use_recipe  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 # the addition task (4-token answers) keeps these tests fast; the study's walk job has tests of its own
 SMALL = dict(task="addition", digits=2, quantize="mlp", sampler_lag=0, gate_width=4, repair_width=8, segment_width=4,
              gate_thresholds="fixed", lr=3e-4, sft_target=0.3, sft_lr=3e-3, steps=4, sft_steps=30, prompts_per_step=4,

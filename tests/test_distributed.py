@@ -30,6 +30,8 @@ from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss  #
 from triage_monitor.metrics import METRIC_NAMES, MetricConfig, MetricTracker  # noqa: E402
 from triage_monitor.layout import parse_table_file  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 B, T, STEPS = 12, 150, 3
 MCFG = MetricConfig(segment_width=16)
 WINDOW, CALIB = 2, 2

@@ -63,6 +63,7 @@ def _equal(a: pd.DataFrame, b: pd.DataFrame) -> bool:
         ((x == y) | (np.isnan(x) & np.isnan(y))).all() for x, y in zip(a.to_numpy(float).T, b.to_numpy(float).T))
 
 
+@pytest.mark.multiprocess
 def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank_run):
     """Agreement test: the three engines vs each other and vs live, all use ``recompute_states`` /
     ``MismatchStats``; independent check: tests/test_monitor.py
@@ -85,6 +86,7 @@ def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank
     assert cmp["equal"].all(), cmp[~cmp["equal"]]
 
 
+@pytest.mark.multiprocess
 def test_one_tau_for_the_run_and_the_state_cache(one_rank_run, capsys):
     run = open_run(one_rank_run)
     assert cli_main(["analyze", str(one_rank_run), "--workers", "2"]) == 0

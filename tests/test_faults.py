@@ -93,6 +93,7 @@ def child_train(d):
             print("flushed 3", flush=True)
 
 
+@pytest.mark.multiprocess
 def test_sigkill_while_writing_leaves_only_complete_files(tmp_path):
     d = tmp_path / "run"
     p = subprocess.Popen([sys.executable, __file__, "train", str(d)], env=ENV, stdout=subprocess.PIPE,
@@ -265,6 +266,7 @@ def child_fsize(d, limit):
                       "alerts": [a.rule for a in fired]}))
 
 
+@pytest.mark.multiprocess
 def test_file_size_limit_full_disk_in_child_process(tmp_path):
     d = tmp_path / "run"
     r = run_child("fsize", d, 100_000)
@@ -340,6 +342,7 @@ def child_rss(d, mode, bound_mb, item_mb, n_items):
                       "accepted": accepted, "produce_s": produce_s, "total_s": time.monotonic() - t0}))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["block", "drop"])
 def test_backpressure_bounds_memory(tmp_path, mode):
     bound, item, n_items = 16, 4, 40               # unbounded, the queue would hold 160 MiB

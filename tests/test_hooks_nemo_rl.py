@@ -52,6 +52,8 @@ from triage_monitor.hooks._runtime import close_all, runtime_for  # noqa: E402
 from triage_monitor.monitor import MonitorConfig  # noqa: E402
 from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
 
+pytestmark = pytest.mark.framework
+
 COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
 assert nemo_rl.NEMO_RL_COMMIT == COMMIT
 

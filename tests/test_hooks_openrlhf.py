@@ -31,6 +31,8 @@ from triage_monitor.monitor import MonitorConfig
 sys.path.insert(0, str(Path(__file__).parent))
 import openrlhf_cpu as cpu  # noqa: E402
 
+pytestmark = pytest.mark.framework
+
 SIDE_ENV = "openrlhf-0.11.2"
 IN_SIDE_ENV = os.environ.get("TRIAGE_TEST_OPENRLHF") == "1"
 

@@ -51,6 +51,8 @@ from triage_monitor.hooks import prime_rl  # noqa: E402
 from triage_monitor.hooks._runtime import close_all  # noqa: E402
 from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
 
+pytestmark = pytest.mark.framework
+
 COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
 assert prime_rl.PRIME_RL_COMMIT == COMMIT
 

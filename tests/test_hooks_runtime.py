@@ -129,6 +129,7 @@ def test_without_optimizer_steps_it_says_so_loudly(tmp_path, caplog):
     assert "no torch.optim optimizer step seen" in caplog.text and "set_step" in caplog.text
 
 
+@pytest.mark.multiprocess
 def test_ray_workers_write_one_run(tmp_path):
     """A real local Ray cluster: the adapter pickled into 2 worker processes, 3 optimizer steps × 4 micro-batches
     each → exactly 3 monitored steps, every token once, rank files from both workers, one run.json."""

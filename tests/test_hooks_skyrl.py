@@ -22,6 +22,8 @@ from triage_monitor.controller import TriageConfig
 from triage_monitor.hooks._runtime import HookSettings
 from triage_monitor.hooks.skyrl import SkyRLTriageLoss, batch_from_skyrl
 
+pytestmark = pytest.mark.framework
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = 16          # tests in tests/skyrl_checks.py
 

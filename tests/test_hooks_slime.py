@@ -30,6 +30,8 @@ from triage_monitor.importers import slime_steps
 from triage_monitor.monitor import MonitorConfig
 from triage_monitor.trackers import CURATED_KEYS
 
+pytestmark = pytest.mark.framework
+
 
 # ------------------------------------------------------------------ data
 def rollout(seed: int, n: int = 6):

@@ -42,6 +42,8 @@ from triage_monitor.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MonitorConfig  # noqa: E402
 from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
 
+pytestmark = pytest.mark.framework
+
 WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
 GA = 2
 OFF = TriageConfig(gate=False, tis=False, repair=False)

@@ -24,6 +24,8 @@ from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
 from triage_monitor.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
 
+pytestmark = pytest.mark.framework
+
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 OFF = dict(gate=False, tis=False, repair=False)
 

@@ -79,6 +79,7 @@ def test_k3_unclamped_chi2_clamped():
     assert res["chi2_token"] == pytest.approx(math.exp(-40) - 1)
 
 
+@pytest.mark.framework
 def test_k3_log_ppl_diff_chi2_equal_verls_own_offpolicy_metrics():
     """Same tensors through verl 0.9.1's ``compute_offpolicy_metrics`` (rollout_corr/*): k3_kl (beyond |δ| > 20,
     where a clamp would differ), log_ppl_diff (sign) and chi2_token agree."""

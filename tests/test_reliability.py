@@ -370,6 +370,7 @@ def test_empty_batches_and_empty_responses_give_nan_with_reasons(tmp_path):
 
 
 # ------------------------------------------------------------------ security
+@pytest.mark.static
 def test_nothing_is_unpickled_from_a_run_directory():
     """No arbitrary unpickling anywhere in the package (hooks and dashboards included): analysis reads Parquet and
     JSON; ranks exchange tensors (no all_gather_object); torch.load only with weights_only=True (tensors,

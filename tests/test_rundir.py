@@ -80,6 +80,7 @@ def _run_with_every_table(d):
             mon.log_step(s, batch(s, 0), extra={"reward": float(s) - 5})     # no alert any more
 
 
+@pytest.mark.no_fork
 def test_every_table_reads_with_pandas_pyarrow_duckdb_and_polars(tmp_path):
     import duckdb
     import numpy as np
@@ -151,6 +152,7 @@ def _holder(d, rank=0):
     return p
 
 
+@pytest.mark.multiprocess
 def test_a_second_process_writing_the_same_rank_is_refused_at_start(tmp_path):
     import signal
 
@@ -503,6 +505,7 @@ def test_import_into_a_read_only_directory_fails_at_start_naming_path_and_reason
     assert "imported" not in out.out
 
 
+@pytest.mark.multiprocess
 def test_demo_into_a_run_of_another_correction_is_refused_before_training(tmp_path, capsys, monkeypatch):
     import triage_monitor.demo.grpo as grpo
     from triage_monitor.cli import main

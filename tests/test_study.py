@@ -23,6 +23,8 @@ from triage_monitor.demo.study import (ARMS, DEFAULT_ARMS, GPU_PRESET, blowup_st
                                        judge_run, onsets, pick_pair, study_config)
 from triage_monitor.demo.task import EQUALS, BOS, VOCAB_SIZE, WalkTask  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 # a CI-sized walk job: 16-token responses (two 8-token segments), 8 responses per step, no warm start, on-policy
 TINY = dict(task="walk", response_len=16, alphabet=4, sft_steps=0, prompts_per_step=2, group_size=4, eval_size=4,
             gate_width=8, repair_width=16, segment_width=8, window=3, calibration_steps=2, log_every=100,

@@ -199,7 +199,7 @@ def load_rules(path) -> list[Rule]:
         try:
             import tomllib
         except ImportError:  # pragma: no cover - Python 3.10
-            import tomli as tomllib
+            import tomli as tomllib  # type: ignore[no-redef]
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

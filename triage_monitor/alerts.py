@@ -180,8 +180,8 @@ class AlertEngine:
     # ---- history and state
     def _reset(self) -> None:
         self._steps: list[int] = []
-        self._cols = {m: [] for m in self._metrics}         # raw per-step values
-        self._vals = {r.name: [] for r in self.rules}         # tested value per step
+        self._cols: dict[str, list[float]] = {m: [] for m in self._metrics}     # raw per-step values
+        self._vals: dict[str, list[float]] = {r.name: [] for r in self.rules}   # tested value per step
         self._state = {r.name: _State(baseline=r.baseline) for r in self.rules}
         self._evaluated = {r.name: 0 for r in self.rules}
         self._present: set = set()                             # metrics that appeared in some step
@@ -458,7 +458,7 @@ def check_alerts_setting(alerts, where: str = "alerts"):
                      f"a list of rules; a live AlertEngine cannot travel into a worker process")
 
 
-def build_engine(alerts=None, sinks: Sequence[Any] = ()) -> Optional["AlertEngine"]:
+def build_engine(alerts=None, sinks: Sequence[Any] = ()) -> Optional[AlertObserver]:
     """The alert engine an ``alerts=`` setting asks for (``MismatchMonitor``'s, a hook's).
 
     Args:

@@ -203,6 +203,7 @@ class TokenBatch:
         """
         if isinstance(values, (list, tuple)):
             values = torch.cat(list(values))
+        assert isinstance(values, Tensor)
         if self._layout.kind == "flat":
             if values.shape != (self.num_tokens,):
                 raise ValueError(f"gather: values has shape {tuple(values.shape)}, expected ({self.num_tokens},)")

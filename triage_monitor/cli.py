@@ -11,9 +11,6 @@ import argparse
 import importlib
 import logging
 import sys
-import time
-from pathlib import Path
-from typing import Optional, Sequence
 
 from .commands import COMMANDS
 

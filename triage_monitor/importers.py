@@ -20,9 +20,6 @@ exactly a live run's.  Invalid tokens are quarantined (counted, kept in the reco
 
 from __future__ import annotations
 
-import argparse
-import glob
-import sys
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -32,7 +29,6 @@ import torch
 
 from .batch import TokenBatch
 from .monitor import MismatchMonitor, MonitorConfig
-from .records import OutputError, UnwritableOutputError, probe_writable
 
 from .config import TABLE_OPTIONAL_FIELDS as OPTIONAL, TABLE_REQUIRED_FIELDS as REQUIRED  # noqa: E402
 

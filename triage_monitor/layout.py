@@ -103,7 +103,8 @@ class RunLayout:
         for entry in root.iterdir():
             key = parse_table_file(entry.name)
             if key is not None and entry.is_file():
-                out.setdefault(key[0], []).append(TableFile(*key, entry))
+                step, rank, attempt = key
+                out.setdefault(step, []).append(TableFile(step, rank, attempt, entry))
         return out
 
     @staticmethod

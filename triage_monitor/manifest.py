@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import Optional, NamedTuple
 
 import numpy as np
 
@@ -157,10 +157,18 @@ def _normalised(obj):
     return json.loads(json.dumps(_json_safe(obj), default=_json_default, allow_nan=False))
 
 
-def config_differences(old: RunManifest, monitor_config: dict, info: dict) -> tuple:
-    """``(metric, identity)``: two ``{key: (old, new)}`` dicts of how a new writer's configuration differs from
-    the run ``old``: ``monitor_config.<key>`` for the metric configuration (:data:`IO_CONFIG_KEYS` ignored), the
-    :data:`IDENTITY_KEYS` of the manifest for what was trained."""
+class ConfigDifferences(NamedTuple):
+    """How a new writer's configuration differs from a run's: two ``{key: (old, new)}`` dicts."""
+
+    #: ``monitor_config.<key>`` of the metric configuration (:data:`IO_CONFIG_KEYS` ignored)
+    metric: dict
+    #: the :data:`IDENTITY_KEYS` of the manifest (what was trained)
+    identity: dict
+
+
+def config_differences(old: RunManifest, monitor_config: dict, info: dict) -> ConfigDifferences:
+    """:class:`ConfigDifferences` of a new writer's ``monitor_config`` and manifest ``info`` against the run
+    ``old``."""
     new_mc = _flat(_normalised({k: v for k, v in monitor_config.items() if k not in IO_CONFIG_KEYS}))
     old_mc = _flat({k: v for k, v in old.monitor_config.items() if k not in IO_CONFIG_KEYS})
     metric = {f"monitor_config.{k}": (old_mc.get(k), new_mc.get(k)) for k in sorted(set(new_mc) | set(old_mc))
@@ -176,7 +184,7 @@ def config_differences(old: RunManifest, monitor_config: dict, info: dict) -> tu
                                  if fa.get(j) != fb.get(j)})
             elif a != b:
                 identity[k] = (a, b)
-    return metric, identity
+    return ConfigDifferences(metric, identity)
 
 
 def describe_differences(diffs: dict, limit: int = 8) -> str:

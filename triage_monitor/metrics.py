@@ -151,7 +151,9 @@ class StateLayout:
     def __init__(self, fields: Sequence[StateField]):
         order = {"sum": 0, "min": 1, "max": 2}
         self.fields = tuple(sorted(fields, key=lambda f: order[f.reduction]))
-        self.slices, self.ranges, start = {}, {}, 0
+        self.slices: dict[str, slice] = {}
+        self.ranges: dict[str, tuple[int, int]] = {}
+        start = 0
         for f in self.fields:
             self.slices[f.name] = slice(start, start + f.size)
             lo, _ = self.ranges.get(f.reduction, (start, start))

@@ -95,7 +95,7 @@ def step_columns(extras: Sequence[str] = ()) -> tuple:
             *(f"window/{k}" for k in METRIC_NAMES), *extras, ALERT_STATE)
 
 
-def steps_schema(extras: Sequence[str] = ()) -> "pyarrow.Schema":
+def steps_schema(extras: Sequence[str] = ()):
     """The declared schema of a monitor's steps table whose first step passed ``extras`` (their names): int64
     ``step`` / ``rank``, the float64 :func:`step_columns`, int64 ``attempt``, float64 ``wall_time`` and the
     string ``nan_reasons`` (:func:`triage_monitor.records.steps_schema`; docs/metrics.md#run-directory-tables)."""

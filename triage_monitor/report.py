@@ -11,10 +11,8 @@ the subject of the other sections.
 
 from __future__ import annotations
 
-import argparse
 import html
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence

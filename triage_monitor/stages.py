@@ -260,7 +260,8 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
                              f"(recorded: {steps[0] if steps else '-'}..{steps[-1] if steps else '-'})")
         labels = [f"step {a}" for a in anchors]
     layouts: dict = {}
-    rows, nulls = [], []
+    rows: list = []
+    nulls: list = []
     for label, a in zip(labels, anchors):
         win = [s for s in steps if a - window < s <= a]
         row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win), "max_segments": math.nan}

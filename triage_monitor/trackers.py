@@ -27,7 +27,6 @@ This module imports no tracker library; each tracker module imports its own on f
 from __future__ import annotations
 
 import logging
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, Union, runtime_checkable

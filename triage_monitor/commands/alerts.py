@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 

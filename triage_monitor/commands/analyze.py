@@ -4,10 +4,8 @@ values, end with the run's verdict."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
 
 
 #: Columns `analyze` prints (all columns are saved).

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import time
-from pathlib import Path
-from typing import Optional, Sequence
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -480,7 +480,7 @@ def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None, resume: bool = F
                                                              torch.Generator().manual_seed(cfg.seed + 2)))
     n_params = sum(p.numel() for p in model.parameters())
     # what the run is (compared with a run already in out_dir before the costly SFT warm start: one run per directory)
-    manifest = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, NVFP4-capable: "
+    manifest: dict = {"model": f"TinyGPT-{cfg.n_layer}L-d{cfg.d_model} ({n_params} params, NVFP4-capable: "
                          f"{', '.join(model.quantized)})",
                 "task": (f"{cfg.digits}-digit addition, reversed answer, exact-match reward" if cfg.task == "addition"
                          else f"{cfg.response_len}-token walk over {cfg.alphabet} allowed digits, no repeats, "

@@ -85,7 +85,7 @@ GPU_PRESET = dict(
                 sampler_lag=0, sft_steps=300, sft_batch=64, eval_size=16, eval_every=25, follow_every=25,
                 device="cuda"),
     arms=("none", "tis", "triage", "fp32", "none-mlp"), seeds=(0,))
-PRESETS = {"gpu": GPU_PRESET}
+PRESETS: dict = {"gpu": GPU_PRESET}
 
 SMOOTH_STEPS = 10
 COLLAPSE_FRACTION = 0.5
@@ -360,7 +360,7 @@ class _ArmProgress:
         self.live = enabled and console.is_terminal
         self.every = max(1, steps // 10)
         self.t0 = time.perf_counter()
-        self.rewards = {k: [] for k in plan}
+        self.rewards: dict = {k: [] for k in plan}
         self.bar = None
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
