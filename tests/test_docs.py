@@ -79,7 +79,12 @@ def test_the_alerts_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_SILENT", "true")
     ns = {}
-    exec(compile(code, "docs/alerts.md", "exec"), ns)
+    import wandb
+
+    try:
+        exec(compile(code, "docs/alerts.md", "exec"), ns)
+    finally:
+        wandb.teardown()          # W&B's process-wide settings must not outlive the test (later tests set others)
     assert [(a.step, a.rule) for a in ns["pages"]] == [(6, "rho_asym_critical"), (7, "rho_asym_high")]
     assert capsys.readouterr().out.strip().splitlines()[-1] == "[(6, 'rho_asym_critical'), (7, 'rho_asym_high')]"
     import pandas as pd

@@ -501,6 +501,7 @@ def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path,
     from triage_monitor.analysis import open_run
     from test_wandb import history_rows, of_kind, read_wandb_records
 
+    wandb.teardown()        # settings W&B took from an earlier test's environment (it reads them once per process)
     for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": tmp_path, "WANDB_CONFIG_DIR": tmp_path / "wcfg",
                  "WANDB_CACHE_DIR": tmp_path / "wcache", "WANDB_DATA_DIR": tmp_path / "wdata", "WANDB_SILENT": "true",
                  "WANDB_CONSOLE": "off", "WANDB_PROJECT": "triage-trl", "MLFLOW_ALLOW_FILE_STORE": "true",
