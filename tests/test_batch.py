@@ -417,17 +417,22 @@ def test_to_moves_every_tensor_and_keeps_the_rest():
 
 
 def test_invalid_codes_at_the_exact_bounds():
-    """A log-prob of exactly +1e-3 nats (the tolerance, as float32) is still valid; exactly −1000 nats is a sentinel
-    (|logp| >= 1000): codes index INVALID_REASONS (4 sentinel learner, 5 sentinel sampler), −1 valid."""
+    """A log-prob of exactly +1e-3 nats (the tolerance, as float32) is still valid; exactly −1e8 nats is a sentinel
+    (log p ≤ −1e8), the next float32 above it (−99,999,992) is not; −9999 (vLLM's −inf) is, −9998.5 is not:
+    codes index INVALID_REASONS (0 non-finite learner, 4 sentinel learner, 5 sentinel sampler), −1 valid."""
     from triage_monitor.batch import invalid_codes
-    learner = torch.tensor([1e-3, -1.0, -1000.0, -1.0, -999.0])
-    sampler = torch.tensor([-1.0, 1e-3, -1.0, -1000.0, -1.0])
-    assert invalid_codes(learner, sampler, torch.zeros(5)).tolist() == [-1, -1, 4, 5, -1]
-    # the batch's own check agrees at the bounds: the valid edge values build a batch, −1000 nats is refused
-    edge = TokenBatch.from_flat(learner[[0, 1, 4]], sampler[[0, 1, 4]], torch.ones(3), torch.arange(3),
-                                torch.zeros(3, dtype=torch.long))
-    assert edge.num_tokens == 3 and edge.quarantine_counts == {}
-    for lp, sp, reason in ((-1000.0, -1.0, "sentinel_learner_logp"), (-1.0, -1000.0, "sentinel_sampler_logp")):
+    below = float(torch.nextafter(torch.tensor(-1e8), torch.tensor(0.0)))
+    assert below == -99999992.0
+    learner = torch.tensor([1e-3, -1.0, -1e8, -1.0, below, -1500.0, -9999.0, -9998.5, -1.0, -1e10,
+                            torch.finfo(torch.float32).min, float("-inf")])
+    sampler = torch.tensor([-1.0, 1e-3, -1.0, -1e8, -1.0, -1.0, -1.0, -1.0, -65504.0, -1.0, -1.0, -1.0])
+    assert invalid_codes(learner, sampler, torch.zeros(12)).tolist() == [-1, -1, 4, 5, -1, -1, 4, -1, 5, 4, 4, 0]
+    # the batch's own check agrees at the bounds: the valid edge values build a batch, −1e8 nats is refused
+    keep = [0, 1, 4, 5, 7]
+    edge = TokenBatch.from_flat(learner[keep], sampler[keep], torch.ones(5), torch.arange(5),
+                                torch.zeros(5, dtype=torch.long))
+    assert edge.num_tokens == 5 and edge.quarantine_counts == {}
+    for lp, sp, reason in ((-1e8, -1.0, "sentinel_learner_logp"), (-1.0, -1e8, "sentinel_sampler_logp")):
         zero = torch.zeros(1, dtype=torch.long)
         with pytest.raises(InvalidTokenError) as err:
             TokenBatch.from_flat(torch.tensor([lp]), torch.tensor([sp]), torch.ones(1), zero, zero)
@@ -463,3 +468,68 @@ def test_an_invalid_value_of_a_padded_batch_names_its_row_not_its_sample_id():
         TokenBatch.from_padded(lp, torch.full((2, 3), -.5), torch.ones(2), torch.ones(2, 3),
                                sample_ids=torch.tensor([40, 30]))
     assert (err.value.field, err.value.sample, err.value.position) == ("learner_logp", 1, 2)
+
+
+def test_a_diverged_learners_log_prob_is_valid_and_fill_values_are_sentinels():
+    """torch.log_softmax([0, 1500]) gives exactly −1500 nats: a learner that has diverged, valid (it used to be read
+    as a sentinel, |log p| ≥ 1000, which stopped the training step).  Fill values as frameworks write them stay
+    sentinels: −1e9 (TRL's pad when it gathers per-token values across ranks), −1e10, the dtype minimum written into
+    attention masks (float32, bfloat16), a log-softmax over logits masked with −1e9 or the float32 minimum, −9999
+    (vLLM's −inf), also after rounding to bfloat16 (−9984) and float16 (−10000), and −65504 (float16 minimum)."""
+    lp = torch.log_softmax(torch.tensor([[0.0, 1500.0]]), -1)
+    assert lp[0, 0].item() == -1500.0
+    b = TokenBatch.from_padded(lp, torch.tensor([[-3.0, -0.5]]), torch.ones(1), torch.ones(1, 2))
+    assert b.learner_logp.tolist() == [-1500.0, 0.0] and b.quarantine_counts == {}
+    assert b.delta.tolist() == [-1497.0, 0.5]
+    masked = torch.log_softmax(torch.tensor([0.0, -1e9, 30.0, torch.finfo(torch.float32).min]), -1)
+    assert masked[1].item() == -1e9 and masked[3].item() == torch.finfo(torch.float32).min
+    fills = [-1e9, -1e10, torch.finfo(torch.float32).min, masked[1].item(), masked[3].item(), -9999.0, -65504.0]
+    for dtype, values in ((torch.float32, fills), (torch.bfloat16, [-9999.0, -1e9, torch.finfo(torch.bfloat16).min]),
+                          (torch.float16, [-9999.0, -65504.0])):
+        x = torch.tensor(values, dtype=dtype)
+        n = len(values)
+        q = TokenBatch.from_flat(x, torch.full((n,), -1.0, dtype=dtype), torch.ones(n), torch.arange(n),
+                                 torch.zeros(n, dtype=torch.long), on_invalid="quarantine")
+        assert q.quarantine_counts == {"sentinel_learner_logp": n}, (dtype, x.tolist())
+    assert torch.tensor(-9999.0, dtype=torch.bfloat16).item() == -9984.0
+    assert torch.tensor(-9999.0, dtype=torch.float16).item() == -10000.0
+    # a real bfloat16 / float16 log-prob far below −1000 stays valid
+    for dtype in (torch.bfloat16, torch.float16):
+        ok = TokenBatch.from_flat(torch.tensor([-1500.0, -9000.0], dtype=dtype), torch.full((2,), -1.0, dtype=dtype),
+                                  torch.ones(2), torch.arange(2), torch.zeros(2, dtype=torch.long))
+        assert ok.quarantine_counts == {} and ok.num_tokens == 2
+
+
+P62 = 2 ** 62
+
+
+def test_from_flat_orders_positions_near_two_to_the_62():
+    """Positions near 2⁶² used to overflow the sort key row · (max position + 1) + position (int64) and come back out
+    of order with no error.  Rows (sample 1, 2⁶²+3), (0, 2⁶²), (1, 5), (0, 2⁶²+1): sample 0 first, its positions
+    2⁶², 2⁶²+1, then sample 1's 5, 2⁶²+3; a repeated pair near 2⁶² is still refused."""
+    b = TokenBatch.from_flat(torch.tensor([-.1, -.2, -.3, -.4]), torch.full((4,), -.5), torch.tensor([1., 2., 3., 4.]),
+                             torch.tensor([1, 0, 1, 0]), torch.tensor([P62 + 3, P62, 5, P62 + 1]))
+    assert b.sample_id.tolist() == [0, 1] and b.sample_index.tolist() == [0, 0, 1, 1]
+    assert b.position.tolist() == [P62, P62 + 1, 5, P62 + 3]
+    assert b.advantage.tolist() == [2., 4., 3., 1.] and b.num_valid.tolist() == [2, 2]
+    with pytest.raises(ValueError, match="occurs twice"):
+        TokenBatch.from_flat(torch.full((3,), -.1), torch.full((3,), -.1), torch.ones(3), torch.tensor([0, 1, 0]),
+                             torch.tensor([P62 + 9, P62 + 9, P62 + 9]))
+    # the largest int64 position, once in each of two samples: two tokens in sample order, not a duplicate
+    two = TokenBatch.from_flat(torch.full((2,), -.1), torch.full((2,), -.1), torch.ones(2), torch.tensor([1, 0]),
+                               torch.tensor([2 ** 63 - 1, 2 ** 63 - 1]))
+    assert two.sample_index.tolist() == [0, 1]
+
+
+def test_padded_rows_reordered_by_sample_id_keep_positions_near_two_to_the_62_in_order():
+    """The canonical re-sort of rows whose sample ids are not ascending uses the same (row, position) order: ids
+    (5, 1), positions ((2⁶²+1, 2⁶²), (2⁶²+7, 3)) give sample 1's positions 3, 2⁶²+7, then sample 5's 2⁶², 2⁶²+1, and
+    scatter puts every value back in its own cell."""
+    lp = torch.tensor([[-.1, -.2], [-.3, -.4]])
+    pos = torch.tensor([[P62 + 1, P62], [P62 + 7, 3]])
+    b = TokenBatch.from_padded(lp, lp - 0.5, torch.ones(2), torch.ones(2, 2), sample_ids=torch.tensor([5, 1]),
+                               positions=pos)
+    assert b.sample_id.tolist() == [1, 5]
+    assert b.position.tolist() == [3, P62 + 7, P62, P62 + 1]
+    assert b.learner_logp.tolist() == pytest.approx([-.4, -.3, -.2, -.1])
+    assert torch.equal(b.scatter(b.learner_logp), lp)

@@ -101,6 +101,22 @@ def test_k3_log_ppl_diff_chi2_equal_verls_own_offpolicy_metrics():
     assert theirs["k3_kl"] > 1e9 and ours["k3_kl"] > 1e9    # e^25 / 17 tokens: a ±20 clamp would give ~3e7
 
 
+
+@pytest.mark.framework
+def test_log_ppl_diff_differs_from_verls_where_a_response_has_no_valid_token():
+    """docs/metrics.md#framework-metrics-of-the-same-name: verl averages log_ppl_diff over every response, one with no
+    valid token counting as 0; ours leaves it out.  Two rows, row 1 empty: row 0's per-response value is
+    mean(sampler − learner) = mean(−0.5 − (−1.0)) = 0.5, so ours 0.5, verl's (0.5 + 0) / 2 = 0.25."""
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    learner = torch.full((2, 3), -1.0, dtype=torch.float64)
+    sampler = torch.full((2, 3), -0.5, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    theirs = helper.compute_offpolicy_metrics(learner, sampler, mask)
+    ours = compute_step_metrics(TokenBatch.from_padded(learner.float(), sampler.float(), torch.ones(2), mask)).values
+    assert ours["log_ppl_diff"] == pytest.approx(0.5)
+    assert float(theirs["log_ppl_diff"]) == pytest.approx(0.25)
+
+
 # ---------------------------------------------------------------- localisation
 W = 4
 TAU = -1.0
@@ -872,3 +888,43 @@ def test_a_state_given_must_have_the_layouts_size_and_becomes_float64():
     assert kept.state.dtype == torch.float64 and kept.state.device == torch.device("cpu")
     assert MismatchStats(cfg).state.shape == (size,) and MismatchStats(cfg).state.dtype == torch.float64
 
+
+
+def _float64_reference(learner: torch.Tensor, sampler: torch.Tensor) -> dict:
+    """k3_kl and delta_abs_mean from δ = learner − sampler taken exactly (float64 difference of the float32
+    inputs), summed with math.fsum: what the metrics would be without the float32 rounding of δ."""
+    d = (learner.double() - sampler.double()).tolist()
+    n = len(d)
+    return {"k3_kl": math.fsum(math.expm1(x) - x for x in d) / n, "delta_abs_mean": math.fsum(abs(x) for x in d) / n,
+            "delta_max": max(d)}
+
+
+def _metrics_of(learner, sampler):
+    n = learner.numel()
+    b = TokenBatch.from_flat(learner, sampler, torch.ones(n), torch.arange(n) // 8, torch.arange(n) % 8)
+    st = MismatchStats()
+    st.update(b, tau_tail=-0.1)
+    return st.compute().values
+
+
+def test_k3_kl_rounding_of_delta_to_float32_stays_within_the_stated_bound():
+    """docs/metrics.md#rounding-of-δ: δ is rounded to float32 once, so k3_kl is within 2⁻²⁴ · (2 + max(0, δ_max))
+    relative of its value on the exact δ (not ~1e-15), delta_abs_mean within 2⁻²⁴.  By hand: learner −10 + 2⁻¹⁹,
+    sampler −70: δ = 60 + 2⁻¹⁹ is half-way between two float32 (their spacing at 60 is 2⁻¹⁸) and rounds to even,
+    60.0; the e^δ term dominates k3, so k3 is off by a factor e^(−2⁻¹⁹): relative 2⁻¹⁹ = 1.907e-6, under the
+    bound 2⁻²⁴ · 62 = 3.70e-6.  Then 4,096 tokens with δ uniform in (−60, 60)."""
+    learner = torch.tensor([-10 + 2 ** -19, -0.5, -0.5])
+    sampler = torch.tensor([-70.0, -0.5, -0.75])
+    assert learner[0].item() == -10 + 2 ** -19 and (learner[0] - sampler[0]).item() == 60.0
+    ref, got = _float64_reference(learner, sampler), _metrics_of(learner, sampler)
+    rel = abs(got["k3_kl"] - ref["k3_kl"]) / ref["k3_kl"]
+    assert rel == pytest.approx(2 ** -19, rel=1e-4)
+    assert rel <= 2 ** -24 * (2 + ref["delta_max"]) == pytest.approx(3.6955e-6, rel=1e-4)
+    assert abs(got["delta_abs_mean"] - ref["delta_abs_mean"]) <= 2 ** -24 * ref["delta_abs_mean"]
+    g = torch.Generator().manual_seed(7)
+    sampler = -70 + 10 * torch.rand(4096, generator=g)                   # log-probs in (−70, −60)
+    learner = (sampler + 120 * torch.rand(4096, generator=g) - 60).clamp(max=0)
+    ref, got = _float64_reference(learner, sampler), _metrics_of(learner, sampler)
+    assert 59 < ref["delta_max"] < 60
+    assert abs(got["k3_kl"] - ref["k3_kl"]) <= 2 ** -24 * (2 + ref["delta_max"]) * ref["k3_kl"]
+    assert abs(got["delta_abs_mean"] - ref["delta_abs_mean"]) <= 2 ** -24 * ref["delta_abs_mean"]

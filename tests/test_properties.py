@@ -164,7 +164,7 @@ def test_ratios_invariant_to_advantage_scale(p, c):
 
 @SETTINGS
 @given(padded(), st.lists(st.tuples(st.integers(0, 100), st.integers(0, 100),
-                                    st.sampled_from([float("nan"), float("-inf"), 0.5, -1e10, -5000.0])),
+                                    st.sampled_from([float("nan"), float("-inf"), 0.5, -1e10, -9999.0, -5000.0])),
                           max_size=4), st.booleans())
 def test_quarantine_accounts_for_every_masked_in_token(p, poison, on_sampler):
     lp, s, a, m, ids = p
@@ -173,7 +173,8 @@ def test_quarantine_accounts_for_every_masked_in_token(p, poison, on_sampler):
     for r, c, v in poison:
         target[r % B, c % T] = v
     lp2, s2 = (lp, target) if on_sampler else (target, s)
-    invalid = ~torch.isfinite(target) | (target > 1e-3) | (target.abs() >= 1e3)
+    # the poisons other than −5000 (a real, if diverged, log-prob) are invalid: NaN, −inf, > 1e-3, ≤ −1e8, −9999
+    invalid = ~torch.isfinite(target) | (target > 1e-3) | (target <= -1e8) | (target == -9999.0)
     expect_bad = int((invalid & m).sum())
     b = TokenBatch.from_padded(lp2, s2, a, m, sample_ids=ids, on_invalid="quarantine")
     assert b.num_tokens + sum(b.quarantine_counts.values()) == int(m.sum())

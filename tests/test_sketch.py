@@ -49,14 +49,14 @@ def test_sketch_quantiles_within_the_stated_bound(values):
 def test_sketch_bound_on_large_heavy_tailed_samples(seed, kind):
     rng = np.random.default_rng(seed)
     n = 20_000
-    if kind == "cauchy":              # heavy tails: |δ| up to the clamp of valid log-probs
+    if kind == "cauchy":              # heavy tails: |δ| up to 999 nats, inside the buckets' 2^11
         v = np.clip(rng.standard_cauchy(n) * 0.05, -999, 999)
     elif kind == "zeros":             # a point mass at 0 holding the median and most quantiles
         v = np.where(rng.random(n) < 0.9, 0.0, rng.normal(0, 0.3, n))
     elif kind == "far":               # a collapsed run: values beyond ±40 nats
         v = np.where(rng.random(n) < 0.2, -rng.uniform(40, 900, n), rng.normal(0, 1e-3, n))
     else:
-        v = -np.minimum(rng.lognormal(-3, 3, n), 999)    # valid log-probs keep |δ| < 1000 nats
+        v = -np.minimum(rng.lognormal(-3, 3, n), 999)    # |δ| < 1000 nats: inside the buckets' 2^11
     _check(v)
 
 
@@ -147,3 +147,60 @@ def test_cpu_update_in_response_aligned_pieces_equals_one_piece(monkeypatch):
         assert (math.isnan(v) and math.isnan(pieces[k])) or pieces[k] == pytest.approx(v, rel=1e-12), k
     for k in ("n_tokens", "n_samples", "c_tok", "h_seg", "r_amp", "p_adj", "dilution", "delta_q05", "delta_min"):
         assert pieces[k] == whole[k] or (math.isnan(whole[k]) and math.isnan(pieces[k])), k
+
+
+ZERO_STEPS = (9, 19, 29)          # exact zeros of the three reference steps, each step also holding one δ = −2
+
+
+def _zero_step(zeros: int) -> torch.Tensor:
+    return torch.tensor([-2.0] + [0.0] * zeros)
+
+
+def test_tau_tail_counts_the_exact_zeros_of_every_reference_step(tmp_path):
+    """τ_tail over reference steps holding exact zeros (δ = 0: learner == sampler) depends on every step's zero
+    bucket.  By hand: 3 values −2 and 9 + 19 + 29 = 57 zeros, 60 in all; the 5 % quantile sits at h = 0.05 · 59 =
+    2.95 between x₍₂₎ = −2 and x₍₃₎ = 0: −2 + 0.95 · 2 = −0.1 (the sketch is exact here: 0 is the zero bucket's
+    estimate and −2 the exact minimum).  A merge that dropped the zero bucket of the steps after the first would
+    hold 3 + 9 values and give −2.  Checked on the merge itself, the reference window the live monitor and the
+    controller use, the live tracker and monitor, and the offline recomputation."""
+    from triage_monitor import calibration
+    from triage_monitor.analysis import open_run, recompute
+    from triage_monitor.metrics import tau_from_calibration
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    parts = [calibration.part_of(_zero_step(z)) for z in ZERO_STEPS]
+    merged = calibration.merge_parts(parts)
+    assert merged[sketch.HALF].item() == 57 and calibration.part_count(merged) == 60
+    assert (merged[sketch.SIZE].item(), merged[sketch.SIZE + 1].item()) == (-2.0, 0.0)
+    values = np.concatenate([_zero_step(z).numpy() for z in ZERO_STEPS]).astype(np.float64)
+    assert float(np.quantile(values, 0.05)) == pytest.approx(-0.1, abs=1e-12)
+    assert calibration.part_quantiles(merged, [0.05])[0] == pytest.approx(-0.1, abs=1e-12)
+    assert tau_from_calibration(parts, 0.05) == pytest.approx(-0.1, abs=1e-12)           # the offline reading
+
+    window = calibration.ReferenceWindow(3)
+    for step, part in enumerate(parts):
+        assert not window.add(step, [part])
+    assert window.add(3, [calibration.part_of(_zero_step(1))]) and window.frozen        # step 3: frozen, not added
+    assert window.quantiles(0, [0.05])[0] == pytest.approx(-0.1, abs=1e-12)
+
+    def batch(zeros):
+        d = _zero_step(zeros)
+        sampler = torch.where(d == 0, torch.tensor(-0.7), torch.tensor(-0.5))
+        return TokenBatch.from_flat(sampler + d, sampler, -torch.ones(d.numel()), torch.zeros(d.numel(), dtype=torch.long),
+                                    torch.arange(d.numel()))
+
+    assert batch(9).delta.tolist() == [-2.0] + [0.0] * 9                                    # exact zeros
+    tracker = MetricTracker(window=5, calibration_steps=3)
+    for step, z in enumerate((*ZERO_STEPS, 1)):
+        tracker.step(step, batch(z))
+    assert tracker.tau_frozen and tracker.tau_tail == pytest.approx(-0.1, abs=1e-12)
+
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(calibration_steps=3)) as mon:
+        for step, z in enumerate((*ZERO_STEPS, 1)):
+            mon.log_step(step, batch(z))
+    run = open_run(tmp_path / "run")
+    live = run.steps().set_index("step")
+    assert live.loc[3, "tau_tail"] == pytest.approx(-0.1, abs=1e-12) and live.loc[3, "tau_tail_frozen"] == 1.0
+    assert run.tau_tail == pytest.approx(-0.1, abs=1e-12)
+    offline = recompute(run)
+    assert offline["tau_tail"].tolist() == pytest.approx([-0.1] * 4, abs=1e-12)

@@ -8,7 +8,8 @@ make token by token, because each token looks plausible on its own:
   then looks like noise.  docs/reliability.md: "detect it by checking whether shifting
   one side by one position shrinks |δ| markedly".
 * :func:`padding_diagnostics` -- padding values read as log-probs inside the
-  valid region that are *not* caught as sentinels (``|logp| >= 1e3`` is
+  valid region that are *not* caught as sentinels (``logp <= -1e8`` and the exact
+  fill values −9999 / −65504, :func:`triage_monitor.batch.is_sentinel`, are
   quarantined / raised by the batch itself): an exact ``0.0`` (probability 1)
   on one side facing a clearly uncertain token on the other, and a trailing
   run of bit-identical values at the end of a response on one side only
@@ -191,7 +192,8 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
       response-relative by construction (a masked leading span there is a real masked span).
 
     Entirely masked-out padding is never read, so these count only leaks.  Sentinels
-    (|log p| ≥ 1e3: −1e10, −9999) are already raised or quarantined by :class:`TokenBatch`.
+    (log p ≤ −1e8, e.g. −1e10, and the exact fills −9999 / −65504: :func:`~triage_monitor.batch.is_sentinel`) are
+    already raised or quarantined by :class:`TokenBatch`.
 
     Args:
         batch: :class:`TokenBatch` (N valid tokens, S responses).

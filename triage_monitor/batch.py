@@ -44,10 +44,30 @@ Tensor = torch.Tensor
 #: A log-probability above this is impossible (log p <= 0); the slack allows
 #: for bf16 rounding of log p = 0.
 POSITIVE_LOGP_TOLERANCE = 1e-3
-#: |log p| at or above this is read as a padding sentinel (-1e10, -9999, ...),
-#: not as a real log-probability.  float32 log-softmax of a real vocabulary
-#: cannot go below about -104 (log of the smallest normal float).
-SENTINEL_ABS_LOGP = 1e3
+#: A finite log-prob at or below this (nats) is read as a fill value, not as a log-probability: −1e9 (TRL's pad
+#: when it gathers per-token values across ranks), −1e10, −1e20, the dtype minimum that verl and transformers
+#: write into attention masks (float32 −3.4028e38, bfloat16 −3.3895e38, float64 −1.798e308), and a log-softmax
+#: over logits masked with any of them.  A real log-softmax has no floor (``torch.log_softmax([0, 1500])`` gives
+#: exactly −1500: a learner that has diverged), but no trained model puts 10⁸ nats between two logits.
+SENTINEL_LOGP_BELOW = -1e8
+#: Exact fill values above :data:`SENTINEL_LOGP_BELOW`: −9999.0 (what vLLM's OpenAI-compatible server writes
+#: for a −inf log-prob) and −65504.0 (the float16 minimum).  They are matched exactly, also as rounded to
+#: float16 / bfloat16 (:data:`SENTINEL_LOGP_EXACT`), so a real log-prob next to them (−9998.5) stays valid.
+SENTINEL_LOGP_VALUES = (-9999.0, -65504.0)
+
+
+def _rounded_sentinels() -> tuple:
+    out = set()
+    for v in SENTINEL_LOGP_VALUES:
+        for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            r = float(torch.tensor(v, dtype=dt))
+            if r > SENTINEL_LOGP_BELOW and r != float("-inf"):
+                out.add(r)
+    return tuple(sorted(out))
+
+
+#: :data:`SENTINEL_LOGP_VALUES` and their float16 / bfloat16 roundings (−10000, −9999, −9984, −65536, −65504).
+SENTINEL_LOGP_EXACT = _rounded_sentinels()
 
 INVALID_REASONS = (
     "nonfinite_learner_logp",
@@ -455,9 +475,9 @@ class TokenBatch:
         sid = sample_id.long()
         pos = position.long()
         uniq, inverse = torch.unique(sid, sorted=True, return_inverse=True)
-        key = inverse * (int(pos.max()) + 1 if n else 1) + pos
-        order = torch.argsort(key, stable=True)
-        if n > 1 and bool((key[order][1:] == key[order][:-1]).any()):
+        order = _order_by_row_then_position(inverse, pos)
+        r, p = inverse[order], pos[order]
+        if n > 1 and bool(((r[1:] == r[:-1]) & (p[1:] == p[:-1])).any()):
             raise ValueError("from_flat: a (sample_id, position) pair occurs twice")
         gid = None
         if group_id is not None:
@@ -493,13 +513,14 @@ class TokenBatch:
 
         # --- value validation (docs/reliability.md): one fused check, reasons only when something is wrong ---
         ld = learner.detach()
-        ok = ((ld <= POSITIVE_LOGP_TOLERANCE) & (ld > -SENTINEL_ABS_LOGP) & (sampler <= POSITIVE_LOGP_TOLERANCE)
-              & (sampler > -SENTINEL_ABS_LOGP) & torch.isfinite(adv))
+        # at or below the largest exact sentinel a value may be one: the full check decides (NaN lands there too)
+        ok = ((ld <= POSITIVE_LOGP_TOLERANCE) & (ld > _SENTINEL_CANDIDATE) & (sampler <= POSITIVE_LOGP_TOLERANCE)
+              & (sampler > _SENTINEL_CANDIDATE) & torch.isfinite(adv))
         counts = {}
         quarantined = None
-        if not bool(ok.all()):
-            codes = invalid_codes(ld, sampler, adv)
-            bad = codes >= 0
+        codes = invalid_codes(ld, sampler, adv) if not bool(ok.all()) else None
+        bad = None if codes is None else codes >= 0      # None: every token valid (the usual case, no full check)
+        if bad is not None and bool(bad.any()):
             for c, name in enumerate(INVALID_REASONS):
                 n = int((codes == c).sum())
                 if n:
@@ -533,7 +554,7 @@ class TokenBatch:
                 rank[perm] = torch.arange(num_rows, device=dev)
                 ids, gids = ids[perm], gids[perm]
                 rows = rank[rows]
-                order = torch.argsort(rows * (int(pos.max()) + 1 if pos.numel() else 1) + pos, stable=True)
+                order = _order_by_row_then_position(rows, pos)
                 learner, sampler, adv, rows, pos = learner[order], sampler[order], adv[order], rows[order], pos[order]
                 if source is not None:
                     source = source[order]
@@ -544,7 +565,33 @@ class TokenBatch:
                    quarantine_rows=quarantined, offset_responses=offset, _source_index=source, _layout=layout)
 
 
+def _order_by_row_then_position(rows: Tensor, pos: Tensor) -> Tensor:
+    """The stable permutation that sorts tokens by (row, position), both int64 ≥ 0.  One sort of the key
+    ``row · (max position + 1) + position`` while it fits in int64, else a stable sort by position then a
+    stable sort by row (a lexicographic sort): positions near 2⁶² would overflow the key."""
+    if not rows.numel():
+        return torch.zeros(0, dtype=torch.long, device=rows.device)
+    span = int(pos.max()) + 1
+    if (int(rows.max()) + 1) * span <= 2 ** 63:             # the largest key, row_max · span + span − 1, fits
+        return torch.argsort(rows * span + pos, stable=True)
+    by_pos = torch.argsort(pos, stable=True)
+    return by_pos[torch.argsort(rows[by_pos], stable=True)]
+
+
 # ---------------------------------------------------------------- validation
+_SENTINEL_CANDIDATE = max(SENTINEL_LOGP_EXACT)
+
+
+def is_sentinel(logp: Tensor) -> Tensor:
+    """``(N,)`` bool: which log-probs are padding fill values (docs/reliability.md#padding-sentinels): finite and
+    at or below :data:`SENTINEL_LOGP_BELOW` (−1e8 nats), or exactly one of :data:`SENTINEL_LOGP_EXACT`.  −inf and
+    NaN are not sentinels here: they are non-finite (their own reason).  Any float dtype; compared exactly (in
+    float64)."""
+    x = logp.detach()
+    exact = torch.tensor(SENTINEL_LOGP_EXACT, dtype=torch.float64, device=x.device)
+    return torch.isfinite(x) & ((x <= SENTINEL_LOGP_BELOW) | torch.isin(x.double(), exact))
+
+
 def invalid_codes(learner: Tensor, sampler: Tensor, adv: Tensor) -> Tensor:
     """Per-token invalid-reason code ``(N,)`` int64: index into :data:`INVALID_REASONS`, or −1 if valid.
 
@@ -554,8 +601,7 @@ def invalid_codes(learner: Tensor, sampler: Tensor, adv: Tensor) -> Tensor:
     checks = (
         ~torch.isfinite(learner), ~torch.isfinite(sampler),
         learner > POSITIVE_LOGP_TOLERANCE, sampler > POSITIVE_LOGP_TOLERANCE,
-        torch.isfinite(learner) & (learner.abs() >= SENTINEL_ABS_LOGP),
-        torch.isfinite(sampler) & (sampler.abs() >= SENTINEL_ABS_LOGP),
+        is_sentinel(learner), is_sentinel(sampler),
         ~torch.isfinite(adv),
     )
     for c in reversed(range(len(checks))):

@@ -8,8 +8,9 @@ all-reduce), and live and offline use the very same buckets.
 Buckets.  A float32 δ is bucketed by its sign, its exponent and the top :data:`MANTISSA_BITS`
 mantissa bits (integer operations on the bit pattern: no ``log``, so every device puts a value in
 the same bucket).  Bucket ``[lo, hi)`` of \\|δ\\| has ``hi / lo ≤ 1 + 2^-m``; values with
-\\|δ\\| < :data:`ZERO_BELOW` share one zero bucket; \\|δ\\| ≥ 2^11 nats (impossible for validated
-log-probs, which lie in (-1000, 0]) is clamped into the last bucket.  The sketch holds
+\\|δ\\| < :data:`ZERO_BELOW` share one zero bucket; \\|δ\\| ≥ 2^11 nats (a learner that has diverged:
+validated log-probs lie in (−1e8, 0]) is clamped into the last bucket; its estimate is then clamped to the
+exact min / max, and beyond 2^11 nats the bound below does not hold.  The sketch holds
 :data:`SIZE` float64 counts (~127 KB), bucket ``i`` ordered by value.
 
 Error bound (docs/metrics.md#quantile-sketch).  Each order statistic ``x_(k)`` is estimated by the
