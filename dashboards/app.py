@@ -190,7 +190,9 @@ sig = sigs[primary]
 snap = snapshot_steps(primary)
 ov = views.run_overview(open_run(primary), steps, alerts)
 status = ov["status"]
-st.caption(f"`{ov['path']}` · triage-monitor {ov.get('tool_version') or '?'} · created {ov.get('created') or '?'}")
+# run.json strings are the run writer's input, not the page's: plain text, never Markdown (a crafted manifest
+# would otherwise show links and load remote images)
+st.text(f"{ov['path']} · triage-monitor {ov.get('tool_version') or '?'} · created {ov.get('created') or '?'}")
 if status == "running":
     st.info(f"This run is still being written (status `running`): showing the {ov['steps']} step(s) recorded so "
             "far. Rerun the page (R) to refresh.")
@@ -233,7 +235,7 @@ c[5].metric("τ_tail", "-" if tau is None or not math.isfinite(float(tau)) else 
 facts = {k: ov[k] for k in ("model", "task", "sampler_recipe", "learner_recipe", "correction", "framework",
                             "sampler_logp") if k in ov}
 if facts:
-    st.markdown(" · ".join(f"**{k.replace('_', ' ')}**: {v}" for k, v in facts.items()))
+    st.text(" · ".join(f"{k.replace('_', ' ')}: {v}" for k, v in facts.items()))
 with st.expander("Manifest (run.json)"):
     st.json(manifest.to_dict(), expanded=1)
 if ov["alerts"]:

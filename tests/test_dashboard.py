@@ -428,3 +428,30 @@ def test_drill_down_segments_use_the_monitor_width(monkeypatch, tmp_path):
     xs = sorted(sh["x0"] + 0.5 for sh in resp["layout"]["shapes"] if sh["type"] == "line" and sh["x0"] == sh["x1"]
                 and sh.get("xref") == "x")
     assert xs == [8, 16, 24, 32], xs
+
+
+def test_manifest_strings_are_shown_as_plain_text_not_markdown(monkeypatch, tmp_path):
+    """A crafted run.json (links, a remote image, bold, raw HTML in its model / task / framework, tool version and
+    creation time) is shown as typed: plain text elements holding the strings verbatim, and no Markdown element of
+    the page carries them (Markdown would render the link and load the image)."""
+    link, image = "[click me](https://evil.example/phish)", "![pixel](https://evil.example/track.png)"
+    crafted = {"model": f"{link} {image}", "task": "**bold** <img src=https://evil.example/x.png>",
+               "framework": "<script>alert(1)</script>"}
+    g = torch.Generator().manual_seed(0)
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(window=2, calibration_steps=1), manifest=crafted) as mon:
+        for step in range(3):
+            s_ = -torch.rand(4, 24, generator=g) * 2 - 0.01
+            lp = (s_ + torch.randn(4, 24, generator=g) * 0.1).clamp(max=0)
+            mon.log_step(step, TokenBatch.from_padded(lp, s_, torch.linspace(-1, 1, 4), torch.ones(4, 24, dtype=bool)))
+    run_json = tmp_path / "run" / "run.json"
+    doc = json.loads(run_json.read_text())
+    doc.update(tool_version=image, created=link)
+    run_json.write_text(json.dumps(doc))
+    at = app(monkeypatch, tmp_path / "run")
+    assert_ok(at)
+    texts = [t.value for t in at.text]
+    assert (f"{tmp_path / 'run'} · triage-monitor {image} · created {link}") in texts
+    assert (f"model: {link} {image} · task: **bold** <img src=https://evil.example/x.png> · "
+            "framework: <script>alert(1)</script>") in texts
+    rendered = [m.value for m in at.markdown] + [c.value for c in at.caption]
+    assert not [v for v in rendered if "evil.example" in v or "alert(1)" in v], rendered

@@ -72,3 +72,203 @@ def test_config_differences_name_keys_set_on_one_side_only():
     # numpy scalars compare as the JSON values they are written as
     assert config_differences(RunManifest(monitor_config={"window": 10}, info={"seed": 3}), {"window": np.int64(10)},
                               {"seed": np.int64(3)}) == ({}, {})
+
+
+# ------------------------------------------------------------------ a crafted run.json: checked once, on read
+#: (name, change to a good run.json, the field named, the message after "<file>: ") — the issue's four first
+CRAFTED = [
+    ("monitor_config-list", lambda d: d.update(monitor_config=[1, 2]), "monitor_config",
+     "monitor_config must be an object, got an array ([1, 2])"),
+    ("calibration-list", lambda d: d.update(calibration=[-0.5]), "calibration",
+     "calibration must be null or an object, got an array ([-0.5])"),
+    ("window-1e30", lambda d: d["monitor_config"].update(window=1e30), "monitor_config.window",
+     "monitor_config.window must be an integer from 1 to 9223372036854775807, got 1e+30"),
+    ("schema_version-string", lambda d: d.update(schema_version="3"), "schema_version",
+     "schema_version must be an integer from 1 to 9223372036854775807, got a string ('3')"),
+    ("window-2**63", lambda d: d["monitor_config"].update(window=2 ** 63), "monitor_config.window",
+     "monitor_config.window must be an integer from 1 to 9223372036854775807, got 9223372036854775808"),
+    ("window-fraction", lambda d: d["monitor_config"].update(window=2.5), "monitor_config.window",
+     "monitor_config.window must be an integer from 1 to 9223372036854775807, got 2.5"),
+    ("window-bool", lambda d: d["monitor_config"].update(window=True), "monitor_config.window",
+     "monitor_config.window must be an integer from 1 to 9223372036854775807, got a boolean (True)"),
+    ("tau_tail-string", lambda d: d["monitor_config"].update(tau_tail="x"), "monitor_config.tau_tail",
+     "monitor_config.tau_tail must be null or a finite number, got a string ('x')"),
+    ("metrics-list", lambda d: d["monitor_config"].update(metrics=[1]), "monitor_config.metrics",
+     "monitor_config.metrics must be an object, got an array ([1])"),
+    ("metrics-unknown", lambda d: d["monitor_config"]["metrics"].update(width=3), "monitor_config.metrics.width",
+     "monitor_config.metrics.width is no metric setting this version knows (known: small_gap_threshold, "
+     "segment_width, tail_quantile, heavy_fraction, top_fraction, dilution_threshold)"),
+    ("segment_width-0", lambda d: d["monitor_config"]["metrics"].update(segment_width=0),
+     "monitor_config.metrics.segment_width",
+     "monitor_config.metrics.segment_width must be an integer from 1 to 9223372036854775807, got 0"),
+    ("tail_quantile-1", lambda d: d["monitor_config"]["metrics"].update(tail_quantile=1.0), "monitor_config.metrics",
+     "monitor_config.metrics: MetricConfig: tail_quantile must lie in (0, 1) and top_fraction in (0, 1], got 1.0, "
+     "0.05"),
+    ("calibration-tau-string", lambda d: d.update(calibration={"tau_tail": "-1"}), "calibration.tau_tail",
+     "calibration.tau_tail must be null or a finite number, got a string ('-1')"),
+    ("attempts-string", lambda d: d.update(attempts="x"), "attempts", "attempts must be an array, got a string ('x')"),
+    ("attempt-entry-number", lambda d: d.update(attempts=[3]), "attempts[0]",
+     "attempts[0] must be an object, got a number (3)"),
+    ("attempt-id-string", lambda d: d["attempts"][0].update(attempt="1"), "attempts[0].attempt",
+     "attempts[0].attempt must be null or an integer from 0 to 9223372036854775807, got a string ('1')"),
+    ("info-list", lambda d: d.update(info=[1]), "info", "info must be an object, got an array ([1])"),
+    ("status-number", lambda d: d.update(status=1), "status", "status must be a string, got a number (1)"),
+    ("steps_logged-negative", lambda d: d.update(steps_logged=-1), "steps_logged",
+     "steps_logged must be null or an integer from 0 to 9223372036854775807, got -1"),
+]
+
+
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory):
+    """A closed 3-step run (its run.json is what the monitor writes)."""
+    import torch
+
+    from triage_monitor.batch import TokenBatch
+
+    d = tmp_path_factory.mktemp("good") / "run"
+    g = torch.Generator().manual_seed(0)
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), alerts=False) as mon:
+        for s in range(3):
+            sp = -torch.rand(4, 16, generator=g) * 3
+            mon.log_step(s, TokenBatch.from_padded(sp + 0.1 * torch.randn(4, 16, generator=g).clamp(max=0), sp,
+                                                   torch.randn(4, generator=g), torch.ones(4, 16, dtype=torch.bool)))
+    return d
+
+
+def _crafted(good_run, tmp_path, change):
+    """A copy of ``good_run`` whose run.json has ``change`` applied."""
+    import shutil
+
+    d = tmp_path / "crafted"
+    shutil.copytree(good_run, d)
+    raw = json.loads((d / "run.json").read_text())
+    change(raw)
+    (d / "run.json").write_text(json.dumps(raw))
+    return d
+
+
+@pytest.mark.parametrize("name, change, field, message", CRAFTED, ids=[c[0] for c in CRAFTED])
+def test_a_crafted_run_json_is_refused_on_read_naming_the_field(good_run, tmp_path, name, change, field, message):
+    """Each field this version uses is checked once, when run.json is read: the wrong type or range is a
+    ``ManifestError`` (a ValueError) whose message names the file and the field (typed out here), with ``.field``
+    and ``.path``; ``open_run`` turns it into a ``RunDirError`` with the same text."""
+    from triage_monitor.analysis import RunDirError, open_run
+    from triage_monitor.manifest import ManifestError
+
+    d = _crafted(good_run, tmp_path, change)
+    with pytest.raises(ManifestError) as err:
+        read_manifest(d)
+    assert str(err.value) == f"{d / 'run.json'}: {message}"
+    assert err.value.field == field and err.value.path == d / "run.json" and isinstance(err.value, ValueError)
+    with pytest.raises(ManifestError) as err:
+        RunManifest.from_dict(json.loads((d / "run.json").read_text()))
+    assert str(err.value) == message
+    with pytest.raises(RunDirError) as err:
+        open_run(d)
+    assert str(err.value) == f"{d / 'run.json'}: {message}"
+
+
+def test_the_manifest_a_monitor_writes_reads_back_and_integral_numbers_are_integers(good_run, tmp_path):
+    """What a monitor writes passes the checks; a window written as 4.0 (JSON has one number type) reads as 4,
+    a null τ_tail and a null calibration are accepted."""
+    from triage_monitor.analysis import open_run
+
+    assert read_manifest(good_run).monitor_config["window"] == 2
+    d = _crafted(good_run, tmp_path, lambda d: (d["monitor_config"].update(window=4.0, tau_tail=None),
+                                                d.update(calibration=None)))
+    assert open_run(d).config.window == 4
+
+
+@pytest.mark.parametrize("cmd", ["analyze", "report", "alerts"])
+@pytest.mark.parametrize("name, change, field, message", CRAFTED[:4], ids=[c[0] for c in CRAFTED[:4]])
+def test_readers_refuse_a_crafted_run_json_with_exit_2_and_one_line(good_run, tmp_path, capsys, cmd, name, change,
+                                                                    field, message):
+    """``analyze``, ``report`` and ``alerts`` on the issue's four crafted manifests (before this change: a
+    TypeError / AttributeError traceback and exit 1, "a finding"): exit 2 (an input error), one line on stderr
+    naming the file and the field, nothing written."""
+    from triage_monitor.cli import main
+
+    d = _crafted(good_run, tmp_path, change)
+    extra = ["-o", str(tmp_path / "r.html")] if cmd == "report" else []
+    assert main([cmd, str(d), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"triage-monitor {cmd}: error: {d / 'run.json'}: {message}"
+    assert "Traceback" not in err and not (tmp_path / "r.html").exists() and not (d / "analysis").exists()
+
+
+def _table_input(tmp_path):
+    """A 2-step per-token Parquet table for ``import table``."""
+    import pandas as pd
+
+    path = tmp_path / "tokens.parquet"
+    pd.DataFrame({"step": [0, 0, 1, 1], "sample_id": [0, 0, 1, 1], "learner_logp": [-0.5, -1.0, -0.2, -0.3],
+                  "sampler_logp": [-0.6, -1.0, -0.25, -0.3], "advantage": [1.0, 1.0, -1.0, -1.0]}).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("name, change, field, message", CRAFTED[:4], ids=[c[0] for c in CRAFTED[:4]])
+def test_writers_into_a_crafted_run_raise_run_conflict_error_naming_the_field(good_run, tmp_path, capsys, name,
+                                                                              change, field, message):
+    """A new writer of a directory whose run.json is crafted (before this change: TypeError / AttributeError /
+    ValueError from ``MismatchMonitor`` and ``import --out``, or a silent continuation): ``RunConflictError``
+    (an ``OutputError``) naming the field, before anything is written; ``import --out`` exits 2 with that line.
+    The run directory is left as it was."""
+    from triage_monitor.cli import main
+    from triage_monitor.records import RunConflictError
+
+    d = _crafted(good_run, tmp_path, change)
+    before = sorted(p.relative_to(d) for p in d.rglob("*"))
+    text = (d / "run.json").read_text()
+    want = (f"{d} holds a run whose run.json has an invalid field ({d / 'run.json'}: {message}): write to a new "
+            f"directory, or start over with --force / force=True (the old run is moved to crafted.replaced-<time>)")
+    for resume in (False, True):
+        with pytest.raises(RunConflictError) as err:
+            MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), resume=resume)
+        assert str(err.value) == want and err.value.path == d
+    assert main(["import", "table", str(_table_input(tmp_path)), "--out", str(d)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"triage-monitor import: error: {want}"
+    assert sorted(p.relative_to(d) for p in d.rglob("*")) == before and (d / "run.json").read_text() == text
+
+
+@pytest.mark.multiprocess
+def test_the_cli_refuses_a_crafted_run_json_in_a_real_process(good_run, tmp_path):
+    """The same, as a user runs it: ``python -m triage_monitor`` in a child process, one crafted manifest per
+    command; exit status 2 and exactly one line on stderr."""
+    import subprocess
+    import sys
+
+    cases = [("analyze", 2, []), ("report", 0, ["-o", str(tmp_path / "r.html")]), ("alerts", 1, []),
+             ("import", 3, None)]
+    for cmd, i, extra in cases:
+        name, change, field, message = CRAFTED[i]
+        d = _crafted(good_run, tmp_path / cmd, change)
+        if cmd == "import":
+            argv = ["import", "table", str(_table_input(tmp_path)), "--out", str(d)]
+            line = (f"triage-monitor import: error: {d} holds a run whose run.json has an invalid field "
+                    f"({d / 'run.json'}: {message}): write to a new directory, or start over with --force / "
+                    "force=True (the old run is moved to crafted.replaced-<time>)")
+        else:
+            argv, line = [cmd, str(d), *extra], f"triage-monitor {cmd}: error: {d / 'run.json'}: {message}"
+        r = subprocess.run([sys.executable, "-m", "triage_monitor", *argv], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, (cmd, r.stderr)
+        assert r.stderr.strip().splitlines() == [line] or r.stderr.strip().splitlines()[-1] == line, r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_a_monitor_refuses_a_configuration_its_run_json_could_not_be_read_back_with(tmp_path):
+    """The writer checks its own configuration the way a reader will (so what it writes reads back): a window of
+    2.5 steps or above int64, a ``record_tokens`` that is not a boolean are a ``ManifestError`` at construction naming the
+    ``MonitorConfig`` field (typed out here), before anything is written."""
+    from triage_monitor.manifest import ManifestError
+
+    for cfg, message in ((MonitorConfig(window=2.5), "MonitorConfig.window must be an integer from 1 to "
+                          "9223372036854775807, got 2.5"),
+                         (MonitorConfig(calibration_steps=2 ** 63), "MonitorConfig.calibration_steps must be an "
+                          "integer from 1 to 9223372036854775807, got 9223372036854775808"),
+                         (MonitorConfig(record_tokens="yes"), "MonitorConfig.record_tokens must be a boolean, got a "
+                          "string ('yes')")):
+        with pytest.raises(ManifestError) as err:
+            MismatchMonitor(tmp_path / "run", cfg)
+        assert str(err.value) == message
+    assert not (tmp_path / "run").exists()

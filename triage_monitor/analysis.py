@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from .errors import TriageMonitorError
 from .layout import MANIFEST, RunLayout, temp_path
-from .manifest import RunManifest, read_manifest
+from .manifest import ManifestError, RunManifest, read_manifest
 
 log = logging.getLogger("triage_monitor.analysis")
 
@@ -222,7 +222,8 @@ def open_run(path) -> Run:
 
     Raises:
         RunDirError: the path does not exist, is not a directory, or has no
-            ``run.json`` manifest, or the manifest is unreadable.
+            ``run.json`` manifest, or the manifest is unreadable or has a field of the wrong type or out of
+            range (:class:`~triage_monitor.manifest.ManifestError`: the message names the file and the field).
     """
     p = Path(path)
     if not p.exists():
@@ -234,6 +235,8 @@ def open_run(path) -> Run:
     run = Run(p)
     try:
         run.manifest
+    except ManifestError as exc:             # names the file and the field already
+        raise RunDirError(str(exc)) from exc
     except (OSError, ValueError) as exc:
         raise RunDirError(f"{RunLayout(p).manifest}: unreadable manifest ({exc})") from exc
     return run

@@ -1,6 +1,6 @@
 """``triage-monitor report RUN_DIR -o report.html``: write the self-contained HTML post-mortem
 (:mod:`triage_monitor.report`).  Its options are declared without importing the report's plotting stack, so
-``report --help`` works, and a missing ``dashboard`` extra is one line naming it, exit 2."""
+``report --help`` works, and a missing ``dashboard`` extra (plotly) is one line naming it, exit 2."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ from pathlib import Path
 
 from .. import exits
 
+#: What the report's charts need, and how to get it.
+EXTRA_HINT = "pip install 'triage-monitor[dashboard]'"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``triage-monitor report``; returns ``parser``."""
+    parser.epilog = f"needs plotly, from the 'dashboard' extra: {EXTRA_HINT}"
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter        # the epilog's command stays on one line
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="run directory (more are overlaid in the time series)")
     parser.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: %(default)s)")
@@ -26,9 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report.  Exit status (docs/cli.md#exit-statuses): 0 written; 2 a bad run directory, an
-    empty run or a bad option; 3 the output path cannot be written (one line on stderr)."""
+    empty run, a bad option or plotly missing (the line names the ``dashboard`` extra); 3 the output path cannot
+    be written (one line on stderr)."""
     from ..analysis import RunDirError, open_run
-    from ..report import build_report
+
+    try:
+        from ..report import build_report
+    except ImportError as exc:        # plotly (the dashboard extra) missing; any other import error is a bug
+        missing = (exc.name or "").split(".")[0]
+        if missing != "plotly":
+            raise
+        exits.error("report", f"the HTML report needs plotly, which is not installed: {EXTRA_HINT}")
+        return exits.INPUT_ERROR
 
     t0 = time.perf_counter()
     exits.note("report", f"reading {', '.join(map(str, args.run_dirs))} …")
