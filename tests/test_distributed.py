@@ -12,6 +12,7 @@ single process on the concatenated batch:
   global loss (rank-local gradients put side by side) equal the single-process values.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -282,9 +283,124 @@ def test_an_alert_fires_once_per_job_not_once_per_rank(tmp_path):
     assert (w[0] == w[1]).all() and (w[0] > 1.8).all()
 
 
+SUBGROUP = [1, 3]                      # the ranks that monitor; ranks 0 and 2 never call the monitor
+
+
+def subgroup_worker(rank, world, outdir):
+    """A 4-rank job whose monitoring ranks are SUBGROUP: each builds a monitor syncing over that group, with the
+    default rules and a tracker; ranks 0 and 2 build none and never join the monitor's collectives (a collective
+    they would have to join fails after 60 s).  ``run``: files numbered by the rank in the group; ``numbered-
+    globally``: the default (global) ranks."""
+    import datetime
+    import logging
+
+    import torch.distributed as dist
+
+    from triage_monitor import manifest as manifest_mod
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    outdir = Path(outdir)
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", init_method=f"file://{outdir / 'rendezvous'}", rank=rank, world_size=world,
+                            timeout=timeout)
+    sub = dist.new_group(SUBGROUP, timeout=timeout)          # every rank creates the group
+    write = manifest_mod.RunManifest.write
+
+    def counted_write(self, run_dir):                          # which processes write which run.json
+        with open(outdir / "manifest-writes.txt", "a") as f:
+            f.write(f"{rank} {Path(run_dir).name}\n")
+        return write(self, run_dir)
+
+    manifest_mod.RunManifest.write = counted_write
+    res = {"pid": os.getpid()}
+    if rank in SUBGROUP:
+        cfg = MonitorConfig(metrics=MCFG, window=WINDOW, calibration_steps=CALIB)
+        tracker = RecordingTracker(outdir / f"tracker-rank{rank}.txt")
+        with MismatchMonitor(outdir / "run", cfg, loggers=[tracker], group=sub, rank=dist.get_rank(sub)) as mon:
+            res.update(rank=mon.rank, reports=mon.reports, world_size=mon.world_size, attempt=mon.attempt,
+                       metrics=[mon.log_step(step, TokenBatch.from_padded(*biased_shard(step, rank, world)[:4],
+                                                                          sample_ids=biased_shard(step, rank,
+                                                                                                  world)[4]))
+                                for step in range(6)])
+        with MismatchMonitor(outdir / "numbered-globally", cfg, group=sub, alerts=False) as mon:
+            res["global"] = (mon.rank, mon.reports)
+            mon.log_step(0, TokenBatch.from_padded(*biased_shard(0, rank, world)[:4]))
+    torch.save(res, outdir / f"sub-rank{rank}.pt")
+    dist.barrier()                                             # after the monitoring: every rank joins this one
+    dist.destroy_process_group()
+
+
+def test_a_monitor_on_a_subgroup_syncs_and_reports_there(tmp_path):
+    """4 gloo processes; the monitor syncs over the 2-rank subgroup [1, 3] (ranks 0 and 2 never call it): the job
+    runs through, the metrics on both monitoring ranks are those of one process on their two shards, the
+    reporting rank is the subgroup's rank 0 (global rank 1): the rules fire once (one log line, one alerts/ row,
+    one tracker call, all its), its tracker alone is fed, the attempt id is the group's, ``world_size`` the group's
+    size, and run.json is written by that process alone (the files numbered by the rank in the group, as the
+    framework hooks do).  With the default, global numbering, global rank 1 still reports, and says once that no
+    process of rank 0 writes that run's run.json."""
+    import pandas as pd
+
+    world = 4
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, "subgroup", str(r), str(world), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0].decode())
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError("a rank did not finish in 240 s (hung)") from None
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o
+    res = {r: torch.load(tmp_path / f"sub-rank{r}.pt") for r in range(world)}
+    assert all("metrics" not in res[r] for r in (0, 2))
+    assert [(res[r]["rank"], res[r]["reports"], res[r]["world_size"]) for r in SUBGROUP] == [(0, True, 2),
+                                                                                           (1, False, 2)]
+    assert res[1]["attempt"] == res[3]["attempt"]
+    # the metrics: one process on the two shards of the subgroup, the same on both ranks
+    tracker = MetricTracker(MCFG, WINDOW, None, CALIB)
+    for step in range(6):
+        parts = [biased_shard(step, r, world) for r in SUBGROUP]
+        lp, s, adv, mask, ids = (torch.cat([p[i] for p in parts]) for i in range(5))
+        st, win = tracker.step(step, TokenBatch.from_padded(lp, s, adv, mask, sample_ids=ids))
+        ref = {**st.values, **{f"window/{k}": v for k, v in win.values.items()}}
+        for r in SUBGROUP:
+            live = res[r]["metrics"][step]
+            for name in [*METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)]:
+                assert close(live[name], ref[name], 1e-9), (r, step, name, live[name], ref[name])
+    # the alerts: once, from the subgroup's rank 0 (global rank 1)
+    lines = {r: [ln for ln in outs[r].splitlines() if ln.startswith("triage_monitor.alerts ")] for r in range(world)}
+    assert [len(lines[r]) for r in range(world)] == [0, 2, 0, 0]
+    assert "rho_asym_critical" in lines[1][0] and "rho_asym_high" in lines[1][1]
+    rows = pd.read_parquet(tmp_path / "run" / "alerts")
+    assert sorted(zip(rows["step"], rows["rule"], rows["rank"])) == [(2, "rho_asym_critical", 0),
+                                                                     (4, "rho_asym_high", 0)]
+    calls = (tmp_path / "tracker-rank1.txt").read_text().splitlines()
+    assert [c for c in calls if c.startswith("alert")] == ["alert 2 rho_asym_critical", "alert 4 rho_asym_high"]
+    assert not (tmp_path / "tracker-rank3.txt").exists()
+    assert [m["alerts_active"] for m in res[1]["metrics"]] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+    assert all(math.isnan(m["alerts_active"]) for m in res[3]["metrics"])
+    # run.json: written by global rank 1 alone, attempt and world size the group's
+    writes = (tmp_path / "manifest-writes.txt").read_text().splitlines()
+    assert {w for w in writes if w.endswith(" run")} == {"1 run"}
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert [(a["attempt"], a["pid"], a["world_size"]) for a in manifest["attempts"]] == [
+        (res[1]["attempt"], res[1]["pid"], 2)]
+    # numbered by global rank: rank 1 reports all the same, and says that no process of rank 0 writes run.json
+    assert [res[r]["global"] for r in SUBGROUP] == [(1, True), (3, False)]
+    assert [sum("writes the run's files as rank 1" in ln for ln in outs[r].splitlines()) for r in range(world)] == \
+        [0, 1, 0, 0]
+    assert not any(w.endswith(" numbered-globally") for w in writes)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "alerts":
         alert_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    elif sys.argv[1] == "subgroup":
+        subgroup_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:
         worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
 

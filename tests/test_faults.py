@@ -220,30 +220,113 @@ def test_full_tmpfs_counts_dropped_rows_and_keeps_files_whole(tmp_path, caplog):
         assert assert_all_readable(mnt / "run", None) == mon.sink.written_rows   # what is visible is complete
 
 
-def test_a_file_system_without_flock_warns_once_naming_the_lock_file_and_writes_unlocked(tmp_path, caplog,
-                                                                                         monkeypatch):
-    """On a file system without flock (an NFS mount without its lock daemon answers flock with ENOLCK) a writer
-    still starts: one warning names the lock file and the OS reason (text typed out here), the steps are written
-    and the lock file holds no holder line.  No file system mountable here lacks flock, so ``fcntl.flock`` is
-    replaced by one that fails as such a mount does: ``OSError(ENOLCK, "No locks available")``."""
+def _no_flock():
+    """Make ``fcntl.flock`` fail as on a file system without flock (an NFS mount without its lock daemon answers
+    ENOLCK).  No file system mountable here lacks flock, so the tests (in this process or a child) replace it."""
     import errno
     import fcntl
 
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
-    monkeypatch.setattr(fcntl, "flock", no_flock)
+    fcntl.flock = no_flock
+
+
+def test_a_file_system_without_flock_warns_once_and_holds_an_exclusive_lock_file(tmp_path, caplog, monkeypatch):
+    """On a file system without flock a writer still starts: one warning names the lock file, the OS reason and
+    the stand-in (text typed out here); while it writes, ``.writer-rank-0.lock.excl`` holds "pid <this pid> on
+    <this host>, attempt <its attempt>, ..." and a second writer of the rank in another process would be refused
+    (the multi-process test below); at close the file is removed, the steps are written and the flock lock file
+    holds no holder line."""
+    import fcntl
+    import socket
+
+    monkeypatch.setattr(fcntl, "flock", fcntl.flock)       # restored after the test
+    _no_flock()
     caplog.set_level(logging.WARNING, logger="triage_monitor")
     d = tmp_path / "run"
-    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)) as mon:
+    lock, excl = d / ".writer-rank-0.lock", d / ".writer-rank-0.lock.excl"
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), attempt=17) as mon:
         for step in range(2):
             mon.log_step(step, batch(step, B=2, T=16))
-    lock = d / ".writer-rank-0.lock"
+        held = excl.read_text()
     assert [r.getMessage() for r in caplog.records if r.name == "triage_monitor.records"] == [
-        f"triage-monitor: cannot lock {lock} (No locks available); a second writer of this rank would not be "
-        "detected"]
+        f"triage-monitor: cannot lock {lock} (No locks available): no flock on this file system; the exclusive lock "
+        f"file {excl} stands in for it (created with O_EXCL, removed at close)"]
+    assert held.startswith(f"pid {os.getpid()} on {socket.gethostname()}, attempt 17, since ")
+    assert not excl.exists() and lock.read_text() == ""
     assert open_run(d).step_numbers() == [0, 1]
-    assert lock.read_text() == ""
+
+
+def child_noflock_hold(d):
+    """Without flock: hold rank 0 of run ``d`` (one step written), print "held", wait for stdin to close."""
+    _no_flock()
+    mon = MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), alerts=False)
+    mon.log_step(0, batch(0, B=2, T=16))
+    mon.flush()
+    print("held", flush=True)
+    sys.stdin.read()
+    mon.close()
+
+
+def child_noflock_start(d):
+    """Without flock: start a writer of rank 0 of ``d``, log step 1; print "ok" or the error's type and text."""
+    _no_flock()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from triage_monitor.records import RunLockedError
+
+    try:
+        with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), alerts=False) as mon:
+            mon.log_step(1, batch(1, B=2, T=16))
+    except RunLockedError as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        return
+    print(json.dumps({"error": None}))
+
+
+@pytest.mark.multiprocess
+def test_without_flock_a_second_process_is_refused_and_a_killed_writers_lock_is_taken_over(tmp_path, monkeypatch):
+    """Without flock (in every process here), with real processes: while a writer holds rank 0, a second process
+    is refused with ``RunLockedError`` naming the holder's pid and the stand-in file; so is ``force``.  The holder
+    is SIGKILLed (no close: its ``.lock.excl`` stays behind, naming a pid that is no longer running on this host);
+    the next writer takes it over with one warning and writes.  A stand-in naming another host is never taken
+    over: refused, naming the file to remove."""
+    d = tmp_path / "run"
+    excl = d / ".writer-rank-0.lock.excl"
+    holder = subprocess.Popen([sys.executable, __file__, "noflock-hold", str(d)], env=ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()
+        assert excl.read_text().startswith(f"pid {holder.pid} on ")
+        r = run_child("noflock-start", d)
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["error"] == "RunLockedError", r.stderr
+        assert f"rank 0 (pid {holder.pid} on " in out["message"] and f"{excl} stands in for the lock" in out["message"]
+        import fcntl
+
+        from triage_monitor.records import RunLockedError
+
+        monkeypatch.setattr(fcntl, "flock", fcntl.flock)
+        _no_flock()
+        with pytest.raises(RunLockedError, match=f"rank 0 \\(pid {holder.pid} on "):
+            MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), force=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]        # nothing moved aside
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)                            # reaped: the pid is no longer running
+        assert holder.returncode == -signal.SIGKILL and excl.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    r = run_child("noflock-start", d)
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"error": None}, r.stderr
+    assert r.stderr.count("a killed writer's lock, taken over") == 1 and f"(pid {holder.pid} on " in r.stderr
+    assert not excl.exists()
+    assert open_run(d).step_numbers() == [0, 1]
+    excl.write_text("pid 4242 on another-host.example, attempt 1, since 2024-01-01T00:00:00+0000\n")
+    r = run_child("noflock-start", d)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["error"] == "RunLockedError" and "(pid 4242 on another-host.example, " in out["message"]
+    assert "remove it once that job is gone" in out["message"] and excl.exists()
 
 
 def child_fsize(d, limit):
@@ -317,6 +400,190 @@ def test_a_directory_in_place_of_the_lock_file_refuses_the_start_naming_it(tmp_p
         MismatchMonitor(d, MonitorConfig(window=2))
     assert str(err.value) == f"{d / '.writer-rank-0.lock'}: cannot open the writer lock file: Is a directory"
     assert err.value.path == d
+
+
+# ============================================================================== resume on a failing disk
+def fill_disk(path: Path) -> None:
+    """Write zeros to ``path`` until the file system answers ENOSPC (unbuffered: nothing is left to flush)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as exc:
+        assert exc.errno == 28, exc                      # ENOSPC
+    finally:
+        os.close(fd)
+
+
+def files_of(d: Path) -> dict:
+    """``{relative path: bytes}`` of the run's visible table files."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in visible_files(d)}
+
+
+def names_of_step(d: Path, table: str, step: int) -> list:
+    return sorted(p.name for p in (d / table).iterdir() if p.name.startswith(f"step-{step:08d}-"))
+
+
+def test_a_resume_on_a_full_disk_keeps_the_earlier_attempts_files(tmp_path, caplog):
+    """A job resumed on a full disk (a tmpfs filled to ENOSPC) repeats steps 2-3: none of its files can be written,
+    so the earlier attempt's files of those steps must stay, byte for byte (before this change they were removed
+    although nothing replaced them: both attempts' records of the steps were gone).  The 4 kept files (tokens and
+    steps of 2 steps) are counted and warned once.  With room again, a third attempt repeats step 2: once its files
+    are written, the earlier attempt's of step 2 go, and one file per table is left."""
+    mnt = tmp_path / "disk"
+    with tmpfs(mnt, "size=4m") as ok:
+        if not ok:
+            pytest.skip("mount not permitted here (the RLIMIT_FSIZE and dropped-file tests cover it)")
+        d, cfg = mnt / "run", MonitorConfig(window=2, calibration_steps=2)
+        with MismatchMonitor(d, cfg, alerts=False) as mon:
+            for s in range(5):
+                mon.log_step(s, batch(s, B=8, T=64))
+        a1, before = mon.attempt, files_of(d)
+        assert len(before) == 10
+        fill_disk(mnt / "filler")
+        caplog.set_level(logging.WARNING, logger="triage_monitor")
+        with MismatchMonitor(d, cfg, alerts=False) as mon:
+            for s in (2, 3):
+                mon.log_step(s, batch(s, B=8, T=64, seed=4))
+        assert mon.sink.written_files == 0 and "No space left" in mon.sink.last_error
+        assert files_of(d) == before and mon.sink.kept_files == 4
+        assert len([r for r in caplog.records if "of an earlier attempt" in r.getMessage()]) == 1
+        run = open_run(d)
+        assert run.step_numbers() == [0, 1, 2, 3, 4] and set(run.steps()["attempt"]) == {a1}
+        assert [len(run.tokens(s)) for s in (2, 3)] == [batch(s, B=8, T=64).num_tokens for s in (2, 3)]
+        assert not list(mnt.rglob(".tmp-*"))
+        (mnt / "filler").unlink()
+        with MismatchMonitor(d, cfg, alerts=False) as mon:
+            mon.log_step(2, batch(2, B=8, T=64, seed=5))
+        a3 = mon.attempt
+        for table in ("tokens", "steps"):
+            assert names_of_step(d, table, 2) == [f"step-00000002-rank-0000-attempt-{a3}.parquet"]
+            assert names_of_step(d, table, 3) == [f"step-00000003-rank-0000-attempt-{a1}.parquet"]
+        assert mon.sink.kept_files == 0
+        assert len(open_run(d).tokens(2)) == batch(2, B=8, T=64, seed=5).num_tokens
+
+
+def child_fsize_resume(d, limit):
+    """Resume run ``d`` under RLIMIT_FSIZE = limit bytes (SIGXFSZ ignored): repeat steps 2 and 3 with big token
+    files (over the limit) and small steps files (under it); print a JSON summary."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), alerts=False) as mon:
+        for s in (2, 3):
+            mon.log_step(s, batch(s, B=16, T=2048, seed=4))
+    print(json.dumps({"attempt": mon.attempt, "kept": mon.sink.kept_files, "written": mon.sink.written_files,
+                      "error": mon.sink.last_error}))
+
+
+@pytest.mark.multiprocess
+def test_a_resume_under_a_file_size_limit_keeps_the_earlier_token_files(tmp_path):
+    """A resumed attempt in a child process under ``RLIMIT_FSIZE`` = 100 kB repeats steps 2-3: its token files
+    (each over the limit) fail with EFBIG, its steps files (a few kB) are written.  Each earlier file goes only once
+    its own replacement is on disk: the earlier attempt's token files of steps 2-3 stay byte for byte (2 kept), its
+    steps files are replaced by the new attempt's.  The readers then take the steps rows of the new attempt and the
+    tokens of the old one (the ``attempt`` columns say so)."""
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), alerts=False) as mon:
+        for s in range(5):
+            mon.log_step(s, batch(s, B=16, T=2048))
+    a1, before = mon.attempt, files_of(d)
+    assert all(len(b) > 100_000 for k, b in before.items() if k.startswith("tokens"))      # over the limit
+    r = run_child("fsize-resume", d, 100_000)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    a2 = out["attempt"]
+    assert "File too large" in out["error"] and out["kept"] == 2 and out["written"] == 2
+    for s in (2, 3):
+        assert names_of_step(d, "tokens", s) == [f"step-{s:08d}-rank-0000-attempt-{a1}.parquet"]
+        key = f"tokens/step-{s:08d}-rank-0000-attempt-{a1}.parquet"
+        assert (d / key).read_bytes() == before[key]
+        assert names_of_step(d, "steps", s) == [f"step-{s:08d}-rank-0000-attempt-{a2}.parquet"]
+    run = open_run(d)
+    steps = run.steps().set_index("step")
+    assert steps.loc[2, "attempt"] == a2 and steps.loc[2, "n_tokens"] == batch(2, B=16, T=2048, seed=4).num_tokens
+    assert set(run.tokens(2)["attempt"]) == {a1} and len(run.tokens(2)) == batch(2, B=16, T=2048).num_tokens
+    assert not list(d.rglob(".tmp-*"))
+
+
+def hold_disk(monkeypatch=None):
+    """A disk that does not answer: every Parquet write of the run writer waits until the returned ``release``
+    event is set (``entered`` is set when the first one starts waiting).  Patches the sink's
+    ``write_table_atomic`` (through ``monkeypatch`` when given, so it is restored)."""
+    import threading
+
+    import triage_monitor.sink as sink_mod
+
+    release, entered = threading.Event(), threading.Event()
+    real = sink_mod.write_table_atomic
+
+    def held(table, path):
+        entered.set()
+        if not release.wait(120):
+            raise TimeoutError("the test never released the disk")
+        real(table, path)
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(sink_mod, "write_table_atomic", held)
+    else:
+        sink_mod.write_table_atomic = held
+    return release, entered
+
+
+def test_a_resume_whose_files_are_dropped_keeps_the_earlier_attempts_files(tmp_path, monkeypatch):
+    """``backpressure="drop"`` with a 1-byte queue bound on a disk held still: the resumed attempt's first file
+    (the token file of step 2, alone in the queue) is taken; every later file is dropped (the steps row of step 2,
+    both files of step 3).  The earlier attempt's files go only where a replacement reached the disk: its token file
+    of step 2 is replaced, its steps file of step 2 and both files of step 3 stay (3 kept).  Dropped rows, worked
+    out by hand: the tokens of step 3 plus 2 steps rows."""
+    d, cfg = tmp_path / "run", MonitorConfig(window=2, calibration_steps=2)
+    with MismatchMonitor(d, cfg, alerts=False) as mon:
+        for s in range(5):
+            mon.log_step(s, batch(s, B=8, T=64))
+    a1 = mon.attempt
+    release, entered = hold_disk(monkeypatch)
+    mon = MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2, max_queue_bytes=1, backpressure="drop"),
+                          alerts=False)
+    try:
+        for s in (2, 3):
+            mon.log_step(s, batch(s, B=8, T=64, seed=4))
+        assert entered.wait(60)
+    finally:
+        release.set()
+        mon.close()
+    a2 = mon.attempt
+    assert mon.sink.dropped_rows == batch(3, B=8, T=64, seed=4).num_tokens + 2 and mon.sink.kept_files == 3
+    assert names_of_step(d, "tokens", 2) == [f"step-00000002-rank-0000-attempt-{a2}.parquet"]
+    assert names_of_step(d, "steps", 2) == [f"step-00000002-rank-0000-attempt-{a1}.parquet"]
+    for table in ("tokens", "steps"):
+        assert names_of_step(d, table, 3) == [f"step-00000003-rank-0000-attempt-{a1}.parquet"]
+    run = open_run(d)
+    assert run.step_numbers() == [0, 1, 2, 3, 4] and len(run.steps()) == 5
+
+
+def test_a_repeated_steps_alerts_replace_the_earlier_ones_only_once_written(tmp_path):
+    """The alerts table of a repeated step: the earlier attempt's alerts file goes once the new attempt's alerts
+    file of the step is written (an alert fired again) or, when none fired, once its steps file is written (at the
+    next step or at close).  A rule "n_tokens above 0" fires at the first step of each attempt (then stays active);
+    raised above every count, it fires nowhere."""
+    from triage_monitor.alerts import AlertEngine
+
+    def engine(threshold):
+        return AlertEngine([Rule(name="many", metric="n_tokens", condition="above", threshold=threshold)])
+
+    d, cfg = tmp_path / "run", MonitorConfig(window=2, calibration_steps=2)
+    with MismatchMonitor(d, cfg, alerts=engine(0)) as mon:
+        for s in range(3):
+            mon.log_step(s, batch(s, B=2, T=16))
+    assert names_of_step(d, "alerts", 0) == [f"step-00000000-rank-0000-attempt-{mon.attempt}.parquet"]
+    assert len(list((d / "alerts").iterdir())) == 1
+    with MismatchMonitor(d, cfg, alerts=engine(0)) as mon:      # fires again at step 0: its file replaces
+        mon.log_step(0, batch(0, B=2, T=16, seed=2))
+        mon.log_step(1, batch(1, B=2, T=16, seed=2))
+    assert names_of_step(d, "alerts", 0) == [f"step-00000000-rank-0000-attempt-{mon.attempt}.parquet"]
+    with MismatchMonitor(d, cfg, alerts=engine(1e9)) as mon:    # nothing fires: removed after the steps file
+        mon.log_step(0, batch(0, B=2, T=16, seed=3))
+    assert names_of_step(d, "alerts", 0) == [] and open_run(d).alerts().empty
+    assert names_of_step(d, "steps", 0) == [f"step-00000000-rank-0000-attempt-{mon.attempt}.parquet"]
 
 
 # ============================================================================== backpressure
@@ -562,3 +829,13 @@ if __name__ == "__main__":
         child_fsize(Path(args[0]), int(args[1]))
     elif mode == "rss":
         child_rss(Path(args[0]), args[1], float(args[2]), float(args[3]), int(args[4]))
+    elif mode == "noflock-hold":
+        child_noflock_hold(Path(args[0]))
+    elif mode == "noflock-start":
+        child_noflock_start(Path(args[0]))
+    elif mode == "fsize-resume":
+        child_fsize_resume(Path(args[0]), int(args[1]))
+    elif mode == "slow-disk":
+        child_slow_disk(Path(args[0]), args[1])
+    elif mode == "ranks":
+        child_ranks(Path(args[0]), int(args[1]), int(args[2]), int(args[3]), [int(a) for a in args[4:]])

@@ -403,3 +403,42 @@ def test_analysis_skips_malformed_entries_in_a_run_directory(tmp_path):
     (d / "tokens" / "notes.txt").write_text("not a table file")
     run = open_run(d)
     assert run.step_numbers() == [0]
+
+
+# ------------------------------------------------------------------ log_step: what the steps table cannot hold
+def test_log_step_refuses_extras_and_steps_the_steps_table_cannot_hold(tmp_path):
+    """Refused at the call, naming the key or the value (messages typed out here), with nothing recorded: a
+    non-string ``extra`` key (it would become a column name: before this change ``{0: 1.0}`` was taken and every
+    later steps file failed to write), an ``extra`` named like a bookkeeping column (it overwrote the writer's
+    ``rank`` or was overwritten), a step outside int64 (its rows were dropped on the writer thread).  After the
+    refusals the same monitor records every step, the largest int64 step (9223372036854775807) included, with
+    nothing dropped."""
+    import numpy as np
+
+    d = tmp_path / "run"
+    b = TokenBatch.from_padded(*healthy(B=2, T=8))
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        for key, shown in ((0, "0 (int)"), (1.5, "1.5 (float)"), (("a",), "('a',) (tuple)")):
+            with pytest.raises(TypeError) as err:
+                mon.log_step(0, b, extra={"reward": 1.0, key: 1.0})
+            assert str(err.value) == f"extra key {shown} must be a string: it names a column of the steps table"
+        for name in ("rank", "attempt", "wall_time", "nan_reasons"):
+            with pytest.raises(ValueError) as err:
+                mon.log_step(0, b, extra={name: 1.0})
+            assert str(err.value) == (
+                f"extra keys ['{name}'] are bookkeeping columns of the steps table (written by the monitor: attempt, "
+                f"nan_reasons, rank, step, wall_time); rename them (e.g. 'user/{name}')")
+        for step in (2 ** 63, np.uint64(2 ** 63), -2 ** 63 - 1, 10 ** 30):
+            with pytest.raises(ValueError) as err:
+                mon.log_step(step, b)
+            assert str(err.value) == (f"step {int(step)} is outside the int64 range [-2**63, 2**63 - 1] of the steps "
+                                      "table's step column")
+        assert mon.steps_logged == 0 and not (d / "steps").exists() and mon.tracker.state_dict()["calib"] == []
+        for s in range(3):
+            mon.log_step(s, b, extra={"reward": float(s)})
+        mon.log_step(9223372036854775807, b, extra={"reward": 9.0})
+    steps = open_run(d).steps()
+    assert steps["step"].tolist() == [0, 1, 2, 9223372036854775807] and steps["rank"].tolist() == [0] * 4
+    assert steps["reward"].tolist() == [0.0, 1.0, 2.0, 9.0] and steps["writer_dropped_rows"].tolist() == [0.0] * 4
+    assert open_run(d).manifest.writer == {"written_rows": 4 * (b.num_tokens + 1), "dropped_rows": 0,
+                                           "last_error": None}

@@ -11,6 +11,8 @@ file plus its tests.  The layout (README "The run directory")::
     alerts/step-<S:08d>-rank-<R:04d>-attempt-<A>.parquet      alerts raised at that step
     analysis/states-<key>.npz                                 cached per-step metric states (offline)
     .writer-rank-<R>.lock                                     held (flock) by the process writing rank R
+    .writer-rank-<R>.lock.excl                                its stand-in on a file system without flock
+                                                              (created O_EXCL, holds "pid <p> on <host>, ...")
     .ranks/<attempt>/<n>                                      rank claims of hook processes without a rank
     .<framework>/<job>/                                       a framework hook's shared files (e.g. .verl/)
 
@@ -131,6 +133,16 @@ class RunLayout:
     def lock_file(self, rank: int) -> Path:
         """``<root>/.writer-rank-<rank>.lock``: held (``flock``) by the process writing ``rank``."""
         return self.root / f".writer-rank-{int(rank)}.lock"
+
+    def exclusive_lock_file(self, rank: int) -> Path:
+        """``<root>/.writer-rank-<rank>.lock.excl``: the writer lock's stand-in where the file system has no
+        ``flock`` (created with ``O_EXCL`` by the writer, removed at its close; :mod:`triage_monitor.locks`)."""
+        return self.root / f".writer-rank-{int(rank)}.lock.excl"
+
+    def lock_takeover_file(self, rank: int) -> Path:
+        """``<root>/.writer-rank-<rank>.lock.excl.takeover``: held (``O_EXCL``) for the instant a writer removes a
+        stale :meth:`exclusive_lock_file`, so that two starting writers cannot both take it over."""
+        return self.root / f".writer-rank-{int(rank)}.lock.excl.takeover"
 
     def lock_files(self) -> list:
         """The writer lock files present in the directory, sorted by name."""

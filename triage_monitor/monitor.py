@@ -12,9 +12,10 @@ otherwise: docs/alerts.md), queues the valid tokens and the metric row for the b
 caller only pays for a host copy), and feeds the optional trackers (W&B, TensorBoard, MLflow:
 :mod:`triage_monitor.trackers`).
 
-Alerts and trackers are rank 0's: in a multi-rank job every rank writes its own records, but only rank 0 —
-whose metrics are the globally all-reduced ones under ``torch.distributed`` — evaluates the rules and calls the
-trackers, so each alert is raised, logged and sent once per job, not once per rank.
+Alerts and trackers are the reporting rank's: in a multi-rank job every rank writes its own records, but only
+rank 0 of the monitor's process group (``group``; the world group by default) — whose metrics are the ones
+all-reduced over that group under ``torch.distributed`` — evaluates the rules and calls the trackers, so each
+alert is raised, logged and sent once per job, not once per rank (:attr:`MismatchMonitor.reports`).
 
 Monitoring I/O and sinks never raise into the training loop: failures are
 counted, reported once and skipped.  Invalid training data does raise
@@ -72,8 +73,8 @@ INTEGRITY_METRICS = (*QUARANTINE_METRICS, "quarantined_count", "zero_logp_count"
                      "padding_run_tokens", "offset_response_count", "empty_response_count", "writer_dropped_rows")
 #: The input-alignment check of the first ``alignment_check_steps`` steps (NaN on the later ones).
 ALIGNMENT_METRICS = ("alignment_suspect", "alignment_shift", "alignment_ratio")
-#: The alert state of the step: the number of rules that fired and have not cleared (rank 0; NaN on the other
-#: ranks and without rules), so trackers and charts can overlay it (docs/alerts.md#trackers).
+#: The alert state of the step: the number of rules that fired and have not cleared (the reporting rank, rank 0 of
+#: the monitor's process group; NaN on the other ranks and without rules), so trackers and charts can overlay it (docs/alerts.md#trackers).
 ALERT_STATE = "alerts_active"
 STATE_VERSION = 1
 
@@ -115,24 +116,31 @@ class MismatchMonitor:
         loggers: trackers: objects with ``log_metrics(step, metrics)`` and ``close()`` (e.g.
             :class:`~triage_monitor.wandb_logger.WandbLogger`), or tracker configuration
             (``"tensorboard"``, ``{"kind": "mlflow", ...}``, :class:`~triage_monitor.trackers.TrackerSpec`),
-            built here.  Called on rank 0 only; a tracker with ``emit(alert)`` also receives the alerts of an
-            engine built here.
+            built here.  Called on the reporting rank only (rank 0 of ``group``); a tracker with
+            ``emit(alert)`` also receives the alerts of an engine built here.
         alerts: the alert rules evaluated live (:func:`~triage_monitor.alerts.build_engine`): None (default)
             or True — the shipped default rules, each alert logged once as a warning line, written to the run's
             ``alerts/`` table and sent to the trackers; False — none; a rule file path or a list of rules;
             or your own engine (anything with ``observe(step, metrics) -> list`` of alerts with ``to_row()``,
-            and ``close()``; its sinks are yours).  Evaluated on rank 0 only.
-        rank: this process's rank (default: torch.distributed rank, else 0).
-        group: torch.distributed process group for global metrics (default:
-            the world group when torch.distributed is initialised).
-        attempt: attempt id shared by every process of this job start (default: rank 0's, broadcast
-            over torch.distributed, or a new one).  Framework hooks pass the id drawn on the driver so
-            that Ray workers without a process group still write one attempt.
+            and ``close()``; its sinks are yours).  Evaluated on the reporting rank only (rank 0 of ``group``).
+        rank: this process's rank in the run directory's files (default: the torch.distributed rank, else 0).
+            The process of rank 0 writes ``run.json``.  When only the processes of ``group`` write the run (the
+            other ranks hold replicas or run no loss), pass ``rank=torch.distributed.get_rank(group)``: its
+            reporting rank is then the files' rank 0, which writes ``run.json`` and is the rank readers default to
+            (:meth:`triage_monitor.analysis.RunView.steps`), as the framework hooks do.
+        group: torch.distributed process group the metric state is all-reduced over (default: the world group
+            when torch.distributed is initialised).  Only its members take part in the monitor's collectives (the
+            attempt broadcast, the per-step all-reduce), so a process outside it never has to call ``log_step``;
+            its rank 0 reports.  This process must be a member.
+        attempt: attempt id shared by every process of this job start (default: the id of rank 0 of ``group``,
+            broadcast over it, or a new one).  Framework hooks pass the id drawn on the driver so that Ray
+            workers without a process group still write one attempt.
         resume: continue an existing run even though its :data:`~triage_monitor.manifest.IDENTITY_KEYS`
             (model, task, correction, seed, ...) differ; the new attempt records the changes.
         force: start a new run; an existing one is moved to ``<run_dir>.replaced-<UTC time>`` (rank 0).
 
     Raises:
+        ValueError: ``group`` is given and this process is not a member of it.
         triage_monitor.errors.OutputError: at construction, before any step: the run directory cannot be
             written (``UnwritableOutputError``, naming the path and the OS reason), holds a run of another
             configuration (``RunConflictError``, naming the differing keys), or another live process writes
@@ -147,15 +155,25 @@ class MismatchMonitor:
         self.run_dir = Path(run_dir)
         self.config = config or MonitorConfig()
         dist_on = dist.is_available() and dist.is_initialized()
+        self._distributed = dist_on
         self.rank = int(rank if rank is not None else (dist.get_rank() if dist_on else 0))
-        self.world_size = dist.get_world_size() if dist_on else 1
         self.group = group
+        #: this process's rank in ``group`` (its rank, without a group or torch.distributed)
+        self.group_rank = self.rank
+        if dist_on and group is not None:
+            self.group_rank = dist.get_rank(group)
+            if self.group_rank < 0:
+                raise ValueError(f"MismatchMonitor: this process (rank {dist.get_rank()}) is not a member of the "
+                                 "process group given as group=; build the monitor in the group's processes only")
+        #: the number of processes whose state is all-reduced: the size of ``group`` (the world's without one)
+        self.world_size = dist.get_world_size(group) if dist_on else 1
         if attempt is not None:
             self.attempt = int(attempt)
         else:
             self.attempt = _shared_attempt_id(group) if dist_on and self.world_size > 1 else new_attempt_id()
-        #: rank 0 reports: it evaluates the rules and calls the trackers (its metrics are the global ones)
-        self.reports = self.rank == 0
+        #: rank 0 of ``group`` reports: it evaluates the rules and calls the trackers (its metrics are those
+        #: all-reduced over the group).  Without torch.distributed: rank 0.
+        self.reports = self.group_rank == 0
         self.loggers = build_trackers(loggers) if self.reports else []
         self.alerts = (build_engine(alerts, sinks=[lg for lg in self.loggers if isinstance(lg, AlertSink)])
                        if self.reports else None)
@@ -168,6 +186,11 @@ class MismatchMonitor:
         self.writer = RunWriter(self.run_dir, self.attempt, self.rank, self.world_size, self.config.to_dict(),
                                 dict(manifest or {}), {"tool_version": __version__, "torch": torch.__version__},
                                 self.config.max_queue_bytes, self.config.backpressure, resume=resume, force=force)
+        if self.reports and self.rank != 0:
+            log.warning("triage-monitor: this process reports for its process group (its rank 0) but writes the run's "
+                        "files as rank %d; run.json is written by the process of rank 0 and readers default to rank "
+                        "0. If no process of %s has rank 0, pass rank=torch.distributed.get_rank(group)",
+                        self.rank, self.run_dir)
         if self.writer.resumed_tau_tail is not None:
             # resumed job: keep the τ_tail the earlier attempt froze (docs/metrics.md#tau_tail) instead of
             # re-calibrating on post-resume steps.  MismatchMonitor.load_state_dict (from the user's checkpoint)
@@ -212,15 +235,31 @@ class MismatchMonitor:
             metrics, the quarantine counters and ``extra``.
 
         Raises:
-            TypeError: ``step`` is not an int or ``batch`` not a TokenBatch.
-            ValueError: an ``extra`` value is not a number, or a ``token_extras`` entry has a reserved
-                name (a token column, ``step``, ``rank``) or not ``N`` values.
+            TypeError: ``step`` is not an int, ``batch`` not a TokenBatch, or an ``extra`` key not a string
+                (the message names the key).
+            ValueError: ``step`` is outside the int64 range (the steps table's ``step`` column and the file
+                names), an ``extra`` value is not a number, an ``extra`` key is the name of a computed metric or
+                of a bookkeeping column of the steps table (``rank``, ``attempt``, ``wall_time``,
+                ``nan_reasons``), or a ``token_extras`` entry has a reserved name (a token column, ``step``,
+                ``rank``) or not ``N`` values.  Nothing is recorded or changed when it raises.
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise TypeError(f"step must be an int, got {step!r}")
         if not isinstance(batch, TokenBatch):
             raise TypeError(f"batch must be a TokenBatch, got {type(batch).__name__}")
         step = int(step)
+        if not -2 ** 63 <= step < 2 ** 63:
+            raise ValueError(f"step {step} is outside the int64 range [-2**63, 2**63 - 1] of the steps table's "
+                             "step column")
+        for k in extra or {}:
+            if not isinstance(k, str):
+                raise TypeError(f"extra key {k!r} ({type(k).__name__}) must be a string: it names a column of the "
+                                "steps table")
+        bookkeeping = sorted(set(extra or {}) & (BOOKKEEPING_COLUMNS - {"step"}))
+        if bookkeeping:
+            raise ValueError(f"extra keys {bookkeeping} are bookkeeping columns of the steps table (written by the "
+                             f"monitor: {', '.join(sorted(BOOKKEEPING_COLUMNS))}); rename them "
+                             f"(e.g. 'user/{bookkeeping[0]}')")
         if step == self._last_step:
             self._warn_once("repeat", "triage-monitor: step %d logged twice in a row by this process: the later call "
                             "replaces the earlier one's records and window entry (log once per optimizer step, "
@@ -234,7 +273,9 @@ class MismatchMonitor:
             raise ValueError(f"extra keys {clash} are names of computed metrics; rename them (e.g. 'user/{clash[0]}')")
         _check_token_extras(token_extras, batch.num_tokens)
         batch = batch.detach()
-        group = self.group if self.world_size > 1 else None
+        # the given group, even of one process (None would mean the world's); none without torch.distributed (or
+        # once its process groups are destroyed)
+        group = self.group if self._distributed and _dist_initialized() else None
         was_frozen = self.tracker.tau_frozen
         step_res, win_res = self.tracker.step(step, batch, group=group)
         if self.tracker.tau_frozen and not was_frozen and not self.tracker.tau_given:
@@ -318,7 +359,7 @@ class MismatchMonitor:
         self.writer.record_step(step, batch, metrics, reasons, token_extras, self.config.record_tokens)
 
     def _evaluate_alerts(self, step: int, metrics: dict) -> list:
-        """Run the rules on the step's metrics (rank 0) and add :data:`ALERT_STATE` to ``metrics``;
+        """Run the rules on the step's metrics (the reporting rank) and add :data:`ALERT_STATE` to ``metrics``;
         returns the alerts fired at this step."""
         if self.alerts is None:
             metrics[ALERT_STATE] = float("nan")
@@ -361,9 +402,15 @@ class MismatchMonitor:
         self.close("finished" if exc_type is None else "failed")
 
 
+def _dist_initialized() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
 def _shared_attempt_id(group=None) -> int:
-    """Rank 0's attempt id, broadcast to every rank, so one process start of a multi-rank job writes one
-    attempt id everywhere (the manifest lists rank 0's; readers can match ranks of the same attempt)."""
+    """The attempt id of rank 0 of ``group`` (the world's without one), broadcast over the group, so one process
+    start of a multi-rank job writes one attempt id everywhere (the manifest lists it; readers can match ranks of
+    the same attempt).  Only the group's members take part."""
     import torch.distributed as dist
 
     dev = torch.device("cpu")

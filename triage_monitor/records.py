@@ -38,8 +38,8 @@ import pyarrow as pa
 from .errors import OutputError, RunConflictError, RunLockedError, UnwritableOutputError  # noqa: F401  (raised here)
 from .layout import MANIFEST, TABLES, RunLayout, temp_path
 from .locks import acquire_writer_lock, probe_lock, release_writer_lock
-from .manifest import (IDENTITY_KEYS, IO_CONFIG_KEYS, RunManifest, config_differences,  # noqa: F401
-                       describe_differences, read_manifest)
+from .manifest import (IDENTITY_KEYS, IO_CONFIG_KEYS, ManifestError, RunManifest,  # noqa: F401
+                       check_monitor_config, config_differences, describe_differences, read_manifest)
 from .sink import DeferredColumns, ParquetSink
 
 #: the writer's messages (locks, files, manifest) share one logger name
@@ -156,8 +156,9 @@ def check_run_dir(run_dir, monitor_config: dict, info: dict, *, resume: bool = F
 
     Raises:
         UnwritableOutputError: the directory cannot be created or written.
-        RunConflictError: another configuration or an unreadable run.json (the message names the differing
-            keys and the way out).
+        RunConflictError: another configuration, an unreadable run.json or one with a field of the wrong type
+            or out of range (:class:`~triage_monitor.manifest.ManifestError`); the message names the differing
+            keys or the field, and the way out.
         RunLockedError: ``force`` while a process is writing the run.
     """
     p = probe_writable(run_dir)
@@ -175,6 +176,9 @@ def check_run_dir(run_dir, monitor_config: dict, info: dict, *, resume: bool = F
                f"{p.name}.replaced-<time>)")
     try:
         old = read_manifest(p)
+    except ManifestError as exc:            # a field of the wrong type or out of range, named with the file
+        raise RunConflictError(f"{p} holds a run whose {MANIFEST} has an invalid field ({exc}): {way_out}", p) \
+            from exc
     except (OSError, ValueError) as exc:
         raise RunConflictError(f"{p} holds a run whose {MANIFEST} is unreadable ({exc}): {way_out}", p) from exc
     metric, identity = config_differences(old, monitor_config, info)
@@ -211,6 +215,9 @@ class RunWriter:
     :meth:`close` (or the process's death).
 
     Raises:
+        ManifestError: (a ValueError) ``monitor_config`` holds a value its run.json could not be read back with
+            (:func:`~triage_monitor.manifest.check_monitor_config`: a window above 2**63 - 1, a non-integral
+            window, a non-finite τ_tail, ...), before anything is written.
         UnwritableOutputError, RunConflictError, RunLockedError: at start (:class:`OutputError`).
     """
 
@@ -220,11 +227,14 @@ class RunWriter:
         import platform
         import socket
 
+        check_monitor_config(monitor_config, "MonitorConfig")   # what run.json will hold must read back
         self.run_dir, self.attempt, self.rank = Path(run_dir), int(attempt), int(rank)
         self.layout = RunLayout(self.run_dir)
         self._warned: set = set()
         #: the steps table's schema (None until declared or until the first row)
         self.steps_schema: Optional[pa.Schema] = None
+        #: a repeated step whose earlier attempts' alerts files are still to be removed (see record_step)
+        self._pending_alerts: Optional[int] = None
         probe_writable(self.run_dir)
         self._lock = acquire_writer_lock(self.run_dir, self.rank, self.attempt)
         try:
@@ -294,6 +304,7 @@ class RunWriter:
         from .batch import INVALID_REASONS
 
         step, n = int(step), batch.num_tokens
+        written: set = set()         # the tables this step has a file of (the files replacing earlier attempts')
         if record_tokens and n:
             # on the caller's thread: only the copies to host (no-ops for CPU tensors); the per-token gathers,
             # casts and constant columns are built on the writer thread (DeferredColumns)
@@ -317,6 +328,7 @@ class RunWriter:
 
             nbytes = n * (8 * 5 + 4 * (4 + len(extras)))
             self.sink.submit("tokens", step, self.rank, DeferredColumns(token_columns, nbytes, n), schema)
+            written.add("tokens")
         if batch.quarantine_rows is not None:
             qd = {k: v.numpy() for k, v in batch.quarantine_rows.items()}
             m = len(qd["position"])
@@ -325,6 +337,7 @@ class RunWriter:
                       attempt=np.full(m, self.attempt, dtype=np.int64))
             self.sink.submit("quarantine", step, self.rank, {f.name: qd[f.name] for f in QUARANTINE_SCHEMA},
                              QUARANTINE_SCHEMA)
+            written.add("quarantine")
         row = {"step": step, "rank": self.rank}
         row.update((k, float(v)) for k, v in metrics.items() if k != "step")
         row["attempt"] = self.attempt
@@ -332,9 +345,38 @@ class RunWriter:
         row["nan_reasons"] = json.dumps(reasons)
         row["writer_dropped_rows"] = float(self.sink.dropped_rows)
         self.sink.submit("steps", step, self.rank, [self._step_row(step, row)], self.steps_schema)
-        for a in self.earlier_attempts:       # a repeated step replaces the earlier attempts' files of this rank
+        self._replace_earlier(step, written)
+
+    def _replace_earlier(self, step: int, written: set) -> None:
+        """Queue the removal of this rank's files of a repeated ``step`` from the earlier attempts, each one only
+        once its replacing file is on disk: a table this attempt wrote a file of at the step (``written``) waits
+        for that file; the other tables (no quarantined token, no token records) for the step's steps file.
+        The alerts table waits for :meth:`record_alerts`, called next for the same step (an alert fired), or
+        else for the next step or :meth:`close` (then the steps file)."""
+        self._flush_pending_alerts()
+        if not self.earlier_attempts:
+            return
+        for a in self.earlier_attempts:
             for table in TABLES:
-                self.sink.submit_delete(table, step, self.rank, a)
+                if table != "alerts":
+                    self.sink.submit_delete(table, step, self.rank, a, after=table if table in written else "steps")
+        self._pending_alerts = step
+
+    def _flush_pending_alerts(self) -> None:
+        """The earlier attempts' alerts files of the last repeated step, when no alert fired at it: removed once
+        the step's steps file is on disk (queued; once the sink is closed, here, checking the disk)."""
+        step, self._pending_alerts = self._pending_alerts, None
+        if step is None:
+            return
+        for a in self.earlier_attempts:
+            if not self.sink.closed:
+                self.sink.submit_delete("alerts", step, self.rank, a, after="steps")
+            elif self.layout.table_file("steps", step, self.rank, self.attempt).is_file():
+                try:
+                    self.layout.table_file("alerts", step, self.rank, a).unlink(missing_ok=True)
+                except OSError as exc:
+                    self._warn_once("remove", "triage-monitor could not remove %s (%s)",
+                                    self.layout.table_file("alerts", step, self.rank, a), exc)
 
     def _step_row(self, step: int, row: dict) -> dict:
         """``row`` with every column of the steps schema (NaN where absent), so that the steps table has one
@@ -357,10 +399,15 @@ class RunWriter:
         if rows:
             self.sink.submit("alerts", step, self.rank, [{**r, "step": int(step), "rank": self.rank,
                                                           "attempt": self.attempt} for r in rows], ALERT_SCHEMA)
+            if self._pending_alerts == int(step):     # a repeated step: its alerts replace the earlier attempts'
+                self._pending_alerts = None
+                for a in self.earlier_attempts:
+                    self.sink.submit_delete("alerts", step, self.rank, a, after="alerts")
 
     def close(self, status: str, steps_logged: int) -> None:
         """Drain the writer and mark the manifest ``status`` with the writer's counts."""
         self.sink.close()
+        self._flush_pending_alerts()
         self.manifest.status = status
         self.manifest.steps_logged = int(steps_logged)
         self.manifest.writer = {"written_rows": self.sink.written_rows, "dropped_rows": self.sink.dropped_rows,

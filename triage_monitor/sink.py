@@ -107,12 +107,19 @@ class Write:
 @dataclass(frozen=True)
 class Delete:
     """Queue item: remove the file of (``table``, ``step``, ``rank``) written by the earlier ``attempt`` (a missing
-    file is no error)."""
+    file is no error).
+
+    ``after``: a table; the file is removed only if the sink's own attempt has its file of (``after``, ``step``,
+    ``rank``) on disk when the item's turn comes (the queue is FIFO: a :class:`Write` queued before it has been
+    written or has failed by then), else it is kept and counted in :attr:`ParquetSink.kept_files`.  So a
+    replaced file goes only once its replacement is on disk: a full disk or a dropped file keeps the earlier
+    attempt's.  None: removed unconditionally."""
 
     table: str
     step: int
     rank: int
     attempt: int
+    after: Optional[str] = None
 
     nbytes = 1          # counted in the queue until done, so flush() waits for it
     nrows = 0
@@ -131,7 +138,8 @@ class ParquetSink:
     writer and ``"drop"`` drops the file and counts its rows.
 
     I/O errors (read-only or full disk, ...) never propagate: the rows are counted in :attr:`dropped_rows`,
-    the first error is logged once and kept in :attr:`last_error`.  ``close()`` drains the queue (``flush()``
+    the first error is logged once and kept in :attr:`last_error`.  An earlier attempt's file queued for removal
+    with ``after`` is removed only once its replacement is on disk (:class:`Delete`).  ``close()`` drains the queue (``flush()``
     waits without closing).
 
     Raises:
@@ -149,6 +157,8 @@ class ParquetSink:
         self.written_rows = 0
         self.written_files = 0
         self.dropped_rows = 0
+        #: earlier attempts' files a conditional :class:`Delete` kept because their replacement was not on disk
+        self.kept_files = 0
         self.last_error: Optional[str] = None
         self._queued_bytes = 0
         self._cv = threading.Condition()
@@ -166,10 +176,13 @@ class ParquetSink:
             TypeError: ``columns`` is of another type (:meth:`DeferredColumns.of`)."""
         return self._put(Write(table, int(step), int(rank), DeferredColumns.of(columns, schema), schema))
 
-    def submit_delete(self, table: str, step: int, rank: int, attempt: int) -> None:
+    def submit_delete(self, table: str, step: int, rank: int, attempt: int, after: Optional[str] = None) -> None:
         """Queue the removal of ``table``'s file of (step, rank) written by an earlier ``attempt``, after the files
-        queued before it (a resumed job's step replaces the earlier attempt's).  A missing file is no error."""
-        self._put(Delete(table, int(step), int(rank), int(attempt)))
+        queued before it (a resumed job's step replaces the earlier attempt's).  A missing file is no error.
+
+        ``after``: remove it only if this sink's attempt then has its own file of (``after``, step, rank) on disk
+        (the replacement; see :class:`Delete`); None removes it unconditionally."""
+        self._put(Delete(table, int(step), int(rank), int(attempt), after))
 
     def _put(self, item) -> bool:
         """Queue ``item`` under the byte bound (a removal is never refused for room); False when dropped."""
@@ -220,7 +233,7 @@ class ParquetSink:
                 return
             try:
                 if isinstance(item, Delete):
-                    self.layout.table_file(item.table, item.step, item.rank, item.attempt).unlink(missing_ok=True)
+                    self._delete(item)
                     continue
                 self._write(item)
                 self.written_rows += item.nrows
@@ -235,6 +248,18 @@ class ParquetSink:
                 with self._cv:
                     self._queued_bytes -= item.nbytes
                     self._cv.notify_all()
+
+    def _delete(self, item: Delete) -> None:
+        old = self.layout.table_file(item.table, item.step, item.rank, item.attempt)
+        if item.after is not None and not self.layout.table_file(item.after, item.step, item.rank,
+                                                                 self.attempt).is_file():
+            if old.exists():       # its replacement was not written (full disk, dropped): the earlier file stays
+                self.kept_files += 1
+                if self.kept_files == 1:
+                    log.warning("triage-monitor kept %s of an earlier attempt: this attempt's %s file of step %s "
+                                "is not on disk, so the step keeps its earlier records", old, item.after, item.step)
+            return
+        old.unlink(missing_ok=True)
 
     def _write(self, item: Write) -> None:
         tab = pa.table(item.columns.build(), schema=item.schema)
