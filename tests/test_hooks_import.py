@@ -194,3 +194,113 @@ def test_import_quarantines_invalid_tokens(tmp_path):
     assert main(["import", "table", str(src), "--out", str(out)]) == 0
     st = pd.read_parquet(out / "steps")
     assert int(st["nonfinite_count"].iloc[0]) == 1
+
+
+def _jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _tokens(steps, **fields):
+    """Three token rows per step (one response), with ``fields`` overriding every row's columns."""
+    return [{"step": s, "sample_id": 0, "learner_logp": -0.5 - 0.1 * t, "sampler_logp": -0.6, "advantage": 1.0,
+             **fields} for s in steps for t in range(3)]
+
+
+def _cli(*argv, cwd):
+    """``python -m triage_monitor ARGV`` in its own process: exit status and stderr's lines."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "triage_monitor", *argv], capture_output=True, text=True, cwd=cwd,
+                         timeout=300)
+    return out.returncode, [line for line in out.stderr.splitlines() if not line.endswith(" …")]
+
+
+INTEGERS = "not an integer (steps, sample ids, positions and group ids are integers)"
+
+
+def test_import_table_refuses_steps_that_are_not_integers(tmp_path, capsys):
+    """Steps 0.5, 1.7, 1.2 used to import as "3 step(s)" with exit 0 while the run held 2 (1.7 and 1.2 both
+    truncated to 1); true / false were steps 1 and 0.  Now the first row whose step is not an integer is named
+    (rows counted from 0: the three rows of step 2.0 come first, so 0.5 is row 3), exit 2, nothing written.  An
+    integral float (2.0) is an integer."""
+    src = _jsonl(tmp_path / "frac.jsonl", _tokens([2.0, 0.5, 1.7, 1.2]))
+    out = tmp_path / "o"
+    assert _cli("import", "table", str(src), "--out", str(out), cwd=tmp_path) == (
+        2, [f"triage-monitor import: error: {src}: row 3: step (column 'step') = 0.5: {INTEGERS}"])
+    assert not (out / "run.json").exists()
+    cases = [
+        (_tokens([True, False]), "row 0: step (column 'step') = True: a boolean, not an integer"),
+        (_tokens([0, 1e30]), "row 3: step (column 'step') = 1e+30: outside int64"),
+        (_tokens([0, 1]) + [dict(_tokens([1])[0], step="two")], f"row 6: step (column 'step') = 'two': {INTEGERS}"),
+        (_tokens([0]) + [dict(_tokens([1])[0], sample_id=0.5)], f"row 3: sample_id (column 'sample_id') = 0.5: "
+                                                                f"{INTEGERS}"),
+        (_tokens([0], position=-1), "row 0: position (column 'position') = -1: a position is >= 0 (index inside "
+                                    "the response)"),
+        (_tokens([0], group_id=False), "row 0: group_id (column 'group_id') = False: a boolean, not an integer"),
+    ]
+    for i, (rows, message) in enumerate(cases):
+        src = _jsonl(tmp_path / f"c{i}.jsonl", rows)
+        assert main(["import", "table", str(src), "--out", str(tmp_path / f"o{i}")]) == 2, message
+        assert capsys.readouterr().err.splitlines()[-1] == f"triage-monitor import: error: {src}: {message}"
+    # the same in Parquet (float64 steps), and the integral floats import as the steps they are
+    pq_src = tmp_path / "frac.parquet"
+    pd.DataFrame(_tokens([0.5, 1.7, 1.2])).to_parquet(pq_src)
+    assert main(["import", "table", str(pq_src), "--out", str(tmp_path / "p")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"triage-monitor import: error: {pq_src}: row 0: step "
+                                                         f"(column 'step') = 0.5: {INTEGERS}")
+    ok = _jsonl(tmp_path / "ok.jsonl", _tokens([2.0, 0.0, 1.0]))
+    assert main(["import", "table", str(ok), "--out", str(tmp_path / "ok")]) == 0
+    assert "imported 3 step(s)" in capsys.readouterr().out
+    assert sorted(set(pd.read_parquet(tmp_path / "ok" / "steps")["step"])) == [0, 1, 2]
+
+
+def test_import_table_masks_must_be_zero_one_or_boolean(tmp_path, capsys):
+    """Masks −1 and 0.0001 used to count as valid tokens and "no" gave "could not convert string to float: 'no'"
+    naming no field or file: each is refused naming the file, the row, the field, its column and the value.  A
+    null sample_id is named as such (it was reported as a bad position).  0 / 1 and booleans drop and keep rows as
+    before."""
+    mapped = ("--map", "mask=loss_mask", "--map", "sample_id=resp")
+    rows = [{"step": 0, "resp": 4, "learner_logp": -0.1 * (t + 1), "sampler_logp": -0.2, "advantage": 1.0,
+             "loss_mask": 1} for t in range(4)]
+    src = _jsonl(tmp_path / "no.jsonl", rows[:2] + [dict(rows[2], loss_mask="no"), rows[3]])
+    assert _cli("import", "table", str(src), "--out", str(tmp_path / "o"), *mapped, cwd=tmp_path) == (
+        2, [f"triage-monitor import: error: {src}: row 2: mask (column 'loss_mask') = 'no': a mask is 0 / 1 or a "
+            "boolean"])
+    for i, (bad, shown) in enumerate(((-1, "-1"), (0.0001, "0.0001"), (None, None), (2, "2"))):
+        src = _jsonl(tmp_path / f"m{i}.jsonl", rows[:3] + [dict(rows[3], loss_mask=bad)])
+        assert main(["import", "table", str(src), "--out", str(tmp_path / f"m{i}"), *mapped]) == 2
+        what = "is null" if shown is None else f"= {shown}"
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"triage-monitor import: error: {src}: row 3: mask (column 'loss_mask') {what}: a mask is 0 / 1 or a "
+            "boolean")
+    src = _jsonl(tmp_path / "sid.jsonl", rows[:2] + [dict(rows[2], resp=None), rows[3]])
+    assert main(["import", "table", str(src), "--out", str(tmp_path / "s"), *mapped]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"triage-monitor import: error: {src}: row 2: sample_id (column 'resp') is null: {INTEGERS}")
+    for i, keep in enumerate(([True, False, True, True], [1.0, 0.0, 1.0, 1.0])):
+        src = _jsonl(tmp_path / f"k{i}.jsonl", [dict(r, loss_mask=k) for r, k in zip(rows, keep)])
+        assert main(["import", "table", str(src), "--out", str(tmp_path / f"k{i}"), *mapped]) == 0
+        got = pd.read_parquet(tmp_path / f"k{i}" / "tokens")
+        assert got["position"].tolist() == [0, 2, 3]              # position 1 masked out after positions were given
+    capsys.readouterr()
+
+
+def test_import_wide_table_names_the_row_of_a_bad_list_value(tmp_path, capsys):
+    """In a wide table (one row per response, list-valued columns) the row named is the table's own row; a string
+    among the log-probs is named too (it used to be "could not convert string to float")."""
+    rows = [{"step": 0, "sample_id": i, "learner_logp": [-0.1, -0.2], "sampler_logp": [-0.1, -0.3],
+             "advantage": [1.0, 1.0], "position": [0, 1], "mask": [1, 1]} for i in range(3)]
+    src = _jsonl(tmp_path / "w.jsonl", rows[:2] + [dict(rows[2], mask=[1, 0.5])])
+    assert main(["import", "table", str(src), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"triage-monitor import: error: {src}: row 2: mask (column 'mask') = 0.5: a mask is 0 / 1 or a boolean")
+    src = _jsonl(tmp_path / "p.jsonl", [dict(rows[0], position=[0, 1.5])] + rows[1:])
+    assert main(["import", "table", str(src), "--out", str(tmp_path / "p")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"triage-monitor import: error: {src}: row 0: position (column 'position') = 1.5: {INTEGERS}")
+    src = _jsonl(tmp_path / "s.jsonl", rows[:1] + [dict(rows[1], learner_logp=[-0.1, "x"])] + rows[2:])
+    assert main(["import", "table", str(src), "--out", str(tmp_path / "s")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"triage-monitor import: error: {src}: row 1: learner_logp (column 'learner_logp') = 'x': not a number")

@@ -261,9 +261,9 @@ def read_table(path: str, fmt: str = "auto") -> pd.DataFrame:
         fmt = "jsonl" if name.endswith((".jsonl", ".json", ".jsonl.gz")) else "parquet"
     try:
         if fmt == "parquet":
-            return pd.read_parquet(path)
+            return _named(pd.read_parquet(path), path)
         if fmt == "jsonl":
-            return pd.read_json(path, lines=True)
+            return _named(pd.read_json(path, lines=True), path)
     except (ValueError, OSError) as exc:   # pyarrow's ArrowInvalid is a ValueError
         if isinstance(exc, (PermissionError, IsADirectoryError)):
             raise
@@ -272,17 +272,122 @@ def read_table(path: str, fmt: str = "auto") -> pd.DataFrame:
     raise ValueError(f"unknown format {fmt!r}: use parquet or jsonl")
 
 
+def _named(df: pd.DataFrame, path) -> pd.DataFrame:
+    df.attrs["source"] = str(path)          # what table_steps names in its errors
+    return df
+
+
+#: Fields whose values must be integers (an integral float such as 3.0 is one; a boolean is not).
+INTEGER_FIELDS = ("step", "sample_id", "position", "group_id")
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _refuse(where: str, row, field: str, column: str, value, why: str) -> ValueError:
+    """The one error of a bad table value; ``value`` None: a null."""
+    what = "is null" if value is None else f"= {value!r}"
+    return ValueError(f"{where}: row {row}: {field} (column {column!r}) {what}: {why}")
+
+
+def _integer_values(df: pd.DataFrame, field: str, column: str, where: str) -> np.ndarray:
+    """``df[field]`` as int64, or ValueError naming the file, the first bad row (0-based, the table's own row for
+    a wide table), the field, its column and the value: a null, a boolean, a fraction, a string, a value outside
+    int64, or a negative position."""
+    s = df[field].infer_objects()
+    rows = df["_row"].to_numpy()
+    why = "not an integer (steps, sample ids, positions and group ids are integers)"
+    if s.dtype == bool:
+        raise _refuse(where, rows[0], field, column, bool(s.iloc[0]), "a boolean, not an integer")
+    if pd.api.types.is_integer_dtype(s.dtype):
+        v = s.to_numpy()
+        if v.dtype == np.uint64 and (v > _INT64_MAX).any():
+            i = int(np.argmax(v > _INT64_MAX))
+            raise _refuse(where, rows[i], field, column, int(v[i]), "outside int64")
+        out = v.astype(np.int64)
+    elif pd.api.types.is_float_dtype(s.dtype):
+        v = s.to_numpy(dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(v) | (v != np.floor(v)) | (v >= 2.0 ** 63) | (v < -2.0 ** 63)
+        if bad.any():
+            i = int(np.argmax(bad))
+            x = float(v[i])
+            raise _refuse(where, rows[i], field, column, None if np.isnan(x) else x,
+                          "outside int64" if np.isfinite(x) and x == np.floor(x) else why)
+        out = v.astype(np.int64)
+    else:                                   # mixed / object values: each must be an integer (or integral float)
+        out = np.empty(len(s), dtype=np.int64)
+        for i, x in enumerate(s.tolist()):
+            if x is None or (isinstance(x, float) and np.isnan(x)):
+                raise _refuse(where, rows[i], field, column, None, why)
+            if isinstance(x, (bool, np.bool_)):
+                raise _refuse(where, rows[i], field, column, bool(x), "a boolean, not an integer")
+            if isinstance(x, (int, np.integer)) and -2 ** 63 <= int(x) <= _INT64_MAX:
+                out[i] = int(x)
+            elif isinstance(x, (float, np.floating)) and float(x).is_integer() and abs(float(x)) < 2.0 ** 63:
+                out[i] = int(x)
+            else:
+                raise _refuse(where, rows[i], field, column, x, "outside int64" if isinstance(x, (int, np.integer))
+                              else why)
+    if field == "position" and (out < 0).any():
+        i = int(np.argmax(out < 0))
+        raise _refuse(where, rows[i], field, column, int(out[i]), "a position is >= 0 (index inside the response)")
+    return out
+
+
+def _mask_values(df: pd.DataFrame, column: str, where: str) -> np.ndarray:
+    """``df["mask"]`` as bool: booleans, or numbers that are exactly 0 or 1; anything else (−1, 0.0001, null,
+    "no") is refused naming the file, the row, the column and the value."""
+    s = df["mask"].infer_objects()
+    rows = df["_row"].to_numpy()
+    why = "a mask is 0 / 1 or a boolean"
+    if s.dtype == bool:
+        return s.to_numpy()
+    if pd.api.types.is_numeric_dtype(s.dtype):
+        v = s.to_numpy(dtype=np.float64)
+        bad = ~((v == 0) | (v == 1))                      # NaN (a null) is neither
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise _refuse(where, rows[i], "mask", column, None if np.isnan(v[i]) else s.iloc[i].item(), why)
+        return v == 1
+    out = np.empty(len(s), dtype=bool)
+    for i, x in enumerate(s.tolist()):
+        if isinstance(x, (bool, np.bool_)):
+            out[i] = bool(x)
+        elif isinstance(x, (int, float, np.integer, np.floating)) and x in (0, 1):
+            out[i] = x == 1
+        else:
+            raise _refuse(where, rows[i], "mask", column, None if x is None or x != x else x, why)
+    return out
+
+
+def _float_values(g: pd.DataFrame, field: str, column: str, where: str) -> torch.Tensor:
+    """``g[field]`` as a float32 tensor; a null is NaN (quarantined or refused downstream as non-finite), a value
+    that is not a number (a string) is refused naming the file, the row, the column and the value."""
+    try:
+        return torch.from_numpy(g[field].to_numpy(dtype=np.float32, na_value=np.nan, copy=True))
+    except (TypeError, ValueError):
+        num = pd.to_numeric(g[field], errors="coerce")
+        bad = (num.isna() & g[field].notna()).to_numpy()
+        i = int(np.argmax(bad))
+        raise _refuse(where, g["_row"].iloc[i], field, column, g[field].iloc[i], "not a number") from None
+
+
 def table_steps(df: pd.DataFrame, mapping: Dict[str, str],
-                on_invalid: str = "quarantine") -> Iterator[Tuple[int, TokenBatch]]:
+                on_invalid: str = "quarantine", *, source: Optional[str] = None) -> Iterator[Tuple[int, TokenBatch]]:
     """Yield ``(step, TokenBatch)`` from a per-token (or per-response list-valued) table.
 
     Optional fields (``position``, ``mask``, ``group_id``) are read from ``mapping`` or, unmapped,
-    from a column of the field's own name when the table has one.
+    from a column of the field's own name when the table has one.  ``step``, ``sample_id``, ``position``
+    and ``group_id`` must be integers (:data:`INTEGER_FIELDS`: 3 and 3.0 are, 1.7, ``true``, a string
+    and a null are not), ``mask`` 0 / 1 or a boolean.  Errors name ``source`` (default: the path
+    :func:`read_table` read, else "table"), the row (0-based; a wide table's own row), the field, its
+    column and the value.
 
     Raises:
-        ValueError: a required or explicitly mapped column is missing, or list columns of one row
-            differ in length.
+        ValueError: a required or explicitly mapped column is missing, list columns of one row
+            differ in length, an integer field holds anything but an integer (a negative position
+            included), a mask anything but 0 / 1 or a boolean, or a log-prob / advantage a string.
     """
+    where = source or df.attrs.get("source") or "table"
     # required fields and explicitly mapped optional ones must exist; an unmapped optional field is
     # used when the table has a column of its own name (a `mask` column is never silently ignored)
     missing = [f"{f} (column {mapping[f]!r})" for f in REQUIRED + OPTIONAL
@@ -291,6 +396,7 @@ def table_steps(df: pd.DataFrame, mapping: Dict[str, str],
         raise ValueError(f"table has no column for {missing}; columns are {list(df.columns)}; use --map field=column")
     cols = {f: mapping.get(f, f) for f in REQUIRED + OPTIONAL if mapping.get(f, f) in df.columns}
     df = df[list(dict.fromkeys(cols.values()))].rename(columns={v: k for k, v in cols.items()})
+    df["_row"] = np.arange(len(df))                        # the table's own row, named in errors
     list_cols = [c for c in ("learner_logp", "sampler_logp", "advantage", "mask", "position")
                  if c in df.columns and len(df) and isinstance(df[c].iloc[0], (list, np.ndarray))]
     if list_cols:                                          # wide: one row per response
@@ -299,16 +405,19 @@ def table_steps(df: pd.DataFrame, mapping: Dict[str, str],
             bad = int(np.nonzero((lens != lens[0]).any(0))[0][0])
             raise ValueError(f"row {bad}: list columns {list_cols} have lengths {lens[:, bad].tolist()}")
         df = df.explode(list_cols, ignore_index=True)
+    for f in INTEGER_FIELDS:
+        if f in df.columns:
+            df[f] = _integer_values(df, f, cols[f], where)
     if "position" not in df.columns:
         df["position"] = df.groupby(["step", "sample_id"], sort=False).cumcount()
     if "mask" in df.columns:
-        df = df[df["mask"].astype(float) != 0]
+        df = df[_mask_values(df, cols["mask"], where)]
     for step, g in df.groupby("step", sort=True):
-        t = lambda c, dt: torch.from_numpy(g[c].to_numpy(dtype=dt, copy=True))  # noqa: E731
+        t = lambda c: torch.from_numpy(g[c].to_numpy(dtype=np.int64, copy=True))  # noqa: E731
+        f = lambda c: _float_values(g, c, cols[c], where)  # noqa: E731
         yield int(step), TokenBatch.from_flat(
-            t("learner_logp", np.float32), t("sampler_logp", np.float32), t("advantage", np.float32),
-            t("sample_id", np.int64), t("position", np.int64),
-            group_id=t("group_id", np.int64) if "group_id" in g.columns else None, on_invalid=on_invalid)
+            f("learner_logp"), f("sampler_logp"), f("advantage"), t("sample_id"), t("position"),
+            group_id=t("group_id") if "group_id" in g.columns else None, on_invalid=on_invalid)
 
 
 # ------------------------------------------------------------------- write
