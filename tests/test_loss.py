@@ -391,3 +391,117 @@ def test_triage_policy_loss_over_two_ranks_is_the_global_token_mean():
             torch.tensor([2.0, 3.0]), torch.tensor([[1, 1, 1], [1, 0, 0]]))
         return triage_policy_loss(plain, b, 0, agg_mode="token_mean", group=pg).loss.item()
     assert _two_ranks(fn) == pytest.approx([-11 / 8, -11 / 8])
+
+
+# ------------------------------------------------------------ the per-response redistribution (docs/hooks.md)
+GATE_ONLY = dict(tis=False, repair=False, gate_width=4)
+#: the docs' worked example (docs/hooks.md#triage-weights-under-a-frameworks-normaliser): δ of three 4-token
+#: responses with A = −1, −1, +1 (learner = sampler + δ; the PPO anchor is the learner: ratio 1, nothing clipped)
+EXAMPLE_DELTA = [[0.2, -0.8, -0.9, -1.0], [-0.8, -0.9, -1.0, -0.7], [-0.8, -0.9, -1.0, -0.7]]
+EXAMPLE_ADV = [-1.0, -1.0, 1.0]
+
+
+def _token_grads(cfg: TriageConfig, delta, adv, **kw):
+    """(d loss / d learner_logp per valid token, the result) of triage_policy_loss: sampler −2, learner −2 + δ."""
+    delta = torch.tensor(delta)
+    sampler = torch.full_like(delta, -2.0)
+    learner = (sampler + delta).requires_grad_()
+    b = TokenBatch.from_padded(learner, sampler, torch.tensor(adv), torch.ones_like(delta, dtype=torch.bool))
+    res = triage_policy_loss(TriageController(cfg), b, 0, old_logp=b.learner_logp.detach(), **kw)
+    res.loss.backward()
+    return learner.grad.reshape(-1), res
+
+
+def test_renormalisation_worked_example_of_the_docs():
+    """Under a framework's denominator the Gate weights are renormalised per response, w · n / Σw: the partly gated
+    response a gets ×4/1.9 on its ungated token and 0.3 · 4/1.9 on the gated ones; the all-gated response b trains
+    exactly as with the Gate off; the A > 0 response c is not eligible.  Gradient per token / Gate off's."""
+    kw = dict(agg_mode="token_mean", denominator=12.0)
+    on, res = _token_grads(TriageConfig(**GATE_ONLY), EXAMPLE_DELTA, EXAMPLE_ADV, **kw)
+    off, _ = _token_grads(TriageConfig(gate=False, tis=False, repair=False), EXAMPLE_DELTA, EXAMPLE_ADV, **kw)
+    assert res.output.gate_weights.tolist() == pytest.approx([1, .3, .3, .3, .3, .3, .3, .3, 1, 1, 1, 1])
+    s = 4 / 1.9
+    want = [s, .3 * s, .3 * s, .3 * s] + [1.0] * 8
+    assert res.token_weights.tolist() == pytest.approx(want, rel=1e-6)
+    assert (on / off).tolist() == pytest.approx(want, rel=1e-6)
+    assert [round(x, 3) for x in want[:2]] == [2.105, 0.632]            # the table's figures
+    # the value does not move at all here: ℓ = −A·ratio is constant within each response and each keeps n
+    assert res.loss.item() == pytest.approx(-(-4 - 4 + 4) / 12)
+
+
+@pytest.mark.parametrize("n, factor", [(64, 64 / 7.3), (1000, 1000 / 100.9)])
+def test_scale_up_of_the_one_ungated_token_stays_below_one_over_the_smallest_gate_weight(n, factor):
+    """One ungated token (δ > 0) among n − 1 severe ones (δ = −2, weight 0.1) in a response with A < 0: its gradient
+    is n / (1 + 0.1 (n − 1)) × Gate off's — 8.8 for a 64-token segment, 9.9 for 1,000 tokens, below 1 / 0.1."""
+    delta = [[0.1] + [-2.0] * (n - 1)]
+    kw = dict(agg_mode="token_sum", denominator=1.0)
+    on, res = _token_grads(TriageConfig(tis=False, repair=False), delta, [-1.0], **kw)
+    off, _ = _token_grads(TriageConfig(gate=False, tis=False, repair=False), delta, [-1.0], **kw)
+    assert res.output.gate_weights[1:].max().item() == pytest.approx(0.1)
+    assert (on[0] / off[0]).item() == pytest.approx(factor, rel=1e-5)
+    assert factor < 1 / min(TriageConfig().severe_weight, TriageConfig().tail_floor) == pytest.approx(10)
+
+
+def test_global_token_is_refused_where_it_would_be_replaced():
+    """normalization='global_token' with a framework denominator (the weights would be renormalised per response)
+    or another aggregation mode raises naming the setting; alone it is the global token mean."""
+    b = _batch()
+    ctrl = TriageController(TriageConfig(normalization="global_token"))
+    for kw in (dict(agg_mode="token_mean", denominator=4.0), dict(agg_mode="token_sum", denominator=1.0),
+               dict(agg_mode="seq_mean_token_mean"),
+               dict(agg_mode="seq_mean_token_mean", response_denominator=torch.tensor([3.0, 1.0]))):
+        with pytest.raises(ValueError, match="normalization='global_token'.*cannot be honoured"):
+            triage_policy_loss(ctrl, b, 0, **kw)
+    assert ctrl.calls == 0                                   # refused before the controller ran
+    assert triage_policy_loss(ctrl, b, 0).agg_mode == "token_mean"
+    assert triage_policy_loss(ctrl, b, 0, agg_mode="token_mean").agg_mode == "token_mean"
+
+
+def _anchor_batch():
+    """One response, two tokens whose learner and sampler log-probs differ: learner (log 0.3, log 0.2), sampler
+    (log 0.2, log 0.4), per-token advantages (1, 3)."""
+    learner = torch.log(torch.tensor([0.3, 0.2])).requires_grad_(True)
+    sampler = torch.log(torch.tensor([0.2, 0.4]))
+    b = TokenBatch.from_flat(learner, sampler, torch.tensor([1.0, 3.0]), torch.zeros(2, dtype=torch.long),
+                             torch.arange(2))
+    return b, learner
+
+
+def test_default_anchor_is_the_learner_not_the_sampler():
+    """Without ``old_logp`` the PPO / TIS anchor is the learner's own log-prob (one update per rollout), here with
+    sampler != learner.  By hand: PPO ratio exp(l − l) = 1 on both tokens (unclipped), ℓ = −A = (−1, −3); TIS
+    weights exp(l − s) = (0.3/0.2, 0.2/0.4) = (1.5, 0.5), inside [0, 2]; per-response mean
+    Σ w ℓ / Σ w = (1.5·(−1) + 0.5·(−3)) / 2 = −1.5; gradient w.r.t. the learner log-probs w_t·(−A_t)·1 / Σ w =
+    (−0.75, −0.75).  The sampler as anchor would give TIS weights 1, ratios (1.5, 0.5) and
+    (−min(1.5, 1.28) − min(1.5, 2.4)) / 2 = −1.39 (checked too: the test can tell the two apart)."""
+    cfg = TriageConfig(gate=False, repair=False)            # TIS on, clip [0, 2]
+    b, learner = _anchor_batch()
+    res = triage_policy_loss(TriageController(cfg), b, 0)
+    assert res.output.token_weights.tolist() == pytest.approx([1.5, 0.5], rel=1e-6)
+    assert res.loss.item() == pytest.approx(-1.5, rel=1e-6)
+    res.loss.backward()
+    assert learner.grad.tolist() == pytest.approx([-0.75, -0.75], rel=1e-6)
+    explicit = triage_policy_loss(TriageController(cfg), b, 0, old_logp=b.learner_logp.detach())
+    assert explicit.loss.item() == res.loss.item()
+    wrong = triage_policy_loss(TriageController(cfg), b, 0, old_logp=b.sampler_logp)
+    assert wrong.output.token_weights.tolist() == [1.0, 1.0]
+    assert wrong.loss.item() == pytest.approx(-1.39, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_old_logp_is_refused_naming_the_token(bad):
+    """A NaN / ±inf anchor would make the loss NaN (PPO ratio and TIS weight) with nothing pointing at old_logp: it
+    is refused, naming old_logp, the token's sample_id and position, and the value; shapes keep their own error."""
+    b = TokenBatch.from_flat(torch.tensor([-0.1, -0.2, -0.3]), torch.tensor([-0.1, -0.2, -0.3]), torch.ones(3),
+                             torch.tensor([3, 7, 7]), torch.tensor([0, 1, 2]))
+    old = b.learner_logp.detach().clone()
+    old[2] = bad                                           # sample_id 7, position 2
+    ctrl = TriageController(TriageConfig())
+    with pytest.raises(ValueError) as err:
+        triage_policy_loss(ctrl, b, 0, old_logp=old)
+    assert str(err.value).startswith(f"triage_policy_loss: old_logp[sample=7, position=2] = {bad!r} is not finite "
+                                     "(1 such token(s) in this batch)")
+    assert ctrl.calls == 0                                  # refused before the controller ran
+    with pytest.raises(ValueError, match=r"old_logp has shape \(2,\)"):
+        triage_policy_loss(ctrl, b, 0, old_logp=old[:2])
+    assert math.isfinite(triage_policy_loss(ctrl, b, 0, old_logp=b.learner_logp.detach()).loss.item())

@@ -42,6 +42,12 @@ down-weighting moves gradient between the tokens of one response) — exact unde
 micro-batches, since no framework splits a response.  Without ``denominator`` (one call per update, or a
 ``group`` all-reduce) ``token_mean`` divides by Σ w over the update: the TRIAGE "global_token" form.
 With all weights 1 (Gate, TIS and Repair off) every mode equals the framework's own loss exactly.
+
+What the per-response renormalisation does (docs/hooks.md#triage-weights-under-a-frameworks-normaliser): a response
+whose tokens all carry the same weight trains exactly as with the Gate off, and the other tokens of a partly
+down-weighted response are scaled up by n_s / Σ_{t∈s} w (with the Gate alone below 1 / min(severe_weight,
+tail_floor) = 10 at the defaults; the published method states no bound, and none is applied here).  A controller
+configured with ``normalization="global_token"`` is therefore refused where a denominator is given.
 """
 
 from __future__ import annotations
@@ -189,6 +195,23 @@ class TriageLoss:
     agg_mode: str
 
 
+def _finite_old_logp(old_logp: Tensor, batch: TokenBatch) -> Tensor:
+    """``old_logp`` detached, refused when a value is NaN or ±inf: the PPO ratio and the TIS weight would then be
+    NaN / inf, and the loss NaN with nothing pointing at its cause.  A shape other than ``(N,)`` is left to the
+    controller's own check (its message)."""
+    old = old_logp.detach()
+    if tuple(old.shape) != (batch.num_tokens,):
+        return old
+    finite = torch.isfinite(old)
+    if not bool(finite.all()):
+        i = int(torch.nonzero(~finite)[0])
+        sample = int(batch.sample_id[batch.sample_index[i]])
+        raise ValueError(f"triage_policy_loss: old_logp[sample={sample}, position={int(batch.position[i])}] = "
+                         f"{float(old[i])!r} is not finite ({int((~finite).sum())} such token(s) in this batch): the "
+                         "PPO / TIS anchor, the learner's log-prob at rollout time (nats), must be finite")
+    return old
+
+
 def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: int, *,
                        old_logp: Optional[Tensor] = None, clip_low: float = 0.2, clip_high: float = 0.28,
                        dual_clip: Optional[float] = None, agg_mode: Optional[str] = None,
@@ -231,7 +254,12 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
             ``surrogate_kwargs`` (the clip arguments are then unused).
 
     Raises:
-        ValueError: shapes (``old_logp`` or ``token_scale`` not ``(N,)``), unknown ``agg_mode`` or ``surrogate``.
+        ValueError: a NaN or ±inf in ``old_logp`` (the message names ``old_logp``, the token's ``sample_id`` and
+            position, its value and how many such tokens the batch has).
+        ValueError: shapes (``old_logp`` or ``token_scale`` not ``(N,)``), unknown ``agg_mode`` or ``surrogate``;
+            ``normalization="global_token"`` in the controller's config together with a ``denominator`` /
+            ``response_denominator`` (the weights are then renormalised per response) or an ``agg_mode`` other
+            than ``token_mean``: that normalisation would be silently replaced, so it is refused.
     """
     if token_scale is not None and tuple(token_scale.shape) != (batch.num_tokens,):
         raise ValueError(f"triage_policy_loss: token_scale has shape {tuple(token_scale.shape)}, expected "
@@ -239,14 +267,20 @@ def triage_policy_loss(controller: TriageController, batch: TokenBatch, step: in
     mode = agg_mode or NORMALIZATION_TO_AGG[controller.config.normalization]
     if mode not in AGG_MODES:
         raise ValueError(f"triage_policy_loss: agg_mode must be one of {AGG_MODES}, got {mode!r}")
+    fixed = denominator is not None or response_denominator is not None
+    if controller.config.normalization == "global_token" and (fixed or mode != "token_mean"):
+        how = ("with a given denominator / response_denominator the weights are renormalised per response"
+               if fixed else f"agg_mode={mode!r} is not the global token mean")
+        raise ValueError("triage_policy_loss: TriageConfig.normalization='global_token' (Σ w ℓ / Σ w over the update) "
+                         f"cannot be honoured here: {how} (docs/hooks.md#triage-weights-under-a-frameworks-normaliser)"
+                         "; use normalization='per_response', or weighted_policy_loss with policy_loss_denominator")
     surrogate_fn = get_surrogate(surrogate)            # ValueError naming the registered ones
-    old = batch.learner_logp.detach() if old_logp is None else old_logp.detach()
+    old = batch.learner_logp.detach() if old_logp is None else _finite_old_logp(old_logp, batch)
     out = controller(batch, step=step, old_logp=old, repair_denominator=repair_denominator)
     options = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip) if surrogate == "ppo_clip" else {}
     ptl = surrogate_fn(batch.learner_logp, old, batch.advantage, **{**options, **(surrogate_kwargs or {})})
     if token_scale is not None:
         ptl = ptl * token_scale.detach().float()
-    fixed = denominator is not None or response_denominator is not None
     w = renormalize_per_response(out.token_weights, batch) if fixed else out.token_weights
     pol = loss_scale * agg_loss(ptl, w, batch, mode, denominator=denominator, group=group,
                                 response_denominator=response_denominator)
