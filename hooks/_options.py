@@ -134,6 +134,25 @@ def parse_framework_keys(raw: Optional[str], where: str):
     return check_framework_keys(value, where, shown=text)
 
 
+def check_normalization(triage, where: str, normaliser: str) -> None:
+    """Refuse a ``TriageConfig.normalization`` a framework hook cannot honour.
+
+    Every hook's framework divides by its own normaliser, so the TRIAGE weights are renormalised per response
+    (docs/hooks.md#triage-weights-under-a-frameworks-normaliser).  ``triage=None`` (monitoring only) and
+    ``"per_response"`` pass.
+
+    Raises:
+        ValueError: ``normalization="global_token"``, naming ``where``, the setting and ``normaliser`` (what the
+            framework divides by).
+    """
+    norm = getattr(triage, "normalization", "per_response")
+    if triage is not None and norm != "per_response":
+        raise ValueError(f"{where}: TriageConfig.normalization={norm!r} cannot be honoured: {normaliser}, so the "
+                         "TRIAGE weights are renormalised per response (each response keeps its token count: "
+                         "docs/hooks.md#triage-weights-under-a-frameworks-normaliser); use "
+                         "normalization='per_response' (the default)")
+
+
 def dp_framework_metrics(last: Optional[dict], keys, rank: int, dp_size: int, alerts_on: bool) -> dict:
     """The framework metrics for a framework that averages a metrics dict over its data-parallel ranks **key by
     key** (one collective per key, so every rank must hand over the same keys in the same order: SkyRL).
@@ -168,4 +187,4 @@ def dp_framework_metrics(last: Optional[dict], keys, rank: int, dp_size: int, al
 
 
 __all__ = ["check_alerts", "parse_alerts", "check_loggers", "parse_loggers", "check_framework_keys",
-           "parse_framework_keys", "dp_framework_metrics"]
+           "parse_framework_keys", "check_normalization", "dp_framework_metrics"]

@@ -13,9 +13,19 @@ an unwritable ``run_dir``, a run of another configuration in it or a second live
 (``triage_monitor.records.OutputError``); later I/O errors never reach the training loop.
 
 **Rank and run directory.**  Every process writes its own rank's files into the shared run directory (rank:
-``HookSettings.rank``, else the ``torch.distributed`` rank, else the ``RANK`` environment variable, else the
-first free rank claimed atomically in ``<run_dir>/.ranks/<attempt>/``).  All processes of one job share the
-attempt id drawn when the hook was built (on the driver), so readers see one attempt.  Rank 0 owns ``run.json``.
+``HookSettings.rank``, else the rank in the monitor's process group when the hook gave one
+(:meth:`WorkerRuntime.set_group`), else the ``torch.distributed`` rank, else the ``RANK`` environment variable,
+else the first free rank claimed atomically in ``<run_dir>/.ranks/<attempt>/``).  All processes of one job share
+the attempt id drawn when the hook was built (on the driver), so readers see one attempt.  Rank 0 owns ``run.json``
+and reports (evaluates the alert rules, feeds the trackers).
+
+**Process group.**  A live process group cannot travel in the picklable :class:`HookSettings`; a hook whose
+framework records on some ranks only (slime: tensor-parallel rank 0 of the last pipeline stage) hands the group
+of the recording ranks to the runtime in-process (:meth:`WorkerRuntime.set_group`, before the first monitored
+step).  The monitor then all-reduces over that group only, its attempt id is that of the group's rank 0 broadcast
+over the group, and the files are numbered by the rank in the group: its rank 0 reports, writes ``run.json`` and
+is the rank readers default to.  The processes writing the run must then be exactly the group's members (the
+other ranks record nothing), which keeps the ranks of the files unique across the job.
 
 **Step.**  The monitored step is, in this order: the framework's own step metadata when the hook passes it
 (``framework_step``: verl's ``global_steps``, TRL's ``state.global_step``, SkyRL's ``global_step``); otherwise the
@@ -73,17 +83,18 @@ class HookSettings:
             (require it), ``"optimizer"`` (always count optimizer steps).
         rank: fixed rank for this process's files; None = resolved in the worker (module docstring).
         attempt: attempt id shared by every process of this job (drawn at construction, on the driver);
-            None = resolved in each worker: rank 0's id broadcast over ``torch.distributed`` when a process
-            group is up (processes that build their hook themselves, e.g. torchrun ranks), else a new id.
+            None = resolved in each worker: the id of rank 0 of the monitor's process group (the group given to
+            :meth:`WorkerRuntime.set_group`, else the default group) broadcast over it when ``torch.distributed``
+            is up (processes that build their hook themselves, e.g. torchrun ranks), else a new id.
         key: identity of the hook across pickling: copies with the same key share one runtime per process.
         resume: continue a run in ``run_dir`` whose model / task / correction / seed differ (``MismatchMonitor``'s
             ``resume``); a run of the same configuration is continued without it, another one is refused with
             ``triage_monitor.records.RunConflictError`` when the monitor starts (the first monitored step).
-        alerts: the rules the monitor evaluates live (rank 0): True (default) the shipped default rules, False
+        alerts: the rules the monitor evaluates live (rank 0 of its process group): True (default) the shipped default rules, False
             none, a rule file path, or a list of :class:`~triage_monitor.alert_rules.Rule`
             (:func:`~triage_monitor.alerts.build_engine`); each alert is logged once as a warning line, written to
             the run's ``alerts/`` table and sent to the trackers.
-        loggers: trackers the monitor feeds (rank 0), as configuration each process builds itself:
+        loggers: trackers the monitor feeds (rank 0 of its process group), as configuration each process builds itself:
             ``"wandb"``, ``"tensorboard"``, ``"mlflow"``, ``{"kind": ..., "keys": ..., <options>}`` or
             :class:`~triage_monitor.trackers.TrackerSpec` (docs/alerts.md#trackers).
         framework_keys: the metrics the hook hands to the framework's own logger under ``triage/``:
@@ -124,8 +135,9 @@ class HookSettings:
             self.run_dir = str(self.run_dir)
 
 
-def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None) -> int:
-    """This process's rank for the run's files: ``fixed``, the torch.distributed rank, ``$RANK``, else a claim.
+def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None, group=None) -> int:
+    """This process's rank for the run's files: ``fixed``, the rank in ``group`` (a process group whose members
+    are the processes writing the run), the torch.distributed rank, ``$RANK``, else a claim.
 
     The claim is the smallest n for which ``<run_dir>/.ranks/<attempt>/<n>`` can be created exclusively, so two
     worker processes of one job never share a rank (and only one is rank 0, the owner of ``run.json``).
@@ -135,7 +147,7 @@ def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None) -> in
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+        return dist.get_rank(group) if group is not None else dist.get_rank()
     if os.environ.get("RANK", "").isdigit():
         return int(os.environ["RANK"])
     claims = RunLayout(run_dir).rank_claims(attempt)
@@ -174,6 +186,7 @@ class WorkerRuntime:
             TriageController(settings.triage) if settings.triage is not None else None)
         self.plain_controller = TriageController(PLAIN_PPO)
         self._monitor: Optional[MismatchMonitor] = None
+        self._group = None
         self._acc: Optional[StepAccumulator] = None
         self.optimizer_steps = 0           # optimizer steps seen (the bound optimizer's)
         self.step_offset = 0               # added to optimizer steps (resume)
@@ -189,18 +202,42 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------- monitor
     @property
+    def group(self):
+        """The process group the monitor syncs over (:meth:`set_group`; None: the default group, when one is up)."""
+        return self._group
+
+    def set_group(self, group) -> None:
+        """Make ``group`` (a live ``torch.distributed`` process group) the one this process's monitor all-reduces
+        over, broadcasts the attempt id over and numbers the files by (module docstring, **Process group**).
+
+        Call it in-process before the first monitored step, in the processes that record, with the group of all
+        the processes that write the run; the same group again is a no-op.
+
+        Raises:
+            ValueError: the monitor was already built with another group.
+        """
+        with self._lock:
+            if group is self._group:
+                return
+            if self._monitor is not None:
+                raise ValueError("triage-monitor: set_group after this process's monitor was built (at the first "
+                                 "monitored step) with another group; hand the group over before the first step")
+            self._group = group
+
+    @property
     def monitor(self) -> Optional[MismatchMonitor]:
         """This process's monitor, built on first use (None without ``run_dir``)."""
         s = self.settings
         if self._monitor is None and s.run_dir is not None:
             run_dir = probe_writable(s.run_dir)      # an unwritable run_dir: a clear error at the first step
-            attempt = s.attempt if s.attempt is not None else _worker_attempt()
-            rank = resolve_rank(run_dir, attempt, s.rank)
+            group = self._group
+            attempt = s.attempt if s.attempt is not None else _worker_attempt(group)
+            rank = resolve_rank(run_dir, attempt, s.rank, group)
             manifest = {**s.manifest, "hook_pid": os.getpid()} if rank == 0 else dict(s.manifest)
             if self.controller is not None:
                 manifest.setdefault("triage", _plain(self.controller.config))
             self._monitor = MismatchMonitor(run_dir, s.monitor, manifest=manifest, rank=rank, attempt=attempt,
-                                            group=None, resume=s.resume, alerts=s.alerts, loggers=s.loggers)
+                                            group=group, resume=s.resume, alerts=s.alerts, loggers=s.loggers)
             self._acc = StepAccumulator(self._monitor)
         return self._monitor
 
@@ -322,13 +359,14 @@ class WorkerRuntime:
             log.warning(msg, *args)
 
 
-def _worker_attempt() -> int:
-    """Rank 0's attempt id broadcast over the default process group when one is up, else a new id."""
+def _worker_attempt(group=None) -> int:
+    """The attempt id of rank 0 of ``group`` (the default process group without one) broadcast over it when
+    torch.distributed is up and the group has more than one process, else a new id."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         from triage_monitor.monitor import _shared_attempt_id
-        return _shared_attempt_id(None)
+        return _shared_attempt_id(group)
     return new_attempt_id()
 
 
@@ -405,6 +443,10 @@ class HookAdapter:
         """Tell the hook the step of the coming loss calls (only needed where neither the framework nor an
         optimizer step gives it)."""
         self.runtime.set_step(step)
+
+    def set_group(self, group) -> None:
+        """Make ``group`` the process group this process's monitor syncs over (:meth:`WorkerRuntime.set_group`)."""
+        self.runtime.set_group(group)
 
     def flush(self) -> Optional[dict]:
         """Log the step being accumulated now."""

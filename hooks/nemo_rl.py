@@ -66,6 +66,7 @@ from triage_monitor.monitor import MonitorConfig
 
 from ._common import leading_positions
 from ._framework_options import first_hand_over, framework_names, hook_options, own_stats, reports
+from ._options import check_normalization
 from ._runtime import HookSettings, LossHook
 
 #: The NeMo RL commit this hook's call-site contract was read from.
@@ -150,8 +151,9 @@ class NemoRLTriageLoss(LossHook):
 
     Raises:
         ValueError: an option of :data:`UNSUPPORTED` is set (message names it and the TRIAGE alternative),
-            ``ratio_clip_c`` ≤ 1, an unknown ``reference_policy_kl_type``, or a bad ``alerts`` / ``loggers`` /
-            ``framework_keys`` (naming the option).
+            ``ratio_clip_c`` ≤ 1, an unknown ``reference_policy_kl_type``, a bad ``alerts`` / ``loggers`` /
+            ``framework_keys`` (naming the option), or ``TriageConfig.normalization="global_token"`` (NeMo's
+            normaliser: the weights are renormalised per response).
     """
 
     def __init__(self, loss_cfg=None, triage=None, run_dir: Optional[str] = None, monitor=None,
@@ -185,6 +187,8 @@ class NemoRLTriageLoss(LossHook):
                                                **(manifest or {})},
                                      on_invalid=on_invalid, step_source=step_source, alerts=alerts,
                                      loggers=loggers, framework_keys=framework_keys, key=uuid.uuid4().hex)
+        check_normalization(self.settings.triage, "NemoRLTriageLoss", "NeMo RL divides the loss by "
+                            "global_valid_toks (token level) or global_valid_seqs (sequence level)")
 
     # ------------------------------------------------------------- protocol
     @property

@@ -56,6 +56,7 @@ import torch
 from triage_monitor.batch import TokenBatch
 
 from ._common import leading_positions
+from ._options import check_normalization
 from ._runtime import HookSettings, LossHook
 
 #: OpenRLHF releases this hook was run against (docs/hooks.md#openrlhf).
@@ -152,7 +153,9 @@ class OpenRLHFTriageLoss(LossHook):
     Raises:
         ValueError: ``policy_loss_type='gspo'`` (a sequence-level ratio; the controller weights tokens);
             ``is_correction_level='off'`` (no rollout log-probs); TRIAGE's TIS on together with an OpenRLHF IS
-            correction that is not the identity (both would weight the same ratio).
+            correction that is not the identity (both would weight the same ratio);
+            ``TriageConfig.normalization="global_token"`` (OpenRLHF's normaliser: the weights are renormalised per
+            response).
         TypeError: ``policy_loss`` is not an OpenRLHF ``PolicyLoss``.
     """
 
@@ -177,6 +180,8 @@ class OpenRLHFTriageLoss(LossHook):
                 f"{list(policy_loss.is_correction_threshold)}) would both weight the loss by the train/rollout ratio. "
                 f"Either TriageConfig(tis=False) (OpenRLHF's correction stays), or make OpenRLHF's a no-op: "
                 f"{IDENTITY_CORRECTION_FLAGS}")
+        check_normalization(settings.triage, "OpenRLHFTriageLoss", "OpenRLHF divides the loss by the optimizer "
+                            "step's token or sample count")
         self.settings = settings
         self.policy_loss = policy_loss
         self.agg_mode = "token_mean" if policy_loss.token_level_loss else "seq_mean_token_mean"
@@ -382,6 +387,11 @@ def parse_triage_args(argv: Sequence[str]):
     from triage_monitor.controller import TriageConfig
 
     triage = None if ns.monitor_only else TriageConfig(**(json.loads(open(ns.config).read()) if ns.config else {}))
+    try:
+        check_normalization(triage, f"--triage.config {ns.config}", "OpenRLHF divides the loss by the optimizer "
+                            "step's token or sample count")
+    except ValueError as exc:
+        p.error(str(exc))
     manifest = {"framework": "openrlhf"}
     if ns.manifest:
         manifest.update(json.loads(open(ns.manifest).read()))

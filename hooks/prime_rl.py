@@ -60,6 +60,7 @@ from triage_monitor.corrections import dppo_kl_loss
 from triage_monitor.monitor import MonitorConfig
 
 from ._framework_options import hook_options, own_stats, reports
+from ._options import check_normalization
 from ._runtime import HookSettings, LossHook
 
 #: The prime-rl commit this hook's call-site contract was read from.
@@ -128,8 +129,10 @@ class PrimeRLTriageLoss(LossHook):
         key: identity across processes (default: random; :func:`triage_loss` derives it from its kwargs).
 
     Raises:
-        ValueError: a negative DPPO threshold / temperature, a bad ``on_invalid`` / ``step_source``, or a bad
-            ``alerts`` / ``loggers`` / ``framework_keys`` (the message names the option).
+        ValueError: a negative DPPO threshold / temperature, a bad ``on_invalid`` / ``step_source``, a bad
+            ``alerts`` / ``loggers`` / ``framework_keys`` (the message names the option), or
+            ``TriageConfig.normalization="global_token"`` (prime-rl's ``rl_scale``: the weights are renormalised
+            per response).
     """
 
     def __init__(self, run_dir: Optional[str] = None, triage=None, monitor=None, manifest: Optional[dict] = None,
@@ -150,6 +153,8 @@ class PrimeRLTriageLoss(LossHook):
                                      on_invalid=on_invalid, step_source=step_source, attempt=None,
                                      alerts=alerts, loggers=loggers, framework_keys=framework_keys,
                                      key=key or uuid.uuid4().hex)
+        check_normalization(self.settings.triage, "PrimeRLTriageLoss", "prime-rl divides each sample's loss sum "
+                            "by rl_scale, the global loss-token count")
 
     def __call__(self, inputs, **kwargs) -> LossOutputs:
         """One sample's loss (sum over its loss tokens) and metrics (0-dim tensors).

@@ -24,17 +24,22 @@ Checked against skyrl 0.3.0 (PyPI), ``skyrl/backends/skyrl_train``:
   unpickles its own copy.  :class:`SkyRLTriageLoss` therefore carries configuration only
   (:class:`~triage_monitor.hooks._runtime.HookSettings`); each worker process builds its own monitor and
   controller (``hooks/_runtime.py``).
-* **Step**: the loss call carries no step (SkyRL's ``global_step`` stays in the trainer's batch metadata), so
-  the monitored step is the worker's optimizer-step count: the micro-batches of one mini-batch are one step.
+* **Step**: SkyRL's ``global_step``.  The loss call carries tensors only, but the batch the worker trains on
+  carries SkyRL's metadata (``global_step``, written by the trainer; the mini-batch boundaries): the hook reads it
+  from the worker's frame above the call (:func:`skyrl_call_site`, read-only).  Every loss call of one SkyRL step
+  — all its micro-batches, mini-batches and epochs — is ONE monitored step, logged at the optimizer step that ends
+  it (mini-batches × ``update_epochs_per_batch`` optimizer steps, from the metadata and the worker's config, else
+  ``trainer=``), else when the next SkyRL step begins.  Without the metadata (or ``step_source="optimizer"``)
+  the worker's optimizer steps are counted instead, as before.
 * **What reaches SkyRL's tracker**: besides SkyRL's own loss metrics, each loss call returns the monitor's values
   of a completed step (:func:`~triage_monitor.hooks._options.dp_framework_metrics`: ``framework_keys``, default
   the curated set, and ``triage/metrics_step``).  SkyRL averages loss metrics over the micro-batches of a
   mini-batch and over the DP ranks (``reduce_metrics`` / ``all_reduce_metrics``, one collective per key: every
   rank hands over the same keys), then over the mini-batches and epochs of its step.  So that this mean is one
-  monitored step's value, every call of one SkyRL step reports the same step — the last monitored step of the
-  previous SkyRL step — when the hook knows how many optimizer steps a SkyRL step has (``trainer=``:
-  ``train_batch_size // policy_mini_batch_size × update_epochs_per_batch``); without it each mini-batch reports
-  the step before it.  Names ending in ``_loss`` are left out (SkyRL sums those).
+  monitored step's value, every call of one SkyRL step reports the same step: the previous SkyRL step.  (Counting
+  optimizer steps, the same holds when the hook knows how many optimizer steps a SkyRL step has, ``trainer=``:
+  ``train_batch_size // policy_mini_batch_size × update_epochs_per_batch``; without it each mini-batch reports
+  the step before it.)  Names ending in ``_loss`` are left out (SkyRL sums those).
 * **SkyRL's own metrics**: the trainer's ``policy/rollout_train_logprobs_abs_diff_*`` and the worker's
   ``minibatch_rollout_logprobs_abs_diff_*`` are computed outside the loss and stay as they are; the loss's own
   metrics (``clip_ratio`` and, with ``off_policy_correction`` enabled, ``is_ratio_*``, ``tis_*``,
@@ -48,16 +53,19 @@ See docs/hooks.md#skyrl for the lines a user copies.
 from __future__ import annotations
 
 import copy
+import sys
 import threading
+import weakref
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage_monitor.batch import TokenBatch
 
 from ._common import leading_positions
-from ._options import check_alerts, check_framework_keys, check_loggers, dp_framework_metrics
-from ._runtime import HookSettings, LossHook
+from ._options import check_alerts, check_framework_keys, check_loggers, check_normalization, dp_framework_metrics
+from ._runtime import HookSettings, LossHook, in_ray_worker
 
 #: SkyRL 0.3.0's loss reductions (``train/utils/utils.py`` ``validate_cfg``); all are advantage pre-scalings
 #: followed by the masked sum this hook computes.
@@ -118,6 +126,115 @@ def optimizer_steps_per_step(trainer) -> int:
 #: unpickle a fresh copy of the loss for a call, so this lives beside the runtime, not in the object
 _REPORTS: dict = {}
 _REPORTS_LOCK = threading.Lock()
+
+#: Frames above the loss call searched for the SkyRL batch being trained (:func:`skyrl_call_site`).
+CALL_SITE_DEPTH = 32
+#: Local names under which SkyRL's workers hold that batch: ``_forward_backward_micro(self, experience, ...)``
+#: (FSDP), ``forward_backward(self, data, ...)`` (both backends).
+CALL_SITE_NAMES = ("experience", "data")
+
+
+def skyrl_call_site(frame=None, depth: int = CALL_SITE_DEPTH) -> tuple:
+    """``(global_step, optimizer steps of that SkyRL step)`` of the SkyRL batch the calling worker is training on;
+    ``(None, None)`` when none is found.
+
+    SkyRL's trainer writes ``data.metadata["global_step"]`` (``RayPPOTrainer.train_critic_and_policy``) and
+    ``["policy_mini_batch_boundaries"]`` (``convert_to_training_input``) on the step's batch; ``TensorBatch``'s
+    slices and chunks keep the metadata on their way to the workers, and ``batch_to_experience`` hands it on as
+    ``Experience.metadata`` — but the policy loss is called with tensors only.  So the hook reads it, without
+    changing anything of SkyRL's, from the frames above the loss call: the first local ``experience`` or ``data``
+    whose ``metadata`` holds an integer ``global_step``.  The optimizer steps of the step are its mini-batches
+    (``len(policy_mini_batch_boundaries)``) × the worker's ``cfg.update_epochs_per_batch`` (the frame's
+    ``self``), or None when either is missing.
+    """
+    f = sys._getframe(1) if frame is None else frame
+    for _ in range(depth):
+        if f is None:
+            break
+        loc = f.f_locals
+        for name in CALL_SITE_NAMES:
+            meta = getattr(loc.get(name), "metadata", None)
+            step = meta.get("global_step") if isinstance(meta, dict) else None
+            if isinstance(step, bool) or not isinstance(step, int):
+                continue
+            bounds = meta.get("policy_mini_batch_boundaries")
+            epochs = getattr(getattr(loc.get("self"), "cfg", None), "update_epochs_per_batch", None)
+            n = (len(bounds) * epochs if isinstance(bounds, (list, tuple)) and bounds and isinstance(epochs, int)
+                 and not isinstance(epochs, bool) and epochs > 0 else None)
+            return int(step), n
+        f = f.f_back
+    return None, None
+
+
+class _StepClock:
+    """Per process and hook: the SkyRL step the worker is training and the optimizer steps it has taken in it.
+
+    Every loss call of one SkyRL step is one monitored step (the runtime merges them); it is logged at the
+    optimizer step that ends the SkyRL step when their number is known (the batch's mini-batches × epochs, or
+    ``trainer=``), else when the next SkyRL step's first call arrives, or when the hook closes.  Inside a Ray
+    worker that last optimizer step also waits until the step is on disk: Ray ends its workers without ``atexit``.
+    """
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.current: Optional[int] = None        # SkyRL step of the latest loss call
+        self.open = False                         # calls of ``current`` not logged yet
+        self.expected: Optional[int] = None       # optimizer steps of ``current`` (None: unknown)
+        self.done = 0                             # optimizer steps taken in ``current``
+        self.total = 0                            # optimizer steps counted, all steps
+        self.optimizer = None                     # weakref of the first optimizer stepping after a loss call
+
+    def call(self, step: int, expected: Optional[int]) -> None:
+        if step != self.current:
+            self.current, self.done, self.expected = step, 0, expected
+        elif not self.open:
+            self.runtime._warn_once(
+                "skyrl-late-call", "triage-monitor: a loss call of SkyRL step %d after the optimizer step that "
+                "ended it (%d expected): its tokens are logged again under step %d, replacing the first record",
+                step, self.expected, step)
+        self.open = True
+
+    def on_optimizer_step(self, optimizer) -> None:
+        if not self.open:
+            return
+        if self.optimizer is None:
+            self.optimizer = weakref.ref(optimizer)
+        elif self.optimizer() is not optimizer:
+            return
+        self.done += 1
+        self.total += 1
+        if self.expected is not None and self.done >= self.expected:
+            self.open = False
+            rt = self.runtime
+            rt.flush()
+            if rt.settings.run_dir is not None and in_ray_worker():
+                rt.monitor.flush(timeout=300)
+
+
+_CLOCKS: dict = {}
+_CLOCKS_LOCK = threading.Lock()
+_CLOCK_HOOK = None
+
+
+def _clock_for(runtime) -> _StepClock:
+    global _CLOCK_HOOK
+    with _CLOCKS_LOCK:
+        clock = _CLOCKS.get(runtime.settings.key)
+        if clock is None or clock.runtime is not runtime:
+            clock = _CLOCKS[runtime.settings.key] = _StepClock(runtime)
+        if _CLOCK_HOOK is None:
+            _CLOCK_HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
+        return clock
+
+
+def _on_optimizer_step(optimizer, args, kwargs) -> None:
+    for clock in list(_CLOCKS.values()):
+        try:
+            with clock.runtime._lock:
+                clock.on_optimizer_step(optimizer)
+        except Exception as exc:     # monitoring never breaks the optimizer step
+            clock.runtime._warn_once("skyrl-optimizer-hook", "triage-monitor: logging the SkyRL step failed (%s: %s); "
+                                     "training continues", type(exc).__name__, exc)
 
 
 def _dp_size() -> int:
@@ -180,11 +297,14 @@ class SkyRLTriageLoss(LossHook):
         base: SkyRL PPO loss reproduced: ``"regular"`` or ``"dual_clip"`` (uses ``clip_ratio_c``).
         algorithm: SkyRL's ``cfg.trainer.algorithm``, to check it here rather than at the first worker call.
         trainer: SkyRL's ``cfg.trainer``: its batch sizes give the optimizer steps of one SkyRL step
-            (:func:`optimizer_steps_per_step`), so that every loss call of one SkyRL step reports the same
-            monitored step (module docstring); None: 1.
+            (:func:`optimizer_steps_per_step`) where the batch's metadata does not (module docstring: when the
+            step is logged; with optimizer steps counted, that every loss call of one SkyRL step reports the same
+            monitored step); None: from the metadata only.
 
     Raises:
-        ValueError: ``base`` unknown, or ``algorithm`` / ``trainer`` not supported (:func:`check_algorithm_config`).
+        ValueError: ``base`` unknown, ``algorithm`` / ``trainer`` not supported (:func:`check_algorithm_config`),
+            or ``TriageConfig.normalization="global_token"`` (SkyRL's masked sum: the weights are renormalised per
+            response).
     """
 
     def __init__(self, settings: Optional[HookSettings] = None, *, base: str = "regular", algorithm=None,
@@ -193,8 +313,11 @@ class SkyRLTriageLoss(LossHook):
             raise ValueError(f"SkyRLTriageLoss: base must be one of {SKYRL_BASE_LOSSES} (SkyRL's PPO losses), "
                              f"got {base!r}")
         self.settings = settings if settings is not None else HookSettings()
+        check_normalization(self.settings.triage, "SkyRLTriageLoss", "SkyRL sums the loss (its loss_reduction "
+                            "divides the advantages)")
         self.base = base
-        self.steps_per_report = optimizer_steps_per_step(trainer) if trainer is not None else 1
+        self.trainer_steps = optimizer_steps_per_step(trainer) if trainer is not None else None
+        self.steps_per_report = self.trainer_steps or 1
         if algorithm is not None:
             check_algorithm_config(algorithm, self.settings, base)
 
@@ -225,7 +348,9 @@ class SkyRLTriageLoss(LossHook):
                     torch.ones_like(old_log_probs, dtype=torch.float32), old_log_probs, rollout_logprobs,
                     loss_mask, config.off_policy_correction)
             scale = batch.gather(factor * mask_after)
-        res = self.compute_loss(batch, old_logp=batch.gather(old_log_probs), agg_mode="token_sum", denominator=1.0,
+        step = self._skyrl_step(sys._getframe(1))
+        res = self.compute_loss(batch, old_logp=batch.gather(old_log_probs), framework_step=step,
+                                agg_mode="token_sum", denominator=1.0,
                                 clip_low=float(config.eps_clip_low), clip_high=float(config.eps_clip_high),
                                 dual_clip=float(config.clip_ratio_c) if self.base == "dual_clip" else None,
                                 token_scale=scale)
@@ -237,15 +362,37 @@ class SkyRLTriageLoss(LossHook):
         metrics.update(self.framework_report())
         return res.loss, metrics
 
+    def _skyrl_step(self, frame) -> Optional[int]:
+        """SkyRL's ``global_step`` of this call (:func:`skyrl_call_site`), registered with this process's step clock;
+        None with ``step_source="optimizer"`` or when the call site holds none (said once: optimizer steps count)."""
+        if self.settings.step_source == "optimizer":
+            return None
+        step, expected = skyrl_call_site(frame)
+        rt = self.runtime
+        if step is None:
+            rt._warn_once("skyrl-no-step", "triage-monitor: no SkyRL global_step found above the loss call (the batch's "
+                          "metadata); the monitored steps count the worker's optimizer steps instead")
+            return None
+        if expected is None and self.trainer_steps is not None:
+            expected = self.trainer_steps
+        with rt._lock:
+            _clock_for(rt).call(step, expected)
+        return step
+
     def framework_report(self) -> dict:
         """What this call hands to SkyRL's loss metrics from the monitor: the metrics of the last step this worker
-        logged before the current block of ``steps_per_report`` optimizer steps began (one SkyRL step when
-        ``trainer=`` was given), the same keys on every rank (:func:`dp_framework_metrics`), names ending in
-        ``_loss`` left out; ``{}`` before the first step or without a run directory."""
+        logged before the current SkyRL step began (with optimizer steps counted: before the current block of
+        ``steps_per_report`` optimizer steps, one SkyRL step when ``trainer=`` was given), the same keys on every
+        rank (:func:`dp_framework_metrics`), names ending in ``_loss`` left out; ``{}`` before the first step or
+        without a run directory."""
         rt = self.runtime
         if self.settings.run_dir is None:
             return {}
-        block = (rt.step_offset + rt.optimizer_steps) // self.steps_per_report
+        clock = _CLOCKS.get(self.settings.key)
+        if clock is not None and clock.runtime is rt and clock.current is not None:
+            block = ("skyrl", clock.current)     # SkyRL's step: the previous one has been logged by now
+        else:
+            block = ("optimizer", (rt.step_offset + rt.optimizer_steps) // self.steps_per_report)
         with _REPORTS_LOCK:
             held = _REPORTS.get(self.settings.key)
             if held is None or held[0] != block or held[2] is not rt:
@@ -295,4 +442,4 @@ def register(settings: Optional[HookSettings] = None, *, name: str = "triage", b
 
 
 __all__ = ["SKYRL_LOSS_REDUCTIONS", "SKYRL_BASE_LOSSES", "batch_from_skyrl", "check_algorithm_config",
-           "optimizer_steps_per_step", "SkyRLTriageLoss", "register"]
+           "optimizer_steps_per_step", "skyrl_call_site", "SkyRLTriageLoss", "register"]

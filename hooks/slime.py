@@ -24,10 +24,17 @@ parallelism, ``--use-tis`` (TRIAGE's TIS replaces it), a custom TIS or pg-loss r
 ``--use-kl-loss``.
 
 **Step and ranks.**  The loss receives no step; the monitored step counts Megatron optimizer steps (the
-global ``torch.optim`` step post-hook of :mod:`triage_monitor.hooks._runtime`).  Every rank runs the
-controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens).  Monitoring with
-tensor- or pipeline-parallel size > 1 raises on the first call: the monitor all-reduces over the world group,
-which the ranks that record nothing never join (a DP 2 × TP 2 gloo run hung at the first optimizer step).
+global ``torch.optim`` step post-hook of :mod:`triage_monitor.hooks._runtime`).  Every rank that runs the loss
+runs the controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens), and only
+the last pipeline stage runs the loss.  The recording ranks are therefore one data-parallel group — Megatron's
+``mpu.get_data_parallel_group(with_context_parallel=True)`` of TP rank 0 on the last stage, the group slime
+reduces its step metrics over (``model.py`` L693-700 at ``624b824a``) — and the hook hands that group to its
+runtime (:meth:`~triage_monitor.hooks._runtime.WorkerRuntime.set_group`): the monitor all-reduces over it only
+(the other ranks never call it), its attempt id is the group's rank 0's, and the files are numbered by the
+data-parallel rank, so the data-parallel rank 0 — the rank slime logs from (``model.py`` L874-877) — reports
+(alerts once per job, the trackers), writes ``run.json`` and is the rank readers default to.  Any tensor- and
+pipeline-parallel size works (before, the monitor all-reduced over the world group, which the ranks that record
+nothing never joined: a DP 2 × TP 2 job hung at the first optimizer step).
 
 **What reaches slime's own log** (``train/<key>`` to W&B / TensorBoard, ``model.py`` L880-898).  slime sums each
 key of the micro-batches' log dicts on a rank, all-reduces the sums over the data-parallel group and divides by
@@ -37,13 +44,15 @@ key of the micro-batches' log dicts on a rank, all-reduces the sums over the dat
 micro-batch of every rank must therefore carry the same keys.  The log gets ``settings.framework_keys`` of the
 last step the process logged (the curated set by default, ``triage/<name>`` and ``triage/metrics_step``) on every
 micro-batch, with the value placed so that the reduction returns the monitor's: per-rollout mean (slime's
-default) — rank 0's first micro-batch after the step closed carries value × ``args.global_batch_size``, every
-other entry 0, so the log shows rank 0's steps-table value of step ``triage/metrics_step`` exactly (the step
-before the one being trained; NaN stays NaN); per-token loss — each rank carries its own value × the micro-batch's
-token count (slime's ``num_tokens``), exact for the step and window metrics, which the monitor all-reduces over
-the ranks, and a token-weighted mean over the data-parallel ranks for their own values (the controller's
-statistics, the integrity counters); ``triage/alerts_active``, rank 0's only, is left out then when there is more
-than one data-parallel rank.  The controller's per-call statistics (``triage/gate_weight_mean``, ...; a name
+default) — the reporting rank's (data-parallel rank 0's) first micro-batch after the step closed carries value ×
+``args.global_batch_size``, every other entry 0, so the log shows its steps-table value of step
+``triage/metrics_step`` exactly (the step before the one being trained; NaN stays NaN); per-token loss — each rank
+carries its own value × the micro-batch's token count (slime's ``num_tokens``), exact for the step and window
+metrics, which the monitor all-reduces over the data-parallel group, and a token-weighted mean over the
+data-parallel ranks for their own values (the controller's statistics, the integrity counters);
+``triage/alerts_active``, the reporting rank's only, is left out then when there is more than one data-parallel
+rank.  The data-parallel groups of the other tensor-parallel ranks carry no monitor key on any rank (their
+reduction needs the same keys within the group only).  The controller's per-call statistics (``triage/gate_weight_mean``, ...; a name
 claimed by ``framework_keys`` is the monitor's value instead) are weighted by the micro-batch's share of the
 divisor (``sum_of_sample_mean`` of ones: its rollouts' share; or its tokens), so the log shows their
 rollout- (token-) weighted mean over the step.
@@ -239,20 +248,15 @@ class SlimeTriageLoss(LossHook):
             ``(loss, log)``: 0-dim loss, and a dict of 0-dim tensors (slime's metric names, ``triage/*``).
 
         Raises:
-            ValueError: an unsupported option (:func:`check_slime_args`); monitoring (``run_dir``) with
-                tensor- or pipeline-parallel size > 1.
+            ValueError: an unsupported option (:func:`check_slime_args`).
             KeyError: the batch has no ``rollout_log_probs`` (the rollout engine must return log-probs).
         """
         check_slime_args(args)
-        tp, pp = _model_parallel_sizes()
-        if self.settings.run_dir is not None and (tp > 1 or pp > 1):
-            # the monitor all-reduces over the world group, but only TP rank 0 of the last pipeline stage records:
-            # the other ranks never join, and the job would hang at the first optimizer step (a 4-rank DP 2 x TP 2
-            # gloo run did)
-            raise ValueError(f"triage-monitor slime loss: monitoring with tensor-parallel size {tp} / pipeline-"
-                             f"parallel size {pp} is not supported yet (the monitor's collectives need the "
-                             "data-parallel group); use SlimeTriageLoss(run_dir=None) for the controller only, or "
-                             "`triage-monitor import slime` on --save-debug-train-data dumps")
+        record = _tensor_parallel_rank() == 0
+        if record and self.settings.run_dir is not None:
+            # only TP rank 0 of the last pipeline stage records: the monitor's collectives run over its data-parallel
+            # group (the recording ranks), which the other ranks never have to join
+            self.runtime.set_group(_data_parallel_group())
         from slime.backends.megatron_utils.loss import (get_log_probs_and_entropy,
                                                         get_rollout_top_p_logprob_kwargs)
         from slime.utils.ppo_utils import compute_policy_loss
@@ -265,7 +269,7 @@ class SlimeTriageLoss(LossHook):
             response_lengths=batch["response_lengths"], with_entropy=True,
             **get_rollout_top_p_logprob_kwargs(args, batch))
         log_probs, entropy = out["log_probs"], out["entropy"]
-        res = self.triage_loss(args, batch, log_probs, record=_tensor_parallel_rank() == 0)
+        res = self.triage_loss(args, batch, log_probs, record=record)
 
         # slime's own metrics, with slime's functions and reducer (policy_loss_function, commit 624b824a)
         old = torch.cat(_old_log_probs(args, batch, log_probs), dim=0)
@@ -312,15 +316,17 @@ def _data_parallel_size() -> int:
         return 1
 
 
-def _model_parallel_sizes() -> tuple:
-    """Megatron's (tensor-parallel, pipeline-parallel) sizes ((1, 1) when its parallel state is not initialised)."""
+def _data_parallel_group():
+    """Megatron's data-parallel group (with context parallelism, as slime reduces its step metrics over it); None
+    when Megatron's parallel state is not initialised (the monitor then uses the default group)."""
     try:
         from megatron.core import mpu
 
-        return (int(mpu.get_tensor_model_parallel_world_size()),
-                int(mpu.get_pipeline_model_parallel_world_size()))
+        if not mpu.model_parallel_is_initialized():
+            return None
+        return mpu.get_data_parallel_group(with_context_parallel=True)
     except Exception:
-        return 1, 1
+        return None
 
 
 def _tensor_parallel_rank() -> int:

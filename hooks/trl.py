@@ -38,6 +38,7 @@ from trl import GRPOTrainer
 
 from triage_monitor.batch import TokenBatch
 
+from ._options import check_normalization
 from ._runtime import HookSettings, LossHook
 
 #: What the sampler log-probs recorded on the transformers path are (say which one was logged).
@@ -46,7 +47,7 @@ SAMPLER_LOGP_KIND = "transformers.generate KV-cache decoding: log_softmax(raw lo
 #: TRL ``loss_type`` → :func:`~triage_monitor.loss.agg_loss` mode; the denominators are TRL's own
 #: (:meth:`TriageGRPOTrainer._triage_denominator`).  Other loss types (``sapo``, ``cispo``, ``vespo``) are not a
 #: PPO-clip surrogate and raise at construction.
-__all__ = ["HookSettings", "TriageGRPOTrainer", "TRLLossHook", "batch_from_trl", "LOSS_TYPE_AGG"]
+__all__ = ["HookSettings", "TriageGRPOTrainer", "TRLLossHook", "batch_from_trl", "last_stats", "LOSS_TYPE_AGG"]
 
 LOSS_TYPE_AGG = {
     "grpo": "seq_mean_token_mean",   # Σ_s (Σ_t ℓ / n_s) / B, ÷ gradient-accumulation steps
@@ -58,6 +59,19 @@ LOSS_TYPE_AGG = {
 
 #: Name of the per-rank controller / monitor state file written into each TRL checkpoint folder.
 STATE_FILE = "triage_monitor_state_rank{rank}.pt"
+
+
+def last_stats(res) -> dict:
+    """Plain-number statistics of one :class:`~triage_monitor.loss.TriageLoss`: ``loss``, ``policy_loss``,
+    ``agg_mode``, ``n_tokens``, ``n_responses``, the controller's ``stats`` and ``gate_weight_min`` /
+    ``token_weight_max`` (NaN without tokens); nothing that references the micro-batch's tensors."""
+    n = int(res.batch.num_tokens)
+    nan = float("nan")
+    return {"loss": float(res.loss.detach()), "policy_loss": float(res.policy_loss.detach()), "agg_mode": res.agg_mode,
+            "n_tokens": n, "n_responses": int(res.batch.num_samples),
+            "stats": {k: float(v) for k, v in res.output.stats.items()},
+            "gate_weight_min": float(res.output.gate_weights.min()) if n else nan,
+            "token_weight_max": float(res.token_weights.max()) if n else nan}
 
 
 def batch_from_trl(learner_logp, inputs: dict, on_invalid: str = "raise") -> TokenBatch:
@@ -159,7 +173,8 @@ class TriageGRPOTrainer(GRPOTrainer):
 
     Attributes:
         triage_hook: the :class:`TRLLossHook` (None without ``triage``); its ``runtime`` holds monitor and controller.
-        triage_last: the last training micro-batch's :class:`~triage_monitor.loss.TriageLoss` (controller on).
+        triage_last: detached statistics of the last training micro-batch's loss (controller on; None before the
+            first): plain numbers only (:func:`last_stats`), no tensor of the micro-batch is kept.
     """
 
     def __init__(self, *args, triage: Optional[HookSettings] = None, record_sampler_logps: bool = True, **kwargs):
@@ -228,7 +243,8 @@ class TriageGRPOTrainer(GRPOTrainer):
         Liger loss is refused by :meth:`_check_monitoring`).
 
         Raises:
-            ValueError: naming the setting, its value and the fix.
+            ValueError: naming the setting, its value and the fix; ``TriageConfig.normalization="global_token"``
+                (TRL's normaliser renormalises the weights per response: docs/hooks.md#triage-weights-under-a-frameworks-normaliser).
         """
         args, cfg = self.args, self.triage_hook.settings.triage
         bad = []
@@ -254,6 +270,8 @@ class TriageGRPOTrainer(GRPOTrainer):
         if bad:
             raise ValueError("TriageGRPOTrainer: the TRIAGE loss cannot honour these GRPOConfig settings: "
                              + "; ".join(bad) + " (docs/hooks.md#trl)")
+        check_normalization(cfg, "TriageGRPOTrainer", f"TRL divides the loss (loss_type={self.loss_type!r}) by its "
+                            "own normaliser")
 
     # ------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
@@ -290,10 +308,10 @@ class TriageGRPOTrainer(GRPOTrainer):
             trl_loss = super()._compute_loss(model, inputs)         # TRL's own loss and metrics
         finally:
             self._tm_capture = False
+        live, self._tm_live = self._tm_live, None                  # the live tensors are never kept on self
         if not self.model.training:                                # evaluation: TRL's loss, nothing recorded
             return trl_loss
-        logps, entropies, _ = self._tm_live
-        self._tm_live = None
+        logps, entropies, _ = live
         hook = self.triage_hook
         batch = batch_from_trl(logps, inputs, hook.settings.on_invalid)
         rt = hook.runtime
@@ -306,7 +324,9 @@ class TriageGRPOTrainer(GRPOTrainer):
             clip_low=self.epsilon_low, clip_high=self.epsilon_high, dual_clip=self.args.delta,
             agg_mode=LOSS_TYPE_AGG[self.loss_type], denominator=self._triage_denominator(inputs),
             token_scale=self._triage_token_scale(inputs, logps, entropies, batch))
-        self.triage_last = res
+        # detached statistics only: the result's per-token tensors (the live log-probs and their graph, the
+        # batch, the weights) must not outlive this micro-batch's backward, across the optimizer step
+        self.triage_last = last_stats(res)
         for k, v in res.output.stats.items():
             self._metrics["train"][f"triage/{k}"].append(float(v))
         return res.loss

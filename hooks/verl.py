@@ -53,6 +53,7 @@ from triage_monitor.monitor import MonitorConfig
 from triage_monitor.records import new_attempt_id
 
 from ._common import group_ids_from_keys
+from ._options import check_normalization
 from ._runtime import HookAdapter, HookSettings, LossHook
 
 log = logging.getLogger("triage_monitor")
@@ -60,6 +61,8 @@ log = logging.getLogger("triage_monitor")
 #: Environment variables read by :func:`settings_from_env` (in the trainer process and in every worker).
 ENV_RUN_DIR = "TRIAGE_MONITOR_RUN_DIR"
 ENV_TRIAGE = "TRIAGE_MONITOR_TRIAGE"
+#: What verl divides the policy loss by (for the refusal of a normalisation the hook cannot honour).
+VERL_NORMALISER = "verl's agg_loss divides by its own global normaliser (loss_agg_mode)"
 ENV_MONITOR = "TRIAGE_MONITOR_CONFIG"
 ENV_ON_INVALID = "TRIAGE_MONITOR_ON_INVALID"
 ENV_ALERTS = "TRIAGE_MONITOR_ALERTS"
@@ -210,7 +213,8 @@ def settings_from_env(environ=None) -> HookSettings:
     names (JSON list or comma-separated).
 
     Raises:
-        ValueError: a variable that does not parse, naming it and its value (or a bad config field).
+        ValueError: a variable that does not parse, naming it and its value (or a bad config field); a
+            ``normalization`` the hook cannot honour in ``TRIAGE_MONITOR_TRIAGE`` (``"global_token"``).
     """
     from ._options import parse_alerts, parse_framework_keys, parse_loggers
 
@@ -224,6 +228,7 @@ def settings_from_env(environ=None) -> HookSettings:
     run_dir = (env.get(ENV_RUN_DIR) or "").strip() or None
     raw = (env.get(ENV_TRIAGE) or "").strip()
     triage = None if raw.lower() == "off" else TriageConfig(**(_json_env(env, ENV_TRIAGE) or {}))
+    check_normalization(triage, ENV_TRIAGE, VERL_NORMALISER)
     mon = _json_env(env, ENV_MONITOR)
     job = _ray_job_id()
     try:
@@ -442,6 +447,7 @@ class VerlTriageLoss(LossHook):
 
     def __init__(self, settings: Optional[HookSettings] = None):
         self.settings = settings if settings is not None else settings_from_env()
+        check_normalization(self.settings.triage, "VerlTriageLoss", VERL_NORMALISER)
 
     def __call__(self, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
                  config: Any = None, rollout_is_weights=None):

@@ -11,7 +11,11 @@ two rollouts, which are compared with the transcription in tests/slime_contract.
 ``SlimeTriageLoss`` is compared with slime's ``policy_loss_function`` on the same logits; last, a gloo world of 2
 processes (DP 2) trains 6 steps of tests/test_hooks_slime.py's amplifying data through slime's own
 ``loss_function`` (``--loss-type custom_loss --custom-loss-function-path``) and ``reduce_train_step_metrics``, and
-the reduced log is compared with rank 0's steps table (per-rollout mean and ``--calculate-per-token-loss``).
+the reduced log is compared with rank 0's steps table (per-rollout mean and ``--calculate-per-token-loss``);
+then the tensor- and pipeline-parallel jobs of tests/test_hooks_slime.py (4 gloo processes each, DP 2 × TP 2 and
+DP 2 × PP 2, and 8 for DP 2 × TP 2 × PP 2) with the real ``initialize_model_parallel`` and slime's own
+``loss_function`` (vocabulary-parallel log-probs over the TP group) and ``reduce_train_step_metrics``, checked as
+that test checks its stand-in jobs.
 """
 
 from __future__ import annotations
@@ -146,6 +150,8 @@ def check_loss(opts):
         args_of(), mb, logits.clone().requires_grad_(True), ssm)
     vals = torch.tensor([0] + list(log.values()))          # what slime's loss_function does with the log
     print(f"TriageConfig(): loss {float(loss):.6g}, keys {sorted(log)}, all finite {bool(torch.isfinite(vals).all())}")
+    from triage_monitor.hooks._runtime import close_all
+    close_all()                  # before its group goes: a later optimizer step in this process must not log it
     dist.destroy_process_group()
 
 
@@ -274,16 +280,54 @@ def pd_tokens(out):
     return pd.read_parquet(Path(out) / "run" / "tokens")["attempt"].tolist()
 
 
+def check_parallel(opts):
+    """tests/test_hooks_slime.py's DP × TP × PP jobs on the real Megatron parallel state and slime's own loss path."""
+    import time
+
+    _paths(opts)
+    import slime_contract
+    from test_hooks_slime import check_parallel_job, run_parallel_job
+
+    saved = slime_contract.install_slime_modules()     # the single-process reference of the checks: the stand-ins
+    env = {"TRIAGE_SLIME_SOURCE": opts.slime, "PYTHONPATH": os.pathsep.join([str(ROOT), opts.slime, opts.megatron])}
+    try:
+        for tp, pp in ((2, 1), (1, 2), (2, 2)):
+            out = Path(tempfile.mkdtemp(dir=opts.out))
+            start = time.time()
+            results = run_parallel_job(out, tp, pp, world=2 * tp * pp, env=env)
+            wall = time.time() - start
+            worst = check_parallel_job(out, tp, pp, results, rtol=1e-5, atol=1e-6)
+            reporter = [r["rank"] for r in results if r["reports"]]
+            print(f"DP 2 x TP {tp} x PP {pp} ({2 * tp * pp} processes, {wall:.0f} s): ran through; files of DP ranks "
+                  f"0-1 only, every token once; metrics vs one process on both shards (stand-in log-probs): max abs "
+                  f"diff {worst:.2g}; reporting (alert, tracker, run.json) global rank {reporter}; slime's step log = "
+                  f"its steps table")
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--slime", required=True)
     p.add_argument("--megatron", required=True)
     p.add_argument("--out", default=None)
+    p.add_argument("--only", choices=("writers", "loss", "framework-log", "parallel"), default=None,
+                   help="run one of the checks (default: all)")
     opts = p.parse_args()
     opts.out = opts.out or tempfile.mkdtemp(prefix="slime-check-")
-    check_writers(opts)
-    check_loss(opts)
-    check_framework_log(opts)
+    p_only = opts.only
+    if p_only in (None, "writers"):
+        check_writers(opts)
+    if p_only in (None, "loss"):
+        check_loss(opts)
+    if p_only in (None, "framework-log"):
+        check_framework_log(opts)
+    if p_only in (None, "parallel"):
+        check_parallel(opts)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,49 @@ def test_skyrl_off_policy_correction_and_its_metrics_are_kept():
     assert "triage/gate_weight_mean" in metrics and all(isinstance(v, float) for v in metrics.values())
 
 
+def test_gate_weights_renormalise_per_response_under_skyrls_sum():
+    """docs/hooks.md#triage-weights-under-a-frameworks-normaliser through the registered loss: SkyRL's masked sum
+    (normaliser 1, the reduction in the advantages).  Three 4-token responses, A = −1, −1, +1, the generator
+    above the learner by δ: response a partly gated (one δ > 0 token, tier 0.3 on the others), b all gated.  The
+    gradient per token over the Gate-off one is w · 4 / W: 4/1.9 and 0.3 · 4/1.9 on a, 1 on b and c."""
+    delta = torch.tensor([[0.2, -0.8, -0.9, -1.0], [-0.8, -0.9, -1.0, -0.7], [-0.8, -0.9, -1.0, -0.7]])
+    rollout_lp = torch.full_like(delta, -2.0)
+    adv = torch.tensor([-1.0, -1.0, 1.0])[:, None].expand_as(delta).contiguous()
+    cfg = AlgorithmConfig()
+    grads = {}
+    for name, triage in (("off", OFF), ("on", TriageConfig(tis=False, repair=False, gate_width=4))):
+        lp = (rollout_lp + delta).requires_grad_()
+        loss, _ = SkyRLTriageLoss(HookSettings(triage=triage))(lp, lp.detach(), adv, cfg, loss_mask=torch.ones_like(lp),
+                                                               rollout_logprobs=rollout_lp)
+        loss.backward()
+        grads[name] = lp.grad
+    s = 4 / 1.9
+    want = torch.tensor([[s, .3 * s, .3 * s, .3 * s], [1.0] * 4, [1.0] * 4])
+    assert torch.allclose(grads["on"] / grads["off"], want, rtol=1e-5)
+
+
+def test_the_docs_lines_pass_validate_cfg_with_a_console_logger(monkeypatch):
+    """The docs' SkyRL lines: register, then SkyRL's own validate_cfg.  SkyRL's default trainer.logger is wandb,
+    which validate_cfg refuses without WANDB_API_KEY; with trainer.logger=console (the docs' line) it passes."""
+    from skyrl.train.config import SkyRLTrainConfig
+    from skyrl.train.utils.utils import validate_cfg
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    lines = ["trainer.algorithm.policy_loss_type=triage", "generator.sampling_params.logprobs=1"]
+    try:
+        for extra, ok in (([], False), (["trainer.logger=console"], True)):
+            cfg = SkyRLTrainConfig.from_cli_overrides(lines + extra)
+            register(run_dir=None, triage=TriageConfig(), algorithm=cfg.trainer.algorithm, trainer=cfg.trainer)
+            if ok:
+                validate_cfg(cfg)
+            else:
+                with pytest.raises(AssertionError, match="WANDB_API_KEY"):
+                    validate_cfg(cfg)
+            PolicyLossRegistry.reset()
+    finally:
+        PolicyLossRegistry.reset()
+
+
 def test_unsupported_configuration_raises_at_construction():
     with pytest.raises(ValueError, match="loss_reduction='seq_mean_token_mean' is not supported"):
         SkyRLTriageLoss(algorithm=AlgorithmConfig(loss_reduction="seq_mean_token_mean"))
@@ -247,10 +290,10 @@ def test_register_takes_alerts_loggers_framework_keys_and_checks_them(tmp_path):
 STEPS, MINI_PER_STEP, MICRO_PER_STEP = 3, 2, 4
 #: a generator this many nats off the learner in the amplifying direction (rollout's ``amplify``)
 AMPLIFY = 0.5
-#: one rule per monitored step: the window's amplifying share above 0.9 held 1, 2, ... steps, so the biased
-#: generator raises exactly one alert at each monitored step, for the job (passed to register(alerts=...))
+#: one rule per monitored step (one per SkyRL step): the window's amplifying share above 0.9 held 1, 2, ... steps,
+#: so the biased generator raises exactly one alert at each monitored step, for the job (register(alerts=...))
 RULES = [dict(name=f"held_{h}", metric="window/amp_share", condition="above", threshold=0.9, window=25, hold=h,
-              cooldown=100) for h in range(1, STEPS * MINI_PER_STEP + 1)]
+              cooldown=100) for h in range(1, STEPS + 1)]
 
 
 class _Model(torch.nn.Module):
@@ -326,14 +369,24 @@ def run_worker(rank: int, world: int, loss_name: str, port: int):
                 "action_log_probs": r["old"], "base_action_log_probs": None, "values": None, "returns": None,
                 "advantages": scaled_advantages(r, cfg.algorithm.loss_reduction), "loss_mask": r["loss_mask"],
                 "response_mask": r["action_mask"], "rollout_logprobs": r["rollout"]})
-            data.metadata = {"response_length": r["loss_mask"].shape[1], "global_step": step + 1}
+            # what SkyRL's trainer writes on the step's batch (its slices and chunks keep it): the global step
+            # (train_critic_and_policy) and the mini-batch boundaries (convert_to_training_input)
+            data.metadata = {"response_length": r["loss_mask"].shape[1], "global_step": step + 1,
+                             "policy_mini_batch_boundaries": [(m * B, (m + 1) * B) for m in range(MINI_PER_STEP)]}
             out = worker.forward_backward(data)
             minibatch_metrics.append(dict(out.metrics))
             worker.optim_step()
     hook = worker.policy_loss_fn
     rt = hook.runtime
     mon = rt.monitor
-    result = {"pid": os.getpid(), "calls": rt.calls, "optimizer_steps": rt.optimizer_steps, "rank": mon.rank,
+    from triage_monitor.hooks.skyrl import _CLOCKS
+    from triage_monitor.layout import parse_table_file
+
+    # written by the optimizer step that ended each SkyRL step, before anything closes the hook (Ray runs no atexit)
+    names = [parse_table_file(p.name) for p in (mon.run_dir / "steps").iterdir()]
+    on_disk = sorted(n[0] for n in names if n is not None and n[1] == mon.rank)
+    result = {"pid": os.getpid(), "calls": rt.calls, "optimizer_steps": _CLOCKS[hook.settings.key].total,
+              "rank": mon.rank, "on_disk_before_close": on_disk,
               "is_ours": type(hook).__name__, "controller_calls": rt.controller.calls, "metrics": minibatch_metrics,
               "rules": None if mon.alerts is None else [x.name for x in mon.alerts.rules],
               "loggers": [(type(lg).__name__, lg.keys) for lg in mon.loggers]}
@@ -362,12 +415,14 @@ def skyrl_logged(minibatch_metrics) -> list:
 def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
     """A real local Ray cluster: the loss registered on the driver (with live state there; alerts, a tracker and
     the trainer's batch sizes as register's arguments), synced by SkyRL's ``sync_registries`` and looked up by two
-    real ``PolicyWorkerBase`` workers in one gloo group: 3 SkyRL steps × 2 mini-batches × 4 micro-batches each → 6
-    monitored steps, every token once, rank files from both workers, one run.json, SkyRL's own status metrics next
-    to ours.  The options reach the monitors (rank 0's only); a generator biased in the amplifying direction raises
+    real ``PolicyWorkerBase`` workers in one gloo group: 3 SkyRL steps × 2 mini-batches × 4 micro-batches each → 3
+    monitored steps numbered as SkyRL's global_step (1, 2, 3: read from the batch's metadata at the worker's call
+    site), each written by the optimizer step that ended it (before anything closes the hook), every token of the
+    step's two mini-batches once, rank files from both workers, one run.json, SkyRL's own status metrics next to
+    ours.  The options reach the monitors (rank 0's only); a generator biased in the amplifying direction raises
     one alert per monitored step for the job, from rank 0; what SkyRL logs per step (its real reduction over
-    micro-batches, DP ranks and mini-batches) holds the curated keys of the previous SkyRL step's last monitored
-    step, equal to the steps table."""
+    micro-batches, DP ranks and mini-batches) holds the curated keys of the previous SkyRL step, equal to the steps
+    table."""
     import pyarrow.parquet as pq
     import ray
 
@@ -403,21 +458,22 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
         ray.shutdown()
         PolicyLossRegistry.reset()
         fn.close()
-    n_steps = STEPS * MINI_PER_STEP
+    n_calls = STEPS * MINI_PER_STEP * MICRO_PER_STEP
     assert len({r["pid"] for r in results}) == 2 and os.getpid() not in {r["pid"] for r in results}
     assert all(r["is_ours"] == "SkyRLTriageLoss" for r in results)
     by_rank = {r["rank"]: r for r in results}
     assert sorted(by_rank) == [0, 1]
-    assert all(r["optimizer_steps"] == n_steps and r["calls"] == n_steps * MICRO_PER_STEP for r in results)
-    assert all(r["controller_calls"] == n_steps * MICRO_PER_STEP for r in results)
+    assert all(r["optimizer_steps"] == STEPS * MINI_PER_STEP and r["calls"] == n_calls for r in results)
+    assert all(r["controller_calls"] == n_calls for r in results)
+    assert all(r["on_disk_before_close"] == [1, 2, 3] for r in results)     # SkyRL's steps, the last one included
     keys = set(results[0]["metrics"][0])
     assert {"policy_loss", "final_loss", "loss_metrics/clip_ratio", "loss_metrics/triage/gate_weight_mean",
             "minibatch_rollout_logprobs_abs_diff_mean"} <= keys
-    n_tokens = sum(sum(m) for m in rollout()["mask_lists"])
+    n_tokens = MINI_PER_STEP * sum(sum(m) for m in rollout()["mask_lists"])    # a step: its 2 mini-batches
     from triage_monitor.layout import parse_table_file
     files = {parse_table_file(p.name): p for p in (run_dir / "tokens").iterdir()}
     steps = sorted({s for s, _, _ in files})
-    assert steps == list(range(n_steps))
+    assert steps == list(range(1, STEPS + 1))                                  # SkyRL's global_step
     for s in steps:
         assert sorted(r for st, r, _ in files if st == s) == [0, 1]           # one file per (step, rank)
         assert all(pq.read_table(f).num_rows == n_tokens for (st, _, _), f in files.items() if st == s)
@@ -430,11 +486,12 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
     # one alert per monitored step for the job, raised by rank 0 on the all-reduced metrics; rank 1 raised none
     import pandas as pd
     alerts = pd.read_parquet(run_dir / "alerts")
-    assert sorted(zip(alerts["step"].astype(int), alerts["rule"])) == [(s, f"held_{s + 1}") for s in range(n_steps)]
+    assert sorted(zip(alerts["step"].astype(int), alerts["rule"])) == [(s, f"held_{s}") for s in steps]
     assert set(alerts["rank"].astype(int)) == {0}
     table = pd.read_parquet(run_dir / "steps")
     rows = {(int(r["step"]), int(r["rank"])): r for _, r in table.iterrows()}
-    assert all(rows[(s, 1)]["delta_abs_mean"] > 0.3 for s in range(n_steps))          # generator != learner
+    assert sorted(rows) == [(s, r) for s in steps for r in (0, 1)]                     # one row per step and rank
+    assert all(rows[(s, 1)]["delta_abs_mean"] > 0.3 for s in steps)                    # generator != learner
 
     # what SkyRL logs per training step: the metrics dp rank 0 returns, reduced over the step's mini-batches
     for a, b in zip(results[0]["metrics"], results[1]["metrics"]):          # all-reduced: the same on both ranks
@@ -443,7 +500,7 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
     assert not any(k.startswith("policy/loss_metrics/triage/window") for k in logged[0])
     for s in range(1, STEPS):
         got = logged[s]
-        last = s * MINI_PER_STEP - 1                  # the last monitored step of the previous SkyRL step
+        last = s                                      # the previous SkyRL step (logged[s] is SkyRL step s + 1)
         assert got["policy/loss_metrics/triage/metrics_step"] == last
         r0, r1 = rows[(last, 0)], rows[(last, 1)]
         want = [k for k in CURATED_KEYS if np.isfinite(r0[k])]
@@ -454,7 +511,7 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
             if k == "gate_downweighted_frac":           # each rank's own Gate: SkyRL's mean over the DP ranks
                 assert v == pytest.approx((r0[k] + r1[k]) / 2, rel=1e-6, abs=1e-9), k
             elif k == "alerts_active":                  # rank 0's count
-                assert v == pytest.approx(r0[k]) and r0[k] == last + 1 and np.isnan(r1[k])
+                assert v == pytest.approx(r0[k]) and r0[k] == last and np.isnan(r1[k])
             else:                                       # all-reduced by the monitors: the same on both ranks
                 assert r1[k] == pytest.approx(r0[k], rel=1e-9, abs=1e-12), k
                 assert v == pytest.approx(r0[k], rel=1e-6, abs=1e-9), k

@@ -224,3 +224,117 @@ def reduce_train_step_metrics(ranks, *, calculate_per_token_loss, step_global_ba
     values = values.tolist()
     num_samples_or_tokens = values[0] if calculate_per_token_loss else step_global_batch_size
     return {key: value / num_samples_or_tokens for key, value in zip(keys, values[1:])}
+
+
+# ------------------------------------------------ Megatron's parallel state, as slime's ranks see it (stand-in)
+# megatron-core is not in the project's environment.  What the hook reads of it (``from megatron.core import mpu``)
+# is stood in for by torch.distributed.new_group groups with Megatron's rank lists, from NVIDIA/Megatron-LM tag
+# core_v0.16.1 (55ac7082517c3878ae653c07c09c534b8aed49f6), megatron/core/parallel_state.py:
+# L251-357 generate_masked_orthogonal_rank_groups (below, verbatim but for the docstring), L447-522 RankGenerator
+# (the order "tp-cp-ep-dp-pp", L562, with cp = ep = 1: rank = tp_rank + tp·dp_rank + tp·dp·pp_rank), and the groups
+# initialize_model_parallel creates, in its order: L851-877 the data-parallel groups with context parallelism
+# (``get_data_parallel_group(with_context_parallel=True)``, what slime reduces its step metrics over), L951-965 the
+# data-parallel groups, L1019-1027 the tensor-parallel groups, L1095-1115 the pipeline groups; the getters
+# L1372-1380, L1408-1430, L1606-1642, L1748-1777.  scripts/check_slime_source.py runs the same job on the real
+# megatron.core.parallel_state.
+def generate_masked_orthogonal_rank_groups(world_size, parallel_size, mask):
+    def prefix_product(a, init=1):
+        r = [init]
+        for v in a:
+            init = init * v
+            r.append(init)
+        return r
+
+    def inner_product(a, b):
+        return sum([x * y for x, y in zip(a, b)])
+
+    def decompose(index, shape, stride=None):
+        if stride is None:
+            stride = prefix_product(shape)
+        idx = [(index // d) % s for s, d in zip(shape, stride)]
+        assert sum([x * y for x, y in zip(idx, stride[:-1])]) == index
+        return idx
+
+    masked_shape = [s for s, m in zip(parallel_size, mask) if m]
+    unmasked_shape = [s for s, m in zip(parallel_size, mask) if not m]
+    global_stride = prefix_product(parallel_size)
+    masked_stride = [d for d, m in zip(global_stride, mask) if m]
+    unmasked_stride = [d for d, m in zip(global_stride, mask) if not m]
+    group_size = prefix_product(masked_shape)[-1]
+    num_of_group = world_size // group_size
+    ranks = []
+    for group_index in range(num_of_group):
+        decomposed_group_idx = decompose(group_index, unmasked_shape)
+        rank = []
+        for rank_in_group in range(group_size):
+            decomposed_rank_idx = decompose(rank_in_group, masked_shape)
+            rank.append(inner_product(decomposed_rank_idx, masked_stride)
+                        + inner_product(decomposed_group_idx, unmasked_stride))
+        ranks.append(rank)
+    return ranks
+
+
+ORDER = "tp-cp-ep-dp-pp"
+
+
+def megatron_rank_groups(tp: int, dp: int, pp: int, token: str) -> list:
+    """RankGenerator(tp, ep=1, dp, pp, cp=1, order=ORDER).get_ranks(token)."""
+    sizes = {"tp": tp, "cp": 1, "ep": 1, "dp": dp, "pp": pp}
+    order = ORDER.split("-")
+    wanted = token.split("-")
+    return generate_masked_orthogonal_rank_groups(tp * dp * pp, [sizes[t] for t in order],
+                                                  [t in wanted for t in order])
+
+
+def install_megatron_parallel_state(tp: int, pp: int, timeout=None):
+    """In a process of an initialised torch.distributed world of tp·dp·pp ranks: create the groups as Megatron's
+    initialize_model_parallel does (every rank creates every group, in its order) and make ``megatron.core.mpu``
+    (and ``megatron.core.parallel_state``) a module answering the getters the hook and slime call with them.
+    Returns that module."""
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert world % (tp * pp) == 0
+    dp = world // (tp * pp)
+    mine = {}
+    for token, key in (("dp-cp", "dp_cp"), ("dp", "dp"), ("tp", "tp"), ("pp", "pp")):
+        for ranks in megatron_rank_groups(tp, dp, pp, token):
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[key] = (group, ranks)
+    ps = types.ModuleType("megatron.core.parallel_state")
+    ps.model_parallel_is_initialized = lambda: True
+    ps.get_data_parallel_group = lambda with_context_parallel=False: mine["dp_cp" if with_context_parallel else "dp"][0]
+    ps.get_data_parallel_world_size = lambda with_context_parallel=False: len(mine["dp"][1])
+    ps.get_data_parallel_rank = lambda with_context_parallel=False: mine["dp"][1].index(rank)
+    ps.get_tensor_model_parallel_world_size = lambda: tp
+    ps.get_tensor_model_parallel_rank = lambda: mine["tp"][1].index(rank)
+    ps.get_pipeline_model_parallel_world_size = lambda: pp
+    ps.get_pipeline_model_parallel_rank = lambda: mine["pp"][1].index(rank)
+    ps.is_pipeline_last_stage = lambda ignore_virtual=True: ps.get_pipeline_model_parallel_rank() == pp - 1
+    ps.get_context_parallel_world_size = lambda: 1
+    megatron, core = types.ModuleType("megatron"), types.ModuleType("megatron.core")
+    core.parallel_state = core.mpu = ps
+    megatron.core = core
+    sys.modules.update({"megatron": megatron, "megatron.core": core, "megatron.core.parallel_state": ps})
+    return ps
+
+
+# HEAD slime/observability/train_metric_utils.py lines 45-59 (reduce_train_step_metrics) as it runs in a rank, with
+# the real all-reduce over the data-parallel group (context-parallel size 1).
+def reduce_train_step_metrics_in_rank(losses_reduced, *, calculate_per_token_loss, step_global_batch_size,
+                                      dp_with_cp_group):
+    import torch.distributed as dist
+
+    keys = losses_reduced[0]["keys"]
+    values = None
+    for item in losses_reduced:
+        values = item["values"] if values is None else values + item["values"]
+    assert len(keys) + 1 == values.numel()
+    dist.all_reduce(values, group=dp_with_cp_group)
+    values = values.tolist()
+    num_samples_or_tokens = values[0] if calculate_per_token_loss else step_global_batch_size
+    return {key: value / num_samples_or_tokens for key, value in zip(keys, values[1:])}

@@ -445,6 +445,46 @@ def test_unsupported_options_raise_at_construction():
     nemo_rl.NemoRLTriageLoss({"use_kl_in_reward": True, "truncated_importance_sampling_type": None})
 
 
+def test_global_token_normalization_is_refused_at_construction():
+    """NeMo divides by global_valid_toks / global_valid_seqs: the weights are renormalised per response, so a
+    TriageConfig asking for the global token mean is refused at construction, naming the setting."""
+    with pytest.raises(ValueError, match=r"NemoRLTriageLoss: TriageConfig.normalization='global_token' cannot be "
+                                         r"honoured: NeMo RL divides the loss by global_valid_toks"):
+        nemo_rl.NemoRLTriageLoss({}, triage=TriageConfig(normalization="global_token"))
+    with pytest.raises(ValueError, match=r"normalization='global_token'"):
+        nemo_rl.NemoRLTriageLoss({}, triage={"normalization": "global_token"})
+    nemo_rl.NemoRLTriageLoss({}, triage=TriageConfig())
+
+
+@pytest.mark.parametrize("token_level", [True, False], ids=["token-level", "sequence-level"])
+def test_gate_weights_renormalise_per_response_under_nemos_normaliser(token_level, nemo_interfaces):
+    """docs/hooks.md#triage-weights-under-a-frameworks-normaliser as NeMo calls the loss (÷ global_valid_toks, or
+    per-sequence means ÷ global_valid_seqs): three 4-token responses after a prompt token, A = −1, −1, +1, the
+    generation log-probs above the live ones by −δ, prev = live (ratio 1): response a partly gated (δ = +0.2
+    ungated, tier 0.3 on the rest), b all gated.  Gradient per token over the Gate-off one: w · 4 / W."""
+    delta = torch.tensor([[0.2, -0.8, -0.9, -1.0], [-0.8, -0.9, -1.0, -0.7], [-0.8, -0.9, -1.0, -0.7]])
+    gen = torch.full((3, 5), -2.0)
+    token_mask = torch.ones(3, 5)
+    token_mask[:, 0] = 0                                              # the prompt token
+    adv = torch.tensor([-1.0, -1.0, 1.0])[:, None].expand(3, 5).contiguous()
+    cfg = {"reference_policy_kl_penalty": 0.0, "token_level_loss": token_level}
+    grads = {}
+    for name, triage in (("off", OFF), ("on", TriageConfig(tis=False, repair=False, gate_width=4))):
+        live = (gen[:, 1:] + delta).requires_grad_()
+        prev = torch.zeros(3, 5)
+        prev[:, 1:] = live.detach()
+        data = {"prev_logprobs": prev, "generation_logprobs": gen * token_mask, "advantages": adv * token_mask,
+                "reference_policy_logprobs": prev.clone(), "token_mask": token_mask, "sample_mask": torch.ones(3)}
+        loss, _ = nemo_rl.NemoRLTriageLoss(cfg, triage=triage)(live, data, torch.tensor(3.0), torch.tensor(12.0))
+        loss.backward()
+        grads[name] = live.grad
+    s = 4 / 1.9
+    want = torch.tensor([[s, .3 * s, .3 * s, .3 * s], [1.0] * 4, [1.0] * 4])
+    assert (grads["off"] != 0).all()
+    assert torch.allclose(grads["on"] / grads["off"], want, rtol=1e-5)
+    close_all()
+
+
 def test_pickles_to_configuration_only(tmp_path):
     hook = nemo_rl.NemoRLTriageLoss({}, triage=TriageConfig(), run_dir=str(tmp_path / "run"))
     rt = hook.runtime

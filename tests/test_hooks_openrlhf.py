@@ -76,6 +76,20 @@ def test_cli_alerts_loggers_framework_keys(tmp_path, capsys):
         assert re.search(match, err), err
 
 
+def test_cli_refuses_a_global_token_normalization(tmp_path, capsys):
+    """OpenRLHF divides by the optimizer step's token or sample count: the weights are renormalised per response,
+    so a --triage.config asking for the global token mean stops the launch (argparse's exit 2), naming it."""
+    cfg = tmp_path / "triage.json"
+    cfg.write_text('{"normalization": "global_token"}')
+    with pytest.raises(SystemExit) as e:
+        hook.parse_triage_args(["--triage.run_dir", "r", "--triage.config", str(cfg)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--triage.config {cfg}: TriageConfig.normalization='global_token' cannot be honoured" in err, err
+    cfg.write_text('{"normalization": "per_response"}')
+    assert hook.parse_triage_args(["--triage.run_dir", "r", "--triage.config", str(cfg)])[0].triage is not None
+
+
 def rules_toml(holds, metric="window/amp_share", threshold=0.9, window=25) -> str:
     """Rules on ``metric`` above ``threshold`` held 1, 2, ... steps: on a sampler that keeps the condition true,
     rule ``held_h`` fires once, at the h-th step (one alert per step for the job)."""
@@ -233,6 +247,40 @@ def test_unsupported_options_raise_at_construction(orl):
     with pytest.raises(ValueError, match="rollout_log_probs is None.*is_correction_level token"):
         hook.OpenRLHFTriageLoss(settings(), policy_loss(orl))(learner, old, adv, action_mask=mask,
                                                               rollout_log_probs=None)
+
+
+def test_global_token_normalization_is_refused_at_construction(orl):
+    with pytest.raises(ValueError, match=r"OpenRLHFTriageLoss: TriageConfig.normalization='global_token' cannot be "
+                                         r"honoured: OpenRLHF divides the loss"):
+        hook.OpenRLHFTriageLoss(settings(triage=TriageConfig(tis=False, normalization="global_token")),
+                                policy_loss(orl))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_gate_weights_renormalise_per_response_under_openrlhfs_normaliser(orl, agg):
+    """docs/hooks.md#triage-weights-under-a-frameworks-normaliser through OpenRLHF's PolicyLoss call (its global
+    normalisers, OpenRLHF's IS correction the identity): three rows of a prompt column and 4 action tokens,
+    A = −1, −1, +1, rollout log-probs above the learner's by −δ, old = learner (ratio 1): row a partly gated
+    (δ = +0.2 ungated, tier 0.3 on the rest), b all gated.  Gradient per token over the Gate-off one: w · 4 / W."""
+    delta = torch.tensor([[0.2, -0.8, -0.9, -1.0], [-0.8, -0.9, -1.0, -0.7], [-0.8, -0.9, -1.0, -0.7]])
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[:, 0] = False
+    base = torch.full((3, 5), -2.0)
+    adv = torch.tensor([-1.0, -1.0, 1.0])[:, None].expand(3, 5) * mask
+    pl = policy_loss(orl, is_mode="clip", is_threshold=(1.0, 1.0), loss_agg_mode=agg)
+    grads = {}
+    for name, triage in (("off", OFF), ("on", TriageConfig(tis=False, repair=False, gate_width=4))):
+        learner = base.clone().requires_grad_()
+        rollout = torch.cat([torch.zeros(3, 1), base[:, 1:] - delta], 1)
+        loss = hook.OpenRLHFTriageLoss(settings(triage=triage), pl)(
+            learner, learner.detach(), adv, action_mask=mask, rollout_log_probs=rollout, dp_size=1,
+            batch_num_tokens=torch.tensor(12.0), global_batch_size=torch.tensor(3.0))[0]
+        loss.backward()
+        grads[name] = learner.grad[:, 1:]
+    s = 4 / 1.9
+    want = torch.tensor([[s, .3 * s, .3 * s, .3 * s], [1.0] * 4, [1.0] * 4])
+    assert (grads["off"] != 0).all()
+    torch.testing.assert_close(grads["on"] / grads["off"], want, rtol=1e-5, atol=0)
 
 
 def test_loss_object_pickles_with_configuration_only(orl, tmp_path):

@@ -481,6 +481,40 @@ def test_hook_options_are_validated_naming_the_option():
     assert s.alerts is False and s.loggers[0].kind == "mlflow" and s.framework_keys == ("window/rho_asym",)
 
 
+def test_global_token_normalization_is_refused_at_construction():
+    """prime-rl divides each sample's sum by rl_scale: the weights are renormalised per response, so a TriageConfig
+    (or a TOML ``triage`` table) asking for the global token mean is refused naming the setting."""
+    with pytest.raises(ValueError, match=r"PrimeRLTriageLoss: TriageConfig.normalization='global_token' cannot be "
+                                         r"honoured: prime-rl divides each sample's loss sum by rl_scale"):
+        prime_rl.PrimeRLTriageLoss(triage=TriageConfig(normalization="global_token"))
+    with pytest.raises(ValueError, match=r"normalization='global_token'"):
+        prime_rl.triage_loss(None, triage={"normalization": "global_token"})
+    prime_rl.PrimeRLTriageLoss(triage={"normalization": "per_response"})
+
+
+def test_gate_weights_renormalise_per_response_under_prime_rls_normaliser():
+    """docs/hooks.md#triage-weights-under-a-frameworks-normaliser through prime-rl's ``compute_loss`` (one loss
+    call per sample, ÷ rl_scale): three 4-token samples, A = −1, −1, +1, the inference log-probs above the trainer's
+    by −δ: sample a partly gated (δ = +0.2 ungated, tier 0.3 on the rest), b all gated.  The gradient per token
+    (DPPO-Binary-TV + KL, all weighted) over the Gate-off one is w · 4 / W: 4/1.9 and 0.3 · 4/1.9 on a, 1 on b, c."""
+    delta = torch.tensor([[0.2, -0.8, -0.9, -1.0], [-0.8, -0.9, -1.0, -0.7], [-0.8, -0.9, -1.0, -0.7]])
+    inference = torch.full_like(delta, -2.0)
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    grads = {}
+    for name, triage in (("off", OFF), ("on", {"tis": False, "repair": False, "gate_width": 4})):
+        fn = setup_rl_loss_fn(CustomLossConfig("triage_monitor.hooks.prime_rl.triage_loss", {"triage": triage}))
+        t = [(inference[s] + delta[s]).requires_grad_() for s in range(3)]
+        loss, _ = compute_loss(t, list(inference), None, [adv[s].expand(4) for s in range(3)],
+                               [torch.ones(4, dtype=torch.bool)] * 3, None, fn, rl_scale=12)
+        loss.backward()
+        grads[name] = torch.stack([x.grad for x in t])
+    s = 4 / 1.9
+    want = torch.tensor([[s, .3 * s, .3 * s, .3 * s], [1.0] * 4, [1.0] * 4])
+    assert (grads["off"] != 0).all()
+    assert torch.allclose(grads["on"] / grads["off"], want, rtol=1e-5)
+    close_all()
+
+
 def test_the_docs_toml_lines_configure_the_hook():
     """The ``[trainer.loss]`` block of docs/hooks.md#prime-rl, parsed as prime-rl parses its TOML: the kwargs build
     the hook with the controller, prime-rl's loss settings and the three options as written."""

@@ -444,3 +444,28 @@ def test_the_first_runtime_of_a_process_registers_one_global_optimizer_step_hook
     finally:
         handle.remove()
         close_all()
+
+
+def test_the_hook_hands_its_process_group_to_the_monitor(tmp_path):
+    """``set_group`` (in-process: a live group does not pickle): the monitor is built on that group — its rank in
+    it numbers the files, its rank 0 reports — while the settings stay picklable; the same group again is a no-op,
+    another one after the monitor was built is refused (a gloo world of one process here; the multi-process jobs
+    run in tests/test_hooks_slime.py and tests/test_distributed.py)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        group, other = dist.new_group([0]), dist.new_group([0])
+        hook = make_hook_class()(_settings(tmp_path, attempt=None))
+        hook.set_group(group)
+        assert cloudpickle.loads(cloudpickle.dumps(hook)).runtime is hook.runtime    # same key, same runtime
+        mon = hook.monitor
+        assert (mon.group, mon.rank, mon.world_size, mon.reports) == (group, 0, 1, True)
+        hook.set_group(group)
+        with pytest.raises(ValueError, match="set_group after this process's monitor was built"):
+            hook.set_group(other)
+        hook.close()
+        assert json.loads((tmp_path / "run" / "run.json").read_text())["attempts"][0]["world_size"] == 1
+    finally:
+        close_all()
+        dist.destroy_process_group()

@@ -25,7 +25,7 @@ from triage_monitor.hooks.skyrl import SkyRLTriageLoss, batch_from_skyrl
 pytestmark = pytest.mark.framework
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = 16          # tests in tests/skyrl_checks.py
+CHECKS = 18          # tests in tests/skyrl_checks.py
 
 
 def test_skyrl_0_3_0_real_code_paths(side_env):
@@ -99,3 +99,43 @@ def test_dp_metrics_have_the_same_keys_on_every_rank(tmp_path):
     with pytest.raises(ValueError, match=r"positive integer \['update_epochs_per_batch'\]"):
         optimizer_steps_per_step(SimpleNamespace(train_batch_size=8, policy_mini_batch_size=4,
                                                  update_epochs_per_batch=0))
+
+
+def test_global_token_normalization_is_refused_at_construction():
+    """SkyRL sums the loss (its loss_reduction divides the advantages): the weights are renormalised per response,
+    so a TriageConfig asking for the global token mean is refused where the loss is built, naming the setting."""
+    with pytest.raises(ValueError, match=r"SkyRLTriageLoss: TriageConfig.normalization='global_token' cannot be "
+                                         r"honoured: SkyRL sums the loss"):
+        SkyRLTriageLoss(HookSettings(triage=TriageConfig(normalization="global_token")))
+    SkyRLTriageLoss(HookSettings(triage=TriageConfig()))
+    SkyRLTriageLoss(HookSettings())                                       # monitoring only: no controller
+
+
+def test_call_site_gives_skyrls_global_step_and_the_optimizer_steps_of_the_step():
+    """The loss call gets tensors only; SkyRL's batch metadata (global_step, the mini-batch boundaries) is read from
+    the worker's frame above it: FSDP's ``_forward_backward_micro(self, experience)``, or a ``data`` local
+    (``forward_backward(self, data)``) further up.  Steps of the SkyRL step = mini-batches × the worker's
+    update_epochs_per_batch; nothing found: (None, None)."""
+    from types import SimpleNamespace
+
+    from triage_monitor.hooks.skyrl import skyrl_call_site
+
+    worker = SimpleNamespace(cfg=SimpleNamespace(update_epochs_per_batch=2))
+
+    def loss_fn():                                   # the loss: looks from its caller upwards
+        return skyrl_call_site()
+
+    def _forward_backward_micro(self, experience):
+        return loss_fn()
+
+    def forward_backward(self, data):
+        micro = SimpleNamespace(metadata=None)       # a frame in between without the metadata
+        return _forward_backward_micro(self, micro)
+
+    meta = {"global_step": 7, "policy_mini_batch_boundaries": [(0, 4), (4, 8), (8, 12)], "response_length": 5}
+    assert _forward_backward_micro(worker, SimpleNamespace(metadata=meta)) == (7, 6)
+    assert forward_backward(worker, SimpleNamespace(metadata=meta)) == (7, 6)
+    assert _forward_backward_micro(worker, SimpleNamespace(metadata={"global_step": 3})) == (3, None)
+    assert _forward_backward_micro(object(), SimpleNamespace(metadata=meta)) == (7, None)   # no worker config
+    assert _forward_backward_micro(worker, SimpleNamespace(metadata={"global_step": True})) == (None, None)
+    assert loss_fn() == (None, None)

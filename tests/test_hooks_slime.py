@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 from argparse import Namespace
+from typing import Optional
 
 import cloudpickle
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -27,6 +29,7 @@ from triage_monitor.hooks import slime as slime_hook
 from triage_monitor.hooks._runtime import HookSettings, close_all
 from triage_monitor.hooks.slime import SlimeTriageLoss, check_slime_args
 from triage_monitor.importers import slime_steps
+from triage_monitor.metrics import METRIC_NAMES
 from triage_monitor.monitor import MonitorConfig
 from triage_monitor.trackers import CURATED_KEYS
 
@@ -342,6 +345,43 @@ def test_unsupported_options_raise(kw, match):
     check_slime_args(slime_args())                                    # the defaults are fine
 
 
+@pytest.mark.parametrize("kw", [{}, {"calculate_per_token_loss": True}], ids=["per-rollout-mean", "per-token-loss"])
+def test_gate_weights_renormalise_per_sample_under_slimes_normaliser(kw):
+    """docs/hooks.md#triage-weights-under-a-frameworks-normaliser through the hook's loss (slime's per-rollout
+    mean, samples a and b one rollout: rollout_mask_sums 8, 8, 4; or the masked sum): three 4-token samples,
+    A = −1, −1, +1, rollout log-probs above the learner's by −δ, old = live (ratio 1): a partly gated (δ = +0.2
+    ungated, tier 0.3 on the rest), b all gated.  Gradient per token over the Gate-off one: w · 4 / W per sample."""
+    delta = torch.tensor([[0.2, -0.8, -0.9, -1.0], [-0.8, -0.9, -1.0, -0.7], [-0.8, -0.9, -1.0, -0.7]])
+    rollout_lp = torch.full((3, 4), -2.0)
+    args = slime_args(**kw)
+    grads = {}
+    for name, triage in (("off", None), ("on", TriageConfig(tis=False, repair=False, gate_width=4))):
+        lp = [(rollout_lp[s] + delta[s]).requires_grad_() for s in range(3)]
+        mb = {"rollout_log_probs": list(rollout_lp), "advantages": [torch.full((4,), a) for a in (-1.0, -1.0, 1.0)],
+              "loss_masks": [torch.ones(4, dtype=torch.int32)] * 3, "log_probs": [x.detach() for x in lp],
+              "rollout_mask_sums": torch.tensor([8, 8, 4])}
+        SlimeTriageLoss(triage=triage).triage_loss(args, mb, lp).loss.backward()
+        grads[name] = torch.stack([x.grad for x in lp])
+    s = 4 / 1.9
+    want = torch.tensor([[s, .3 * s, .3 * s, .3 * s], [1.0] * 4, [1.0] * 4])
+    assert (grads["off"] != 0).all()
+    torch.testing.assert_close(grads["on"] / grads["off"], want, rtol=1e-5, atol=0)
+    close_all()
+
+
+def test_global_token_normalization_is_refused_at_the_first_call():
+    """slime divides by rollout_mask_sums (or sums the per-token loss): the weights are renormalised per sample, so
+    a TriageConfig asking for the global token mean is refused at the loss's first call, naming the setting."""
+    lp = [torch.full((4,), -2.0, requires_grad=True)]
+    mb = {"rollout_log_probs": [torch.full((4,), -1.5)], "advantages": [torch.full((4,), -1.0)],
+          "loss_masks": [torch.ones(4, dtype=torch.int32)], "rollout_mask_sums": torch.tensor([4])}
+    hook = SlimeTriageLoss(triage=TriageConfig(normalization="global_token"))
+    for kw in ({}, {"calculate_per_token_loss": True}):
+        with pytest.raises(ValueError, match=r"TriageConfig.normalization='global_token' .* cannot be honoured"):
+            hook.triage_loss(slime_args(**kw), mb, lp)
+    close_all()
+
+
 # ------------------------------------- slime's custom-loss call site and step reduction (tests/slime_contract.py)
 V = 40
 ROLLOUT_IDS = [0, 1, 2, 2, 3, 4]                 # samples 2 and 3: two training samples of one rollout
@@ -537,20 +577,218 @@ def test_options_on_the_constructor(tmp_path):
     assert cloudpickle.loads(cloudpickle.dumps(hook)).settings.loggers == s.loggers
 
 
-def test_monitoring_with_model_parallelism_is_refused(slime_modules, tmp_path, monkeypatch):
-    """Tensor- or pipeline-parallel size > 1: the ranks that record nothing would never join the monitor's
-    collectives (a DP 2 × TP 2 gloo run hung), so monitoring refuses at the first call; the controller alone runs."""
-    args = slime_args()
-    mb, logits = slime_micro_batch(amplifying_step(0), [0, 1], torch.zeros(()))
-    ssm = get_sum_of_sample_mean(mb["response_lengths"], mb["loss_masks"], mb["rollout_mask_sums"])
-    for sizes in ((2, 1), (1, 2)):
-        monkeypatch.setattr(slime_hook, "_model_parallel_sizes", lambda: sizes)
-        with pytest.raises(ValueError, match=rf"tensor-parallel size {sizes[0]} / pipeline-parallel size {sizes[1]}"):
-            SlimeTriageLoss(tmp_path / "run", triage=TriageConfig())(args, mb, logits, ssm)
-        loss, log = SlimeTriageLoss(triage=TriageConfig())(args, mb, logits, ssm)
-        assert torch.isfinite(loss) and "triage/gate_weight_mean" in log
-    assert not (tmp_path / "run").exists()
+# ------------------------------------------- tensor- and pipeline-parallel jobs: real gloo processes (Megatron's groups)
+PARALLEL_STEPS = 6
+
+
+PARALLEL_HOOK = """
+from triage_monitor.controller import TriageConfig
+from triage_monitor.hooks.slime import SlimeTriageLoss
+from triage_monitor.monitor import MonitorConfig
+from triage_monitor.alert_rules import Rule
+triage_loss = SlimeTriageLoss({run!r}, triage=TriageConfig(gate_width=4, calibration=dict(window=1)),
+                              monitor=MonitorConfig(window=4, calibration_steps=2),
+                              alerts=[Rule(name={rule.name!r}, metric={rule.metric!r}, condition={rule.condition!r},
+                                           threshold={rule.threshold!r}, hold={rule.hold!r})],
+                              loggers=[{{"kind": "recorder", "path": {rec!r}}}])
+"""
+
+
+def _parallel_worker(tp: int, pp: int, rank: int, world: int, out: str) -> None:
+    """One Megatron rank of a DP × TP × PP job: Megatron's process groups, the hook module slime loads with
+    ``--custom-loss-function-path triage_slime_parallel.triage_loss`` (built at import, as in every rank),
+    PARALLEL_STEPS train steps of slime's loop: the loss on the last pipeline stage only (each TP rank with its
+    vocabulary shard of the logits), the optimizer step on every rank, slime's step reduction over the
+    data-parallel group on the last stage (model.py L679, L693-700 at 624b824a).
+
+    CI: tests/slime_contract.py's stand-ins for ``megatron.core.mpu`` and slime's functions (every TP rank gets the
+    whole logits there: the stand-in log-probs are TP 1's).  With ``TRIAGE_SLIME_SOURCE`` set (a slime checkout and
+    megatron-core on the path, as scripts/check_slime_source.py runs it): the real
+    ``megatron.core.parallel_state.initialize_model_parallel`` and slime's own ``loss_function``,
+    ``get_log_probs_and_entropy`` (vocabulary-parallel over the TP group) and ``reduce_train_step_metrics``."""
+    import datetime
+    import importlib
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from triage_monitor import manifest as manifest_mod
+
+    out_dir = Path(out)
+    real = bool(os.environ.get("TRIAGE_SLIME_SOURCE"))
+    timeout = datetime.timedelta(seconds=60)     # a collective a rank never joins fails the test, it does not hang it
+    dist.init_process_group("gloo", init_method=f"file://{out_dir / 'rdv'}", rank=rank, world_size=world,
+                            timeout=timeout)
+    if real:
+        from megatron.core import parallel_state as ps
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     distributed_timeout_minutes=1)
+        from slime.backends.megatron_utils.loss import loss_function
+        try:
+            from slime.observability.train_metric_utils import reduce_train_step_metrics
+        except ImportError:                       # v0.3.1: the same function in cp_utils
+            from slime.backends.megatron_utils.cp_utils import reduce_train_step_metrics
+    else:
+        ps = slime_contract.install_megatron_parallel_state(tp, pp, timeout)
+        slime_contract.install_slime_modules()
+    recording_tracker.register()
+    lines = recording_tracker.AlertLines()
+    write = manifest_mod.RunManifest.write
+
+    def counted_write(self, run_dir):             # which processes write run.json
+        with open(out_dir / "manifest-writes.txt", "a") as f:
+            f.write(f"{rank}\n")
+        return write(self, run_dir)
+
+    manifest_mod.RunManifest.write = counted_write
+    sys.path.insert(0, str(out_dir))
+    hook = importlib.import_module("triage_slime_parallel").triage_loss          # what slime's load_function does
+    args = Namespace(**{**vars(slime_args()), "custom_loss_function_path": "triage_slime_parallel.triage_loss",
+                        "recompute_loss_function": False, "log_probs_chunk_size": -1})
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    tp_rank, last = ps.get_tensor_model_parallel_rank(), ps.is_pipeline_last_stage(ignore_virtual=True)
+    param = torch.zeros((), requires_grad=True)
+    opt = torch.optim.SGD([param], lr=0.0)
+    schedule, logged = [[0, 1], [2]], []
+    for step in range(PARALLEL_STEPS):
+        samples = amplifying_step(step)
+        losses_reduced = []
+        if last:                                   # Megatron calls the loss on the last pipeline stage only
+            for mb_idx in schedule:
+                mb, logits = slime_micro_batch(samples, [PARTITION[dp_rank][j] for j in mb_idx], param)
+                if real:                           # this TP rank's vocabulary shard
+                    logits = logits.chunk(tp, dim=-1)[tp_rank]
+                    loss, _, log = loss_function(args, mb, len(schedule), args.global_batch_size, logits)
+                else:
+                    loss, _, log = slime_contract.loss_function(args, mb, len(schedule), args.global_batch_size,
+                                                                logits, hook, dp_size=dp)
+                loss.backward()
+                losses_reduced.append(log)
+        opt.step()                                 # every rank steps
+        opt.zero_grad()
+        if last:
+            group = ps.get_data_parallel_group(with_context_parallel=True)
+            kw = dict(calculate_per_token_loss=False, step_global_batch_size=args.global_batch_size)
+            logged.append(reduce_train_step_metrics(losses_reduced, cp_size=1, dp_with_cp_group=group, **kw) if real
+                          else slime_contract.reduce_train_step_metrics_in_rank(losses_reduced, dp_with_cp_group=group,
+                                                                                **kw))
+    mon = hook.runtime._monitor
+    res = {"pid": os.getpid(), "rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "last": last,
+           "logged": logged, "monitor": mon is not None, "reports": bool(mon and mon.reports)}
     close_all()
+    lines.remove()
+    res["alert_lines"] = lines.lines
+    dist.barrier()                                 # nobody tears its pairs down while another still uses them
+    dist.destroy_process_group()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(res))
+
+
+def run_parallel_job(tmp_path, tp: int, pp: int, world: int = 4, env: Optional[dict] = None) -> list:
+    """The processes of one job (this file as the worker script); a rank that does not finish in time fails the
+    test (all are killed) instead of hanging it.  Returns each rank's result, by rank."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "triage_slime_parallel.py").write_text(PARALLEL_HOOK.format(
+        run=str(tmp_path / "run"), rec=str(tmp_path / "rec.jsonl"), rule=RULE))
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [subprocess.Popen([sys.executable, __file__, "parallel", str(tp), str(pp), str(r), str(world),
+                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0].decode())
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"DP x TP {tp} x PP {pp}: a rank did not finish in 240 s (hung)") from None
+    for r, (p, o) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}:\n{o}"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def check_parallel_job(tmp_path, tp: int, pp: int, results: list, rtol: float = 1e-9, atol: float = 0.0) -> float:
+    """The checks of a DP 2 job with tensor- / pipeline-parallel size ``tp`` / ``pp`` (see the test); the monitor's
+    metrics on both data-parallel ranks agree with one process's on both shards to ``rtol`` / ``atol`` (the single
+    process here uses tests/slime_contract.py's log-probs).  Returns the largest absolute difference seen."""
+    dp = len(results) // (tp * pp)
+    last_stage = [r for r in results if r["last"]]
+    recording = [r for r in last_stage if r["tp_rank"] == 0]
+    reporter = slime_contract.megatron_rank_groups(tp, dp, pp, "dp")[(pp - 1) * tp][0]    # DP rank 0, TP 0, last
+    assert [r["rank"] for r in results if r["monitor"]] == [r["rank"] for r in recording]   # nobody else built one
+    assert [r["rank"] for r in results if r["reports"]] == [reporter] and reporter == recording[0]["rank"]
+    run = tmp_path / "run"
+    steps = pd.read_parquet(run / "steps")
+    tokens = pd.read_parquet(run / "tokens")
+    assert set(steps["rank"]) == set(tokens["rank"]) == set(range(dp))             # files by data-parallel rank
+    assert sorted(p.name for p in run.glob(".writer-rank-*.lock")) == [f".writer-rank-{d}.lock" for d in range(dp)]
+    assert tokens["attempt"].nunique() == 1 and set(steps["attempt"]) == set(tokens["attempt"])
+    for step in range(PARALLEL_STEPS):                                              # every token once
+        samples = amplifying_step(step)
+        assert (tokens["step"] == step).sum() == sum(int(smp["loss_masks"].sum()) for smp in samples)
+        for d in range(dp):
+            want = sum(int(samples[j]["loss_masks"].sum()) for j in PARTITION[d])
+            assert ((tokens["step"] == step) & (tokens["rank"] == d)).sum() == want
+    # the metrics are those of one process on both data-parallel shards
+    single = SlimeTriageLoss(str(tmp_path / "single"), triage=TriageConfig(gate_width=4, calibration=dict(window=1)),
+                             monitor=MonitorConfig(window=4, calibration_steps=2), alerts=False)
+    slime_train([single], slime_args(), PARALLEL_STEPS, [list(range(6))], [[0, 1, 2], [3, 4, 5]])
+    close_all()
+    ref = recording_tracker.steps_table(tmp_path / "single")
+    names = [*METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)]
+    worst = 0.0
+    for d in range(dp):
+        got = recording_tracker.steps_table(run, rank=d)
+        for name in names:
+            a, b = got[name].to_numpy(), ref[name].to_numpy()
+            assert np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True), (d, name, a, b)
+            both = np.isfinite(a) & np.isfinite(b)
+            worst = max(worst, float(np.max(np.abs(a[both] - b[both]), initial=0.0)))
+    # one alert for the job, from the reporting rank (rank 0 of the data-parallel group); the tracker its alone
+    alerts = recording_tracker.alerts_table(run)
+    assert alerts["rule"].tolist() == [RULE.name] and alerts["rank"].tolist() == [0]
+    assert {r["rank"]: len(r["alert_lines"]) for r in results} == {r["rank"]: int(r["rank"] == reporter)
+                                                                    for r in results}
+    pid = results[reporter]["pid"]
+    rows = recording_tracker.read(tmp_path / "rec.jsonl")
+    assert {r["pid"] for r in rows} == {pid} and [r["rule"] for r in rows if r["kind"] == "alert"] == [RULE.name]
+    assert [r["step"] for r in rows if r["kind"] == "metrics"] == list(range(PARALLEL_STEPS))
+    # run.json: written by the reporting process only
+    assert set((tmp_path / "manifest-writes.txt").read_text().split()) == {str(reporter)}
+    manifest = json.loads((run / "run.json").read_text())
+    assert [(a["pid"], a["world_size"]) for a in manifest["attempts"]] == [(pid, dp)]
+    assert manifest["info"]["hook_pid"] == pid and manifest["status"] == "finished"
+    # slime's step log (the logging rank: DP 0, TP 0, last stage) gets the reporting rank's values of the step before
+    own = recording_tracker.steps_table(run, rank=0)
+    logged = results[reporter]["logged"]
+    for s in range(1, PARALLEL_STEPS):
+        assert logged[s]["triage/metrics_step"] == pytest.approx(s - 1, abs=1e-5)
+        for k in CURATED_KEYS:
+            v = own.loc[s - 1, k]
+            assert logged[s][f"triage/{k}"] == pytest.approx(v, rel=1e-6, abs=1e-7) if math.isfinite(v) else \
+                math.isnan(logged[s][f"triage/{k}"]), (s, k)
+    assert logged[int(alerts["step"][0]) + 1]["triage/alerts_active"] == pytest.approx(1.0)
+    for r in last_stage:                         # the other TP ranks' data-parallel group: the controller's only
+        keys = {k for log in r["logged"] for k in log}
+        assert ("triage/metrics_step" in keys) == (r["tp_rank"] == 0) and "triage/gate_weight_mean" in keys
+    return worst
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_jobs_monitor_over_the_data_parallel_group(tp, pp, slime_modules, tmp_path):
+    """4 gloo processes, DP 2 × TP 2 or DP 2 × PP 2, with Megatron's groups (tests/slime_contract.py): only TP rank 0
+    of the last stage records, so the monitor syncs over its data-parallel group.  The job runs through (a rank
+    that waits on a collective the others never join fails after 60 s; before, DP 2 × TP 2 hung at the first
+    optimizer step), every token is written once (files by data-parallel rank), the metrics equal one process's on
+    both shards, the rule fires once for the job from rank 0 of the data-parallel group (global rank 2 under PP:
+    global rank 0 is on the first stage and never records), whose process alone feeds the tracker and writes
+    run.json, and slime's step log on its logging rank carries that rank's values."""
+    check_parallel_job(tmp_path, tp, pp, run_parallel_job(tmp_path, tp, pp))
 
 
 def test_the_docs_lines_configure_the_hook():
@@ -567,3 +805,7 @@ def test_the_docs_lines_configure_the_hook():
     assert (s.run_dir, s.alerts, s.framework_keys, s.step_source) == ("/shared/runs/exp1", True, "curated",
                                                                       "optimizer")
     assert s.triage is not None and [t.kind for t in s.loggers] == ["tensorboard", "mlflow"]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["parallel"]:
+    _parallel_worker(*map(int, sys.argv[2:6]), sys.argv[6])

@@ -31,7 +31,6 @@ else:
     datasets = pytest.importorskip("datasets")
     pd = pytest.importorskip("pandas")
 
-import cloudpickle  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from triage_monitor.batch import TokenBatch  # noqa: E402
@@ -82,13 +81,35 @@ def make_trainer(tmp, triage: HookSettings | None, *, max_steps=3, n_prompts=16,
 
 
 def spy_inputs(trainer) -> list:
-    """Keep every training micro-batch's inputs (what TRL hands ``_compute_loss``)."""
-    captured = []
+    """Keep every training micro-batch's inputs (what TRL hands ``_compute_loss``), the hook's loss result (the
+    :class:`~triage_monitor.loss.TriageLoss` its ``compute_loss`` returned: the trainer itself keeps detached
+    statistics only) and the loss.  The spy on the hook is removed when ``train()`` returns."""
+    captured, results = [], []
     orig = trainer._compute_loss
+    hook = trainer.triage_hook
+    if hook is not None:
+        orig_compute = hook.compute_loss
+
+        def compute(*args, **kwargs):
+            res = orig_compute(*args, **kwargs)
+            results.append(res)
+            return res
+
+        hook.compute_loss = compute
+        orig_train = trainer.train
+
+        def train(*args, **kwargs):
+            try:
+                return orig_train(*args, **kwargs)
+            finally:
+                hook.__dict__.pop("compute_loss", None)
+
+        trainer.train = train
 
     def spy(model, inputs):
+        n = len(results)
         loss = orig(model, inputs)
-        captured.append((dict(inputs), trainer.triage_last, loss.detach()))
+        captured.append((dict(inputs), results[n] if len(results) > n else None, loss.detach()))
         return loss
 
     trainer._compute_loss = spy
@@ -246,6 +267,7 @@ def test_manifest_says_which_sampler_logps(trl_run):
 
 
 def test_adapter_pickles_to_configuration_only(trl_run):
+    cloudpickle = pytest.importorskip("cloudpickle")     # Ray's pickler; under CI=true a skip fails the run
     hook = trl_run["trainer"].triage_hook
     data = cloudpickle.dumps(hook)
     assert b"MismatchMonitor" not in data and b"TriageController" not in data and b"GRPOTrainer" not in data
@@ -326,7 +348,7 @@ def test_triage_off_equals_trls_own_loss(off_trainer, case):
             assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
     assert {k: v for k, v in m_ours.items() if not k.startswith("triage/")} == m_theirs   # TRL's metrics kept
     assert any(k.startswith("triage/") for k in m_ours) and not any(k.startswith("triage/") for k in m_theirs)
-    assert trainer.triage_last.agg_mode == LOSS_TYPE_AGG[loss_type]
+    assert trainer.triage_last["agg_mode"] == LOSS_TYPE_AGG[loss_type]
 
 
 def test_the_options_change_trls_loss(off_trainer):
@@ -345,6 +367,109 @@ def test_the_options_change_trls_loss(off_trainer):
     finally:
         trainer.args.delta = None
     assert masked != pytest.approx(base) and dual != pytest.approx(base)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_gate_weights_renormalise_per_response_under_trls_normaliser(off_trainer, loss_type):
+    """docs/hooks.md#triage-weights-under-a-frameworks-normaliser through TRL's real ``_compute_loss``: the sampler
+    1 nat above the live learner on every token of the A < 0 completions (one Gate segment each, mean δ −1: tier
+    0.3) but the last valid token of the first of them (δ = +0.2: ungated under ``q3``).  The gradient w.r.t. each
+    live log-prob, divided by the Gate-off one, is w · n / W: 1 on the all-gated completion and on the A ≥ 0 ones,
+    n / (0.3 (n − 1) + 1) on the ungated token, 0.3 × that on its completion's gated ones."""
+    from triage_monitor.hooks.trl import TRLLossHook
+
+    trainer, base = off_trainer
+    inputs = {k: v for k, v in base.items() if k != "old_per_token_logps"}     # anchor: the live log-probs, ratio 1
+    live = {}
+    own = trainer._get_per_token_logps_and_entropies
+
+    def grab(*args, **kwargs):                           # TRL's forward, its live log-probs kept with their grad
+        res = own(*args, **kwargs)
+        res[0].retain_grad()
+        live["logps"] = res[0]
+        return res
+
+    saved = trainer.triage_hook, trainer.loss_type
+    trainer._get_per_token_logps_and_entropies = grab
+    try:
+        trainer.loss_type = loss_type
+        TriageGRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        learner = live["logps"].detach()
+        mask, adv = trainer._loss_mask(inputs).bool(), inputs["advantages"]
+        rows = [i for i in range(mask.size(0)) if adv[i] < 0]
+        partial = next(i for i in rows if mask[i].sum() >= 3)            # ≥ 3 tokens: its mean δ stays < −0.5
+        samp = learner.clone()
+        for i in rows:
+            samp[i] = learner[i] + 1.0
+        last = int(mask[partial].nonzero().max())
+        samp[partial, last] = learner[partial, last] - 0.2
+        inputs["sampling_per_token_logps"] = torch.where(mask, samp, inputs["sampling_per_token_logps"])
+        grads = {}
+        for name, cfg in (("off", OFF), ("on", TriageConfig(tis=False, repair=False))):
+            trainer.triage_hook = TRLLossHook(HookSettings(triage=cfg))
+            trainer.model.zero_grad()
+            TriageGRPOTrainer._compute_loss(trainer, trainer.model, inputs).backward()
+            grads[name] = live["logps"].grad.detach().clone()
+            assert trainer.triage_last["agg_mode"] == LOSS_TYPE_AGG[loss_type]
+    finally:
+        trainer.triage_hook, trainer.loss_type = saved
+        del trainer._get_per_token_logps_and_entropies
+        trainer.model.zero_grad()
+    n = int(mask[partial].sum())
+    scale = n / (0.3 * (n - 1) + 1)
+    want = torch.ones_like(learner)
+    want[partial] = 0.3 * scale
+    want[partial, last] = scale
+    assert (grads["off"][mask] != 0).all()
+    assert torch.allclose((grads["on"] / torch.where(mask, grads["off"], torch.ones_like(learner)))[mask], want[mask],
+                          rtol=1e-5), (n, scale)
+    assert len(rows) >= 1 and scale > 1.5
+
+
+def test_triage_last_keeps_detached_statistics_only(tmp_path):
+    """After training, the trainer's ``triage_last`` holds plain numbers of the last micro-batch's loss; none of the
+    loss's tensors (the live log-probs with their graph, the batch, the weights) outlives the micro-batch."""
+    import gc
+    import weakref
+
+    trainer = make_trainer(tmp_path, HookSettings(triage=TriageConfig()), max_steps=2, n_prompts=8)
+    refs, values = [], []
+    hook = trainer.triage_hook
+    orig = hook.compute_loss
+
+    def compute(*args, **kwargs):
+        res = orig(*args, **kwargs)
+        refs.extend(weakref.ref(t) for t in (res.loss, res.per_token_loss, res.token_weights, res.batch.learner_logp,
+                                             res.output.gate_weights))
+        values.append((float(res.loss.detach()), res.agg_mode, int(res.batch.num_tokens), dict(res.output.stats)))
+        return res
+
+    hook.compute_loss = compute
+    try:
+        trainer.train()
+    finally:
+        del hook.compute_loss
+    gc.collect()
+    last = trainer.triage_last
+
+    def plain(v):
+        return isinstance(v, (int, float, str)) or (isinstance(v, dict) and all(map(plain, v.values())))
+
+    assert isinstance(last, dict) and plain(last), last
+    loss, mode, n, stats = values[-1]
+    assert (last["loss"], last["agg_mode"], last["n_tokens"], last["stats"]) == (loss, mode, n, stats)
+    assert 0 < last["gate_weight_min"] <= 1 and len(values) == 2 * GA
+    assert [r() for r in refs if r() is not None] == []              # every tensor of every loss call is gone
+
+
+def test_global_token_normalization_is_refused_at_construction(tmp_path):
+    """TRL divides by its own normaliser, so the weights are renormalised per response: a TriageConfig asking for
+    the global token mean cannot be honoured and is refused at construction, naming the setting."""
+    with pytest.raises(ValueError, match=r"TriageGRPOTrainer: TriageConfig.normalization='global_token' cannot be "
+                                         r"honoured: TRL divides the loss \(loss_type='dapo'\)"):
+        make_trainer(tmp_path, HookSettings(triage=TriageConfig(normalization="global_token")))
+    make_trainer(tmp_path, HookSettings(triage=TriageConfig(normalization="per_response")))
+    make_trainer(tmp_path, HookSettings(run_dir=str(tmp_path / "mon")))           # monitoring: no controller
 
 
 # ------------------------------------------------------------- unsupported options

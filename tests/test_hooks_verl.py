@@ -291,6 +291,43 @@ def test_settings_from_env(tmp_path):
         hook.settings_from_env({"TRIAGE_MONITOR_TRIAGE": '{"gate_width": 0}'})
 
 
+def test_global_token_normalization_is_refused_where_the_settings_are_read():
+    """verl divides by its agg_loss normaliser, so the weights are renormalised per response: TRIAGE_MONITOR_TRIAGE
+    asking for the global token mean fails when the settings are read (the plugin's import in a worker, the
+    trainer's construction), naming the variable and the setting; so does a loss built with such settings."""
+    with pytest.raises(ValueError, match=r"TRIAGE_MONITOR_TRIAGE: TriageConfig.normalization='global_token' cannot "
+                                         r"be honoured: verl's agg_loss divides"):
+        hook.settings_from_env({"TRIAGE_MONITOR_TRIAGE": '{"normalization": "global_token"}'})
+    assert hook.settings_from_env({"TRIAGE_MONITOR_TRIAGE": '{"normalization": "per_response"}'}).triage is not None
+    with pytest.raises(ValueError, match=r"VerlTriageLoss: TriageConfig.normalization='global_token'"):
+        hook.VerlTriageLoss(HookSettings(triage=TriageConfig(normalization="global_token")))
+
+
+def test_gate_weights_renormalise_per_response_under_verls_normaliser():
+    """docs/hooks.md#triage-weights-under-a-frameworks-normaliser as verl's ppo_loss calls the loss (bypass mode:
+    the PPO anchor is the rollout log-prob, token-mean over verl's global token count).  Response a (A = −1):
+    δ = +0.2 (ungated) and −0.1, −1.0, −1.5 (tier 0.3); b (A = −1) all gated; c (A = +1).  Gradient per token over
+    the Gate-off one: 4/1.9 on a's ungated token, 0.3 · 4/1.9 on its gated −0.1 token, 1 on b and c; the gated
+    tokens with δ < log 0.8 are clipped by PPO (ratio e^δ < 1 − clip_ratio_low): no gradient with or without Gate."""
+    delta = torch.tensor([[0.2, -0.1, -1.0, -1.5], [-0.1, -0.15, -1.0, -1.2], [0.1, -0.1, 0.05, 0.0]])
+    rollout = torch.full_like(delta, -2.0)
+    adv = torch.tensor([-1.0, -1.0, 1.0])[:, None].expand_as(delta).contiguous()
+    mask = torch.ones_like(delta, dtype=torch.bool)
+    grads = {}
+    for name, triage in (("off", TriageConfig(**OFF)), ("on", TriageConfig(tis=False, repair=False, gate_width=4))):
+        live = (rollout + delta).requires_grad_()
+        loss, _ = call(hook.VerlTriageLoss(HookSettings(triage=triage)), live, rollout, adv, mask, "token-mean",
+                       global_info(actor_config(), mask, dp=1, share=1))
+        loss.backward()
+        grads[name] = live.grad
+    clipped = torch.zeros_like(mask)
+    clipped[0, 2:] = clipped[1, 2:] = True
+    assert (grads["off"][clipped] == 0).all() and (grads["on"][clipped] == 0).all()
+    s = 4 / 1.9
+    want = torch.tensor([[s, .3 * s, 0, 0], [1.0, 1.0, 0, 0], [1.0] * 4])
+    assert torch.allclose((grads["on"] / grads["off"])[~clipped], want[~clipped], rtol=1e-5)
+
+
 def test_settings_from_env_alerts_loggers_framework_keys(tmp_path):
     """TRIAGE_MONITOR_ALERTS / _LOGGERS / _FRAMEWORK_KEYS become HookSettings' alerts / loggers / framework_keys;
     a bad value fails when the settings are read (the plugin's import in a worker, the trainer's construction),
