@@ -176,3 +176,125 @@ def test_resume_and_force_arguments(tmp_path):
             == helps["--resume"])
     assert "a run already there is moved to <out>.replaced-<UTC time>" in helps["--force"]
     assert helps["--force"].startswith("start a new run in --out")
+
+
+def _without_plotly(*argv: str, cwd) -> subprocess.CompletedProcess:
+    """``triage-monitor ARGV`` in a fresh interpreter where plotly and streamlit cannot be imported (as in a plain
+    ``pip install triage-monitor``, without the dashboard extra)."""
+    code = ("import sys; sys.modules['plotly'] = None; sys.modules['streamlit'] = None\n"
+            "from triage_monitor.cli import main\nsys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.mark.multiprocess
+def test_report_without_the_dashboard_extra_names_it_and_exits_2(tmp_path):
+    """Without plotly, ``report RUN -o x.html`` prints one line naming the extra to install and exits 2, writing
+    nothing; ``report --help`` still lists the command's arguments and names the extra."""
+    _write(tmp_path / "run", range(3))
+    out = _without_plotly("report", str(tmp_path / "run"), "-o", str(tmp_path / "x.html"), cwd=tmp_path)
+    assert (out.returncode, out.stderr.splitlines()) == (2, ["triage-monitor report: error: the HTML report needs plotly, which is "
+                                           "not installed: pip install 'triage-monitor[dashboard]'"]), out.stderr
+    assert not (tmp_path / "x.html").exists()
+    helped = _without_plotly("report", "--help", cwd=tmp_path)
+    assert helped.returncode == 0 and helped.stderr == "", helped.stderr
+    for arg in ("RUN_DIR", "--output", "--anchors", "--window", "--draws", "--seed"):
+        assert arg in helped.stdout, arg
+    assert "needs plotly, from the 'dashboard' extra: pip install 'triage-monitor[dashboard]'" in helped.stdout
+
+
+# A long command interrupted at a known point of its work: the function named is replaced by one that says "ready"
+# and blocks, so the SIGINT lands mid-command every time (not when a timer hopes it does).
+_BLOCK_AT = '''
+import sys, time, importlib
+module, attr, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+owner = importlib.import_module(module)
+for part in attr.split(".")[:-1]:
+    owner = getattr(owner, part)
+name = attr.split(".")[-1]
+real, calls = getattr(owner, name), [0]
+def blocked(*a, **k):
+    calls[0] += 1
+    if calls[0] >= nth:
+        print("ready", flush=True)
+        time.sleep(600)
+    return real(*a, **k)
+setattr(owner, name, blocked)
+from triage_monitor.cli import main
+sys.exit(main(sys.argv[4:]))
+'''
+
+_LONG_COMMANDS = {
+    # command: (function blocked, at which call, argv after the command name; {run} / {tmp} filled in)
+    "analyze": ("triage_monitor.analysis", "recompute", 1, ["{run}"]),
+    "alerts": ("triage_monitor.alerts", "replay_engine", 1, ["{run}"]),
+    "report": ("triage_monitor.report", "build_report", 1, ["{run}", "-o", "{tmp}/r.html"]),
+    "import": ("triage_monitor.monitor", "MismatchMonitor.log_step", 2,
+               ["table", "{tmp}/t.jsonl", "--out", "{tmp}/imported"]),
+    "demo": ("triage_monitor.monitor", "MismatchMonitor.log_step", 3,
+             ["--out", "{tmp}/demo", "--steps", "20", "--sft-steps", "2", "--threads", "1"]),
+    "study": ("triage_monitor.monitor", "MismatchMonitor.log_step", 3,
+              ["--out", "{tmp}/study", "--arms", "none", "--seeds", "1", "--jobs", "1", "--steps", "20",
+               "--sft-steps", "2", "--threads", "1"]),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("command", sorted(_LONG_COMMANDS))
+def test_ctrl_c_in_every_long_command_stops_it_with_one_line_and_status_130(tmp_path, command):
+    """A real process and a real SIGINT in the middle of each long command's work: exit 130, exactly one
+    "interrupted" line on stderr, no traceback, nothing on stdout that reads as success, no output file of a
+    command that did not finish (the report)."""
+    import json
+
+    _write(tmp_path / "run", range(4))
+    rows = [{"step": s, "sample_id": i, "learner_logp": -0.5 - 0.1 * i, "sampler_logp": -0.6, "advantage": 1.0}
+            for s in range(4) for i in range(4)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    module, attr, nth, argv = _LONG_COMMANDS[command]
+    argv = [a.format(run=tmp_path / "run", tmp=tmp_path) for a in argv]
+    proc = subprocess.Popen([sys.executable, "-c", _BLOCK_AT, module, attr, str(nth), command, *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}, cwd=tmp_path)
+    seen = []
+    for line in proc.stdout:                       # waits on the condition: the command is inside its work
+        seen.append(line)
+        if line.strip() == "ready":
+            break
+    assert proc.poll() is None, "".join(seen) + proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("INFO ", "DEBUG "))]
+    assert lines[-1] == f"triage-monitor {command}: interrupted (Ctrl-C); stopped", err
+    assert sum("interrupted" in ln for ln in err.splitlines()) == 1, err
+    for word in ("wrote", "imported", "saved"):
+        assert word not in out.lower(), out
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_ctrl_c_landing_in_a_finalizer_still_stops_the_command(tmp_path):
+    """An interrupt that arrives while a ``__del__`` runs cannot be raised there: Python prints "Exception ignored
+    ... KeyboardInterrupt" and carries on (the demo then trained until the watchdog, and the line appeared on
+    stderr).  The command stops at once with the one line and status 130, and no such message."""
+    code = (
+        "import gc, sys, time\n"
+        "from triage_monitor import cli\n"
+        "cli.FORCE_EXIT_AFTER_S = 300.0\n"
+        "class Slow:\n"
+        "    def __del__(self):\n"
+        "        print('in finalizer', flush=True)\n"
+        "        while True: pass\n"          # until the interrupt, raised here, ends it
+        "def work(args):\n"
+        "    s = Slow(); s.me = s; del s\n"
+        "    gc.collect()\n"
+        "    print('after finalizer', flush=True)\n"
+        "    time.sleep(300)\n"
+        "sys.exit(cli.run_command('demo', work, None))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "in finalizer"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Exception ignored" not in err and "KeyboardInterrupt" not in err, err
+    assert [ln for ln in err.splitlines() if ln.strip()] == ["triage-monitor demo: interrupted (Ctrl-C); stopped"]

@@ -53,6 +53,8 @@ def _install_sigint_watchdog(command: str):
     """Ctrl-C raises KeyboardInterrupt as usual and also arms a timer that ends the process (status 130, the
     one "interrupted" line) if unwinding has not finished after :data:`FORCE_EXIT_AFTER_S`: an interrupt that
     lands inside a lazy import can leave CPython's import lock held, and the clean-up would then wait forever.
+    An interrupt that lands in a finalizer (where Python only prints "Exception ignored") is re-delivered to the
+    main thread, so it always stops the command.
     Returns the event the normal path sets once it has printed the line (its ``restore()`` puts the previous
     handler back).  Only in the main thread."""
     import os
@@ -80,8 +82,29 @@ def _install_sigint_watchdog(command: str):
             timer.start()
         raise KeyboardInterrupt
 
+    previous_hook = sys.unraisablehook
+    main_ident = threading.main_thread().ident
+
+    def on_unraisable(unraisable) -> None:
+        # The interrupt landed where Python cannot raise it (a __del__, a weakref or garbage-collector callback):
+        # Python would print "Exception ignored ... KeyboardInterrupt" and go on.  Interrupt the main thread
+        # again instead, from another thread once this hook has returned (a signal handled inside the hook would
+        # itself be ignored); it is raised in ordinary code and unwinds the command, or lands here once more.
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            again = threading.Timer(0.05, signal.pthread_kill, (main_ident, signal.SIGINT))
+            again.daemon = True
+            again.start()
+            return
+        previous_hook(unraisable)
+
     previous = signal.signal(signal.SIGINT, on_sigint)
-    reported.restore = lambda: signal.signal(signal.SIGINT, previous)
+    sys.unraisablehook = on_unraisable
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+
+    reported.restore = restore
     return reported
 
 
