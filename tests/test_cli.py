@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -298,3 +299,36 @@ def test_ctrl_c_landing_in_a_finalizer_still_stops_the_command(tmp_path):
     assert proc.returncode == 130, err
     assert "Exception ignored" not in err and "KeyboardInterrupt" not in err, err
     assert [ln for ln in err.splitlines() if ln.strip()] == ["triage-monitor demo: interrupted (Ctrl-C); stopped"]
+
+
+def test_analyze_of_a_run_being_written_is_one_snapshot(tmp_path, monkeypatch, capsys):
+    """A run still open (status running) gets three more steps while ``analyze`` recomputes (arranged: they are
+    written from inside the recomputation, not raced): the table, the live check and the verdict all cover the
+    five steps there when it started, and one line says the three later ones were left out.  Exit 0."""
+    from triage_monitor import analysis
+
+    d = tmp_path / "run"
+    mon = MismatchMonitor(d, MonitorConfig(window=3, calibration_steps=2))
+    for s in range(5):
+        mon.log_step(s, _batch(s))
+    mon.flush()
+    real = analysis.recompute
+
+    def recompute_while_written(*a, **k):
+        df = real(*a, **k)
+        for s in range(5, 8):
+            mon.log_step(s, _batch(s))
+        mon.flush()
+        return df
+
+    monkeypatch.setattr(analysis, "recompute", recompute_while_written)
+    try:
+        assert main(["analyze", str(d)]) == 0
+    finally:
+        mon.close()
+    out, err = capsys.readouterr()
+    assert "(5 steps, 1,200 tokens)" in out and re.search(r"all \d+ metrics equal the live values", out)
+    verdict = next(ln for ln in out.splitlines() if ln.startswith("verdict:"))
+    assert "at step 4" in verdict, verdict
+    assert ("triage-monitor analyze: 3 step(s) recorded while this ran (after step 4) are not included; run it "
+            "again to see them") in err

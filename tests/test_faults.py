@@ -714,6 +714,50 @@ def test_drop_policy_surfaces_in_monitor_metrics(tmp_path, caplog):
     assert len([r for r in caplog.records if "records_dropped" in r.getMessage()]) == 1     # the default rule, once
 
 
+
+@pytest.mark.parametrize("mode", ["block", "drop"])
+def test_a_slow_disk_blocks_training_or_drops_rows_visibly(tmp_path, caplog, held_file, mode):
+    """A disk slower than training (the writer thread held on a file until released), each backpressure mode at
+    the monitor: ``block`` holds ``log_step`` until the writer makes room, drops nothing and every step's row is in
+    the steps table; ``drop`` returns at once, loses step 0's files, and says so three ways: ``writer_dropped_rows``
+    in the next steps rows on disk, one WARNING line and the ``records_dropped`` alert."""
+    import threading
+
+    release = threading.Event()
+    d = tmp_path / "run"
+    caplog.set_level(logging.WARNING)
+    bound = 8 << 20                                     # a step's files are ~0.2 MiB: they fit once the queue is empty
+    mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, max_queue_bytes=bound, backpressure=mode))
+    mon.sink.submit("alerts", 0, 0, held_file(release, nbytes=bound))    # the disk is busy with a full queue's file
+    out = {}
+    training = threading.Thread(target=lambda: out.setdefault(0, mon.log_step(0, batch(0))))
+    training.start()
+    if mode == "block":
+        training.join(timeout=2)
+        assert training.is_alive(), "log_step returned while the writer had no room: nothing blocked"
+        release.set()
+        training.join()
+    else:
+        training.join()                                 # returns without the writer (no release yet)
+        release.set()
+        mon.flush()                                     # the slow file written: room again
+    for s in (1, 2, 3):
+        out[s] = mon.log_step(s, batch(s))
+    mon.close()
+    steps = open_run(d).steps().set_index("step")
+    if mode == "block":
+        assert mon.sink.dropped_rows == 0 and sorted(steps.index) == [0, 1, 2, 3]
+        assert (steps["writer_dropped_rows"] == 0).all()
+        assert not [r for r in caplog.records if "dropped" in r.getMessage()]
+    else:
+        lost = batch(0).num_tokens + 1                  # step 0's token rows and its steps row
+        assert sorted(steps.index) == [1, 2, 3] and mon.sink.dropped_rows == lost
+        assert steps.loc[1, "writer_dropped_rows"] == lost and out[1]["writer_dropped_rows"] == lost
+        assert len([r for r in caplog.records if r.name == "triage_monitor" and "dropped" in r.getMessage()]) == 1
+        assert [r.getMessage().split(":")[1].strip() for r in caplog.records
+                if r.name == "triage_monitor.alerts"] == ["records_dropped"]
+
+
 # ============================================================================== resume
 def _state_roundtrip(state):
     buf = io.BytesIO()

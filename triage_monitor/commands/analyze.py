@@ -92,6 +92,14 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"recomputed {n_tokens:,} tokens in {elapsed:.2f} s "
                   f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
     live = run.steps() if args.window is None and args.tau_tail is None else None
+    if live is not None and not live.empty:
+        # a run being written: steps recorded after the recomputation started are left out of the comparison and
+        # the verdict, so that the page printed is one snapshot (the table, the check and the verdict agree)
+        later = live["step"] > df["step"].max()
+        if bool(later.any()):
+            exits.note("analyze", f"{int(later.sum())} step(s) recorded while this ran (after step "
+                                  f"{int(df['step'].max())}) are not included; run it again to see them")
+            live = live[~later]
     exits.report_unreadable("analyze", run)
     verdict = _verdict(live if live is not None and not live.empty else df)
     try:
