@@ -426,3 +426,34 @@ def test_resume_with_fewer_ranks_drops_the_old_attempts_extra_shards(tmp_path, m
     df = open_run(tmp_path / "run").tokens(0)
     assert set(df["attempt"]) == {2}
     assert len(df) == int(global_batch(0)[3].sum())
+
+
+def test_resume_with_more_ranks_reads_every_rank_of_the_new_attempt_only(tmp_path, monkeypatch):
+    """A 2-rank job resumed on 4 ranks, redoing step 0 and going on to step 1: step 0 is read from the four shards
+    of the new attempt only (not the old attempt's two as well), and the recomputed metrics of both steps equal one
+    process on the whole batch."""
+    import triage_monitor.monitor as monitor_mod
+    from triage_monitor.analysis import open_run, recompute
+    from triage_monitor.metrics import compute_step_metrics
+
+    def log(attempt, world, steps):
+        monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: attempt)
+        for r in range(world):
+            with monitor_mod.MismatchMonitor(tmp_path / "run", monitor_mod.MonitorConfig(tau_tail=-1.0), rank=r) as mon:
+                for step in steps:
+                    lp, s, adv, mask, ids, gids = shard(step, r, world)
+                    mon.log_step(step, TokenBatch.from_padded(lp, s, adv, mask, sample_ids=ids))
+
+    log(1, 2, [0])
+    log(2, 4, [0, 1])
+    run = open_run(tmp_path / "run")
+    for step in (0, 1):
+        df = run.tokens(step)
+        assert set(df["attempt"]) == {2} and sorted(set(df["rank"])) == [0, 1, 2, 3]
+        assert len(df) == int(global_batch(step)[3].sum())
+    table = recompute(run).set_index("step")
+    for step in (0, 1):
+        lp, s, adv, mask, ids, _ = global_batch(step)
+        whole = compute_step_metrics(TokenBatch.from_padded(lp, s, adv, mask, sample_ids=ids)).values
+        for k in ("n_tokens", "k3_kl", "rho_asym", "small_gap_share"):
+            assert table.loc[step, k] == pytest.approx(whole[k], rel=1e-12, nan_ok=True), (step, k)
