@@ -64,7 +64,8 @@ class Chromium:
         port = int(port_file.read_text().split()[0])
         pages = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10))
         page = next(p for p in pages if p.get("type") == "page")
-        self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
+        # a hang guard only: on a loaded machine a busy page answers a DevTools call late, never wrongly
+        self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=900, suppress_origin=True)
         self._id = 0
         self.send("Page.enable")
         self.send("Runtime.enable")
@@ -188,13 +189,14 @@ def test_dashboard_renders_in_chromium(browser, demo_run_dir, demo_run_dir_none,
     proc = start_dashboard([demo_run_dir, demo_run_dir_none], port, tmp_path / "streamlit.log")
     try:
         browser.navigate(f"http://127.0.0.1:{port}/")
-        browser.wait_for(f"{CHARTS_JS} >= 8", timeout=120)
+        # conditions, each with a hang guard only (a loaded 2-core machine renders this page in minutes)
+        browser.wait_for(f"{CHARTS_JS} >= 8", timeout=900)
         # let the script finish (the status widget disappears: the stage table with its 499-draw null is
         # the last thing computed, over a minute on a loaded 2-core machine), then the last charts draw
-        browser.wait_for(f"!{RUNNING_JS}", timeout=300)
-        browser.wait_for(f"{CHARTS_JS} >= 11", timeout=60)
+        browser.wait_for(f"!{RUNNING_JS}", timeout=900)
+        browser.wait_for(f"{CHARTS_JS} >= 11", timeout=900)
         try:
-            browser.wait_for(f"{TABLES_JS} >= 1", timeout=60)
+            browser.wait_for(f"{TABLES_JS} >= 1", timeout=300)
         except TimeoutError:
             text = browser.eval("document.body.innerText")
             pytest.fail("no stage table; the page's Stages section reads:\n" + text[text.rfind("Stages"):][:2000])
@@ -267,12 +269,15 @@ def test_report_renders_offline(demo_run_dir, tmp_path):
 
 
 WRITER = """
-import sys, time, torch
+import os, sys, time, torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 g = torch.Generator().manual_seed(0)
+stop = sys.argv[2]                 # steps go on until this file exists
 with MismatchMonitor(sys.argv[1], MonitorConfig(window=4, calibration_steps=3)) as mon:
-    for step in range(int(sys.argv[2])):
+    step = -1
+    while not os.path.exists(stop):
+        step += 1
         s = -torch.rand(8, 48, generator=g) * 3 - 0.01
         lp = (s + torch.randn(8, 48, generator=g) * 0.1).clamp(max=0)
         mon.log_step(step, TokenBatch.from_padded(lp, s, torch.linspace(-1, 1, 8), torch.ones(8, 48, dtype=torch.bool)))
@@ -296,35 +301,53 @@ PLOT_STEPS_JS = """(() => {
 @needs_chromium
 def test_dashboard_of_a_run_being_written_is_one_snapshot(browser, tmp_path):
     """A run written while the page loads: the overview, the time series and the localisation chart (read
-    later in the page, from the token files) end at the same step -- the page's one listing of the run."""
+    later in the page, from the token files) end at the same step -- the page's one listing of the run.  The
+    writer goes on until the page is done (it stops when told, not after a number of steps), so the run always
+    changes while the page reads it."""
     import sys
+    import threading
 
     run = tmp_path / "live-run"
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run), "400", "0.15"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    stop_file = tmp_path / "stop-writing"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run), str(stop_file), "0.15"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    written = []                                             # the steps the writer has finished, in order
+
+    def follow():
+        for line in writer.stdout:
+            if line.strip().isdigit():
+                written.append(int(line))
+
+    threading.Thread(target=follow, daemon=True).start()
     try:
-        for _ in range(6):                                   # a few steps on disk before the page opens
-            writer.stdout.readline()
+        while len(written) < 6:                              # a few steps on disk before the page opens
+            assert writer.poll() is None, "the writer stopped before the page opened"
+            time.sleep(0.05)
         port = free_port()
         proc = start_dashboard([run], port, tmp_path / "streamlit.log")
         try:
             browser.navigate(f"http://127.0.0.1:{port}/")
-            browser.wait_for(f"{CHARTS_JS} >= 6", timeout=120)
-            deadline = time.monotonic() + 90
-            while browser.eval(RUNNING_JS) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(1.0)
-            assert writer.poll() is None, "the writer finished before the page: nothing was written meanwhile"
+            browser.wait_for(f"{CHARTS_JS} >= 6", timeout=900)
+            browser.wait_for(f"!{RUNNING_JS}", timeout=900)  # the page's script has finished
+            browser.wait_for(f"{CHARTS_JS} >= 6", timeout=300)
+            assert writer.poll() is None, "the writer stopped while the page loaded"
             last = browser.eval(PLOT_STEPS_JS)
             steps_metric = browser.eval("""Array.from(document.querySelectorAll('[data-testid=stMetric]'))
                 .map(e => e.innerText).find(t => t.startsWith('Steps'))""")
             assert browser.eval(EXCEPTION_JS) == 0, "the page shows an exception"
         finally:
             stop(proc)
+        n_steps = int(steps_metric.split()[-1].replace(",", ""))
+        while written[-1] < n_steps:                         # the run did grow past the page's listing
+            assert writer.poll() is None, "the writer stopped"
+            time.sleep(0.05)
     finally:
-        writer.kill()
-        writer.wait()
-    n_steps = int(steps_metric.split()[-1].replace(",", ""))
+        stop_file.touch()
+        try:
+            writer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            writer.kill()
+            writer.wait()
     loc = [v for k, v in last.items() if k.startswith("Localisation")]
     direction = [v for k, v in last.items() if k.startswith("Direction")]
     assert loc and direction, last
