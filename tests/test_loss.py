@@ -488,6 +488,15 @@ def test_default_anchor_is_the_learner_not_the_sampler():
     assert wrong.loss.item() == pytest.approx(-1.39, rel=1e-6)
 
 
+def test_the_controllers_own_default_anchor_is_the_learner():
+    """``TriageController(cfg)(batch, step)`` without ``old_logp`` (Gate and TIS users who write their own loss):
+    the TIS weights are exp(learner − sampler) = (1.5, 0.5) on the batch above, not the 1.0 that a sampler anchor
+    would give (TIS silently off)."""
+    b, _ = _anchor_batch()
+    out = TriageController(TriageConfig(gate=False, repair=False))(b, step=0)
+    assert out.token_weights.tolist() == pytest.approx([1.5, 0.5], rel=1e-6)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_non_finite_old_logp_is_refused_naming_the_token(bad):
     """A NaN / ±inf anchor would make the loss NaN (PPO ratio and TIS weight) with nothing pointing at old_logp: it
