@@ -35,6 +35,21 @@ def test_every_cited_docs_anchor_exists():
     assert not missing, "cited anchors that do not exist:\n" + "\n".join(missing)
 
 
+
+def test_every_test_the_docs_cite_exists():
+    """docs/reliability.md (and every other doc) names the test behind each outcome: each named test exists (a name
+    ending in ``_*`` stands for the tests it starts)."""
+    defined = set()
+    for f in (ROOT / "tests").glob("*.py"):
+        defined |= set(re.findall(r"^\s*(?:async )?def (test_\w+)", f.read_text(), re.M))
+    missing = []
+    for f in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for m in re.finditer(r"`(test_\w+?)(\*)?(?:\[[^\]`]*\])?`", f.read_text()):
+            name, star = m.group(1), m.group(2)
+            if not (name in defined or (star and any(d.startswith(name) for d in defined))):
+                missing.append(f"{f.relative_to(ROOT)}: {name}")
+    assert not missing, "tests the docs cite that do not exist:\n" + "\n".join(missing)
+
 def test_nothing_refers_to_documents_outside_the_repo():
     hits = []
     for f in _tracked("*.py", "*.md", "*.toml", "Makefile", "*.sh"):
