@@ -455,3 +455,47 @@ def test_manifest_strings_are_shown_as_plain_text_not_markdown(monkeypatch, tmp_
             "framework: <script>alert(1)</script>") in texts
     rendered = [m.value for m in at.markdown] + [c.value for c in at.caption]
     assert not [v for v in rendered if "evil.example" in v or "alert(1)" in v], rendered
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_stops_the_dashboard_server_with_one_line_and_status_130(tmp_path):
+    """``triage-monitor dashboard RUN`` in its own session, Ctrl-C as a terminal sends it (SIGINT to the process
+    group) once the server answers its health check: the launcher stops Streamlit, prints one line and exits 130,
+    and nothing listens on the port any more."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    run = tmp_path / "run"
+    with MismatchMonitor(run, MonitorConfig(window=2, tau_tail=-1.0)) as mon:
+        for s in range(3):
+            g = torch.Generator().manual_seed(s)
+            sp = -torch.rand(4, 16, generator=g) - 0.1
+            mon.log_step(s, TokenBatch.from_padded(sp - 0.05, sp, torch.ones(4), torch.ones(4, 16)))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "triage_monitor", "dashboard", str(run), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while True:                                           # the condition: the server answers
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=5).read() == b"ok":
+                    break
+            except OSError:
+                time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert [ln for ln in err.splitlines() if "interrupted" in ln] == [
+        "triage-monitor dashboard: interrupted (Ctrl-C); server stopped"], err
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "the server still listens"
