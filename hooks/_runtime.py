@@ -52,7 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage_monitor.alerts import check_alerts_setting
 from triage_monitor.controller import TriageConfig, TriageController
-from triage_monitor.layout import RunLayout
+from triage_monitor.layout import RunLayout, run_path
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 from triage_monitor.records import new_attempt_id, probe_writable
 from triage_monitor.trackers import check_keys, framework_metrics, specs_of
@@ -132,7 +132,7 @@ class HookSettings:
         if isinstance(self.triage, dict):
             self.triage = TriageConfig(**self.triage)
         if self.run_dir is not None:
-            self.run_dir = str(self.run_dir)
+            self.run_dir = str(run_path(self.run_dir))   # an unsupported URI scheme: refused here, not at step 1
 
 
 def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None, group=None) -> int:

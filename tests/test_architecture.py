@@ -77,11 +77,14 @@ def test_every_module_is_in_the_architecture_doc():
 
 
 def test_errors_and_layout_import_only_the_standard_library():
-    """The error base and the run directory's names sit under everything: importing them imports no package."""
+    """The error base and the run directory's names sit under everything: importing them imports no package
+    (layout raises errors' UnsupportedLocationError, and errors imports the standard library only)."""
     for name in ("errors", "layout"):
         tree = ast.parse((ROOT / "triage_monitor" / f"{name}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
+                if name == "layout" and node.level == 1 and node.module == "errors":
+                    continue
                 assert node.level == 0 and node.module in ("__future__", "pathlib", "typing"), (name, node.module)
             elif isinstance(node, ast.Import):
                 assert all(a.name in ("re", "uuid") for a in node.names), (name, [a.name for a in node.names])

@@ -4,6 +4,7 @@ pandas / pyarrow / DuckDB / Polars, one run per directory, one writer per rank, 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -540,3 +541,67 @@ def test_a_hook_into_a_run_of_another_framework_is_refused_when_its_monitor_star
     assert rt.monitor is not None
     rt.close()
     assert open_run(d).manifest.attempts[-1]["changed"] == {"framework": ["trl", "verl"]}
+
+
+# ---------------------------------------------------------------- locations given as URIs
+@pytest.mark.parametrize("location, scheme", [("s3://bucket/run", "s3"), ("gs://bucket/a/b", "gs"),
+                                              ("hdfs://namenode:8020/runs/x", "hdfs"), ("S3://Bucket/run", "S3"),
+                                              ("az+blob://c/run", "az+blob")])
+def test_a_run_directory_given_as_an_unsupported_uri_is_refused_naming_the_scheme(tmp_path, monkeypatch, location,
+                                                                                   scheme):
+    """``MismatchMonitor("s3://bucket/run")`` used to write a local folder ``s3:/bucket/run``.  Every way in (the
+    monitor, a hook's settings, ``open_run``, the layout, the path as ``Path`` collapses it) refuses it with an
+    ``UnsupportedLocationError`` (a ValueError) naming the location and the scheme; nothing is created."""
+    from pathlib import Path
+
+    from hooks._runtime import HookSettings
+    from triage_monitor.analysis import RunDirError
+    from triage_monitor.errors import UnsupportedLocationError
+    from triage_monitor.layout import RunLayout, run_path
+
+    monkeypatch.chdir(tmp_path)
+    for make in (lambda: MismatchMonitor(location), lambda: HookSettings(run_dir=location),
+                 lambda: RunLayout(location), lambda: run_path(Path(location))):
+        with pytest.raises(UnsupportedLocationError) as err:
+            make()
+        assert err.value.scheme == scheme and isinstance(err.value, ValueError)
+        assert str(err.value).startswith(f"run directory {location.replace('//', '/').replace(':/', '://', 1)!r}: "
+                                         f"the {scheme!r} scheme is not supported")
+    with pytest.raises(RunDirError, match=re.escape(f"the '{scheme}' scheme is not supported")):
+        open_run(location)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_uris_and_plain_paths_are_local(tmp_path):
+    """``file:///abs/run`` is the local path /abs/run (also as ``Path`` collapses it); a plain relative or absolute
+    path is unchanged, a Windows-style drive letter (one letter and a colon) is not a scheme."""
+    from pathlib import Path
+
+    from triage_monitor.layout import run_path
+
+    assert run_path(f"file://{tmp_path}/run") == tmp_path / "run"
+    assert run_path(Path(f"file://{tmp_path}/run")) == tmp_path / "run"
+    assert run_path("runs/exp1") == Path("runs/exp1") and run_path(tmp_path) == tmp_path
+    assert run_path("C:/runs/x") == Path("C:/runs/x")
+    with MismatchMonitor(f"file://{tmp_path}/run") as mon:
+        mon.log_step(0, TokenBatch.from_flat(torch.tensor([-0.5]), torch.tensor([-0.7]), torch.ones(1),
+                                             torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)))
+    assert open_run(f"file://{tmp_path}/run").step_numbers() == [0]
+
+
+@pytest.mark.parametrize("argv", [["analyze", "s3://b/run"], ["alerts", "s3://b/run"],
+                                  ["report", "s3://b/run", "-o", "x.html"], ["dashboard", "s3://b/run"],
+                                  ["import", "table", "t.jsonl", "--out", "s3://b/run"],
+                                  ["demo", "--out", "s3://b/run", "--steps", "2", "--sft-steps", "1"],
+                                  ["study", "--out", "s3://b/run", "--arms", "none", "--seeds", "1"]])
+def test_every_command_refuses_an_s3_uri_with_exit_2_and_one_line(tmp_path, monkeypatch, capsys, argv):
+    from triage_monitor.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.jsonl").write_text('{"step": 0, "sample_id": 0, "learner_logp": -0.5, "sampler_logp": -0.6, '
+                                      '"advantage": 1.0}\n')
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ": error: " in ln]
+    assert len(errors) == 1 and "the 's3' scheme is not supported" in errors[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]

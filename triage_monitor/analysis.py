@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import TriageMonitorError
-from .layout import MANIFEST, RunLayout, temp_path
+from .layout import MANIFEST, RunLayout, run_path, temp_path
 from .manifest import ManifestError, RunManifest, read_manifest
 
 log = logging.getLogger("triage_monitor.analysis")
@@ -225,7 +225,10 @@ def open_run(path) -> Run:
             ``run.json`` manifest, or the manifest is unreadable or has a field of the wrong type or out of
             range (:class:`~triage_monitor.manifest.ManifestError`: the message names the file and the field).
     """
-    p = Path(path)
+    try:
+        p = run_path(path)
+    except ValueError as exc:             # an unsupported URI scheme
+        raise RunDirError(str(exc)) from exc
     if not p.exists():
         raise RunDirError(f"{p}: no such directory")
     if not p.is_dir():

@@ -113,6 +113,7 @@ def run_command(command: str, fn, args) -> int:
     :class:`~triage_monitor.exits.CommandError` → its code, an OS error → 3, Ctrl-C → 130, each as one
     line on stderr (``triage-monitor <command>: ...``), never a traceback."""
     from . import exits, records
+    from .errors import UnsupportedLocationError
 
     reported = _install_sigint_watchdog(command)
     try:
@@ -120,6 +121,9 @@ def run_command(command: str, fn, args) -> int:
     except exits.CommandError as exc:
         exits.error(command, exc)
         return exc.code
+    except UnsupportedLocationError as exc:      # s3://... given where a run directory is a local path
+        exits.error(command, exc)
+        return exits.INPUT_ERROR
     except KeyboardInterrupt:
         reported.set()
         exits.note(command, "interrupted (Ctrl-C); stopped")

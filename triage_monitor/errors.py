@@ -5,6 +5,7 @@
     │   ├── UnwritableOutputError    the path cannot be created or written
     │   ├── RunConflictError         the directory holds another run
     │   └── RunLockedError           another live process writes the same rank
+    ├── UnsupportedLocationError     (also a ValueError) a run directory given as a URI whose scheme is not supported
     ├── analysis.RunDirError         (also a ValueError) the path is not a readable run directory
     ├── batch.InvalidTokenError      (also a ValueError) a valid token carries an impossible value
     └── exits.CommandError           a command stops with a message and an exit status
@@ -52,3 +53,16 @@ class RunConflictError(OutputError):
 class RunLockedError(OutputError):
     """Another live process is writing the same rank of the run (it holds the rank's writer lock file,
     :meth:`~triage_monitor.layout.RunLayout.lock_file`)."""
+
+
+class UnsupportedLocationError(TriageMonitorError, ValueError):
+    """A run directory given as a URI (``s3://bucket/run``, ``gs://...``, ``hdfs://...``) of a scheme that is not
+    supported: refused, never taken as a local folder of that name (``.scheme`` holds the scheme)."""
+
+    def __init__(self, location: str, scheme: str):
+        self.location, self.scheme = location, scheme
+        super().__init__(
+            f"run directory {location!r}: the {scheme!r} scheme is not supported; a run directory is a path on a "
+            "local or mounted file system (a shared disk, or an object store mounted as one, e.g. with "
+            "mountpoint-s3 or s3fs), or a file:// URI")
+

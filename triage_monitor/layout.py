@@ -31,6 +31,8 @@ import uuid
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from .errors import UnsupportedLocationError
+
 #: The manifest's file name.
 MANIFEST = "run.json"
 #: The run's tables, each a directory of Parquet files.
@@ -58,6 +60,35 @@ def parse_table_file(name: str) -> Optional[tuple]:
     return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
+#: A location given as ``scheme://...`` (an object store or a remote file system).
+_URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+#: The same after ``pathlib.Path`` has collapsed the double slash (``Path("s3://b/r")`` is ``s3:/b/r``): a first
+#: component of two or more scheme characters and a colon (one letter and a colon is a Windows drive).
+_COLLAPSED_URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):$")
+
+
+def run_path(location) -> Path:
+    """The local path of a run directory given as a path or a string: ``file://`` URIs become their path, any
+    other URI scheme (``s3://``, ``gs://``, ``hdfs://``, ...; also as ``Path`` has collapsed it, ``s3:/b/r``)
+    raises :class:`~triage_monitor.errors.UnsupportedLocationError` naming it, so that a remote destination is
+    never written to a local folder of that name."""
+    text = str(location)
+    m = _URI_RE.match(text)
+    scheme = m.group(1) if m else None
+    rest = text.split("://", 1)[1] if scheme else ""
+    if scheme is None:
+        parts = Path(text).parts
+        c = _COLLAPSED_URI_RE.match(parts[0]) if parts else None
+        if c:
+            scheme, rest = c.group(1), text[len(c.group(1)) + 2:]        # after "<scheme>:/"
+            text = f"{scheme}://{rest}"
+    if scheme is None:
+        return Path(location)
+    if scheme.lower() == "file":
+        return Path("/" + rest.lstrip("/"))
+    raise UnsupportedLocationError(text, scheme)
+
+
 def temp_path(directory, suffix: str = "", kind: str = "") -> Path:
     """A new hidden temporary path in ``directory``: ``.tmp-<kind><32 hex digits><suffix>`` (a file written,
     then renamed into place; ``kind="probe-"``: the start check's probe file, written and removed)."""
@@ -72,7 +103,7 @@ class RunLayout:
     """
 
     def __init__(self, root):
-        self.root = Path(root)
+        self.root = run_path(root)       # an unsupported URI scheme: UnsupportedLocationError, never a local folder
 
     def __repr__(self) -> str:
         return f"RunLayout({str(self.root)!r})"

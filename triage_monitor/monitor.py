@@ -37,7 +37,6 @@ resume to keep τ_tail; without it, a τ_tail frozen by an earlier attempt is re
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -48,6 +47,7 @@ from .alerts import Alert, AlertSink, Closable, build_engine
 from .alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
+from .layout import run_path
 from .metrics import METRIC_NAMES, MetricTracker
 from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, new_attempt_id
 from .records import steps_schema as records_steps_schema
@@ -141,6 +141,8 @@ class MismatchMonitor:
 
     Raises:
         ValueError: ``group`` is given and this process is not a member of it.
+        triage_monitor.errors.UnsupportedLocationError: ``run_dir`` is a URI of a scheme other than ``file://``
+            (``s3://bucket/run``): a ValueError naming the scheme, raised before anything is built or written.
         triage_monitor.errors.OutputError: at construction, before any step: the run directory cannot be
             written (``UnwritableOutputError``, naming the path and the OS reason), holds a run of another
             configuration (``RunConflictError``, naming the differing keys), or another live process writes
@@ -152,7 +154,7 @@ class MismatchMonitor:
                  attempt: Optional[int] = None, resume: bool = False, force: bool = False):
         import torch.distributed as dist
 
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_path(run_dir)     # s3://... and other URI schemes: UnsupportedLocationError, before any work
         self.config = config or MonitorConfig()
         dist_on = dist.is_available() and dist.is_initialized()
         self._distributed = dist_on

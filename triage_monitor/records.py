@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import OutputError, RunConflictError, RunLockedError, UnwritableOutputError  # noqa: F401  (raised here)
-from .layout import MANIFEST, TABLES, RunLayout, temp_path
+from .layout import MANIFEST, TABLES, RunLayout, run_path, temp_path
 from .locks import acquire_writer_lock, probe_lock, release_writer_lock
 from .manifest import (IDENTITY_KEYS, IO_CONFIG_KEYS, ManifestError, RunManifest,  # noqa: F401
                        check_monitor_config, config_differences, describe_differences, read_manifest)
@@ -107,7 +107,7 @@ def probe_writable(path) -> Path:
         UnwritableOutputError: naming the path and the OS reason (read-only file system, permission denied,
             a parent that is a regular file, ...).
     """
-    p = Path(path)
+    p = run_path(path)
     probe = temp_path(p, kind="probe-")
     try:
         p.mkdir(parents=True, exist_ok=True)
@@ -228,7 +228,7 @@ class RunWriter:
         import socket
 
         check_monitor_config(monitor_config, "MonitorConfig")   # what run.json will hold must read back
-        self.run_dir, self.attempt, self.rank = Path(run_dir), int(attempt), int(rank)
+        self.run_dir, self.attempt, self.rank = run_path(run_dir), int(attempt), int(rank)
         self.layout = RunLayout(self.run_dir)
         self._warned: set = set()
         #: the steps table's schema (None until declared or until the first row)

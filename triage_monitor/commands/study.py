@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from ..demo import DemoConfig
     from ..demo.study import rejudge, run_study, study_config
     from ..exits import CommandError
+    from ..layout import run_path
 
+    args.out = str(run_path(args.out))        # s3://... refused before anything is made (UnsupportedLocationError)
     try:
         given = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if hasattr(args, f.name)}
         cfg, arms, seeds = study_config(args.preset, args.quick, **given)
