@@ -434,7 +434,7 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
     trainer = TrainerConfig()
     trainer.train_batch_size, trainer.policy_mini_batch_size = 2 * MINI_PER_STEP, 2
     fn = register(name="triage_ray_test", run_dir=str(run_dir),
-                  monitor=MonitorConfig(window=2, calibration_steps=1),
+                  monitor=MonitorConfig(window=2, calibration_steps=1, per_rank_steps=True),   # rank 1's Gate share too
                   triage=TriageConfig(gate_width=4, repair_width=4), manifest={"framework": "skyrl"},
                   alerts=RULES, loggers=[{"kind": "wandb", "start": False}], trainer=trainer)
     assert fn.steps_per_report == MINI_PER_STEP

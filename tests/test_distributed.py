@@ -159,7 +159,8 @@ def test_many_ranks_equal_single_process(world, tmp_path):
             ranks = sorted(r for s, r, _ in (parse_table_file(p.name) for p in (tmp_path / "run" / table).iterdir())
                            if s == step)                       # one file per (step, rank), by its name
             empty = {3} if (table == "tokens" and step == 2 and world == 4) else set()   # no token file
-            assert ranks == [r for r in range(world) if r not in empty]
+            # tokens: every rank's shard; steps: the step's one row, rank 0's (the metrics are all-reduced)
+            assert ranks == ([r for r in range(world) if r not in empty] if table == "tokens" else [0])
         df = run.tokens(step)
         assert set(df["attempt"]) == {attempt}
         lp, s, adv, mask, ids, gids = global_batch(step)
@@ -167,7 +168,10 @@ def test_many_ranks_equal_single_process(world, tmp_path):
         expect_rank = {int(i): r % world for r, i in enumerate(ids)}
         assert (df["sample_id"].map(expect_rank) == df["rank"]).all()
         assert df["learner_logp"].to_numpy().tolist() == lp[mask][_order(ids, mask)].tolist()
-    assert len(run.steps(rank=None)) == STEPS * world
+    assert len(run.steps(rank=None)) == STEPS                      # one steps row per step
+    # its integrity counters are the group's: rank 3's empty response at step 2 (world 4) is counted there
+    assert run.steps().set_index("step")["empty_response_count"].to_dict() == {
+        st: float(sum(int((shard(st, r, world)[3].sum(1) == 0).sum()) for r in range(world))) for st in range(STEPS)}
 
     # --- offline from the rank files: live = offline on every metric (live tau replay), and the
     # post-mortem's one frozen tau_tail equals the live frozen value
@@ -239,14 +243,16 @@ def alert_worker(rank, world, outdir):
     outdir = Path(outdir)
     dist.init_process_group("gloo", init_method=f"file://{outdir / 'rendezvous'}", rank=rank, world_size=world)
     tracker = RecordingTracker(outdir / f"tracker-rank{rank}.txt")
-    active = []
+    active, rho = [], []
     with MismatchMonitor(outdir / "run", MonitorConfig(metrics=MCFG, window=WINDOW, calibration_steps=CALIB),
                          loggers=[tracker]) as mon:
         for step in range(6):
             b = TokenBatch.from_padded(*biased_shard(step, rank, world)[:4], sample_ids=biased_shard(step, rank,
                                                                                                   world)[4])
-            active.append(mon.log_step(step, b)["alerts_active"])
-    torch.save({"active": active}, outdir / f"alerts-rank{rank}.pt")
+            m = mon.log_step(step, b)
+            active.append(m["alerts_active"])
+            rho.append(m["window/rho_asym"])
+    torch.save({"active": active, "rho": rho}, outdir / f"alerts-rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -277,11 +283,52 @@ def test_an_alert_fires_once_per_job_not_once_per_rank(tmp_path):
     r0 = torch.load(tmp_path / "alerts-rank0.pt")["active"]
     r1 = torch.load(tmp_path / "alerts-rank1.pt")["active"]
     assert r0 == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0] and all(math.isnan(v) for v in r1)
-    # the synced window rho_asym that rank 0 judged is the global one
+    # the synced window rho_asym that rank 0 judged and wrote in the step's one row is rank 1's too
     steps = pd.read_parquet(tmp_path / "run" / "steps")
-    w = steps.pivot(index="step", columns="rank", values="window/rho_asym")
-    assert (w[0] == w[1]).all() and (w[0] > 1.8).all()
+    assert sorted(steps["rank"]) == [0] * 6
+    w = steps.set_index("step")["window/rho_asym"].sort_index().tolist()
+    assert w == torch.load(tmp_path / "alerts-rank1.pt")["rho"] and min(w) > 1.8
 
+
+
+def per_rank_worker(rank, world, outdir):
+    """Every rank logs 3 steps of its shard with ``per_rank_steps=True``; rank 1's shard holds a padding sentinel
+    (−1e10) inside its mask at every step, quarantined."""
+    import torch.distributed as dist
+
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    outdir = Path(outdir)
+    dist.init_process_group("gloo", init_method=f"file://{outdir / 'rendezvous'}", rank=rank, world_size=world)
+    with MismatchMonitor(outdir / "run", MonitorConfig(tau_tail=-1.0, per_rank_steps=True)) as mon:
+        for step in range(STEPS):
+            lp, s, adv, mask, ids, _ = shard(step, rank, world)
+            if rank == 1:
+                lp = lp.clone()
+                lp[0, 0], mask = -1e10, mask.clone()
+                mask[0, 0] = True
+            mon.log_step(step, TokenBatch.from_padded(lp, s, adv, mask, sample_ids=ids, on_invalid="quarantine"))
+    dist.destroy_process_group()
+
+
+def test_per_rank_steps_rows_and_counters_summed_over_the_group(tmp_path):
+    """``MonitorConfig(per_rank_steps=True)`` in a 2-rank synchronised job: both ranks write a steps row of every
+    step, with the same (all-reduced) metrics, and the integrity counters summed over the group — rank 1's one
+    quarantined sentinel per step is in rank 0's row too (without the sum rank 0 would show 0)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, "perrank", str(r), "2", str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    for p in procs:
+        out = p.communicate(timeout=300)[0].decode()
+        assert p.returncode == 0, out
+    from triage_monitor.analysis import open_run
+
+    steps = open_run(tmp_path / "run").steps(rank=None)
+    assert sorted(zip(steps["step"], steps["rank"])) == [(s, r) for s in range(STEPS) for r in range(2)]
+    assert (steps["sentinel_logp_count"] == 1.0).all() and (steps["quarantined_count"] == 1.0).all()
+    by_rank = steps.set_index(["rank", "step"])
+    for col in ("k3_kl", "rho_asym", "n_tokens", "window/rho_asym"):
+        assert by_rank.loc[0, col].tolist() == by_rank.loc[1, col].tolist(), col
 
 SUBGROUP = [1, 3]                      # the ranks that monitor; ranks 0 and 2 never call the monitor
 
@@ -399,6 +446,8 @@ def test_a_monitor_on_a_subgroup_syncs_and_reports_there(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1] == "alerts":
         alert_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    elif sys.argv[1] == "perrank":
+        per_rank_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     elif sys.argv[1] == "subgroup":
         subgroup_worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     else:

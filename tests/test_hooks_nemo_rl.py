@@ -713,7 +713,7 @@ def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp
     assert set(tokens.attempt) == {manifest["attempts"][0]["attempt"]}
     # what GRPO logs: both workers' micro-batch lists concatenated (lm_policy.py L853-858), then grpo.py's sums
     steps = recording_tracker.steps_table(tmp_path / "run", rank=0)
-    other = recording_tracker.steps_table(tmp_path / "run", rank=1)
+    assert recording_tracker.steps_table(tmp_path / "run", rank=1).empty     # the step's one row is rank 0's
     for step, res in enumerate(results):
         m = grpo_aggregate(res[0]["mb_metrics"] + res[1]["mb_metrics"])
         if step == 0:
@@ -724,8 +724,6 @@ def test_loss_fn_reshipped_every_call_keeps_calibration_and_every_token_once(tmp
             v = steps.loc[step - 1, k]
             assert m.get(f"triage/{k}", float("nan")) == pytest.approx(v, rel=1e-12) if math.isfinite(v) \
                 else f"triage/{k}" not in m, (step, k)
-        # the step and window metrics are the job's (all-reduced): both ranks' rows agree
-        assert other.loc[step - 1, "window/rho_asym"] == pytest.approx(steps.loc[step - 1, "window/rho_asym"])
     alerts = recording_tracker.alerts_table(tmp_path / "run")
     assert "rho_asym_critical" in set(alerts["rule"]) and set(alerts["rank"]) == {0}
     assert not alerts["rule"].duplicated().any()

@@ -445,7 +445,7 @@ def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
         "--triage.manifest", str(tmp_path / "manifest.json"), "--triage.alerts", str(tmp_path / "rules.toml"),
         "--triage.loggers", '[{"kind": "wandb", "start": false}]'])
     assert rest == []
-    s.monitor = MonitorConfig(calibration_steps=1)
+    s.monitor = MonitorConfig(calibration_steps=1, per_rank_steps=True)    # every rank's row: rank 1's compared below
     tests_dir = str(Path(__file__).parent)
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,       # GPUs: a label only
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),

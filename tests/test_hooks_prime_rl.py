@@ -542,7 +542,7 @@ import_path = "triage_monitor.hooks.prime_rl.triage_loss"
 [trainer.loss.kwargs]
 run_dir = "{run}"
 triage = {{ gate_width = 8, calibration = {{ window = 1 }} }}
-monitor = {{ window = 4, calibration_steps = 2 }}
+monitor = {{ window = 4, calibration_steps = 2, per_rank_steps = true }}
 alerts = true
 loggers = [{{ kind = "recorder", path = "{rec}" }}]
 framework_keys = "curated"
@@ -641,6 +641,7 @@ def check_dist(tmp_path) -> None:
             checked.add(k)
     assert checked == set(CURATED_KEYS)
     # the ranks' own values differ (the Gate's share): what prime-rl logs is rank 0's, not a pool of both
+    # (rank 1's row is there because the configuration asks for every rank's: per_rank_steps)
     other = recording_tracker.steps_table(run, rank=1)
     assert (other["gate_downweighted_frac"] != steps["gate_downweighted_frac"]).any()
     alerts = recording_tracker.alerts_table(run)

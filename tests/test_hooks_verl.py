@@ -508,7 +508,8 @@ def ray_cluster(tmp_path_factory):
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
            "TRIAGE_MONITOR_RUN_DIR": str(run), "TRIAGE_MONITOR_TRIAGE": '{"gate_width": 8}',
-           "TRIAGE_MONITOR_CONFIG": '{"window": 2, "calibration_steps": 1}', "VERL_USE_EXTERNAL_PLUGINS": "none",
+           "TRIAGE_MONITOR_CONFIG": '{"window": 2, "calibration_steps": 1, "per_rank_steps": true}',
+           "VERL_USE_EXTERNAL_PLUGINS": "none",
            "TRIAGE_MONITOR_ALERTS": str(rules),
            "TRIAGE_MONITOR_LOGGERS": '[{"kind": "wandb", "start": false, "keys": "all"}]'}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,

@@ -57,6 +57,10 @@ class MonitorConfig:
         backpressure: "block" (wait for the disk) or "drop" (drop and count rows) when the queue is full.
         alignment_check_steps: run :func:`~triage_monitor.alignment.check_alignment` on this many
             first steps of each process start (0 disables); a suspected shift logs a warning.
+        per_rank_steps: in a job whose metrics are all-reduced over a process group, every rank writes its steps
+            row too (default False: rank 0 of the group writes the step's one row, the metrics being the same on
+            every rank; its integrity counters are summed over the group).  Without a process group every rank's
+            metrics are its own and every rank writes its row.
     """
 
     metrics: MetricConfig = field(default_factory=MetricConfig)
@@ -67,6 +71,7 @@ class MonitorConfig:
     max_queue_bytes: int = 256 << 20
     backpressure: str = "block"
     alignment_check_steps: int = 3
+    per_rank_steps: bool = False
 
     def __post_init__(self):
         if isinstance(self.metrics, dict):

@@ -24,7 +24,7 @@ SCHEMA_VERSION = 3             # of run.json (3: flat table files, RunLayout)
 
 #: ``MonitorConfig`` keys that steer only I/O, devices or start-up checks: attempts of one run may differ in them.
 IO_CONFIG_KEYS = frozenset({"record_tokens", "max_queue_bytes", "backpressure",
-                            "alignment_check_steps"})
+                            "alignment_check_steps", "per_rank_steps"})
 #: Manifest (``info``) keys that say what was trained or imported: an existing run continues only when they match
 #: (besides the metric configuration); a key set on one side only counts as a difference.
 IDENTITY_KEYS = ("framework", "model", "task", "correction", "seed", "demo_config", "imported_from", "column_map")
@@ -149,7 +149,7 @@ def check_monitor_config(cfg, name: str = "monitor_config") -> None:
     * ``tau_tail``: null or a finite number (nats);
     * ``metrics``: an object of ``MetricConfig`` fields: finite numbers (``segment_width`` an integer) in the
       ranges ``MetricConfig`` accepts;
-    * the I/O keys: ``record_tokens`` a boolean, ``max_queue_bytes`` and ``alignment_check_steps`` integers,
+    * the I/O keys: ``record_tokens`` and ``per_rank_steps`` booleans, ``max_queue_bytes`` and ``alignment_check_steps`` integers,
       ``backpressure`` a string.
 
     Raises:
@@ -162,8 +162,9 @@ def check_monitor_config(cfg, name: str = "monitor_config") -> None:
             _check_int(f"{name}.{key}", cfg[key], 1)
     if "tau_tail" in cfg:
         _check_real(f"{name}.tau_tail", cfg["tau_tail"], null=True)
-    if "record_tokens" in cfg:
-        _check_type(f"{name}.record_tokens", cfg["record_tokens"], bool, "a boolean")
+    for key in ("record_tokens", "per_rank_steps"):
+        if key in cfg:
+            _check_type(f"{name}.{key}", cfg[key], bool, "a boolean")
     for key in ("max_queue_bytes", "alignment_check_steps"):
         if key in cfg:
             _check_int(f"{name}.{key}", cfg[key], -INT64_MAX - 1)

@@ -176,6 +176,11 @@ class MismatchMonitor:
         #: rank 0 of ``group`` reports: it evaluates the rules and calls the trackers (its metrics are those
         #: all-reduced over the group).  Without torch.distributed: rank 0.
         self.reports = self.group_rank == 0
+        #: whether this process's metrics are all-reduced with other processes' (a group of two or more)
+        self.synchronised = dist_on and self.world_size > 1
+        #: whether this process writes the step's steps row: rank 0 of a synchronised group (every rank's row would
+        #: repeat it), every process that is not synchronised, or every rank with ``per_rank_steps``
+        self.writes_steps = self.reports or not self.synchronised or self.config.per_rank_steps
         self.loggers = build_trackers(loggers) if self.reports else []
         self.alerts = (build_engine(alerts, sinks=[lg for lg in self.loggers if isinstance(lg, AlertSink)])
                        if self.reports else None)
@@ -289,6 +294,8 @@ class MismatchMonitor:
             metrics[name] = float(sum(q.get(r, 0) for r in reasons))
         metrics["quarantined_count"] = float(sum(q.values()))
         metrics.update(self._diagnose(step, batch))
+        if self.synchronised and _dist_initialized():     # the counters of the group's one steps row
+            _sum_over_group(metrics, group)
         metrics["tau_tail_frozen"] = float(self.tracker.tau_frozen)
         metrics.update({f"window/{k}": v for k, v in win_res.values.items()})
         metrics.update(extra)
@@ -358,7 +365,8 @@ class MismatchMonitor:
         self.tracker.load_state_dict(state["tracker"])
 
     def _record(self, step, batch: TokenBatch, metrics: dict, reasons: dict, token_extras) -> None:
-        self.writer.record_step(step, batch, metrics, reasons, token_extras, self.config.record_tokens)
+        self.writer.record_step(step, batch, metrics, reasons, token_extras, self.config.record_tokens,
+                                steps_row=self.writes_steps)
 
     def _evaluate_alerts(self, step: int, metrics: dict) -> list:
         """Run the rules on the step's metrics (the reporting rank) and add :data:`ALERT_STATE` to ``metrics``;
@@ -402,6 +410,25 @@ class MismatchMonitor:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close("finished" if exc_type is None else "failed")
+
+
+#: The integrity counters summed over a synchronised group, so that the one steps row (rank 0's) and the alert
+#: rules count every rank's bad tokens and dropped rows (the alignment check of the first steps stays local).
+SUMMED_COUNTERS = tuple(k for k in INTEGRITY_METRICS)
+
+
+def _sum_over_group(metrics: dict, group) -> None:
+    """Replace :data:`SUMMED_COUNTERS` in ``metrics`` by their sums over ``group`` (one SUM all-reduce of a float64
+    vector; a device tensor under NCCL).  Every member calls it at the same step, as it does the metric sync."""
+    import torch.distributed as dist
+
+    keys = [k for k in SUMMED_COUNTERS if k in metrics]
+    dev = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    metrics.update(zip(keys, t.cpu().tolist()))
 
 
 def _dist_initialized() -> bool:

@@ -235,6 +235,8 @@ class RunWriter:
         self.steps_schema: Optional[pa.Schema] = None
         #: a repeated step whose earlier attempts' alerts files are still to be removed (see record_step)
         self._pending_alerts: Optional[int] = None
+        #: the table whose file of that step must be on disk first ("steps", or "tokens" on a rank without rows)
+        self._pending_anchor = "steps"
         probe_writable(self.run_dir)
         self._lock = acquire_writer_lock(self.run_dir, self.rank, self.attempt)
         try:
@@ -294,8 +296,9 @@ class RunWriter:
             self.steps_schema = schema
 
     def record_step(self, step: int, batch, metrics: dict, reasons: dict, token_extras: Optional[dict],
-                    record_tokens: bool = True) -> None:
-        """Queue the step's token rows (``record_tokens``), quarantined rows and the metric row.
+                    record_tokens: bool = True, steps_row: bool = True) -> None:
+        """Queue the step's token rows (``record_tokens``), quarantined rows and the metric row (``steps_row``:
+        False for a rank other than 0 of a synchronised job, whose row would repeat rank 0's).
 
         ``metrics``: ``{name: number}`` (``step`` ignored), written as float64; a declared column the step lacks
         is NaN; ``reasons``: ``{metric: why NaN}``, written as JSON."""
@@ -338,13 +341,15 @@ class RunWriter:
             self.sink.submit("quarantine", step, self.rank, {f.name: qd[f.name] for f in QUARANTINE_SCHEMA},
                              QUARANTINE_SCHEMA)
             written.add("quarantine")
-        row = {"step": step, "rank": self.rank}
-        row.update((k, float(v)) for k, v in metrics.items() if k != "step")
-        row["attempt"] = self.attempt
-        row["wall_time"] = time.time()
-        row["nan_reasons"] = json.dumps(reasons)
-        row["writer_dropped_rows"] = float(self.sink.dropped_rows)
-        self.sink.submit("steps", step, self.rank, [self._step_row(step, row)], self.steps_schema)
+        if steps_row:
+            row = {"step": step, "rank": self.rank}
+            row.update((k, float(v)) for k, v in metrics.items() if k != "step")
+            row["attempt"] = self.attempt
+            row["wall_time"] = time.time()
+            row["nan_reasons"] = json.dumps(reasons)
+            row["writer_dropped_rows"] = float(metrics.get("writer_dropped_rows", self.sink.dropped_rows))
+            self.sink.submit("steps", step, self.rank, [self._step_row(step, row)], self.steps_schema)
+            written.add("steps")
         self._replace_earlier(step, written)
 
     def _replace_earlier(self, step: int, written: set) -> None:
@@ -356,22 +361,31 @@ class RunWriter:
         self._flush_pending_alerts()
         if not self.earlier_attempts:
             return
+        # the anchor of a table this step has no file of: the steps file, else (a rank without steps rows) the
+        # token file; with neither, the earlier files stay (nothing of this step is known to be on disk)
+        anchor = "steps" if "steps" in written else "tokens" if "tokens" in written else None
         for a in self.earlier_attempts:
             for table in TABLES:
-                if table != "alerts":
-                    self.sink.submit_delete(table, step, self.rank, a, after=table if table in written else "steps")
-        self._pending_alerts = step
+                if table == "alerts":
+                    continue
+                after = table if table in written else anchor
+                if after is not None:
+                    self.sink.submit_delete(table, step, self.rank, a, after=after)
+        self._pending_alerts = step if anchor is not None else None
+        self._pending_anchor = anchor or "steps"
 
     def _flush_pending_alerts(self) -> None:
         """The earlier attempts' alerts files of the last repeated step, when no alert fired at it: removed once
-        the step's steps file is on disk (queued; once the sink is closed, here, checking the disk)."""
+        the step's steps file (a rank without steps rows: its token file) is on disk (queued; once the sink is
+        closed, here, checking the disk)."""
         step, self._pending_alerts = self._pending_alerts, None
         if step is None:
             return
+        anchor = self._pending_anchor
         for a in self.earlier_attempts:
             if not self.sink.closed:
-                self.sink.submit_delete("alerts", step, self.rank, a, after="steps")
-            elif self.layout.table_file("steps", step, self.rank, self.attempt).is_file():
+                self.sink.submit_delete("alerts", step, self.rank, a, after=anchor)
+            elif self.layout.table_file(anchor, step, self.rank, self.attempt).is_file():
                 try:
                     self.layout.table_file("alerts", step, self.rank, a).unlink(missing_ok=True)
                 except OSError as exc:
