@@ -28,6 +28,16 @@ log = logging.getLogger("triage_monitor.records")
 
 #: Bytes a row given as a dict counts against the queue bound.
 ROW_BYTES = 256
+#: Columns written without a dictionary: the per-token log-probs, nearly every value distinct, where a dictionary
+#: only costs time (the writer's encode ~0.55x without it on them, files 0.72-0.90x the size:
+#: benchmarks/bench_writer_encoding.py).  Every other column (ids, positions, the broadcast advantage, steps) keeps
+#: pyarrow's default dictionary encoding.
+PLAIN_COLUMNS = frozenset({"learner_logp", "sampler_logp"})
+
+
+def dictionary_columns(schema: pa.Schema) -> list:
+    """The columns of ``schema`` written with a dictionary: all but :data:`PLAIN_COLUMNS`."""
+    return [f.name for f in schema if f.name not in PLAIN_COLUMNS]
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
@@ -40,7 +50,7 @@ def write_table_atomic(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path.parent, ".parquet")
     try:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, use_dictionary=dictionary_columns(table.schema))
         os.replace(tmp, path)
     finally:
         if tmp.exists():
