@@ -239,6 +239,12 @@ def test_import_table_refuses_steps_that_are_not_integers(tmp_path, capsys):
         (_tokens([0], position=-1), "row 0: position (column 'position') = -1: a position is >= 0 (index inside "
                                     "the response)"),
         (_tokens([0], group_id=False), "row 0: group_id (column 'group_id') = False: a boolean, not an integer"),
+        # one boolean or numeric string among integers (JSON parsing would have made them 1 in an int64 column)
+        (_tokens([0]) + [dict(_tokens([1])[0], step=True)], "row 3: step (column 'step') = True: a boolean, not "
+                                                             "an integer"),
+        (_tokens([0]) + [dict(_tokens([1])[0], step="1")], f"row 3: step (column 'step') = '1': {INTEGERS}"),
+        (_tokens([0]) + [dict(_tokens([1])[0], sample_id=True)], "row 3: sample_id (column 'sample_id') = True: a "
+                                                                  "boolean, not an integer"),
     ]
     for i, (rows, message) in enumerate(cases):
         src = _jsonl(tmp_path / f"c{i}.jsonl", rows)

@@ -590,6 +590,7 @@ def test_file_uris_and_plain_paths_are_local(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["analyze", "s3://b/run"], ["alerts", "s3://b/run"],
+                                  ["analyze", "run", "--out", "s3://b/t.csv"], ["report", "run", "-o", "s3://b/x.html"],
                                   ["report", "s3://b/run", "-o", "x.html"], ["dashboard", "s3://b/run"],
                                   ["import", "table", "t.jsonl", "--out", "s3://b/run"],
                                   ["demo", "--out", "s3://b/run", "--steps", "2", "--sft-steps", "1"],
@@ -600,8 +601,12 @@ def test_every_command_refuses_an_s3_uri_with_exit_2_and_one_line(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t.jsonl").write_text('{"step": 0, "sample_id": 0, "learner_logp": -0.5, "sampler_logp": -0.6, '
                                       '"advantage": 1.0}\n')
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(tau_tail=-1.0)) as mon:      # a real run to read
+        mon.log_step(0, TokenBatch.from_flat(torch.tensor([-0.5]), torch.tensor([-0.7]), torch.ones(1),
+                                             torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)))
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert main(argv) == 2
     err = capsys.readouterr().err
     errors = [ln for ln in err.splitlines() if ": error: " in ln]
     assert len(errors) == 1 and "the 's3' scheme is not supported" in errors[0], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl"]
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before     # nothing created

@@ -59,10 +59,10 @@ class UnsupportedLocationError(TriageMonitorError, ValueError):
     """A run directory given as a URI (``s3://bucket/run``, ``gs://...``, ``hdfs://...``) of a scheme that is not
     supported: refused, never taken as a local folder of that name (``.scheme`` holds the scheme)."""
 
-    def __init__(self, location: str, scheme: str):
+    def __init__(self, location: str, scheme: str, what: str = "run directory"):
         self.location, self.scheme = location, scheme
         super().__init__(
-            f"run directory {location!r}: the {scheme!r} scheme is not supported; a run directory is a path on a "
-            "local or mounted file system (a shared disk, or an object store mounted as one, e.g. with "
-            "mountpoint-s3 or s3fs), or a file:// URI")
+            f"{what} {location!r}: the {scheme!r} scheme is not supported; it must be a path on a local or mounted "
+            "file system (a shared disk, or an object store mounted as one, e.g. with mountpoint-s3 or s3fs), or a "
+            "file:// URI")
 

@@ -263,7 +263,9 @@ def read_table(path: str, fmt: str = "auto") -> pd.DataFrame:
         if fmt == "parquet":
             return _named(pd.read_parquet(path), path)
         if fmt == "jsonl":
-            return _named(pd.read_json(path, lines=True), path)
+            # dtype=False: values as JSON has them; pandas' inference would turn true or "1" in an integer column
+            # into 1 before the checks of table_steps could see it
+            return _named(pd.read_json(path, lines=True, dtype=False), path)
     except (ValueError, OSError) as exc:   # pyarrow's ArrowInvalid is a ValueError
         if isinstance(exc, (PermissionError, IsADirectoryError)):
             raise

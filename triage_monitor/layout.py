@@ -67,11 +67,12 @@ _URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _COLLAPSED_URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):$")
 
 
-def run_path(location) -> Path:
+def run_path(location, what: str = "run directory") -> Path:
     """The local path of a run directory given as a path or a string: ``file://`` URIs become their path, any
     other URI scheme (``s3://``, ``gs://``, ``hdfs://``, ...; also as ``Path`` has collapsed it, ``s3:/b/r``)
     raises :class:`~triage_monitor.errors.UnsupportedLocationError` naming it, so that a remote destination is
-    never written to a local folder of that name."""
+    never written to a local folder of that name.  ``what`` names the location in the message (an output file:
+    ``"--out"``)."""
     text = str(location)
     m = _URI_RE.match(text)
     scheme = m.group(1) if m else None
@@ -86,7 +87,7 @@ def run_path(location) -> Path:
         return Path(location)
     if scheme.lower() == "file":
         return Path("/" + rest.lstrip("/"))
-    raise UnsupportedLocationError(text, scheme)
+    raise UnsupportedLocationError(text, scheme, what)
 
 
 def temp_path(directory, suffix: str = "", kind: str = "") -> Path:

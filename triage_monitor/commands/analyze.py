@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 
 #: Columns `analyze` prints (all columns are saved).
@@ -48,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
-    out = Path(args.out) if args.out else None
+    from ..layout import run_path
+
+    out = run_path(args.out, "--out") if args.out else None      # s3://...: refused, never a local folder 's3:'
     if out is not None and out.suffix.lower() not in (".csv", ".parquet"):
         raise exits.CommandError(f"--out {out}: unknown table format {out.suffix or '(no extension)'!r}; "
                                  "use a .csv or .parquet file name")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from .. import exits
 
@@ -44,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         exits.error("report", f"the HTML report needs plotly, which is not installed: {EXTRA_HINT}")
         return exits.INPUT_ERROR
 
+    from ..layout import run_path
+
+    out = run_path(args.output, "--output")    # s3://...: refused before any work, never a local folder 's3:'
     t0 = time.perf_counter()
     exits.note("report", f"reading {', '.join(map(str, args.run_dirs))} …")
     try:
@@ -53,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
     except (RunDirError, ValueError, KeyError) as exc:
         exits.error("report", exc)
         return exits.INPUT_ERROR
-    out = Path(args.output)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")
