@@ -272,6 +272,11 @@ def test_ctrl_c_in_every_long_command_stops_it_with_one_line_and_status_130(tmp_
     for word in ("wrote", "imported", "saved"):
         assert word not in out.lower(), out
     assert not (tmp_path / "r.html").exists()
+    # a run the command was writing says it was interrupted (not finished, not failed)
+    written = [p for p in tmp_path.rglob("run.json") if p.parent != tmp_path / "run"]
+    assert bool(written) == (command in ("import", "demo", "study")), written
+    import json as _json
+    assert {_json.loads(p.read_text())["status"] for p in written} <= {"interrupted"}, written
 
 
 def test_ctrl_c_landing_in_a_finalizer_still_stops_the_command(tmp_path):

@@ -368,6 +368,18 @@ def test_manifest_status_failed_when_the_loop_raises(tmp_path):
     assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"
 
 
+def test_manifest_status_interrupted_when_the_loop_is_stopped_by_ctrl_c(tmp_path):
+    """A KeyboardInterrupt out of the ``with`` block (Ctrl-C) is not a failure of the job: run.json says
+    "interrupted", and the steps logged before it are on disk."""
+    with pytest.raises(KeyboardInterrupt):
+        with MismatchMonitor(tmp_path / "r", MonitorConfig(tau_tail=-1.0)) as mon:
+            mon.log_step(0, _batch(0))
+            raise KeyboardInterrupt
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "interrupted"
+    from triage_monitor.analysis import open_run
+    assert open_run(tmp_path / "r").step_numbers() == [0]
+
+
 def test_attempt_id_is_rank_zeros_broadcast_over_the_process_group(tmp_path, monkeypatch):
     """One job start, one attempt id on every rank: `_shared_attempt_id` broadcasts rank 0's id over the group
     (a real gloo group of one process here; the multi-process case runs in tests/test_distributed.py)."""

@@ -254,7 +254,7 @@ class RunManifest:
         info: the user's / framework's facts (``manifest=`` of the monitor).
         attempts: one entry per process start (attempt id, start time, host, pid, world size).
         calibration: τ_tail's one home once calibrated: ``{"tau_tail", "frozen_at_step", "attempt"}`` (nats).
-        status: ``running`` | ``finished`` | ``failed``.
+        status: ``running`` | ``finished`` | ``failed`` | ``interrupted`` (Ctrl-C).
         steps_logged, writer: set when the monitor closes (rows written / dropped, last error).
         extra: keys this version does not know (kept on rewrite).
     """

@@ -398,7 +398,7 @@ class MismatchMonitor:
 
     def close(self, status: str = "finished") -> None:
         """Drain the writer, close loggers and alerts, mark the manifest ``status``
-        ("finished"; "failed" when the ``with`` block raised)."""
+        ("finished"; "failed" when the ``with`` block raised, "interrupted" when it was stopped by Ctrl-C)."""
         self.writer.sink.close()
         for obj in [*self.loggers, self.alerts]:
             if isinstance(obj, Closable):
@@ -409,7 +409,8 @@ class MismatchMonitor:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close("finished" if exc_type is None else "failed")
+        self.close("finished" if exc_type is None else
+                   "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed")
 
 
 #: The integrity counters summed over a synchronised group, so that the one steps row (rank 0's) and the alert
