@@ -85,6 +85,9 @@ CRAFTED = [
      "monitor_config.window must be an integer from 1 to 9223372036854775807, got 1e+30"),
     ("schema_version-string", lambda d: d.update(schema_version="3"), "schema_version",
      "schema_version must be an integer from 1 to 9223372036854775807, got a string ('3')"),
+    ("schema_version-newer", lambda d: d.update(schema_version=99), "schema_version",
+     "schema_version 99 is newer than this triage-monitor reads (3): the run was written by a newer release; "
+     "upgrade triage-monitor to read or continue it"),
     ("window-2**63", lambda d: d["monitor_config"].update(window=2 ** 63), "monitor_config.window",
      "monitor_config.window must be an integer from 1 to 9223372036854775807, got 9223372036854775808"),
     ("window-fraction", lambda d: d["monitor_config"].update(window=2.5), "monitor_config.window",

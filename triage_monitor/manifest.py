@@ -217,6 +217,10 @@ def _check_manifest(d: dict) -> None:
         _check_int("steps_logged", d["steps_logged"], 0, null=True)
     if "schema_version" in d:
         _check_int("schema_version", d["schema_version"], 1)
+        if d["schema_version"] > SCHEMA_VERSION:         # a layout this version cannot know how to read or extend
+            raise ManifestError(f"schema_version {int(d['schema_version'])} is newer than this triage-monitor reads "
+                                f"({SCHEMA_VERSION}): the run was written by a newer release; upgrade triage-monitor "
+                                "to read or continue it", "schema_version")
     for key in ("status", "tool", "tool_version", "created", "python", "torch"):
         if key in d:
             _check_type(key, d[key], str, "a string")
