@@ -229,7 +229,7 @@ def test_import_table_refuses_steps_that_are_not_integers(tmp_path, capsys):
     out = tmp_path / "o"
     assert _cli("import", "table", str(src), "--out", str(out), cwd=tmp_path) == (
         2, [f"triage-monitor import: error: {src}: row 3: step (column 'step') = 0.5: {INTEGERS}"])
-    assert not (out / "run.json").exists()
+    assert not out.exists()                  # the refused import wrote nothing, not even the empty --out it probed
     cases = [
         (_tokens([True, False]), "row 0: step (column 'step') = True: a boolean, not an integer"),
         (_tokens([0, 1e30]), "row 3: step (column 'step') = 1e+30: outside int64"),

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         exits.error("import", exc)
         return exits.INPUT_ERROR
+    created = not Path(args.out).exists()
     try:
         probe_writable(args.out)                 # an unwritable --out fails before the input is read
         if args.source == "slime":
@@ -75,13 +76,25 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{getattr(args, 'path', None) or ', '.join(args.paths)}: no step to import (no rows)")
         n = write_run(_with_progress(steps), args.out, manifest, cfg, resume=args.resume, force=args.force)
     except (PermissionError, UnwritableOutputError) as exc:
+        _remove_if_left_empty(args.out, created)
         exits.error("import", exc)
         return exits.OUTPUT_ERROR
     except (ValueError, KeyError, OutputError) as exc:     # OutputError here: another run in --out, a locked rank
+        _remove_if_left_empty(args.out, created)
         exits.error("import", exc)
         return exits.INPUT_ERROR
     print(f"imported {n} step(s) into {args.out}")
     return exits.OK if n else exits.INPUT_ERROR
+
+
+def _remove_if_left_empty(out, created: bool) -> None:
+    """A refused import writes nothing: the ``--out`` directory its start check made is removed again when it is
+    still empty (a directory that was there before, or holds anything, is left as it is)."""
+    try:
+        if created and Path(out).is_dir() and not any(Path(out).iterdir()):
+            Path(out).rmdir()
+    except OSError:
+        pass
 
 
 def _with_progress(steps: list) -> Iterator[Tuple[int, object]]:
