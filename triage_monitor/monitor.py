@@ -413,21 +413,25 @@ class MismatchMonitor:
                    "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed")
 
 
-#: The integrity counters summed over a synchronised group, so that the one steps row (rank 0's) and the alert
-#: rules count every rank's bad tokens and dropped rows (the alignment check of the first steps stays local).
-SUMMED_COUNTERS = tuple(k for k in INTEGRITY_METRICS)
+def _collective_device(group) -> torch.device:
+    """Where a tensor handed to a collective of ``group`` must live: the current CUDA device under NCCL (it
+    reduces device tensors only), else the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _sum_over_group(metrics: dict, group) -> None:
-    """Replace :data:`SUMMED_COUNTERS` in ``metrics`` by their sums over ``group`` (one SUM all-reduce of a float64
-    vector; a device tensor under NCCL).  Every member calls it at the same step, as it does the metric sync."""
+    """Replace the :data:`INTEGRITY_METRICS` in ``metrics`` by their sums over ``group`` (one SUM all-reduce of a
+    float64 vector), so that the group's one steps row (rank 0's) and the alert rules count every rank's bad tokens
+    and dropped rows; the alignment check of the first steps stays local.  Every member calls it at the same step,
+    as it does the metric sync."""
     import torch.distributed as dist
 
-    keys = [k for k in SUMMED_COUNTERS if k in metrics]
-    dev = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        dev = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=dev)
+    keys = [k for k in INTEGRITY_METRICS if k in metrics]
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=_collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     metrics.update(zip(keys, t.cpu().tolist()))
 
@@ -443,10 +447,7 @@ def _shared_attempt_id(group=None) -> int:
     the same attempt).  Only the group's members take part."""
     import torch.distributed as dist
 
-    dev = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        dev = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([new_attempt_id()], dtype=torch.int64, device=dev)
+    t = torch.tensor([new_attempt_id()], dtype=torch.int64, device=_collective_device(group))
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(t.item())
 
