@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
 from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 from triage_monitor.metrics import METRIC_NAMES, MetricConfig, MetricTracker  # noqa: E402
 from triage_monitor.layout import parse_table_file  # noqa: E402
 
@@ -316,11 +317,7 @@ def test_per_rank_steps_rows_and_counters_summed_over_the_group(tmp_path):
     step, with the same (all-reduced) metrics, and the integrity counters summed over the group — rank 1's one
     quarantined sentinel per step is in rank 0's row too (without the sum rank 0 would show 0)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "perrank", str(r), "2", str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    for p in procs:
-        out = p.communicate(timeout=300)[0].decode()
-        assert p.returncode == 0, out
+    run_ranks(__file__, lambda r: ["perrank", r, 2, tmp_path], 2, env, "per-rank steps job")
     from triage_monitor.analysis import open_run
 
     steps = open_run(tmp_path / "run").steps(rank=None)
@@ -390,18 +387,7 @@ def test_a_monitor_on_a_subgroup_syncs_and_reports_there(tmp_path):
 
     world = 4
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "subgroup", str(r), str(world), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240)[0].decode())
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError("a rank did not finish in 240 s (hung)") from None
-    for p, o in zip(procs, outs):
-        assert p.returncode == 0, o
+    outs = run_ranks(__file__, lambda r: ["subgroup", r, world, tmp_path], world, env, "subgroup job")
     res = {r: torch.load(tmp_path / f"sub-rank{r}.pt") for r in range(world)}
     assert all("metrics" not in res[r] for r in (0, 2))
     assert [(res[r]["rank"], res[r]["reports"], res[r]["world_size"]) for r in SUBGROUP] == [(0, True, 2),

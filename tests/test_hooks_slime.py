@@ -19,6 +19,7 @@ import math
 import sys
 
 import recording_tracker
+from ranks import run_ranks
 import slime_contract
 from slime_contract import (get_sum_of_sample_mean, save_debug_train_data_v031, save_debug_train_data_v2,
                             slime_pg_loss)
@@ -688,26 +689,13 @@ def run_parallel_job(tmp_path, tp: int, pp: int, world: int = 4, env: Optional[d
     """The processes of one job (this file as the worker script); a rank that does not finish in time fails the
     test (all are killed) instead of hanging it.  Returns each rank's result, by rank."""
     import os
-    import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     (tmp_path / "triage_slime_parallel.py").write_text(PARALLEL_HOOK.format(
         run=str(tmp_path / "run"), rec=str(tmp_path / "rec.jsonl"), rule=RULE))
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [subprocess.Popen([sys.executable, __file__, "parallel", str(tp), str(pp), str(r), str(world),
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240)[0].decode())
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError(f"DP x TP {tp} x PP {pp}: a rank did not finish in 240 s (hung)") from None
-    for r, (p, o) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r}:\n{o}"
+    run_ranks(__file__, lambda r: ["parallel", tp, pp, r, world, tmp_path], world, env, f"DP x TP {tp} x PP {pp}")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
