@@ -733,8 +733,10 @@ def test_a_slow_disk_blocks_training_or_drops_rows_visibly(tmp_path, caplog, hel
     training = threading.Thread(target=lambda: out.setdefault(0, mon.log_step(0, batch(0))))
     training.start()
     if mode == "block":
-        training.join(timeout=2)
-        assert training.is_alive(), "log_step returned while the writer had no room: nothing blocked"
+        while mon.sink.blocked_submits == 0:            # the condition: log_step is waiting for room
+            assert training.is_alive(), "log_step returned while the writer had no room: nothing blocked"
+            time.sleep(0.01)
+        assert training.is_alive()
         release.set()
         training.join()
     else:

@@ -167,6 +167,8 @@ class ParquetSink:
         self.written_rows = 0
         self.written_files = 0
         self.dropped_rows = 0
+        #: files whose submit had to wait for room (``backpressure="block"``: the training loop was held)
+        self.blocked_submits = 0
         #: earlier attempts' files a conditional :class:`Delete` kept because their replacement was not on disk
         self.kept_files = 0
         self.last_error: Optional[str] = None
@@ -201,11 +203,15 @@ class ParquetSink:
             if self._closed:
                 self.dropped_rows += item.nrows
                 return False
+            waited = False
             while (isinstance(item, Write) and self._queued_bytes + nbytes > self.max_queue_bytes
                    and self._queued_bytes > 0):
                 if self.backpressure == "drop":
                     self.dropped_rows += item.nrows
                     return False
+                if not waited:
+                    waited = True
+                    self.blocked_submits += 1
                 self._cv.wait(timeout=1.0)
             self._queued_bytes += nbytes
         self._q.put(item)
