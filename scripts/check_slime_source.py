@@ -161,8 +161,9 @@ from triage_monitor.controller import TriageConfig
 from triage_monitor.hooks.slime import SlimeTriageLoss
 from triage_monitor.monitor import MonitorConfig
 triage_loss = SlimeTriageLoss({run!r}, triage=TriageConfig(gate_width=4, calibration=dict(window=1)),
-                              monitor=MonitorConfig(window=4, calibration_steps=2),
+                              monitor=MonitorConfig(window=4, calibration_steps=2, per_rank_steps=True),
                               loggers=[{{"kind": "recorder", "path": {rec!r}}}])
+# per_rank_steps: rank 1's own row too (its Gate share is compared below; by default the step has rank 0's row only)
 """
 
 
