@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         exits.error("import", exc)
         return exits.INPUT_ERROR
-    created = not Path(args.out).exists()
+    from ..storage import is_remote
+
+    created = not is_remote(args.out) and not Path(args.out).exists()
     try:
         probe_writable(args.out)                 # an unwritable --out fails before the input is read
         if args.source == "slime":
