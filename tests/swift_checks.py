@@ -140,7 +140,8 @@ def run_job(tmp: Path, settings: HookSettings, *, bias: float = 0.0, **kw):
     if not model.exists():
         model.mkdir(parents=True)
         make_model_dir(model)
-    plugin = tmp / f"plugin_{len(list(tmp.glob('plugin_*.py')))}.py"
+    run_job.calls = getattr(run_job, "calls", 0) + 1      # a new file name each run: ms-swift 4.4 caches by name
+    plugin = tmp / f"triage_plugin_{run_job.calls}.py"
     plugin.write_text(PLUGIN.format(tests=str(HERE)))
     args = dict(rlhf_type="grpo", model=str(model), model_type="llama", template="default",
                 dataset=[str(model / "data.jsonl")], external_plugins=[str(plugin)], reward_funcs=["count_a"],
