@@ -235,6 +235,8 @@ def check_dumps(opts):
             save_debug_train_data_for_rank(a, rollout_id=obj["rollout_id"], rollout_data=rd, rank=obj["rank"],
                                            cp_rank=obj["cp_rank"], cp_size=obj["cp_size"])
             real.append(out / f"real_{name}" / path.name)
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from check_slime_source import _same
         for a, b in zip(real, mine):
             x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
             same &= _same(x, y)
@@ -255,17 +257,6 @@ def check_dumps(opts):
                     bad += theirs != cp_response_slices(total, resp, r, cp)
     print(f"cp_response_slices vs Miles' get_logits_and_tokens_offset_with_cp: {bad} differences over all lengths "
           "up to 40, CP 2/3/4/8")
-
-
-def _same(a, b):
-    import torch
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(map(_same, a, b))
-    return a == b
 
 
 def main():

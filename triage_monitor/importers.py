@@ -125,17 +125,34 @@ def _slime_parts_v031(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
                                  "tokens: a context-parallel shard (the v0.3.1 writer saves each CP rank's slice); "
                                  "re-dump with context parallel size 1 or with slime's format_version 2 writer, which "
                                  "restores full responses")
-            smp = {k: data[k][i] for k in (*SLIME_REQUIRED, "loss_masks") if k in data}
-            idx = data.get("sample_indices")
-            smp["sample_index"] = None if idx is None else idx[i]
-            smp["_where"] = f"{path}: sample {i}"
-            smp["_order"] = (rank, i)
-            samples.append(smp)
+            samples.append(_dump_sample({k: data[k][i] for k in (*SLIME_REQUIRED, "loss_masks") if k in data},
+                                        data, i, path, rank))
+    return _in_sample_order(samples), {"replica_files_dropped": dropped}
+
+
+def _dump_sample(smp: dict, data: dict, i: int, path: str, rank: int) -> dict:
+    """A per-rank dump's i-th sample with its identity: ``sample_index``, where it came from, its order."""
+    idx = data.get("sample_indices")
+    return dict(smp, sample_index=None if idx is None else idx[i], _where=f"{path}: sample {i}", _order=(rank, i))
+
+
+def _in_sample_order(samples: List[dict]) -> List[dict]:
+    """By ``sample_index`` where every sample has one, else by (rank, position in the file)."""
     if all(s["sample_index"] is not None for s in samples):
-        samples.sort(key=lambda s: int(s["sample_index"]))
-    else:
-        samples.sort(key=lambda s: s["_order"])
-    return samples, {"replica_files_dropped": dropped}
+        return sorted(samples, key=lambda s: int(s["sample_index"]))
+    return sorted(samples, key=lambda s: s["_order"])
+
+
+def _step_batch(samples: List[dict], on_invalid: str, step: int, files: str) -> TokenBatch:
+    """The step's :class:`TokenBatch`; a refusal names the file holding the sample (``files`` when none is known)."""
+    try:
+        return _slime_batch(samples, on_invalid)
+    except (ValueError, TypeError) as exc:   # TokenBatch's messages name a sample index: say which file holds it
+        if str(exc).split(":", 1)[0] in {str(smp["_where"]).split(":", 1)[0] for smp in samples}:
+            raise                                   # already names its file
+        index = getattr(exc, "sample", None)
+        where = samples[index]["_where"] if isinstance(index, int) and 0 <= index < len(samples) else files
+        raise ValueError(f"{where}: rollout_id {step}: {exc}") from exc
 
 
 def _slime_batch(samples: List[dict], on_invalid: str) -> TokenBatch:
@@ -216,16 +233,8 @@ def slime_steps(paths: Iterable[str], on_invalid: str = "quarantine",
             samples, extra = _slime_parts_v031(v031[step])
             if info is not None:
                 info["replica_files_dropped"] += extra["replica_files_dropped"]
-        try:
-            batch = _slime_batch(samples, on_invalid)
-        except (ValueError, TypeError) as exc:   # TokenBatch's messages name a sample index: say which file holds it
-            if str(exc).split(":", 1)[0] in {str(smp["_where"]).split(":", 1)[0] for smp in samples}:
-                raise                                   # already names its file
-            index = getattr(exc, "sample", None)
-            where = samples[index]["_where"] if isinstance(index, int) and 0 <= index < len(samples) else (
-                v2[step][0] if step in v2 else ", ".join(p for p, _ in v031[step]))
-            raise ValueError(f"{where}: rollout_id {step}: {exc}") from exc
-        yield step, batch
+        files = v2[step][0] if step in v2 else ", ".join(p for p, _ in v031[step])
+        yield step, _step_batch(samples, on_invalid, step, files)
 
 
 # ------------------------------------------------------------------- Miles
@@ -320,16 +329,8 @@ def _miles_parts(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
             if got != length:
                 raise ValueError(f"{path}: rollout_data log_probs[{i}] has {got} values for a response of {length} "
                                  "tokens (a context-parallel slice without cp_rank / cp_size in the file?)")
-            idx = data.get("sample_indices")
-            smp["sample_index"] = None if idx is None else idx[i]
-            smp["_where"] = f"{path}: sample {i}"
-            smp["_order"] = (rank, i)
-            samples.append(smp)
-    if all(s["sample_index"] is not None for s in samples):
-        samples.sort(key=lambda s: int(s["sample_index"]))
-    else:
-        samples.sort(key=lambda s: s["_order"])
-    return samples, {"replica_files_dropped": dropped}
+            samples.append(_dump_sample(smp, data, i, path, rank))
+    return _in_sample_order(samples), {"replica_files_dropped": dropped}
 
 
 def miles_steps(paths: Iterable[str], on_invalid: str = "quarantine",
@@ -359,14 +360,7 @@ def miles_steps(paths: Iterable[str], on_invalid: str = "quarantine",
         samples, extra = _miles_parts(by_step[step])
         if info is not None:
             info["replica_files_dropped"] += extra["replica_files_dropped"]
-        try:
-            batch = _slime_batch(samples, on_invalid)
-        except (ValueError, TypeError) as exc:
-            index = getattr(exc, "sample", None)
-            where = samples[index]["_where"] if isinstance(index, int) and 0 <= index < len(samples) else (
-                ", ".join(p for p, _ in by_step[step]))
-            raise ValueError(f"{where}: rollout_id {step}: {exc}") from exc
-        yield step, batch
+        yield step, _step_batch(samples, on_invalid, step, ", ".join(p for p, _ in by_step[step]))
 
 
 # ------------------------------------------------------------------- table
