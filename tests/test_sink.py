@@ -195,10 +195,11 @@ def _step(step, n=3, rank=0, extra=False):
     return pa.table(cols)
 
 
-def test_a_block_holds_roll_steps_aligned_steps_and_each_step_is_pending_until_it_is_sealed(tmp_path):
+def test_a_block_holds_roll_steps_aligned_steps_and_each_step_is_pending_until_it_is_sealed(tmp_path, monkeypatch):
     """roll_steps 4: steps 2..12 go into blocks ending at steps 3, 7, 11 (aligned, (S + 1) % 4 == 0) and the
-    open 12; before a block is sealed each of its steps is a pending file of its own (at most 4 at a time),
-    after, none; the block's rows are its steps' in order, one row group each."""
+    open 12; before a block is sealed each of its steps is a pending file of its own (fewer than 4 at a time),
+    after, none; the block's rows are its steps' in order, small steps in one row group (a reader of a step
+    takes its rows out of it), steps of ROW_GROUP_BYTES or more in one row group each."""
     store = open_store(tmp_path)
     w = BlockWriter(store, "tokens", 0, 9, roll_steps=4)
     seen_pending = []
@@ -211,10 +212,20 @@ def test_a_block_holds_roll_steps_aligned_steps_and_each_step_is_pending_until_i
     assert _names(tmp_path, "tokens") == [(2, 3, 0, True), (4, 7, 1, True), (8, 11, 2, True), (12, 12, 3, True)]
     block = tmp_path / "tokens" / "steps-00000004-00000007-rank-0000-attempt-9-part-1.parquet"
     md = pq.read_metadata(block)
-    assert md.num_row_groups == 4 and pq.read_table(block).column("step").to_pylist() == [4] * 3 + [5] * 3 + [6] * 3 + [7] * 3
+    assert md.num_row_groups == 1 and pq.read_table(block).column("step").to_pylist() == [4] * 3 + [5] * 3 + [6] * 3 + [7] * 3
     part = RunLayout(tmp_path).index("tokens").for_step(6)[0]
     assert read_part(store, part, ["x"], step=6).column("x").to_pylist() == [6.0, 7.0, 8.0]
     assert list(tmp_path.joinpath("tokens").glob(".tmp-*")) == []        # no temporary file left
+    import triage_monitor.blocks as blocks_mod
+
+    monkeypatch.setattr(blocks_mod, "ROW_GROUP_BYTES", 1)               # every step is big: a row group each
+    big = BlockWriter(store, "steps", 0, 9, roll_steps=4)
+    for s in range(4):
+        big.write(s, _step(s))
+    f = tmp_path / "steps" / "steps-00000000-00000003-rank-0000-attempt-9-part-0.parquet"
+    assert pq.read_metadata(f).num_row_groups == 4
+    part = RunLayout(tmp_path).index("steps").for_step(2)[0]
+    assert read_part(store, part, ["step", "x"], step=2).to_pydict() == {"step": [2] * 3, "x": [2.0, 3.0, 4.0]}
 
 
 def test_a_gap_a_repeated_step_or_other_columns_roll_the_block_and_a_table_without_rows_writes_nothing(tmp_path):
@@ -239,7 +250,7 @@ def test_a_gap_a_repeated_step_or_other_columns_roll_the_block_and_a_table_witho
     a.close()
     assert _names(tmp_path, "alerts") == [(4, 6, 0, True)]
     (f,) = files(tmp_path, "alerts")
-    assert pq.read_table(f).column("step").to_pylist() == [4, 4, 6] and pq.read_metadata(f).num_row_groups == 3
+    assert pq.read_table(f).column("step").to_pylist() == [4, 4, 6]
 
 
 def test_a_killed_writers_pending_files_are_read_and_the_next_writer_seals_them(tmp_path):
@@ -278,3 +289,36 @@ def test_an_unreadable_pending_file_is_left_in_place_and_named(tmp_path, caplog)
                        "steps/steps-00000002-00000002-rank-0000-attempt-1-part-0.parquet"]
     assert [p.name for p in parts(tmp_path, "steps") if not p.sealed] == [bad.name]
     assert any(bad.name in r.getMessage() and "unreadable" in r.getMessage() for r in caplog.records)
+
+
+def test_a_pending_file_sealed_after_the_reader_listed_it_is_read_from_its_block(tmp_path):
+    """A reader lists a run being written (a dashboard, analyze): the writer then seals the block and removes its
+    pending files.  Reading a step through the listing made before gets the step's rows from the block (the race
+    a live dashboard met), for one step and for a whole pending file; a Run opened before the seal reads on."""
+    from triage_monitor.analysis import open_run
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+    store = open_store(tmp_path)
+    w = BlockWriter(store, "tokens", 0, 1, roll_steps=50)
+    for s in range(3):
+        w.write(s, _step(s))
+    listed = RunLayout(tmp_path).index("tokens").for_step(1)
+    assert [p.sealed for p in listed] == [False]
+    w.close()
+    assert not (tmp_path / listed[0].name).exists()
+    assert read_part(store, listed[0]).column("x").to_pylist() == [1.0, 2.0, 3.0]
+    assert read_part(store, listed[0], ["step"], step=1).column("step").to_pylist() == [1, 1, 1]
+
+    d = tmp_path / "run"
+    import torch
+    from triage_monitor.batch import TokenBatch
+
+    b = TokenBatch.from_padded(-torch.rand(2, 8) - 0.1, -torch.rand(2, 8) - 0.1, torch.ones(2), torch.ones(2, 8))
+    mon = MismatchMonitor(d, MonitorConfig(tau_tail=-1.0))
+    for s in range(4):
+        mon.log_step(s, b)
+    mon.flush()
+    run = open_run(d)
+    assert run.step_numbers() == [0, 1, 2, 3] and not any(p.sealed for p in run.index("tokens").parts)
+    mon.close()                                                  # sealed: the pending files are gone
+    assert len(run.tokens(2)) == 16 and len(run.steps()) == 4

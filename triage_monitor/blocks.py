@@ -13,10 +13,11 @@ A table's records of one rank go, step by step, into a *block* (names: :mod:`tri
   object store), then the block's pending files are removed.
 
 So at any time a rank has fewer than ``roll_steps`` pending files per table, and each block is one file holding its
-steps ``lo..hi`` in order, every one of them (a step without rows of that table is an empty row group).  A
-killed writer leaves its open block's pending files; a reader reads them (:func:`read_part`), and the next writer
-of that rank seals them (:func:`seal_pending`).  The tables ``quarantine`` and ``alerts`` have rows at some steps
-only: a step without rows writes no pending file, and a block without any row is not written at all.
+steps ``lo..hi`` in order.  A killed writer leaves its open block's pending files; a reader reads them
+(:func:`read_part`), and the next writer of that rank seals them (:func:`seal_pending`).  The tables
+``quarantine`` and ``alerts`` have rows at some steps only: the writer hears of a step only when it has rows
+there, a block holds the steps with rows of one ``roll_steps`` window (the steps between have none), and it is
+sealed when a row of a later window comes, or at close.
 
 Torch-free: pyarrow, numpy and the standard library.
 """
@@ -51,8 +52,12 @@ ROLL_BYTES = 1 << 30
 #: benchmarks/bench_writer_encoding.py).  Every other column (ids, positions, the broadcast advantage, steps) keeps
 #: pyarrow's default dictionary encoding.
 PLAIN_COLUMNS = frozenset({"learner_logp", "sampler_logp"})
-#: The pending files' IPC options: LZ4 frames, on the writer's own thread (no pool competing with training).
+#: The pending files' IPC options, on the writer's own thread (no pool competing with training): LZ4 frames for a
+#: step of :data:`COMPRESS_BYTES` or more (5x faster to write than the page cache takes 56 bytes a token, and
+#: smaller: 8.4 bytes a token at 4M tokens), none for a smaller one (compressing its buffers costs more than it saves).
 IPC_OPTIONS = ipc.IpcWriteOptions(compression="lz4", use_threads=False)
+IPC_PLAIN = ipc.IpcWriteOptions(compression=None, use_threads=False)
+COMPRESS_BYTES = 1 << 20
 
 
 def dictionary_columns(schema: pa.Schema) -> list:
@@ -71,12 +76,14 @@ def write_parquet(store: Store, rel: str, table: pa.Table) -> None:
 
 
 def write_pending(store: Store, rel: str, table: pa.Table) -> None:
-    """Write one step's ``table`` as an LZ4 Arrow IPC stream at ``rel``, whole or not at all.
+    """Write one step's ``table`` as an Arrow IPC stream at ``rel`` (LZ4 from :data:`COMPRESS_BYTES`), whole or
+    not at all.
 
     Raises:
         OSError, pyarrow.ArrowException: it cannot be written (nothing is left behind)."""
+    options = IPC_OPTIONS if table.nbytes >= COMPRESS_BYTES else IPC_PLAIN
     with store.writing(rel, ".arrow") as out:
-        with ipc.new_stream(out, table.schema, options=IPC_OPTIONS) as w:
+        with ipc.new_stream(out, table.schema, options=options) as w:
             w.write_table(table)
 
 
@@ -125,13 +132,20 @@ def _row_groups_of(md: pq.FileMetaData, step: int) -> Optional[list]:
 def read_part(store: Store, part: Part, columns: Optional[Sequence[str]] = None,
               step: Optional[int] = None) -> pa.Table:
     """The rows of ``part`` (a sealed block or a pending file), or only those of ``step``; ``columns``: only
-    these (each must exist).
+    these (each must exist).  A pending file sealed into its block since the table was listed is read from the
+    block.
 
     Raises:
         OSError, pyarrow.ArrowException, ValueError, KeyError: the file cannot be read (truncated, missing, a
             column absent); the message starts with the file's location."""
     try:
-        return _read_part(store, part, columns, step)
+        try:
+            return _read_part(store, part, columns, step)
+        except FileNotFoundError:
+            sealed = None if part.sealed else _sealed_instead(store, part)
+            if sealed is None:
+                raise
+            return _read_part(store, sealed, columns, part.lo)
     except (OSError, pa.ArrowException, ValueError, KeyError) as exc:
         where = store.display(part.name)
         if where in str(exc):
@@ -141,6 +155,15 @@ def read_part(store: Store, part: Part, columns: Optional[Sequence[str]] = None,
         except Exception:  # noqa: BLE001 — an exception type that takes other arguments: raised as it is
             raise exc from None
         raise err from exc
+
+
+def _sealed_instead(store: Store, part: Part) -> Optional[Part]:
+    """The sealed block that now holds the step of the pending file ``part`` (sealed, and the pending file removed,
+    since the reader listed the table), or None."""
+    for p in RunLayout(store).index(part.table).covering(part.lo):
+        if p.sealed and (p.rank, p.attempt, p.part) == (part.rank, part.attempt, part.part):
+            return p
+    return None
 
 
 def _read_part(store: Store, part: Part, columns, step) -> pa.Table:
@@ -164,12 +187,20 @@ def _read_part(store: Store, part: Part, columns, step) -> pa.Table:
             return t if cols is None else t.select(cols)
         if not groups:
             return pf.schema_arrow.empty_table() if cols is None else pf.schema_arrow.empty_table().select(cols)
-        return pf.read_row_groups(groups, columns=cols)
+        single = all(md.row_group(i).column(md.schema.names.index("step")).statistics.min ==
+                     md.row_group(i).column(md.schema.names.index("step")).statistics.max for i in groups)
+        if single:                           # row groups of this step alone
+            return pf.read_row_groups(groups, columns=cols)
+        need = None if cols is None else list(dict.fromkeys(["step", *cols]))
+        t = pf.read_row_groups(groups, columns=need)
+        t = t.filter(pc.equal(t.column("step"), int(step)))     # a row group of several small steps
+        return t if cols is None else t.select(cols)
 
 
 # ------------------------------------------------------------------------------------------------ writing
 class _OpenBlock:
-    """The block being written: its steps so far, its Parquet writer and temporary file, its pending files."""
+    """The block being written: its steps so far, its Parquet writer and temporary file, the steps not yet in a
+    row group, its pending files."""
 
     def __init__(self, lo: int, schema: pa.Schema, tmp: str, part: int):
         self.lo = self.hi = lo
@@ -180,6 +211,15 @@ class _OpenBlock:
         self.rows = 0
         self.pending: list = []
         self.writer: Optional[pq.ParquetWriter] = None
+        #: steps waiting for their row group: small steps share one (at most ROW_GROUP_BYTES of them)
+        self.buffer: list = []
+        self.buffered = 0
+
+
+#: Steps smaller than this (bytes of their columns) are gathered into one row group: a row group a step would cost
+#: the writer a column chunk per column per step (the steps table has ~180 columns and one row a step), and readers
+#: as many chunks.  A step of this size or more is a row group of its own (more, over 2**20 rows: pyarrow's bound).
+ROW_GROUP_BYTES = 16 << 20
 
 
 class BlockWriter:
@@ -191,8 +231,10 @@ class BlockWriter:
         roll_steps, roll_bytes: when a block is sealed.
         spool: a local directory for the blocks being written when the store is not local.
 
-    :meth:`write` raises the I/O error of a step (the caller counts its rows as dropped); the block it was
-    appended to is then abandoned (its pending files stay, sealed by :meth:`close`).
+    Small steps are kept in memory until they fill a row group of :data:`ROW_GROUP_BYTES` or the block is sealed
+    (they are on disk already, in their pending files).  :meth:`write` raises the I/O error of a step's pending
+    file (the caller counts its rows as dropped); an error of the block's Parquet file abandons the block (its
+    pending files stay, sealed by :meth:`close`) and is kept in :attr:`error`.
     """
 
     def __init__(self, store: Store, table: str, rank: int, attempt: int, roll_steps: int = ROLL_STEPS,
@@ -218,8 +260,8 @@ class BlockWriter:
         return os.path.join(self.spool or tempfile.gettempdir(), name)
 
     def write(self, step: int, table: pa.Table) -> None:
-        """Write ``step``'s rows (``table``, possibly empty): its pending file, then its row groups in the open
-        block; seal the block when it is complete.
+        """Write ``step``'s rows (``table``, possibly empty): its pending file, then the rows into the open block;
+        seal the block when it is complete.
 
         Once the pending file is on disk the step is written, whatever follows: an error of the block's Parquet
         file then abandons the block (its steps stay in their pending files, sealed at :meth:`close`) and is kept
@@ -230,7 +272,7 @@ class BlockWriter:
                 is on disk; the open block goes on, and is sealed at the next step, which is not its last + 1)."""
         step = int(step)
         b = self.open
-        if b is not None and (step != b.hi + 1 or not table.schema.equals(b.schema)):
+        if b is not None and (not self._continues(b, step) or not table.schema.equals(b.schema)):
             self.seal()
             b = None
         if b is None:
@@ -243,26 +285,41 @@ class BlockWriter:
             try:
                 write_pending(self.store, rel, table)
             except BaseException:
-                if b.writer is None:         # a block opened for this step alone: it holds nothing
+                if b.rows == 0 and not b.pending:     # a block opened for this step alone: it holds nothing
                     self.open = None
                 raise
             b.pending.append(rel)
-        try:
-            if b.writer is None:
-                b.writer = pq.ParquetWriter(b.tmp, table.schema, use_dictionary=dictionary_columns(table.schema))
-            b.writer.write_table(table)
-        except Exception as exc:  # noqa: BLE001 — the step is safe in its pending file: only the block is lost
-            self.error = exc
-            self._abandon()
-            return
         b.hi = step
         b.rows += table.num_rows
         b.bytes += table.nbytes
-        if (step + 1) % self.roll_steps == 0 or b.bytes >= self.roll_bytes:
-            try:
+        if table.num_rows:
+            b.buffer.append(table)
+            b.buffered += table.nbytes
+        try:
+            if b.buffered >= ROW_GROUP_BYTES:
+                self._flush(b)
+            if (step + 1) % self.roll_steps == 0 or b.bytes >= self.roll_bytes:
                 self.seal()
-            except Exception as exc:  # noqa: BLE001 — likewise: the steps stay in their pending files
-                self.error = exc
+        except Exception as exc:  # noqa: BLE001 — the step is safe in its pending file: only the block is lost
+            self.error = exc
+            self._abandon()
+
+    def _continues(self, b: _OpenBlock, step: int) -> bool:
+        """Whether ``step`` goes into the open block: the next step (a table every step has records in), or a
+        later step of the same ``roll_steps`` window (a table with rows at some steps only: it hears of a step
+        only when it has rows there, so the steps between are ones without)."""
+        if self.dense:
+            return step == b.hi + 1
+        return step > b.hi and step // self.roll_steps == b.lo // self.roll_steps
+
+    def _flush(self, b: _OpenBlock) -> None:
+        """Write the buffered steps as one row group (more when over pyarrow's bound of rows)."""
+        if b.writer is None:
+            b.writer = pq.ParquetWriter(b.tmp, b.schema, use_dictionary=dictionary_columns(b.schema))
+        if b.buffer:
+            t = b.buffer[0] if len(b.buffer) == 1 else pa.concat_tables(b.buffer)
+            b.writer.write_table(t, row_group_size=max(t.num_rows, 1))
+        b.buffer, b.buffered = [], 0
 
     def _abandon(self) -> None:
         b, self.open = self.open, None
@@ -287,6 +344,7 @@ class BlockWriter:
         if b is None:
             return
         try:
+            self._flush(b)
             b.writer.close()
             b.writer = None
             if b.rows or self.dense:
@@ -348,34 +406,41 @@ def seal_pending(store: Store, parts: Sequence[Part], spool: Optional[str] = Non
             groups.setdefault((p.table, p.rank, p.attempt, p.part), []).append(p)
     written = []
     for (table, rank, attempt, part), ps in sorted(groups.items()):
-        ps = sorted(ps, key=lambda p: p.lo)
-        tables, ok = [], []
-        for p in ps:
+        schemas, ok = [], []                 # each readable pending file's schema (its first message only)
+        for p in sorted(ps, key=lambda p: p.lo):
             try:
-                tables.append((p.lo, read_part(store, p)))
+                with store.open_input(p.name) as f:
+                    schemas.append(ipc.open_stream(f).schema)
                 ok.append(p)
             except (OSError, pa.ArrowException, ValueError) as exc:
                 log.warning("triage-monitor: pending file %s is unreadable (%s); left in place", p.name, exc)
         runs: list = []
-        for s, t in tables:
-            if runs and (s == runs[-1][-1][0] + 1 or table not in DENSE_TABLES) and t.schema.equals(runs[-1][-1][1].schema):
-                runs[-1].append((s, t))
+        for p, schema in zip(ok, schemas):
+            if runs and (p.lo == runs[-1][-1][0].lo + 1 or table not in DENSE_TABLES) and schema.equals(runs[-1][-1][1]):
+                runs[-1].append((p, schema))
             else:
-                runs.append([(s, t)])
+                runs.append([(p, schema)])
+        sealed = []
         for run in runs:
-            lo, hi = run[0][0], run[-1][0]
+            lo, hi, schema = run[0][0].lo, run[-1][0].lo, run[0][1]
             tmp = os.path.join(store.full(table) if store.is_local else (spool or tempfile.gettempdir()),
                                f"{TEMP_PREFIX}{uuid.uuid4().hex}.parquet")
-            schema = run[0][1].schema
             try:
                 with pq.ParquetWriter(tmp, schema, use_dictionary=dictionary_columns(schema)) as w:
-                    for s, t in run:
-                        w.write_table(t)
+                    buffer: list = []
+                    for p, _ in run:                      # one step in memory at a time, small ones gathered
+                        buffer.append(read_part(store, p))
+                        if sum(t.nbytes for t in buffer) >= ROW_GROUP_BYTES or p is run[-1][0]:
+                            t = pa.concat_tables(buffer)
+                            w.write_table(t, row_group_size=max(t.num_rows, 1))
+                            buffer = []
                 name = RunLayout.block(table, lo, hi, rank, attempt, part)
                 _publish(store, tmp, name)
                 written.append(name)
+                sealed.extend(p for p, _ in run)
             finally:
                 _remove_local(tmp)
+        ok = sealed
         for p in ok:
             store.delete(p.name)
     return written

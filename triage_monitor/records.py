@@ -320,7 +320,7 @@ class RunWriter:
         """Queue the step's records: the token rows (``record_tokens``; a step without valid tokens has none and is
         not in the tokens table, so offline recomputation never sees it), the quarantined rows, the metric row (``steps_row``: False for a rank other than 0 of a
         synchronised job, whose row would repeat rank 0's) and the alert rows (``alerts``: the rows fired at the
-        step, ``[]`` for none; None on a rank that does not evaluate the rules).
+        step; ``[]`` or None: none).
 
         ``metrics``: ``{name: number}`` (``step`` ignored), written as float64; a declared column the step lacks
         is NaN; ``reasons``: ``{metric: why NaN}``, written as JSON."""
@@ -352,15 +352,14 @@ class RunWriter:
 
             nbytes = n * (8 * 5 + 4 * (4 + len(extras)))
             self.sink.submit("tokens", step, self.rank, DeferredColumns(token_columns, nbytes, n), schema)
-        quarantined: object = []          # a step without quarantined tokens is written as one without rows
         if batch.quarantine_rows is not None:
             qd = {k: v.numpy() for k, v in batch.quarantine_rows.items()}
             m = len(qd["position"])
             qd["reason"] = np.array([INVALID_REASONS[int(c)] for c in qd["reason"]])
             qd.update(step=np.full(m, step, dtype=np.int64), rank=np.full(m, self.rank, dtype=np.int64),
                       attempt=np.full(m, self.attempt, dtype=np.int64))
-            quarantined = {f.name: qd[f.name] for f in QUARANTINE_SCHEMA}
-        self.sink.submit("quarantine", step, self.rank, quarantined, QUARANTINE_SCHEMA)
+            self.sink.submit("quarantine", step, self.rank, {f.name: qd[f.name] for f in QUARANTINE_SCHEMA},
+                             QUARANTINE_SCHEMA)
         if steps_row:
             row = {"step": step, "rank": self.rank}
             row.update((k, float(v)) for k, v in metrics.items() if k != "step")
@@ -369,11 +368,13 @@ class RunWriter:
             row["nan_reasons"] = json.dumps(reasons)
             row["writer_dropped_rows"] = float(metrics.get("writer_dropped_rows", self.sink.dropped_rows))
             self.sink.submit("steps", step, self.rank, [self._step_row(step, row)], self.steps_schema)
-        if alerts is not None:
+        if alerts:
             self.record_alerts(step, alerts)
 
     def record_alerts(self, step: int, rows: list) -> None:
-        """Queue the alert rows raised at ``step`` (each gets this writer's rank and attempt id; ``[]``: none)."""
+        """Queue the alert rows raised at ``step`` (each gets this writer's rank and attempt id; none: nothing)."""
+        if not rows:
+            return
         self.sink.submit("alerts", step, self.rank, [{**r, "step": int(step), "rank": self.rank,
                                                       "attempt": self.attempt} for r in rows], ALERT_SCHEMA)
 

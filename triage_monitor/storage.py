@@ -191,7 +191,8 @@ class Store:
 
     @contextlib.contextmanager
     def writing(self, rel: str, suffix: str = "") -> Iterator:
-        """``with store.writing(rel) as out:`` a writable ``pyarrow.NativeFile`` whose content appears at ``rel``
+        """``with store.writing(rel) as out:`` a writable binary file (a Python file locally, a
+        ``pyarrow.NativeFile`` on an object store; pyarrow's writers take either) whose content appears at ``rel``
         whole, when the block ends without an exception, or not at all.
 
         Local: written under a hidden temporary name (:data:`TEMP_PREFIX`, ``suffix`` appended) in the same
@@ -206,8 +207,7 @@ class Store:
             os.makedirs(parent, exist_ok=True)
             tmp = os.path.join(parent, f"{TEMP_PREFIX}{uuid.uuid4().hex}{suffix}")
             try:
-                open(tmp, "xb").close()         # the OS's own error (errno, file name) when it cannot be created
-                with pa.OSFile(tmp, "wb") as out:
+                with open(tmp, "xb") as out:    # the OS's own error (errno, file name) when it cannot be created
                     yield out
                 os.replace(tmp, target)
             finally:
