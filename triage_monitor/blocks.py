@@ -420,7 +420,7 @@ def seal_pending(store: Store, parts: Sequence[Part], spool: Optional[str] = Non
                 runs[-1].append((p, schema))
             else:
                 runs.append([(p, schema)])
-        sealed = []
+        sealed: list = []
         for run in runs:
             lo, hi, schema = run[0][0].lo, run[-1][0].lo, run[0][1]
             tmp = os.path.join(store.full(table) if store.is_local else (spool or tempfile.gettempdir()),
