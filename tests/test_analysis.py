@@ -664,9 +664,11 @@ def test_an_empty_step_selection_gives_no_states_and_is_cached_like_any_other(ru
 def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(run, monkeypatch):
     """``recompute`` and ``recompute_states`` hand ``engine``, ``workers`` and ``address`` to the map over the steps
     as given (the map is computed in this process here: the spy runs it with the local engine, one worker)."""
+    import triage_monitor.analysis as analysis
     import triage_monitor.engines as engines
     r, _ = run
     seen, real = [], engines.map_ordered
+    monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)            # workers are not cut down on this small run
 
     def spy(fn, items, **kw):
         seen.append({k: kw[k] for k in ("engine", "workers", "address")})
@@ -681,3 +683,18 @@ def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(r
                     {"engine": "ray", "workers": 1, "address": "ray://head:10001"},
                     {"engine": "local", "workers": 2, "address": None},
                     {"engine": "ray", "workers": 1, "address": "auto"}]
+
+
+def test_workers_are_cut_to_what_the_token_records_pay_for(run, monkeypatch):
+    """``planned_workers``: one worker process per WORKER_MIN_BYTES of token records to map (a block's bytes shared
+    by its steps), at least 1, at most the number asked for: the bytes of the 5 one-step files worked out here."""
+    from triage_monitor.analysis import planned_workers
+
+    r, _ = run
+    sources = [r.token_source(s) for s in r.step_numbers()]
+    total = sum(p.size for src in sources for p in src.parts)
+    assert planned_workers(sources, 4) == 1 and planned_workers(sources, 1) == 1 and planned_workers([], 3) == 1
+    import triage_monitor.analysis as analysis
+
+    monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", total // 3)
+    assert planned_workers(sources, 8) == 3 and planned_workers(sources, 2) == 2

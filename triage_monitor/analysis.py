@@ -550,6 +550,8 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     if missing:
         raise KeyError(f"step(s) {missing[:5]} have no token records in {run.path}")
     calib = all_steps[:n_calib]
+    if engine == "local":
+        workers = planned_workers([files[s] for s in todo], workers)
     kw = dict(engine=engine, workers=workers, address=address, progress=progress)
     path = None
     if cache:
@@ -588,6 +590,23 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     if path is not None:
         _save_states(run.store, path, out)
     return out
+
+
+#: Token-record bytes each local worker process must have to map before its start-up (a spawned interpreter
+#: importing torch, numba and the package: 2-4 s on the 2-core machine) pays off: 1 GiB, about 110M tokens,
+#: 3-4 s of decoding in one process.  Below it, fewer workers (one: this process) are faster.
+WORKER_MIN_BYTES = 1 << 30
+
+
+def planned_workers(sources: Sequence, workers: int) -> int:
+    """How many local worker processes the map over ``sources`` (:class:`StepSource` s) uses when ``workers`` are
+    asked for: at most one per :data:`WORKER_MIN_BYTES` of their token records (a block's bytes shared by its
+    steps), at least 1 — so ``--workers N`` is never slower than one process on a run too small for it."""
+    workers = int(workers)
+    if workers <= 1:
+        return max(workers, 1)
+    nbytes = sum(p.size / (p.hi - p.lo + 1) for src in sources for p in src.parts)
+    return max(1, min(workers, int(nbytes // WORKER_MIN_BYTES)))
 
 
 def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: str) -> str:

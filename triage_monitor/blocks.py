@@ -65,6 +65,20 @@ def dictionary_columns(schema: pa.Schema) -> list:
     return [f.name for f in schema if f.name not in PLAIN_COLUMNS]
 
 
+#: Columns whose min / max each row group records: the ones readers select row groups and files by (a step's rows
+#: are found by the ``step`` statistics).  Statistics of every column cost the writer more than the encode itself.
+STATISTICS_COLUMNS = ("step", "rank", "attempt")
+
+
+def parquet_options(schema: pa.Schema) -> dict:
+    """The writer options of every Parquet file of a run (``pq.write_table`` / ``pq.ParquetWriter`` keywords):
+    a dictionary for every column but :data:`PLAIN_COLUMNS`, statistics of :data:`STATISTICS_COLUMNS`, and no
+    compression (the data after dictionary and plain encoding does not shrink under Snappy: the files are the
+    same size, the write 0.4-0.6x the time; ``python benchmarks/bench_writer_encoding.py``)."""
+    stats = [c for c in STATISTICS_COLUMNS if c in schema.names]
+    return {"use_dictionary": dictionary_columns(schema), "compression": "none", "write_statistics": stats or False}
+
+
 def write_parquet(store: Store, rel: str, table: pa.Table) -> None:
     """Write ``table`` as one Parquet file at ``rel`` of ``store``, whole or not at all
     (:meth:`~triage_monitor.storage.Store.writing`).
@@ -72,7 +86,7 @@ def write_parquet(store: Store, rel: str, table: pa.Table) -> None:
     Raises:
         OSError, pyarrow.ArrowException: it cannot be written (nothing is left behind)."""
     with store.writing(rel, ".parquet") as out:
-        pq.write_table(table, out, use_dictionary=dictionary_columns(table.schema))
+        pq.write_table(table, out, **parquet_options(table.schema))
 
 
 def write_pending(store: Store, rel: str, table: pa.Table) -> None:
@@ -315,7 +329,7 @@ class BlockWriter:
     def _flush(self, b: _OpenBlock) -> None:
         """Write the buffered steps as one row group (more when over pyarrow's bound of rows)."""
         if b.writer is None:
-            b.writer = pq.ParquetWriter(b.tmp, b.schema, use_dictionary=dictionary_columns(b.schema))
+            b.writer = pq.ParquetWriter(b.tmp, b.schema, **parquet_options(b.schema))
         if b.buffer:
             t = b.buffer[0] if len(b.buffer) == 1 else pa.concat_tables(b.buffer)
             b.writer.write_table(t, row_group_size=max(t.num_rows, 1))
@@ -426,7 +440,7 @@ def seal_pending(store: Store, parts: Sequence[Part], spool: Optional[str] = Non
             tmp = os.path.join(store.full(table) if store.is_local else (spool or tempfile.gettempdir()),
                                f"{TEMP_PREFIX}{uuid.uuid4().hex}.parquet")
             try:
-                with pq.ParquetWriter(tmp, schema, use_dictionary=dictionary_columns(schema)) as w:
+                with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
                     buffer: list = []
                     for p, _ in run:                      # one step in memory at a time, small ones gathered
                         buffer.append(read_part(store, p))

@@ -63,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
                                  "analyze")
     from .. import metrics  # noqa: F401  (imports torch now, so the throughput below times the recomputation only)
     exits.note("analyze", f"recomputing {n_steps} step(s) of {run.path} …")
+    if args.engine == "local" and args.workers > 1:
+        from ..analysis import WORKER_MIN_BYTES, planned_workers
+
+        used = planned_workers([run.token_source(s) for s in run.step_numbers()], args.workers)
+        if used < args.workers:
+            exits.note("analyze", f"--workers {args.workers}: {used} used — a worker process pays off its start-up "
+                                  f"only with {WORKER_MIN_BYTES >> 30} GiB of token records to map"
+                                  + (" (this process maps them)" if used == 1 else ""))
     t0 = time.perf_counter()
     try:
         df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True, tau_mode=args.tau_mode,
