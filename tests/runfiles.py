@@ -29,3 +29,17 @@ def steps_of(run_dir, table: str, rank=None) -> list:
     """The sorted steps the files of ``table`` hold (of ``rank`` only, unless None)."""
     idx = RunLayout(run_dir).index(table)
     return sorted({s for p in idx.parts if rank is None or p.rank == rank for s in range(p.lo, p.hi + 1)})
+
+
+def step_keys(run_dir, table: str) -> list:
+    """``(step, rank, attempt)`` of every step each file of ``table`` holds (a block: each of its steps)."""
+    return [(s, p.rank, p.attempt) for p in RunLayout(run_dir).index(table).parts for s in range(p.lo, p.hi + 1)]
+
+
+def rows_of(run_dir, table: str, step: int, rank: int) -> int:
+    """The rows of ``step`` of ``rank`` in ``table`` (its latest file: block or pending)."""
+    from triage_monitor.blocks import read_part
+
+    layout = RunLayout(run_dir)
+    (part,) = [p for p in layout.index(table).for_step(step) if p.rank == rank]
+    return read_part(layout.store, part, ["step"], step).num_rows

@@ -380,11 +380,12 @@ def run_worker(rank: int, world: int, loss_name: str, port: int):
     rt = hook.runtime
     mon = rt.monitor
     from triage_monitor.hooks.skyrl import _CLOCKS
-    from triage_monitor.layout import parse_table_file
+    from triage_monitor.layout import RunLayout
 
-    # written by the optimizer step that ended each SkyRL step, before anything closes the hook (Ray runs no atexit)
-    names = [parse_table_file(p.name) for p in (mon.run_dir / "steps").iterdir()]
-    on_disk = sorted(n[0] for n in names if n is not None and n[1] == mon.rank)
+    # written by the optimizer step that ended each SkyRL step, before anything closes the hook (Ray runs no atexit):
+    # the steps of the open block are in their pending files
+    on_disk = sorted(s for p in RunLayout(mon.run_dir).index("steps").parts if p.rank == mon.rank
+                     for s in range(p.lo, p.hi + 1))
     result = {"pid": os.getpid(), "calls": rt.calls, "optimizer_steps": _CLOCKS[hook.settings.key].total,
               "rank": mon.rank, "on_disk_before_close": on_disk,
               "is_ours": type(hook).__name__, "controller_calls": rt.controller.calls, "metrics": minibatch_metrics,
@@ -470,13 +471,13 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
     assert {"policy_loss", "final_loss", "loss_metrics/clip_ratio", "loss_metrics/triage/gate_weight_mean",
             "minibatch_rollout_logprobs_abs_diff_mean"} <= keys
     n_tokens = MINI_PER_STEP * sum(sum(m) for m in rollout()["mask_lists"])    # a step: its 2 mini-batches
-    from triage_monitor.layout import parse_table_file
-    files = {parse_table_file(p.name): p for p in (run_dir / "tokens").iterdir()}
-    steps = sorted({s for s, _, _ in files})
+    from runfiles import rows_of, step_keys
+    keys = step_keys(run_dir, "tokens")
+    steps = sorted({s for s, _, _ in keys})
     assert steps == list(range(1, STEPS + 1))                                  # SkyRL's global_step
     for s in steps:
-        assert sorted(r for st, r, _ in files if st == s) == [0, 1]           # one file per (step, rank)
-        assert all(pq.read_table(f).num_rows == n_tokens for (st, _, _), f in files.items() if st == s)
+        assert sorted(r for st, r, _ in keys if st == s) == [0, 1]            # one file per (step, rank)
+        assert all(rows_of(run_dir, "tokens", s, r) == n_tokens for r in (0, 1))
     manifest = json.loads((run_dir / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "skyrl"
 

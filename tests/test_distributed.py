@@ -353,7 +353,7 @@ def subgroup_worker(rank, world, outdir):
 
     def counted_write(self, run_dir):                          # which processes write which run.json
         with open(outdir / "manifest-writes.txt", "a") as f:
-            f.write(f"{rank} {Path(run_dir).name}\n")
+            f.write(f"{rank} {Path(getattr(run_dir, 'display', run_dir)).name}\n")   # a location or its RunLayout
         return write(self, run_dir)
 
     manifest_mod.RunManifest.write = counted_write

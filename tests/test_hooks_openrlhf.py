@@ -489,8 +489,8 @@ def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
         for c in CURATED_KEYS:                      # the all-reduced ones are the same on both ranks' rows
             if c not in ("alerts_active", "gate_downweighted_frac") and np.isfinite(row[c]):
                 assert rows[(last, 1)][c] == pytest.approx(row[c], rel=1e-9, abs=1e-12), c
-    from triage_monitor.layout import parse_table_file
-    keys = [parse_table_file(p.name) for p in (run / "tokens").iterdir()]
+    from runfiles import step_keys
+    keys = step_keys(run, "tokens")
     steps = sorted({s for s, _, _ in keys})
     assert steps == [0, 1, 2, 3]
     for st in steps:

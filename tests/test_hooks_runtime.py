@@ -70,7 +70,7 @@ def _settings(tmp_path, **kw):
 
 
 def _check_run(run_dir, ranks):
-    from runfiles import parts
+    from runfiles import parts, rows_of
 
     files = parts(run_dir, "tokens")
     assert sorted({s for p in files for s in range(p.lo, p.hi + 1)}) == list(range(STEPS))
@@ -78,10 +78,10 @@ def _check_run(run_dir, ranks):
         holding = [p for p in files if p.lo <= s <= p.hi]
         assert sorted(p.rank for p in holding) == ranks                 # one file per (step, rank)
         for p in holding:                                                # every token once, no duplicate
-            assert pq.read_table(run_dir / p.name, filters=[("step", "==", s)]).num_rows == MICRO * B * T
+            assert rows_of(run_dir, "tokens", s, p.rank) == MICRO * B * T
     manifest = json.loads((run_dir / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "toy"
-    attempts = {int(pd.read_parquet(f).attempt.iloc[0]) for f in (run_dir / "tokens").rglob("*.parquet")}
+    attempts = {p.attempt for p in files}
     assert attempts == {manifest["attempts"][0]["attempt"]}
 
 

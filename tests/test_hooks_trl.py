@@ -776,8 +776,8 @@ def test_two_accelerate_ranks_write_one_run(tmp_path):
     run = tmp_path / "run"
     manifest = json.loads((run / "run.json").read_text())
     assert [a["attempt"] for a in manifest["attempts"]] == [int(ranks[0][2])]
-    from triage_monitor.layout import parse_table_file
-    keys = [parse_table_file(p.name) for p in (run / "tokens").iterdir()]
+    from runfiles import step_keys
+    keys = step_keys(run, "tokens")
     for step in (0, 1):
         assert sorted(r for s, r, _ in keys if s == step) == [0, 1]
     tokens = pd.read_parquet(run / "tokens")
