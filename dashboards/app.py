@@ -335,16 +335,21 @@ else:
             st.markdown("\n".join(f"- {line}" for line in cmp.lines(pair)))
             cc = st.columns([3, 2])
             with cc[0]:
-                shown = cmp.table.assign(
-                    faster_generator=cmp.table["sped_up_by_generator"].map({True: "yes", False: "no"}))
+                shown = cmp.table.assign(faster_generator=[
+                    "" if ph == "step" else "yes" if up else "no"
+                    for ph, up in zip(cmp.table["phase"], cmp.table["sped_up_by_generator"])])
                 shown = shown.rename(columns={"label": "phase ", "base_s": f"{pair[0]} (s)", "other_s": f"{pair[1]} (s)",
                                               "speedup": "measured speedup (×)",
-                                              "faster_generator": "a faster generator speeds it up"})
+                                              "faster_generator": "faster generator"})
                 st.dataframe(shown[["phase ", f"{pair[0]} (s)", f"{pair[1]} (s)", "measured speedup (×)",
-                                    "a faster generator speeds it up"]], hide_index=True, width="stretch",
-                             key="cycle_compare")
+                                    "faster generator"]], hide_index=True, width="stretch", key="cycle_compare",
+                             column_config={"faster generator": st.column_config.TextColumn(
+                                 help="does a faster generator speed this phase up?")})
             with cc[1]:
                 mm = cmp.mismatch.rename(columns={"figure": "mismatch", "base": pair[0], "other": pair[1]})
+                n_alerts = [len(runs[p_][2]) if "rule" in runs[p_][2].columns else 0 for p_ in (primary, other)]
+                mm = pd.concat([mm, pd.DataFrame([{"mismatch": "alerts raised", pair[0]: float(n_alerts[0]),
+                                                   pair[1]: float(n_alerts[1])}])], ignore_index=True)
                 st.dataframe(mm, hide_index=True, width="stretch", key="cycle_mismatch")
             _chart(views.cycle_bars_figure({pair[0]: cmp.base, pair[1]: cmp.other},
                                            "Mean step time by phase, the two runs", device), "cycle_bars")

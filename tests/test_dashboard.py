@@ -246,6 +246,8 @@ def test_step_time_and_the_full_cycle(monkeypatch, tmp_path):
     assert np.isnan(table.loc["quantisation / conversion", "measured speedup (×)"])
     mm = frames["mismatch"].set_index("mismatch")
     assert mm.loc["mean |δ| (nats)", "nvfp4"] > 100 * mm.loc["mean |δ| (nats)", "bf16"]
+    assert mm.loc["alerts raised", "bf16"] == 0
+    assert table.loc["generation", "faster generator"] == "yes" and table.loc["update", "faster generator"] == "no"
     assert "Mean step time by phase, the two runs" in charts(at)
     # k is the user's: the projection follows it
     at.number_input(key="cycle_k").set_value(4.0).run()
