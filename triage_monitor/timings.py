@@ -389,7 +389,7 @@ class CycleSummary:
         g_median: median of the per-step g.
         k: the generator speedup of the projection; projected: ``1 / ((1 − g) + g / k)``.
         not_sped_up: ``[(phase, share), ...]`` of the phases a faster generator does not touch, largest first
-            (``"untimed"`` among them when more than 0.5 %).
+            (those of at least 0.05 % of the time; ``"untimed"`` from 0.5 %).
         overlapping_steps: steps whose timed phases add up to more than the step (:data:`OVERLAP_TOLERANCE`):
             the timers overlap, the projection's sequential assumption does not hold there.
         total_from: ``"step timer"``, ``"sum of phases"`` or ``"mixed"``.
@@ -460,7 +460,7 @@ def cycle_summary(steps, k: float = DEFAULT_K) -> CycleSummary:
     g = float(gen.fillna(0.0).sum()) / tot if gen.notna().any() and tot > 0 else math.nan
     proj = projected_speedup(g, k) if 0.0 <= g <= 1.0 else math.nan
     rest = [(p, s) for p, s in share.items() if p not in SPEEDS_UP and math.isfinite(s)
-            and (s > 0.005 if p == "untimed" else s > 0)]
+            and s >= (0.005 if p == "untimed" else 0.0005)]
     rest.sort(key=lambda t: -t[1])
     timed_sum = f[list(PHASES)].astype(float).fillna(0.0).sum(axis=1)
     overlap = int((timed_sum > f["total"] * (1 + OVERLAP_TOLERANCE)).sum())
