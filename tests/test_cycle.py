@@ -54,7 +54,7 @@ def test_cycle_prints_the_breakdown_worked_out_by_hand(pair, capsys):
 def test_cycle_compares_two_runs_with_their_mismatch(pair, capsys):
     assert main(["cycle", str(pair[0]), "--compare", str(pair[1])]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"generation\s+│\s+6\s+│\s+2\.5\s+│\s+2\.40×", out)
+    assert re.search(r"generation\s+│\s+6\s+│\s+2\.5\s+│\s+2\.4×", out)
     assert re.search(r"whole step\s+│\s+10\.5\s+│\s+7\.6\s+│\s+1\.38×", out)
     assert "quantisation / conversion" in out
     assert "measured whole-cycle speedup nvfp4 vs bf16: 1.38×; generation 2.40×" in out

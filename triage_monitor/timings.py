@@ -38,6 +38,9 @@ TIME_COLUMNS = tuple(COLUMNS.values())
 LABELS = {"generation": "generation", "logprob": "log-prob recompute", "reference": "reference log-probs",
           "reward": "reward / advantage", "update": "update", "weight_sync": "weight sync",
           "quantize": "quantisation / conversion", "other": "other", "step": "whole step", "untimed": "untimed"}
+#: Short column headers of the phases (the CLI's per-step table).
+SHORT = {"generation": "gen", "logprob": "logprob", "reference": "ref", "reward": "reward", "update": "update",
+         "weight_sync": "sync", "quantize": "quant", "other": "other", "step": "step"}
 #: The phases a faster generator speeds up (every other phase keeps its time).
 SPEEDS_UP = ("generation",)
 #: Default generator speedup k of the projection: the published NVFP4 rollout speedup (2.08–2.35×, rounded).
@@ -580,7 +583,7 @@ def compare_cycles(base_steps, other_steps, k: float = DEFAULT_K) -> CycleCompar
     return CycleComparison(table, cycle, gen, g, proj_m, k, proj_k, mismatch, a, b)
 
 
-__all__ = ["PHASES", "STEP", "PREFIX", "COLUMNS", "TIME_COLUMNS", "LABELS", "SPEEDS_UP", "DEFAULT_K",
+__all__ = ["PHASES", "STEP", "PREFIX", "COLUMNS", "TIME_COLUMNS", "LABELS", "SHORT", "SPEEDS_UP", "DEFAULT_K",
            "FRAMEWORK_TIMERS", "timer_key", "phase_of", "is_timer_name", "phase_times", "device_of", "figures",
            "table_timings",
            "columns_of",

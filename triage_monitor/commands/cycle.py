@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .. import exits
-    from ..timings import LABELS, PHASES, check_k, compare_cycles, cycle_frame, cycle_summary, device_of, figures
+    from ..timings import PHASES, SHORT, check_k, compare_cycles, cycle_frame, cycle_summary, device_of, figures
 
     try:
         k = check_k(args.k, "--k")
@@ -115,14 +115,17 @@ def run(args: argparse.Namespace) -> int:
     device = device_of(info) if args.timings is None else None
     summary = cycle_summary(frame, k)
     shown_phases = [p for p in PHASES if frame[p].notna().any()]
-    title = f"{run.path}: step time by phase, seconds ({source}" + (f"; {figures(device)}" if device else "") + ")"
+    ms = summary.mean.get("step", 0.0) < 10.0           # short steps in milliseconds
+    unit, scale = ("ms", 1000.0) if ms else ("s", 1.0)
+    title = (f"{run.path}: step time by phase, {unit} ({source}" + (f"; {figures(device)}" if device else "")
+             + "; gen = generation, sync = weight sync, quant = quantisation / conversion)")
     table = Table(title=title)
-    for col in ("step", *[LABELS[p] for p in shown_phases], "untimed", "step total", "g", f"S(k={k:g})"):
+    for col in ("step", *[SHORT[p] for p in shown_phases], "untimed", "step", "g", f"S(k={k:g})"):
         table.add_column(col, justify="right", no_wrap=True)
     rows = frame if args.rows == 0 else frame.tail(args.rows)
     for _, r in rows.iterrows():
-        table.add_row(str(int(r["step"])), *[_fmt(r[p]) for p in shown_phases], _fmt(r["untimed"]),
-                      _fmt(r["total"]), _fmt(r["g"], "{:.3f}"), _fmt(r["projected"], "{:.2f}×"))
+        table.add_row(str(int(r["step"])), *[_fmt(r[p] * scale) for p in shown_phases], _fmt(r["untimed"] * scale),
+                      _fmt(r["total"] * scale), _fmt(r["g"], "{:.3f}"), _fmt(r["projected"], "{:.2f}×"))
     console.print(table)
     for line in summary.lines(device):
         console.print(line, highlight=False)
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     for col in ("phase", names[0], names[1], "measured speedup", "faster generator speeds it up"):
         t.add_column(col, justify="right" if col != "phase" else "left", no_wrap=True)
     for _, r in cmp.table.iterrows():
-        t.add_row(r["label"], _fmt(r["base_s"], "{:.4g}"), _fmt(r["other_s"], "{:.4g}"), _fmt(r["speedup"], "{:.2f}×"),
+        t.add_row(r["label"], _fmt(r["base_s"], "{:.4g}"), _fmt(r["other_s"], "{:.4g}"), _fmt(r["speedup"], "{:.3g}×"),
                   "yes" if r["sped_up_by_generator"] else ("" if r["phase"] == "step" else "no"))
     console.print(t)
     for line in cmp.lines(names):
