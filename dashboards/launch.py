@@ -27,13 +27,14 @@ def app_path() -> Path:
 
 
 def validate_runs(run_dirs: Sequence[str]) -> list:
-    """Absolute paths of ``run_dirs``; raises RunDirError naming the first path that is not a run directory."""
+    """Absolute paths of ``run_dirs`` (an ``s3://`` URI as given); raises RunDirError naming the first location
+    that is not a run directory."""
     if not run_dirs:
         raise RunDirError("give at least one run directory")
     out = []
     for p in run_dirs:
-        open_run(p)
-        out.append(str(Path(p).resolve()))
+        run = open_run(p)
+        out.append(str(run.path.resolve()) if run.layout.is_local else run.layout.location)
     return out
 
 

@@ -44,7 +44,6 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -52,7 +51,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage_monitor.alerts import check_alerts_setting
 from triage_monitor.controller import TriageConfig, TriageController
-from triage_monitor.layout import RunLayout, run_path
+from triage_monitor.layout import RunLayout
+from triage_monitor.storage import open_store
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 from triage_monitor.records import new_attempt_id, probe_writable
 from triage_monitor.timings import is_timer_name, phase_times
@@ -133,15 +133,20 @@ class HookSettings:
         if isinstance(self.triage, dict):
             self.triage = TriageConfig(**self.triage)
         if self.run_dir is not None:
-            self.run_dir = str(run_path(self.run_dir))   # an unsupported URI scheme: refused here, not at step 1
+            # an unsupported URI scheme is refused here, not at step 1; a local path or an s3:// URI is kept as text
+            self.run_dir = open_store(self.run_dir).location
 
 
-def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None, group=None) -> int:
+def resolve_rank(run_dir, attempt: int, fixed: Optional[int] = None, group=None) -> int:
     """This process's rank for the run's files: ``fixed``, the rank in ``group`` (a process group whose members
     are the processes writing the run), the torch.distributed rank, ``$RANK``, else a claim.
 
     The claim is the smallest n for which ``<run_dir>/.ranks/<attempt>/<n>`` can be created exclusively, so two
-    worker processes of one job never share a rank (and only one is rank 0, the owner of ``run.json``).
+    worker processes of one job never share a rank (and only one is rank 0, the owner of ``run.json``).  An
+    object store has no exclusive create: there a process needs one of the other sources.
+
+    Raises:
+        ValueError: a claim is needed on an object store (the message names the ways to give the rank).
     """
     if fixed is not None:
         return int(fixed)
@@ -151,7 +156,12 @@ def resolve_rank(run_dir: Path, attempt: int, fixed: Optional[int] = None, group
         return dist.get_rank(group) if group is not None else dist.get_rank()
     if os.environ.get("RANK", "").isdigit():
         return int(os.environ["RANK"])
-    claims = RunLayout(run_dir).rank_claims(attempt)
+    layout = RunLayout(run_dir)
+    if not layout.is_local:
+        raise ValueError(f"triage-monitor: this process has no rank (no torch.distributed process group, no RANK "
+                         f"variable, no HookSettings.rank) and ranks cannot be claimed on an object store "
+                         f"({layout.display}): set RANK, or pass the hook's rank")
+    claims = layout.root / layout.rank_claims(attempt)
     claims.mkdir(parents=True, exist_ok=True)
     n = 0
     while True:

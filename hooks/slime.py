@@ -174,26 +174,30 @@ class SlimeTriageLoss(LossHook):
             beside ``settings``.
     """
 
+    #: the framework named in ``run.json`` (a subclass for a fork of slime names its own)
+    FRAMEWORK = "slime"
+
     def __init__(self, run_dir=None, triage: Optional[TriageConfig] = None, monitor: Optional[MonitorConfig] = None,
                  manifest: Optional[dict] = None, on_invalid: str = "raise", *, alerts=True, loggers=(),
                  framework_keys="curated", settings: Optional[HookSettings] = None):
+        where = type(self).__name__
         if settings is not None:
             given = [n for n, v, d in (("alerts", alerts, True), ("loggers", loggers, ()),
                                        ("framework_keys", framework_keys, "curated")) if v is not d and v != d]
             if given:
-                raise ValueError(f"SlimeTriageLoss: {', '.join(given)} given beside settings; set them in the "
-                                 "HookSettings")
+                raise ValueError(f"{where}: {', '.join(given)} given beside settings; set them in the HookSettings")
             self.settings = settings
             return
-        alerts, loggers, framework_keys = hook_options("SlimeTriageLoss", alerts, loggers, framework_keys)
+        alerts, loggers, framework_keys = hook_options(where, alerts, loggers, framework_keys)
         # attempt=None: every Megatron rank builds this object at import; rank 0's attempt id is broadcast
         self.settings = HookSettings(
             run_dir=run_dir, monitor=monitor or MonitorConfig(), triage=triage,
-            manifest={"framework": "slime", **(manifest or {})}, on_invalid=on_invalid, step_source="optimizer",
-            attempt=None, alerts=alerts, loggers=loggers, framework_keys=framework_keys)
+            manifest={"framework": self.FRAMEWORK, **(manifest or {})}, on_invalid=on_invalid,
+            step_source="optimizer", attempt=None, alerts=alerts, loggers=loggers, framework_keys=framework_keys)
 
     # ------------------------------------------------------------ the loss
-    def triage_loss(self, args, batch: dict, log_probs: Sequence[torch.Tensor], record: bool = True):
+    def triage_loss(self, args, batch: dict, log_probs: Sequence[torch.Tensor], record: bool = True,
+                    token_scale: Optional[torch.Tensor] = None):
         """The policy part of one micro-batch from live per-sample log-probs (no slime import).
 
         Args:
@@ -204,6 +208,8 @@ class SlimeTriageLoss(LossHook):
             log_probs: S live learner log-prob tensors ``(L_i,)`` (grad-carrying), nats.
             record: buffer the tokens for this process's monitor (False on tensor-parallel ranks other than 0,
                 which see the same tokens).
+            token_scale: ``(N,)`` per-token factors the framework's own loss multiplies its per-token loss by, in
+                the batch's flat order (:func:`~triage_monitor.loss.triage_policy_loss`); None: none.
 
         Returns:
             :class:`~triage_monitor.loss.TriageLoss`; ``.policy_loss`` is slime's ``pg_loss`` when TRIAGE is off.
@@ -222,7 +228,7 @@ class SlimeTriageLoss(LossHook):
             agg = dict(agg_mode="seq_mean_token_mean", denominator=1.0, response_denominator=rd)
         kw = dict(old_logp=tb.gather([o.to(tb.learner_logp.dtype) for o in old]).detach(),
                   clip_low=float(args.eps_clip), clip_high=float(args.eps_clip_high),
-                  dual_clip=getattr(args, "eps_clip_c", None), **agg)
+                  dual_clip=getattr(args, "eps_clip_c", None), token_scale=token_scale, **agg)
         if record:
             return self.compute_loss(tb, **kw)
         from triage_monitor.loss import triage_policy_loss
@@ -301,7 +307,8 @@ class SlimeTriageLoss(LossHook):
             log["ois"] = sum_of_sample_mean((-ppo_kl).exp()).detach()
             log.update({k: sum_of_sample_mean(v) for k, v in tis_metrics.items()})
         if self.settings.triage is not None:
-            log.update(_triage_log(res, args, batch, logits.device, sum_of_sample_mean, self.settings))
+            log.update(triage_log(res, _divisor_share(args, batch, sum_of_sample_mean, logits.device), logits.device,
+                                  self.settings))
         log.update(_framework_log(self.runtime, args, batch, logits.device))
         return loss, log
 
@@ -359,11 +366,11 @@ def _divisor_share(args, batch: dict, sum_of_sample_mean, device) -> float:
     return float(sum_of_sample_mean(torch.ones(n, device=device)))
 
 
-def _triage_log(res, args, batch: dict, device, sum_of_sample_mean, settings: HookSettings) -> dict:
-    """The controller's statistics as ``triage/<name>`` (those ``framework_keys`` does not claim), scaled so that
-    slime's step reduction (sum over micro-batches and ranks ÷ the step's rollout count, or ÷ its token count under
-    ``--calculate-per-token-loss``) yields their rollout- (token-) weighted mean."""
-    weight = _divisor_share(args, batch, sum_of_sample_mean, device)
+def triage_log(res, weight: float, device, settings: HookSettings) -> dict:
+    """The controller's statistics as ``triage/<name>`` (those ``framework_keys`` does not claim), each × ``weight``,
+    this micro-batch's share of the step divisor: slime's step reduction (sum over micro-batches and ranks ÷ the
+    step's rollout count, or ÷ its token count under ``--calculate-per-token-loss``) then yields their rollout-
+    (token-) weighted mean."""
     out = {}
     for name, value in own_stats(res.output.stats, settings).items():
         v = 0.0 if value != value else float(value)      # NaN (no tokens) adds nothing

@@ -37,8 +37,6 @@ Options the TRIAGE loss cannot honour raise a ``ValueError`` at construction (:m
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
 from typing import Optional
 
@@ -47,8 +45,9 @@ from trl import GRPOTrainer
 
 from triage_monitor.batch import TokenBatch
 
+from ._hf_trainer import TrainerHookMixin, TrainerLossHook, last_stats
 from ._options import check_normalization
-from ._runtime import HookSettings, LossHook
+from ._runtime import HookSettings
 
 #: What the sampler log-probs recorded on the transformers path are (say which one was logged).
 SAMPLER_LOGP_KIND = "transformers.generate KV-cache decoding: log_softmax(raw logits / temperature), no top-k/top-p"
@@ -65,23 +64,6 @@ LOSS_TYPE_AGG = {
     "dapo": "token_mean",            # Σ ℓ / (num_items_in_batch / processes · GA / steps_per_generation)
     "luspo": "seq_mean_token_sum",   # Σ_s Σ_t ℓ / B, ÷ GA
 }
-
-#: Name of the per-rank controller / monitor state file written into each TRL checkpoint folder.
-STATE_FILE = "triage_monitor_state_rank{rank}.pt"
-
-
-def last_stats(res) -> dict:
-    """Plain-number statistics of one :class:`~triage_monitor.loss.TriageLoss`: ``loss``, ``policy_loss``,
-    ``agg_mode``, ``n_tokens``, ``n_responses``, the controller's ``stats`` and ``gate_weight_min`` /
-    ``token_weight_max`` (NaN without tokens); nothing that references the micro-batch's tensors."""
-    n = int(res.batch.num_tokens)
-    nan = float("nan")
-    return {"loss": float(res.loss.detach()), "policy_loss": float(res.policy_loss.detach()), "agg_mode": res.agg_mode,
-            "n_tokens": n, "n_responses": int(res.batch.num_samples),
-            "stats": {k: float(v) for k, v in res.output.stats.items()},
-            "gate_weight_min": float(res.output.gate_weights.min()) if n else nan,
-            "token_weight_max": float(res.token_weights.max()) if n else nan}
-
 
 def batch_from_trl(learner_logp, inputs: dict, on_invalid: str = "raise") -> TokenBatch:
     """TokenBatch from GRPOTrainer inputs: learner ``(B, T)`` vs ``inputs["sampling_per_token_logps"]`` ``(B, T)``.
@@ -105,11 +87,8 @@ def batch_from_trl(learner_logp, inputs: dict, on_invalid: str = "raise") -> Tok
     return TokenBatch.from_padded(learner_logp, sampler, inputs["advantages"], mask, on_invalid=on_invalid)
 
 
-class TRLLossHook(LossHook):
-    """The TRL adapter's picklable part: :class:`HookSettings` only (the trainer holds the model, not this)."""
-
-    def __init__(self, settings: HookSettings):
-        self.settings = settings
+#: The TRL adapter's picklable part (the trainer holds the model, not this).
+TRLLossHook = TrainerLossHook
 
 
 class _SamplerLogps:
@@ -164,7 +143,7 @@ class _SamplerLogps:
         return out
 
 
-class TriageGRPOTrainer(GRPOTrainer):
+class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
     """``GRPOTrainer`` with triage-monitor attached (docs/hooks.md#trl).
 
     Args (besides GRPOTrainer's):
@@ -189,28 +168,15 @@ class TriageGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, triage: Optional[HookSettings] = None, record_sampler_logps: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.record_sampler_logps = record_sampler_logps
-        if triage is not None:                 # our own copy (same key): the manifest gets TRL's facts below
-            triage = dataclasses.replace(triage, manifest=dict(triage.manifest))
-        self.triage_hook = TRLLossHook(triage) if triage is not None else None
-        self.triage_last = None
-        self._tm_live = None
-        self._tm_capture = False
-        self._tm_logged_step = None        # the monitored step whose metrics last joined TRL's log
+        import trl
+
+        triage = self._tm_attach(triage, {"framework": "trl", "framework_version": trl.__version__})
         self._tm_prep = 0.0                # seconds in _prepare_inputs during the training_step running now
         if triage is None:
             return
-        if self.accelerator.num_processes > 1:       # every rank built its own settings: share rank 0's attempt id
-            from accelerate.utils import broadcast_object_list
-
-            attempt = broadcast_object_list([triage.attempt], from_process=0)
-            triage.attempt = attempt[0]
         self._check_monitoring()
         if triage.triage is not None:
             self._check_triage()
-        import trl
-
-        triage.manifest.setdefault("framework", "trl")
-        triage.manifest.setdefault("framework_version", trl.__version__)
         triage.manifest.setdefault("sampler_logp_kind", self._sampler_logp_kind())
         if triage.triage is not None:
             triage.manifest.setdefault("trl_loss_type", self.loss_type)
@@ -315,10 +281,8 @@ class TriageGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ loss
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         t0 = time.perf_counter()
-        res = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        if self._tm_capture:
-            self._tm_live = res
-        else:        # scoring the rollouts: the old log-probs, or the reference model's
+        res = super()._get_per_token_logps_and_entropies(*args, **kwargs)   # the mixin captures the live call
+        if not self._tm_capture:        # scoring the rollouts: the old log-probs, or the reference model's
             model = args[0] if args else kwargs.get("model")
             ref = getattr(self, "ref_model", None)
             self._tm_time("reference" if ref is not None and model is ref else "logprob", time.perf_counter() - t0)
@@ -363,12 +327,7 @@ class TriageGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         if self.triage_hook is None:
             return super()._compute_loss(model, inputs)
-        self._tm_capture, self._tm_live = True, None
-        try:
-            trl_loss = super()._compute_loss(model, inputs)         # TRL's own loss and metrics
-        finally:
-            self._tm_capture = False
-        live, self._tm_live = self._tm_live, None                  # the live tensors are never kept on self
+        trl_loss, live = self._tm_run_captured(super()._compute_loss, model, inputs)   # TRL's own loss and metrics
         if not self.model.training:                                # evaluation: TRL's loss, nothing recorded
             return trl_loss
         logps, entropies, _ = live
@@ -436,56 +395,8 @@ class TriageGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------ logging
     def log(self, logs: dict, *args, **kwargs) -> None:
-        """TRL's ``log``, with the triage metrics of the step just completed added to ``logs`` (docs/hooks.md#trl).
-
-        TRL logs after the optimizer step, so the monitored step that update closed (``state.global_step − 1``) is
-        complete: it is logged now (one ``log_step``; every rank does so, as every rank runs TRL's ``log``), and
-        ``hook.framework_metrics()`` joins ``logs``: ``HookSettings.framework_keys`` of that step as
-        ``triage/<name>`` floats (NaN left out) and ``triage/metrics_step``.  Each monitored step joins one
-        training log, the first after it; evaluation logs get none.  For a name the controller's statistics also
-        carry (``triage/gate_downweighted_frac``) TRL's own mean over the logging interval is kept (TRL merges
-        its ``_metrics`` last).  Monitoring never raises here.
-        """
-        if self.triage_hook is not None and self.model.training:
-            logs.update(self._triage_log_metrics())
+        """TRL's ``log``, with the triage metrics of the step just completed added to ``logs`` (docs/hooks.md#trl;
+        :meth:`TrainerHookMixin.log <triage_monitor.hooks._hf_trainer.TrainerHookMixin.log>`).  For a name the
+        controller's statistics also carry (``triage/gate_downweighted_frac``) TRL's own mean over the logging
+        interval is kept (TRL merges its ``_metrics`` last)."""
         return super().log(logs, *args, **kwargs)
-
-    def _triage_log_metrics(self) -> dict:
-        rt = self.triage_hook.runtime
-        try:
-            rt.flush()
-            out = rt.framework_metrics()
-        except Exception as exc:          # monitoring never stops training
-            rt._warn_once("trl-log", "triage-monitor: logging the step for TRL's log failed (%s: %s); training "
-                          "continues", type(exc).__name__, exc)
-            return {}
-        step = out.get("triage/metrics_step")
-        if step is None or step == self._tm_logged_step:
-            return {}
-        self._tm_logged_step = step
-        return out
-
-    # ------------------------------------------------------------ lifecycle
-    def train(self, *args, **kwargs):
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            if self.triage_hook is not None:
-                self.triage_hook.close()       # logs the last step, closes this process's monitor
-
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        if self.triage_hook is not None:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            if os.path.isdir(folder):
-                torch.save(self.triage_hook.state_dict(),
-                           os.path.join(folder, STATE_FILE.format(rank=self.accelerator.process_index)))
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if self.triage_hook is not None and checkpoint is not None:
-            path = os.path.join(checkpoint, STATE_FILE.format(rank=self.accelerator.process_index))
-            if os.path.exists(path):
-                self.triage_hook.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

@@ -47,7 +47,6 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -55,6 +54,7 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageConfig
 from triage_monitor.layout import RunLayout
+from triage_monitor.storage import open_store
 from triage_monitor.monitor import MonitorConfig
 from triage_monitor.records import new_attempt_id
 
@@ -167,17 +167,29 @@ def _ray_job_id() -> Optional[str]:
     return None
 
 
-def _job_dir(run_dir: str, job: Optional[str]) -> Path:
-    return RunLayout(run_dir).framework_dir("verl", job or f"pid-{os.getpid()}")
+def _job_dir(run_dir: str, job: Optional[str]) -> str:
+    """The job's shared folder, relative to the run directory (``.verl/<job>``)."""
+    return RunLayout.framework_dir("verl", job or f"pid-{os.getpid()}")
 
 
 def shared_attempt(run_dir: str, job: Optional[str]) -> int:
     """The attempt id shared by every process of one verl job (the trainer and all its Ray workers).
 
-    The first process of Ray job ``job`` to ask draws a new id and publishes it atomically in
-    ``<run_dir>/.verl/<job>/attempt``; the others read it.  A resumed job is a new Ray job, hence a new attempt.
+    The first process of Ray job ``job`` to ask draws a new id and publishes it in ``<run_dir>/.verl/<job>/attempt``
+    (locally with an atomic link, so that of processes asking at once one wins); the others read it.  On an object
+    store, which has no exclusive create, the id is written only when none is there: the trainer asks first, when
+    the hook's settings are built, before it starts the workers that read it.  A resumed job is a new Ray job,
+    hence a new attempt.
     """
-    path = _job_dir(run_dir, job) / "attempt"
+    store = open_store(run_dir)
+    rel = f"{_job_dir(run_dir, job)}/attempt"
+    if not store.is_local:
+        try:
+            return int(store.read_bytes(rel).decode())
+        except FileNotFoundError:
+            store.write_bytes(rel, str(new_attempt_id()).encode())
+            return int(store.read_bytes(rel).decode())
+    path = store.local(rel)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"attempt.{os.getpid()}.tmp")
     tmp.write_text(str(new_attempt_id()))
@@ -261,18 +273,20 @@ def _attempt(run_dir: Optional[str], job: Optional[str]) -> int:
 
 # ---------------------------------------------------------------------------------------- the step
 def publish_step(run_dir: str, step: int, job: Optional[str] = None) -> None:
-    """Write verl's ``global_steps`` for this job's workers (atomic replace of ``<run_dir>/.verl/<job>/global_steps``)."""
+    """Write verl's ``global_steps`` for this job's workers (``<run_dir>/.verl/<job>/global_steps``, replaced whole)."""
     try:
-        _write_atomic(_job_dir(run_dir, job if job is not None else _ray_job_id()) / "global_steps", str(int(step)))
+        _write_text(run_dir, f"{_job_dir(run_dir, job if job is not None else _ray_job_id())}/global_steps",
+                    str(int(step)))
     except OSError as exc:     # monitoring I/O never stops the job; the workers then count optimizer steps
         log.warning("triage-monitor: cannot publish global_steps=%s in %s (%s)", step, run_dir, exc)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _write_text(run_dir: str, rel: str, text: str) -> None:
+    open_store(run_dir).write_bytes(rel, text.encode())
+
+
+def _read_text(run_dir: str, rel: str) -> str:
+    return open_store(run_dir).read_bytes(rel).decode()
 
 
 def read_step(run_dir: Optional[str], job: Optional[str] = None) -> Optional[int]:
@@ -280,7 +294,7 @@ def read_step(run_dir: Optional[str], job: Optional[str] = None) -> Optional[int
     if run_dir is None:
         return None
     try:
-        return int((_job_dir(run_dir, job if job is not None else _ray_job_id()) / "global_steps").read_text())
+        return int(_read_text(run_dir, f"{_job_dir(run_dir, job if job is not None else _ray_job_id())}/global_steps"))
     except (OSError, ValueError):
         return None
 
@@ -329,8 +343,7 @@ def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> N
     # the step's phase timings, published by the trainer once verl's step timer closed (publish_timings)
     runtime.timings_source = lambda step: read_timings(run_dir, step, job)
     try:
-        (jd / "workers").mkdir(parents=True, exist_ok=True)
-        (jd / "workers" / str(os.getpid())).touch()
+        _write_text(run_dir, f"{jd}/workers/{os.getpid()}", "")
     except OSError as exc:     # monitoring I/O never stops the job
         runtime._warn_once("verl-watch", "triage-monitor: cannot register this worker in %s (%s); its last step "
                            "may be lost", jd, exc)
@@ -339,14 +352,13 @@ def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> N
         while not runtime.closed:
             time.sleep(STEP_POLL_S)
             try:
-                txt = (jd / "global_steps").read_text().strip()
+                txt = _read_text(run_dir, f"{jd}/global_steps").strip()
             except OSError:
                 continue
             try:
                 if txt == DONE:
                     runtime.close()         # writes the last step, drains the writer, finishes run.json
-                    (jd / "flushed").mkdir(exist_ok=True)
-                    (jd / "flushed" / str(os.getpid())).touch()
+                    _write_text(run_dir, f"{jd}/flushed/{os.getpid()}", "")
                     return
                 # look and flush under the runtime's lock: a loss call of the new step may be buffering at the
                 # same moment (it flushes the old step itself); flushing after it would cut the new step in two
@@ -369,15 +381,16 @@ def finish_workers(run_dir: str, job: Optional[str] = None, timeout: float = 60.
     pids) and returns False.  Called by the ``triage_*`` trainers at the end of ``fit``.
     """
     jd = _job_dir(run_dir, job if job is not None else _ray_job_id())
+    store = open_store(run_dir)
     try:
-        _write_atomic(jd / "global_steps", DONE)
+        _write_text(run_dir, f"{jd}/global_steps", DONE)
     except OSError as exc:
         log.warning("triage-monitor: cannot tell the verl workers to write their last step (%s)", exc)
         return False
     deadline = time.monotonic() + timeout
     while True:
-        workers = {p.name for p in (jd / "workers").glob("*")} if (jd / "workers").exists() else set()
-        done = {p.name for p in (jd / "flushed").glob("*")} if (jd / "flushed").exists() else set()
+        workers = {e.name for e in store.listdir(f"{jd}/workers")}
+        done = {e.name for e in store.listdir(f"{jd}/flushed")}
         if workers <= done:
             return True
         if time.monotonic() > deadline:

@@ -42,6 +42,19 @@ DS_BUILD_OPS=0 MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh o
   deepspeed==0.19.6 transformers==5.15.0 peft==0.21.2 torchdata==0.11.0 pylatexenc==2.10 aiohttp==3.14.5
 .venv-fw/openrlhf-0.11.2/bin/python -c 'import deepspeed, peft, torchdata, transformers, openrlhf; print("openrlhf side env ok: transformers", transformers.__version__, "deepspeed", deepspeed.__version__)'
 # --- end openrlhf ---
+# --- ms-swift ---
+# ms-swift 4.6.0 pins trl<1.0, peft<0.21, datasets<4.8.5 (the main venv holds TRL 1.16, peft 0.21, datasets 5): a side
+# environment with its GRPO trainer and what it imports (no vLLM, no Megatron).  4.4.0, the oldest release the hook
+# claims, is layered on that one (--no-deps: only ms-swift and the peft it pins differ).
+MAIN_PY="$PY" TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh ms-swift-4.6.0 ms-swift==4.6.0 trl==0.29.1 \
+  peft==0.20.0 datasets==4.8.4
+MAIN_PY=.venv-fw/ms-swift-4.6.0/bin/python TORCH_SPEC="$TORCH_SPEC" bash scripts/side_env.sh ms-swift-4.4.0 --no-deps \
+  ms-swift==4.4.0 peft==0.19.1
+for v in 4.6.0 4.4.0; do
+  .venv-fw/ms-swift-$v/bin/python -c 'import swift, swift.rlhf_trainers; print("ms-swift", swift.__version__, "ok")' 2>&1 \
+    | grep -E '^ms-swift [0-9.]+ ok$'
+done
+# --- end ms-swift ---
 after=$("$PY" -c 'import torch; print(torch.__version__)')
 if [ "$before" != "$after" ]; then
   echo "install_frameworks.sh: torch changed from $before to $after" >&2

@@ -326,19 +326,19 @@ def test_live_and_replay_identical_including_resume():
 
 # ------------------------------------------------------------------------------------------- CLI
 def _write_steps(run_dir, df, attempt):
-    """Steps rows as a run directory holds them (triage_monitor.layout): run.json + one steps file per (step,
-    rank, attempt), ranks 0 and 1."""
+    """Steps rows as a run directory holds them (triage_monitor.layout, triage_monitor.blocks): run.json + a block
+    of the steps of ``df`` for ranks 0 and 1 of ``attempt``."""
     import pyarrow as pa
+    from triage_monitor.blocks import write_parquet
     from triage_monitor.layout import RunLayout
-    from triage_monitor.manifest import write_json_atomic
-    from triage_monitor.sink import write_table_atomic
-    layout = RunLayout(run_dir)
-    write_json_atomic({"schema_version": 3, "tool": "triage-monitor"}, layout.manifest)
-    for row in df.to_dict("records"):
-        step = int(row.pop("step"))
-        for rank in (0, 1):
-            write_table_atomic(pa.Table.from_pylist([{**row, "attempt": attempt}]),
-                               layout.table_file("steps", step, rank, attempt))
+    from triage_monitor.storage import open_store
+    store = open_store(run_dir)
+    store.write_bytes("run.json", b'{"schema_version": 4, "tool": "triage-monitor"}')
+    steps = df["step"].astype(int)
+    for rank in (0, 1):
+        rows = [{**row, "step": int(row["step"]), "rank": rank, "attempt": attempt} for row in df.to_dict("records")]
+        write_parquet(store, RunLayout.block("steps", int(steps.min()), int(steps.max()), rank, attempt, 0),
+                      pa.Table.from_pylist(rows))
 
 
 def test_cli_run_dir_and_wandb_csv_match_replay(tmp_path, capsys):

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
+from runfiles import file_of
 from triage_monitor.analysis import compare_live, open_run, postmortem_frame, recompute, recompute_states, step_state
 from triage_monitor.batch import TokenBatch
 from triage_monitor.metrics import METRIC_NAMES, MismatchStats
@@ -36,9 +37,10 @@ def _write(d, cfg, record_tokens=True, steps=STEPS):
 
 @pytest.fixture
 def run(tmp_path):
-    """A 5-step run, window 2, τ_tail calibrated on the first 2 steps, every step's live row."""
+    """A 5-step run, window 2, τ_tail calibrated on the first 2 steps, every step's live row; a file per step
+    (roll_steps 1), so that a test can damage one step's records."""
     d = tmp_path / "run"
-    live = _write(d, MonitorConfig(window=2, calibration_steps=2, metrics={"segment_width": 8}))
+    live = _write(d, MonitorConfig(window=2, calibration_steps=2, metrics={"segment_width": 8}, roll_steps=1))
     return open_run(d), live
 
 
@@ -68,10 +70,12 @@ def test_token_files_name_each_ranks_file_of_the_latest_attempt(tmp_path):
                 if attempt == 1:
                     mon.log_step(1, _batch(5 + rank))
     r = open_run(d)
-    assert [os.path.basename(f) for f in r.token_files(0)] == ["step-00000000-rank-0000-attempt-2.parquet",
-                                                              "step-00000000-rank-0001-attempt-2.parquet"]
-    assert [os.path.basename(f) for f in r.token_files(1)] == ["step-00000001-rank-0000-attempt-1.parquet",
-                                                              "step-00000001-rank-0001-attempt-1.parquet"]
+    assert [os.path.basename(f) for f in r.token_files(0)] == [
+        "steps-00000000-00000000-rank-0000-attempt-2-part-0.parquet",
+        "steps-00000000-00000000-rank-0001-attempt-2-part-0.parquet"]
+    assert [os.path.basename(f) for f in r.token_files(1)] == [                  # the block of steps 0 and 1
+        "steps-00000000-00000001-rank-0000-attempt-1-part-0.parquet",
+        "steps-00000000-00000001-rank-0001-attempt-1-part-0.parquet"]
     with pytest.raises(KeyError, match="step 7 has no token records"):
         r.token_files(7)
     assert r.token_batch(0).num_tokens == _batch(0).num_tokens + _batch(1).num_tokens
@@ -86,7 +90,7 @@ def test_state_of_a_steps_files_gives_the_live_step_metrics(tmp_path):
     live = _write(d, cfg)
     r = open_run(d)
     for s in (1, 4):
-        state = step_state(r.token_files(s), -0.4, cfg.metrics)
+        state = step_state(r.token_source(s), -0.4, cfg.metrics)
         got = MismatchStats(cfg.metrics, state=torch.from_numpy(state), tau_tail=-0.4).compute().values
         for k in METRIC_NAMES:
             a, b = got[k], live[s][k]
@@ -141,10 +145,14 @@ def test_state_cache_key_follows_the_settings_and_the_token_files(run):
     assert len(_cache_files(r)) == 6
     f = r.token_files(3)[0]
     st = os.stat(f)
-    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))   # a rewritten token file
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))   # the same records, another file time
     recompute_states(r, cache=True)
+    assert len(_cache_files(r)) == 6
+    with MismatchMonitor(r.path, r.config) as mon:                      # a resumed job redoes step 3
+        mon.log_step(3, _batch(9))
+    recompute_states(open_run(r.path), cache=True)
     assert len(_cache_files(r)) == 7
-    # the key names the token files relative to the run directory: a run copied elsewhere (times kept) keeps it
+    # the key names the records (rank, attempt, part of each step), not files: a run copied elsewhere keeps it
     import shutil
 
     copy = open_run(shutil.copytree(r.path, r.path.parent / "elsewhere" / "run"))
@@ -367,12 +375,12 @@ def test_side_tables_keep_their_columns_and_skip_only_the_unreadable_file(tmp_pa
     from triage_monitor.records import ALERT_SCHEMA
 
     d = tmp_path / "run"
-    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), alerts=_EveryStep()) as mon:
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, roll_steps=1), alerts=_EveryStep()) as mon:
         for s in range(3):
             mon.log_step(s, _batch(s))
     r = open_run(d)
     assert list(r.alerts().columns) == ALERT_SCHEMA.names and r.alerts()["step"].tolist() == [0, 1, 2]
-    next((d / "alerts").glob("step-00000000-*")).write_bytes(b"broken")
+    file_of(d, "alerts", 0).write_bytes(b"broken")
     assert r.alerts()["step"].tolist() == [1, 2]
 
 
@@ -409,7 +417,8 @@ def test_a_broken_rank_file_skips_only_that_rank_and_the_rows_are_numbered_afres
 
     d = tmp_path / "run"
     monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 7)    # one attempt shared by the two "ranks"
-    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=r, alerts=_EveryStep()) for r in (0, 1)]
+    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, roll_steps=1), rank=r, alerts=_EveryStep())
+            for r in (0, 1)]
     for s in range(2):
         for m in mons:
             metrics = m.log_step(s, _batch(s))
@@ -420,15 +429,15 @@ def test_a_broken_rank_file_skips_only_that_rank_and_the_rows_are_numbered_afres
     r = open_run(d)
     a = r.alerts()
     assert list(zip(a["step"], a["rank"])) == [(0, 0), (0, 1), (1, 0), (1, 1)] and list(a.index) == [0, 1, 2, 3]
-    next((d / "alerts").glob("step-00000000-rank-0000-*")).write_bytes(b"broken")
+    file_of(d, "alerts", 0).write_bytes(b"broken")
     a = r.alerts()
     assert list(zip(a["step"], a["rank"])) == [(0, 1), (1, 0), (1, 1)] and list(a.index) == [0, 1, 2]
     assert r.unreadable[0][1].startswith("ArrowInvalid: ")          # the reason names the error's type
     # the live rows likewise: a broken rank-0 file at step 0, a rank-0 file of two rows at step 1
     import pyarrow as pa
     import pyarrow.parquet as pq
-    next((d / "steps").glob("step-00000000-rank-0000-*")).write_bytes(b"broken")
-    f1 = next((d / "steps").glob("step-00000001-rank-0000-*"))
+    file_of(d, "steps", 0).write_bytes(b"broken")
+    f1 = file_of(d, "steps", 1)
     t = pq.read_table(f1)
     pq.write_table(pa.concat_tables([t, t]), f1)
     rows = open_run(d).steps(rank=None)
@@ -525,7 +534,7 @@ def test_a_step_without_its_live_row_is_recomputed_with_the_right_tau(run, monke
     the frozen mode (step 3 is after the 2 reference steps)."""
     import triage_monitor.engines as engines
     r, _ = run
-    next((r.path / "steps").glob("step-00000003-*")).unlink()
+    file_of(r.path, "steps", 3).unlink()
     what, real = [], engines.map_ordered
     monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: what.append(
         (len(items), kw["description"])) or real(fn, items, **kw))
@@ -549,7 +558,7 @@ def test_recorded_null_inputs_match_the_tail_layout_of_the_tokens(run):
     held = 0
     for i, s in enumerate(states.steps):
         seg_valid, resp_segs, resp_tails = states.null_inputs[i]
-        lay = tail_layout_from_arrays(read_token_arrays(r.token_files(s)), states.taus[i], 8)
+        lay = tail_layout_from_arrays(read_token_arrays(r.token_source(s)), states.taus[i], 8)
         keep = [x for x in np.unique(lay.response) if lay.tail[lay.response == x].sum() > 0]
         assert resp_segs.tolist() == [int((lay.response == x).sum()) for x in keep], s
         assert resp_tails.tolist() == [int(lay.tail[lay.response == x].sum()) for x in keep], s
@@ -579,7 +588,7 @@ def test_a_run_stopped_while_calibrating_is_read_once_too(tmp_path, monkeypatch)
     import triage_monitor.engines as engines
 
     d = tmp_path / "run"
-    _write(d, MonitorConfig(window=2, calibration_steps=10, metrics={"segment_width": 8}), steps=3)
+    _write(d, MonitorConfig(window=2, calibration_steps=10, metrics={"segment_width": 8}, roll_steps=1), steps=3)
     r = open_run(d)
     assert r.tau_tail is None
     calls, real = [], engines.map_ordered
@@ -587,7 +596,7 @@ def test_a_run_stopped_while_calibrating_is_read_once_too(tmp_path, monkeypatch)
         (len(items), kw["description"])) or real(fn, items, **kw))
     states = recompute_states(r)
     assert calls == [(3, "recomputing metrics")] and states.taus == [r.steps()["tau_tail"].iloc[-1]] * 3
-    next((d / "steps").glob("step-00000002-*")).unlink()          # the last live row lost: no guess, same result
+    file_of(d, "steps", 2).unlink()                               # the last live row lost: no guess, same result
     calls.clear()
     assert recompute_states(r).taus == states.taus
     assert calls == [(3, "calibrating tau_tail"), (3, "recomputing metrics")]
@@ -655,9 +664,11 @@ def test_an_empty_step_selection_gives_no_states_and_is_cached_like_any_other(ru
 def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(run, monkeypatch):
     """``recompute`` and ``recompute_states`` hand ``engine``, ``workers`` and ``address`` to the map over the steps
     as given (the map is computed in this process here: the spy runs it with the local engine, one worker)."""
+    import triage_monitor.analysis as analysis
     import triage_monitor.engines as engines
     r, _ = run
     seen, real = [], engines.map_ordered
+    monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)            # workers are not cut down on this small run
 
     def spy(fn, items, **kw):
         seen.append({k: kw[k] for k in ("engine", "workers", "address")})
@@ -672,3 +683,18 @@ def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(r
                     {"engine": "ray", "workers": 1, "address": "ray://head:10001"},
                     {"engine": "local", "workers": 2, "address": None},
                     {"engine": "ray", "workers": 1, "address": "auto"}]
+
+
+def test_workers_are_cut_to_what_the_token_records_pay_for(run, monkeypatch):
+    """``planned_workers``: one worker process per WORKER_MIN_BYTES of token records to map (a block's bytes shared
+    by its steps), at least 1, at most the number asked for: the bytes of the 5 one-step files worked out here."""
+    from triage_monitor.analysis import planned_workers
+
+    r, _ = run
+    sources = [r.token_source(s) for s in r.step_numbers()]
+    total = sum(p.size for src in sources for p in src.parts)
+    assert planned_workers(sources, 4) == 1 and planned_workers(sources, 1) == 1 and planned_workers([], 3) == 1
+    import triage_monitor.analysis as analysis
+
+    monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", total // 3)
+    assert planned_workers(sources, 8) == 3 and planned_workers(sources, 2) == 2

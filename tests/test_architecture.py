@@ -7,11 +7,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Layers in import order (docs/architecture.md); a module may import its own layer and the layers before it.
 LAYERS = [
-    ("errors", "layout", "config", "timings", "batch", "segments", "sketch", "state_kernel", "calibration", "alignment",
-     "exits"),
+    ("errors", "storage", "layout", "config", "timings", "batch", "segments", "sketch", "state_kernel", "calibration",
+     "alignment", "exits"),
     ("metrics",),
     ("corrections", "controller", "loss"),
-    ("manifest", "locks", "sink", "records"),
+    ("manifest", "locks", "blocks", "sink", "records"),
     ("alert_rules", "references", "alerts", "trackers", "wandb_logger", "tensorboard_logger", "mlflow_logger"),
     ("monitor",),
     ("engines", "analysis", "stages"),
@@ -77,15 +77,21 @@ def test_every_module_is_in_the_architecture_doc():
             assert f"`{name}`" in doc or f"`{name}` " in doc or name in doc, name
 
 
-def test_errors_and_layout_import_only_the_standard_library():
-    """The error base and the run directory's names sit under everything: importing them imports no package
-    (layout raises errors' UnsupportedLocationError, and errors imports the standard library only)."""
-    for name in ("errors", "layout"):
+def test_errors_storage_and_layout_import_only_the_standard_library_and_pyarrow():
+    """The error base, the storage of a run and its names sit under everything: errors imports the standard library
+    only; storage errors and pyarrow; layout errors, storage and the standard library (no torch, pandas, numpy)."""
+    allowed = {"errors": set(), "storage": {"errors"}, "layout": {"errors", "storage"}}
+    stdlib = {"__future__", "pathlib", "typing", "collections", "contextlib", "urllib.parse", "re", "uuid", "os",
+              "io"}
+    for name, internal in allowed.items():
         tree = ast.parse((ROOT / "triage_monitor" / f"{name}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                if name == "layout" and node.level == 1 and node.module == "errors":
+                if node.level == 1:
+                    assert node.module in internal, (name, node.module)
                     continue
-                assert node.level == 0 and node.module in ("__future__", "pathlib", "typing"), (name, node.module)
+                assert node.module in stdlib or (name == "storage" and node.module.startswith("pyarrow")), \
+                    (name, node.module)
             elif isinstance(node, ast.Import):
-                assert all(a.name in ("re", "uuid") for a in node.names), (name, [a.name for a in node.names])
+                for a in node.names:
+                    assert a.name in stdlib or (name == "storage" and a.name.startswith("pyarrow")), (name, a.name)

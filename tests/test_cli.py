@@ -28,8 +28,8 @@ def _batch(step: int, seed: int = 0, B: int = 6, T: int = 40) -> TokenBatch:
     return TokenBatch.from_padded(lp, s, torch.linspace(-1, 1, B), torch.ones(B, T, dtype=torch.bool))
 
 
-def _write(run_dir: Path, steps, seed: int = 0) -> None:
-    cfg = MonitorConfig(window=3, calibration_steps=2)
+def _write(run_dir: Path, steps, seed: int = 0, roll_steps: int = 50) -> None:
+    cfg = MonitorConfig(window=3, calibration_steps=2, roll_steps=roll_steps)
     with MismatchMonitor(run_dir, cfg) as mon:
         for s in steps:
             mon.log_step(s, _batch(s, seed))
@@ -68,10 +68,13 @@ def test_analyze_states_resume_effects_and_exits_1_on_other_differences(tmp_path
     assert "trailing window restarts at each attempt" in out and "window/" in out
     assert "expected consequence" in out
     # a live value that no resume explains: exit 1, named on stderr
-    f = next((run / "steps").glob("step-00000009-rank-0000-*.parquet"))
+    from runfiles import file_of
+
+    f = file_of(run, "steps", 9)                           # the block of attempt 2 holding step 9
     t = pq.read_table(f)
     i = t.schema.get_field_index("k3_kl")
-    pq.write_table(t.set_column(i, "k3_kl", pa.array([t.column("k3_kl")[0].as_py() * 1.5])), f)
+    k3 = [v * 1.5 if s == 9 else v for s, v in zip(t.column("step").to_pylist(), t.column("k3_kl").to_pylist())]
+    pq.write_table(t.set_column(i, "k3_kl", pa.array(k3)), f)
     assert main(["analyze", str(run)]) == 1
     assert "beyond what a resume explains: k3_kl" in capsys.readouterr().err
 
@@ -126,8 +129,10 @@ def test_every_command_names_unreadable_files(tmp_path, capsys):
     """A truncated steps/ Parquet file: analyze, alerts and report say how many files were skipped and
     which; the report shows them in the page too."""
     run = tmp_path / "run"
-    _write(run, range(8))
-    bad = next((run / "steps").glob("step-00000003-rank-0000-*.parquet"))
+    from runfiles import file_of
+
+    _write(run, range(8), roll_steps=1)                    # a file per step: one step's file is damaged
+    bad = file_of(run, "steps", 3)
     bad.write_bytes(bad.read_bytes()[: len(bad.read_bytes()) // 2])
     for cmd, extra in (("analyze", []), ("alerts", []), ("report", ["-o", str(tmp_path / "r.html"), "--draws", "9"])):
         main([cmd, str(run), *extra])

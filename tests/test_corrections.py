@@ -7,7 +7,7 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.corrections import (
-    dppo_kl_loss, geometric_mean_ratio, sequence_mask_weights, get_surrogate, icepop_weights, list_surrogates, mis_weights, ppo_clip_loss,
+    dppo_kl_loss, geometric_mean_ratio, geometric_sequence_mask_weights, sequence_mask_weights, get_surrogate, icepop_weights, list_surrogates, mis_weights, ppo_clip_loss,
     reference_kl,
     register_surrogate, sequence_is_geometric_weights, sequence_is_product_weights, sequence_log_ratio_sum,
     tis_weights,
@@ -209,6 +209,23 @@ def test_trl_sequence_mask_keeps_the_product_ratio_inside_the_band():
     assert w.tolist() == pytest.approx([math.exp(0.9)] * 3 + [0.0] * 5, rel=1e-5)
     with pytest.raises(ValueError, match="low=3.0 must be <= high=2.0"):
         sequence_mask_weights(old, samp, batch, high=2.0, low=3.0)
+
+
+def test_geometric_sequence_mask_keeps_each_tokens_own_ratio_inside_the_band():
+    """ms-swift's ``sequence_mask``: sequence 0 has geometric mean e^0.3 = 1.35, sequence 1 e^0.0001; at C = 2 both
+    are kept, each token with its own ratio (sequence 1: e^0.0005, e^−0.0005, ...); at C = 1.3 sequence 0 is
+    masked to 0; a token log-ratio beyond ±20 is clamped before exp (e^20, as ms-swift's SAFETY_BOUND)."""
+    batch, old, samp = _two_sequences()
+    own = [0.3] * 3 + [0.0005, -0.0005, 0.0004, 0.0, 0.0001]
+    w = geometric_sequence_mask_weights(old, samp, batch)
+    assert w.tolist() == pytest.approx([math.exp(x) for x in own], rel=1e-5)
+    w = geometric_sequence_mask_weights(old, samp, batch, high=1.3)
+    assert w.tolist() == pytest.approx([0.0] * 3 + [math.exp(x) for x in own[3:]], rel=1e-5)
+    one = TokenBatch.from_list([torch.tensor([-0.5, -1.0])], [torch.tensor([-30.0, -1.0])], torch.tensor([1.0]))
+    w = geometric_sequence_mask_weights(one.learner_logp, one.sampler_logp, one, high=1e9)
+    assert w.tolist() == pytest.approx([math.exp(20.0), 1.0], rel=1e-5)
+    with pytest.raises(ValueError, match="geometric_sequence_mask_weights"):
+        geometric_sequence_mask_weights(old, samp, batch, high=0.0)
 
 
 def test_sequence_sums_and_counts_cover_every_sequence_even_empty_ones():

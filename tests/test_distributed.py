@@ -4,7 +4,7 @@ Each rank runs this file as a script (``python tests/test_distributed.py <rank> 
 shard (rows ``rank::world``) of one global batch per step.  The parent process then checks, against a
 single process on the concatenated batch:
 
-* every rank wrote its own shard (``tokens/step-<S>-rank-<R>.parquet``), no collisions, the union is the global batch;
+* every rank wrote its own shard (a block of ``tokens/`` per rank), no collisions, the union is the global batch;
 * the live global metrics (the fixed-size state all-reduced, never token values) equal the
   single-process metrics: allclose rel 1e-12 for the sums, exact for quantiles, δ_min and τ_tail, and the
   offline recomputation from the rank files equals them too;
@@ -30,7 +30,7 @@ from triage_monitor.controller import TriageConfig, TriageController  # noqa: E4
 from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 from triage_monitor.metrics import METRIC_NAMES, MetricConfig, MetricTracker  # noqa: E402
-from triage_monitor.layout import parse_table_file  # noqa: E402
+from runfiles import parts  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -157,8 +157,8 @@ def test_many_ranks_equal_single_process(world, tmp_path):
     assert set(run.steps(rank=None)["attempt"]) == {attempt}
     for step in range(STEPS):
         for table in ("tokens", "steps"):
-            ranks = sorted(r for s, r, _ in (parse_table_file(p.name) for p in (tmp_path / "run" / table).iterdir())
-                           if s == step)                       # one file per (step, rank), by its name
+            ranks = sorted(p.rank for p in parts(tmp_path / "run", table)
+                           if p.lo <= step <= p.hi)            # one file per (step, rank), by its name
             empty = {3} if (table == "tokens" and step == 2 and world == 4) else set()   # no token file
             # tokens: every rank's shard; steps: the step's one row, rank 0's (the metrics are all-reduced)
             assert ranks == ([r for r in range(world) if r not in empty] if table == "tokens" else [0])

@@ -64,11 +64,15 @@ def _equal(a: pd.DataFrame, b: pd.DataFrame) -> bool:
 
 
 @pytest.mark.multiprocess
-def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank_run):
+def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank_run, monkeypatch):
     """Agreement test: the three engines vs each other and vs live, all use ``recompute_states`` /
     ``MismatchStats``; independent check: tests/test_monitor.py
-    test_live_metrics_equal_an_independent_computation_from_the_records."""
+    test_live_metrics_equal_an_independent_computation_from_the_records.  (The worker processes are used on this
+    small run by lowering the bytes a worker must have, ``analysis.WORKER_MIN_BYTES``.)"""
+    import triage_monitor.analysis as analysis
+
     ray = pytest.importorskip("ray")
+    monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)
     run = open_run(two_rank_run)
     one = recompute_states(run)
     two = recompute_states(run, workers=2)
@@ -87,8 +91,14 @@ def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank
 
 
 @pytest.mark.multiprocess
-def test_one_tau_for_the_run_and_the_state_cache(one_rank_run, capsys):
+def test_one_tau_for_the_run_and_the_state_cache(one_rank_run, capsys, monkeypatch):
+    import triage_monitor.analysis as analysis
+
     run = open_run(one_rank_run)
+    assert cli_main(["analyze", str(one_rank_run), "--workers", "2"]) == 0       # too small for workers: said
+    assert "--workers 2: 1 used — a worker process pays off its start-up only with 1 GiB of token records to map " \
+           "(this process maps them)" in capsys.readouterr().err.replace("\n", " ")
+    monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)
     assert cli_main(["analyze", str(one_rank_run), "--workers", "2"]) == 0
     out = capsys.readouterr().out
     assert "provisional tau_tail" in out and "metrics equal the live values" in out

@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runfiles import steps_of  # noqa: E402
 from triage_monitor.alerts import AlertEngine, CallbackSink, Rule  # noqa: E402
 from triage_monitor.analysis import open_run, recompute  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
@@ -59,12 +60,21 @@ def visible_files(d: Path) -> list:
 
 
 def assert_all_readable(d: Path, table: str = "tokens") -> int:
-    """Every visible Parquet file reads completely; returns the number of rows of ``table`` (None: all)."""
-    rows = 0
+    """Every visible Parquet file reads completely with plain pyarrow, and every pending file with the run's
+    reader; returns the rows of ``table`` (None: every table) they hold, each step of a rank once (a pending file
+    whose block is sealed too is the same records)."""
+    from triage_monitor.blocks import read_part
+    from triage_monitor.layout import TABLES, RunLayout
+
     for p in visible_files(d):
-        t = pq.read_table(p)
-        if table is None or p.parts[-2] == table:
-            rows += t.num_rows
+        pq.read_table(p)
+    layout, rows = RunLayout(d), 0
+    for t in TABLES if table is None else (table,):
+        idx = layout.index(t)
+        sealed = {(p.rank, p.attempt, p.part, s) for p in idx.parts if p.sealed for s in range(p.lo, p.hi + 1)}
+        for p in idx.parts:
+            if p.sealed or (p.rank, p.attempt, p.part, p.lo) not in sealed:
+                rows += read_part(layout.store, p).num_rows
     return rows
 
 
@@ -146,12 +156,14 @@ def _alerting_monitor(d, **cfg):
 
 
 def assert_warned_once(caplog):
-    """One warning from the writer (rows dropped) and at most one about run.json, however many steps failed."""
+    """One warning from the writer (rows dropped), at most one about a block left in pending files and at most one
+    about run.json, however many steps failed."""
     msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
             and ("could not" in r.getMessage() or "dropped" in r.getMessage())]      # I/O warnings only
     assert len([m for m in msgs if "rows are counted as dropped" in m]) == 1, msgs
     assert len([m for m in msgs if "run.json" in m]) <= 1, msgs
-    assert len(msgs) <= 2, msgs
+    assert len([m for m in msgs if "stay in pending files" in m]) <= 1, msgs
+    assert len(msgs) <= 3, msgs
 
 
 def test_run_dir_under_a_regular_file_is_an_error_at_start(tmp_path):
@@ -182,7 +194,9 @@ def test_read_only_mount_mid_run_training_continues(tmp_path, caplog):
         if not ok:
             pytest.skip("mount not permitted here (the RLIMIT_FSIZE test covers failing writes mid-run)")
         caplog.set_level(logging.WARNING)
-        mon, fired = _alerting_monitor(mnt / "run")
+        # a block per step: a remount read-only is refused while a file is open for writing (a block being
+        # written keeps its file open between steps), so the remount comes between two blocks
+        mon, fired = _alerting_monitor(mnt / "run", roll_steps=1)
         metrics = [mon.log_step(0, batch(0))]
         mon.flush()
         assert subprocess.run(["mount", "-o", "remount,ro", str(mnt)], capture_output=True).returncode == 0
@@ -421,15 +435,17 @@ def files_of(d: Path) -> dict:
 
 
 def names_of_step(d: Path, table: str, step: int) -> list:
-    return sorted(p.name for p in (d / table).iterdir() if p.name.startswith(f"step-{step:08d}-"))
+    """The names of the files of ``table`` that hold ``step`` (every attempt and part)."""
+    from triage_monitor.layout import RunLayout
+
+    return sorted(p.name.split("/")[1] for p in RunLayout(d).index(table).covering(step))
 
 
 def test_a_resume_on_a_full_disk_keeps_the_earlier_attempts_files(tmp_path, caplog):
-    """A job resumed on a full disk (a tmpfs filled to ENOSPC) repeats steps 2-3: none of its files can be written,
-    so the earlier attempt's files of those steps must stay, byte for byte (before this change they were removed
-    although nothing replaced them: both attempts' records of the steps were gone).  The 4 kept files (tokens and
-    steps of 2 steps) are counted and warned once.  With room again, a third attempt repeats step 2: once its files
-    are written, the earlier attempt's of step 2 go, and one file per table is left."""
+    """A job resumed on a full disk (a tmpfs filled to ENOSPC) repeats steps 2-3: none of its records can be
+    written, and the earlier attempt's files stay byte for byte (no attempt ever removes another's files), so
+    readers read steps 2-3 from the earlier attempt.  With room again, a third attempt repeats step 2: readers take
+    its records of step 2 and the first attempt's of step 3; the first attempt's files are still there whole."""
     mnt = tmp_path / "disk"
     with tmpfs(mnt, "size=4m") as ok:
         if not ok:
@@ -439,28 +455,32 @@ def test_a_resume_on_a_full_disk_keeps_the_earlier_attempts_files(tmp_path, capl
             for s in range(5):
                 mon.log_step(s, batch(s, B=8, T=64))
         a1, before = mon.attempt, files_of(d)
-        assert len(before) == 10
+        assert sorted(before) == [f"{t}/steps-00000000-00000004-rank-0000-attempt-{a1}-part-0.parquet"
+                                  for t in ("steps", "tokens")]
         fill_disk(mnt / "filler")
         caplog.set_level(logging.WARNING, logger="triage_monitor")
         with MismatchMonitor(d, cfg, alerts=False) as mon:
             for s in (2, 3):
                 mon.log_step(s, batch(s, B=8, T=64, seed=4))
-        assert mon.sink.written_files == 0 and "No space left" in mon.sink.last_error
-        assert files_of(d) == before and mon.sink.kept_files == 4
-        assert len([r for r in caplog.records if "of an earlier attempt" in r.getMessage()]) == 1
+        assert mon.sink.written_steps == 0 and "No space left" in mon.sink.last_error
+        assert files_of(d) == before
         run = open_run(d)
         assert run.step_numbers() == [0, 1, 2, 3, 4] and set(run.steps()["attempt"]) == {a1}
         assert [len(run.tokens(s)) for s in (2, 3)] == [batch(s, B=8, T=64).num_tokens for s in (2, 3)]
-        assert not list(mnt.rglob(".tmp-*"))
+        assert not list(mnt.rglob(".tmp-*")) and not list(mnt.rglob(".pending-*"))
         (mnt / "filler").unlink()
         with MismatchMonitor(d, cfg, alerts=False) as mon:
             mon.log_step(2, batch(2, B=8, T=64, seed=5))
         a3 = mon.attempt
         for table in ("tokens", "steps"):
-            assert names_of_step(d, table, 2) == [f"step-00000002-rank-0000-attempt-{a3}.parquet"]
-            assert names_of_step(d, table, 3) == [f"step-00000003-rank-0000-attempt-{a1}.parquet"]
-        assert mon.sink.kept_files == 0
-        assert len(open_run(d).tokens(2)) == batch(2, B=8, T=64, seed=5).num_tokens
+            assert names_of_step(d, table, 2) == [
+                f"steps-00000000-00000004-rank-0000-attempt-{a1}-part-0.parquet",
+                f"steps-00000002-00000002-rank-0000-attempt-{a3}-part-0.parquet"]
+        assert all(files_of(d)[k] == v for k, v in before.items())
+        run = open_run(d)
+        assert len(run.tokens(2)) == batch(2, B=8, T=64, seed=5).num_tokens and set(run.tokens(2)["attempt"]) == {a3}
+        assert set(run.tokens(3)["attempt"]) == {a1} and run.steps().set_index("step")["attempt"].to_dict() == {
+            0: a1, 1: a1, 2: a3, 3: a1, 4: a1}
 
 
 def child_fsize_resume(d, limit):
@@ -471,17 +491,15 @@ def child_fsize_resume(d, limit):
     with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), alerts=False) as mon:
         for s in (2, 3):
             mon.log_step(s, batch(s, B=16, T=2048, seed=4))
-    print(json.dumps({"attempt": mon.attempt, "kept": mon.sink.kept_files, "written": mon.sink.written_files,
-                      "error": mon.sink.last_error}))
+    print(json.dumps({"attempt": mon.attempt, "written": mon.sink.written_steps, "error": mon.sink.last_error}))
 
 
 @pytest.mark.multiprocess
 def test_a_resume_under_a_file_size_limit_keeps_the_earlier_token_files(tmp_path):
-    """A resumed attempt in a child process under ``RLIMIT_FSIZE`` = 100 kB repeats steps 2-3: its token files
-    (each over the limit) fail with EFBIG, its steps files (a few kB) are written.  Each earlier file goes only once
-    its own replacement is on disk: the earlier attempt's token files of steps 2-3 stay byte for byte (2 kept), its
-    steps files are replaced by the new attempt's.  The readers then take the steps rows of the new attempt and the
-    tokens of the old one (the ``attempt`` columns say so)."""
+    """A resumed attempt in a child process under ``RLIMIT_FSIZE`` = 100 kB repeats steps 2-3: its token records
+    (each step over the limit) fail with EFBIG, its steps rows (a few kB) are written.  The earlier attempt's token
+    file stays byte for byte; the readers take the steps rows of the new attempt and the tokens of the old one (the
+    ``attempt`` columns say so): each table's records of a step are its latest attempt's there."""
     d = tmp_path / "run"
     with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), alerts=False) as mon:
         for s in range(5):
@@ -492,12 +510,13 @@ def test_a_resume_under_a_file_size_limit_keeps_the_earlier_token_files(tmp_path
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     a2 = out["attempt"]
-    assert "File too large" in out["error"] and out["kept"] == 2 and out["written"] == 2
+    assert "File too large" in out["error"] and out["written"] == 2
+    key = f"tokens/steps-00000000-00000004-rank-0000-attempt-{a1}-part-0.parquet"
     for s in (2, 3):
-        assert names_of_step(d, "tokens", s) == [f"step-{s:08d}-rank-0000-attempt-{a1}.parquet"]
-        key = f"tokens/step-{s:08d}-rank-0000-attempt-{a1}.parquet"
-        assert (d / key).read_bytes() == before[key]
-        assert names_of_step(d, "steps", s) == [f"step-{s:08d}-rank-0000-attempt-{a2}.parquet"]
+        assert names_of_step(d, "tokens", s) == [key.split("/")[1]]
+        assert names_of_step(d, "steps", s) == [f"steps-00000000-00000004-rank-0000-attempt-{a1}-part-0.parquet",
+                                                f"steps-00000002-00000003-rank-0000-attempt-{a2}-part-0.parquet"]
+    assert (d / key).read_bytes() == before[key]
     run = open_run(d)
     steps = run.steps().set_index("step")
     assert steps.loc[2, "attempt"] == a2 and steps.loc[2, "n_tokens"] == batch(2, B=16, T=2048, seed=4).num_tokens
@@ -506,35 +525,35 @@ def test_a_resume_under_a_file_size_limit_keeps_the_earlier_token_files(tmp_path
 
 
 def hold_disk(monkeypatch=None):
-    """A disk that does not answer: every Parquet write of the run writer waits until the returned ``release``
-    event is set (``entered`` is set when the first one starts waiting).  Patches the sink's
-    ``write_table_atomic`` (through ``monkeypatch`` when given, so it is restored)."""
+    """A disk that does not answer: every step the run writer writes waits until the returned ``release`` event is
+    set (``entered`` is set when the first one starts waiting).  Patches ``blocks.write_pending`` (through
+    ``monkeypatch`` when given, so it is restored)."""
     import threading
 
-    import triage_monitor.sink as sink_mod
+    import triage_monitor.blocks as blocks_mod
 
     release, entered = threading.Event(), threading.Event()
-    real = sink_mod.write_table_atomic
+    real = blocks_mod.write_pending
 
-    def held(table, path):
+    def held(store, rel, table):
         entered.set()
         if not release.wait(120):
             raise TimeoutError("the test never released the disk")
-        real(table, path)
+        real(store, rel, table)
 
     if monkeypatch is not None:
-        monkeypatch.setattr(sink_mod, "write_table_atomic", held)
+        monkeypatch.setattr(blocks_mod, "write_pending", held)
     else:
-        sink_mod.write_table_atomic = held
+        blocks_mod.write_pending = held
     return release, entered
 
 
 def test_a_resume_whose_files_are_dropped_keeps_the_earlier_attempts_files(tmp_path, monkeypatch):
-    """``backpressure="drop"`` with a 1-byte queue bound on a disk held still: the resumed attempt's first file
-    (the token file of step 2, alone in the queue) is taken; every later file is dropped (the steps row of step 2,
-    both files of step 3).  The earlier attempt's files go only where a replacement reached the disk: its token file
-    of step 2 is replaced, its steps file of step 2 and both files of step 3 stay (3 kept).  Dropped rows, worked
-    out by hand: the tokens of step 3 plus 2 steps rows."""
+    """``backpressure="drop"`` with a 1-byte queue bound on a disk held still: the resumed attempt's first step
+    record (the tokens of step 2, alone in the queue) is taken; every later one is dropped (the steps row of step 2,
+    both records of step 3).  The readers take each table's latest attempt of a step: the new tokens of step 2, the
+    earlier attempt's steps row of step 2 and both records of step 3, whose files stay.  Dropped rows, worked out by
+    hand: the tokens of step 3 plus 2 steps rows."""
     d, cfg = tmp_path / "run", MonitorConfig(window=2, calibration_steps=2)
     with MismatchMonitor(d, cfg, alerts=False) as mon:
         for s in range(5):
@@ -551,20 +570,23 @@ def test_a_resume_whose_files_are_dropped_keeps_the_earlier_attempts_files(tmp_p
         release.set()
         mon.close()
     a2 = mon.attempt
-    assert mon.sink.dropped_rows == batch(3, B=8, T=64, seed=4).num_tokens + 2 and mon.sink.kept_files == 3
-    assert names_of_step(d, "tokens", 2) == [f"step-00000002-rank-0000-attempt-{a2}.parquet"]
-    assert names_of_step(d, "steps", 2) == [f"step-00000002-rank-0000-attempt-{a1}.parquet"]
+    assert mon.sink.dropped_rows == batch(3, B=8, T=64, seed=4).num_tokens + 2
+    first = f"steps-00000000-00000004-rank-0000-attempt-{a1}-part-0.parquet"
+    assert names_of_step(d, "tokens", 2) == [first, f"steps-00000002-00000002-rank-0000-attempt-{a2}-part-0.parquet"]
+    assert names_of_step(d, "steps", 2) == [first]
     for table in ("tokens", "steps"):
-        assert names_of_step(d, table, 3) == [f"step-00000003-rank-0000-attempt-{a1}.parquet"]
+        assert names_of_step(d, table, 3) == [first]
     run = open_run(d)
     assert run.step_numbers() == [0, 1, 2, 3, 4] and len(run.steps()) == 5
+    assert set(run.tokens(2)["attempt"]) == {a2} and set(run.tokens(3)["attempt"]) == {a1}
+    assert run.steps().set_index("step").loc[2, "attempt"] == a1
 
 
-def test_a_repeated_steps_alerts_replace_the_earlier_ones_only_once_written(tmp_path):
-    """The alerts table of a repeated step: the earlier attempt's alerts file goes once the new attempt's alerts
-    file of the step is written (an alert fired again) or, when none fired, once its steps file is written (at the
-    next step or at close).  A rule "n_tokens above 0" fires at the first step of each attempt (then stays active);
-    raised above every count, it fires nowhere."""
+def test_a_repeated_steps_alerts_are_its_latest_attempts(tmp_path):
+    """The alerts of a repeated step are those of the step's latest attempt (over the tokens and steps tables):
+    another alert if one fired again, none if none fired; the earlier attempts' alert rows stay in their files.  A
+    rule "n_tokens above 0" fires at the first step of each attempt (then stays active); raised above every count,
+    it fires nowhere."""
     from triage_monitor.alerts import AlertEngine
 
     def engine(threshold):
@@ -574,16 +596,18 @@ def test_a_repeated_steps_alerts_replace_the_earlier_ones_only_once_written(tmp_
     with MismatchMonitor(d, cfg, alerts=engine(0)) as mon:
         for s in range(3):
             mon.log_step(s, batch(s, B=2, T=16))
-    assert names_of_step(d, "alerts", 0) == [f"step-00000000-rank-0000-attempt-{mon.attempt}.parquet"]
-    assert len(list((d / "alerts").iterdir())) == 1
-    with MismatchMonitor(d, cfg, alerts=engine(0)) as mon:      # fires again at step 0: its file replaces
+    a1 = mon.attempt
+    assert [(r.step, r.attempt) for r in open_run(d).alerts().itertuples()] == [(0, a1)]
+    with MismatchMonitor(d, cfg, alerts=engine(0)) as mon:      # fires again at step 0
         mon.log_step(0, batch(0, B=2, T=16, seed=2))
         mon.log_step(1, batch(1, B=2, T=16, seed=2))
-    assert names_of_step(d, "alerts", 0) == [f"step-00000000-rank-0000-attempt-{mon.attempt}.parquet"]
-    with MismatchMonitor(d, cfg, alerts=engine(1e9)) as mon:    # nothing fires: removed after the steps file
+    a2 = mon.attempt
+    assert [(r.step, r.attempt) for r in open_run(d).alerts().itertuples()] == [(0, a2)]
+    with MismatchMonitor(d, cfg, alerts=engine(1e9)) as mon:    # nothing fires at step 0 now
         mon.log_step(0, batch(0, B=2, T=16, seed=3))
-    assert names_of_step(d, "alerts", 0) == [] and open_run(d).alerts().empty
-    assert names_of_step(d, "steps", 0) == [f"step-00000000-rank-0000-attempt-{mon.attempt}.parquet"]
+    assert open_run(d).alerts().empty
+    assert len(names_of_step(d, "alerts", 0)) == 2              # both earlier attempts' rows are still on disk
+    assert open_run(d).steps().set_index("step").loc[0, "attempt"] == mon.attempt
 
 
 # ============================================================================== backpressure
@@ -668,10 +692,9 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
             sink.close()
         assert got == taken, name
         n_rows = [2 if isinstance(f, int) else len(f) if isinstance(f, list) else len(f.get("x", [])) for f in files]
-        assert sink.written_files == taken.count(True), name
+        assert sink.written_steps == sum(bool(n) for n, t in zip(n_rows, taken) if t), name
         assert sink.dropped_rows == sum(n for n, t in zip(n_rows, taken) if not t), name
-        assert sorted(p.name for p in (tmp_path / name / "steps").iterdir()) == [
-            f"step-{step:08d}-rank-0000-attempt-1.parquet" for step, t in enumerate(taken) if t]
+        assert steps_of(tmp_path / name, "steps") == [step for step, t in enumerate(taken) if t], name
 
 
 def test_a_new_sink_blocks_on_256_mib_counts_nothing_and_writes_on_one_daemon_thread(tmp_path):
@@ -690,14 +713,14 @@ def test_a_new_sink_blocks_on_256_mib_counts_nothing_and_writes_on_one_daemon_th
     sink = ParquetSink(tmp_path / "run", 3)
     try:
         assert (sink.max_queue_bytes, sink.backpressure, sink.attempt) == (256 * 2 ** 20, "block", 3)
-        assert (sink.written_files, sink.written_rows, sink.dropped_rows, sink.last_error) == (0, 0, 0, None)
+        assert (sink.written_steps, sink.written_rows, sink.dropped_rows, sink.last_error) == (0, 0, 0, None)
         assert sink.closed is False
         assert sink.submit("steps", 4, 0, {"x": np.arange(3)})
         mine = [t for t in writers() if t is sink._thread]
         assert len(writers()) == before + 1 and mine and mine[0].daemon
     finally:
         sink.close()
-    assert (sink.written_files, sink.written_rows, sink.dropped_rows) == (1, 3, 0)
+    assert (sink.written_steps, sink.written_rows, sink.dropped_rows) == (1, 3, 0)
     assert len(writers()) == before and not sink._thread.is_alive() and sink.closed is True
     with pytest.raises(ValueError) as err:
         ParquetSink(tmp_path / "other", 1, backpressure="wait")

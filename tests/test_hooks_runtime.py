@@ -70,14 +70,15 @@ def _settings(tmp_path, **kw):
 
 
 def _check_run(run_dir, ranks):
-    from triage_monitor.layout import parse_table_file
-    files = {parse_table_file(p.name): p for p in (run_dir / "tokens").iterdir()}
-    assert sorted({s for s, _, _ in files}) == list(range(STEPS))
+    from runfiles import parts
+
+    files = parts(run_dir, "tokens")
+    assert sorted({s for p in files for s in range(p.lo, p.hi + 1)}) == list(range(STEPS))
     for s in range(STEPS):
-        assert sorted(r for st, r, _ in files if st == s) == ranks      # one file per (step, rank)
-        for (st, r, _), f in files.items():
-            if st == s:                                                  # every token once, no duplicate
-                assert pq.read_table(f).num_rows == MICRO * B * T
+        holding = [p for p in files if p.lo <= s <= p.hi]
+        assert sorted(p.rank for p in holding) == ranks                 # one file per (step, rank)
+        for p in holding:                                                # every token once, no duplicate
+            assert pq.read_table(run_dir / p.name, filters=[("step", "==", s)]).num_rows == MICRO * B * T
     manifest = json.loads((run_dir / "run.json").read_text())
     assert len(manifest["attempts"]) == 1 and manifest["info"]["framework"] == "toy"
     attempts = {int(pd.read_parquet(f).attempt.iloc[0]) for f in (run_dir / "tokens").rglob("*.parquet")}
@@ -254,7 +255,9 @@ def test_gate_weights_are_recorded_per_token_only_with_a_controller(tmp_path):
         hook = make_hook_class()(settings)
         res = hook.compute_loss(TokenBatch.from_padded(*micro_batch(0, 0, 0)), agg_mode="token_mean")
         hook.close()
-        (f,) = (tmp_path / f"run-{has}" / "tokens").iterdir()
+        from runfiles import files
+
+        (f,) = files(tmp_path / f"run-{has}", "tokens")
         table = pq.read_table(f)
         assert ("gate_weight" in table.column_names) is has
         if has:

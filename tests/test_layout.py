@@ -1,7 +1,7 @@
-"""The run directory's names (triage_monitor.layout.RunLayout): every path of a run, listing a table, the latest
-attempt, and that the writer, the reader and the hooks take their names from it alone."""
+"""The run directory's names and index (triage_monitor.layout.RunLayout): every name of a run, what a file name
+says, which file a reader takes for a step and rank, and that the writer, the reader and the hooks take their
+names from it alone."""
 
-import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +10,8 @@ import torch
 from triage_monitor import layout as layout_module
 from triage_monitor.analysis import open_run
 from triage_monitor.batch import TokenBatch
-from triage_monitor.layout import MANIFEST, TABLES, RunLayout, TableFile, parse_table_file, temp_path
+from triage_monitor.layout import (MANIFEST, TABLES, Part, RunLayout, TableIndex, block_name, parse_part,
+                                   pending_name)
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
 
@@ -21,56 +22,70 @@ def _batch(step, B=2, T=8):
     return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), torch.ones(B, T, dtype=torch.bool))
 
 
-def test_every_path_of_a_run_directory(tmp_path):
+def test_every_name_of_a_run_directory(tmp_path):
     r = RunLayout(tmp_path / "run")
     root = tmp_path / "run"
-    assert r.root == root and repr(r) == f"RunLayout({str(root)!r})"
-    assert r.manifest == root / "run.json" and MANIFEST == "run.json"
-    assert TABLES == ("tokens", "steps", "quarantine", "alerts") and r.table_dir("alerts") == root / "alerts"
-    assert r.table_file("tokens", 3, 2, 17) == root / "tokens" / "step-00000003-rank-0002-attempt-17.parquet"
-    assert r.table_file("steps", 123456789, 12345, 1).name == "step-123456789-rank-12345-attempt-1.parquet"
-    assert r.lock_file(3) == root / ".writer-rank-3.lock"
-    assert r.rank_claims(1700000000123456789) == root / ".ranks" / "1700000000123456789"
-    assert r.framework_dir("verl", "raysubmit_1") == root / ".verl" / "raysubmit_1"
-    assert r.analysis_dir == root / "analysis" and r.states_cache("abc") == root / "analysis" / "states-abc.npz"
+    assert r.root == root and repr(r) == f"RunLayout({str(root)!r})" and r.is_local
+    assert r.manifest == MANIFEST == "run.json"
+    assert TABLES == ("tokens", "steps", "quarantine", "alerts") and r.table_dir("alerts") == "alerts"
+    assert r.block("tokens", 0, 49, 2, 17, 0) == "tokens/steps-00000000-00000049-rank-0002-attempt-17-part-0.parquet"
+    assert r.pending("steps", 3, 12345, 1, 4) == "steps/.pending-00000003-rank-12345-attempt-1-part-4.arrow"
+    assert r.lock_name(3) == ".writer-rank-3.lock" and r.lock_file(3) == root / ".writer-rank-3.lock"
+    assert r.rank_claims(1700000000123456789) == ".ranks/1700000000123456789"
+    assert r.framework_dir("verl", "raysubmit_1") == ".verl/raysubmit_1"
+    assert r.analysis_dir == "analysis" and r.states_cache("abc") == "analysis/states-abc.npz"
     assert r.replaced("20260102T030405Z") == tmp_path / "run.replaced-20260102T030405Z"
     assert r.replaced("20260102T030405Z", 2) == tmp_path / "run.replaced-20260102T030405Z-2"
-    assert r.relative(root / "tokens" / "x.parquet") == "tokens/x.parquet"
-    with pytest.raises(ValueError):
-        r.relative(tmp_path / "elsewhere" / "x.parquet")
 
 
-def test_a_table_file_name_parses_back_and_nothing_else_does():
-    r = RunLayout("/runs/a")
-    for key in ((0, 0, 1), (-1, 3, 5), (12, 10, 1700000000123456789)):
-        assert parse_table_file(r.table_file("tokens", *key).name) == key == RunLayout.parse(r.table_file("steps", *key).name)
-    for name in (".tmp-0123.parquet", "step-1-rank-0-attempt-1.parquet.tmp", "step=3", "part-5.parquet",
-                 "step-1-rank-0.parquet", "step-x-rank-0-attempt-1.parquet", "notes.txt"):
-        assert parse_table_file(name) is None, name
+def test_a_file_name_says_its_steps_rank_attempt_and_part_and_nothing_else_parses():
+    for lo, hi, rank, attempt, part in ((0, 49, 0, 1, 0), (-5, 3, 3, 5, 2), (100, 100, 10, 1700000000123456789, 7)):
+        p = parse_part("tokens", block_name(lo, hi, rank, attempt, part), 12)
+        assert p == Part("tokens", lo, hi, rank, attempt, part, True, f"tokens/{block_name(lo, hi, rank, attempt, part)}",
+                         12)
+        q = parse_part("steps", pending_name(hi, rank, attempt, part))
+        assert (q.lo, q.hi, q.rank, q.attempt, q.part, q.sealed) == (hi, hi, rank, attempt, part, False)
+    old = parse_part("tokens", "step-00000007-rank-0002-attempt-9.parquet")   # the one-step files before blocks
+    assert (old.lo, old.hi, old.rank, old.attempt, old.part, old.sealed) == (7, 7, 2, 9, 0, True)
+    for name in (".tmp-0123.parquet", "steps-1-2-rank-0-attempt-1-part-0.parquet.tmp", "step=3", "part-5.parquet",
+                 "steps-5-3-rank-0-attempt-1-part-0.parquet", "steps-x-3-rank-0-attempt-1-part-0.parquet",
+                 ".pending-1-rank-0-attempt-1.arrow", "notes.txt"):
+        assert parse_part("tokens", name) is None, name
 
 
-def test_listing_a_table_keeps_complete_files_and_reads_the_latest_attempt_by_rank(tmp_path):
-    """``files``: every complete table file by step (hidden temporary files, a directory named like a file and
-    other names are skipped); ``latest``: the step's newest attempt only, ordered by rank as a number (10 after
-    2); a table without a directory lists nothing."""
+def _part(lo, hi, rank, attempt, part, sealed=True):
+    name = block_name(lo, hi, rank, attempt, part) if sealed else pending_name(lo, rank, attempt, part)
+    return Part("tokens", lo, hi, rank, attempt, part, sealed, f"tokens/{name}")
+
+
+def test_the_index_says_which_file_a_reader_takes_for_each_step_and_rank():
+    """For a step: its latest attempt only (ranks the newer attempt lacks are not read), per rank the highest part
+    (the step logged again), a sealed block before the pending file of the same part (the same records)."""
+    a0 = [_part(0, 49, r, 1, 0) for r in (0, 1, 10)]                       # attempt 1: steps 0..49 on 3 ranks
+    a1 = [_part(30, 30, 0, 2, 0, sealed=False), _part(30, 30, 1, 2, 0)]    # attempt 2 redid step 30 on 2 ranks
+    again = [_part(31, 31, 0, 2, 1, sealed=False), _part(31, 32, 0, 2, 0)]  # step 31 logged twice: part 1 wins
+    same = [_part(40, 40, 2, 3, 5, sealed=False), _part(40, 41, 2, 3, 5)]  # sealing under way: the block
+    idx = TableIndex("tokens", a0 + a1 + again + same)
+    assert idx.steps() == list(range(50)) and idx.ranks() == [0, 1, 2, 10] and len(idx) == 9
+    assert [(p.rank, p.attempt) for p in idx.for_step(5)] == [(0, 1), (1, 1), (10, 1)]     # by rank as a number
+    assert [(p.rank, p.attempt, p.sealed) for p in idx.for_step(30)] == [(0, 2, False), (1, 2, True)]
+    assert [(p.rank, p.part) for p in idx.for_step(31)] == [(0, 1)]
+    assert [(p.rank, p.part, p.sealed) for p in idx.for_step(40)] == [(2, 5, True)]
+    assert [p.attempt for p in idx.for_step(30, attempt=1)] == [1, 1, 1]                    # an attempt asked for
+    assert idx.for_step(60) == [] and idx.attempts()[30] == 2 and idx.attempts()[29] == 1 and idx.attempts()[40] == 3
+    assert len(idx.covering(30)) == 5
+
+
+def test_listing_a_table_keeps_its_files_and_skips_everything_else(tmp_path):
     r = RunLayout(tmp_path)
-    keys = [(3, 10, 5), (3, 2, 5), (3, 2, 4), (3, 0, 4), (4, 1, 4)]
-    for key in keys:
-        r.table_file("tokens", *key).parent.mkdir(exist_ok=True)
-        r.table_file("tokens", *key).write_bytes(b"")
-    r.table_file("tokens", 3, 11, 5).mkdir()                           # a directory named like a file
-    temp_path(r.table_dir("tokens"), ".parquet").write_bytes(b"")     # a write under way
-    (r.table_dir("tokens") / "README").write_text("")
-    files = r.files("tokens")
-    assert sorted(files) == [3, 4]
-    assert sorted((f.step, f.rank, f.attempt) for f in files[3]) == sorted(k for k in keys if k[0] == 3)
-    assert all(isinstance(f, TableFile) and f.path == r.table_file("tokens", f.step, f.rank, f.attempt)
-               for fs in files.values() for f in fs)
-    latest = r.latest_files("tokens")
-    assert list(latest) == [3, 4]
-    assert [(f.rank, f.attempt) for f in latest[3]] == [(2, 5), (10, 5)]
-    assert [(f.rank, f.attempt) for f in latest[4]] == [(1, 4)]
-    assert RunLayout.latest([]) == [] and r.files("alerts") == {} and RunLayout(tmp_path / "none").files("steps") == {}
+    (tmp_path / "tokens").mkdir()
+    for name in (block_name(0, 9, 0, 5, 0), pending_name(10, 0, 5, 1), ".tmp-0123abcd.parquet", "README"):
+        (tmp_path / "tokens" / name).write_bytes(b"xyz")
+    (tmp_path / "tokens" / block_name(0, 9, 1, 5, 0)).mkdir()              # a directory named like a file
+    idx = r.index("tokens")
+    assert sorted((p.lo, p.hi, p.sealed, p.size) for p in idx.parts) == [(0, 9, True, 3), (10, 10, False, 3)]
+    assert r.index("alerts").parts == [] and RunLayout(tmp_path / "none").index("steps").parts == []
+    assert r.step_attempts() == {s: 5 for s in range(11)}
 
 
 def test_lock_files_and_whether_a_directory_holds_a_run(tmp_path):
@@ -79,58 +94,71 @@ def test_lock_files_and_whether_a_directory_holds_a_run(tmp_path):
     r.root.mkdir()
     for name in (".writer-rank-10.lock", ".writer-rank-2.lock", ".writer-rank-x.lock", "writer-rank-1.lock"):
         (r.root / name).write_text("")
-    assert [p.name for p in r.lock_files()] == [".writer-rank-10.lock", ".writer-rank-2.lock"]
+    assert r.lock_files() == [".writer-rank-10.lock", ".writer-rank-2.lock"]
     assert [RunLayout.lock_rank(p) for p in r.lock_files()] == [10, 2] and RunLayout.lock_rank("run.json") is None
     assert not r.holds_run()
-    r.table_dir("quarantine").mkdir()
+    (r.root / "quarantine").mkdir()
     assert r.holds_run()
-    r.table_dir("quarantine").rmdir()
-    r.manifest.write_text("{}")
+    (r.root / "quarantine").rmdir()
+    (r.root / MANIFEST).write_text("{}")
     assert r.holds_run()
-
-
-def test_temporary_paths_are_hidden_and_new_each_time(tmp_path):
-    a, b = temp_path(tmp_path, ".json"), temp_path(tmp_path, kind="probe-")
-    assert re.fullmatch(r"\.tmp-[0-9a-f]{32}\.json", a.name) and re.fullmatch(r"\.tmp-probe-[0-9a-f]{32}", b.name)
-    assert a.parent == tmp_path and temp_path(tmp_path, ".json") != a
 
 
 def test_changing_the_naming_is_this_module_alone(tmp_path, monkeypatch):
-    """Another file naming, set in RunLayout alone, is what the monitor writes and what open_run reads back (every
-    table, the latest attempt of a resumed step): no other module builds or parses a table file's name."""
-    pattern = re.compile(r"^s(-?\d+)_r(\d+)_a(\d+)\.pq$")
+    """Another file naming, set in the layout module alone, is what the monitor writes and what open_run reads
+    back (every table, the latest attempt of a resumed step): no other module builds or parses a file's name."""
+    import re
 
-    def table_file(self, table, step, rank, attempt):
-        return self.table_dir(table) / f"s{int(step)}_r{int(rank)}_a{int(attempt)}.pq"
+    block_re = re.compile(r"^b(-?\d+)_(-?\d+)_r(\d+)_a(\d+)_p(\d+)\.pq$")
+    pending_re = re.compile(r"^\.p(-?\d+)_r(\d+)_a(\d+)_p(\d+)\.ipc$")
 
-    def parse(name):
-        m = pattern.match(name)
-        return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+    def parse(table, name, size=0):
+        m = block_re.match(name)
+        if m:
+            lo, hi, rank, attempt, part = map(int, m.groups())
+            return Part(table, lo, hi, rank, attempt, part, True, f"{table}/{name}", size)
+        m = pending_re.match(name)
+        if m:
+            s, rank, attempt, part = map(int, m.groups())
+            return Part(table, s, s, rank, attempt, part, False, f"{table}/{name}", size)
+        return None
 
-    monkeypatch.setattr(RunLayout, "table_file", table_file)
-    monkeypatch.setattr(layout_module, "parse_table_file", parse)
+    monkeypatch.setattr(layout_module, "block_name", lambda lo, hi, r, a, p: f"b{lo}_{hi}_r{r}_a{a}_p{p}.pq")
+    monkeypatch.setattr(layout_module, "pending_name", lambda s, r, a, p: f".p{s}_r{r}_a{a}_p{p}.ipc")
+    monkeypatch.setattr(layout_module, "parse_part", parse)
     d = tmp_path / "run"
-    cfg = MonitorConfig(window=2, calibration_steps=2)
+    cfg = MonitorConfig(window=2, calibration_steps=2, roll_steps=2)
     with MismatchMonitor(d, cfg, attempt=1) as mon:
         for s in range(3):
             mon.log_step(s, _batch(s), extra={"reward": float(s)})
     with MismatchMonitor(d, cfg, attempt=2) as mon:                 # a resumed job redoes step 2
         mon.log_step(2, _batch(7), extra={"reward": 20.0})
-    assert sorted(p.name for p in (d / "steps").iterdir()) == ["s0_r0_a1.pq", "s1_r0_a1.pq", "s2_r0_a2.pq"]
-    assert sorted(p.name for p in (d / "tokens").iterdir()) == ["s0_r0_a1.pq", "s1_r0_a1.pq", "s2_r0_a2.pq"]
+    for table in ("steps", "tokens"):
+        assert sorted(p.name for p in (d / table).iterdir()) == ["b0_1_r0_a1_p0.pq", "b2_2_r0_a1_p1.pq",
+                                                                 "b2_2_r0_a2_p0.pq"]
     run = open_run(d)
     assert run.step_numbers() == [0, 1, 2] and run.steps()["reward"].tolist() == [0.0, 1.0, 20.0]
-    assert run.token_files(2) == [str(d / "tokens" / "s2_r0_a2.pq")] and len(run.tokens(2)) == 16
+    assert run.token_files(2) == [str(d / "tokens" / "b2_2_r0_a2_p0.pq")] and len(run.tokens(2)) == 16
 
 
 def test_the_hooks_side_folders_come_from_the_layout(tmp_path, monkeypatch):
-    """The rank claims of hooks/_runtime.py and verl's job folder are RunLayout's paths (moved there, they follow)."""
+    """The rank claims of hooks/_runtime.py and verl's job folder are RunLayout's names (moved there, they follow)."""
     from triage_monitor.hooks import _runtime
     from triage_monitor.hooks import verl as verl_hook
 
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(RunLayout, "rank_claims", lambda self, attempt: self.root / "claims" / f"a{attempt}")
-    monkeypatch.setattr(RunLayout, "framework_dir", lambda self, fw, job: self.root / f"fw-{fw}" / job)
+    monkeypatch.setattr(RunLayout, "rank_claims", staticmethod(lambda attempt: f"claims/a{attempt}"))
+    monkeypatch.setattr(RunLayout, "framework_dir", staticmethod(lambda fw, job: f"fw-{fw}/{job}"))
     assert [_runtime.resolve_rank(tmp_path, 9) for _ in range(2)] == [0, 1]
     assert sorted(p.name for p in (tmp_path / "claims" / "a9").iterdir()) == ["0", "1"]
-    assert verl_hook._job_dir(str(tmp_path), "job7") == Path(tmp_path) / "fw-verl" / "job7"
+    assert verl_hook._job_dir(str(tmp_path), "job7") == "fw-verl/job7"
+    verl_hook.publish_step(str(tmp_path), 12, "job7")
+    assert (Path(tmp_path) / "fw-verl" / "job7" / "global_steps").read_text() == "12"
+
+
+@pytest.mark.parametrize("location", ["s3://bucket/runs/a", "S3://bucket/runs/a?endpoint_override=h:9"])
+def test_an_s3_location_is_an_object_store_named_as_given(location):
+    r = RunLayout(location)
+    assert not r.is_local and r.location == location and r.display == "s3://bucket/runs/a"
+    with pytest.raises(ValueError, match="'s3' scheme is not supported; it must be a local path"):
+        r.root

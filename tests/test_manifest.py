@@ -7,14 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from triage_monitor.manifest import RunManifest, config_differences, read_manifest, write_json_atomic
+from triage_monitor.manifest import RunManifest, config_differences, json_text, read_manifest
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
 
 def test_manifest_json_is_standard_json_with_nan_as_null(tmp_path):
     obj = {"a": math.nan, "b": [1.5, math.inf, (2.0, -math.inf)], "c": {"d": math.nan, "e": "x"},
            "f": np.int64(3), "g": np.float64(0.25), "h": tmp_path, "i": np.float32(0.5), "j": {3}}
-    write_json_atomic(obj, tmp_path / "m.json")
+    (tmp_path / "m.json").write_text(json_text(obj))
     text = (tmp_path / "m.json").read_text()
     assert json.loads(text) == {"a": None, "b": [1.5, None, [2.0, None]], "c": {"d": None, "e": "x"}, "f": 3,
                                 "g": 0.25, "h": str(tmp_path), "i": 0.5, "j": "{3}"}
@@ -86,7 +86,7 @@ CRAFTED = [
     ("schema_version-string", lambda d: d.update(schema_version="3"), "schema_version",
      "schema_version must be an integer from 1 to 9223372036854775807, got a string ('3')"),
     ("schema_version-newer", lambda d: d.update(schema_version=99), "schema_version",
-     "schema_version 99 is newer than this triage-monitor reads (3): the run was written by a newer release; "
+     "schema_version 99 is newer than this triage-monitor reads (4): the run was written by a newer release; "
      "upgrade triage-monitor to read or continue it"),
     ("window-2**63", lambda d: d["monitor_config"].update(window=2 ** 63), "monitor_config.window",
      "monitor_config.window must be an integer from 1 to 9223372036854775807, got 9223372036854775808"),

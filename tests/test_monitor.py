@@ -203,7 +203,9 @@ def test_analyze_cli(run_dir, capsys, tmp_path):
 
 def test_analyze_cli_corrupt_token_file_is_a_message(run_dir, capsys):
     d, _ = run_dir
-    bad = next((d / "tokens").glob("step-00000003-rank-0000-*.parquet"))
+    from runfiles import file_of
+
+    bad = file_of(d, "tokens", 3)
     bad.write_bytes(b"not parquet")
     assert cli_main(["analyze", str(d)]) == 2
     err = capsys.readouterr().err

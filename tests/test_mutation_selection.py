@@ -25,6 +25,7 @@ NOT_MUTATED = {
     "layout.py": "file names of a run directory",
     "manifest.py": "reading and validating run.json (tests/test_manifest.py)",
     "locks.py": "writer locks (tests/test_faults.py, real processes)",
+    "storage.py": "where the bytes go: pyarrow.fs calls and temporary-name renames (tests/test_atomic_write.py, tests/test_object_store.py against a real S3 server)",
     "references.py": "published constants, each pinned by tests/test_constants_metrics.py",
     "report.py": "HTML assembly of views.py's figures",
     "state_kernel.py": "compiled by numba: mutmut's trampolines cannot be compiled; tests/test_state_kernel.py "

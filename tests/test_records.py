@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from runfiles import file_of, files, parts
 from triage_monitor.analysis import open_run
 from triage_monitor.batch import TokenBatch
 from triage_monitor.layout import RunLayout
@@ -60,7 +61,7 @@ def test_monitor_flush_passes_its_timeout_to_the_writer(tmp_path, held_file):
         assert 0.25 <= time.monotonic() - t0 < 3
         release.set()
         mon.flush()
-        assert mon.sink.written_files == 1
+        assert mon.sink.written_steps == 1
 
 
 # ------------------------------------------------------------------------------------------ the start checks
@@ -144,16 +145,17 @@ def test_a_steps_file_with_more_than_one_row_is_skipped_and_named(tmp_path, capl
     with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0)) as mon:
         for s in range(3):
             mon.log_step(s, _batch(s))
-    f = next((d / "steps").glob("step-00000001-*.parquet"))
+    f = file_of(d, "steps", 1)                          # the block of steps 0..2
     t = pq.read_table(f)
-    pq.write_table(pa.concat_tables([t, t]), f)
+    pq.write_table(pa.concat_tables([t, t.slice(1, 1)]), f)     # step 1's row twice
     run = open_run(d)
     with caplog.at_level(logging.WARNING, logger="triage_monitor"):
         assert run.steps()["step"].tolist() == [0, 2]
         run.steps()
-    assert run.unreadable == [(str(f), "2 rows, a steps file holds one")]
+    why = "2 rows for step 1, a steps file holds one row a step"
+    assert run.unreadable == [(str(f), why)]
     warned = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
-    assert warned == [f"triage-monitor: skipped unreadable file {f} (2 rows, a steps file holds one)"]
+    assert warned == [f"triage-monitor: skipped unreadable file {f} ({why})"]
 
 
 # ------------------------------------------------------------------------------------- force: moving a run aside
@@ -243,13 +245,13 @@ def test_token_files_hold_the_documented_columns_and_types(tmp_path):
                              sample_ids=torch.tensor([11, 12]), group_ids=torch.tensor([4, 4]))
     with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=2, attempt=9) as mon:
         mon.log_step(3, b, token_extras={"gate_weight": torch.tensor([1.0, 0.5, 0.0], dtype=torch.float64)})
-    t = pq.read_table(RunLayout(d).table_file("tokens", 3, 2, 9))
+    t = pq.read_table(file_of(d, "tokens", 3, rank=2))
     assert t.schema == TOKEN_SCHEMA.append(pa.field("gate_weight", pa.float32()))
     assert t.to_pydict() == {"step": [3] * 3, "rank": [2] * 3, "sample_id": [11, 11, 12], "group_id": [4, 4, 4],
                              "position": [0, 1, 0], "learner_logp": [-1.0, -2.0, -0.5],
                              "sampler_logp": [-1.5, -2.0, -0.25], "advantage": [0.5, 0.5, -1.0],
                              "attempt": [9] * 3, "gate_weight": [1.0, 0.5, 0.0]}
-    row = pq.read_table(RunLayout(d).table_file("steps", 3, 2, 9)).to_pylist()[0]
+    row = pq.read_table(file_of(d, "steps", 3, rank=2)).to_pylist()[0]
     assert (row["step"], row["rank"], row["attempt"], row["writer_dropped_rows"]) == (3, 2, 9, 0.0)
     assert abs(row["wall_time"] - time.time()) < 60 and row["n_tokens"] == 3.0
     assert json.loads(row["nan_reasons"]) == {k: v for k, v in json.loads(row["nan_reasons"]).items() if v}
@@ -258,11 +260,12 @@ def test_token_files_hold_the_documented_columns_and_types(tmp_path):
         with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, record_tokens=record), attempt=attempt) as mon:
             mon.log_step(3, b)
             mon.log_step(4, b)
-        assert RunLayout(d).table_file("tokens", 4, 0, 9).exists() == record
-    layout = RunLayout(d)
-    assert not layout.table_file("tokens", 3, 0, 9).exists() and not layout.table_file("tokens", 3, 0, 10).exists()
-    assert sorted(p.name for p in (d / "steps").iterdir()) == ["step-00000003-rank-0000-attempt-10.parquet",
-                                                               "step-00000004-rank-0000-attempt-10.parquet"]
+        assert [p.attempt for p in parts(d, "tokens")] == [9]               # the later attempt wrote none
+    # both attempts' steps rows stay; readers take the later one
+    assert [p.name.split("/")[1] for p in parts(d, "steps")] == [
+        "steps-00000003-00000004-rank-0000-attempt-10-part-0.parquet",
+        "steps-00000003-00000004-rank-0000-attempt-9-part-0.parquet"]
+    assert set(open_run(d).steps()["attempt"]) == {10}
 
 
 def test_alignment_columns_are_in_every_steps_file(tmp_path):
@@ -333,9 +336,9 @@ def test_the_steps_table_has_the_schema_declared_from_the_metrics_the_counters_a
         mon.log_step(1, _batch(1), extra={"kl": 0.25})
         mon.log_step(2, _batch(2), extra={"reward": 2.0, "late": 3.0})
     declared = steps_schema(["reward", "kl"])
-    files = sorted((d / "steps").iterdir())
-    assert [pq.read_schema(f) for f in files[:2]] == [declared, declared]
-    assert pq.read_schema(files[2]) == declared.append(pa.field("late", pa.float64()))
+    first, second = files(d, "steps")                # a new column seals the block: steps 0-1, then 2
+    assert pq.read_schema(first) == declared and pq.read_table(first).column("step").to_pylist() == [0, 1]
+    assert pq.read_schema(second) == declared.append(pa.field("late", pa.float64()))
     assert declared.names == ["step", "rank", *[k for k in out if k != "step"], "attempt", "wall_time", "nan_reasons"]
     assert set(declared.names) >= {*METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES), *INTEGRITY_METRICS,
                                    "alignment_suspect", "alignment_shift", "alignment_ratio", "tau_tail_frozen",
@@ -343,7 +346,7 @@ def test_the_steps_table_has_the_schema_declared_from_the_metrics_the_counters_a
     types = {f.name: f.type for f in declared}
     assert {n for n, t in types.items() if t != pa.float64()} == {"step", "rank", "attempt", "nan_reasons"}
     assert types["nan_reasons"] == pa.string() and types["step"] == types["rank"] == types["attempt"] == pa.int64()
-    row = pq.read_table(files[1]).to_pylist()[0]
+    row = pq.read_table(first).to_pylist()[1]
     assert math.isnan(row["reward"]) and row["kl"] == 0.25              # a declared extra a step lacks is NaN
 
 
@@ -372,7 +375,7 @@ def test_a_writer_without_a_declared_steps_schema_takes_the_first_rows_keys(tmp_
     w.close("finished", 2)
     assert w.steps_schema.names == ["step", "rank", "a", "b", "writer_dropped_rows", "attempt", "wall_time",
                                     "nan_reasons"]
-    rows = [pq.read_table(RunLayout(tmp_path / "run").table_file("steps", s, 0, 5)).to_pylist()[0] for s in (0, 1)]
+    rows = pq.read_table(file_of(tmp_path / "run", "steps", 0)).to_pylist()
     assert (rows[0]["a"], rows[0]["b"], rows[1]["b"]) == (1.0, 2.0, 3.0) and math.isnan(rows[1]["a"])
 
 
@@ -389,6 +392,5 @@ def test_every_tables_declared_schema_is_the_schema_its_files_have(tmp_path):
     with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), attempt=3) as mon:
         mon.log_step(0, b)
         mon.writer.record_alerts(0, [row])
-    layout = RunLayout(d)
     for table, schema in (("tokens", TOKEN_SCHEMA), ("quarantine", QUARANTINE_SCHEMA), ("alerts", ALERT_SCHEMA)):
-        assert pq.read_schema(layout.table_file(table, 0, 0, 3)) == schema, table
+        assert pq.read_schema(file_of(d, table, 0)) == schema, table

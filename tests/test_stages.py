@@ -240,7 +240,7 @@ def test_null_from_states_equals_token_shuffle_in_distribution(demo_run_dir):
     cfg = run.config.metrics
     win = states.steps[-10:]
     tau = states.taus[-1]
-    layout = TailLayout.concat([tail_layout_from_arrays(read_token_arrays(run.token_files(s)), tau,
+    layout = TailLayout.concat([tail_layout_from_arrays(read_token_arrays(run.token_source(s)), tau,
                                                         cfg.segment_width) for s in win])
     idx = [states.steps.index(s) for s in win]
     null_input = NullInput.concat([NullInput(*states.null_inputs[i]) for i in idx])

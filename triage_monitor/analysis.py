@@ -13,21 +13,25 @@ so ``recompute(run)`` reproduces the live per-step values.
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import logging
 import math
 from functools import cached_property
-from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from pathlib import PurePosixPath
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .blocks import read_part
 from .errors import TriageMonitorError
-from .layout import MANIFEST, RunLayout, run_path, temp_path
+from .layout import DENSE_TABLES, MANIFEST, TABLES, Part, RunLayout, TableIndex
 from .manifest import ManifestError, RunManifest, read_manifest
+from .storage import Store, open_store
 
 log = logging.getLogger("triage_monitor.analysis")
 
@@ -40,44 +44,92 @@ class RunDirError(TriageMonitorError, ValueError):
 
 
 def run_signature(path) -> tuple:
-    """``(manifest mtime_ns or None, number of steps files, newest steps file mtime_ns)`` of the run directory
-    ``path``: it changes whenever the run gains step files or its manifest is rewritten (the dashboard's cache
-    key).  Never raises: what cannot be read counts as absent."""
-    layout = RunLayout(path)
+    """``(manifest mtime_ns or None, number of steps files, newest steps file mtime_ns, their bytes)`` of the run
+    directory ``path``: it changes whenever the run gains step records or its manifest is rewritten (the
+    dashboard's cache key).  Never raises: what cannot be read counts as absent."""
     try:
-        man = layout.manifest.stat().st_mtime_ns
+        store = open_store(path)
+    except (ValueError, OSError):
+        return None, 0, 0, 0
+    try:
+        info = store.info(MANIFEST)
+        man = info.mtime_ns if info.type.name == "File" else None
     except OSError:
         man = None
-    count, newest = 0, 0
     try:
-        for files in layout.files("steps").values():
-            for f in files:
-                try:
-                    newest = max(newest, f.path.stat().st_mtime_ns)
-                except OSError:
-                    continue
-                count += 1
+        entries = store.listdir("steps")
     except OSError:
-        count, newest = 0, 0
-    return man, count, newest
+        entries = []
+    return man, len(entries), max((e.mtime_ns for e in entries), default=0), sum(e.size for e in entries)
+
+
+class RunLocation(str):
+    """The location of a run on an object store as users name it (``s3://bucket/runs/a``): a string with the
+    ``name`` and ``parent`` of its path, as a local run's ``Path`` has."""
+
+    @property
+    def _posix(self) -> PurePosixPath:
+        return PurePosixPath(self.split("?", 1)[0].split("://", 1)[-1])
+
+    @property
+    def name(self) -> str:
+        return self._posix.name
+
+    @property
+    def parent(self) -> PurePosixPath:
+        return self._posix.parent
+
+
+class StepSource(NamedTuple):
+    """Where one step's records of one table are: the run's location and the files to read, one per rank
+    (:meth:`~triage_monitor.layout.TableIndex.for_step`).  Plain data: it travels to worker processes and Ray."""
+
+    location: str
+    step: int
+    parts: tuple
+
+    def hint(self) -> str:
+        """A name for messages: the first file."""
+        return f"{self.location}/{self.parts[0].name}" if self.parts else self.location
+
+
+@functools.lru_cache(maxsize=16)
+def _store(location: str) -> Store:
+    """One :class:`~triage_monitor.storage.Store` per location and process (an object store's client is reused)."""
+    return open_store(location)
 
 
 class Run:
     """A run directory opened for reading (see :func:`open_run`).
 
     Attributes:
-        path: the run directory.
+        path: the run directory: a ``Path`` (local), or a :class:`RunLocation` (an ``s3://`` URI).
+        layout: its :class:`~triage_monitor.layout.RunLayout`.
         unreadable: ``[(path, reason), ...]`` (both str) of every table file a read of this object found
             corrupt or unreadable (truncated Parquet, no permission, a column missing) and skipped, in the
             order found; each is also logged once as a WARNING.  Reads fill it as they go: after ``steps()``
             it names the bad ``steps/`` files, after ``tokens(s)`` the bad token files of step ``s``.
+
+    The tables' indexes (one listing of each table directory) are taken once per object; a run being written
+    gains steps that a new :func:`open_run` sees.
     """
 
     def __init__(self, path):
-        self.path = Path(path)
         #: the run directory's names (:class:`~triage_monitor.layout.RunLayout`)
-        self.layout = RunLayout(self.path)
+        self.layout = RunLayout(path)
+        self.path = self.layout.root if self.layout.is_local else RunLocation(self.layout.display)
         self.unreadable: list = []
+        self._indexes: dict = {}
+        self._attempts: Optional[dict] = None
+
+    @property
+    def store(self) -> Store:
+        return self.layout.store
+
+    def refresh(self) -> None:
+        """Forget the tables' listings: the next read lists them again (a run being written has gained steps)."""
+        self._indexes.clear()
+        self._attempts = None
 
     def _skip_unreadable(self, f, reason: str) -> None:
         """Record ``f`` in :attr:`unreadable` (once) and log a WARNING naming it."""
@@ -86,18 +138,34 @@ class Run:
         self.unreadable.append((str(f), reason))
         log.warning("triage-monitor: skipped unreadable file %s (%s)", f, reason)
 
-    def _read(self, f, columns: Optional[Sequence[str]] = None) -> Optional[pa.Table]:
-        """``pq.read_table(f, columns)``, or None (recorded in :attr:`unreadable`) when it fails."""
+    def _read(self, part: Part, columns: Optional[Sequence[str]] = None,
+              step: Optional[int] = None) -> Optional[pa.Table]:
+        """The rows of ``part`` (only those of ``step``), or None (recorded in :attr:`unreadable`) when it fails."""
         try:
-            return pq.read_table(f, columns=list(columns) if columns else None)
-        except (OSError, pa.ArrowException, ValueError) as exc:
-            self._skip_unreadable(f, f"{type(exc).__name__}: {exc}")
+            return read_part(self.store, part, columns, step)
+        except (OSError, pa.ArrowException, ValueError, KeyError) as exc:
+            self._skip_unreadable(self.store.display(part.name), f"{type(exc).__name__}: {exc}")
             return None
+
+    def index(self, table: str) -> TableIndex:
+        """The :class:`~triage_monitor.layout.TableIndex` of ``table`` (listed once per object)."""
+        if table not in self._indexes:
+            self._indexes[table] = self.layout.index(table)
+        return self._indexes[table]
+
+    def step_attempts(self) -> dict:
+        """``{step: attempt}``: each step's latest attempt over the tokens and steps tables
+        (:meth:`~triage_monitor.layout.RunLayout.step_attempts`): the attempt whose alert and quarantine rows a
+        reader takes.  The tokens and the steps rows of a step are each their own table's latest attempt (a
+        resumed job whose token writes failed keeps the earlier attempt's tokens of the step)."""
+        if self._attempts is None:
+            self._attempts = self.layout.step_attempts({t: self.index(t) for t in ("tokens", "steps")})
+        return self._attempts
 
     @cached_property
     def manifest(self) -> RunManifest:
         """The run's :class:`~triage_monitor.manifest.RunManifest` (``run.json``)."""
-        return read_manifest(self.path)
+        return read_manifest(self.layout)
 
     @cached_property
     def config(self):
@@ -117,40 +185,48 @@ class Run:
         return self.config.metrics
 
     def step_numbers(self) -> list:
-        """Sorted steps that have token files."""
-        return sorted(self.layout.files("tokens"))
+        """Sorted steps that have token records (a step logged without valid tokens included)."""
+        return self.index("tokens").steps()
+
+    def token_source(self, step: int) -> StepSource:
+        """The :class:`StepSource` of the step's token records (latest attempt, one file per rank).
+
+        Raises:
+            KeyError: the step has no token records."""
+        parts = self.index("tokens").for_step(step)
+        if not parts:
+            raise KeyError(f"step {step} has no token records in {self.path}")
+        return StepSource(self.layout.location, int(step), tuple(parts))
 
     def tokens(self, step: int, columns: Optional[Sequence[str]] = None) -> pd.DataFrame:
         """Token rows of one step (all ranks, latest attempt) as a DataFrame, sorted by (sample_id, position).
 
-        ``columns``: only these (a ``rank`` column is always there). A rank file that cannot be read is skipped and named in :attr:`unreadable` (with a WARNING).
+        ``columns``: only these (a ``rank`` column is always there). A rank file that cannot be read is skipped
+        and named in :attr:`unreadable` (with a WARNING).
 
         Raises:
-            KeyError: the step has no token file, or none of its token files is readable.
+            KeyError: the step has no token records, or none of its token files is readable.
         """
-        files = self.layout.latest(self.layout.files("tokens").get(int(step), []))
-        if not files:
-            raise KeyError(f"step {step} has no token records in {self.path}")
+        src = self.token_source(step)
         tables = []
-        for f in files:
-            t = self._read(f.path, columns)
+        for f in src.parts:
+            t = self._read(f, columns, src.step)
             if t is None:
                 continue
             if "rank" not in t.column_names:      # columns= without it: the rank of the file's name
                 t = t.append_column("rank", pa.array([f.rank] * t.num_rows, pa.int64()))
             tables.append(t)
         if not tables:
-            raise KeyError(f"step {step}: every token file is unreadable ({', '.join(str(f.path) for f in files)})")
+            raise KeyError(f"step {step}: every token file is unreadable "
+                           f"({', '.join(self.store.display(f.name) for f in src.parts)})")
         df = pa.concat_tables(tables, promote_options="default").to_pandas()
         sort = [c for c in ("sample_id", "position") if c in df.columns]
         return df.sort_values(sort, kind="stable").reset_index(drop=True) if sort else df
 
     def token_files(self, step: int) -> list:
-        """Paths (str) of the step's token files of its latest attempt, one per rank, by rank."""
-        files = self.layout.latest(self.layout.files("tokens").get(int(step), []))
-        if not files:
-            raise KeyError(f"step {step} has no token records in {self.path}")
-        return [str(f.path) for f in files]
+        """The step's token files of its latest attempt (their locations, str), one per rank, by rank; a block
+        file holds the step among others."""
+        return [self.store.display(f.name) for f in self.token_source(step).parts]
 
     def token_batch(self, step: int):
         """The step's valid tokens as a :class:`~triage_monitor.batch.TokenBatch` (float32 values exactly as recorded)."""
@@ -168,45 +244,64 @@ class Run:
         for s in (self.step_numbers() if steps is None else steps):
             yield s, self.token_batch(s)
 
+    def _rows(self, table: str, rank: Optional[int] = None) -> Optional[pd.DataFrame]:
+        """Every row of ``table`` (of ``rank`` only, unless None) whose step's records are the latest: rows of an
+        earlier attempt of a step a later attempt redid are left out, and within an attempt those of an earlier
+        part (the step logged again).  None when the table holds nothing readable."""
+        idx = self.index(table)
+        if table in DENSE_TABLES:                 # every step a rank logs has its records here: their own latest
+            latest = idx.attempts()
+        else:                                     # rows at some steps only: the step's latest attempt, wherever
+            latest = dict(self.step_attempts())   # it wrote (no row then means none fired / none quarantined)
+            for s, a in idx.attempts().items():
+                latest.setdefault(s, a)
+        frames = []
+        for p in idx.parts:
+            if rank is not None and p.rank != rank:
+                continue
+            if not any(latest.get(s) == p.attempt for s in range(p.lo, p.hi + 1)):
+                continue                            # every step of the file was redone by a later attempt
+            t = self._read(p)
+            if t is None:
+                continue
+            df = t.to_pandas()
+            df["step"], df["rank"] = df["step"].astype("int64"), p.rank
+            df["_order"] = [p.order] * len(df)
+            df["_file"] = p.name
+            frames.append(df)
+        if not frames:
+            return None
+        df = pd.concat(frames, ignore_index=True)
+        df = df[df["attempt"].to_numpy() == df["step"].map(latest).to_numpy()]
+        newest = df.groupby(["step", "rank"])["_order"].transform("max")
+        df = df[df["_order"] == newest]
+        if table == "steps":                        # one row a step and rank: a file with more is damaged there
+            dup = df.duplicated(["step", "rank"], keep=False)
+            for (name, step), n in df[dup].groupby(["_file", "step"]).size().items():
+                self._skip_unreadable(self.store.display(name), f"{n} rows for step {step}, a steps file holds one "
+                                                                "row a step")
+            df = df[~dup]
+        return df.drop(columns=["_order", "_file"])
+
     def steps(self, rank: Optional[int] = 0) -> pd.DataFrame:
         """Live per-step metric rows (latest attempt of each step), sorted by step.
 
         ``rank=None`` returns every rank's rows (a ``rank`` column tells them apart).
         Returns an empty DataFrame with a ``step`` column when nothing was recorded yet.
         """
-        rows = []
-        for step, files in self.layout.latest_files("steps").items():
-            for f in files:
-                if rank is not None and f.rank != rank:
-                    continue
-                t = self._read(f.path)
-                if t is None:
-                    continue
-                if t.num_rows != 1:
-                    self._skip_unreadable(f.path, f"{t.num_rows} rows, a steps file holds one")
-                    continue
-                d = t.to_pylist()[0]
-                d["step"], d["rank"] = step, f.rank
-                rows.append(d)
-        if not rows:
+        df = self._rows("steps", rank)
+        if df is None or not len(df):
             return pd.DataFrame({"step": pd.Series([], dtype="int64")})
-        df = pd.DataFrame(rows)
         front = ["step", "rank"]
         return df[front + [c for c in df.columns if c not in front]].sort_values(["step", "rank"]).reset_index(
             drop=True)
 
     def _table(self, name: str) -> pd.DataFrame:
         """All rows of a side table (``alerts``, ``quarantine``), latest attempt, with a ``step`` column."""
-        frames = []
-        for step, files in self.layout.latest_files(name).items():
-            for f in files:
-                t = self._read(f.path)
-                if t is None:
-                    continue
-                df = t.to_pandas()
-                df["step"], df["rank"] = step, f.rank
-                frames.append(df)
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"step": []})
+        df = self._rows(name)
+        if df is None:
+            return pd.DataFrame({"step": []})
+        return df.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
 
     def alerts(self) -> pd.DataFrame:
         """Alert rows recorded in ``alerts/`` (empty DataFrame when none)."""
@@ -216,32 +311,42 @@ class Run:
         """Quarantined tokens (docs/reliability.md), with a ``step`` column (empty when none)."""
         return self._table("quarantine")
 
+    def file_count(self) -> dict:
+        """``{table: files}`` of the run's tables (sealed blocks and pending files), from their listings."""
+        return {t: len(self.index(t)) for t in TABLES}
+
 
 def open_run(path) -> Run:
-    """Open a run directory written by :class:`~triage_monitor.monitor.MismatchMonitor`.
+    """Open a run directory written by :class:`~triage_monitor.monitor.MismatchMonitor`: a local path, a
+    ``file://`` URI or an ``s3://`` URI.  Only ``run.json`` is read; the tables are listed when first read.
 
     Raises:
-        RunDirError: the path does not exist, is not a directory, or has no
+        RunDirError: the location is of an unsupported scheme, does not exist, is not a directory, or has no
             ``run.json`` manifest, or the manifest is unreadable or has a field of the wrong type or out of
             range (:class:`~triage_monitor.manifest.ManifestError`: the message names the file and the field).
     """
     try:
-        p = run_path(path)
+        layout = RunLayout(path)
     except ValueError as exc:             # an unsupported URI scheme
         raise RunDirError(str(exc)) from exc
-    if not p.exists():
-        raise RunDirError(f"{p}: no such directory")
-    if not p.is_dir():
-        raise RunDirError(f"{p}: not a directory")
-    if not RunLayout(p).manifest.is_file():
-        raise RunDirError(f"{p}: not a triage-monitor run directory (no {MANIFEST})")
-    run = Run(p)
+    p, store = layout.display, layout.store
+    try:
+        if store.is_local:
+            if not store.exists(""):
+                raise RunDirError(f"{p}: no such directory")
+            if not store.is_dir(""):
+                raise RunDirError(f"{p}: not a directory")
+        if not store.is_file(MANIFEST):
+            raise RunDirError(f"{p}: not a triage-monitor run directory (no {MANIFEST})")
+    except OSError as exc:
+        raise RunDirError(f"{p}: cannot be read ({exc})") from exc
+    run = Run(store)
     try:
         run.manifest
     except ManifestError as exc:             # names the file and the field already
         raise RunDirError(str(exc)) from exc
     except (OSError, ValueError) as exc:
-        raise RunDirError(f"{RunLayout(p).manifest}: unreadable manifest ({exc})") from exc
+        raise RunDirError(f"{store.display(MANIFEST)}: unreadable manifest ({exc})") from exc
     return run
 
 
@@ -252,15 +357,26 @@ TAU_DEPENDENT = ("r_amp", "h_seg", "c_tok", "p_adj", "dilution", "tau_tail")
 TAU_MODES = ("frozen", "live")
 
 
-def read_token_arrays(files: Sequence) -> list:
-    """Decode a step's token files (one per rank) into numpy columns: a list of
-    ``(sample_id int64, position int64, learner_logp float32, sampler_logp float32, advantage float32)``,
-    each ``(n,)`` in file order.  Nothing else (no pandas, no sort): the decode the offline metrics pay."""
-    out = []
-    for f in files:
-        t = pq.read_table(f, columns=list(TOKEN_COLUMNS))
-        out.append(tuple(t.column(c).to_numpy() for c in TOKEN_COLUMNS))
-    return out
+def read_token_arrays(source) -> list:
+    """Decode a step's token records into numpy columns: a list of ``(sample_id int64, position int64,
+    learner_logp float32, sampler_logp float32, advantage float32)``, one per file, each ``(n,)`` in file order.
+    Nothing else (no pandas, no sort): the decode the offline metrics pay.
+
+    ``source``: a :class:`StepSource` (the step's rows of each rank's file, :meth:`Run.token_source`), or local
+    paths of Parquet files each holding one step's rows (read whole).
+
+    Raises:
+        OSError, pyarrow.ArrowException: a file cannot be read."""
+    if not isinstance(source, StepSource):
+        tables = [pq.read_table(f, columns=list(TOKEN_COLUMNS)) for f in source]
+    else:
+        store = _store(source.location)
+        tables = [read_part(store, f, TOKEN_COLUMNS, source.step) for f in source.parts]
+    return [tuple(t.column(c).to_numpy() for c in TOKEN_COLUMNS) for t in tables]
+
+
+def _hint(source) -> str:
+    return source.hint() if isinstance(source, StepSource) else str(source[0]) if len(source) else ""
 
 
 def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
@@ -304,10 +420,10 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
     return stats.state.numpy()
 
 
-def step_state(files: Sequence, tau_tail: float, config) -> "np.ndarray":
-    """:func:`state_of_arrays` of the step's token ``files`` (decode + metric state: the map of
-    :func:`recompute`, run by any engine of :mod:`triage_monitor.engines`)."""
-    return state_of_arrays(read_token_arrays(files), tau_tail, config, str(files[0]) if files else "")
+def step_state(source, tau_tail: float, config) -> "np.ndarray":
+    """:func:`state_of_arrays` of the step's token records (``source`` as :func:`read_token_arrays` takes it;
+    decode + metric state: the map of :func:`recompute`, run by any engine of :mod:`triage_monitor.engines`)."""
+    return state_of_arrays(read_token_arrays(source), tau_tail, config, _hint(source))
 
 
 def _step_result(parts: list, tau_tail: float, config, path_hint: str = "") -> tuple:
@@ -321,8 +437,8 @@ def _step_result(parts: list, tau_tail: float, config, path_hint: str = "") -> t
     return state, NullInput.concat(nulls)
 
 
-def _prefetch(files, tau_tail, config):
-    return read_token_arrays(files), tau_tail, config, str(files[0]) if files else ""
+def _prefetch(source, tau_tail, config):
+    return read_token_arrays(source), tau_tail, config, _hint(source)
 
 
 class StepStates:
@@ -427,19 +543,20 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     explicit = tau_tail if tau_tail is not None else mc.tau_tail
     n_calib = int(calibration_steps if calibration_steps is not None else mc.calibration_steps)
     MetricTracker(cfg, win, explicit, n_calib)                       # validates window, τ_tail, calibration
-    latest = run.layout.latest_files("tokens")
-    all_steps = list(latest)
-    files = {s: [str(f.path) for f in latest[s]] for s in all_steps}
+    all_steps = run.step_numbers()
+    files = {s: run.token_source(s) for s in all_steps}
     todo = all_steps if steps is None else sorted({int(s) for s in steps})
     missing = [s for s in todo if s not in files]
     if missing:
         raise KeyError(f"step(s) {missing[:5]} have no token records in {run.path}")
     calib = all_steps[:n_calib]
+    if engine == "local":
+        workers = planned_workers([files[s] for s in todo], workers)
     kw = dict(engine=engine, workers=workers, address=address, progress=progress)
     path = None
     if cache:
-        path = run.layout.states_cache(_cache_key(run.layout, files, todo, cfg, explicit, n_calib, tau_mode))
-        hit = _load_states(path, cfg, win, tau_mode)
+        path = run.layout.states_cache(_cache_key(files, todo, cfg, explicit, n_calib, tau_mode))
+        hit = _load_states(run.store, path, cfg, win, tau_mode)
         if hit is not None:
             return hit
 
@@ -471,29 +588,45 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     mat = np.stack([states[s] for s in todo]) if todo else np.zeros((0, size))
     out = StepStates(todo, mat, [taus[s] for s in todo], cfg, win, tau_mode, [nulls[s] for s in todo])
     if path is not None:
-        _save_states(path, out)
+        _save_states(run.store, path, out)
     return out
 
 
-def _cache_key(run_layout: RunLayout, files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: str) -> str:
+#: Token-record bytes each local worker process must have to map before its start-up (a spawned interpreter
+#: importing torch, numba and the package: 2-4 s on the 2-core machine) pays off: 1 GiB, about 110M tokens,
+#: 3-4 s of decoding in one process.  Below it, fewer workers (one: this process) are faster.
+WORKER_MIN_BYTES = 1 << 30
+
+
+def planned_workers(sources: Sequence, workers: int) -> int:
+    """How many local worker processes the map over ``sources`` (:class:`StepSource` s) uses when ``workers`` are
+    asked for: at most one per :data:`WORKER_MIN_BYTES` of their token records (a block's bytes shared by its
+    steps), at least 1 — so ``--workers N`` is never slower than one process on a run too small for it."""
+    workers = int(workers)
+    if workers <= 1:
+        return max(workers, 1)
+    nbytes = sum(p.size / (p.hi - p.lo + 1) for src in sources for p in src.parts)
+    return max(1, min(workers, int(nbytes // WORKER_MIN_BYTES)))
+
+
+def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: str) -> str:
     import hashlib
     from dataclasses import asdict
 
     from .metrics import state_layout
 
-    # the state layout is part of the key: a state of another layout (a field added or resized) is never loaded
+    # the state layout is part of the key: a state of another layout (a field added or resized) is never loaded.
+    # A step's records are named by (rank, attempt, part): the same records whether still pending or sealed.
     layout = [(f.name, f.size, f.reduction) for f in state_layout(cfg.segment_width).fields]
     h = hashlib.sha256(json.dumps([asdict(cfg), explicit, n_calib, tau_mode, todo, layout,
                                    list(state_kernel_fields()), _CACHE_FORMAT]).encode())
     for s in sorted(files):
-        for f in files[s]:
-            st = Path(f).stat()
-            h.update(f"{s}:{run_layout.relative(f)}:{st.st_size}:{st.st_mtime_ns};".encode())
+        h.update(f"{s}:{[(p.rank, p.attempt, p.part) for p in files[s].parts]};".encode())
     return h.hexdigest()[:20]
 
 
-#: Version of the cached states file (part of its key): 2 adds the shuffle-null inputs.
-_CACHE_FORMAT = 2
+#: Version of the cached states file (part of its key): 2 adds the shuffle-null inputs, 3 keys by records.
+_CACHE_FORMAT = 3
 
 
 def state_kernel_fields() -> tuple:
@@ -503,9 +636,9 @@ def state_kernel_fields() -> tuple:
     return SUM_FIELDS
 
 
-def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepStates]:
+def _load_states(store: Store, path: str, cfg, window: int, tau_mode: str) -> Optional[StepStates]:
     try:
-        with np.load(path) as z:
+        with np.load(io.BytesIO(store.read_bytes(path))) as z:
             split = (lambda values, lengths: np.split(values, np.cumsum(lengths)[:-1]) if len(lengths) else [])
             nulls = list(zip(split(z["null_seg"], z["null_seg_len"]), split(z["null_nseg"], z["null_resp_len"]),
                              split(z["null_tails"], z["null_resp_len"])))
@@ -516,23 +649,20 @@ def _load_states(path: Path, cfg, window: int, tau_mode: str) -> Optional[StepSt
         return None
 
 
-def _save_states(path: Path, states: StepStates) -> None:
-    tmp = temp_path(path.parent, ".npz")
+def _save_states(store: Store, path: str, states: StepStates) -> None:
+    """Save ``states`` at ``path`` of the run; a failed save (a read-only run, a full disk) is skipped."""
+    buf = io.BytesIO()
+    nulls = states.null_inputs or []
+    cat = (lambda k: np.concatenate([n[k] for n in nulls]) if nulls else np.zeros(0, np.int32))
+    np.savez_compressed(buf, steps=np.asarray(states.steps, dtype=np.int64), states=states.states,
+                        taus=np.asarray(states.taus, dtype=np.float64), null_seg=cat(0), null_nseg=cat(1),
+                        null_tails=cat(2), null_seg_len=np.array([len(n[0]) for n in nulls], np.int64),
+                        null_resp_len=np.array([len(n[1]) for n in nulls], np.int64))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as fh:
-            nulls = states.null_inputs or []
-            cat = (lambda k: np.concatenate([n[k] for n in nulls]) if nulls else np.zeros(0, np.int32))
-            np.savez_compressed(fh, steps=np.asarray(states.steps, dtype=np.int64), states=states.states,
-                                taus=np.asarray(states.taus, dtype=np.float64), null_seg=cat(0), null_nseg=cat(1),
-                                null_tails=cat(2), null_seg_len=np.array([len(n[0]) for n in nulls], np.int64),
-                                null_resp_len=np.array([len(n[1]) for n in nulls], np.int64))
-        tmp.replace(path)
+        store.makedirs(RunLayout.analysis_dir)
+        store.write_bytes(path, buf.getvalue())
     except OSError:
-        try:
-            tmp.unlink(missing_ok=True)     # a failed save (full disk) leaves no temporary file behind
-        except OSError:
-            pass
+        pass
 
 
 def _part(state, cfg):

@@ -61,6 +61,11 @@ class MonitorConfig:
             row too (default False: rank 0 of the group writes the step's one row, the metrics being the same on
             every rank; its integrity counters are summed over the group).  Without a process group every rank's
             metrics are its own and every rank writes its row.
+        roll_steps: steps per file of each table and rank (docs/reliability.md#what-a-killed-job-keeps): a rank's
+            steps go into one Parquet block per ``roll_steps`` consecutive steps (aligned: a block ends at a step S
+            with ``(S + 1) % roll_steps == 0``), so a run's file count grows as ranks x steps / roll_steps.
+            Until its block is sealed, each step is also in a pending file of its own (what a killed job keeps).
+        roll_bytes: a block is also sealed once the columns written to it pass this many bytes.
     """
 
     metrics: MetricConfig = field(default_factory=MetricConfig)
@@ -72,10 +77,16 @@ class MonitorConfig:
     backpressure: str = "block"
     alignment_check_steps: int = 3
     per_rank_steps: bool = False
+    roll_steps: int = 50
+    roll_bytes: int = 1 << 30
 
     def __post_init__(self):
         if isinstance(self.metrics, dict):
             self.metrics = MetricConfig(**self.metrics)
+        for name in ("roll_steps", "roll_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MonitorConfig.{name} must be an integer >= 1, got {v!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -342,6 +342,28 @@ def sequence_mask_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec, 
     return w[idx]
 
 
+def geometric_sequence_mask_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
+                                    high: float = 2.0) -> Tensor:
+    """Token IS ratio inside sequences whose **geometric-mean** ratio is at most ``high``, ``(N,)`` float32,
+    detached (docs/metrics.md#baselines).
+
+    ``r_t = exp(clamp(old_logp − sampler_logp, ±20))``; ``g_s = exp(mean_{t∈s} log r_t)``; every token of s gets
+    ``r_t`` when ``g_s ≤ high`` and ``0`` otherwise.  This is ms-swift's ``rollout_importance_sampling_mode =
+    "sequence_mask"`` (``rollout_importance_sampling_threshold`` = ``high``, default 2.0; checked against ms-swift
+    4.4.0 and 4.6.0).  Unlike :func:`sequence_mask_weights` (product form, TRL) the sequence test uses the
+    geometric mean, and the kept tokens keep their own ratio.
+
+    Raises:
+        ValueError: shapes differ or ``high`` ≤ 0.
+    """
+    _check_band("geometric_sequence_mask_weights", 0.0, high)
+    log_ratio = _log_ratio(old_logp, sampler_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    total, count = sequence_log_ratio_sum(log_ratio, seq)
+    keep = torch.exp(total / count.clamp(min=1).to(total.dtype)) <= high
+    idx, _ = _seq_index(seq, old_logp.shape[0], old_logp.device)
+    return torch.where(keep[idx], torch.exp(log_ratio), torch.zeros_like(log_ratio))
+
+
 def sequence_is_geometric_weights(old_logp: Tensor, sampler_logp: Tensor, seq: SeqSpec,
                                   high: float = 2.0) -> Tensor:
     """Sequence IS, **geometric form**, ``(N,)`` float32, detached (docs/metrics.md#baselines; GSPO-style).
@@ -362,5 +384,6 @@ def sequence_is_geometric_weights(old_logp: Tensor, sampler_logp: Tensor, seq: S
 __all__ = [
     "Surrogate", "register_surrogate", "get_surrogate", "list_surrogates", "ppo_clip_loss", "tis_weights",
     "icepop_weights", "geometric_mean_ratio", "mis_weights", "sequence_is_product_weights",
-    "sequence_is_geometric_weights", "sequence_log_ratio_sum", "LOG_RATIO_BOUND",
+    "sequence_is_geometric_weights", "geometric_sequence_mask_weights", "sequence_mask_weights",
+    "sequence_log_ratio_sum", "LOG_RATIO_BOUND",
 ]

@@ -5,7 +5,7 @@
     │   ├── UnwritableOutputError    the path cannot be created or written
     │   ├── RunConflictError         the directory holds another run
     │   └── RunLockedError           another live process writes the same rank
-    ├── UnsupportedLocationError     (also a ValueError) a run directory given as a URI whose scheme is not supported
+    ├── UnsupportedLocationError     (also a ValueError) a location given as a URI whose scheme is not supported there
     ├── analysis.RunDirError         (also a ValueError) the path is not a readable run directory
     ├── batch.InvalidTokenError      (also a ValueError) a valid token carries an impossible value
     └── exits.CommandError           a command stops with a message and an exit status
@@ -29,11 +29,12 @@ class OutputError(TriageMonitorError):
     """An output (a run directory, a file) cannot be written as asked; raised at start, before any work.
 
     Subclasses: :class:`UnwritableOutputError`, :class:`RunConflictError`, :class:`RunLockedError`.
-    ``path`` is the output concerned (a :class:`~pathlib.Path`, or None)."""
+    ``path`` is the output concerned (a :class:`~pathlib.Path`; the URI string of an object-store location; or
+    None)."""
 
     def __init__(self, message: str, path=None):
         super().__init__(message)
-        self.path = None if path is None else Path(path)
+        self.path = None if path is None else path if isinstance(path, str) and "://" in path else Path(path)
 
 
 class UnwritableOutputError(OutputError):
@@ -56,13 +57,15 @@ class RunLockedError(OutputError):
 
 
 class UnsupportedLocationError(TriageMonitorError, ValueError):
-    """A run directory given as a URI (``s3://bucket/run``, ``gs://...``, ``hdfs://...``) of a scheme that is not
-    supported: refused, never taken as a local folder of that name (``.scheme`` holds the scheme)."""
+    """A location given as a URI (``gs://...``, ``hdfs://...``; ``s3://`` where the output must be local) of a
+    scheme that is not supported there: refused, never taken as a local folder of that name (``.scheme`` holds
+    the scheme)."""
 
-    def __init__(self, location: str, scheme: str, what: str = "run directory"):
+    #: what a run directory may be (triage_monitor.storage.OBJECT_STORE_SCHEMES)
+    RUN_DIR = "a local path, a file:// URI, or an s3:// URI (AWS S3 or an S3-compatible store)"
+
+    def __init__(self, location: str, scheme: str, what: str = "run directory", supported: Optional[str] = None):
         self.location, self.scheme = location, scheme
-        super().__init__(
-            f"{what} {location!r}: the {scheme!r} scheme is not supported; it must be a path on a local or mounted "
-            "file system (a shared disk, or an object store mounted as one, e.g. with mountpoint-s3 or s3fs), or a "
-            "file:// URI")
+        super().__init__(f"{what} {location!r}: the {scheme!r} scheme is not supported; it must be "
+                         f"{supported or self.RUN_DIR}")
 

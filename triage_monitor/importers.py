@@ -7,6 +7,8 @@ Two sources (docs/hooks.md, "Importing existing logs"):
   tensor-parallel replicas are imported once); :func:`slime_steps`.  One ``rollout_id`` is one step.
   slime's ``--save-debug-rollout-data`` files hold only the sampler side (no learner log-probs, no
   advantages) and cannot be imported alone.
+* ``miles`` — Miles' ``--save-debug-train-data`` per-rank files (every rank writes; replicas imported once,
+  context-parallel slices put back together); :func:`miles_steps`.
 * ``table`` — a Parquet file/directory or JSONL file of per-token log-probs, long format (one row
   per token) or wide (one row per response whose log-prob columns are lists).  A column mapping
   (``--map field=column``) names the columns; required fields: ``step``, ``sample_id``,
@@ -73,15 +75,16 @@ _NO_LOG_PROBS_HINT = ("slime skips the learner log-prob pass in some configurati
                       "--use-rollout-logprobs); dumps written since format_version 2 capture it during training")
 
 
-def _sample_key(data: dict, i: int) -> tuple:
+def _sample_key(data: dict, i: int, probe: Optional[str] = "rollout_log_probs") -> tuple:
     """Identity of the i-th sample of a per-rank dump: index, response length, token ids, sampler log-probs
-    (the last two come from the rollout, equal on every replica of a data-parallel shard)."""
+    (the last two come from the rollout, equal on every replica of a data-parallel shard; ``probe=None`` leaves the
+    sampler log-probs out, which Miles slices per context-parallel rank)."""
     def values(key):
-        col = data.get(key)
+        col = data.get(key) if key else None
         return None if col is None else torch.as_tensor(col[i]).reshape(-1).double().numpy().tobytes()
     idx = data.get("sample_indices")
     index = None if idx is None or idx[i] is None else int(idx[i])
-    return (index, int(data["response_lengths"][i]), values("tokens"), values("rollout_log_probs"))
+    return (index, int(data["response_lengths"][i]), values("tokens"), values(probe))
 
 
 def _slime_parts_v031(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
@@ -122,17 +125,34 @@ def _slime_parts_v031(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
                                  "tokens: a context-parallel shard (the v0.3.1 writer saves each CP rank's slice); "
                                  "re-dump with context parallel size 1 or with slime's format_version 2 writer, which "
                                  "restores full responses")
-            smp = {k: data[k][i] for k in (*SLIME_REQUIRED, "loss_masks") if k in data}
-            idx = data.get("sample_indices")
-            smp["sample_index"] = None if idx is None else idx[i]
-            smp["_where"] = f"{path}: sample {i}"
-            smp["_order"] = (rank, i)
-            samples.append(smp)
+            samples.append(_dump_sample({k: data[k][i] for k in (*SLIME_REQUIRED, "loss_masks") if k in data},
+                                        data, i, path, rank))
+    return _in_sample_order(samples), {"replica_files_dropped": dropped}
+
+
+def _dump_sample(smp: dict, data: dict, i: int, path: str, rank: int) -> dict:
+    """A per-rank dump's i-th sample with its identity: ``sample_index``, where it came from, its order."""
+    idx = data.get("sample_indices")
+    return dict(smp, sample_index=None if idx is None else idx[i], _where=f"{path}: sample {i}", _order=(rank, i))
+
+
+def _in_sample_order(samples: List[dict]) -> List[dict]:
+    """By ``sample_index`` where every sample has one, else by (rank, position in the file)."""
     if all(s["sample_index"] is not None for s in samples):
-        samples.sort(key=lambda s: int(s["sample_index"]))
-    else:
-        samples.sort(key=lambda s: s["_order"])
-    return samples, {"replica_files_dropped": dropped}
+        return sorted(samples, key=lambda s: int(s["sample_index"]))
+    return sorted(samples, key=lambda s: s["_order"])
+
+
+def _step_batch(samples: List[dict], on_invalid: str, step: int, files: str) -> TokenBatch:
+    """The step's :class:`TokenBatch`; a refusal names the file holding the sample (``files`` when none is known)."""
+    try:
+        return _slime_batch(samples, on_invalid)
+    except (ValueError, TypeError) as exc:   # TokenBatch's messages name a sample index: say which file holds it
+        if str(exc).split(":", 1)[0] in {str(smp["_where"]).split(":", 1)[0] for smp in samples}:
+            raise                                   # already names its file
+        index = getattr(exc, "sample", None)
+        where = samples[index]["_where"] if isinstance(index, int) and 0 <= index < len(samples) else files
+        raise ValueError(f"{where}: rollout_id {step}: {exc}") from exc
 
 
 def _slime_batch(samples: List[dict], on_invalid: str) -> TokenBatch:
@@ -213,16 +233,134 @@ def slime_steps(paths: Iterable[str], on_invalid: str = "quarantine",
             samples, extra = _slime_parts_v031(v031[step])
             if info is not None:
                 info["replica_files_dropped"] += extra["replica_files_dropped"]
-        try:
-            batch = _slime_batch(samples, on_invalid)
-        except (ValueError, TypeError) as exc:   # TokenBatch's messages name a sample index: say which file holds it
-            if str(exc).split(":", 1)[0] in {str(smp["_where"]).split(":", 1)[0] for smp in samples}:
-                raise                                   # already names its file
-            index = getattr(exc, "sample", None)
-            where = samples[index]["_where"] if isinstance(index, int) and 0 <= index < len(samples) else (
-                v2[step][0] if step in v2 else ", ".join(p for p, _ in v031[step]))
-            raise ValueError(f"{where}: rollout_id {step}: {exc}") from exc
-        yield step, batch
+        files = v2[step][0] if step in v2 else ", ".join(p for p, _ in v031[step])
+        yield step, _step_batch(samples, on_invalid, step, files)
+
+
+# ------------------------------------------------------------------- Miles
+#: Per-sample fields Miles' dump holds as each context-parallel rank's slice (the rest is full-length).
+MILES_CP_SLICED = ("log_probs", "rollout_log_probs", "advantages")
+
+
+def cp_response_slices(total_length: int, response_length: int, cp_rank: int, cp_size: int, qkv_format: str = "thd",
+                       max_seq_len: Optional[int] = None) -> List[Tuple[int, int]]:
+    """The ``(start, stop)`` ranges of a response's tokens that context-parallel rank ``cp_rank`` of ``cp_size``
+    holds, in response positions, in the order its slice stores them (Miles' zigzag split: two chunks of
+    ``ceil(L / 2·cp)`` tokens, ``L`` the total length, or ``max_seq_len`` under ``qkv_format="bshd"``; Miles
+    ``cp_utils.get_logits_and_tokens_offset_with_cp`` / ``slice_log_prob_with_cp`` at commit 31f1ca96).
+
+    Raises:
+        ValueError: ``bshd`` without ``max_seq_len``.
+    """
+    prompt = total_length - response_length
+    if qkv_format == "thd":
+        chunk = (total_length + 2 * cp_size - 1) // (2 * cp_size)
+    elif max_seq_len is None:
+        raise ValueError("qkv_format 'bshd' needs max_seq_lens")
+    else:
+        chunk = (int(max_seq_len) + 2 * cp_size - 1) // (2 * cp_size)
+    out = []
+    for lo, hi in ((cp_rank * chunk, (cp_rank + 1) * chunk),
+                   ((2 * cp_size - cp_rank - 1) * chunk, (2 * cp_size - cp_rank) * chunk)):
+        a, b = max(lo, prompt - 1), min(hi, total_length - 1)
+        if a < b:
+            out.append((a - (prompt - 1), b - (prompt - 1)))
+    return out
+
+
+def _miles_parts(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
+    """Samples of one rollout's per-rank Miles files, each sample once, context-parallel slices put back together.
+
+    Replicas (tensor-parallel ranks, pipeline stages without learner log-probs) are dropped as for slime v0.3.1
+    (:func:`_slime_parts_v031`); the files of one data-parallel shard's ``cp_size`` context-parallel ranks are then
+    joined: each per-token field of :data:`MILES_CP_SLICED` is rebuilt from the ranks' slices
+    (:func:`cp_response_slices`); ``loss_masks`` are full-length in the dump.
+    """
+    groups: Dict[tuple, List[Tuple[int, str, dict, int, int]]] = {}
+    for path, obj in files:
+        data = obj["rollout_data"]
+        if not isinstance(data, dict) or "response_lengths" not in data:
+            raise ValueError(f"{path}: rollout_data has no 'response_lengths' "
+                             f"(keys: {sorted(data) if isinstance(data, dict) else type(data).__name__})")
+        cp_rank, cp_size = int(obj.get("cp_rank", 0) or 0), int(obj.get("cp_size", 1) or 1)
+        key = (cp_rank, tuple(_sample_key(data, i, probe=None) for i in range(len(data["response_lengths"]))))
+        groups.setdefault(key, []).append((int(obj.get("rank", 0)), path, data, cp_size, obj.get("qkv_format", "thd")))
+    shards: Dict[tuple, Dict[int, tuple]] = {}
+    dropped = 0
+    for (cp_rank, ident), members in groups.items():
+        members.sort(key=lambda m: m[0])
+        with_lp = [m for m in members if all(k in m[2] for k in SLIME_REQUIRED)]
+        if not with_lp:
+            rank, path, data = members[0][:3]
+            missing = [k for k in SLIME_REQUIRED if k not in data]
+            raise ValueError(f"{path}: rollout_data has no {missing} (keys: {sorted(data)}), nor has any other "
+                             f"rank's file with the same samples ({', '.join(m[1] for m in members[1:]) or 'none'})")
+        dropped += len(members) - 1
+        shards.setdefault(ident, {})[cp_rank] = with_lp[0]
+    samples = []
+    for ident, by_cp in shards.items():
+        first = by_cp[min(by_cp)]
+        cp_size, qkv = first[3], first[4]
+        if sorted(by_cp) != list(range(cp_size)):
+            raise ValueError(f"{first[1]}: context-parallel ranks {sorted(by_cp)} of {cp_size} found for these samples; "
+                             "import every rank's file of the rollout")
+        rank, path, data = first[:3]
+        for i, length in enumerate(int(x) for x in data["response_lengths"]):
+            smp = {"loss_masks": data["loss_masks"][i]} if "loss_masks" in data else {}
+            for field in MILES_CP_SLICED:
+                if cp_size == 1:
+                    smp[field] = data[field][i]
+                    continue
+                full = torch.zeros(length, dtype=torch.float64)
+                for r, (_, p_r, d_r, _, _) in sorted(by_cp.items()):
+                    msl = d_r.get("max_seq_lens")
+                    ranges = cp_response_slices(int(d_r["total_lengths"][i]), length, r, cp_size, qkv,
+                                                None if msl is None else int(msl[i]))
+                    part = torch.as_tensor(d_r[field][i]).reshape(-1).double()
+                    if part.numel() != sum(b - a for a, b in ranges):
+                        raise ValueError(f"{p_r}: rollout_data {field}[{i}] has {part.numel()} values; context-parallel "
+                                         f"rank {r} of {cp_size} holds {sum(b - a for a, b in ranges)} of this response")
+                    taken = 0
+                    for a, b in ranges:
+                        full[a:b] = part[taken:taken + b - a]
+                        taken += b - a
+                smp[field] = full
+            got = int(torch.as_tensor(smp["log_probs"]).numel())
+            if got != length:
+                raise ValueError(f"{path}: rollout_data log_probs[{i}] has {got} values for a response of {length} "
+                                 "tokens (a context-parallel slice without cp_rank / cp_size in the file?)")
+            samples.append(_dump_sample(smp, data, i, path, rank))
+    return _in_sample_order(samples), {"replica_files_dropped": dropped}
+
+
+def miles_steps(paths: Iterable[str], on_invalid: str = "quarantine",
+                info: Optional[dict] = None) -> Iterator[Tuple[int, TokenBatch]]:
+    """Yield ``(rollout_id, TokenBatch)`` per rollout from Miles ``--save-debug-train-data`` files.
+
+    Miles (``miles/utils/train_dump_utils.py``, commit 31f1ca96) saves on **every** rank ``{"rollout_id", "rank",
+    "rollout_data", "cp_rank", "cp_size", "qkv_format"}``; with context parallelism each rank's ``log_probs``,
+    ``rollout_log_probs`` and ``advantages`` are its slice of every response.  Replicas are imported once, slices put
+    back together (:func:`_miles_parts`).  Per sample as for slime (:func:`slime_steps`).
+
+    Raises:
+        ValueError: a file cannot be read, is not a Miles train dump, lacks a per-sample key, misses a
+            context-parallel rank, or holds a slice whose length does not fit; every message starts with the file.
+    """
+    by_step: Dict[int, List[Tuple[str, dict]]] = {}
+    for p in sorted(set(paths)):
+        obj = _load_slime_dump(p)
+        if "rollout_data" not in obj or "rollout_id" not in obj:
+            raise ValueError(f"{p}: not a Miles --save-debug-train-data file (no 'rollout_data' / 'rollout_id'; keys: "
+                             f"{sorted(obj)}); --save-debug-rollout-data dumps hold no learner log-probs")
+        by_step.setdefault(int(obj["rollout_id"]), []).append((p, obj))
+    if info is not None:
+        info.update(formats=["miles_per_rank"], replica_files_dropped=0,
+                    cp_sizes=sorted({int(o.get("cp_size", 1) or 1) for fs in by_step.values() for _, o in fs}))
+    for step in sorted(by_step):
+        samples, extra = _miles_parts(by_step[step])
+        if info is not None:
+            info["replica_files_dropped"] += extra["replica_files_dropped"]
+        yield step, _step_batch(samples, on_invalid, step, ", ".join(p for p, _ in by_step[step]))
 
 
 # ------------------------------------------------------------------- table

@@ -15,6 +15,15 @@ cannot read, is never taken over (the error says which file to remove once that 
 makes a dead holder look alive: refused, never a second writer.  The removal of a stale file is guarded by a
 second ``O_EXCL`` file (:meth:`~triage_monitor.layout.RunLayout.lock_takeover_file`), so that of two writers
 starting at once one takes over and the other is refused.
+
+An object store (``s3://``) has neither ``flock`` nor an exclusive create: the writer of rank R holds a **lease**,
+the object :meth:`RunLayout.lock_name(R) <triage_monitor.layout.RunLayout.lock_name>` holding the same line and the
+time it was last renewed, which a thread of the writer renews every :data:`LEASE_RENEW_S` seconds and removes at
+close.  A writer starting while another attempt's lease was renewed less than :data:`LEASE_STALE_S` seconds ago is
+refused, unless it names a process of this host that is not running; an older lease, or a dead local one (a
+killed writer's), is taken over with a warning.  Two writers of one rank starting within
+the same instant are not told apart (no conditional write): both write, and neither can damage the other's records,
+since every file name holds its attempt id and readers keep each step's latest attempt.
 """
 
 from __future__ import annotations
@@ -23,12 +32,14 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 from .errors import RunLockedError, UnwritableOutputError
 from .layout import RunLayout
+from .storage import Store, open_store
 
 #: the writer's messages (locks, files, manifest) share one logger name
 log = logging.getLogger("triage_monitor.records")
@@ -209,7 +220,20 @@ def _acquire_exclusive(run_dir, rank: int, attempt: int) -> int:
     raise _refuse(excl, rank, "another writer starting at the same time", exclusive=True)
 
 
-def acquire_writer_lock(run_dir, rank: int, attempt: int) -> Optional[int]:
+def acquire_writer_lock(run_dir, rank: int, attempt: int):
+    """The writer lock of ``rank`` of the run at ``run_dir`` (a location or its
+    :class:`~triage_monitor.storage.Store`): :func:`acquire_local_lock` on a local file system, a :class:`Lease` on
+    an object store.  Pass the result to :func:`release_writer_lock`.
+
+    Raises:
+        RunLockedError, UnwritableOutputError: as :func:`acquire_local_lock` and :func:`Lease.acquire`."""
+    store = run_dir if isinstance(run_dir, Store) else open_store(run_dir)
+    if store.is_local:
+        return acquire_local_lock(store.local(), rank, attempt)
+    return Lease.acquire(store, rank, attempt)
+
+
+def acquire_local_lock(run_dir, rank: int, attempt: int) -> Optional[int]:
     """Hold ``run_dir/.writer-rank-<rank>.lock`` (:meth:`RunLayout.lock_file`; ``flock``, released by the OS when
     the process dies) and write ``pid host attempt`` into it.  Where the file system has no flock, warn once and
     hold the exclusive lock file instead (:meth:`RunLayout.exclusive_lock_file`; see the module docstring).
@@ -254,10 +278,13 @@ def acquire_writer_lock(run_dir, rank: int, attempt: int) -> Optional[int]:
     return fd
 
 
-def release_writer_lock(fd: Optional[int]) -> None:
+def release_writer_lock(fd) -> None:
     """Release a lock of :func:`acquire_writer_lock` (closing the fd drops the flock; an exclusive lock file is
-    removed if it still holds this process's line); None does nothing."""
+    removed if it still holds this process's line; a :class:`Lease` is released); None does nothing."""
     if fd is None:
+        return
+    if isinstance(fd, Lease):
+        fd.release()
         return
     for k in [k for k, v in _HELD.items() if v == fd]:
         del _HELD[k]
@@ -273,3 +300,117 @@ def release_writer_lock(fd: Optional[int]) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+#: Seconds between two renewals of a writer's lease on an object store.
+LEASE_RENEW_S = 30.0
+#: A lease renewed longer ago than this is a killed writer's, taken over by a new writer of the rank.
+LEASE_STALE_S = 120.0
+_RENEWED_RE = re.compile(r"renewed (\d+(?:\.\d+)?)")
+
+
+#: the leases this process holds: {(location, rank)}
+_LEASES: set = set()
+
+
+def _lease_dead(holder: str, store: Store, rank: int) -> bool:
+    """True when the lease line ``holder`` names a process of this host that is not running (this process: one
+    that holds no lease of the rank any more)."""
+    m = _HOLDER_RE.match(holder or "")
+    if not m or m.group(2) != socket.gethostname():
+        return False
+    if int(m.group(1)) == os.getpid():
+        return (store.location, int(rank)) not in _LEASES
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class Lease:
+    """The writer lock of one rank on an object store (module docstring): the lease object and the thread that
+    renews it."""
+
+    def __init__(self, store: Store, rank: int, attempt: int):
+        self.store, self.rank, self.attempt = store, int(rank), int(attempt)
+        self.name = RunLayout.lock_name(rank)
+        self._head = _holder_line(attempt).strip()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.renewals = 0
+
+    def _line(self) -> str:
+        return f"{self._head}, renewed {time.time():.3f}\n"
+
+    def write(self) -> None:
+        """Write (renew) the lease object.
+
+        Raises:
+            OSError: it cannot be written."""
+        self.store.write_bytes(self.name, self._line().encode())
+        self.renewals += 1
+
+    @classmethod
+    def acquire(cls, store: Store, rank: int, attempt: int) -> "Lease":
+        """Take the lease of ``rank`` and start renewing it.
+
+        Raises:
+            RunLockedError: another attempt's lease was renewed less than :data:`LEASE_STALE_S` seconds ago
+                (the message quotes its line and its age).
+            UnwritableOutputError: the lease object cannot be written."""
+        lease = cls(store, rank, attempt)
+        try:
+            held = store.read_bytes(lease.name).decode(errors="replace").strip()
+        except FileNotFoundError:
+            held = None
+        except OSError as exc:
+            raise UnwritableOutputError(f"{store.display(lease.name)}: cannot read the writer lease: {exc}",
+                                        store.display()) from exc
+        if held:
+            m, mine = _RENEWED_RE.search(held), f"attempt {int(attempt)}," in held
+            age = time.time() - float(m.group(1)) if m else None
+            dead = _lease_dead(held, store, rank)        # a process of this host that is not running
+            if not mine and not dead and (age is None or age < LEASE_STALE_S):
+                how = f"renewed {age:.0f} s ago" if age is not None else "with no renewal time"
+                raise RunLockedError(f"{store.display()}: another process is writing this run's rank {int(rank)} "
+                                     f"({held}; {how}); one writer per rank: stop it, or write to another location "
+                                     f"(a lease not renewed for {LEASE_STALE_S:.0f} s is a stopped writer's and is "
+                                     f"taken over)", store.display())
+            if not mine:
+                why = "names a process of this host that is not running" if dead else f"was not renewed for {age:.0f} s"
+                log.warning("triage-monitor: %s %s (%s): a stopped writer's lease, taken over",
+                            store.display(lease.name), why, held)
+        try:
+            lease.write()
+        except OSError as exc:
+            raise UnwritableOutputError(f"{store.display(lease.name)}: cannot write the writer lease: {exc}",
+                                        store.display()) from exc
+        _LEASES.add((store.location, lease.rank))
+        lease._thread = threading.Thread(target=lease._renew, name="triage-monitor-lease", daemon=True)
+        lease._thread.start()
+        return lease
+
+    def _renew(self) -> None:
+        warned = False
+        while not self._stop.wait(LEASE_RENEW_S):
+            try:
+                self.write()
+            except Exception as exc:  # noqa: BLE001 — advisory: writing records goes on
+                if not warned:
+                    warned = True
+                    log.warning("triage-monitor: cannot renew the writer lease %s (%s); a second writer of this "
+                                "rank may start after %.0f s", self.store.display(self.name), exc, LEASE_STALE_S)
+
+    def release(self) -> None:
+        """Stop renewing and remove the lease object if it is still this writer's."""
+        self._stop.set()
+        _LEASES.discard((self.store.location, self.rank))
+        try:
+            held = self.store.read_bytes(self.name).decode(errors="replace")
+            if held.startswith(self._head):
+                self.store.delete(self.name)
+        except OSError:
+            pass

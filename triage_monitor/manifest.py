@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional, NamedTuple
@@ -18,31 +17,21 @@ from typing import Optional, NamedTuple
 import numpy as np
 
 from .errors import TriageMonitorError
-from .layout import RunLayout, temp_path
+from .layout import MANIFEST, RunLayout
 
-SCHEMA_VERSION = 3             # of run.json (3: flat table files, RunLayout)
+SCHEMA_VERSION = 4             # of run.json (3: flat table files, RunLayout; 4: blocks of steps, pending files)
 
 #: ``MonitorConfig`` keys that steer only I/O, devices or start-up checks: attempts of one run may differ in them.
 IO_CONFIG_KEYS = frozenset({"record_tokens", "max_queue_bytes", "backpressure",
-                            "alignment_check_steps", "per_rank_steps"})
+                            "alignment_check_steps", "per_rank_steps", "roll_steps", "roll_bytes"})
 #: Manifest (``info``) keys that say what was trained or imported: an existing run continues only when they match
 #: (besides the metric configuration); a key set on one side only counts as a difference.
 IDENTITY_KEYS = ("framework", "model", "task", "correction", "seed", "demo_config", "imported_from", "column_map")
 
 
-def write_json_atomic(obj: dict, path: Path) -> None:
-    """Write ``obj`` as standard JSON (NaN/inf become null) through a temporary file and an atomic rename.
-
-    Raises:
-        OSError: the file cannot be written (no temporary file is left behind)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path.parent, ".json")
-    try:
-        tmp.write_text(json.dumps(_json_safe(obj), indent=2, default=_json_default, allow_nan=False))
-        os.replace(tmp, path)
-    finally:  # a failed write (full disk) leaves no temporary file behind
-        tmp.unlink(missing_ok=True)
+def json_text(obj: dict) -> str:
+    """``obj`` as standard JSON text, indented by two spaces (NaN/inf become null)."""
+    return json.dumps(_json_safe(obj), indent=2, default=_json_default, allow_nan=False)
 
 
 def _json_safe(o):
@@ -149,8 +138,9 @@ def check_monitor_config(cfg, name: str = "monitor_config") -> None:
     * ``tau_tail``: null or a finite number (nats);
     * ``metrics``: an object of ``MetricConfig`` fields: finite numbers (``segment_width`` an integer) in the
       ranges ``MetricConfig`` accepts;
-    * the I/O keys: ``record_tokens`` and ``per_rank_steps`` booleans, ``max_queue_bytes`` and ``alignment_check_steps`` integers,
-      ``backpressure`` a string.
+    * the I/O keys: ``record_tokens`` and ``per_rank_steps`` booleans, ``max_queue_bytes`` and
+      ``alignment_check_steps`` integers, ``roll_steps`` and ``roll_bytes`` integers from 1, ``backpressure`` a
+      string.
 
     Raises:
         ManifestError: the first field that fails, named ``<name>.<key>``."""
@@ -168,6 +158,9 @@ def check_monitor_config(cfg, name: str = "monitor_config") -> None:
     for key in ("max_queue_bytes", "alignment_check_steps"):
         if key in cfg:
             _check_int(f"{name}.{key}", cfg[key], -INT64_MAX - 1)
+    for key in ("roll_steps", "roll_bytes"):
+        if key in cfg:
+            _check_int(f"{name}.{key}", cfg[key], 1)
     if "backpressure" in cfg:
         _check_type(f"{name}.backpressure", cfg["backpressure"], str, "a string")
     if "metrics" in cfg:
@@ -227,7 +220,8 @@ def _check_manifest(d: dict) -> None:
 
 
 def read_manifest(run_dir) -> "RunManifest":
-    """The :class:`RunManifest` of ``run_dir``, its fields checked (:meth:`RunManifest.from_dict`).
+    """The :class:`RunManifest` of ``run_dir`` (a location, or its :class:`~triage_monitor.layout.RunLayout`), its
+    fields checked (:meth:`RunManifest.from_dict`).
 
     Raises:
         FileNotFoundError: no ``run.json``.
@@ -235,11 +229,14 @@ def read_manifest(run_dir) -> "RunManifest":
         ManifestError: (a ValueError) a field of the wrong type or out of range; the message names the file and
             the field.
     """
-    path = RunLayout(run_dir).manifest
+    layout = run_dir if isinstance(run_dir, RunLayout) else RunLayout(run_dir)
+    path = layout.store.display(MANIFEST)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(layout.store.read_bytes(MANIFEST).decode())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     try:
@@ -313,11 +310,13 @@ class RunManifest:
         return d
 
     def write(self, run_dir) -> None:
-        """Write ``run_dir/run.json`` atomically (standard JSON: NaN → null).
+        """Write ``run_dir/run.json`` (a location, or its :class:`~triage_monitor.layout.RunLayout`) whole or not
+        at all (standard JSON: NaN → null).
 
         Raises:
             OSError: the file cannot be written."""
-        write_json_atomic(self.to_dict(), RunLayout(run_dir).manifest)
+        layout = run_dir if isinstance(run_dir, RunLayout) else RunLayout(run_dir)
+        layout.store.write_bytes(MANIFEST, json_text(self.to_dict()).encode())
 
 
 # ----------------------------------------------------------------------------------- configuration differences

@@ -47,7 +47,7 @@ from .alerts import Alert, AlertSink, Closable, build_engine
 from .alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
-from .layout import run_path
+from .layout import RunLayout
 from .metrics import METRIC_NAMES, MetricTracker
 from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, new_attempt_id
 from .records import steps_schema as records_steps_schema
@@ -109,7 +109,9 @@ class MismatchMonitor:
     """Records per-token log-probs and computes direction-aware metrics each step.
 
     Args:
-        run_dir: the run directory (created; an existing run of the same configuration is resumed as a
+        run_dir: the run directory: a local path, a ``file://`` URI, or an ``s3://bucket/prefix`` URI (an S3 or
+            S3-compatible object store; credentials and endpoint from the usual AWS variables and files,
+            docs/reliability.md#object-stores).  Created; an existing run of the same configuration is resumed as a
             new attempt, its manifest kept and the attempt appended; one of another configuration is refused,
             docs/reliability.md#one-run-per-directory).
         config: :class:`MonitorConfig`.
@@ -143,8 +145,9 @@ class MismatchMonitor:
 
     Raises:
         ValueError: ``group`` is given and this process is not a member of it.
-        triage_monitor.errors.UnsupportedLocationError: ``run_dir`` is a URI of a scheme other than ``file://``
-            (``s3://bucket/run``): a ValueError naming the scheme, raised before anything is built or written.
+        triage_monitor.errors.UnsupportedLocationError: ``run_dir`` is a URI of a scheme other than ``file://`` and
+            ``s3://`` (``gs://bucket/run``): a ValueError naming the scheme, raised before anything is built or
+            written.
         triage_monitor.errors.OutputError: at construction, before any step: the run directory cannot be
             written (``UnwritableOutputError``, naming the path and the OS reason), holds a run of another
             configuration (``RunConflictError``, naming the differing keys), or another live process writes
@@ -156,7 +159,9 @@ class MismatchMonitor:
                  attempt: Optional[int] = None, resume: bool = False, force: bool = False):
         import torch.distributed as dist
 
-        self.run_dir = run_path(run_dir)     # s3://... and other URI schemes: UnsupportedLocationError, before any work
+        layout = RunLayout(run_dir)     # gs://... and other URI schemes: UnsupportedLocationError, before any work
+        #: the run directory as users name it (a local path, or the s3:// URI without its query)
+        self.run_dir = layout.display
         self.config = config or MonitorConfig()
         dist_on = dist.is_available() and dist.is_initialized()
         self._distributed = dist_on
@@ -192,7 +197,7 @@ class MismatchMonitor:
         self.steps_logged = 0
         self._last_step: Optional[int] = None
         self._warned: set = set()          # warn-once keys (alignment, padding, dropped rows)
-        self.writer = RunWriter(self.run_dir, self.attempt, self.rank, self.world_size, self.config.to_dict(),
+        self.writer = RunWriter(layout.store, self.attempt, self.rank, self.world_size, self.config.to_dict(),
                                 dict(manifest or {}), {"tool_version": __version__, "torch": torch.__version__},
                                 self.config.max_queue_bytes, self.config.backpressure, resume=resume, force=force)
         if self.reports and self.rank != 0:
@@ -206,7 +211,7 @@ class MismatchMonitor:
             # overrides this.
             self.tracker.load_state_dict({"tau_tail": self.writer.resumed_tau_tail, "tau_frozen": True})
             log.info("triage-monitor: resumed run, tau_tail = %.6g nats from %s", self.writer.resumed_tau_tail,
-                     self.writer.layout.manifest)
+                     self.writer.store.display("run.json"))
         for lg in self.loggers:            # record the run's config (manifest) with each logger that takes one
             if isinstance(lg, ConfigRecorder):
                 self._guard(lg, "log_config", self.manifest)
@@ -318,9 +323,9 @@ class MismatchMonitor:
         fired = self._evaluate_alerts(step, metrics)
         if self.writer.steps_schema is None:        # one schema for the run's steps table: declared at the first step
             self.writer.declare_steps(steps_schema(list(extra)))
-        self._record(step, batch, metrics, reasons, token_extras)
-        if fired:
-            self.writer.record_alerts(step, [a.to_row() if isinstance(a, Alert) else dict(a) for a in fired])
+        alert_rows = [a.to_row() if isinstance(a, Alert) else dict(a) for a in fired] if self.alerts is not None else None
+        self.writer.record_step(step, batch, metrics, reasons, token_extras, self.config.record_tokens,
+                                steps_row=self.writes_steps, alerts=alert_rows)
         for lg in self.loggers:
             self._guard(lg, "log_metrics", step, metrics)
         self.steps_logged += 1
@@ -378,10 +383,6 @@ class MismatchMonitor:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"MismatchMonitor state version {state.get('version')!r} is not {STATE_VERSION}")
         self.tracker.load_state_dict(state["tracker"])
-
-    def _record(self, step, batch: TokenBatch, metrics: dict, reasons: dict, token_extras) -> None:
-        self.writer.record_step(step, batch, metrics, reasons, token_extras, self.config.record_tokens,
-                                steps_row=self.writes_steps)
 
     def _evaluate_alerts(self, step: int, metrics: dict) -> list:
         """Run the rules on the step's metrics (the reporting rank) and add :data:`ALERT_STATE` to ``metrics``;

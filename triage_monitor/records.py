@@ -1,8 +1,9 @@
 """What the monitor puts in a run directory: the tables' declared schemas, :class:`RunWriter` and its start checks.
 
-The run directory's names belong to :mod:`triage_monitor.layout` (README "The run directory"); the manifest
-to :mod:`triage_monitor.manifest`; the writer locks to :mod:`triage_monitor.locks`; the background Parquet
-writer to :mod:`triage_monitor.sink`.  Every table is readable as a whole by ``pandas.read_parquet(dir)``,
+The run directory's names belong to :mod:`triage_monitor.layout`; its storage (a local directory or an object
+store) to :mod:`triage_monitor.storage`; the file formats to :mod:`triage_monitor.blocks`; the manifest to
+:mod:`triage_monitor.manifest`; the writer locks to :mod:`triage_monitor.locks`; the background writer to
+:mod:`triage_monitor.sink`.  Every table's sealed blocks are readable as a whole by ``pandas.read_parquet(dir)``,
 ``pyarrow.dataset.dataset(dir)``, DuckDB or Polars, with ``step``, ``rank`` and ``attempt`` int64 columns.
 
 One declared schema per table (docs/metrics.md#run-directory-tables names every column): :data:`TOKEN_SCHEMA`
@@ -10,11 +11,10 @@ One declared schema per table (docs/metrics.md#run-directory-tables names every 
 ``step``/``rank``, the float64 metric columns the monitor declares — :func:`triage_monitor.monitor.steps_schema`
 — and the extras given at the first step, int64 ``attempt``, float64 ``wall_time``, a string
 ``nan_reasons``).  ``attempt`` (nanoseconds since the epoch at monitor start, shared by the ranks of one job
-start) is in the name and a column: a job resumed from a checkpoint writes a repeated step under its newer
-attempt, then removes that rank's files of the step from earlier attempts, so one (step, rank) has one file
-once the write is done.  Ranks an earlier attempt had and the resumed job has not stay on disk under the older
-attempt: readers keep each step's latest attempt (``analysis.open_run``; with plain pandas
-``df[df.attempt == df.groupby("step").attempt.transform("max")]``).
+start) is in the names and a column: a job resumed from a checkpoint writes a repeated step under its newer
+attempt; the earlier attempt's records of that step stay in its blocks, and readers keep each step's latest
+attempt (``analysis.open_run``; with plain pandas ``df[df.attempt == df.groupby("step").attempt.transform("max")]``,
+docs/metrics.md#reading-a-run-with-other-tools).
 
 Writes happen on a background thread behind a queue bounded in bytes; once started, the writer never raises
 into the training loop: it counts, warns once and degrades (:class:`~triage_monitor.sink.ParquetSink`).  What
@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -36,8 +37,9 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import OutputError, RunConflictError, RunLockedError, UnwritableOutputError  # noqa: F401  (raised here)
-from .layout import MANIFEST, TABLES, RunLayout, run_path, temp_path
+from .layout import MANIFEST, RunLayout
 from .locks import acquire_writer_lock, probe_lock, release_writer_lock
+from .storage import TEMP_PREFIX, Store, open_store
 from .manifest import (IDENTITY_KEYS, IO_CONFIG_KEYS, ManifestError, RunManifest,  # noqa: F401
                        check_monitor_config, config_differences, describe_differences, read_manifest)
 from .sink import DeferredColumns, ParquetSink
@@ -97,27 +99,37 @@ def new_attempt_id() -> int:
 
 
 # ------------------------------------------------------------------------------------------ start checks
-def probe_writable(path) -> Path:
-    """Create directory ``path`` (and parents) and write + remove a hidden probe file in it.
+def probe_writable(path) -> Store:
+    """Create the run directory ``path`` (a location or its :class:`~triage_monitor.storage.Store`; on an object
+    store there is nothing to create) and write + remove a hidden probe file in it.
 
     Returns:
-        ``Path(path)``.
+        its :class:`~triage_monitor.storage.Store`.
 
     Raises:
-        UnwritableOutputError: naming the path and the OS reason (read-only file system, permission denied,
-            a parent that is a regular file, ...).
+        UnwritableOutputError: naming the location and the reason (read-only file system, permission denied,
+            a parent that is a regular file, a bucket that does not exist or refuses the credentials, ...).
+        UnsupportedLocationError: a URI scheme that is not supported (a ValueError naming it).
     """
-    p = run_path(path)
-    probe = temp_path(p, kind="probe-")
+    store = path if isinstance(path, Store) else open_store(path)
+    probe = f"{TEMP_PREFIX}probe-{uuid.uuid4().hex}"
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        store.makedirs("")
+        if store.is_local:                  # the OS's own error (and the probe's name) when it fails
+            store.local(probe).write_bytes(b"")
+        else:
+            store.write_bytes(probe, b"")
+        store.delete(probe)
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        where = f" ({exc.filename})" if exc.filename and Path(exc.filename) != p else ""
-        raise UnwritableOutputError(f"{p}: cannot write the output directory: {reason}{where}", p) from exc
-    return p
+        where = store.display()
+        if store.is_local:
+            reason = exc.strerror or str(exc)
+            extra = f" ({exc.filename})" if exc.filename and Path(exc.filename) != Path(where) else ""
+        else:
+            reason, extra = str(exc), ""
+        raise UnwritableOutputError(f"{where}: cannot write the output directory: {reason}{extra}",
+                                    where if not store.is_local else Path(where)) from exc
+    return store
 
 
 def _move_aside(p: Path) -> Path:
@@ -161,21 +173,28 @@ def check_run_dir(run_dir, monitor_config: dict, info: dict, *, resume: bool = F
             keys or the field, and the way out.
         RunLockedError: ``force`` while a process is writing the run.
     """
-    p = probe_writable(run_dir)
-    layout = RunLayout(p)
+    store = probe_writable(run_dir)
+    layout = RunLayout(store)
+    p = layout.display
     if force:                # rank 0 moves an existing run aside; the other ranks follow it without a check
         if rank == 0 and layout.holds_run():
+            if not store.is_local:
+                raise UnwritableOutputError(f"{p} holds a run, and force=True cannot move a run aside on an object "
+                                            "store (no rename): delete it with your store's tools, or write to "
+                                            "another prefix", p)
             for lock in layout.lock_files():
-                probe_lock(lock)
-            dest = _move_aside(p)
+                probe_lock(layout.root / lock)
+            dest = _move_aside(layout.root)
             log.warning("triage-monitor: --force: the run that was in %s is now in %s; a new run starts", p, dest)
         return None
-    if not layout.manifest.exists():
+    if not store.exists(MANIFEST):
         return None
+    name = p.rstrip("/").rsplit("/", 1)[-1]
     way_out = (f"write to a new directory, or start over with --force / force=True (the old run is moved to "
-               f"{p.name}.replaced-<time>)")
+               f"{name}.replaced-<time>)" if store.is_local else
+               "write to a new location (an object store's run is not moved aside: delete it with the store's tools)")
     try:
-        old = read_manifest(p)
+        old = read_manifest(layout)
     except ManifestError as exc:            # a field of the wrong type or out of range, named with the file
         raise RunConflictError(f"{p} holds a run whose {MANIFEST} has an invalid field ({exc}): {way_out}", p) \
             from exc
@@ -194,14 +213,15 @@ def check_run_dir(run_dir, monitor_config: dict, info: dict, *, resume: bool = F
 
 
 class RunWriter:
-    """Everything the monitor puts on disk: the manifest (rank 0 writes it) and the Parquet columns of each step.
+    """Everything the monitor puts on disk: the manifest (rank 0 writes it) and the records of each step.
 
     Args:
-        run_dir: the run directory; an existing run of the same configuration is continued as a new attempt
-            (its manifest kept), another one is refused (:func:`check_run_dir`).
+        run_dir: the run directory (a local path, ``file://`` or ``s3://`` URI); an existing run of the same
+            configuration is continued as a new attempt (its manifest kept), another one is refused
+            (:func:`check_run_dir`).
         attempt: this process start's attempt id (shared by all ranks).
         rank, world_size: this process's rank and the job's size.
-        monitor_config: ``MonitorConfig.to_dict()``.
+        monitor_config: ``MonitorConfig.to_dict()`` (its ``roll_steps`` / ``roll_bytes`` size the blocks).
         info: facts for ``RunManifest.info`` (merged into an existing run's).
         versions: ``{"tool_version", "python", "torch"}`` for a new manifest.
         max_queue_bytes, backpressure: of the :class:`~triage_monitor.sink.ParquetSink`.
@@ -211,14 +231,16 @@ class RunWriter:
     ``manifest`` exists on every rank; only rank 0 writes it.  The steps table's schema is declared once
     (:meth:`declare_steps`; the monitor declares it at its first step from the metrics and the extras of that
     step) or, when nobody declares it, taken from the first row's keys.  The start checks raise (below); after
-    them, I/O errors never raise: they are logged once.  The writer holds ``.writer-rank-<rank>.lock`` until
-    :meth:`close` (or the process's death).
+    them, I/O errors never raise: they are logged once.  The writer holds its rank's writer lock (a lease on an
+    object store, :mod:`triage_monitor.locks`) until :meth:`close` (or the process's death).  A continued run's
+    pending files that earlier attempts of this rank left (a killed job) are sealed first, on the writer thread.
 
     Raises:
         ManifestError: (a ValueError) ``monitor_config`` holds a value its run.json could not be read back with
             (:func:`~triage_monitor.manifest.check_monitor_config`: a window above 2**63 - 1, a non-integral
             window, a non-finite τ_tail, ...), before anything is written.
         UnwritableOutputError, RunConflictError, RunLockedError: at start (:class:`OutputError`).
+        UnsupportedLocationError: a URI scheme that is not supported (a ValueError naming it).
     """
 
     def __init__(self, run_dir, attempt: int, rank: int, world_size: int, monitor_config: dict, info: dict,
@@ -228,34 +250,28 @@ class RunWriter:
         import socket
 
         check_monitor_config(monitor_config, "MonitorConfig")   # what run.json will hold must read back
-        self.run_dir, self.attempt, self.rank = run_path(run_dir), int(attempt), int(rank)
-        self.layout = RunLayout(self.run_dir)
+        self.attempt, self.rank = int(attempt), int(rank)
+        self.store = probe_writable(run_dir)
+        self.layout = RunLayout(self.store)
+        #: the run directory as a user names it (a local path, or the URI)
+        self.run_dir = self.layout.display
         self._warned: set = set()
         #: the steps table's schema (None until declared or until the first row)
         self.steps_schema: Optional[pa.Schema] = None
-        #: a repeated step whose earlier attempts' alerts files are still to be removed (see record_step)
-        self._pending_alerts: Optional[int] = None
-        #: the table whose file of that step must be on disk first ("steps", or "tokens" on a rank without rows)
-        self._pending_anchor = "steps"
-        probe_writable(self.run_dir)
-        self._lock = acquire_writer_lock(self.run_dir, self.rank, self.attempt)
+        self._lock = acquire_writer_lock(self.store, self.rank, self.attempt)
         try:
-            if force and self.rank == 0:     # moving the run aside moves this lock file with it: lock anew after
-                release_writer_lock(self._lock)
+            if force and self.rank == 0 and self.store.is_local:   # moving the run aside moves this lock file with
+                release_writer_lock(self._lock)                     # it: lock anew after
                 self._lock = None
-                old = check_run_dir(self.run_dir, monitor_config, info, resume=resume, force=True, rank=self.rank)
-                self._lock = acquire_writer_lock(self.run_dir, self.rank, self.attempt)
+                old = check_run_dir(self.store, monitor_config, info, resume=resume, force=True, rank=self.rank)
+                self._lock = acquire_writer_lock(self.store, self.rank, self.attempt)
             else:
-                old = check_run_dir(self.run_dir, monitor_config, info, resume=resume, force=force, rank=self.rank)
+                old = check_run_dir(self.store, monitor_config, info, resume=resume, force=force, rank=self.rank)
         except BaseException:
             release_writer_lock(self._lock)
             raise
         entry = {"attempt": self.attempt, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                  "host": socket.gethostname(), "pid": os.getpid(), "world_size": int(world_size)}
-        #: attempt ids of the run's earlier attempts: a repeated step's files of this rank from them are removed
-        #: once this attempt's are written
-        self.earlier_attempts = [int(a["attempt"]) for a in (old.attempts if old is not None else [])
-                                 if a.get("attempt") is not None and int(a["attempt"]) != self.attempt]
         #: τ_tail an earlier attempt froze (None for a new run or a given τ_tail): the resumed job keeps it
         self.resumed_tau_tail: Optional[float] = (
             old.calibration.get("tau_tail") if old is not None and old.calibration and
@@ -272,17 +288,21 @@ class RunWriter:
             self.manifest = RunManifest(monitor_config=dict(monitor_config), info=dict(info), attempts=[entry],
                                         created=entry["started"], python=platform.python_version(), **versions)
         self.save_manifest()
-        self.sink = ParquetSink(self.run_dir, self.attempt, max_queue_bytes, backpressure)
+        self.sink = ParquetSink(self.store, self.attempt, max_queue_bytes, backpressure,
+                                roll_steps=int(monitor_config.get("roll_steps", 50)),
+                                roll_bytes=int(monitor_config.get("roll_bytes", 1 << 30)))
+        if old is not None:       # a killed earlier attempt's open blocks: sealed before this attempt's steps
+            self.sink.submit_recover(self.rank)
 
     def save_manifest(self) -> None:
         """Write run.json (rank 0 only); an OSError is reported once and monitoring continues."""
         if self.rank != 0:
             return
         try:
-            self.manifest.write(self.run_dir)
+            self.manifest.write(self.layout)
         except OSError as exc:
             self._warn_once("manifest", "triage-monitor could not write %s (%s); monitoring continues",
-                            self.layout.manifest, exc)
+                            self.store.display(MANIFEST), exc)
 
     def save_calibration(self, tau_tail: float, step: int) -> None:
         """Record the frozen τ_tail (nats) and the step it froze at, so a resumed job keeps it."""
@@ -296,9 +316,11 @@ class RunWriter:
             self.steps_schema = schema
 
     def record_step(self, step: int, batch, metrics: dict, reasons: dict, token_extras: Optional[dict],
-                    record_tokens: bool = True, steps_row: bool = True) -> None:
-        """Queue the step's token rows (``record_tokens``), quarantined rows and the metric row (``steps_row``:
-        False for a rank other than 0 of a synchronised job, whose row would repeat rank 0's).
+                    record_tokens: bool = True, steps_row: bool = True, alerts: Optional[list] = None) -> None:
+        """Queue the step's records: the token rows (``record_tokens``; a step without valid tokens has none and is
+        not in the tokens table, so offline recomputation never sees it), the quarantined rows, the metric row (``steps_row``: False for a rank other than 0 of a
+        synchronised job, whose row would repeat rank 0's) and the alert rows (``alerts``: the rows fired at the
+        step; ``[]`` or None: none).
 
         ``metrics``: ``{name: number}`` (``step`` ignored), written as float64; a declared column the step lacks
         is NaN; ``reasons``: ``{metric: why NaN}``, written as JSON."""
@@ -307,7 +329,6 @@ class RunWriter:
         from .batch import INVALID_REASONS
 
         step, n = int(step), batch.num_tokens
-        written: set = set()         # the tables this step has a file of (the files replacing earlier attempts')
         if record_tokens and n:
             # on the caller's thread: only the copies to host (no-ops for CPU tensors); the per-token gathers,
             # casts and constant columns are built on the writer thread (DeferredColumns)
@@ -331,7 +352,6 @@ class RunWriter:
 
             nbytes = n * (8 * 5 + 4 * (4 + len(extras)))
             self.sink.submit("tokens", step, self.rank, DeferredColumns(token_columns, nbytes, n), schema)
-            written.add("tokens")
         if batch.quarantine_rows is not None:
             qd = {k: v.numpy() for k, v in batch.quarantine_rows.items()}
             m = len(qd["position"])
@@ -340,7 +360,6 @@ class RunWriter:
                       attempt=np.full(m, self.attempt, dtype=np.int64))
             self.sink.submit("quarantine", step, self.rank, {f.name: qd[f.name] for f in QUARANTINE_SCHEMA},
                              QUARANTINE_SCHEMA)
-            written.add("quarantine")
         if steps_row:
             row = {"step": step, "rank": self.rank}
             row.update((k, float(v)) for k, v in metrics.items() if k != "step")
@@ -349,53 +368,20 @@ class RunWriter:
             row["nan_reasons"] = json.dumps(reasons)
             row["writer_dropped_rows"] = float(metrics.get("writer_dropped_rows", self.sink.dropped_rows))
             self.sink.submit("steps", step, self.rank, [self._step_row(step, row)], self.steps_schema)
-            written.add("steps")
-        self._replace_earlier(step, written)
+        if alerts:
+            self.record_alerts(step, alerts)
 
-    def _replace_earlier(self, step: int, written: set) -> None:
-        """Queue the removal of this rank's files of a repeated ``step`` from the earlier attempts, each one only
-        once its replacing file is on disk: a table this attempt wrote a file of at the step (``written``) waits
-        for that file; the other tables (no quarantined token, no token records) for the step's steps file.
-        The alerts table waits for :meth:`record_alerts`, called next for the same step (an alert fired), or
-        else for the next step or :meth:`close` (then the steps file)."""
-        self._flush_pending_alerts()
-        if not self.earlier_attempts:
+    def record_alerts(self, step: int, rows: list) -> None:
+        """Queue the alert rows raised at ``step`` (each gets this writer's rank and attempt id; none: nothing)."""
+        if not rows:
             return
-        # the anchor of a table this step has no file of: the steps file, else (a rank without steps rows) the
-        # token file; with neither, the earlier files stay (nothing of this step is known to be on disk)
-        anchor = "steps" if "steps" in written else "tokens" if "tokens" in written else None
-        for a in self.earlier_attempts:
-            for table in TABLES:
-                if table == "alerts":
-                    continue
-                after = table if table in written else anchor
-                if after is not None:
-                    self.sink.submit_delete(table, step, self.rank, a, after=after)
-        self._pending_alerts = step if anchor is not None else None
-        self._pending_anchor = anchor or "steps"
-
-    def _flush_pending_alerts(self) -> None:
-        """The earlier attempts' alerts files of the last repeated step, when no alert fired at it: removed once
-        the step's steps file (a rank without steps rows: its token file) is on disk (queued; once the sink is
-        closed, here, checking the disk)."""
-        step, self._pending_alerts = self._pending_alerts, None
-        if step is None:
-            return
-        anchor = self._pending_anchor
-        for a in self.earlier_attempts:
-            if not self.sink.closed:
-                self.sink.submit_delete("alerts", step, self.rank, a, after=anchor)
-            elif self.layout.table_file(anchor, step, self.rank, self.attempt).is_file():
-                try:
-                    self.layout.table_file("alerts", step, self.rank, a).unlink(missing_ok=True)
-                except OSError as exc:
-                    self._warn_once("remove", "triage-monitor could not remove %s (%s)",
-                                    self.layout.table_file("alerts", step, self.rank, a), exc)
+        self.sink.submit("alerts", step, self.rank, [{**r, "step": int(step), "rank": self.rank,
+                                                      "attempt": self.attempt} for r in rows], ALERT_SCHEMA)
 
     def _step_row(self, step: int, row: dict) -> dict:
         """``row`` with every column of the steps schema (NaN where absent), so that the steps table has one
         schema: the alignment checks of the first steps are NaN later.  Undeclared, the schema is the first row's
-        keys; a key first seen late is warned and added to the schema (later files carry it)."""
+        keys; a key first seen late is warned and added to the schema (later blocks carry it)."""
         if self.steps_schema is None:
             self.steps_schema = steps_schema([k for k in row if k not in BOOKKEEPING_COLUMNS])
         new = [k for k in row if k not in self.steps_schema.names]
@@ -408,20 +394,9 @@ class RunWriter:
                 self.steps_schema = self.steps_schema.append(pa.field(k, pa.float64()))
         return {k: row.get(k, math.nan) for k in self.steps_schema.names}
 
-    def record_alerts(self, step: int, rows: list) -> None:
-        """Queue the alert rows raised at ``step`` (each gets this attempt's id)."""
-        if rows:
-            self.sink.submit("alerts", step, self.rank, [{**r, "step": int(step), "rank": self.rank,
-                                                          "attempt": self.attempt} for r in rows], ALERT_SCHEMA)
-            if self._pending_alerts == int(step):     # a repeated step: its alerts replace the earlier attempts'
-                self._pending_alerts = None
-                for a in self.earlier_attempts:
-                    self.sink.submit_delete("alerts", step, self.rank, a, after="alerts")
-
     def close(self, status: str, steps_logged: int) -> None:
-        """Drain the writer and mark the manifest ``status`` with the writer's counts."""
+        """Drain the writer, seal its blocks and mark the manifest ``status`` with the writer's counts."""
         self.sink.close()
-        self._flush_pending_alerts()
         self.manifest.status = status
         self.manifest.steps_logged = int(steps_logged)
         self.manifest.writer = {"written_rows": self.sink.written_rows, "dropped_rows": self.sink.dropped_rows,

@@ -1,65 +1,43 @@
-"""The background writer of a run directory's Parquet files (:class:`ParquetSink`) and its atomic table writes.
+"""The background writer of a run directory's tables (:class:`ParquetSink`).
 
-One typed item per file at the queue's door (:class:`Write`, :class:`Delete`), one queue bounded in bytes, one
-writer thread.  Each file is written under a hidden temporary name and renamed (:func:`write_table_atomic`), so
-a killed job leaves only complete files.  Once started, the writer never raises into the training loop: it
-counts, warns once and degrades.
+One typed item per step and table at the queue's door (:class:`Write`), one queue bounded in bytes, one writer
+thread, which hands each step to the :class:`~triage_monitor.blocks.BlockWriter` of its (table, rank): a pending
+file per step, sealed into one Parquet block per ``roll_steps`` steps (docs/reliability.md#what-a-killed-job-keeps).
+Once started, the writer never raises into the training loop: it counts, warns once and degrades; an error of the
+writer thread is kept in :attr:`ParquetSink.last_error` and shows in the next step's ``writer_dropped_rows``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from .layout import RunLayout, temp_path
+from .blocks import ROLL_BYTES, ROLL_STEPS, BlockWriter, seal_pending
+from .layout import TABLES, RunLayout
+from .storage import Store, open_store
 
 #: the writer's messages (locks, files, manifest) share one logger name
 log = logging.getLogger("triage_monitor.records")
 
+#: What a block's error leaves (warned once): its steps are on disk all the same.
+PENDING_KEPT = ("its steps stay in pending files, which readers read and a later seal (at close, or by the next "
+                "writer of the rank) completes")
 #: Bytes a row given as a dict counts against the queue bound.
 ROW_BYTES = 256
-#: Columns written without a dictionary: the per-token log-probs, nearly every value distinct, where a dictionary
-#: only costs time (the writer's encode ~0.55x without it on them, files 0.72-0.90x the size:
-#: benchmarks/bench_writer_encoding.py).  Every other column (ids, positions, the broadcast advantage, steps) keeps
-#: pyarrow's default dictionary encoding.
-PLAIN_COLUMNS = frozenset({"learner_logp", "sampler_logp"})
-
-
-def dictionary_columns(schema: pa.Schema) -> list:
-    """The columns of ``schema`` written with a dictionary: all but :data:`PLAIN_COLUMNS`."""
-    return [f.name for f in schema if f.name not in PLAIN_COLUMNS]
-
-
-def write_table_atomic(table: pa.Table, path: Path) -> None:
-    """Write ``table`` to ``path`` through a hidden temporary file (:func:`~triage_monitor.layout.temp_path`)
-    and an atomic rename; the parent directories are created.
-
-    Raises:
-        OSError, pyarrow.ArrowException: the file cannot be written (no temporary file is left behind)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path.parent, ".parquet")
-    try:
-        pq.write_table(table, tmp, use_dictionary=dictionary_columns(table.schema))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
 class DeferredColumns:
-    """A file's columns, built on the writer thread: ``build()`` returns ``{name: 1-D values}`` (numpy arrays
+    """A step's columns, built on the writer thread: ``build()`` returns ``{name: 1-D values}`` (numpy arrays
     or lists, all of ``nrows`` values); ``nbytes`` / ``nrows`` size it for the queue bound before it exists.
 
     The one type of a :class:`Write`'s columns: :meth:`ParquetSink.submit` wraps columns given as a dict of
@@ -94,8 +72,8 @@ class DeferredColumns:
 
 @dataclass(frozen=True)
 class Write:
-    """Queue item: write the file of (``table``, ``step``, ``rank``) of the sink's attempt from ``columns``,
-    cast to ``schema`` (None: the columns' own types)."""
+    """Queue item: the rows of (``table``, ``step``, ``rank``) — possibly none: the step happened — from
+    ``columns``, cast to ``schema`` (None: the columns' own types)."""
 
     table: str
     step: int
@@ -110,69 +88,72 @@ class Write:
 
     @property
     def nrows(self) -> int:
-        """Rows the file holds (counted written or dropped)."""
+        """Rows the step holds (counted written or dropped)."""
         return self.columns.nrows
 
 
 @dataclass(frozen=True)
-class Delete:
-    """Queue item: remove the file of (``table``, ``step``, ``rank``) written by the earlier ``attempt`` (a missing
-    file is no error).
+class Recover:
+    """Queue item: seal the pending files that earlier attempts of ``rank`` left (a killed job's open blocks,
+    :func:`~triage_monitor.blocks.seal_pending`)."""
 
-    ``after``: a table; the file is removed only if the sink's own attempt has its file of (``after``, ``step``,
-    ``rank``) on disk when the item's turn comes (the queue is FIFO: a :class:`Write` queued before it has been
-    written or has failed by then), else it is kept and counted in :attr:`ParquetSink.kept_files`.  So a
-    replaced file goes only once its replacement is on disk: a full disk or a dropped file keeps the earlier
-    attempt's.  None: removed unconditionally."""
-
-    table: str
-    step: int
     rank: int
-    attempt: int
-    after: Optional[str] = None
 
-    nbytes = 1          # counted in the queue until done, so flush() waits for it
-    nrows = 0
+    nrows = 0           # waited for by flush(); never held up by, nor counted against, the queue bound
 
 
 class _Stop:
-    """Queue item: the writer thread ends (queued by :meth:`ParquetSink.close`)."""
+    """Queue item: seal every open block, then the writer thread ends (queued by :meth:`ParquetSink.close`)."""
 
 
 class ParquetSink:
-    """Background writer of the run directory's Parquet files.
+    """Background writer of a run's tables.
 
-    ``submit(table, step, rank, columns)`` queues one file (a :class:`Write`: :class:`DeferredColumns` built
-    on the writer thread, or a dict of 1-D numpy arrays or a list of row dicts, wrapped into one) and returns
-    at once.  The queue is bounded to ``max_queue_bytes``; when full, ``backpressure="block"`` waits for the
-    writer and ``"drop"`` drops the file and counts its rows.
+    ``submit(table, step, rank, columns)`` queues one step of one table (a :class:`Write`: :class:`DeferredColumns`
+    built on the writer thread, or a dict of 1-D numpy arrays or a list of row dicts, wrapped into one) and
+    returns at once.  The queue is bounded to ``max_queue_bytes``; when full, ``backpressure="block"`` waits for
+    the writer and ``"drop"`` drops the step and counts its rows.  A table's steps of one rank go into blocks of
+    ``roll_steps`` steps (:class:`~triage_monitor.blocks.BlockWriter`).
 
     I/O errors (read-only or full disk, ...) never propagate: the rows are counted in :attr:`dropped_rows`,
-    the first error is logged once and kept in :attr:`last_error`.  An earlier attempt's file queued for removal
-    with ``after`` is removed only once its replacement is on disk (:class:`Delete`).  ``close()`` drains the queue (``flush()``
-    waits without closing).
+    the first error is logged once and kept in :attr:`last_error`.  ``close()`` drains the queue and seals the
+    open blocks (``flush()`` waits for the queue without sealing).
+
+    Args:
+        run_dir: the run's location or :class:`~triage_monitor.storage.Store`.
+        attempt: the attempt id in the names of the files written.
+        heartbeat: called on the writer thread at most every ``heartbeat_s`` seconds while it writes (the lease
+            of a writer on an object store, :mod:`triage_monitor.locks`); its errors are logged once.
 
     Raises:
         ValueError: ``backpressure`` is neither "block" nor "drop" (at construction).
     """
 
-    def __init__(self, run_dir, attempt: int, max_queue_bytes: int = 256 << 20, backpressure: str = "block"):
+    def __init__(self, run_dir, attempt: int, max_queue_bytes: int = 256 << 20, backpressure: str = "block",
+                 roll_steps: int = ROLL_STEPS, roll_bytes: int = ROLL_BYTES,
+                 heartbeat: Optional[Callable[[], None]] = None, heartbeat_s: float = 30.0):
         if backpressure not in ("block", "drop"):
             raise ValueError(f"backpressure must be 'block' or 'drop', got {backpressure!r}")
-        self.run_dir = Path(run_dir)
-        self.layout = RunLayout(self.run_dir)
+        self.store: Store = run_dir if isinstance(run_dir, Store) else open_store(run_dir)
+        self.layout = RunLayout(self.store)
         self.attempt = int(attempt)
         self.max_queue_bytes = int(max_queue_bytes)
         self.backpressure = backpressure
+        self.roll_steps, self.roll_bytes = int(roll_steps), int(roll_bytes)
+        #: rows written (their step's pending file is on disk)
         self.written_rows = 0
-        self.written_files = 0
+        #: (table, step) records with rows written
+        self.written_steps = 0
         self.dropped_rows = 0
-        #: files whose submit had to wait for room (``backpressure="block"``: the training loop was held)
+        #: steps whose submit had to wait for room (``backpressure="block"``: the training loop was held)
         self.blocked_submits = 0
-        #: earlier attempts' files a conditional :class:`Delete` kept because their replacement was not on disk
-        self.kept_files = 0
         self.last_error: Optional[str] = None
-        self._queued_bytes = 0
+        self._warned: set = set()
+        self._heartbeat, self._heartbeat_s, self._beat_at = heartbeat, float(heartbeat_s), time.monotonic()
+        self._writers: dict = {}
+        self._spool: Optional[str] = None
+        self._queued_bytes = 0              # the steps' bytes in the queue: what the bound limits
+        self._queued_other = 0              # other items in the queue (Recover): waited for by flush, never bounded
         self._cv = threading.Condition()
         self._q: "queue.Queue" = queue.Queue()
         self._closed = False
@@ -181,31 +162,30 @@ class ParquetSink:
 
     # -------------------------------------------------------------- producer
     def submit(self, table: str, step: int, rank: int, columns, schema: Optional[pa.Schema] = None) -> bool:
-        """Queue one file (see the class); returns False if it was dropped (closed sink or full queue with
-        ``drop``).
+        """Queue one step of ``table`` (see the class); returns False if it was dropped (closed sink or full queue
+        with ``drop``).
 
         Raises:
             TypeError: ``columns`` is of another type (:meth:`DeferredColumns.of`)."""
         return self._put(Write(table, int(step), int(rank), DeferredColumns.of(columns, schema), schema))
 
-    def submit_delete(self, table: str, step: int, rank: int, attempt: int, after: Optional[str] = None) -> None:
-        """Queue the removal of ``table``'s file of (step, rank) written by an earlier ``attempt``, after the files
-        queued before it (a resumed job's step replaces the earlier attempt's).  A missing file is no error.
-
-        ``after``: remove it only if this sink's attempt then has its own file of (``after``, step, rank) on disk
-        (the replacement; see :class:`Delete`); None removes it unconditionally."""
-        self._put(Delete(table, int(step), int(rank), int(attempt), after))
+    def submit_recover(self, rank: int) -> None:
+        """Queue the sealing of the pending files that earlier attempts of ``rank`` left (:class:`Recover`)."""
+        self._put(Recover(int(rank)))
 
     def _put(self, item) -> bool:
-        """Queue ``item`` under the byte bound (a removal is never refused for room); False when dropped."""
-        nbytes = item.nbytes
+        """Queue ``item`` under the byte bound (a :class:`Recover` neither counts nor waits for room); False when
+        dropped."""
         with self._cv:
             if self._closed:
                 self.dropped_rows += item.nrows
                 return False
-            waited = False
-            while (isinstance(item, Write) and self._queued_bytes + nbytes > self.max_queue_bytes
-                   and self._queued_bytes > 0):
+            if not isinstance(item, Write):
+                self._queued_other += 1
+                self._q.put(item)
+                return True
+            nbytes, waited = item.nbytes, False
+            while self._queued_bytes + nbytes > self.max_queue_bytes and self._queued_bytes > 0:
                 if self.backpressure == "drop":
                     self.dropped_rows += item.nrows
                     return False
@@ -218,14 +198,19 @@ class ParquetSink:
         return True
 
     def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued file is written (or dropped), at most ``timeout`` seconds (None: no limit)."""
+        """Wait until every queued step is written (or dropped), at most ``timeout`` seconds (None: no limit)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queued_bytes > 0:
+            while self._queued_bytes > 0 or self._queued_other > 0:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return
                 self._cv.wait(timeout=0.5 if left is None else min(left, 0.5))
+
+    @property
+    def sealed_blocks(self) -> int:
+        """Blocks sealed so far (Parquet files completed, their pending files removed)."""
+        return sum(w.sealed for w in list(self._writers.values()))
 
     @property
     def closed(self) -> bool:
@@ -233,7 +218,8 @@ class ParquetSink:
         return self._closed
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Drain the queue and stop the writer thread (waiting at most ``timeout`` seconds for it)."""
+        """Drain the queue, seal the open blocks and stop the writer thread (waiting at most ``timeout`` seconds
+        for it; a writer still busy then finishes on its own, and what it has not sealed stays as pending files)."""
         with self._cv:
             if self._closed:
                 return
@@ -246,40 +232,85 @@ class ParquetSink:
         while True:
             item = self._q.get()
             if item is _Stop:
+                self._seal_all()
                 return
             try:
-                if isinstance(item, Delete):
-                    self._delete(item)
-                    continue
-                self._write(item)
-                self.written_rows += item.nrows
-                self.written_files += 1
+                if isinstance(item, Recover):
+                    self._recover(item.rank)
+                else:
+                    self._write(item)
+                    self.written_rows += item.nrows
+                    self.written_steps += bool(item.nrows)
             except Exception as exc:  # never raise into training: count and report once
                 self.dropped_rows += item.nrows
-                if self.last_error is None:
-                    log.warning("triage-monitor could not write %s rows for step %s (%s); training continues, "
-                                "rows are counted as dropped", item.table, item.step, exc)
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._report(exc, f"{getattr(item, 'table', 'pending')} rows for step {getattr(item, 'step', '-')}",
+                             "rows are counted as dropped")
             finally:
                 with self._cv:
-                    self._queued_bytes -= item.nbytes
+                    if isinstance(item, Write):
+                        self._queued_bytes -= item.nbytes
+                    else:
+                        self._queued_other -= 1
                     self._cv.notify_all()
+            self._beat()
 
-    def _delete(self, item: Delete) -> None:
-        old = self.layout.table_file(item.table, item.step, item.rank, item.attempt)
-        if item.after is not None and not self.layout.table_file(item.after, item.step, item.rank,
-                                                                 self.attempt).is_file():
-            if old.exists():       # its replacement was not written (full disk, dropped): the earlier file stays
-                self.kept_files += 1
-                if self.kept_files == 1:
-                    log.warning("triage-monitor kept %s of an earlier attempt: this attempt's %s file of step %s "
-                                "is not on disk, so the step keeps its earlier records", old, item.after, item.step)
+    def _report(self, exc: BaseException, what: str, consequence: str) -> None:
+        """Keep ``exc`` as :attr:`last_error`; warn once per kind of consequence (rows dropped, a block left in
+        pending files, the lease)."""
+        if consequence not in self._warned:
+            self._warned.add(consequence)
+            log.warning("triage-monitor could not write %s (%s); training continues, %s", what, exc, consequence)
+        self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def _beat(self) -> None:
+        if self._heartbeat is None or time.monotonic() - self._beat_at < self._heartbeat_s:
             return
-        old.unlink(missing_ok=True)
+        self._beat_at = time.monotonic()
+        try:
+            self._heartbeat()
+        except Exception as exc:  # noqa: BLE001 — the lease is advisory; writing goes on
+            self._report(exc, "the writer lease", "the lease may look stale to a second writer")
+
+    def _spool_dir(self) -> Optional[str]:
+        if self.store.is_local:
+            return None
+        if self._spool is None:
+            self._spool = tempfile.mkdtemp(prefix="triage-monitor-spool-")
+        return self._spool
+
+    def _writer(self, table: str, rank: int) -> BlockWriter:
+        key = (table, rank)
+        w = self._writers.get(key)
+        if w is None:
+            w = self._writers[key] = BlockWriter(self.store, table, rank, self.attempt, self.roll_steps,
+                                                 self.roll_bytes, self._spool_dir())
+        return w
 
     def _write(self, item: Write) -> None:
         tab = pa.table(item.columns.build(), schema=item.schema)
         for i, key, value in ((0, "step", item.step), (1, "rank", item.rank)):   # plain readers get int64 step/rank
             if key not in tab.column_names:
                 tab = tab.add_column(i, key, pa.array(np.full(tab.num_rows, value, dtype=np.int64)))
-        write_table_atomic(tab, self.layout.table_file(item.table, item.step, item.rank, self.attempt))
+        w = self._writer(item.table, item.rank)
+        w.write(item.step, tab)
+        if w.error is not None:
+            exc, w.error = w.error, None
+            self._report(exc, f"the {item.table} block of rank {item.rank} at step {item.step}", PENDING_KEPT)
+
+    def _recover(self, rank: int) -> None:
+        for table in TABLES:
+            idx = self.layout.index(table)
+            left = [p for p in idx.parts if not p.sealed and p.rank == rank and p.attempt != self.attempt]
+            if left:
+                names = seal_pending(self.store, left, self._spool_dir())
+                log.info("triage-monitor: sealed %d pending file(s) an earlier attempt of rank %d left in %s/ "
+                         "into %s", len(left), rank, table, ", ".join(names))
+
+    def _seal_all(self) -> None:
+        for w in self._writers.values():
+            try:
+                w.close()
+            except Exception as exc:  # noqa: BLE001 — its steps stay as pending files, which readers read
+                self._report(exc, f"the last {w.table} block of rank {w.rank}", PENDING_KEPT)
+        if self._spool is not None:
+            shutil.rmtree(self._spool, ignore_errors=True)

@@ -345,7 +345,7 @@ def _window_null(run: Run, states, win: list, anchor: int, window: int, tau: flo
                 most)
     for s in win:
         if s not in layouts:
-            layouts[s] = tail_layout_from_arrays(read_token_arrays(run.token_files(s)), tau, cfg.segment_width)
+            layouts[s] = tail_layout_from_arrays(read_token_arrays(run.token_source(s)), tau, cfg.segment_width)
     layout = TailLayout.concat([layouts[s] for s in win])
     return lambda: shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction), max_segments_per_response(layout)
 

@@ -47,9 +47,25 @@ PANELS = {
 }
 
 
+def _template() -> go.layout.Template:
+    """plotly's "plotly_white" template cut to its layout and the trace types these figures draw (scatter, bar,
+    heatmap): the same look, and a copy per figure of a few kB instead of the full template (3x faster to build a
+    figure; the report and the dashboard build a dozen)."""
+    global _TEMPLATE
+    if _TEMPLATE is None:
+        import plotly.io as pio
+
+        full = pio.templates["plotly_white"]
+        _TEMPLATE = go.layout.Template(layout=full.layout, data={k: full.data[k] for k in ("scatter", "bar", "heatmap")})
+    return _TEMPLATE
+
+
+_TEMPLATE: Optional[go.layout.Template] = None
+
+
 def _layout(fig: go.Figure, title: str, height: int = 320, **kw) -> go.Figure:
     opts = dict(title=dict(text=title, x=0.01, y=0.97, yanchor="top", font=dict(size=14, color="#111827")),
-                height=height, template="plotly_white", margin=dict(l=60, r=36, t=46, b=40),
+                height=height, template=_template(), margin=dict(l=60, r=36, t=46, b=40),
                 # the toolbar stands on the right edge, vertically, so it never covers the title (top left)
                 modebar=dict(orientation="v", bgcolor="rgba(255,255,255,0.75)"),
                 hovermode="x unified", font=dict(family="Inter, Segoe UI, Helvetica, Arial, sans-serif", size=12),

@@ -63,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
                                  "analyze")
     from .. import metrics  # noqa: F401  (imports torch now, so the throughput below times the recomputation only)
     exits.note("analyze", f"recomputing {n_steps} step(s) of {run.path} …")
+    if args.engine == "local" and args.workers > 1:
+        from ..analysis import WORKER_MIN_BYTES, planned_workers
+
+        used = planned_workers([run.token_source(s) for s in run.step_numbers()], args.workers)
+        if used < args.workers:
+            exits.note("analyze", f"--workers {args.workers}: {used} used — a worker process pays off its start-up "
+                                  f"only with {WORKER_MIN_BYTES >> 30} GiB of token records to map"
+                                  + (" (this process maps them)" if used == 1 else ""))
     t0 = time.perf_counter()
     try:
         df = recompute(run, window=args.window, tau_tail=args.tau_tail, progress=True, tau_mode=args.tau_mode,
@@ -75,10 +83,15 @@ def run(args: argparse.Namespace) -> int:
                                  "analyze")
     n_tokens = int(df["n_tokens"].sum())
     exits.note("analyze", f"recomputed {n_tokens:,} tokens of {len(df)} step(s) in {elapsed:.2f} s")
-    out = out or run.layout.analysis_dir / "metrics.csv"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        (df.to_parquet if out.suffix.lower() == ".parquet" else df.to_csv)(out, index=False)
+        if out is None and not run.layout.is_local:      # an object store's run: the table goes next to its states
+            rel = f"{run.layout.analysis_dir}/metrics.csv"
+            run.store.write_bytes(rel, df.to_csv(index=False).encode())
+            out = run.store.display(rel)
+        else:
+            out = out or run.layout.root / run.layout.analysis_dir / "metrics.csv"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            (df.to_parquet if out.suffix.lower() == ".parquet" else df.to_csv)(out, index=False)
     except OSError as exc:
         raise exits.CommandError(f"cannot save the table to {out}: {exc.strerror or exc}", exits.OUTPUT_ERROR) \
             from None
@@ -92,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"recomputed {n_tokens:,} tokens in {elapsed:.2f} s "
                   f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
+    run.refresh()                   # the steps recorded meanwhile too: they are named, then left out below
     live = run.steps() if args.window is None and args.tau_tail is None else None
     if live is not None and not live.empty:
         # a run being written: steps recorded after the recomputation started are left out of the comparison and

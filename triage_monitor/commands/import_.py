@@ -13,10 +13,13 @@ from ..exits import add_existing_run_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``triage-monitor import``: ``slime FILES...`` or ``table PATH --map field=column``."""
+    """Options of ``triage-monitor import``: ``slime FILES...``, ``miles FILES...`` or ``table PATH --map
+    field=column``."""
     sub = parser.add_subparsers(dest="source", required=True)
     s = sub.add_parser("slime", help="slime --save-debug-train-data files (.pt, globs allowed)")
     s.add_argument("paths", nargs="+", help="train-data files or globs, e.g. 'dump/train_*_*.pt'")
+    m = sub.add_parser("miles", help="Miles --save-debug-train-data per-rank files (.pt, globs allowed)")
+    m.add_argument("paths", nargs="+", help="train-data files or globs, e.g. 'dump/train_data/*_*.pt'")
     t = sub.add_parser("table", help="Parquet/JSONL of per-token (or per-response list) log-probs")
     t.add_argument("path", help="Parquet file or directory, or JSONL file")
     t.add_argument("--format", default="auto", choices=("auto", "parquet", "jsonl"),
@@ -24,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto: jsonl for .jsonl/.json/.jsonl.gz, parquet otherwise (default: %(default)s)")
     t.add_argument("--map", action="append", default=[], metavar="FIELD=COLUMN",
                    help=f"column of each field; fields: {', '.join(REQUIRED + OPTIONAL)} (default: same name)")
-    for p in (s, t):
+    for p in (s, m, t):
         p.add_argument("--out", required=True, help="run directory to write")
         add_existing_run_arguments(p)
         p.add_argument("--on-invalid", default="quarantine", choices=("quarantine", "raise"),
@@ -44,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import); 3 the OS refused a read or the run directory cannot be written."""
     from .. import exits
     from ..config import MetricConfig, MonitorConfig
-    from ..importers import parse_mapping, read_table, slime_steps, table_steps, write_run
+    from ..importers import miles_steps, parse_mapping, read_table, slime_steps, table_steps, write_run
     from ..records import OutputError, UnwritableOutputError, probe_writable
 
     try:
@@ -53,19 +56,22 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         exits.error("import", exc)
         return exits.INPUT_ERROR
-    created = not Path(args.out).exists()
+    from ..storage import is_remote
+
+    created = not is_remote(args.out) and not Path(args.out).exists()
     try:
         probe_writable(args.out)                 # an unwritable --out fails before the input is read
-        if args.source == "slime":
+        if args.source in ("slime", "miles"):
             files = sorted({f for p in args.paths for f in (glob.glob(p) or [p])})
             missing = [f for f in files if not Path(f).exists()]
             if missing:
                 raise ValueError(f"no such file: {missing[0]}")
-            exits.note("import", f"reading {len(files)} slime dump file(s) …")
+            exits.note("import", f"reading {len(files)} {args.source} dump file(s) …")
             info: dict = {}
-            steps = list(slime_steps(files, args.on_invalid, info=info))   # read first: run.json records how
-            manifest = {"framework": "slime", "imported_from": files[:50], "import_source": "save_debug_train_data",
-                        **info}
+            reader = slime_steps if args.source == "slime" else miles_steps
+            steps = list(reader(files, args.on_invalid, info=info))   # read first: run.json records how
+            manifest = {"framework": args.source, "imported_from": files[:50],
+                        "import_source": "save_debug_train_data", **info}
         else:
             mapping = parse_mapping(args.map)
             exits.note("import", f"reading {args.path} …")

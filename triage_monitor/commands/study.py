@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from ..exits import CommandError
     from ..layout import run_path
 
-    args.out = str(run_path(args.out))        # s3://... refused before anything is made (UnsupportedLocationError)
+    args.out = str(run_path(args.out, "--out"))   # a local folder of runs: s3://... refused before anything is made
     try:
         given = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if hasattr(args, f.name)}
         cfg, arms, seeds = study_config(args.preset, args.quick, **given)

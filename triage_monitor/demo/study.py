@@ -51,7 +51,7 @@ import numpy as np
 import pandas as pd
 
 from ..alerts import NOISE_FLOOR_NATS, default_rules, replay_engine
-from ..layout import RunLayout
+from ..layout import MANIFEST
 from ..timings import DEFAULT_K, LABELS, PHASES, compare_cycles, cycle_summary, figures
 from .grpo import DemoConfig
 
@@ -529,7 +529,7 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
     same_window = True
     for d in sorted((out / "runs").glob("*-s*")):
         arm, _, seed = d.name.rpartition("-s")
-        if not (arm in ARMS and seed.isdigit() and RunLayout(d).manifest.exists()):
+        if not (arm in ARMS and seed.isdigit() and (d / MANIFEST).is_file()):
             continue
         run = open_run(d)
         live = run.steps()

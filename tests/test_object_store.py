@@ -1,0 +1,248 @@
+"""Runs on an S3-compatible object store: a real S3 server (moto's server mode, from the package registry) started
+on 127.0.0.1 by these tests and stopped after them; the real pyarrow S3 client talks to it over HTTP, no mocked
+client.  The monitor writes ``s3://bucket/run`` (credentials and endpoint from the usual AWS variables, or the
+URI's query), every command reads it, a hook writes to it, a killed writer's pending objects are read and sealed,
+the lease keeps a second writer of a rank out, and what cannot work on a store (moving a run aside, claiming a
+rank) is refused naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
+
+from triage_monitor.analysis import compare_live, open_run, recompute  # noqa: E402
+from triage_monitor.batch import TokenBatch  # noqa: E402
+from triage_monitor.cli import main  # noqa: E402
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+from triage_monitor.storage import open_store  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on a free port of 127.0.0.1 for the module, with the AWS variables a user sets
+    (``AWS_ENDPOINT_URL`` included: no option of ours to learn).  Yields ``(endpoint, make_bucket)``."""
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                            "AWS_ENDPOINT_URL", "AWS_EC2_METADATA_DISABLED")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=endpoint, AWS_EC2_METADATA_DISABLED="true")
+    client = boto3.client("s3", endpoint_url=endpoint)
+    made = []
+
+    def bucket(name: str) -> str:
+        if name not in made:
+            client.create_bucket(Bucket=name)
+            made.append(name)
+        return name
+
+    try:
+        yield endpoint, bucket
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _batch(step, B=4, T=24):
+    g = torch.Generator().manual_seed(step)
+    s = -torch.rand(B, T, generator=g) * 3
+    lp = (s + torch.randn(B, T, generator=g) * 0.2).clamp(max=0)
+    return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), torch.ones(B, T, dtype=torch.bool),
+                                  sample_ids=torch.arange(B) + 10 * step)
+
+
+def _keys(store, table):
+    return sorted(e.name for e in store.listdir(table))
+
+
+def test_a_monitor_writes_a_run_to_s3_that_reads_back_equal_to_a_local_one(s3, tmp_path):
+    """The same steps written to ``s3://bucket/run`` and to a local directory: the store holds the manifest, one
+    block per table (roll_steps 4: two sealed, one at close), no pending object left; every table, the live rows
+    and the recomputed metrics read back equal to the local run's, and the live values are reproduced."""
+    _, bucket = s3
+    uri = f"s3://{bucket('runs')}/exp/a"
+    cfg = MonitorConfig(window=3, calibration_steps=2, roll_steps=4)
+    for where in (uri, tmp_path / "local"):
+        with MismatchMonitor(where, cfg, attempt=5) as mon:
+            for s in range(10):
+                mon.log_step(s, _batch(s), extra={"reward": float(s)})
+    store = open_store(uri)
+    assert store.is_file("run.json") and json.loads(store.read_bytes("run.json"))["status"] == "finished"
+    assert _keys(store, "tokens") == [f"steps-{a:08d}-{b:08d}-rank-0000-attempt-5-part-{p}.parquet"
+                                      for p, (a, b) in enumerate([(0, 3), (4, 7), (8, 9)])]
+    assert [n for n in _keys(store, "steps") if n.startswith(".")] == []
+    remote, local = open_run(uri), open_run(tmp_path / "local")
+    assert str(remote.path) == "s3://runs/exp/a" and remote.path.name == "a"
+    pd.testing.assert_frame_equal(remote.steps().drop(columns="wall_time"), local.steps().drop(columns="wall_time"))
+    pd.testing.assert_frame_equal(remote.tokens(6), local.tokens(6))
+    rec = recompute(remote)
+    pd.testing.assert_frame_equal(rec, recompute(local))
+    assert compare_live(remote, rec)["equal"].all()
+    with store.open_input("tokens/" + _keys(store, "tokens")[1]) as f:       # a plain Parquet object
+        assert pq.read_table(f).column("step").to_pylist()[0] == 4
+
+
+def test_every_command_reads_an_s3_run_and_import_writes_one(s3, tmp_path, capsys):
+    """``analyze``, ``alerts``, ``report`` and the dashboard's launcher take the s3:// run as given; ``analyze``
+    saves its table and its state cache in the run's store; ``import table --out s3://...`` writes a run there."""
+    _, bucket = s3
+    uri = f"s3://{bucket('cmds')}/run"
+    with MismatchMonitor(uri, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        for s in range(4):
+            mon.log_step(s, _batch(s))
+    assert main(["analyze", uri]) == 0
+    out = capsys.readouterr().out
+    assert "s3://cmds/run/analysis/metrics.csv" in out.replace("\n", "")
+    store = open_store(uri)
+    assert "metrics.csv" in _keys(store, "analysis") and any(n.startswith("states-") for n in _keys(store, "analysis"))
+    assert main(["alerts", uri, "--format", "json"]) in (0, 1)
+    capsys.readouterr()
+    assert main(["report", uri, "-o", str(tmp_path / "r.html"), "--draws", "9"]) == 0
+    assert (tmp_path / "r.html").stat().st_size > 10_000
+    from triage_monitor.dashboards.launch import validate_runs
+
+    assert validate_runs([uri]) == [uri]
+    rows = [{"step": s, "sample_id": i, "learner_logp": -0.5 - 0.01 * i, "sampler_logp": -0.6, "advantage": 1.0}
+            for s in range(3) for i in range(5)]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    target = f"s3://{bucket('cmds')}/imported"
+    assert main(["import", "table", str(tmp_path / "t.jsonl"), "--out", target]) == 0
+    assert f"imported 3 step(s) into {target}" in capsys.readouterr().out
+    assert open_run(target).step_numbers() == [0, 1, 2] and len(open_run(target).tokens(1)) == 5
+
+
+def test_the_uri_query_sets_the_endpoint_without_the_variable(s3, monkeypatch):
+    endpoint, bucket = s3
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    host = endpoint.split("://", 1)[1]
+    uri = f"s3://{bucket('query')}/run?endpoint_override={host}&scheme=http"
+    with MismatchMonitor(uri, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        mon.log_step(0, _batch(0))
+    run = open_run(uri)
+    assert run.step_numbers() == [0] and str(run.path) == "s3://query/run"
+    with pytest.raises(ValueError, match="unknown option 'color'"):
+        open_store(f"s3://{bucket('query')}/run?color=red")
+
+
+KILLED = """
+import os, sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_object_store import _batch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+mon = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2), attempt=1)
+for s in range(3):
+    mon.log_step(s, _batch(s))
+mon.flush()
+os._exit(0)            # killed: no close, its open blocks are not sealed, its lease not removed
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_killed_writers_pending_objects_are_read_and_the_next_writer_seals_them(s3):
+    """A writer process that ends without closing (killed) leaves each step of its open blocks as one pending
+    object, and its lease: a reader reads every step; the next writer of the rank on this host (the dead
+    process's lease: taken over at once) seals them into a block of the earlier attempt before it writes its own,
+    and removes the pending objects."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, bucket = s3
+    uri = f"s3://{bucket('killed')}/run"
+    r = subprocess.run([sys.executable, "-c", KILLED, uri, str(Path(__file__).parent)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    store = open_store(uri)
+    assert len([n for n in _keys(store, "tokens") if n.startswith(".pending-")]) == 3
+    assert store.exists(".writer-rank-0.lock")
+    run = open_run(uri)
+    assert run.step_numbers() == [0, 1, 2] and len(run.tokens(2)) == 4 * 24 and len(run.steps()) == 3
+    with MismatchMonitor(uri, MonitorConfig(window=2, calibration_steps=2), attempt=2) as again:
+        again.log_step(3, _batch(3))
+    assert _keys(store, "tokens") == ["steps-00000000-00000002-rank-0000-attempt-1-part-0.parquet",
+                                      "steps-00000003-00000003-rank-0000-attempt-2-part-0.parquet"]
+    assert open_run(uri).step_numbers() == [0, 1, 2, 3]
+
+
+def test_a_second_writer_of_a_rank_is_refused_while_the_lease_is_renewed(s3, monkeypatch, caplog):
+    """The lease object of a live writer refuses a second writer of its rank, quoting it; one not renewed for
+    LEASE_STALE_S (a killed writer's on another host) is taken over with a warning; close removes it.  ``force`` cannot move a run
+    aside on a store and says so."""
+    import logging
+    import time
+
+    from triage_monitor import locks
+    from triage_monitor.errors import RunLockedError, UnwritableOutputError
+
+    _, bucket = s3
+    uri = f"s3://{bucket('lease')}/run"
+    store = open_store(uri)
+    first = MismatchMonitor(uri, MonitorConfig(window=2), attempt=11)
+    assert store.read_bytes(".writer-rank-0.lock").decode().startswith(f"pid {os.getpid()} on ")
+    with pytest.raises(RunLockedError, match=r"another process is writing this run's rank 0 \(pid \d+ on .*attempt 11"):
+        MismatchMonitor(uri, MonitorConfig(window=2), attempt=12)
+    line = store.read_bytes(".writer-rank-0.lock").decode()
+    other_host = line.replace(" on ", " on another-host-", 1)          # not checkable from here: only its age
+    store.write_bytes(".writer-rank-0.lock", other_host.encode())
+    with pytest.raises(RunLockedError, match="another-host-"):
+        MismatchMonitor(uri, MonitorConfig(window=2), attempt=12)
+    stale = other_host.split(", renewed ")[0] + f", renewed {time.time() - locks.LEASE_STALE_S - 5:.3f}\n"
+    first.writer._lock._stop.set()                                 # the first writer stops renewing (killed)
+    store.write_bytes(".writer-rank-0.lock", stale.encode())
+    caplog.set_level(logging.WARNING, logger="triage_monitor")
+    with MismatchMonitor(uri, MonitorConfig(window=2), attempt=12) as second:
+        assert "attempt 12," in store.read_bytes(".writer-rank-0.lock").decode()
+        second.log_step(0, _batch(0))
+    assert any("a stopped writer's lease, taken over" in r.getMessage() for r in caplog.records)
+    assert not store.exists(".writer-rank-0.lock")                 # released at close
+    with pytest.raises(UnwritableOutputError, match="cannot move a run aside on an object store"):
+        MismatchMonitor(uri, MonitorConfig(window=2), force=True)
+    first.close()
+
+
+def test_a_missing_bucket_is_an_error_at_start_naming_it(s3):
+    from triage_monitor.errors import UnwritableOutputError
+
+    with pytest.raises(UnwritableOutputError, match=r"s3://no-such-bucket/run: cannot write the output directory"):
+        MismatchMonitor("s3://no-such-bucket/run")
+
+
+def test_a_hook_writes_its_run_to_s3_and_refuses_to_claim_a_rank_there(s3, monkeypatch):
+    """A loss hook's ``run_dir`` may be an s3:// URI: its worker runtime builds the monitor there (rank from
+    ``RANK``); a process with no rank at all is refused naming the ways to give one (ranks are claimed with an
+    exclusive create, which a store lacks).  verl's job files (attempt, published step) live in the store too."""
+    from triage_monitor.controller import TriageConfig
+    from triage_monitor.hooks import verl as verl_hook
+    from triage_monitor.hooks._runtime import HookSettings, WorkerRuntime
+
+    _, bucket = s3
+    uri = f"s3://{bucket('hooks')}/run"
+    monkeypatch.setenv("RANK", "0")
+    rt = WorkerRuntime(HookSettings(run_dir=uri, monitor=MonitorConfig(window=2, calibration_steps=1),
+                                    triage=TriageConfig(gate_width=2, repair_width=2)))
+    assert rt.monitor is not None and rt.monitor.run_dir == "s3://hooks/run"
+    rt.monitor.log_step(0, _batch(0))
+    rt.close()
+    assert open_run(uri).step_numbers() == [0]
+    monkeypatch.delenv("RANK")
+    with pytest.raises(ValueError, match="ranks cannot be claimed on an object store"):
+        WorkerRuntime(HookSettings(run_dir=f"s3://{bucket('hooks')}/other")).monitor
+    a = verl_hook.shared_attempt(uri, "job1")
+    assert verl_hook.shared_attempt(uri, "job1") == a
+    verl_hook.publish_step(uri, 7, "job1")
+    assert verl_hook.read_step(uri, "job1") == 7
