@@ -307,8 +307,8 @@ def publish_timings(run_dir: str, step: int, timing_raw: dict, job: Optional[str
 
     try:
         times = phase_times(timing_raw, "verl")
-        _write_atomic(_job_dir(run_dir, job if job is not None else _ray_job_id()) / "timings" / f"{int(step)}.json",
-                      json.dumps(times))
+        _write_text(run_dir, f"{_job_dir(run_dir, job if job is not None else _ray_job_id())}/timings/{int(step)}.json",
+                    json.dumps(times))
     except (OSError, ValueError) as exc:     # monitoring I/O never stops the job
         log.warning("triage-monitor: cannot publish the phase timings of step %s in %s (%s)", step, run_dir, exc)
 
@@ -316,8 +316,8 @@ def publish_timings(run_dir: str, step: int, timing_raw: dict, job: Optional[str
 def read_timings(run_dir: str, step: int, job: Optional[str] = None) -> Optional[dict]:
     """``{phase: seconds}`` the trainer published for ``step`` (:func:`publish_timings`); None when none was."""
     try:
-        path = _job_dir(run_dir, job if job is not None else _ray_job_id()) / "timings" / f"{int(step)}.json"
-        return json.loads(path.read_text())
+        return json.loads(_read_text(run_dir, f"{_job_dir(run_dir, job if job is not None else _ray_job_id())}/"
+                                               f"timings/{int(step)}.json"))
     except (OSError, ValueError):
         return None
 
