@@ -5,7 +5,9 @@ Start it with ``triage-monitor dashboard RUN_DIR [RUN_DIR ...]`` (or
 ``TRIAGE_MONITOR_RUNS``, os.pathsep-separated, is read when no argument is
 given).  It answers "when did direction go wrong, where in the responses, and
 would TRIAGE have caught it": overview, time series with a trailing-window
-toggle, quadrant masses, localisation, one step's δ distribution and segment
+toggle, quadrant masses, localisation, the step time by phase with the
+generation share and the projected full-cycle speedup (and two runs compared:
+docs/metrics.md#step-time-and-the-full-cycle), one step's δ distribution and segment
 heatmap, a response drill-down with Gate weights, the docs/metrics.md#stages stage table
 and overlays of several runs.
 
@@ -185,6 +187,10 @@ with st.sidebar:
     window_steps = int(st.number_input("Trailing window (steps)", 1, 100000, run_window, key="window_steps",
                                        help="The run's window uses the live pooled values; another window is "
                                             "recomputed from the token files (slower on large runs)."))
+    cycle_k = float(st.number_input("Generator speedup k (full-cycle projection)", min_value=1.0, max_value=100.0,
+                                    value=2.3, step=0.1, key="cycle_k",
+                                    help="The projection 1 / ((1 − g) + g / k): a generator k times faster, every "
+                                         "other phase unchanged; 2.3 is the published NVFP4 rollout speedup."))
 
 sig = sigs[primary]
 snap = snapshot_steps(primary)
@@ -289,6 +295,64 @@ with cols[1]:
         loc_frame, loc_unreadable = load_postmortem(primary, window_steps, sig, snap)
     _chart(views.localisation_figure(loc_frame, window, labels[primary]), "localisation")
 _show_unreadable(loc_unreadable)
+
+# ------------------------------------------------------------------ step time and the full cycle
+st.header("Step time and the full cycle")
+from triage_monitor.timings import compare_cycles, cycle_frame, cycle_summary, device_of, figures  # noqa: E402
+
+cycle = cycle_frame(steps, cycle_k)
+if cycle.empty:
+    st.info("No step of this run has phase timings (time/<phase> columns): a framework hook records them where it "
+            "sees the framework's timers, a loop of your own passes log_step(timings=...) (docs/hooks.md#phase-timings).")
+else:
+    info = manifest.info if isinstance(manifest.info, dict) else {}
+    device = device_of(info)
+    summ = cycle_summary(cycle, cycle_k)
+    c = st.columns(4)
+    c[0].metric("Generation share g", "-" if math.isnan(summ.g) else f"{summ.g:.3f}",
+                help="Σ generation / Σ step over the timed steps")
+    c[1].metric(f"Projected speedup at k = {cycle_k:g}", "-" if math.isnan(summ.projected) else f"{summ.projected:.2f}×",
+                help="1 / ((1 − g) + g / k)")
+    c[2].metric("Mean step", f"{summ.mean.get('step', math.nan):.3g} s", help=f"{summ.steps} timed step(s)")
+    c[3].metric("Not sped up", "-" if math.isnan(summ.g) else f"{100 * (1 - summ.g):.0f} % of the step",
+                help="every phase but generation, and the untimed rest")
+    if device:
+        st.caption(f"{figures(device)}: measured on the run's {device}" + (
+            "; on an accelerator the phases' shares differ (NVFP4 emulated on a CPU is slower than full precision)."
+            if device.startswith("cpu") else "."))
+    st.markdown("\n".join(f"- {line}" for line in summ.lines()[1:]))
+    _chart(views.cycle_figure(cycle, cycle_k, labels[primary], device), "cycle")
+    others = [p_ for p_ in runs if p_ != primary]
+    if others:
+        other = st.selectbox("Compare with (a low-precision run of the same job; the run inspected is the baseline)",
+                             others, format_func=labels.get, key="cycle_other")
+        other_steps = runs[other][1]
+        if cycle_frame(other_steps, cycle_k).empty:
+            st.info(f"{labels[other]} has no phase timings: nothing to compare.")
+        else:
+            cmp = compare_cycles(steps, other_steps, cycle_k)
+            pair = [labels[primary], labels[other]]
+            st.markdown("\n".join(f"- {line}" for line in cmp.lines(pair)))
+            cc = st.columns([3, 2])
+            with cc[0]:
+                shown = cmp.table.assign(faster_generator=[
+                    "" if ph == "step" else "yes" if up else "no"
+                    for ph, up in zip(cmp.table["phase"], cmp.table["sped_up_by_generator"])])
+                shown = shown.rename(columns={"label": "phase ", "base_s": f"{pair[0]} (s)", "other_s": f"{pair[1]} (s)",
+                                              "speedup": "measured speedup (×)",
+                                              "faster_generator": "faster generator"})
+                st.dataframe(shown[["phase ", f"{pair[0]} (s)", f"{pair[1]} (s)", "measured speedup (×)",
+                                    "faster generator"]], hide_index=True, width="stretch", key="cycle_compare",
+                             column_config={"faster generator": st.column_config.TextColumn(
+                                 help="does a faster generator speed this phase up?")})
+            with cc[1]:
+                mm = cmp.mismatch.rename(columns={"figure": "mismatch", "base": pair[0], "other": pair[1]})
+                n_alerts = [len(runs[p_][2]) if "rule" in runs[p_][2].columns else 0 for p_ in (primary, other)]
+                mm = pd.concat([mm, pd.DataFrame([{"mismatch": "alerts raised", pair[0]: float(n_alerts[0]),
+                                                   pair[1]: float(n_alerts[1])}])], ignore_index=True)
+                st.dataframe(mm, hide_index=True, width="stretch", key="cycle_mismatch")
+            _chart(views.cycle_bars_figure({pair[0]: cmp.base, pair[1]: cmp.other},
+                                           "Mean step time by phase, the two runs", device), "cycle_bars")
 
 # ------------------------------------------------------------------ one step (token data, lazy)
 st.header("One step")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -52,10 +52,13 @@ class StepAccumulator:
 
     Args:
         monitor: a :class:`~triage_monitor.monitor.MismatchMonitor` (or anything with its ``log_step``).
+        timings_for: ``fn(step) -> {phase: seconds} or None``, asked when a step is logged: the step's phase
+            timings (``log_step(timings=...)``, docs/metrics.md#step-time-and-the-full-cycle).
     """
 
-    def __init__(self, monitor):
+    def __init__(self, monitor, timings_for: Optional[Callable[[int], Optional[dict]]] = None):
         self.monitor = monitor
+        self.timings_for = timings_for
         self.step: Optional[int] = None
         self._parts: list = []
 
@@ -81,6 +84,9 @@ class StepAccumulator:
             for k, v in ex.items():
                 scalars[k].append(float(v))
         extra = {k: sum(v) / len(v) for k, v in scalars.items()}
+        timings = self.timings_for(step) if self.timings_for is not None else None
+        if timings:
+            return self.monitor.log_step(step, batch, extra=extra, token_extras=token_extras, timings=timings)
         return self.monitor.log_step(step, batch, extra=extra, token_extras=token_extras)
 
     def close(self) -> Optional[dict]:

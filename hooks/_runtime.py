@@ -55,6 +55,7 @@ from triage_monitor.layout import RunLayout
 from triage_monitor.storage import open_store
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 from triage_monitor.records import new_attempt_id, probe_writable
+from triage_monitor.timings import is_timer_name, phase_times
 from triage_monitor.trackers import check_keys, framework_metrics, specs_of
 
 from ._common import StepAccumulator
@@ -209,6 +210,12 @@ class WorkerRuntime:
         self.closed = False
         #: the metrics of the last step this process logged (None before the first)
         self.last_metrics: Optional[dict] = None
+        #: phase timings waiting for their step's row: ``{step: {phase: seconds}}`` (:meth:`add_timings`)
+        self._timings: dict = {}
+        #: ``fn(step) -> {timer: seconds} or None``: where the hook finds a step's timings when it logs the step
+        #: (e.g. the verl trainer's published timings); its phases fill what :meth:`add_timings` left out
+        self.timings_source = None
+        self._logged_through: Optional[int] = None
 
     # ------------------------------------------------------------- monitor
     @property
@@ -248,7 +255,7 @@ class WorkerRuntime:
                 manifest.setdefault("triage", _plain(self.controller.config))
             self._monitor = MismatchMonitor(run_dir, s.monitor, manifest=manifest, rank=rank, attempt=attempt,
                                             group=group, resume=s.resume, alerts=s.alerts, loggers=s.loggers)
-            self._acc = StepAccumulator(self._monitor)
+            self._acc = StepAccumulator(self._monitor, timings_for=self._timings_for)
         return self._monitor
 
     # --------------------------------------------------------------- steps
@@ -325,6 +332,53 @@ class WorkerRuntime:
         if metrics is not None:
             self.last_metrics = metrics
         return metrics
+
+    # ------------------------------------------------------------- timings
+    def add_timings(self, step: int, timers: dict, framework: Optional[str] = None) -> None:
+        """Add the framework's timer readings of ``step`` (seconds) to the phase timings of that step's row
+        (docs/metrics.md#step-time-and-the-full-cycle): mapped with :func:`triage_monitor.timings.phase_times`
+        (``framework``'s names, docs/hooks.md#phase-timings), added to what the step already has.  Timers of no
+        phase are said once in the log; readings for a step whose row is already written are dropped (said once).
+        Never raises: monitoring never stops the training job."""
+        with self._lock:
+            try:
+                skipped: list = []
+                times = phase_times(timers, framework, unmapped=skipped)
+            except ValueError as exc:
+                self._warn_once("timings-bad", "triage-monitor: phase timings of step %s not recorded (%s)", step, exc)
+                return
+            unknown = [n for n in skipped if not is_timer_name(n, framework)]
+            if unknown:
+                self._warn_once("timings-unmapped", "triage-monitor: %s timer(s) %s are no phase of "
+                                "docs/hooks.md#phase-timings; their time counts as untimed", framework or "the",
+                                sorted(unknown))
+            step = int(step)
+            if self._logged_through is not None and step <= self._logged_through:
+                self._warn_once("timings-late", "triage-monitor: phase timings of step %d arrived after its row was "
+                                "written; they are not recorded", step)
+                return
+            into = self._timings.setdefault(step, {})
+            for phase, v in times.items():
+                into[phase] = into.get(phase, 0.0) + v
+
+    def _timings_for(self, step: int) -> Optional[dict]:
+        """The phase timings of ``step``'s row: :meth:`add_timings`' readings, then :attr:`timings_source`'s for the
+        phases they lack; older steps' leftovers are dropped."""
+        step = int(step)
+        own = self._timings.pop(step, {})
+        for s in [s for s in self._timings if s < step]:
+            del self._timings[s]
+        self._logged_through = step if self._logged_through is None else max(self._logged_through, step)
+        src = self.timings_source
+        if src is not None:
+            try:
+                more = src(step) or {}
+                for phase, v in phase_times(more).items():
+                    own.setdefault(phase, v)
+            except Exception as exc:   # noqa: BLE001 — monitoring never stops the job
+                self._warn_once("timings-source", "triage-monitor: reading the phase timings of step %d failed (%s: "
+                                "%s); the step is recorded without them", step, type(exc).__name__, exc)
+        return own or None
 
     def framework_metrics(self) -> dict:
         """The metrics to hand to the framework's own logger: ``settings.framework_keys`` of the last step this

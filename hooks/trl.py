@@ -18,6 +18,14 @@ monitor, controller and step accumulation live in this process's runtime; the st
   with TRL's aggregation for its ``loss_type`` (:data:`LOSS_TYPE_AGG`) and TRL's own per-token factors (entropy
   mask, off-policy mask, vLLM importance-sampling ratio) computed by TRL's own methods; TRL's graph is dropped.
   Our statistics go to TRL's logs under ``triage/``.
+* **Phase timings** (docs/hooks.md#phase-timings): TRL's own timers of a step are its ``step_time`` (the optimizer
+  step's ``training_step`` calls, in ``_metrics["train"]``; the optimizer step itself is outside it) and its
+  ``profiling_context`` spans, which TRL sends to W&B / MLflow / Trackio only.  The hook takes ``step_time`` as the
+  step's ``time/step`` and times the spans TRL profiles in the methods it overrides: ``_generate_single_turn``
+  (TRL's ``transformers.generate`` / ``vLLM.generate`` / ``transformers.generate_batch`` spans, with TRL's
+  ``sync_weights`` inside on vLLM → generation), ``_calculate_rewards`` (reward), ``_get_per_token_logps_and_entropies``
+  outside the loss (the old log-probs → logprob; with the reference model → reference), and ``training_step`` less
+  ``_prepare_inputs`` (the loss forward and backward → update).  Evaluation is not timed.
 * ``log``: TRL logs after the optimizer has stepped, so the monitored step that update closed is complete: it is
   logged now, and the hook's curated metrics (``hook.framework_metrics()``: ``triage/window/rho_asym``, ...,
   ``triage/alerts_active``, ``triage/metrics_step``) join TRL's log, which TRL's ``report_to`` callbacks forward
@@ -29,6 +37,7 @@ Options the TRIAGE loss cannot honour raise a ``ValueError`` at construction (:m
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -162,6 +171,7 @@ class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
         import trl
 
         triage = self._tm_attach(triage, {"framework": "trl", "framework_version": trl.__version__})
+        self._tm_prep = 0.0                # seconds in _prepare_inputs during the training_step running now
         if triage is None:
             return
         self._check_monitoring()
@@ -243,6 +253,15 @@ class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         # TRL 1.13: (prompt_ids, images, multimodal_fields, has_tool_images=False);
         # TRL 1.16: (prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)
+        span = ("vLLM.generate" if self.use_vllm else "transformers.generate_batch"
+                if self.use_transformers_continuous_batching else "transformers.generate")
+        t0 = time.perf_counter()
+        try:
+            return self._tm_generate(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        finally:
+            self._tm_time(span, time.perf_counter() - t0)
+
+    def _tm_generate(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         if (self.triage_hook is None or self.use_vllm or self.use_transformers_continuous_batching
                 or not self.record_sampler_logps):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
@@ -260,6 +279,51 @@ class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
         return ids, logps
 
     # ------------------------------------------------------------------ loss
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        res = super()._get_per_token_logps_and_entropies(*args, **kwargs)   # the mixin captures the live call
+        if not self._tm_capture:        # scoring the rollouts: the old log-probs, or the reference model's
+            model = args[0] if args else kwargs.get("model")
+            ref = getattr(self, "ref_model", None)
+            self._tm_time("reference" if ref is not None and model is ref else "logprob", time.perf_counter() - t0)
+        return res
+
+    # ------------------------------------------------------------ timings
+    def _calculate_rewards(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super()._calculate_rewards(*args, **kwargs)
+        finally:
+            self._tm_time("_calculate_rewards", time.perf_counter() - t0)
+
+    def _prepare_inputs(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super()._prepare_inputs(*args, **kwargs)
+        finally:
+            self._tm_prep += time.perf_counter() - t0
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.triage_hook is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        times = self._metrics["train"].get("step_time", [])
+        before = len(times)
+        self._tm_prep = 0.0
+        t0 = time.perf_counter()
+        out = super().training_step(model, inputs, num_items_in_batch)
+        # the loss forward and backward: the training_step outside _prepare_inputs (generation and scoring)
+        self._tm_time("update", time.perf_counter() - t0 - self._tm_prep)
+        times = self._metrics["train"].get("step_time", [])
+        if len(times) > before:          # TRL closed its step_time of this optimizer step (every GA micro-steps)
+            self._tm_time("step_time", float(times[-1]))
+        return out
+
+    def _tm_time(self, name: str, seconds: float) -> None:
+        """Add a timer reading (TRL's span name or our phase) to the phase timings of the step being trained."""
+        if self.triage_hook is None or not self.model.training:
+            return
+        self.triage_hook.runtime.add_timings(self.state.global_step, {name: max(seconds, 0.0)}, "trl")
+
     def _compute_loss(self, model, inputs):
         if self.triage_hook is None:
             return super()._compute_loss(model, inputs)

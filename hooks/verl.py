@@ -30,6 +30,12 @@ Checked against the installed verl 0.9.1 (``trainer/ppo/core_algos.py``, ``worke
 * **Monitoring without the TRIAGE loss** (decoupled mode, verl recomputes ``old_log_probs``): the ``triage_*``
   trainers read ``old_log_probs``, ``rollout_log_probs``, ``response_mask``, ``advantages`` and ``uid`` from the
   TransferQueue after ``_compute_advantage`` (:class:`TriageTrainerMixin`).
+* **Phase timings.**  verl's own timers of the step (``timing_raw``, logged as ``timing_s/<name>``: ``gen``,
+  ``old_log_prob``, ``ref``, ``reward``, ``adv``, ``update_actor``, ``update_weights``, ``step``, ...) reach the
+  ``triage_*`` trainer's ``_compute_metrics``, which verl calls once the step timer has closed; the step's row gets
+  them as ``time/<phase>`` (docs/hooks.md#phase-timings): in decoupled mode the trainer's own monitor logs the step
+  there, in bypass mode the trainer publishes them in ``<run_dir>/.verl/<job>/timings/<step>.json`` before it
+  publishes the next step, and the worker writing the step's row reads them (:func:`publish_timings`).
 
 No metric or controller logic here: conversion to :class:`TokenBatch` and calls into the core.
 """
@@ -293,6 +299,29 @@ def read_step(run_dir: Optional[str], job: Optional[str] = None) -> Optional[int
         return None
 
 
+def publish_timings(run_dir: str, step: int, timing_raw: dict, job: Optional[str] = None) -> None:
+    """Publish verl's timers of ``step`` (``timing_raw``: verl's names, seconds) for the job's workers, mapped onto
+    the phases (``<run_dir>/.verl/<job>/timings/<step>.json``, written atomically; :func:`read_timings`).  Called
+    by the ``triage_*`` trainers in bypass mode, before they publish the next step.  Never raises."""
+    from triage_monitor.timings import phase_times
+
+    try:
+        times = phase_times(timing_raw, "verl")
+        _write_text(run_dir, f"{_job_dir(run_dir, job if job is not None else _ray_job_id())}/timings/{int(step)}.json",
+                    json.dumps(times))
+    except (OSError, ValueError) as exc:     # monitoring I/O never stops the job
+        log.warning("triage-monitor: cannot publish the phase timings of step %s in %s (%s)", step, run_dir, exc)
+
+
+def read_timings(run_dir: str, step: int, job: Optional[str] = None) -> Optional[dict]:
+    """``{phase: seconds}`` the trainer published for ``step`` (:func:`publish_timings`); None when none was."""
+    try:
+        return json.loads(_read_text(run_dir, f"{_job_dir(run_dir, job if job is not None else _ray_job_id())}/"
+                                               f"timings/{int(step)}.json"))
+    except (OSError, ValueError):
+        return None
+
+
 #: Seconds between two looks of a worker at the published step (its flush thread).
 STEP_POLL_S = 0.5
 DONE = "done"
@@ -311,6 +340,8 @@ def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> N
             return
         _WATCHED.add(runtime.settings.key)
     jd = _job_dir(run_dir, job)
+    # the step's phase timings, published by the trainer once verl's step timer closed (publish_timings)
+    runtime.timings_source = lambda step: read_timings(run_dir, step, job)
     try:
         _write_text(run_dir, f"{jd}/workers/{os.getpid()}", "")
     except OSError as exc:     # monitoring I/O never stops the job
@@ -594,11 +625,13 @@ class TriageTrainerMixin:
     * Before each step, publishes ``global_steps`` to the workers (:func:`publish_step`); at the end of ``fit``
       has them write their last step (:func:`finish_workers`).
     * Decoupled mode: after ``_compute_advantage`` reads the step's learner (``old_log_probs``) and sampler
-      (``rollout_log_probs``) log-probs, advantages, mask and ``uid`` from the TransferQueue and logs them as ONE
-      monitored step per ``global_steps`` (also with ``parameter_sync_step > 1``); the step's metrics selected by
-      ``TRIAGE_MONITOR_FRAMEWORK_KEYS`` (default the curated set) are added to verl's logged metrics as
-      ``triage/<name>``, with ``triage/metrics_step``.  In bypass mode the batch holds no learner log-probs: the
-      TRIAGE loss monitors inside the workers.
+      (``rollout_log_probs``) log-probs, advantages, mask and ``uid`` from the TransferQueue; in ``_compute_metrics``
+      (verl calls it once the step timer has closed) logs them as ONE monitored step per ``global_steps`` (also with
+      ``parameter_sync_step > 1``) with verl's timers of the step (``timing_raw``) as its phase timings; the step's
+      metrics selected by ``TRIAGE_MONITOR_FRAMEWORK_KEYS`` (default the curated set) are added to verl's logged
+      metrics as ``triage/<name>``, with ``triage/metrics_step``.  In bypass mode the batch holds no learner
+      log-probs: the TRIAGE loss monitors inside the workers, and ``_compute_metrics`` publishes the step's timers
+      for them (:func:`publish_timings`).
     * At construction: raises ``ValueError`` for ``policy_loss.loss_mode=triage`` without bypass mode or without
       ``rollout.calculate_log_probs``; warns when nothing would be monitored.
     """
@@ -620,13 +653,29 @@ class TriageTrainerMixin:
     def step(self, metrics: dict, timing_raw: dict):
         if self.triage_settings.run_dir is not None:
             publish_step(self.triage_settings.run_dir, self.global_steps)
-        out = super().step(metrics, timing_raw)
-        if self.triage_monitor is not None:
-            # this step's own values (no lag: the trainer logs the step it has just closed), the framework_keys
-            # selection as triage/<name> and triage/metrics_step; verl logs them under its global_steps
-            if self.triage_monitor.flush() is not None:
-                metrics.update(self.triage_monitor.framework_metrics())
+        return super().step(metrics, timing_raw)
+
+    def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):
+        out = super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        self.triage_log_step(global_steps, metrics, timing_raw)
         return out
+
+    def triage_log_step(self, step: int, metrics: dict, timing_raw: dict) -> None:
+        """The step is over (verl's step timer closed, its timers in ``timing_raw``): decoupled mode logs the
+        monitored step with them as phase timings and adds its ``framework_keys`` to verl's ``metrics``; bypass
+        mode publishes them for the workers (:func:`publish_timings`).  Never raises."""
+        try:
+            if self.triage_monitor is not None:
+                self.triage_monitor.runtime.add_timings(step, dict(timing_raw or {}), "verl")
+                # this step's own values (no lag: the trainer logs the step it has just closed), the framework_keys
+                # selection as triage/<name> and triage/metrics_step; verl logs them under its global_steps
+                if self.triage_monitor.flush() is not None:
+                    metrics.update(self.triage_monitor.framework_metrics())
+            elif self.triage_settings.run_dir is not None and self.triage_bypass:
+                publish_timings(self.triage_settings.run_dir, step, dict(timing_raw or {}))
+        except Exception as exc:  # noqa: BLE001 — monitoring never stops the training job
+            log.warning("triage-monitor: logging step %s failed (%s: %s); training continues", step,
+                        type(exc).__name__, exc)
 
     def fit(self, *args, **kwargs):
         try:
@@ -694,5 +743,5 @@ def register_trainers() -> list:
 
 
 __all__ = ["batch_from_dataproto", "log_dataproto", "batch_from_transfer_queue", "settings_from_env",
-           "shared_attempt", "publish_step", "read_step", "watch_published_steps", "finish_workers", "verl_aggregation", "verl_metrics", "VerlTriageLoss",
+           "shared_attempt", "publish_step", "read_step", "publish_timings", "read_timings", "watch_published_steps", "finish_workers", "verl_aggregation", "verl_metrics", "VerlTriageLoss",
            "register", "VerlBatchMonitor", "TriageTrainerMixin", "check_config", "register_trainers"]

@@ -7,7 +7,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Layers in import order (docs/architecture.md); a module may import its own layer and the layers before it.
 LAYERS = [
-    ("errors", "storage", "layout", "config", "batch", "segments", "sketch", "state_kernel", "calibration", "alignment", "exits"),
+    ("errors", "storage", "layout", "config", "timings", "batch", "segments", "sketch", "state_kernel", "calibration",
+     "alignment", "exits"),
     ("metrics",),
     ("corrections", "controller", "loss"),
     ("manifest", "locks", "blocks", "sink", "records"),

@@ -194,7 +194,7 @@ def test_dashboard_renders_in_chromium(browser, demo_run_dir, demo_run_dir_none,
         # let the script finish (the status widget disappears: the stage table with its 499-draw null is
         # the last thing computed, over a minute on a loaded 2-core machine), then the last charts draw
         browser.wait_for(f"!{RUNNING_JS}", timeout=900)
-        browser.wait_for(f"{CHARTS_JS} >= 11", timeout=900)
+        browser.wait_for(f"{CHARTS_JS} >= 13", timeout=900)
         try:
             browser.wait_for(f"{TABLES_JS} >= 1", timeout=300)
         except TimeoutError:
@@ -209,11 +209,13 @@ def test_dashboard_renders_in_chromium(browser, demo_run_dir, demo_run_dir_none,
             title: document.querySelector('h1') && document.querySelector('h1').innerText,
             text: document.body.innerText,
             tables: document.querySelectorAll('[data-testid=stDataFrame]').length})""")
-        assert info["charts"] >= 11, info["charts"]
+        assert info["charts"] >= 13, info["charts"]      # + the step time by phase, and of the two runs compared
         assert info["traces"] >= 20
         assert "post-mortem" in info["title"]
         assert "Stages" in info["text"] and "Response drill-down" in info["text"]
-        assert info["tables"] >= 1                                 # the stage table
+        assert "Step time and the full cycle" in info["text"] and "CPU figures" in info["text"]
+        assert "Generation share g" in info["text"] and "Projected speedup at k = 2.3" in info["text"]
+        assert info["tables"] >= 3                                 # the stage table, the two runs' phases, mismatch
         assert browser.eval(EXCEPTION_JS) == 0, "the page shows an exception"
         assert shot.stat().st_size > 50_000                        # a real rendering, not a blank page
     finally:
@@ -257,7 +259,7 @@ def test_report_renders_offline(demo_run_dir, tmp_path):
     try:
         b.navigate(out.resolve().as_uri())
         b.wait_for("document.readyState == 'complete'", timeout=60)
-        assert b.wait_for(f"({CHARTS_JS} >= 8) && {CHARTS_JS}", timeout=30) == 8
+        assert b.wait_for(f"({CHARTS_JS} >= 9) && {CHARTS_JS}", timeout=30) == 9    # + the step time by phase
         assert b.eval("document.querySelectorAll('table.stage-table tbody tr').length") == 4
         # the whole stage table fits a 1,500 px window: no column is cut off behind a scroll bar
         fit = b.eval("(() => { const t = document.querySelector('table.stage-table');"

@@ -200,6 +200,65 @@ def test_overlay_and_run_selection(monkeypatch, demo_run_dir, demo_run_dir_none)
     assert charts(at)["Quadrant masses (share of |A| mass)"]["layout"]["title"]["text"].endswith(b)
 
 
+def test_step_time_and_the_full_cycle(monkeypatch, tmp_path):
+    """The cycle section on two runs with hand-chosen phase times (a BF16 baseline: generation 6.0 s of 10.5 s,
+    update 3.0, weight sync 0.5; an NVFP4 run: generation 2.5, a new 0.6 s quantisation, step 7.6): the stacked
+    seconds and g per step equal the steps table, g = 0.571 and 1.48× at the default k = 2.3, 1.75× at k = 4, the
+    comparison table's measured speedups 2.4× (generation), 1× (update), 1.38× (the cycle) beside both runs'
+    mismatch figures."""
+    from triage_monitor.timings import cycle_frame
+
+    def write(path, times, gap):
+        with MismatchMonitor(path, MonitorConfig(window=3, calibration_steps=2), manifest={"device": "cuda:0"}) as mon:
+            for s in range(5):
+                g = torch.Generator().manual_seed(s)
+                lp = -torch.rand(4, 16, generator=g) - 0.01
+                sp = (lp + gap * torch.randn(4, 16, generator=g)).clamp(max=-1e-4)
+                mon.log_step(s, TokenBatch.from_padded(lp, sp, torch.linspace(-1, 1, 4)[:, None].expand(4, 16),
+                                                       torch.ones(4, 16, dtype=torch.bool)),
+                             timings={**times, "generation": times["generation"] + 0.1 * s,
+                                      "step": times["step"] + 0.1 * s})
+        return path
+
+    bf16 = write(tmp_path / "bf16", {"generation": 6.0, "update": 3.0, "weight_sync": 0.5, "step": 10.5}, 1e-3)
+    nvfp4 = write(tmp_path / "nvfp4", {"generation": 2.5, "update": 3.0, "weight_sync": 0.5, "quantize": 0.6,
+                                       "step": 7.6}, 0.5)
+    at = app(monkeypatch, bf16, nvfp4)
+    assert_ok(at)
+    c = charts(at)["Step time and the full cycle"]
+    assert "CUDA figures" in c["layout"]["title"]["text"]
+    steps = open_run(bf16).steps()
+    np.testing.assert_array_equal(y(trace(c, phase="generation")), steps["time/generation"].to_numpy(float))
+    np.testing.assert_array_equal(y(trace(c, phase="update")), steps["time/update"].to_numpy(float))
+    np.testing.assert_allclose(y(trace(c, phase="untimed")), [1.0] * 5, rtol=1e-9)
+    g = (6.0 + 0.1 * np.arange(5)) / (10.5 + 0.1 * np.arange(5))
+    np.testing.assert_allclose(y(trace(c, column="g")), g, rtol=1e-12)
+    np.testing.assert_allclose(y(trace(c, column="projected", k=2.3)), 1 / ((1 - g) + g / 2.3), rtol=1e-12)
+    metrics = {m.label: m.value for m in at.metric}
+    pooled = (30 + 1.0) / (52.5 + 1.0)
+    assert metrics["Generation share g"] == f"{pooled:.3f}"
+    assert metrics["Projected speedup at k = 2.3"] == f"{1 / ((1 - pooled) + pooled / 2.3):.2f}×"
+    frames = {tuple(d.value.columns)[0]: d.value for d in at.dataframe}
+    table = frames["phase "].set_index("phase ")
+    assert table.loc["generation", "measured speedup (×)"] == pytest.approx(31.0 / 13.5)
+    assert table.loc["update", "measured speedup (×)"] == pytest.approx(1.0)
+    assert table.loc["whole step", "measured speedup (×)"] == pytest.approx(53.5 / 39.0)
+    assert np.isnan(table.loc["quantisation / conversion", "measured speedup (×)"])
+    mm = frames["mismatch"].set_index("mismatch")
+    assert mm.loc["mean |δ| (nats)", "nvfp4"] > 100 * mm.loc["mean |δ| (nats)", "bf16"]
+    assert mm.loc["alerts raised", "bf16"] == 0
+    assert table.loc["generation", "faster generator"] == "yes" and table.loc["update", "faster generator"] == "no"
+    assert "Mean step time by phase, the two runs" in charts(at)
+    # k is the user's: the projection follows it
+    at.number_input(key="cycle_k").set_value(4.0).run()
+    assert_ok(at)
+    c = charts(at)["Step time and the full cycle"]
+    np.testing.assert_allclose(y(trace(c, column="projected", k=4.0)), 1 / ((1 - g) + g / 4.0), rtol=1e-12)
+    assert {m.label: m.value for m in at.metric}["Projected speedup at k = 4"] == \
+        f"{1 / ((1 - pooled) + pooled / 4):.2f}×"
+    assert len(cycle_frame(steps)) == 5
+
+
 def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
     plain = tmp_path / "plain"
     plain.mkdir()

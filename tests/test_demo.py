@@ -92,7 +92,8 @@ def test_arguments_round_trip():
 
 
 def _comparable(df: pd.DataFrame) -> pd.DataFrame:
-    return df.drop(columns=[c for c in df.columns if c == "seconds"])
+    """The run's values without its wall-clock times (``seconds`` and the phase timings ``time/<phase>``)."""
+    return df.drop(columns=[c for c in df.columns if c == "seconds" or c.startswith("time/")])
 
 
 @pytest.mark.parametrize("correction", ["triage"])
@@ -114,6 +115,15 @@ def test_short_run_reads_back_and_is_reproducible(tmp_path, correction):
     steps = pd.read_parquet(run / "steps")
     steps = steps.sort_values("step").reset_index(drop=True)
     assert steps["step"].astype(int).tolist() == list(range(cfg.steps))
+    # the demo's own phase timings (docs/metrics.md#step-time-and-the-full-cycle): every phase it has is timed on
+    # every step, inside the step; the run says where they were measured (CPU figures)
+    timed = ["time/generation", "time/quantize", "time/weight_sync", "time/reward", "time/logprob", "time/update",
+             "time/other"]
+    assert steps[timed + ["time/step"]].notna().all().all() and steps["time/reference"].isna().all()
+    assert (steps["time/generation"] > 0).all() and (steps["time/update"] > 0).all()
+    assert (steps[timed].sum(axis=1) <= steps["time/step"] * (1 + 1e-9)).all()
+    assert steps["time/step"].tolist() == steps["seconds"].tolist()
+    assert info["device"] == "cpu"
     for col in ("reward", "rho_asym", "small_gap_share", "gate_weight_mean", "repair_loss"):
         np.testing.assert_allclose(steps[col].to_numpy(float), df1[col].to_numpy(float), equal_nan=True)
 

@@ -472,3 +472,36 @@ def test_the_hook_hands_its_process_group_to_the_monitor(tmp_path):
     finally:
         close_all()
         dist.destroy_process_group()
+
+
+def test_a_hooks_timers_reach_the_row_of_their_step(tmp_path, caplog):
+    """add_timings maps the framework's names and adds a step's readings (verl's reward + adv = 0.75 s); the
+    timings source fills the phases they lack; an unknown timer is said once and left out; readings for a step
+    whose row is written are said once and dropped."""
+    import logging
+
+    from triage_monitor.analysis import open_run
+
+    rt = runtime_for(HookSettings(run_dir=str(tmp_path / "run"), monitor=MonitorConfig(), alerts=False))
+    rt.timings_source = lambda step: {"update": 2.0, "generation": 99.0, "weight_sync": 0.5} if step == 1 else None
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(2, 8, generator=g) - 0.01
+    batch = TokenBatch.from_padded(lp, lp - 0.1, torch.tensor([[1.0], [-1.0]]).expand(2, 8),
+                                   torch.ones(2, 8, dtype=torch.bool))
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        rt.record(1, batch)
+        rt.add_timings(1, {"gen": 6.0, "reward": 0.25, "adv": 0.5, "step": 10.5, "my_timer": 1.0}, "verl")
+        rt.add_timings(1, {"update_actor": 1.0, "testing": 5.0}, "verl")
+        rt.record(2, batch)                            # step 1's row is written now
+        rt.add_timings(1, {"gen": 1.0}, "verl")        # too late
+        rt.add_timings(2, {"generation": -1.0})        # not a duration
+        rt.close()
+    row = open_run(tmp_path / "run").steps().set_index("step").loc[1]
+    assert (row["time/generation"], row["time/reward"], row["time/update"], row["time/step"]) == (6.0, 0.75, 1.0, 10.5)
+    assert row["time/weight_sync"] == 0.5                 # from the source: a phase the hook's readings lacked
+    assert math.isnan(row["time/other"])                  # verl's testing lies outside the step: no phase
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("['my_timer']" in m for m in said) == 1
+    assert sum("arrived after its row was written" in m for m in said) == 1
+    assert sum("not recorded" in m and "-1.0" in m for m in said) == 1
+    assert math.isnan(open_run(tmp_path / "run").steps().set_index("step").loc[2, "time/generation"])

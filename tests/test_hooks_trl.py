@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -164,6 +165,22 @@ def test_run_directory_tokens_metrics_and_gate(trl_run):
         amp_neg = g["advantage"][(g["advantage"] < 0) & (d < 0)].abs().sum()
         assert math.isclose(row["mass_amp_neg"], amp_neg, rel_tol=1e-5, abs_tol=1e-9)
         assert 0 <= row["gate_weight_mean"] <= 1
+
+
+def test_trls_step_time_and_the_profiled_spans_are_the_phase_timings(trl_run):
+    """TRL's own step timer (``step_time``, in its log) is each row's time/step; the spans TRL profiles, timed by the
+    hook, fill generation, reward, update (and the old log-probs when TRL recomputes them), inside the step."""
+    steps = pd.read_parquet(trl_run["run_dir"] / "steps").sort_values("step")
+    logged = {int(h["step"]) - 1: h["step_time"] for h in trl_run["trainer"].state.log_history if "step_time" in h}
+    assert sorted(logged) == steps["step"].astype(int).tolist()
+    for _, row in steps.iterrows():
+        assert row["time/step"] == pytest.approx(logged[int(row["step"])], rel=1e-12)      # TRL's own timer
+        assert row["time/update"] > 0 and row["time/reward"] > 0
+        phases = [row[f"time/{p}"] for p in ("generation", "logprob", "reference", "reward", "update")]
+        assert sum(v for v in phases if np.isfinite(v)) <= row["time/step"] * 1.01 + 1e-3   # all inside step_time
+        assert np.isnan(row["time/weight_sync"]) and np.isnan(row["time/quantize"])         # not on this path
+    generated = steps["time/generation"].dropna()
+    assert len(generated) >= 1 and (generated > 0).all()
 
 
 def test_sampler_logps_are_the_generation_logits(trl_run):

@@ -23,6 +23,8 @@ from triage_monitor.hooks import verl as hook  # noqa: E402
 from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
 from triage_monitor.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
+from triage_monitor.analysis import open_run  # noqa: E402
+from triage_monitor.timings import cycle_summary  # noqa: E402
 
 pytestmark = pytest.mark.framework
 
@@ -546,7 +548,8 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
     _LOGGERS variables reach the workers' monitors (rules and tracker on rank 0 only); with a sampler biased in the
     amplifying direction the rules raise one alert per step for the job, from rank 0; the curated keys are in
     what verl's own reduction of ppo_loss's metrics logs, each equal to the monitor's value of the step before
-    (read back from the steps table)."""
+    (read back from the steps table); the timers the driver publishes after each step (bypass mode) are the phase
+    timings of that step's rows."""
     import json
 
     import ray
@@ -566,6 +569,9 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
     for step in range(1, WORKER_STEPS + 1):
         hook.publish_step(str(run), step)
         results.append(ray.get([w.train.remote(i, step, port) for i, w in enumerate(workers)]))
+        # the step is over: the triage_* trainer's _compute_metrics publishes verl's timers of the step (bypass mode)
+        hook.publish_timings(str(run), step, {"gen": 1.0 * step, "update_actor": 0.5, "step": 2.0 * step + 1.0,
+                                              "testing": 9.0})
     assert hook.finish_workers(str(run), timeout=60)                  # the trainer's fit() ends with this
     last = results[-1]
     assert {r["rank"] for r in last} == {0, 1} and len({r["pid"] for r in last}) == 2
@@ -595,6 +601,12 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
     assert set(alerts["rank"].astype(int)) == {0}
     rows = {(int(r["step"]), int(r["rank"])): r for _, r in steps.iterrows()}
     assert [rows[(s, 0)]["alerts_active"] for s in (1, 2, 3)] == [1.0, 2.0, 3.0]
+    # each step's row carries the timers the trainer published after it (the last one read at finish_workers)
+    for s in (1, 2, 3):
+        for rank in (0, 1):
+            r = rows[(s, rank)]
+            assert (r["time/generation"], r["time/update"], r["time/step"]) == (1.0 * s, 0.5, 2.0 * s + 1.0)
+            assert np.isnan(r["time/logprob"]) and np.isnan(r["time/other"])
     assert all(np.isnan(rows[(s, 1)]["alerts_active"]) for s in (1, 2, 3))
 
     # what verl logs: the curated keys of the step before (the loss runs before its own step is logged)
@@ -650,7 +662,7 @@ def task_runner_compute_advantage() -> dict:
             keys.append(f"p{i // 2}_{i % 2}_0")
             fields.append({"prompts": torch.ones(3, dtype=torch.int64), "responses": torch.ones(n, dtype=torch.int64),
                            "response_mask": torch.ones(n, dtype=torch.int64), "rm_scores": rm, "uid": f"p{i // 2}",
-                           "rollout_log_probs": -torch.rand(n, generator=g) - 0.01})
+                           "rollout_log_probs": -torch.rand(n, generator=g) - 0.01, "num_turns": 2})
             tags.append({"status": "success", "prompt_len": 3, "response_len": n, "seq_len": 3 + n,
                          "global_steps": 1, "min_global_steps": 0, "max_global_steps": 0})
         tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields), tags=tags)
@@ -660,23 +672,37 @@ def task_runner_compute_advantage() -> dict:
             {"old_log_probs": torch.nested.as_nested_tensor(old, layout=torch.jagged)}, batch_size=[4]))
         trainer.global_steps = 3
         metrics = {}
-        trainer._compute_advantage(KVBatchMeta(partition_id="train", keys=keys, tags=tags), metrics)
+        meta = KVBatchMeta(partition_id="train", keys=keys, tags=tags)
+        trainer._compute_advantage(meta, metrics)
         adv = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["advantages"])["advantages"]
-        logged = trainer.triage_monitor.flush()
+        # the step is over: verl's fit calls _compute_metrics with the step's timing_raw (here hand-chosen seconds,
+        # as marked_timer leaves them); verl's own code turns them into its timing_s/* metrics, the triage_* trainer
+        # logs the monitored step with them.  (verl's init_workers builds the resource-pool manager its throughput
+        # metrics read; here verl's own _init_resource_pool_mgr, without creating the GPU pools.)
+        trainer._init_resource_pool_mgr()
+        trainer._compute_metrics(meta, metrics, dict(VERL_TIMING_RAW), global_steps=3, epoch=0)
         trainer.triage_monitor.close()
     finally:
         tq.close()
     return {"cls": type(trainer).__name__, "mode": trainer.trainer_mode, "metrics": sorted(metrics),
-            "logged": {k: logged[k] for k in ("step", "n_tokens")}, "lens": lens,
+            "timing_s": {k: float(v) for k, v in metrics.items() if k.startswith("timing_s/")},
+            "triage": {k: float(v) for k, v in metrics.items() if k.startswith("triage/")}, "lens": lens,
             "old": torch.cat(old), "rollout": torch.cat([f["rollout_log_probs"] for f in fields]),
             "adv": [a.clone() for a in adv.unbind()]}
+
+
+#: A verl step's timers (verl's names, seconds), chosen by hand: generation 6.0 s of a 10.5 s step.
+VERL_TIMING_RAW = {"gen": 6.0, "reward": 0.25, "old_log_prob": 1.0, "adv": 0.25, "update_actor": 2.25,
+                   "update_weights": 0.5, "step": 10.5, "testing": 3.0}
 
 
 def test_triage_trainer_monitors_the_transfer_queue_batch(ray_cluster, tmp_path):
     """verl's real v1 trainer class, registered as triage_sync by the plugin that VERL_USE_EXTERNAL_MODULES loads
     on ``import verl`` in a Ray actor (where verl's TaskRunnerV1 looks the trainer up), over a real TransferQueue:
     the step's tokens are monitored under global_steps with verl's own GRPO advantages and uid groups, and
-    verl's rollout_corr/* metrics are untouched."""
+    verl's rollout_corr/* metrics are untouched; verl's own _compute_metrics, with the step's timing_raw (generation
+    6.0 s of a 10.5 s step), puts verl's timing_s/* names into the steps table as time/<phase>: g = 0.571, 1.48× at
+    k = 2.3."""
     import ray
 
     run = tmp_path / "run"
@@ -691,7 +717,24 @@ def test_triage_trainer_monitors_the_transfer_queue_batch(ray_cluster, tmp_path)
     got = ray.get(task_runner.options(runtime_env={"env_vars": env}).remote())
     assert got["cls"] == "TriagePPOTrainerSync" and got["mode"] == "sync"     # verl still branches on "sync"
     assert "rollout_corr/kl" in got["metrics"]                       # verl's own metrics, computed by verl
-    assert got["logged"] == {"step": 3, "n_tokens": float(sum(got["lens"]))}
+    steps = open_run(run).steps()
+    assert steps["step"].tolist() == [3] and steps["n_tokens"].tolist() == [float(sum(got["lens"]))]
+    row = steps.iloc[0]
+    # verl's own timing_s/* metrics (computed by verl's compute_timing_metrics) land as the step's phase timings
+    ts = got["timing_s"]
+    assert ts["timing_s/gen"] == 6.0 and ts["timing_s/step"] == 10.5
+    assert row["time/generation"] == ts["timing_s/gen"]
+    assert row["time/logprob"] == ts["timing_s/old_log_prob"]
+    assert row["time/reward"] == ts["timing_s/reward"] + ts["timing_s/adv"] == 0.5
+    assert row["time/update"] == ts["timing_s/update_actor"]
+    assert row["time/weight_sync"] == ts["timing_s/update_weights"]
+    assert row["time/step"] == ts["timing_s/step"]
+    assert np.isnan(row["time/reference"]) and np.isnan(row["time/quantize"])   # not timed in this step
+    # validation (timing_s/testing) lies outside verl's step timer: it is no phase
+    assert np.isnan(row["time/other"])
+    summary = cycle_summary(steps)
+    assert summary.g == pytest.approx(6.0 / 10.5) and summary.projected == pytest.approx(1.4771, abs=1e-4)
+    assert got["triage"]["triage/metrics_step"] == 3.0      # the step's curated keys joined verl's metrics
     tokens = pd.read_parquet(run / "tokens").sort_values(["sample_id", "position"])
     assert set(tokens["step"].astype(int)) == {3}
     assert torch.equal(torch.tensor(tokens["learner_logp"].to_numpy()), got["old"])
@@ -703,8 +746,9 @@ def test_triage_trainer_monitors_the_transfer_queue_batch(ray_cluster, tmp_path)
 
 @pytest.mark.parametrize("keys", ["curated", ["n_tokens", "delta_mean"]])
 def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path, keys):
-    """TriageTrainerMixin.step around a trainer's step: global_steps published before, the monitored step flushed
-    after, the framework_keys selection of its metrics (the curated set by default) in verl's metrics dict as
+    """TriageTrainerMixin around a trainer's step: global_steps published before step(), the monitored step logged
+    in _compute_metrics (verl calls it once the step timer closed) with the step's timers as phase timings, the
+    framework_keys selection of its metrics (the curated set by default) in verl's metrics dict as
     triage/<name> with triage/metrics_step = this step (no lag), equal to the steps table; nothing else of ours."""
     from triage_monitor.hooks.verl import TriageTrainerMixin, VerlBatchMonitor
     from triage_monitor.trackers import CURATED_KEYS
@@ -722,6 +766,9 @@ def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path, keys):
             metrics["actor/pg_loss"] = 0.5                        # verl's own keys stay
             return "batch-meta"
 
+        def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch):   # verl's: after the step
+            seen["compute_metrics"] = global_steps
+
     class T(TriageTrainerMixin, OwnStep):
         pass
 
@@ -729,16 +776,25 @@ def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path, keys):
     t.triage_settings = hook.settings_from_env({"TRIAGE_MONITOR_RUN_DIR": run, "TRIAGE_MONITOR_FRAMEWORK_KEYS":
                                                 keys if isinstance(keys, str) else ",".join(keys)})
     t.triage_monitor = VerlBatchMonitor(t.triage_settings)
+    t.triage_bypass = False
+
+    def verl_step(out):                             # verl's fit: step(), then _compute_metrics once the step is over
+        meta = t.step(out, {})
+        t._compute_metrics(meta, out, {"gen": 1.0, "step": 2.0}, t.global_steps, 0)
+        return meta
+
     t.global_steps = 12
     metrics = {}
-    assert t.step(metrics, {}) == "batch-meta"
+    assert verl_step(metrics) == "batch-meta"
+    assert seen["compute_metrics"] == 12
     t.global_steps = 13                             # a step that monitored nothing adds nothing (no stale values)
     later = {}
-    t.step(later, {})
+    verl_step(later)
     t.triage_monitor.close()
     assert seen["published"] == 13 and later == {"actor/pg_loss": 0.5}
     row = pd.read_parquet(tmp_path / "run" / "steps").iloc[0]
     assert int(row["step"]) == 12
+    assert row["time/generation"] == 1.0 and row["time/step"] == 2.0
     names = CURATED_KEYS if keys == "curated" else keys
     want = {f"triage/{k}": float(row[k]) for k in names if k in row.index and np.isfinite(row[k])}
     want["triage/metrics_step"] = 12.0

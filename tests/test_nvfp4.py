@@ -10,7 +10,7 @@ from torch import nn
 pytest.importorskip("torchao")
 
 from triage_monitor.nvfp4 import (RECIPES, NVFP4Linear, NVFP4Recipe, fake_quantize_ste, get_recipe,  # noqa: E402
-                                  nvfp4_fake_quantize, quantize_linears_, use_recipe)
+                                  nvfp4_fake_quantize, prepare_quantized_weights, quantize_linears_, use_recipe)
 
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1 magnitudes; list index = 3-bit code, even code = even mantissa
 f32 = np.float32
@@ -214,6 +214,27 @@ def test_weight_cache_follows_in_place_updates():
     assert not torch.equal(a, b)
     with torch.no_grad():
         assert torch.equal(b, nn.functional.linear(nvfp4_fake_quantize(x), nvfp4_fake_quantize(lin.weight), lin.bias))
+
+
+def test_prepared_weights_are_the_ones_the_forward_uses():
+    """prepare_quantized_weights quantizes each layer with a recipe once (the demo times it as the sampler's weight
+    conversion); the forward then reuses exactly those values, and a full-precision layer has nothing to prepare."""
+    model = nn.Sequential(NVFP4Linear(16, 32), NVFP4Linear(32, 16))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        plain = model(x)
+    assert prepare_quantized_weights(model) == 0                        # no recipe: full precision
+    with use_recipe(model, get_recipe("nvfp4")):
+        assert prepare_quantized_weights(model) == 2
+        cached = [m._wcache[1] for m in model]
+        assert torch.equal(cached[0], nvfp4_fake_quantize(model[0].weight))
+        with torch.no_grad():
+            out = model(x)
+        assert all(m._wcache[1] is c for m, c in zip(model, cached))    # reused, not recomputed
+    fresh = nn.Sequential(NVFP4Linear(16, 32), NVFP4Linear(32, 16))
+    fresh.load_state_dict(model.state_dict())
+    with use_recipe(fresh, get_recipe("nvfp4")), torch.no_grad():
+        assert torch.equal(fresh(x), out) and not torch.equal(out, plain)
 
 
 def test_quantize_linears_swaps_only_matching_and_shares_parameters():

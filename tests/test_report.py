@@ -29,11 +29,14 @@ def test_report_is_self_contained_with_charts_and_stage_table(demo_run_dir, demo
     assert not re.search(r"<script[^>]+src=", text) and not re.search(r"<link[^>]+href=", text)
     assert "@import" not in text          # (plotly.js mentions cdn.plot.ly only as the unused topojson default)
     assert len(re.findall(r"\* plotly\.js v\d", text)) == 1
-    # the charts: 6 time-series panels, quadrants, localisation
-    assert text.count('class="plotly-graph-div"') == 8
+    # the charts: 6 time-series panels, quadrants, localisation, the step time by phase of the subject and of the
+    # two runs (the demo's own phase timings)
+    assert text.count('class="plotly-graph-div"') == 10
     for title in ("Direction: ", "Small-gap share", "q0.05 of ", "k3 KL estimator", "Reward and accuracy",
-                  "Quadrant masses (share of |A| mass)", "Localisation"):          # (plotly JSON escapes non-ASCII)
+                  "Quadrant masses (share of |A| mass)", "Localisation", "Step time and the full cycle",
+                  "Mean step time by phase, the two runs"):          # (plotly JSON escapes non-ASCII)
         assert title in text
+    assert "CPU figures" in text and "demo-none compared with demo-triage (the baseline)" in text
     assert "overlay of 2 runs" in text
     # the stage table, with the values of stages.stage_table
     body = text.split('<table class="stage-table">', 1)[1].split("</table>", 1)[0]

@@ -1,4 +1,4 @@
-"""``triage-monitor`` command line: demo | study | analyze | report | dashboard | alerts | import.
+"""``triage-monitor`` command line: demo | study | analyze | cycle | report | dashboard | alerts | import.
 
 Each sub-command is a module of :mod:`triage_monitor.commands` with ``add_arguments(parser)`` and
 ``run(args)``; this module only wires them into one argparse parser and runs the chosen one under the

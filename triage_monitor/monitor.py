@@ -51,6 +51,7 @@ from .layout import RunLayout
 from .metrics import METRIC_NAMES, MetricTracker
 from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, new_attempt_id
 from .records import steps_schema as records_steps_schema
+from .timings import COLUMNS as TIME_PHASES, PREFIX as TIME_PREFIX, TIME_COLUMNS, columns_of, phase_of, phase_times
 from .trackers import ConfigRecorder, build_trackers
 
 log = logging.getLogger("triage_monitor")
@@ -80,20 +81,21 @@ STATE_VERSION = 1
 
 
 #: Keys the monitor computes; an ``extra`` passed to log_step may not reuse them.
-RESERVED_KEYS = frozenset({"step", "tau_tail_frozen", *ALIGNMENT_METRICS,
+RESERVED_KEYS = frozenset({"step", "tau_tail_frozen", *ALIGNMENT_METRICS, *TIME_COLUMNS,
                            ALERT_STATE, *INTEGRITY_METRICS, *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)})
 
 
 def step_columns(extras: Sequence[str] = ()) -> tuple:
     """The float64 metric columns of the steps table, in file order: the step metrics (:data:`METRIC_NAMES`),
     the integrity counters (:data:`INTEGRITY_METRICS`, the alignment check before ``writer_dropped_rows``),
-    ``tau_tail_frozen``, the ``window/<name>`` metrics, the ``extras`` given at the first step (their order;
-    names of the writer's bookkeeping columns left out) and ``alerts_active`` — the order of
-    :meth:`MismatchMonitor.log_step`'s keys."""
+    ``tau_tail_frozen``, the ``window/<name>`` metrics, the phase timings ``time/<phase>`` and ``time/step``
+    (seconds, NaN where not timed: :data:`triage_monitor.timings.TIME_COLUMNS`), the ``extras`` given at the first
+    step (their order; names of the writer's bookkeeping columns and of the timing columns left out) and
+    ``alerts_active`` — the order of :meth:`MismatchMonitor.log_step`'s keys."""
     counters = [k for k in INTEGRITY_METRICS if k != "writer_dropped_rows"]
-    extras = [k for k in dict.fromkeys(extras) if k not in BOOKKEEPING_COLUMNS]
+    extras = [k for k in dict.fromkeys(extras) if k not in BOOKKEEPING_COLUMNS and k not in TIME_COLUMNS]
     return (*METRIC_NAMES, *counters, *ALIGNMENT_METRICS, "writer_dropped_rows", "tau_tail_frozen",
-            *(f"window/{k}" for k in METRIC_NAMES), *extras, ALERT_STATE)
+            *(f"window/{k}" for k in METRIC_NAMES), *TIME_COLUMNS, *extras, ALERT_STATE)
 
 
 def steps_schema(extras: Sequence[str] = ()):
@@ -226,7 +228,7 @@ class MismatchMonitor:
 
     # ---------------------------------------------------------------- per step
     def log_step(self, step: int, batch: TokenBatch, extra: Optional[dict] = None,
-                 token_extras: Optional[dict] = None) -> dict:
+                 token_extras: Optional[dict] = None, timings: Optional[dict] = None) -> dict:
         """Compute, record and report one step.
 
         Args:
@@ -241,10 +243,19 @@ class MismatchMonitor:
                 TokenBatch's rows, sorted by sample id then position; not necessarily the
                 order of the tensors the batch was built from: map them with
                 ``batch.gather`` or build them from the batch).
+            timings: where the step's time went, seconds: ``{phase: seconds}`` with our phase names
+                (``generation``, ``logprob``, ``reference``, ``reward``, ``update``, ``weight_sync``, ``quantize``,
+                ``other``, and ``step`` for the whole step; or ``time/<phase>``), or a framework's own timer names
+                (verl's ``timing_s/gen``, OpenRLHF's ``timing/generation``, ...: the table of
+                docs/hooks.md#phase-timings; timers of one phase are added).  Recorded as the steps table's
+                ``time/<phase>`` columns (docs/metrics.md#step-time-and-the-full-cycle); a phase not given is NaN.
+                ``extra`` keys named ``time/<phase>`` are taken as timings too, and so are ``extra`` keys that are
+                a framework's timer names (kept as extra columns as well); ``timings`` wins over both.
 
         Returns:
             dict name → float: the step metrics, ``window/<name>`` trailing-window
-            metrics, the quarantine counters and ``extra``.
+            metrics, the quarantine counters, the phase timings (``time/<phase>``, NaN where not timed) and
+            ``extra``.
 
         Raises:
             TypeError: ``step`` is not an int, ``batch`` not a TokenBatch, or an ``extra`` key not a string
@@ -253,7 +264,9 @@ class MismatchMonitor:
                 names), an ``extra`` value is not a number, an ``extra`` key is the name of a computed metric or
                 of a bookkeeping column of the steps table (``rank``, ``attempt``, ``wall_time``,
                 ``nan_reasons``), or a ``token_extras`` entry has a reserved name (a token column, ``step``,
-                ``rank``) or not ``N`` values.  Nothing is recorded or changed when it raises.
+                ``rank``) or not ``N`` values, or a ``timings`` name that is no phase or known timer, or a duration
+                that is not a finite number of seconds >= 0 (naming it).  Nothing is recorded or changed when it
+                raises.
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise TypeError(f"step must be an int, got {step!r}")
@@ -280,6 +293,7 @@ class MismatchMonitor:
             self._warn_once("closed", "triage-monitor: log_step(step=%d) after close(): metrics are returned but "
                             "nothing is recorded any more (rows counted in writer_dropped_rows)", step)
         extra = {k: _to_float(k, v) for k, v in (extra or {}).items()}
+        times = _step_timings(timings, extra)     # pops the time/<phase> keys of extra
         clash = sorted(set(extra) & RESERVED_KEYS)
         if clash:
             raise ValueError(f"extra keys {clash} are names of computed metrics; rename them (e.g. 'user/{clash[0]}')")
@@ -303,6 +317,7 @@ class MismatchMonitor:
             _sum_over_group(metrics, group)
         metrics["tau_tail_frozen"] = float(self.tracker.tau_frozen)
         metrics.update({f"window/{k}": v for k, v in win_res.values.items()})
+        metrics.update(times)
         metrics.update(extra)
         reasons = {**step_res.nan_reasons, **{f"window/{k}": r for k, r in win_res.nan_reasons.items()}}
         fired = self._evaluate_alerts(step, metrics)
@@ -463,6 +478,25 @@ def _check_token_extras(token_extras: Optional[dict], n: int) -> None:
         size = torch.as_tensor(v).numel()
         if size != n:
             raise ValueError(f"token_extras[{k!r}] has {size} values, batch has {n}")
+
+
+def _step_timings(timings: Optional[dict], extra: dict) -> dict:
+    """The step's ``{"time/<phase>": seconds}`` (every timing column, NaN where not timed) from ``timings`` (our
+    phase names or a framework's timer names, :func:`triage_monitor.timings.phase_times`), the ``time/<phase>`` keys of ``extra`` (removed from it) and the
+    framework timer names among the other ``extra`` keys (kept there), in that order of precedence.
+
+    Raises:
+        ValueError: a ``timings`` name that is no phase or timer, a duration that is not a finite number >= 0."""
+    if timings is not None and not hasattr(timings, "items"):
+        raise TypeError(f"timings must be a dict of name -> seconds, got {type(timings).__name__}")
+    own = {k: extra.pop(k) for k in [k for k in extra if k.startswith(TIME_PREFIX) and k in TIME_COLUMNS]}
+    out = dict.fromkeys(TIME_COLUMNS, float("nan"))
+    # a framework's timer names among the extras; never our bare phase names ("reward" is the user's reward)
+    found = phase_times({k: v for k, v in extra.items() if k not in TIME_PHASES and phase_of(k) is not None})
+    found.update(phase_times(own, strict=True))
+    found.update(phase_times(dict(timings or {}), strict=True))
+    out.update(columns_of(found))
+    return out
 
 
 def _to_float(name: str, v) -> float:

@@ -442,6 +442,24 @@ class NVFP4Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.name if self.recipe else 'fp32'}"
 
 
+@torch.no_grad()
+def prepare_quantized_weights(model: nn.Module) -> int:
+    """Quantize, now, the weights of every :class:`NVFP4Linear` of ``model`` that has a recipe (its scales and
+    4-bit values, cached until the weight changes), so that the generation after it reuses them: what an inference
+    engine does when it receives new weights.  Separates this conversion's cost from the generation's
+    (docs/metrics.md#step-time-and-the-full-cycle); the values are the same as when computed on first use.
+
+    Returns:
+        The number of layers quantized (0 under full precision).
+    """
+    n = 0
+    for m in model.modules():
+        if isinstance(m, NVFP4Linear) and m.recipe is not None:
+            m._quantized_weight()
+            n += 1
+    return n
+
+
 def quantize_linears_(model: nn.Module, patterns: Sequence[str] = ("*mlp*",),
                       recipe: Optional[NVFP4Recipe] = None) -> list[str]:
     """Swap, in place, each ``nn.Linear`` whose qualified name matches a glob in ``patterns`` for an NVFP4Linear.

@@ -2,7 +2,9 @@
 
 The file holds the overview (manifest facts, steps, tokens, alerts), the key
 time series (ρ_asym raw and length-normalised, small-gap share, δ q0.05, k3 KL,
-reward), the quadrant-mass chart, the localisation chart and the docs/metrics.md#stages
+reward), the quadrant-mass chart, the localisation chart, the step time by phase with the
+generation share and the projected full-cycle speedup (docs/metrics.md#step-time-and-the-full-cycle;
+with two runs, the second compared with the first as the baseline) and the docs/metrics.md#stages
 stage table with the C_tok shuffle null.  plotly.js is embedded inline, so the
 file opens without any network access and can be attached to a ticket.
 Several run directories are overlaid in the time series; the first one is
@@ -23,6 +25,7 @@ from .alerts import replay_engine
 from .analysis import Run, RunDirError, open_run, postmortem_frame
 from .verdict import health_verdict
 from .stages import degenerate_notice, format_stage_table, stage_table
+from .timings import DEFAULT_K
 from . import exits, views
 
 REPORT_PANELS = ("direction", "small_gap", "delta_q05", "k3_kl", "reward", "controller")
@@ -78,8 +81,57 @@ def _stage_html(table: pd.DataFrame) -> str:
             f'<tbody>{"".join(rows)}</tbody></table></div>')
 
 
+def _cycle_html(runs: Sequence[Run], names: Sequence[str], subject_steps: pd.DataFrame, k: float) -> tuple:
+    """(section HTML, figures) of the step time and the full cycle: the subject run's breakdown; with a second run,
+    the comparison (the first run the baseline).  Empty when the subject has no phase timing."""
+    from .timings import compare_cycles, cycle_frame, cycle_summary, device_of, figures
+
+    frame = cycle_frame(subject_steps, k)
+    if frame.empty:
+        return ("<h2>Step time and the full cycle</h2><div class=\"note\">No step of this run has phase timings "
+                "(<code>time/&lt;phase&gt;</code> columns): a hook records them where it sees the framework's timers, "
+                "a loop of your own passes <code>log_step(timings=...)</code> (docs/hooks.md#phase-timings).</div>", [])
+    info = runs[0].manifest.info if isinstance(runs[0].manifest.info, dict) else {}
+    device = device_of(info)
+    summary = cycle_summary(frame, k)
+    lines = "".join(f"<li>{html.escape(x)}</li>" for x in summary.lines(device))
+    figs = [views.cycle_figure(frame, k, names[0], device)]
+    cpu = (f'<div class="notice">{html.escape(figures(device))}: measured on this machine\'s {html.escape(device)}; '
+           "on an accelerator the phases' shares differ (and NVFP4 emulated on a CPU is slower than full precision, "
+           "where native NVFP4 kernels are faster).</div>" if device and device.startswith("cpu") else "")
+    out = (f"<h2>Step time and the full cycle</h2>{cpu}<ul>{lines}</ul><div class=\"note\">Generation share g = "
+           f"generation / step; projected full-cycle speedup 1 / ((1 − g) + g / k) for a generator k = {k:g}× "
+           "faster, every other phase unchanged (docs/metrics.md#step-time-and-the-full-cycle).</div>")
+    other = runs[1] if len(runs) > 1 else None
+    if other is not None:
+        osteps = other.steps()
+        if not cycle_frame(osteps, k).empty:
+            cmp = compare_cycles(subject_steps, osteps, k)
+            pair = [names[0], names[1]]
+            rows = "".join(
+                f"<tr><td>{html.escape(r['label'])}</td><td>{_fmt(r['base_s'])}</td><td>{_fmt(r['other_s'])}</td>"
+                f"<td>{_fmt(r['speedup'])}{'×' if r['speedup'] == r['speedup'] else ''}</td>"
+                f"<td>{'yes' if r['sped_up_by_generator'] else ('' if r['phase'] == 'step' else 'no')}</td></tr>"
+                for _, r in cmp.table.iterrows())
+            alerts = [len(a) if "rule" in a.columns else 0 for a in (runs[0].alerts(), other.alerts())]
+            mrows = "".join(f"<tr><td>{html.escape(r['figure'])}</td><td>{_fmt(r['base'])}</td><td>{_fmt(r['other'])}"
+                            "</td></tr>" for _, r in cmp.mismatch.iterrows())
+            mrows += f"<tr><td>alerts raised</td><td>{alerts[0]}</td><td>{alerts[1]}</td></tr>"
+            head = "".join(f"<th>{html.escape(c)}</th>" for c in ("phase", f"{pair[0]} (s)", f"{pair[1]} (s)",
+                                                                 "measured speedup", "a faster generator speeds it up"))
+            said = "".join(f"<li>{html.escape(x)}</li>" for x in cmp.lines(pair))
+            out += (f"<h3>{html.escape(pair[1])} compared with {html.escape(pair[0])} (the baseline)</h3>"
+                    f"<ul>{said}</ul><div class=\"grid\"><div><table class=\"cycle-compare\"><thead><tr>{head}</tr>"
+                    f"</thead><tbody>{rows}</tbody></table></div><div><table class=\"cycle-mismatch\"><thead><tr>"
+                    f"<th>mismatch</th><th>{html.escape(pair[0])}</th><th>{html.escape(pair[1])}</th></tr></thead>"
+                    f"<tbody>{mrows}</tbody></table></div></div>")
+            figs.append(views.cycle_bars_figure({pair[0]: cmp.base, pair[1]: cmp.other},
+                                                "Mean step time by phase, the two runs", device))
+    return out, [f for f in figs if f is not None]
+
+
 def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None, window: Optional[int] = None,
-                 draws: int = 499, seed: int = 0, progress: bool = False) -> str:
+                 draws: int = 499, seed: int = 0, progress: bool = False, k: float = DEFAULT_K) -> str:
     """The report's HTML text (see module docstring).
 
     Args:
@@ -87,6 +139,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
             is the subject, all are overlaid in the time series.
         anchors: stage anchor steps (None: 25/50/75/100 %); window: trailing window in steps (None: the run's).
         draws, seed: C_tok shuffle-null draws and seed (docs/metrics.md#localisation).
+        k: generator speedup of the full-cycle projection (docs/metrics.md#step-time-and-the-full-cycle; default 2.3).
         progress: print what is being computed on stderr (one line per phase, a bar for the per-step states).
 
     Raises:
@@ -129,8 +182,11 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
     figs = [f for f in figs if f is not None]
     figs += [views.quadrant_figure(frames[subject], True, subject),
              views.localisation_figure(frames[subject], True, subject)]
+    cycle_html, cycle_figs = _cycle_html(runs, list(frames), steps, k)
     divs = [f.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False, default_width="100%",
-                      config={"displaylogo": False, "responsive": True}) for i, f in enumerate(figs)]
+                      config={"displaylogo": False, "responsive": True}) for i, f in enumerate(figs + cycle_figs)]
+    cycle_divs = "".join(f'<div class="chart">{d}</div>' for d in divs[len(figs):])
+    divs = divs[:len(figs)]
 
     cards = [("Steps", f"{ov['steps']:,}"), ("Tokens", f"{ov['tokens']:,}"), ("Alerts", str(ov["alerts"])),
              ("Correction", ov.get("correction", "-")), ("Window", f"{win} steps"),
@@ -176,6 +232,8 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
 columns are trailing means of the per-step values; alerts as ▼ markers. On the ρ_asym chart the green band is the
 published healthy range (1.023 dense 4B – 1.337 MoE 30B) and the dashed lines are the shipped alert thresholds.</div>
 <div class="grid">{charts}</div>
+{cycle_html}
+{cycle_divs}
 <h2>Stages (docs/metrics.md#stages)</h2>
 {notice_html}
 {_stage_html(table)}

@@ -380,3 +380,95 @@ def run_overview(run, steps: pd.DataFrame, alerts: Optional[pd.DataFrame] = None
         if k in info:
             out[k] = str(info[k])
     return out
+
+
+# ----------------------------------------------------------------------------------- step time, full cycle
+#: Colours of the phases (docs/metrics.md#step-time-and-the-full-cycle): generation stands out, the phases a faster
+#: generator does not touch in muted tones.
+PHASE_COLORS = {"generation": "#dc2626", "logprob": "#2563eb", "reference": "#7c3aed", "reward": "#d97706",
+                "update": "#059669", "weight_sync": "#0891b2", "quantize": "#db2777", "other": "#6b7280",
+                "untimed": "#d1d5db"}
+
+
+def cycle_figure(steps: pd.DataFrame, k: float = 2.3, label: str = "", device: Optional[str] = None
+                 ) -> Optional[go.Figure]:
+    """Where each step's time went: stacked seconds per phase (and the untimed rest) per step on top; below, the
+    generation share g per step and the projected full-cycle speedup at ``k`` (right axis)
+    (docs/metrics.md#step-time-and-the-full-cycle).
+
+    Args:
+        steps: the run's steps table (``time/<phase>`` columns) or :func:`triage_monitor.timings.cycle_frame`'s output.
+        k: generator speedup of the projection; label: the run's name; device: where it ran (the title says
+            "CPU figures" for ``"cpu"``).
+
+    Returns:
+        The figure (trace ``meta``: ``{"phase": p}`` for the bars, ``{"column": "g"}``, ``{"column": "projected",
+        "k": k}``), or None when no step is timed.
+    """
+    from .timings import LABELS, PHASES, cycle_frame, figures
+
+    f = steps if "total" in steps.columns else cycle_frame(steps, k)
+    if f.empty:
+        return None
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.09, row_heights=[0.64, 0.36],
+                        specs=[[{}], [{"secondary_y": True}]],
+                        subplot_titles=["seconds per step, by phase", f"generation share g and projected speedup at k = {k:g}"])
+    x = f["step"].tolist()
+    for p in (*PHASES, "untimed"):
+        s = f[p].astype(float) if p in f.columns else None
+        if s is None or not s.notna().any() or (p == "untimed" and not (s.abs() > 1e-12).any()):
+            continue
+        fig.add_trace(go.Bar(x=x, y=_values(s.clip(lower=0) if p == "untimed" else s, 1.0), name=LABELS[p],
+                             marker_color=PHASE_COLORS[p], meta={"phase": p},
+                             hovertemplate=f"{LABELS[p]}: %{{y:.4g}} s<extra>step %{{x}}</extra>"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=x, y=_values(f["g"], 1.0), mode="lines+markers", name="g = generation / step",
+                             line=dict(color=PHASE_COLORS["generation"], width=2), marker=dict(size=4),
+                             meta={"column": "g"}), row=2, col=1, secondary_y=False)
+    fig.add_trace(go.Scatter(x=x, y=_values(f["projected"], 1.0), mode="lines", name=f"projected speedup at k = {k:g}",
+                             line=dict(color="#111827", width=2, dash="dot"), meta={"column": "projected", "k": k}),
+                  row=2, col=1, secondary_y=True)
+    where = f" · {figures(device)}" if device else ""
+    _layout(fig, "Step time and the full cycle" + (f" · {label}" if label else "") + where, height=520,
+            barmode="stack", bargap=0.05, margin=dict(l=60, r=60, t=64, b=70 + 20 * math.ceil(len(fig.data) / 6)),
+            legend=dict(orientation="h", yanchor="top", y=-0.1, x=0, xanchor="left", font=dict(size=11),
+                        traceorder="normal"))
+    fig.update_yaxes(title_text="s", row=1, col=1)
+    fig.update_yaxes(title_text="g", range=[0, 1], row=2, col=1, secondary_y=False)
+    top = float(np.nanmax(f["projected"].to_numpy(dtype=float))) if f["projected"].notna().any() else 1.0
+    fig.update_yaxes(title_text="speedup ×", row=2, col=1, secondary_y=True, range=[0, max(top, 1.0) * 1.15],
+                     tick0=0, dtick=0.5 if top <= 4 else None, showgrid=False)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    fig.update_annotations(font_size=12)
+    return fig
+
+
+def cycle_bars_figure(summaries: Mapping[str, object], title: str = "Mean step time by phase",
+                      device: Optional[str] = None) -> Optional[go.Figure]:
+    """One horizontal bar per run (label → :class:`~triage_monitor.timings.CycleSummary`): its mean seconds per step,
+    stacked by phase (the untimed rest last), each bar's g and projection in its hover text.  Trace ``meta``:
+    ``{"phase": p}``, ``x`` the runs' mean seconds in the order of ``summaries``.  None when no run is timed."""
+    from .timings import LABELS, PHASES, figures
+
+    runs = {k: s for k, s in summaries.items() if getattr(s, "steps", 0)}
+    if not runs:
+        return None
+    names = list(runs)
+    fig = go.Figure()
+    for p in (*PHASES, "untimed"):
+        vals = [runs[n].mean.get(p) for n in names]
+        if all(v is None or not math.isfinite(v) or (p == "untimed" and abs(v) < 1e-12) for v in vals):
+            continue
+        xs = [max(v, 0.0) if v is not None and math.isfinite(v) else 0.0 for v in vals]
+        fig.add_trace(go.Bar(y=names, x=xs, orientation="h", name=LABELS[p], marker_color=PHASE_COLORS[p],
+                             meta={"phase": p}, hovertemplate=f"{LABELS[p]}: %{{x:.4g}} s<extra>%{{y}}</extra>"))
+    text = [f"g = {runs[n].g:.2f}, {runs[n].projected:.2f}× at k = {runs[n].k:g}" if math.isfinite(runs[n].g)
+            else "generation not timed" for n in names]
+    fig.add_trace(go.Scatter(y=names, x=[runs[n].mean.get("step", 0.0) for n in names], mode="text", text=text,
+                             textposition="middle right", showlegend=False, hoverinfo="skip", meta={"text": "g"}))
+    where = f" · {figures(device)}" if device else ""
+    _layout(fig, title + where, height=170 + 46 * len(names), barmode="stack", hovermode="closest",
+            margin=dict(l=120, r=40, t=46, b=70), legend=dict(orientation="h", yanchor="top", y=-0.3, x=0,
+                                                             xanchor="left", font=dict(size=11), traceorder="normal"))
+    longest = max(runs[n].mean.get("step", 0.0) for n in names)
+    fig.update_xaxes(title_text="seconds per step (mean)", range=[0, longest * 1.45 if longest > 0 else 1])
+    return fig

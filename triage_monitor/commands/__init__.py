@@ -9,6 +9,7 @@ COMMANDS = (
     ("study", "study", "run the built-in job's arms (none/tis/triage on a stale NVFP4 sampler, fp32-lag, the fp32 "
                        "control) x seeds and compare"),
     ("analyze", "analyze", "recompute every metric of a run from its token Parquet files"),
+    ("cycle", "cycle", "where a run's step time goes, what a faster generator buys, two runs compared"),
     ("report", "report", "write a self-contained HTML post-mortem of a run"),
     ("dashboard", "dashboard", "start the Streamlit post-mortem dashboard on 127.0.0.1"),
     ("alerts", "alerts", "replay the alert rules over a finished run or a metrics CSV"),

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--window", type=int, help="trailing window in steps (default: the run's)")
     parser.add_argument("--draws", type=int, default=499, help="C_tok shuffle-null draws (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="shuffle-null seed (default: %(default)s)")
+    parser.add_argument("--k", type=float, default=2.3,
+                        help="generator speedup of the full-cycle projection 1 / ((1 - g) + g / k) (default: "
+                             "%(default)s); with two runs the second is compared with the first (the baseline)")
     return parser
 
 
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         runs = [open_run(p) for p in args.run_dirs]
         text = build_report(runs, anchors=args.anchors, window=args.window, draws=args.draws,
-                            seed=args.seed, progress=True)
+                            seed=args.seed, progress=True, k=args.k)
     except (RunDirError, ValueError, KeyError) as exc:
         exits.error("report", exc)
         return exits.INPUT_ERROR

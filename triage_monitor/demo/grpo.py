@@ -10,7 +10,10 @@ One step (docs/metrics.md#terms, docs/metrics.md#published-reference setup scale
    verl), broadcast over the response's tokens.
 3. **Learner path** (learner recipe, straight-through gradients): teacher-forced
    log-probs of the same tokens.
-4. The public API, exactly as a user's job calls it:
+4. The public API, exactly as a user's job calls it, with the step's own phase timings
+   (:meth:`MismatchMonitor.log_step`'s ``timings``: generation, the sampler's weight quantisation, the stale
+   weights' copy, reward and advantages, the learner's recompute, the update, the demo's diagnostics as other;
+   measured on the run's device):
    :meth:`TokenBatch.from_padded` → correction (``none``: plain PPO;
    ``tis``: :func:`~triage_monitor.corrections.tis_weights`; ``triage``:
    :class:`~triage_monitor.controller.TriageController`) →
@@ -48,7 +51,7 @@ from ..corrections import ppo_clip_loss, tis_weights
 from ..metrics import MetricConfig
 from ..monitor import MismatchMonitor, MonitorConfig
 from ..records import check_run_dir
-from ..nvfp4 import get_recipe, use_recipe
+from ..nvfp4 import get_recipe, prepare_quantized_weights, use_recipe
 from .model import GPTConfig, TinyGPT
 from .task import EOS, TASKS, AdditionTask, WalkTask
 
@@ -533,37 +536,48 @@ def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None, resume: bool = F
         console.print(" ".join(f"{h:>7}" for h in ["step"] + [h for _, h, _ in DISPLAY]), style="bold")
         for step in range(cfg.steps):
             t0 = time.perf_counter()
+            clock = _PhaseClock(dev)
             ops, prompts = (t.to(dev) for t in task.sample(P, data_gen))
-            if cfg.sampler_lag:
-                stale.load_state_dict(history[0])
+            with clock("weight_sync"):         # the asynchronous rollout's generator gets the weights of lag steps ago
+                if cfg.sampler_lag:
+                    stale.load_state_dict(history[0])
             with use_recipe(stale, sampler):
-                accuracy = (greedy_accuracy(stale, task, eval_ops, eval_prompts) if step % cfg.eval_every == 0
-                            else math.nan)
-                responses, sampler_logp, mask = generate(stale, prompts, G, task.max_answer_len, cfg.temperature,
-                                                         sample_gen)
-            ops_rep, prompts_rep = ops.repeat_interleave(G, 0), prompts.repeat_interleave(G, 0)
-            rewards = task.reward(responses, ops_rep)
-            adv = group_advantages(rewards, G)
+                with clock("quantize"):        # the sampler's 4-bit weights and scales for the new weights
+                    prepare_quantized_weights(stale)
+                with clock("other"):           # diagnostics of the demo: greedy held-out score
+                    accuracy = (greedy_accuracy(stale, task, eval_ops, eval_prompts) if step % cfg.eval_every == 0
+                                else math.nan)
+                with clock("generation"):
+                    responses, sampler_logp, mask = generate(stale, prompts, G, task.max_answer_len, cfg.temperature,
+                                                             sample_gen)
+            with clock("reward"):
+                ops_rep, prompts_rep = ops.repeat_interleave(G, 0), prompts.repeat_interleave(G, 0)
+                rewards = task.reward(responses, ops_rep)
+                adv = group_advantages(rewards, G)
 
-            with use_recipe(model, learner):
+            with clock("logprob"), use_recipe(model, learner):
                 learner_logp = teacher_forced_logp(model, prompts_rep, responses, cfg.temperature)
             batch = TokenBatch.from_padded(
                 learner_logp, sampler_logp, adv, mask, sample_ids=sample_ids,
                 group_ids=(step * P + torch.arange(P, device=dev)).repeat_interleave(G))
-            loss, weights, stats = policy_loss(batch, cfg, triage, step)
+            with clock("update"):
+                loss, weights, stats = policy_loss(batch, cfg, triage, step)
             probe = step % cfg.follow_every == 0
             if probe:   # the sampler recipe's log-probs before the update, current weights (not the stale copy)
-                with torch.no_grad(), use_recipe(model, sampler):
+                with clock("other"), torch.no_grad(), use_recipe(model, sampler):
                     sampler_before = teacher_forced_logp(model, prompts_rep, responses, cfg.temperature)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-            opt.step()
-            follow = (follow_correlation(model, sampler, learner, prompts_rep, responses, mask,
-                                         learner_logp.detach(), sampler_before, cfg.temperature)
-                      if probe else math.nan)
-            if cfg.sampler_lag:
-                history = (history + [copy.deepcopy(model.state_dict())])[-(cfg.sampler_lag + 1):]
+            with clock("update"):
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                opt.step()
+            with clock("other"):
+                follow = (follow_correlation(model, sampler, learner, prompts_rep, responses, mask,
+                                             learner_logp.detach(), sampler_before, cfg.temperature)
+                          if probe else math.nan)
+            with clock("weight_sync"):
+                if cfg.sampler_lag:
+                    history = (history + [copy.deepcopy(model.state_dict())])[-(cfg.sampler_lag + 1):]
 
             groups = rewards.view(P, G)
             extra = {"reward": float(rewards.mean()), "accuracy": accuracy,
@@ -572,7 +586,8 @@ def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None, resume: bool = F
                      "grad_norm": grad_norm, "sampler_nll": float(-sampler_logp[mask].mean()),
                      "sampler_staleness": min(step, cfg.sampler_lag), "follow_corr": follow,
                      **stats, "seconds": time.perf_counter() - t0}
-            metrics = mon.log_step(step, batch, extra=extra, token_extras={"token_weight": weights})
+            metrics = mon.log_step(step, batch, extra=extra, token_extras={"token_weight": weights},
+                                   timings={**clock.seconds, "step": extra["seconds"]})
             rows.append(metrics)
             progress.update(bar, advance=1)
             if on_step is not None:
@@ -587,6 +602,32 @@ def _run(cfg: DemoConfig, out_dir: Path, console, on_step=None, resume: bool = F
                     seconds_total=time.perf_counter() - t_start)
     _summary(console, cfg, df, out_dir)
     return df
+
+
+class _PhaseClock:
+    """Seconds per phase of one demo step (``with clock("generation"): ...``, added up per phase); on a CUDA device
+    each phase waits for its kernels before it is read (``torch.cuda.synchronize``), so the time is the phase's."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds: dict = {}
+
+    def __call__(self, phase: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def timed():
+            if self.cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self.cuda:
+                    torch.cuda.synchronize()
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+        return timed()
 
 
 @torch.no_grad()
@@ -633,6 +674,10 @@ def _summary(console, cfg: DemoConfig, df: pd.DataFrame, out_dir: Path) -> None:
         if key in df:
             table.add_row(label, *(_fmt(float(p[key].mean()), spec) for p in parts.values()))
     console.print(table)
+    from ..timings import cycle_summary
+
+    for line in cycle_summary(df).lines(cfg.device):      # the step's own phase timings (docs/metrics.md)
+        console.print(line, highlight=False)
     console.print(f"greedy accuracy (sampler recipe): {df.attrs['eval_before']:.3f} after SFT → "
                   f"{df.attrs['eval_after']:.3f} after GRPO; {df.attrs['seconds_total']:.1f} s; run written to "
                   f"{out_dir} (try: triage-monitor analyze {out_dir})")

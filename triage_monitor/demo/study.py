@@ -52,6 +52,7 @@ import pandas as pd
 
 from ..alerts import NOISE_FLOOR_NATS, default_rules, replay_engine
 from ..layout import MANIFEST
+from ..timings import DEFAULT_K, LABELS, PHASES, compare_cycles, cycle_summary, figures
 from .grpo import DemoConfig
 
 #: Arms: overrides of the base configuration (the base's ``sampler_lag`` is the study's staleness).
@@ -454,7 +455,7 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = DEFAULT_ARMS, seeds: 
     seconds = time.perf_counter() - t0
     summary = summarize(frames, attrs, base.window, out)
     write_outputs(out, base, frames, summary, seconds)
-    print_summary(console, summary, out, seconds, base)
+    print_summary(console, summary, out, seconds, base, frames)
     return summary
 
 
@@ -542,7 +543,7 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
         raise ValueError(f"study: no <arm>-s<seed> run directory under {out / 'runs'}")
     summary = summarize(frames, {}, base.window, out if same_window else None)
     write_outputs(out, base, frames, summary, math.nan, live=same_window)
-    print_summary(console, summary, out, math.nan, base)
+    print_summary(console, summary, out, math.nan, base, frames)
     return summary
 
 
@@ -678,6 +679,60 @@ def pick_pair(summary: pd.DataFrame) -> tuple:
     return key(fail), key(held)
 
 
+#: The study's baseline for the step-time comparison: the full-precision on-policy sampler.
+CYCLE_BASELINE = "fp32"
+
+
+def _arm_frames(frames: dict) -> dict:
+    """``{arm: every seed's step rows, concatenated}`` in :data:`ARMS` order."""
+    arms = list(dict.fromkeys(a for a in ARMS if any(k[0] == a for k in frames)))
+    return {a: pd.concat([df for (arm, _), df in sorted(frames.items()) if arm == a], ignore_index=True) for a in arms}
+
+
+def cycle_by_arm(frames: dict, k: float = DEFAULT_K) -> dict:
+    """``{arm: CycleSummary}`` of the study's own phase timings, every seed of the arm pooled
+    (docs/metrics.md#step-time-and-the-full-cycle)."""
+    return {a: cycle_summary(df, k) for a, df in _arm_frames(frames).items()}
+
+
+def cycle_comparisons(frames: dict, k: float = DEFAULT_K) -> dict:
+    """``{arm: CycleComparison}`` of every arm against :data:`CYCLE_BASELINE` (when both are in the study and
+    timed)."""
+    arms = _arm_frames(frames)
+    base = arms.get(CYCLE_BASELINE)
+    if base is None or not cycle_summary(base, k).steps:
+        return {}
+    return {a: compare_cycles(base, df, k) for a, df in arms.items() if a != CYCLE_BASELINE
+            and cycle_summary(df, k).steps}
+
+
+def cycle_lines(base: DemoConfig, frames: dict, k: float = DEFAULT_K) -> list:
+    """The study's step time in words: per arm the generation share and the projection, then each arm against the
+    fp32 baseline (measured per-phase speedup), labelled with the device the figures were measured on."""
+    out = []
+    where = figures(base.device)
+    for arm, s in cycle_by_arm(frames, k).items():
+        if not s.steps:
+            continue
+        rest = ", ".join(f"{LABELS.get(p, p)} {100 * v:.0f} %" for p, v in s.not_sped_up[:3])
+        out.append(f"{arm}: {s.mean['step'] * 1000:.0f} ms a step, generation {s.mean.get('generation', 0) * 1000:.0f} ms "
+                   f"(g = {s.g:.2f}): a generator {k:g}× faster would give {s.projected:.2f}× on the full cycle; "
+                   f"not sped up: {rest}")
+    for arm, c in cycle_comparisons(frames, k).items():
+        t = c.table.set_index("phase")
+        q = t["other_s"].get("quantize", math.nan)
+        said = f"{arm} ({arm_label(arm, base)}) vs {CYCLE_BASELINE} ({arm_label(CYCLE_BASELINE, base)}), same job: "
+        said += f"generation {c.generation:.2f}×, whole cycle {c.cycle:.2f}× measured"
+        if math.isfinite(q):
+            said += f"; the sampler's weight quantisation {q * 1000:.2g} ms a step"
+        out.append(said)
+    if out:
+        out.insert(0, f"step time ({where}, measured on this machine; NVFP4 is emulated on a CPU, so its generation is "
+                      f"slower than fp32 here, where native kernels on a GPU are 2.08–2.35× faster: "
+                      "docs/metrics.md#step-time-and-the-full-cycle):")
+    return out
+
+
 def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: float,
                 out: Optional[Path] = None) -> str:
     """The self-contained comparison report (plotly.js inline): one column of charts per arm, every seed.
@@ -757,6 +812,28 @@ def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: 
             "first_alert", "first_alert_rule", "lead_steps", "lead_frac", "first_direction_alert",
             "first_localization_alert", "first_magnitude_alert", "n_alerts", "alerts_source",
             "noise_level_steps", "seconds"]
+    from ..views import cycle_bars_figure
+
+    by_arm = cycle_by_arm(frames)
+    bars = cycle_bars_figure({a: v for a, v in by_arm.items()}, "Mean step time by phase, per arm", base.device)
+    cycle_chart = bars.to_html(full_html=False, include_plotlyjs=False, default_width="100%",
+                               config={"displaylogo": False, "responsive": True}) if bars is not None else ""
+    cycle_rows = []
+    for arm, cs in by_arm.items():
+        if not cs.steps:
+            continue
+        cycle_rows.append({"arm": arm, "steps": cs.steps, "step (ms)": 1000 * cs.mean["step"],
+                           **{f"{LABELS[p]} (ms)": 1000 * cs.mean[p] for p in PHASES if p in cs.mean},
+                           "untimed (ms)": 1000 * cs.mean.get("untimed", math.nan), "g": cs.g,
+                           f"projected at k = {DEFAULT_K:g}": cs.projected})
+    cycle_table = table(pd.DataFrame(cycle_rows)) if cycle_rows else ""
+    compare_rows = []
+    for arm, c in cycle_comparisons(frames).items():
+        for _, r in c.table.iterrows():
+            compare_rows.append({"arm": arm, "phase": r["label"], f"{CYCLE_BASELINE} (ms)": 1000 * r["base_s"],
+                                 f"{arm} (ms)": 1000 * r["other_s"], "measured speedup": r["speedup"]})
+    compare_table = table(pd.DataFrame(compare_rows)) if compare_rows else ""
+    cycle_said = "".join(f"<li>{html.escape(x)}</li>" for x in cycle_lines(base, frames))
     findings = "".join(f"<li>{html.escape(s)}</li>" for s in verdict(summary, base))
     runs_alerts = "".join(f"<li><b>{html.escape(f'{a} s{s}')}</b>: "
                           + (html.escape(", ".join(f"{r} @ {st}" for st, r in j["alerts"])) or "none") + "</li>"
@@ -800,6 +877,18 @@ lead = destabilisation − first alert (lead_frac: of the horizon; goal ≥ {LEA
 destabilisation; window ρ_asym panel: the published healthy band and the alert thresholds.</div>
 {chart}
 <h2>Early-warning alerts per run</h2><ul>{runs_alerts}</ul>
+<h2>Step time and the full cycle ({html.escape(figures(base.device))})</h2>
+<div class="note">Each run's own timers, seconds per step, every seed of an arm pooled: generation (the sampler),
+the sampler's weight quantisation, the stale weights' copy (weight sync), rewards and advantages, the learner's
+recompute, the update, the demo's diagnostics (other). Measured on this machine's {html.escape(base.device)}: NVFP4 is
+emulated here (fake quantisation in float32), so its generation is slower than full precision, where native NVFP4
+kernels on a GPU are 2.08–2.35× faster; g and the projection 1 / ((1 − g) + g / k) say what a faster generator would
+buy at this job's phase shares (docs/metrics.md#step-time-and-the-full-cycle).</div>
+<ul>{cycle_said}</ul>
+{cycle_chart}
+<div style="overflow-x:auto">{cycle_table}</div>
+<h3>Against the full-precision sampler ({CYCLE_BASELINE})</h3>
+<div style="overflow-x:auto">{compare_table}</div>
 </main></body></html>
 """
 
@@ -830,8 +919,10 @@ def write_outputs(out: Path, base: DemoConfig, frames: dict, summary: pd.DataFra
                                         encoding="utf-8")
 
 
-def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, base: Optional[DemoConfig] = None) -> None:
-    """The per-run table, the findings and where to look next."""
+def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, base: Optional[DemoConfig] = None,
+                  frames: Optional[dict] = None) -> None:
+    """The per-run table, the findings, the step time by phase (``frames``: the runs' step rows) and where to look
+    next."""
     from rich.table import Table
 
     t = Table(title="steps to destabilise (— = held), blow-up, first alert")
@@ -846,6 +937,9 @@ def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, bas
     console.print(t)
     for line in verdict(summary, base):
         console.print(line, highlight=False, soft_wrap=True)
+    if base is not None and frames:
+        for line in cycle_lines(base, frames):
+            console.print(line, highlight=False, soft_wrap=True)
     took = f"{seconds:.0f} s" if math.isfinite(seconds) else "judged again"
     console.print(f"study: {took}.  Report: [bold]{out / 'study.html'}[/]  (tables: {out / 'summary.csv'}, "
                   f"{out / 'arms.csv'})", highlight=False, soft_wrap=True)

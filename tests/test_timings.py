@@ -1,0 +1,207 @@
+"""Phase timings and the full-cycle arithmetic (docs/metrics.md#step-time-and-the-full-cycle), on values worked out by
+hand: the generation share, the projected speedup, a run's breakdown, two runs compared, and the steps table's
+``time/<phase>`` columns written by ``log_step``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from triage_monitor import timings as tm
+from triage_monitor.analysis import open_run
+from triage_monitor.batch import TokenBatch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig, step_columns
+
+
+def test_the_issue_example_by_hand():
+    """Generation 6.0 s of a 10.5 s step: g = 6 / 10.5 = 0.5714; at k = 2.3, 1 / (0.42857 + 0.24845) = 1.4771."""
+    g = tm.generation_share(6.0, 10.5)
+    assert g == pytest.approx(0.571428571, abs=1e-9)
+    assert tm.projected_speedup(g, 2.3) == pytest.approx(1.477064, abs=1e-6)
+    assert round(tm.projected_speedup(g), 2) == 1.48                      # the default k is the published 2.3
+    assert tm.projected_speedup(g, 1e12) == pytest.approx(1 / (1 - g), rel=1e-9)   # infinitely fast: 2.33×
+    assert tm.projected_speedup(0.0, 5) == 1.0 and tm.projected_speedup(1.0, 4) == pytest.approx(4.0)
+    assert math.isnan(tm.generation_share(math.nan, 10.0)) and math.isnan(tm.generation_share(1.0, 0.0))
+    for bad in (0, -1, math.inf, math.nan, "x"):
+        with pytest.raises(ValueError, match="speedup"):
+            tm.projected_speedup(0.5, bad)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        tm.projected_speedup(1.2, 2.3)
+
+
+def hand_run(gen, step, update=None, sync=None, n=4) -> pd.DataFrame:
+    rows = []
+    for s in range(n):
+        r = {"step": s, "time/generation": gen, "time/step": step}
+        if update is not None:
+            r["time/update"] = update
+        if sync is not None:
+            r["time/weight_sync"] = sync
+        rows.append(r)
+    return pd.DataFrame(rows)
+
+
+def test_a_runs_breakdown_by_hand():
+    """Steps of 10.5 s: generation 6.0, update 3.0, weight sync 0.5, 1.0 s untimed.  g = 0.5714 on every step and
+    pooled; the phases that do not speed up are named with their shares: update 3/10.5 = 28.6 %, untimed 9.5 %,
+    weight sync 4.8 %."""
+    f = tm.cycle_frame(hand_run(6.0, 10.5, 3.0, 0.5))
+    assert f["g"].tolist() == pytest.approx([6 / 10.5] * 4)
+    assert f["projected"].tolist() == pytest.approx([1.477064] * 4, abs=1e-6)
+    assert f["untimed"].tolist() == pytest.approx([1.0] * 4)
+    assert set(f["total_from"]) == {"step timer"}
+    s = tm.cycle_summary(hand_run(6.0, 10.5, 3.0, 0.5), k=2.3)
+    assert (s.steps, s.generation_steps) == (4, 4)
+    assert s.g == pytest.approx(6 / 10.5) and s.projected == pytest.approx(1.477064, abs=1e-6)
+    assert s.mean == pytest.approx({"generation": 6.0, "update": 3.0, "weight_sync": 0.5, "step": 10.5,
+                                    "untimed": 1.0})
+    assert [p for p, _ in s.not_sped_up] == ["update", "untimed", "weight_sync"]
+    assert [v for _, v in s.not_sped_up] == pytest.approx([3 / 10.5, 1 / 10.5, 0.5 / 10.5])
+    text = "\n".join(s.lines("cpu"))
+    assert "g = 0.571" in text and "1.48×" in text and "CPU figures" in text
+    assert "update 28.6 %" in text and "weight sync 4.8 %" in text
+
+
+def test_pooled_share_and_a_step_total_from_the_phases():
+    """Step 0: 6 s of 10.5 s (step timer); step 1: no step timer, phases 2 + 2 → total 4, g = 0.5.  Pooled
+    g = (6 + 2) / (10.5 + 4) = 0.5517, the per-step median (0.5714 + 0.5) / 2 = 0.5357."""
+    df = pd.DataFrame({"step": [0, 1], "time/generation": [6.0, 2.0], "time/update": [3.0, 2.0],
+                       "time/step": [10.5, math.nan]})
+    f = tm.cycle_frame(df)
+    assert f["total"].tolist() == [10.5, 4.0] and f["total_from"].tolist() == ["step timer", "sum of phases"]
+    assert f["untimed"].tolist() == [1.5, 0.0]
+    s = tm.cycle_summary(df)
+    assert s.g == pytest.approx(8 / 14.5) and s.g_median == pytest.approx((6 / 10.5 + 0.5) / 2)
+    assert s.total_from == "mixed"
+
+
+def test_overlapping_timers_are_counted_and_steps_without_timings_left_out():
+    """An asynchronous step: generation 8 s beside an update of 6 s in a 10 s step (sum 14 > 10): counted as
+    overlapping; a step with no timer at all is not a timed step."""
+    df = pd.DataFrame({"step": [0, 1, 2], "time/generation": [8.0, 4.0, math.nan],
+                       "time/update": [6.0, 4.0, math.nan], "time/step": [10.0, 10.0, math.nan]})
+    s = tm.cycle_summary(df)
+    assert s.steps == 2 and s.overlapping_steps == 1
+    assert "overlap" in " ".join(s.lines())
+    empty = tm.cycle_summary(pd.DataFrame({"step": [0, 1], "n_tokens": [3.0, 4.0]}))
+    assert empty.steps == 0 and math.isnan(empty.g) and "nothing to break down" in empty.lines()[0]
+
+
+def test_two_runs_with_known_per_phase_ratios():
+    """A BF16 baseline: generation 6.0, update 3.0, weight sync 0.5, step 10.5 (1.0 untimed).  The NVFP4 run:
+    generation 2.5 (2.4× faster), update 3.0 (1×), weight sync 0.5, a new quantisation phase 0.6 s, step 7.6.
+    Measured: generation 2.4×, update 1.00×, whole cycle 10.5 / 7.6 = 1.3816×; projected from g = 0.5714 and the
+    measured 2.4×: 1 / (0.42857 + 0.5714 / 2.4) = 1.5000×, at k = 2.3: 1.4771× — the measured cycle is 0.92× the
+    projection: the new quantisation phase ate part of the gain."""
+    base = hand_run(6.0, 10.5, 3.0, 0.5)
+    other = hand_run(2.5, 7.6, 3.0, 0.5)
+    other["time/quantize"] = 0.6
+    base["delta_abs_mean"], other["delta_abs_mean"] = 1e-7, 0.4
+    base["window/rho_asym"], other["window/rho_asym"] = [1.0, 1.1, 1.2, 1.0], [1.2, 1.5, 1.9, 1.7]
+    c = tm.compare_cycles(base, other, k=2.3)
+    t = c.table.set_index("phase")
+    assert t.loc["generation", "speedup"] == pytest.approx(2.4)
+    assert t.loc["update", "speedup"] == pytest.approx(1.0) and t.loc["weight_sync", "speedup"] == pytest.approx(1.0)
+    assert math.isnan(t.loc["quantize", "speedup"]) and t.loc["quantize", "other_s"] == pytest.approx(0.6)
+    assert t.loc["quantize", "base_s"] != t.loc["quantize", "base_s"]            # the baseline has no such phase
+    assert t.loc["step", "speedup"] == pytest.approx(10.5 / 7.6)
+    assert bool(t.loc["generation", "sped_up_by_generator"]) and not bool(t.loc["update", "sped_up_by_generator"])
+    assert c.cycle == pytest.approx(1.381579, abs=1e-6) and c.generation == pytest.approx(2.4)
+    assert c.g_base == pytest.approx(6 / 10.5)
+    assert c.projected_measured == pytest.approx(1.5, abs=1e-9)
+    assert c.projected_k == pytest.approx(1.477064, abs=1e-6)
+    m = c.mismatch.set_index("figure")
+    assert m.loc["mean |δ| (nats)", "base"] == pytest.approx(1e-7) and m.loc["mean |δ| (nats)", "other"] == 0.4
+    assert m.loc["window ρ_asym, last", "other"] == 1.7 and m.loc["window ρ_asym, max", "other"] == 1.9
+    assert math.isnan(m.loc["k3 KL (nats)", "base"])                            # not in these tables
+    text = "\n".join(c.lines(["bf16", "nvfp4"]))
+    assert "1.38×" in text and "2.40×" in text and "1.50×" in text and "0.92× the projection" in text
+
+
+def test_framework_names_map_onto_the_phases():
+    raw = {"gen": 6.0, "reward": 0.25, "adv": 0.25, "old_log_prob": 1.0, "ref": 0.5, "update_actor": 2.0,
+           "update_weights": 0.5, "step": 10.5, "testing": 30.0}
+    assert tm.phase_times(raw, "verl") == {"generation": 6.0, "reward": 0.5, "logprob": 1.0, "reference": 0.5,
+                                           "update": 2.0, "weight_sync": 0.5, "step": 10.5}
+    logged = {f"timing_s/{k}": v for k, v in raw.items()}
+    assert tm.phase_times(logged) == tm.phase_times(raw, "verl")               # logged names need no framework
+    assert tm.phase_of("gen") is None                                          # a bare verl key only with "verl"
+    assert tm.phase_times({"timing/generation": 4.0, "timing/make_experience": 1.0, "timing/ppo_train": 2.0,
+                           "timing/broadcast": 0.3, "timing/step_total": 7.3}, "openrlhf") == {
+        "generation": 4.0, "logprob": 1.0, "update": 2.0, "weight_sync": 0.3, "step": 7.3}
+    assert tm.phase_of("profiling/Time taken: TriageGRPOTrainer.vLLM.generate", "trl") == "generation"
+    assert tm.phase_of("time/wait_for_batch") == "generation" and tm.phase_of("time/step") == "step"
+    assert tm.phase_of("timing/train/recompute_kv_scales") == "quantize"
+    assert tm.phase_of("perf/train_wait_time") is None and tm.is_timer_name("perf/train_wait_time")
+    skipped = []
+    assert tm.phase_times({"timing/policy_train": 3.0, "loss": 0.1}, "skyrl", unmapped=skipped) == {}
+    assert skipped == ["timing/policy_train", "loss"]
+    with pytest.raises(ValueError, match="not a phase or a known timer"):
+        tm.phase_times({"loss": 0.1}, strict=True)
+    for bad in (-1.0, math.inf, "fast", True):
+        with pytest.raises(ValueError, match="generation"):
+            tm.phase_times({"generation": bad})
+    assert tm.phase_times({"generation": torch.tensor(2.0), "update": math.nan}) == {"generation": 2.0}
+
+
+def test_no_timer_name_stands_for_two_phases():
+    """Across every framework's table a name means one phase (an extra key is recognised without its framework)."""
+    seen: dict = {}
+    for fw, table in tm.FRAMEWORK_TIMERS.items():
+        assert set(table.values()) <= {*tm.PHASES, "step", None}, fw
+        for name, phase in table.items():
+            assert seen.setdefault(name, phase) == phase, name
+    for name in ("generation", "step", "reward", "update"):
+        assert name not in seen                       # our bare names are never a framework's
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(4, 8, generator=g) - 0.01
+    return TokenBatch.from_padded(lp, lp - 0.2 * torch.rand(4, 8, generator=g),
+                                  torch.randn(4, 1, generator=g).expand(4, 8), torch.ones(4, 8, dtype=torch.bool))
+
+
+def test_log_step_timings_land_in_the_steps_table(tmp_path):
+    """timings= (our names or a framework's), extra keys time/<phase> and framework timer names: the time/ columns
+    of the steps table, NaN where a phase was not timed; a user's "reward" extra stays the reward."""
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(), alerts=False) as mon:
+        m0 = mon.log_step(0, batch(), extra={"reward": 0.7}, timings={"generation": 6.0, "step": 10.5,
+                                                                      "timing_s/update_actor": 2.0})
+        mon.log_step(1, batch(1), extra={"reward": 0.5, "time/update": 1.5, "timing/generation": 4.0})
+        mon.log_step(2, batch(2), extra={"reward": 0.6, "timing_s/gen": 9.0}, timings={"generation": 3.0})
+        mon.log_step(3, batch(3), extra={"reward": 0.4})
+    assert m0["time/generation"] == 6.0 and math.isnan(m0["time/logprob"])
+    steps = open_run(tmp_path / "run").steps()
+    assert steps["time/generation"].tolist()[:3] == [6.0, 4.0, 3.0]          # timings= wins over the extra key
+    assert steps["time/step"].tolist()[0] == 10.5 and steps["time/update"].tolist()[:2] == [2.0, 1.5]
+    assert steps[[c for c in tm.TIME_COLUMNS]].iloc[3].isna().all()
+    assert steps["reward"].tolist() == [0.7, 0.5, 0.6, 0.4]                   # "reward" is the user's, not a phase
+    assert steps["timing/generation"].tolist()[1] == 4.0                       # a framework key stays an extra too
+    assert "time/update" not in [c for c in steps.columns if c.startswith("time/") and c not in tm.TIME_COLUMNS]
+    summary = tm.cycle_summary(steps)
+    assert summary.steps == 3 and summary.generation_steps == 3
+
+
+def test_the_time_columns_are_declared_in_order():
+    cols = step_columns(["reward"])
+    i = cols.index("time/generation")
+    assert cols[i:i + len(tm.TIME_COLUMNS)] == tm.TIME_COLUMNS
+    assert cols[i - 1] == "window/tau_tail" and cols[i + len(tm.TIME_COLUMNS)] == "reward"
+
+
+def test_bad_timings_raise_and_record_nothing(tmp_path):
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(), alerts=False) as mon:
+        with pytest.raises(ValueError, match=r"timings\['gpu_time'\]"):
+            mon.log_step(0, batch(), timings={"gpu_time": 1.0})
+        with pytest.raises(ValueError, match=r"timings\['generation'\] = -2.0"):
+            mon.log_step(0, batch(), timings={"generation": -2.0})
+        with pytest.raises(ValueError, match=r"time/update"):
+            mon.log_step(0, batch(), extra={"time/update": math.inf})
+        assert mon.steps_logged == 0
+        mon.log_step(0, batch(), timings={"generation": np.float64(1.0)})
+    assert open_run(tmp_path / "run").steps()["time/generation"].tolist() == [1.0]

@@ -1,0 +1,591 @@
+"""Where a step's time goes: the phase names, each framework's timers mapped onto them, and the full-cycle arithmetic.
+
+A faster generator (an NVFP4 rollout) speeds up the generation phase only; weight synchronisation, the
+computation of quantisation scales, data conversions, the log-prob recompute and the update keep their time.
+The published NVFP4 runs made generation 2.08–2.35× faster and the whole RL cycle 1.21–1.33× faster
+(docs/metrics.md#published-reference).  This module is the arithmetic behind that, on a run's own timers
+(docs/metrics.md#step-time-and-the-full-cycle):
+
+* :data:`PHASES` — the phases of a step, stored in the steps table as ``time/<phase>`` seconds (float64, NaN where
+  the phase was not timed; :data:`TIME_COLUMNS`), with ``time/step`` the whole step;
+* :data:`FRAMEWORK_TIMERS` — the frameworks' own timer names (verl's ``timing_s/gen``, OpenRLHF's
+  ``timing/generation``, ...) → phase (docs/hooks.md#phase-timings); :func:`phase_times` maps a framework's
+  timer dict onto the phases;
+* the generation share g of a step, the projected full-cycle speedup ``1 / ((1 − g) + g / k)`` for a generator
+  k times faster (:func:`projected_speedup`), a run's breakdown (:func:`cycle_frame`, :func:`cycle_summary`) and
+  the comparison of two runs of the same job (:func:`compare_cycles`).
+
+Torch-free; pandas is imported by the frame functions only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional
+
+#: The phases of one step, in the order they are stacked (docs/metrics.md#step-time-and-the-full-cycle).
+PHASES = ("generation", "logprob", "reference", "reward", "update", "weight_sync", "quantize", "other")
+#: The whole step (the framework's step timer).
+STEP = "step"
+#: Column name prefix in the steps table: ``time/<phase>`` and ``time/step``, seconds.
+PREFIX = "time/"
+#: ``{phase or "step": column}``.
+COLUMNS = {p: f"{PREFIX}{p}" for p in (*PHASES, STEP)}
+#: The steps table's timing columns, in file order.
+TIME_COLUMNS = tuple(COLUMNS.values())
+#: What each phase holds, for tables and legends.
+LABELS = {"generation": "generation", "logprob": "log-prob recompute", "reference": "reference log-probs",
+          "reward": "reward / advantage", "update": "update", "weight_sync": "weight sync",
+          "quantize": "quantisation / conversion", "other": "other", "step": "whole step", "untimed": "untimed"}
+#: Short column headers of the phases (the CLI's per-step table).
+SHORT = {"generation": "gen", "logprob": "logprob", "reference": "ref", "reward": "reward", "update": "update",
+         "weight_sync": "sync", "quantize": "quant", "other": "other", "step": "step"}
+#: The phases a faster generator speeds up (every other phase keeps its time).
+SPEEDS_UP = ("generation",)
+#: Default generator speedup k of the projection: the published NVFP4 rollout speedup (2.08–2.35×, rounded).
+DEFAULT_K = 2.3
+#: Timed phases adding up to more than the step by this fraction: the timers overlap (an asynchronous pipeline).
+OVERLAP_TOLERANCE = 0.01
+
+# A framework's timer name → phase; None: recognised but not a phase of its own (a span that contains other
+# timers, or one outside the step).  Names as the framework logs them (docs/hooks.md#phase-timings).
+_VERL = {f"timing_s/{k}": v for k, v in {  # verl 0.9.1 (trainer/ppo/v1, ray_trainer, experimental async trainers):
+    # timing_raw[<key>], logged by compute_timing_metrics as timing_s/<key>
+    "gen": "generation", "generate_async": "generation", "switch_wait": "generation",
+    "wait_for_enough_samples": "generation", "reward": "reward", "old_log_prob": "logprob", "ref": "reference",
+    "values": "other", "adv": "reward", "update_critic": "update", "update_actor": "update",
+    "update_weights": "weight_sync", "param_sync": "weight_sync", "sync_rollout_weights": "weight_sync",
+    "switch_to_trainer": "other", "switch_to_rollout": "other", "save_checkpoint": "other",
+    "start_profile": "other", "stop_profile": "other", "step": "step",
+    "testing": None, "dump_rollout_generations": None,
+}.items()}
+_TRL = {  # TRL 1.13 / 1.16: profiling_context spans (logged as "profiling/Time taken: <Trainer>.<span>"), step_time
+    "transformers.generate": "generation", "vLLM.generate": "generation", "transformers.generate_batch": "generation",
+    "sync_weights": "weight_sync", "_calculate_rewards": "reward", "step_time": "step",
+    "_prepare_inputs": None, "_get_per_token_logps_and_entropies": None, "compute_loss": None,
+}
+_OPENRLHF = {  # OpenRLHF 0.11.2 (trainer/ppo_trainer.py, ppo_trainer_async.py): status["timing/<name>"]
+    "timing/generation": "generation", "timing/make_experience": "logprob", "timing/ppo_train": "update",
+    "timing/broadcast": "weight_sync", "timing/step_total": "step",
+}
+_SKYRL = {  # SkyRL 0.3.0 (train/trainer.py, fully_async_trainer.py): all_timings logged as timing/<name>
+    "timing/generate": "generation", "timing/wait_for_generation_buffer": "generation",
+    "timing/postprocess_generator_output": "reward", "timing/convert_to_training_input": "other",
+    "timing/fwd_logprobs_values_reward": "logprob", "timing/apply_reward_kl_penalty": "reward",
+    "timing/compute_advantages_and_returns": "reward", "timing/train_critic_and_policy": "update",
+    "timing/sync_weights": "weight_sync", "timing/save_checkpoints": "other", "timing/save_hf_model": "other",
+    "timing/update_ref_with_policy": "other", "timing/step": "step",
+    "timing/policy_train": None, "timing/critic_train": None, "timing/run_training": None, "timing/eval": None,
+    "timing/cleanup_old_checkpoints": None,
+}
+_NEMO_RL = {  # NeMo RL 7ea279ab (algorithms/grpo.py): Timer → timing/train/<name>
+    "timing/train/generation": "generation", "timing/train/exposed_generation": "generation",
+    "timing/train/idle/buffer_starvation": "generation", "timing/train/prepare_for_generation/total": "weight_sync",
+    "timing/train/weight_sync": "weight_sync", "timing/train/offload_before_refit": "weight_sync",
+    "timing/train/reward_calculation": "reward", "timing/train/advantage_calculation": "reward",
+    "timing/train/logprob_inference_prep": "logprob", "timing/train/policy_and_reference_logprobs": "logprob",
+    "timing/train/training_prep": "update", "timing/train/policy_training": "update",
+    "timing/train/recompute_kv_scales": "quantize", "timing/train/data_processing": "other",
+    "timing/train/dynamic_sampling": "other", "timing/train/checkpointing": "other",
+    "timing/train/total_step_time": "step",
+    "timing/train/prepare_for_generation/transfer_and_update_weights": None, "timing/train/idle/refit_bubble": None,
+    "timing/train/overlong_filter": None, "timing/train/mask_sample_filter": None, "timing/train/idle/validation": None,
+}
+_PRIME_RL = {  # prime-rl 559b4477 (src/prime_rl/trainer/rl/train.py): the trainer's time/<name>
+    "time/wait_for_batch": "generation", "time/load_data": "other", "time/forward_backward": "update",
+    "time/broadcast_weights": "weight_sync", "time/save_ckpt": "other", "time/step": "step",
+}
+_SLIME = {  # slime 624b824a: the training actor's Timer (observability/train_metric_utils.py log_perf_data) and
+    # the rollout manager's rollout_time (observability/rollout_metrics.py), logged as perf/<name>
+    "perf/rollout_time": "generation", "perf/log_probs_time": "logprob", "perf/ref_log_probs_time": "reference",
+    "perf/data_preprocess_time": "other", "perf/actor_train_time": "update", "perf/update_weights_time": "weight_sync",
+    "perf/ref_model_update_time": "other", "perf/wake_up_time": "other", "perf/sleep_time": "other",
+    "perf/save_model_time": "other", "perf/step_time": "step",
+    "perf/train_time": None, "perf/train_wait_time": None, "perf/teacher_log_probs_time": "other",
+}
+#: ``{framework: {timer name as logged: phase or None}}``; None: recognised, not a phase of its own (it contains
+#: other timers, or lies outside the step).  TRL's names are its ``profiling_context`` span names (logged as
+#: ``profiling/Time taken: <Trainer>.<span>``, :func:`timer_key`) and its ``step_time``.
+FRAMEWORK_TIMERS = {"verl": _VERL, "trl": _TRL, "openrlhf": _OPENRLHF, "skyrl": _SKYRL, "nemo_rl": _NEMO_RL,
+                    "prime_rl": _PRIME_RL, "slime": _SLIME}
+
+_TRL_PREFIX = "profiling/Time taken: "
+
+
+def timer_key(framework: str, name: str) -> str:
+    """A framework's timer name as :data:`FRAMEWORK_TIMERS` keys it: TRL's
+    ``profiling/Time taken: GRPOTrainer.vLLM.generate`` → ``vLLM.generate`` (the trainer's class name dropped);
+    verl's in-process ``timing_raw`` key ``gen`` (``framework="verl"`` only) → ``timing_s/gen``, its logged name;
+    every other name as given."""
+    if framework == "verl" and not name.startswith("timing_s/") and f"timing_s/{name}" in FRAMEWORK_TIMERS["verl"]:
+        return f"timing_s/{name}"
+    if framework == "trl" and name.startswith(_TRL_PREFIX):
+        span = name[len(_TRL_PREFIX):]
+        return span.split(".", 1)[1] if "." in span else span
+    return name
+
+
+def phase_of(name: str, framework: Optional[str] = None) -> Optional[str]:
+    """The phase (or ``"step"``) a timer name stands for: one of :data:`PHASES`, ``"step"``, ``time/<phase>``
+    (our own names), or a name of ``framework``'s timers (:data:`FRAMEWORK_TIMERS`; any framework's when
+    ``framework`` is None and the name is unambiguous).
+
+    Returns:
+        The phase, or None when the name is not a timer we know or stands for no phase of its own.
+    """
+    bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    if bare in COLUMNS:
+        return bare
+    found = {FRAMEWORK_TIMERS[f][key] for f, key in _keys(name, framework)}
+    found.discard(None)
+    return found.pop() if len(found) == 1 else None
+
+
+def _keys(name: str, framework: Optional[str]) -> list:
+    """``[(framework, key)]`` of the tables holding ``name``; verl's bare ``timing_raw`` keys only when
+    ``framework="verl"`` is said (``gen`` alone is too common a word)."""
+    tables = [framework] if framework is not None else list(FRAMEWORK_TIMERS)
+    out = []
+    for f in tables:
+        if f not in FRAMEWORK_TIMERS:
+            continue
+        key = timer_key(f, name) if framework is not None or f != "verl" else name
+        if key in FRAMEWORK_TIMERS[f]:
+            out.append((f, key))
+    return out
+
+
+def is_timer_name(name: str, framework: Optional[str] = None) -> bool:
+    """True when ``name`` is one of our phase names (``generation``, ``time/generation``, ``step``, ...) or a
+    timer name of ``framework`` (any framework when None) in :data:`FRAMEWORK_TIMERS`, mapped or not."""
+    bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    return bare in COLUMNS or bool(_keys(name, framework))
+
+
+def phase_times(raw: Mapping[str, object], framework: Optional[str] = None, *, strict: bool = False,
+                unmapped: Optional[list] = None) -> dict:
+    """Map timer readings onto the phases: ``{name: seconds}`` → ``{phase: seconds}`` (``"step"`` included).
+
+    Several timers of one phase are added (verl's ``reward`` and ``adv`` make ``reward``); a timer recognised
+    but of no phase of its own (:data:`FRAMEWORK_TIMERS` maps it to None) is left out; our own names
+    (``generation`` or ``time/generation``) are taken as they are.  NaN readings are left out (not timed).
+
+    Args:
+        raw: timer readings in seconds (numbers, or 0-dim tensors / numpy scalars: anything ``float()`` takes).
+        framework: a key of :data:`FRAMEWORK_TIMERS` (``"verl"``, ``"trl"``, ...) whose names ``raw`` uses, or None
+            for our names and any framework's unambiguous names.
+        strict: raise on a name that is not a timer name (else it is skipped and appended to ``unmapped``).
+        unmapped: a list that receives the names skipped (not timers, or timers of no phase of their own).
+
+    Returns:
+        ``{phase: seconds}`` (float) of the phases with a reading.
+
+    Raises:
+        ValueError: a reading that is not a number, negative or infinite (naming the timer and the value);
+            with ``strict``, a name that is not a timer name (naming it and the accepted names).
+    """
+    out: dict = {}
+    for name, value in raw.items():
+        if not isinstance(name, str):
+            raise ValueError(f"timer name {name!r} ({type(name).__name__}) must be a string")
+        phase = phase_of(name, framework)
+        if phase is None:
+            if strict and not is_timer_name(name, framework):
+                raise ValueError(f"timings[{name!r}]: not a phase or a known timer name; use one of "
+                                 f"{', '.join(COLUMNS)} (or time/<phase>), or a framework's timer names "
+                                 "(docs/hooks.md#phase-timings)")
+            if unmapped is not None:
+                unmapped.append(name)
+            continue
+        seconds = _seconds(name, value)
+        if math.isnan(seconds):
+            continue
+        out[phase] = out.get(phase, 0.0) + seconds
+    return out
+
+
+def _seconds(name: str, value) -> float:
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, bool):
+        raise ValueError(f"timings[{name!r}] = {value!r}: a duration must be a number of seconds")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"timings[{name!r}] = {value!r}: a duration must be a number of seconds") from None
+    if math.isinf(v) or v < 0:
+        raise ValueError(f"timings[{name!r}] = {v!r}: a duration must be a finite number of seconds >= 0")
+    return v
+
+
+def device_of(info: Mapping) -> Optional[str]:
+    """Where a run's timings were measured, from its manifest facts (``RunManifest.info``): ``timings_device`` or
+    ``device`` (``"cpu"``, ``"cuda:0"``); None when the run does not say.  The breakdown is labelled with it
+    (CPU figures are not GPU figures: the phases' shares differ)."""
+    for key in ("timings_device", "device"):
+        v = info.get(key) if isinstance(info, Mapping) else None
+        if isinstance(v, str) and v:
+            return v
+    return None
+
+
+def figures(device: str) -> str:
+    """``"CPU figures"`` for ``"cpu"``, ``"CUDA figures"`` for ``"cuda:0"``: the label of a breakdown measured there."""
+    return f"{device.split(':')[0].upper()} figures"
+
+
+def table_timings(table, framework: Optional[str] = None, step_column: str = "step"):
+    """A framework's logged timers as a steps-like table: ``table`` (pandas.DataFrame, one row per step, a
+    ``step_column`` and timer columns named as the framework logs them, e.g. a W&B history export) → a DataFrame
+    with ``step`` and the ``time/<phase>`` columns (:func:`phase_times` per row; a phase no row has is absent).
+
+    Raises:
+        ValueError: no ``step_column``, a step that is not an integer, no column of a known timer (naming the
+            columns), a reading that is negative or infinite (naming the row, the column and the value).
+    """
+    import numpy as np
+    import pandas as pd
+
+    if step_column not in table.columns:
+        raise ValueError(f"the timings table has no {step_column!r} column (it has {', '.join(map(str, table.columns))})")
+    names = [c for c in table.columns if c != step_column and isinstance(c, str) and phase_of(c, framework)]
+    if not names:
+        raise ValueError("no column of the timings table is a timer of " + (framework or "any framework")
+                         + f" (columns: {', '.join(map(str, table.columns))}; names: docs/hooks.md#phase-timings)")
+    rows = []
+    for i, rec in enumerate(table[[step_column, *names]].to_dict("records")):
+        step = rec.pop(step_column)
+        try:
+            s = float(step)
+        except (TypeError, ValueError):
+            s = math.nan
+        if not math.isfinite(s) or s != int(s):
+            raise ValueError(f"timings table row {i}: {step_column} = {step!r} is not an integer step")
+        try:
+            times = phase_times({k: v for k, v in rec.items() if not (isinstance(v, float) and math.isnan(v))},
+                                framework)
+        except ValueError as exc:
+            raise ValueError(f"timings table row {i} (step {int(s)}): {exc}") from None
+        rows.append({"step": int(s), **columns_of(times)})
+    out = pd.DataFrame(rows)
+    out = out.groupby("step", as_index=False).last() if len(out) else out   # a step logged twice: its last row
+    for c in TIME_COLUMNS:
+        if c in out.columns:
+            out[c] = out[c].astype(np.float64)
+    return out
+
+
+def columns_of(times: Mapping[str, float]) -> dict:
+    """``{phase: seconds}`` (:func:`phase_times`) as steps-table columns ``{"time/<phase>": seconds}``."""
+    return {COLUMNS[p]: float(v) for p, v in times.items()}
+
+
+# --------------------------------------------------------------------------------------------- arithmetic
+def generation_share(generation: float, total: float) -> float:
+    """g = generation / total: the share of a step's time spent generating (docs/metrics.md#step-time-and-the-full-cycle).
+
+    Args:
+        generation, total: seconds (the generation phase, the whole step).
+
+    Returns:
+        g in [0, 1] (a generation phase longer than the step gives more than 1: overlapping timers); NaN when
+        either is NaN or the step took no time.
+    """
+    if not (math.isfinite(generation) and math.isfinite(total)) or total <= 0:
+        return math.nan
+    return generation / total
+
+
+def projected_speedup(g: float, k: float = DEFAULT_K) -> float:
+    """The full-cycle speedup when generation becomes ``k`` times faster and nothing else changes (Amdahl):
+    ``1 / ((1 − g) + g / k)``.  Worked case: g = 6.0 / 10.5 = 0.571, k = 2.3 → 1.48×.
+
+    Args:
+        g: the generation share of the step, in [0, 1] (:func:`generation_share`).
+        k: the generator's speedup, > 0 (default :data:`DEFAULT_K`, the published NVFP4 rollout 2.3×).
+
+    Returns:
+        The projected speedup (NaN when g is NaN).
+
+    Raises:
+        ValueError: k not a positive finite number, or g outside [0, 1].
+    """
+    check_k(k)
+    if math.isnan(g):
+        return math.nan
+    if not 0.0 <= g <= 1.0:
+        raise ValueError(f"generation share g = {g!r} must lie in [0, 1] (generation timed longer than the step?)")
+    return 1.0 / ((1.0 - g) + g / k)
+
+
+def check_k(k: float, what: str = "k") -> float:
+    """``k`` as a float when it is a finite number > 0; else ValueError naming ``what`` and the value."""
+    try:
+        v = float(k)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} = {k!r}: the generator speedup must be a number > 0") from None
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{what} = {k!r}: the generator speedup must be a finite number > 0")
+    return v
+
+
+def speedup(base: float, other: float) -> float:
+    """Measured speedup of a phase: base seconds ÷ other seconds (``2.0`` = twice as fast); NaN when either is NaN
+    or other is 0 (a phase the other run does not have), inf never."""
+    if not (math.isfinite(base) and math.isfinite(other)) or other <= 0:
+        return math.nan
+    return base / other
+
+
+# ------------------------------------------------------------------------------------------------ frames
+def cycle_frame(steps, k: float = DEFAULT_K):
+    """Per-step breakdown of a run's steps table.
+
+    Args:
+        steps: pandas.DataFrame with ``step`` and any ``time/<phase>`` columns (``open_run(p).steps()``).
+        k: generator speedup of the projection (:func:`projected_speedup`).
+
+    Returns:
+        pandas.DataFrame, one row per step with a step total: ``step``, one column per phase of :data:`PHASES`
+        (seconds, NaN where not timed), ``total`` (``time/step`` where timed, else the sum of the timed phases),
+        ``total_from`` (``"step timer"`` or ``"sum of phases"``), ``untimed`` (total − timed phases, seconds; < 0
+        when the timers overlap), ``g`` (generation share, NaN without a generation timing) and ``projected``
+        (the full-cycle speedup at ``k``, NaN where g is NaN or outside [0, 1]).  Empty when no step is timed.
+    """
+    import numpy as np
+    import pandas as pd
+
+    k = check_k(k)
+    n = len(steps)
+    cols = {p: (steps[COLUMNS[p]].astype(float).to_numpy() if COLUMNS[p] in steps.columns else np.full(n, np.nan))
+            for p in PHASES}
+    step_t = steps[COLUMNS[STEP]].astype(float).to_numpy() if COLUMNS[STEP] in steps.columns else np.full(n, np.nan)
+    timed = np.column_stack([cols[p] for p in PHASES]) if n else np.zeros((0, len(PHASES)))
+    any_phase = ~np.isnan(timed).all(axis=1) if n else np.zeros(0, bool)
+    phase_sum = np.nansum(timed, axis=1) if n else np.zeros(0)
+    has_step = np.isfinite(step_t)
+    total = np.where(has_step, step_t, np.where(any_phase, phase_sum, np.nan))
+    df = pd.DataFrame({"step": steps["step"].to_numpy() if n else np.zeros(0, np.int64), **cols, "total": total,
+                       "total_from": np.where(has_step, "step timer", "sum of phases"),
+                       "untimed": np.where(np.isfinite(total), total - phase_sum, np.nan)})
+    df = df[np.isfinite(total)].reset_index(drop=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g = np.where(df["total"].to_numpy() > 0, df["generation"].to_numpy() / df["total"].to_numpy(), np.nan)
+    df["g"] = g
+    inside = (g >= 0) & (g <= 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        df["projected"] = np.where(inside, 1.0 / ((1.0 - g) + g / k), np.nan)
+    return df
+
+
+@dataclass(frozen=True)
+class CycleSummary:
+    """A run's full-cycle breakdown (:func:`cycle_summary`); times in seconds, shares in [0, 1].
+
+    Attributes:
+        steps: steps with a total; generation_steps: of them, steps with a generation timing.
+        mean: ``{phase: mean seconds per step}`` over those steps (an untimed phase counts 0), with ``"step"``
+            (the mean total) and ``"untimed"``; phases never timed are left out.
+        share: ``{phase: Σ phase / Σ total}`` (pooled over the steps; ``"untimed"`` included).
+        g: pooled generation share Σ generation / Σ total (NaN without a generation timing).
+        g_median: median of the per-step g.
+        k: the generator speedup of the projection; projected: ``1 / ((1 − g) + g / k)``.
+        not_sped_up: ``[(phase, share), ...]`` of the phases a faster generator does not touch, largest first
+            (those of at least 0.05 % of the time; ``"untimed"`` from 0.5 %).
+        overlapping_steps: steps whose timed phases add up to more than the step (:data:`OVERLAP_TOLERANCE`):
+            the timers overlap, the projection's sequential assumption does not hold there.
+        total_from: ``"step timer"``, ``"sum of phases"`` or ``"mixed"``.
+    """
+
+    steps: int
+    generation_steps: int
+    mean: dict
+    share: dict
+    g: float
+    g_median: float
+    k: float
+    projected: float
+    not_sped_up: list = field(default_factory=list)
+    overlapping_steps: int = 0
+    total_from: str = "step timer"
+
+    def lines(self, device: Optional[str] = None) -> list:
+        """The breakdown in words, one line each (the CLI's and the report's)."""
+        if not self.steps:
+            return ["no step of this run has phase timings (time/<phase> columns): nothing to break down"]
+        where = f"; {figures(device)}" if device else ""
+        out = [f"{self.steps} timed step(s), mean step {self.mean.get('step', math.nan):.4g} s "
+               f"({self.total_from}){where}"]
+        if math.isnan(self.g):
+            out.append("generation is not timed: no generation share, no projection")
+        else:
+            out.append(f"generation share g = {self.g:.3f} (pooled; per-step median {self.g_median:.3f}); "
+                       f"a generator {self.k:g}× faster gives at most {self.projected:.2f}× on the full cycle "
+                       f"(1 / ((1 − g) + g / k))")
+        if self.not_sped_up:
+            out.append("not sped up by a faster generator: " + ", ".join(
+                f"{LABELS.get(p, p)} {100 * s:.1f} %" for p, s in self.not_sped_up))
+        if self.overlapping_steps:
+            out.append(f"{self.overlapping_steps} step(s) whose timed phases add up to more than the step: the "
+                       "timers overlap (an asynchronous pipeline); the projection assumes phases run one after another")
+        return out
+
+
+def cycle_summary(steps, k: float = DEFAULT_K) -> CycleSummary:
+    """A run's full-cycle breakdown over all its timed steps (:class:`CycleSummary`).
+
+    Args:
+        steps: pandas.DataFrame of the steps table (``open_run(p).steps()``), or :func:`cycle_frame`'s output.
+        k: generator speedup of the projection (default :data:`DEFAULT_K`).
+
+    Raises:
+        ValueError: k not a finite number > 0.
+    """
+    import numpy as np
+
+    k = check_k(k)
+    f = steps if "total" in getattr(steps, "columns", ()) else cycle_frame(steps, k)
+    if f.empty:
+        return CycleSummary(0, 0, {}, {}, math.nan, math.nan, k, math.nan)
+    tot = float(f["total"].sum())
+    mean, share = {}, {}
+    for p in PHASES:
+        col = f[p].astype(float)
+        if col.notna().any():
+            mean[p] = float(col.fillna(0.0).mean())
+            share[p] = float(col.fillna(0.0).sum()) / tot if tot > 0 else math.nan
+    mean["step"] = float(f["total"].mean())
+    untimed = float(f["untimed"].sum())
+    mean["untimed"] = untimed / len(f)
+    share["untimed"] = untimed / tot if tot > 0 else math.nan
+    gen = f["generation"].astype(float)
+    g = float(gen.fillna(0.0).sum()) / tot if gen.notna().any() and tot > 0 else math.nan
+    proj = projected_speedup(g, k) if 0.0 <= g <= 1.0 else math.nan
+    rest = [(p, s) for p, s in share.items() if p not in SPEEDS_UP and math.isfinite(s)
+            and s >= (0.005 if p == "untimed" else 0.0005)]
+    rest.sort(key=lambda t: -t[1])
+    timed_sum = f[list(PHASES)].astype(float).fillna(0.0).sum(axis=1)
+    overlap = int((timed_sum > f["total"] * (1 + OVERLAP_TOLERANCE)).sum())
+    sources = set(f["total_from"])
+    return CycleSummary(int(len(f)), int(gen.notna().sum()), mean, share, g,
+                        float(np.nanmedian(f["g"])) if f["g"].notna().any() else math.nan, k, proj, rest, overlap,
+                        sources.pop() if len(sources) == 1 else "mixed")
+
+
+#: The mismatch figures shown beside a comparison: (column, label, how it is reduced over the run's steps).
+MISMATCH_FIGURES = (("delta_abs_mean", "mean |δ| (nats)", "mean"), ("k3_kl", "k3 KL (nats)", "mean"),
+                    ("small_gap_share", "small-gap share", "mean"), ("delta_q05", "q0.05 δ (nats)", "mean"),
+                    ("window/rho_asym", "window ρ_asym, last", "last"), ("window/rho_asym", "window ρ_asym, max", "max"))
+
+
+def mismatch_figures(steps) -> dict:
+    """``{label: value}`` of :data:`MISMATCH_FIGURES` over a run's steps table (NaN where the column is absent)."""
+    out = {}
+    for col, label, how in MISMATCH_FIGURES:
+        s = steps[col].astype(float).dropna() if col in steps.columns else None
+        if s is None or s.empty:
+            out[label] = math.nan
+        elif how == "mean":
+            out[label] = float(s.mean())
+        elif how == "max":
+            out[label] = float(s.max())
+        else:
+            out[label] = float(steps.loc[s.index].sort_values("step")[col].iloc[-1])
+    return out
+
+
+@dataclass(frozen=True)
+class CycleComparison:
+    """Two runs of one job, a baseline (BF16) and a low-precision one (:func:`compare_cycles`).
+
+    Attributes:
+        table: pandas.DataFrame, one row per phase timed in either run and ``step``: ``phase``, ``label``,
+            ``base_s`` / ``other_s`` (mean seconds per step), ``speedup`` (base ÷ other; NaN where a run lacks
+            the phase), ``sped_up_by_generator`` (bool).
+        cycle: measured whole-cycle speedup (mean step base ÷ mean step other).
+        generation: measured generation speedup k_measured.
+        g_base: the baseline's generation share.
+        projected_measured: ``1 / ((1 − g_base) + g_base / k_measured)``: the cycle speedup if only generation had
+            changed, by what it measured.
+        k, projected_k: the projection at the user's k.
+        mismatch: pandas.DataFrame (``figure``, ``base``, ``other``) of :data:`MISMATCH_FIGURES` of both runs.
+        base, other: the two :class:`CycleSummary`.
+    """
+
+    table: object
+    cycle: float
+    generation: float
+    g_base: float
+    projected_measured: float
+    k: float
+    projected_k: float
+    mismatch: object
+    base: CycleSummary
+    other: CycleSummary
+
+    def lines(self, names: Iterable[str] = ("base", "other")) -> list:
+        """The comparison's headline in words."""
+        a, b = list(names)
+        out = [f"measured whole-cycle speedup {b} vs {a}: {_x(self.cycle)}; generation {_x(self.generation)}"]
+        if math.isfinite(self.projected_measured):
+            out.append(f"projected from {a}'s generation share g = {self.g_base:.3f} and the measured generation "
+                       f"speedup: {_x(self.projected_measured)}; at k = {self.k:g}: {_x(self.projected_k)}")
+            if math.isfinite(self.cycle):
+                gap = self.cycle / self.projected_measured
+                if abs(gap - 1) > 0.02:
+                    out.append(f"the measured cycle is {gap:.2f}× the projection: phases other than generation "
+                               f"changed too ({'faster' if gap > 1 else 'slower'} in {b}; the table says which)")
+        return out
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}×" if math.isfinite(v) else "-"
+
+
+def compare_cycles(base_steps, other_steps, k: float = DEFAULT_K) -> CycleComparison:
+    """Per-phase and whole-cycle speedup of ``other`` over ``base`` (same job, other numerics), beside the
+    projection and both runs' mismatch figures (docs/metrics.md#comparing-two-runs).
+
+    Each phase's time is its mean per step over the run's timed steps (an untimed phase counts 0 on a step where
+    others are timed); a phase's speedup is base ÷ other.  The projection uses the baseline's pooled generation
+    share with the measured generation speedup and with ``k``.
+
+    Args:
+        base_steps, other_steps: the two runs' steps tables (``open_run(p).steps()``).
+        k: the user's generator speedup (default :data:`DEFAULT_K`).
+
+    Raises:
+        ValueError: k not a finite number > 0.
+    """
+    import pandas as pd
+
+    k = check_k(k)
+    a, b = cycle_summary(base_steps, k), cycle_summary(other_steps, k)
+    rows = []
+    for p in (*PHASES, "untimed", "step"):
+        if p not in a.mean and p not in b.mean:
+            continue
+        if p == "untimed" and not (abs(a.mean.get(p, 0.0)) > 0 or abs(b.mean.get(p, 0.0)) > 0):
+            continue
+        x, y = a.mean.get(p, math.nan), b.mean.get(p, math.nan)
+        rows.append({"phase": p, "label": LABELS.get(p, p), "base_s": x, "other_s": y, "speedup": speedup(x, y),
+                     "sped_up_by_generator": p in SPEEDS_UP})
+    table = pd.DataFrame(rows, columns=["phase", "label", "base_s", "other_s", "speedup", "sped_up_by_generator"])
+    cycle = speedup(a.mean.get("step", math.nan), b.mean.get("step", math.nan))
+    gen = speedup(a.mean.get("generation", math.nan), b.mean.get("generation", math.nan))
+    g = a.g
+    ok = math.isfinite(g) and 0.0 <= g <= 1.0
+    proj_m = projected_speedup(g, gen) if ok and math.isfinite(gen) and gen > 0 else math.nan
+    proj_k = projected_speedup(g, k) if ok else math.nan
+    fa, fb = mismatch_figures(base_steps), mismatch_figures(other_steps)
+    mismatch = pd.DataFrame({"figure": list(fa), "base": list(fa.values()), "other": [fb[f] for f in fa]})
+    return CycleComparison(table, cycle, gen, g, proj_m, k, proj_k, mismatch, a, b)
+
+
+__all__ = ["PHASES", "STEP", "PREFIX", "COLUMNS", "TIME_COLUMNS", "LABELS", "SHORT", "SPEEDS_UP", "DEFAULT_K",
+           "FRAMEWORK_TIMERS", "timer_key", "phase_of", "is_timer_name", "phase_times", "device_of", "figures",
+           "table_timings",
+           "columns_of",
+           "generation_share", "projected_speedup", "check_k", "speedup", "cycle_frame", "CycleSummary",
+           "cycle_summary", "MISMATCH_FIGURES", "mismatch_figures", "CycleComparison", "compare_cycles"]
