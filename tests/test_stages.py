@@ -274,3 +274,27 @@ def test_stage_row_equals_an_independent_computation_from_the_records(demo_run_d
         ref = reference_metrics(resp, float(row["tau_tail"]), width=width)
         for k in ("rho_asym", "small_gap_share", "r_amp", "h_seg", "c_tok", "dilution"):
             assert (math.isnan(row[k]) and math.isnan(ref[k])) or row[k] == pytest.approx(ref[k], rel=1e-9), (row["step"], k)
+
+
+def test_a_windows_null_is_drawn_once_and_kept_in_the_run(demo_run_dir, tmp_path):
+    """The C_tok null of each stage window is kept in ``analysis/null-<key>.npy``: a second stage table reads it
+    back (a planted value comes back: it is read, not drawn again), and another seed draws and keeps anew."""
+    import shutil
+
+    import numpy as np
+
+    from triage_monitor.analysis import open_run
+    from triage_monitor.stages import stage_table
+
+    d = shutil.copytree(demo_run_dir, tmp_path / "run")
+    first = stage_table(open_run(d), draws=49)
+    kept = sorted((d / "analysis").glob("null-*.npy"))
+    assert len(kept) == len(first) and all(np.load(f).shape == (49,) for f in kept)
+    again = stage_table(open_run(d), draws=49)
+    assert again.equals(first)
+    for f in kept:
+        np.save(f, np.full(49, 0.5))                                   # a planted null
+    planted = stage_table(open_run(d), draws=49)
+    assert (planted["c_tok_null_median"] == 0.5).all()
+    stage_table(open_run(d), draws=49, seed=1)
+    assert len(list((d / "analysis").glob("null-*.npy"))) == 2 * len(first)

@@ -17,6 +17,7 @@ Pure analysis on top of :mod:`triage_monitor.analysis` and
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import pandas as pd
 import torch
 from numba import njit
 
+from .layout import RunLayout
 from .analysis import Run
 from .batch import TokenBatch
 from .metrics import c_tok_from_segments
@@ -274,6 +276,7 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             if not math.isnan(tau):
                 nulls[-1], row["max_segments"] = _window_null(run, states, win, a, window, tau, cfg, draws, seed,
                                                               layouts)
+                nulls[-1] = _cached_null(run, states, win, tau, draws, seed, nulls[-1])
         else:
             for name in STAGE_METRICS:
                 col = f"window/{name}"
@@ -292,6 +295,40 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             row.update(c_tok_null_median=float(med), c_tok_null_lo=float(lo), c_tok_null_hi=float(hi))
         row["c_tok_excess"] = row["c_tok"] - row["c_tok_null_median"]
     return pd.DataFrame(rows)
+
+
+def _cached_null(run: Run, states, win: list, tau: float, draws: int, seed: int, draw):
+    """``draw`` (a function returning one window's ``(draws,)`` null values) with its result kept in the run's
+    ``analysis/null-<key>.npy``, the key covering the window's states, τ_tail, draws and seed: the report and the
+    dashboard draw a window's null once (it is most of a stage table's time).  A cache that cannot be read or
+    written is skipped.  None stays None (no null to draw)."""
+    import hashlib
+    import io
+
+    if draw is None:
+        return None
+    h = hashlib.sha256(json.dumps([list(map(int, win)), float(tau), int(draws), int(seed), 1]).encode())
+    for st in win:
+        h.update(np.ascontiguousarray(states.states[states.steps.index(st)]).tobytes())
+    rel = f"{RunLayout.analysis_dir}/null-{h.hexdigest()[:20]}.npy"
+
+    def cached():
+        try:
+            out = np.load(io.BytesIO(run.store.read_bytes(rel)))
+            if out.shape == (int(draws),):
+                return out
+        except (OSError, ValueError):
+            pass
+        out = draw()
+        buf = io.BytesIO()
+        np.save(buf, out)
+        try:
+            run.store.makedirs(RunLayout.analysis_dir)
+            run.store.write_bytes(rel, buf.getvalue())
+        except OSError:
+            pass
+        return out
+    return cached
 
 
 def max_segments_per_response(layout: TailLayout) -> int:
