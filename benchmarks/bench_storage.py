@@ -11,7 +11,9 @@ rank writes its token rows (2 responses × 16 tokens a step), rank 0 the step's 
   with the run's alerts) in a fresh process, imports excluded (median of 3 processes); with ``--old`` the same with
   the old checkout's reader;
 * write: the writer's cost per (rank, step), all of it: the call and the writer thread to its last file (the
-  job's wall time × processes ÷ rank-steps); with ``--old``, the old writer's, and the ratio.
+  writer processes' wall times summed ÷ rank-steps) of that one job; and, with ``--old``, the same measured
+  interleaved (``--rounds`` jobs of ``--cost-ranks`` × ``--cost-steps`` each, new and old alternately, medians)
+  and their ratio.
 
 ``--s3``: the same job of ``--s3-ranks`` ranks with bigger steps written to a local S3-compatible server (moto's
 server mode, started here on 127.0.0.1) and to the local disk, then read back whole: MB/s of each and the ratio.
@@ -162,6 +164,23 @@ def s3_vs_disk(world: int, steps: int, jobs: int, root: Path) -> None:
         server.stop()
 
 
+def write_cost(args, root: Path) -> None:
+    """The writer's cost per rank-step, this checkout's and the old one's jobs alternated: medians and ratio."""
+    spent: dict = {"blocks": [], "old": []}
+    for r in range(args.rounds):
+        for name, code in (("blocks", str(ROOT)), ("old", args.old)) if r % 2 == 0 else (("old", args.old),
+                                                                                       ("blocks", str(ROOT))):
+            run = root / f"cost-{name}-{r}" / "run"
+            w = run_job(code, str(run), args.cost_ranks, args.cost_steps, args.jobs)
+            spent[name].append(w["cpu_s"] / (args.cost_ranks * args.cost_steps) * 1e6)
+            shutil.rmtree(run.parent, ignore_errors=True)
+    b, o = statistics.median(spent["blocks"]), statistics.median(spent["old"])
+    print(f"\nwrite cost, {args.cost_ranks} ranks × {args.cost_steps} steps, {args.rounds} rounds alternated: blocks "
+          f"{b:.0f} µs / rank-step, old {o:.0f}, ratio {b / o:.3f}  (rounds: blocks "
+          f"{', '.join(f'{x:.0f}' for x in spent['blocks'])}; old {', '.join(f'{x:.0f}' for x in spent['old'])})",
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="8,64,512", help="rank counts (default: %(default)s)")
@@ -169,6 +188,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="writer processes side by side (default: %(default)s)")
     ap.add_argument("--old", help="a checkout of the one-file-per-step layout (e.g. git worktree add /tmp/old c50a46b)")
     ap.add_argument("--old-max-ranks", type=int, default=64, help="largest job written with --old (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved write-cost rounds with --old")
+    ap.add_argument("--cost-ranks", type=int, default=8)
+    ap.add_argument("--cost-steps", type=int, default=400)
     ap.add_argument("--s3", action="store_true", help="also S3 (a local moto server) ÷ local disk")
     ap.add_argument("--s3-ranks", type=int, default=4)
     ap.add_argument("--s3-steps", type=int, default=20)
@@ -200,6 +222,8 @@ def main() -> None:
                       f"{fb['tokens'] / fo['tokens']:>8.4f} {fb['steps'] / fo['steps']:>6.3f} | "
                       f"{ob['steps_s'] / oo['steps_s']:>8.3f} {'':>6} | {wb['cpu_s'] / wo['cpu_s']:>18.3f}",
                       flush=True)
+        if args.old and args.rounds:
+            write_cost(args, root)
         if args.s3:
             s3_vs_disk(args.s3_ranks, args.s3_steps, args.jobs, root)
     finally:

@@ -291,8 +291,8 @@ class RunWriter:
         self.sink = ParquetSink(self.store, self.attempt, max_queue_bytes, backpressure,
                                 roll_steps=int(monitor_config.get("roll_steps", 50)),
                                 roll_bytes=int(monitor_config.get("roll_bytes", 1 << 30)))
-        if old is not None:       # a killed earlier attempt's open blocks: sealed before this attempt's steps
-            self.sink.submit_recover(self.rank)
+        if any(a["attempt"] != self.attempt for a in self.manifest.attempts if a.get("attempt") is not None):
+            self.sink.submit_recover(self.rank)   # a killed earlier attempt's open blocks: sealed before our steps
 
     def save_manifest(self) -> None:
         """Write run.json (rank 0 only); an OSError is reported once and monitoring continues."""
