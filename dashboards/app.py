@@ -2,7 +2,7 @@
 
 Start it with ``triage-monitor dashboard RUN_DIR [RUN_DIR ...]`` (or
 ``streamlit run app.py -- RUN_DIR ...``; the environment variable
-``TRIAGE_MONITOR_RUNS``, os.pathsep-separated, is read when no argument is
+``TRIAGE_MONITOR_RUNS``, os.pathsep-separated (an ``s3://`` URI's colon does not separate), is read when no argument is
 given).  It answers "when did direction go wrong, where in the responses, and
 would TRIAGE have caught it": overview, time series with a trailing-window
 toggle, quadrant masses, localisation, the step time by phase with the
@@ -116,8 +116,19 @@ def _initial_runs() -> list:
     """Run paths given after ``--`` to ``streamlit run app.py`` (sys.argv), else ``$TRIAGE_MONITOR_RUNS``."""
     args = [a for a in sys.argv[1:] if not a.startswith("-")] if Path(sys.argv[0]).name == "app.py" else []
     if not args and os.environ.get("TRIAGE_MONITOR_RUNS"):
-        args = [a for a in os.environ["TRIAGE_MONITOR_RUNS"].split(os.pathsep) if a]
+        args = _split_runs(os.environ["TRIAGE_MONITOR_RUNS"])
     return args
+
+
+def _split_runs(text: str) -> list:
+    """The run locations of an os.pathsep-separated list; an ``s3://...`` URI's colon does not separate."""
+    out: list = []
+    for piece in text.split(os.pathsep):
+        if out and piece.startswith("//") and out[-1].isalnum():      # "s3" + "//bucket/run": one URI
+            out[-1] = f"{out[-1]}:{piece}"
+        elif piece:
+            out.append(piece)
+    return out
 
 
 def _labels(paths: list) -> dict:

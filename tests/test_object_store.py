@@ -117,6 +117,17 @@ def test_every_command_reads_an_s3_run_and_import_writes_one(s3, tmp_path, capsy
     from triage_monitor.dashboards.launch import validate_runs
 
     assert validate_runs([uri]) == [uri]
+    from streamlit.testing.v1 import AppTest
+
+    from triage_monitor.dashboards.launch import app_path
+
+    os.environ["TRIAGE_MONITOR_RUNS"] = os.pathsep.join([uri, str(tmp_path / "missing")])
+    try:
+        at = AppTest.from_file(str(app_path()), default_timeout=300).run()
+    finally:
+        del os.environ["TRIAGE_MONITOR_RUNS"]
+    assert not at.exception and len(at.get("plotly_chart")) >= 6               # the S3 run's page is drawn
+    assert any("no such directory" in e.value for e in at.error)                # and the other named as missing
     rows = [{"step": s, "sample_id": i, "learner_logp": -0.5 - 0.01 * i, "sampler_logp": -0.6, "advantage": 1.0}
             for s in range(3) for i in range(5)]
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
