@@ -60,3 +60,60 @@ def test_an_empty_batch_has_int64_fields_and_broadcasts_to_no_token():
     b = empty.broadcast(torch.zeros(0, dtype=torch.float64))
     assert b.shape == (0,) and b.dtype == torch.float64
     assert empty.sum(torch.zeros(0)).shape == (0,)
+
+
+def _sorted_tokens(g, responses: int, max_len: int):
+    """Tokens in TokenBatch order: responses ascending, each with ascending positions with gaps (masked tokens)."""
+    sample, pos = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.long)]
+    for s in range(responses):
+        n = int(torch.randint(0, max_len, (1,), generator=g))
+        p = torch.randint(1, 4, (n,), generator=g).cumsum(0) - 1
+        sample.append(torch.full((n,), s, dtype=torch.long))
+        pos.append(p)
+    return torch.cat(sample), torch.cat(pos)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_segment_sums_are_the_token_order_sums_of_index_add_bit_for_bit(dtype):
+    """``Segments.sum`` (on the CPU a sum over each segment's run of tokens) equals ``index_add`` (each token added
+    to its segment in token order: the reference) bit for bit, on values spanning 24 orders of magnitude with both
+    signs and signed zeros, so that any other order or precision of the additions shows; and so does the gradient
+    of a weighted sum of them.  A batch without segments gives an empty sum."""
+    g = torch.Generator().manual_seed(0)
+    sample, pos = _sorted_tokens(g, 40, 300)
+    seg = segment_tokens(sample, pos, 16)
+    n = sample.numel()
+    v = (torch.randn(n, generator=g, dtype=torch.float64)
+         * 10.0 ** torch.randint(-12, 12, (n,), generator=g).double()).to(dtype)
+    v[::7] = -0.0
+    v[::11] = 0.0
+    v.requires_grad_(True)
+    ref = torch.zeros(seg.num_segments, dtype=dtype).index_add(0, seg.index, v)
+    got = seg.sum(v)
+    bits = (lambda t: t.detach().view(torch.int64 if dtype == torch.float64 else torch.int32))
+    assert torch.equal(bits(got), bits(ref))
+    w = torch.randn(seg.num_segments, generator=g, dtype=dtype)
+    (grad_ref,) = torch.autograd.grad((ref * w).sum(), v)
+    (grad_got,) = torch.autograd.grad((got * w).sum(), v)
+    assert torch.equal(bits(grad_got), bits(grad_ref))
+    empty = segment_tokens(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 4)
+    assert empty.sum(torch.zeros(0, dtype=dtype)).shape == (0,)
+
+
+@pytest.mark.parametrize("narrow,wide", [(64, 128), (64, 192), (4, 4), (4, 12), (1, 7)])
+def test_coarsened_segments_equal_the_segments_cut_at_the_wider_width(narrow, wide):
+    """``coarsen(segment_tokens(..., W), m·W)`` equals ``segment_tokens(..., m·W)`` field by field (token index,
+    response, segment number, count) on responses with masked gaps, empty responses and a lone token; a width that
+    is not a multiple is refused."""
+    from triage_monitor.segments import coarsen
+
+    g = torch.Generator().manual_seed(narrow * wide)
+    for responses, max_len in ((30, 700), (3, 2), (1, 1), (0, 1)):
+        sample, pos = _sorted_tokens(g, responses, max_len)
+        want = segment_tokens(sample, pos, wide)
+        got = coarsen(segment_tokens(sample, pos, narrow), wide)
+        for name in ("index", "sample", "number", "count"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert got.width == wide
+    with pytest.raises(ValueError, match="not a positive multiple"):
+        coarsen(segment_tokens(sample, pos, 4), 6)

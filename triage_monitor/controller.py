@@ -43,7 +43,7 @@ import torch
 from .batch import TokenBatch
 from .calibration import ReferenceWindow, part_of
 from .corrections import tis_weights as _tis_weights
-from .segments import Segments, segment_tokens
+from .segments import Segments, coarsen, segment_tokens
 
 Tensor = torch.Tensor
 
@@ -337,6 +337,7 @@ class TriageController:
         ones = torch.ones(n, dtype=torch.float32, device=dev)
 
         gate = ones
+        seg = None
         if c.gate:
             seg = segment_tokens(batch.sample_index, batch.position, c.gate_width)
             self._calibrate(int(step), delta, seg)
@@ -354,8 +355,8 @@ class TriageController:
                 raise ValueError(f"old_logp has shape {tuple(old.shape)}, expected ({n},) = the batch's valid "
                                  "tokens (batch.gather(old_logp) reads a tensor of your layout at them)")
             lo, hi = c.tis_clip
-            tis = _tis_weights(old, batch.sampler_logp, lo, hi)
-            raw = torch.exp(old.float() - batch.sampler_logp.float())
+            raw = torch.exp(old.float() - batch.sampler_logp.float())      # the rollout ratio, once
+            tis = _tis_weights(old, batch.sampler_logp, lo, hi, ratio=raw)
             clip_frac = ((raw < lo) | (raw > hi)).float().mean() if n else torch.full((), float("nan"), device=dev)
 
         repair = torch.zeros((), dtype=torch.float32, device=dev)
@@ -363,7 +364,9 @@ class TriageController:
             repair = repair + batch.learner_logp.float().sum() * 0.0
         active = torch.zeros((), device=dev)
         if c.repair and step >= c.repair_start_step:
-            rseg = segment_tokens(batch.sample_index, batch.position, c.repair_width)
+            # the repair segments: unions of gate segments when W_rep is a multiple of W_gate (the same segments)
+            rseg = (coarsen(seg, c.repair_width) if seg is not None and c.repair_width % c.gate_width == 0
+                    else segment_tokens(batch.sample_index, batch.position, c.repair_width))
             phi, in_scope, q = repair_terms(batch.learner_logp, batch.sampler_logp, batch.advantage, rseg,
                                             c.repair_tau, c.repair_beta, c.repair_scope)
             m = in_scope.float()
