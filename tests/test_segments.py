@@ -117,3 +117,41 @@ def test_coarsened_segments_equal_the_segments_cut_at_the_wider_width(narrow, wi
         assert got.width == wide
     with pytest.raises(ValueError, match="not a positive multiple"):
         coarsen(segment_tokens(sample, pos, 4), 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_gate_pass_equals_the_torch_operations_bit_for_bit(dtype):
+    """``segment_sums`` (one compiled pass on the CPU) gives the segments of ``segment_tokens`` and the sums of
+    ``Segments.sum`` bit for bit (values over 24 orders of magnitude, signed zeros); ``broadcast_where_negative``
+    equals ``torch.where(values < 0, seg.broadcast(w), fill)`` with NaN, −0.0 and exact zeros among the values;
+    an empty batch and a width below 1 behave like the torch operations."""
+    from triage_monitor.segments import broadcast_where_negative, segment_sums
+
+    g = torch.Generator().manual_seed(3)
+    bits = (lambda t: t.view(torch.int64 if t.dtype == torch.float64 else torch.int32))
+    for responses, max_len, width in ((50, 400, 64), (7, 3, 1), (1, 1, 128)):
+        sample, pos = _sorted_tokens(g, responses, max_len)
+        n = sample.numel()
+        a = (torch.randn(n, generator=g, dtype=torch.float64)
+             * 10.0 ** torch.randint(-12, 12, (n,), generator=g).double()).to(dtype)
+        b = torch.randn(n, generator=g, dtype=dtype)
+        a[2::5], b[4::9] = -0.0, 0.0
+        flag = b < -0.7
+        seg, sa, sb, k = segment_sums(sample, pos, width, a, b, flag)
+        ref = segment_tokens(sample, pos, width)
+        for name in ("index", "sample", "number", "count"):
+            assert torch.equal(getattr(seg, name), getattr(ref, name)), name
+        assert torch.equal(bits(sa), bits(ref.sum(a))) and torch.equal(bits(sb), bits(ref.sum(b)))
+        assert torch.equal(bits(k), bits(ref.sum(flag.to(dtype))))
+        b[::13] = float("nan")
+        b[::17] = -0.0
+        w = torch.rand(seg.num_segments, generator=g, dtype=dtype)
+        want = torch.where(b < 0, ref.broadcast(w), torch.full_like(b, 0.75))
+        assert torch.equal(bits(broadcast_where_negative(seg, w, b, 0.75)), bits(want))
+    empty = torch.zeros(0, dtype=torch.long)
+    seg, sa, sb, k = segment_sums(empty, empty, 8, torch.zeros(0, dtype=dtype), torch.zeros(0, dtype=dtype),
+                                  torch.zeros(0, dtype=torch.bool))
+    assert seg.num_segments == 0 and sa.shape == sb.shape == k.shape == (0,)
+    with pytest.raises(ValueError, match="positive"):
+        segment_sums(torch.tensor([0]), torch.tensor([0]), 0, torch.ones(1, dtype=dtype), torch.ones(1, dtype=dtype),
+                     torch.ones(1, dtype=torch.bool))
