@@ -654,3 +654,25 @@ def test_from_padded_equals_a_token_by_token_reference_and_its_checks_equal_the_
             adv = torch.randn(3, generator=g).to(dtype)
             (lp, s, adv)[field].view(-1)[1] = value                        # row 0, column 1 (or row 1's advantage)
             _check_from_padded(lp, s, adv, m, None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_fast_value_check_on_the_cpu_and_on_a_device_agree_with_the_full_check(dtype):
+    """The batch's fast check from min and max, as the CPU computes it (six floats against the bounds rounded to the
+    dtype) and as an accelerator does (tensor comparisons, one synchronisation), gives the same answer at every bound
+    and next to it, in each field; True only when the element-wise check (``invalid_codes``) finds no invalid token,
+    and True for every valid value above the largest exact sentinel (−9,984 nats: at or below it the full check
+    decides, as a value there may be a fill value)."""
+    from triage_monitor.batch import _all_valid, _all_valid_tensors, invalid_codes
+
+    edges = torch.tensor(_EDGE_LOGPS, dtype=torch.float64).to(dtype)
+    edges = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, math.inf)),
+                       torch.nextafter(edges, torch.full_like(edges, -math.inf))])
+    for value in edges.tolist():
+        for field in range(3):
+            tensors = [torch.tensor([-0.5, -1.0, -2.0], dtype=dtype) for _ in range(3)]
+            tensors[field][1] = value
+            valid = bool((invalid_codes(*tensors) < 0).all())
+            fast = _all_valid(*tensors)
+            assert fast == _all_valid_tensors([torch.aminmax(t) for t in tensors]), (value, field)
+            assert fast <= valid and fast == (valid and (field == 2 or value > -9984.0)), (value, field)

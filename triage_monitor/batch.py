@@ -30,6 +30,8 @@ neutralised.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -601,15 +603,33 @@ def _all_valid(learner: Tensor, sampler: Tensor, adv: Tensor) -> bool:
     min and max (one read of each tensor): log-probs in (largest exact sentinel, +tolerance], advantages finite.
     A NaN makes min and max NaN (``torch.aminmax`` propagates it), so it fails here and the full check decides;
     a value at or below the largest exact sentinel (possibly one) also goes to the full check.  The bounds are
-    compared in each tensor's dtype, as the element-wise checks compare them."""
+    compared as the element-wise checks compare them, rounded to each tensor's dtype: on the CPU as six floats,
+    elsewhere as tensors (one synchronisation)."""
     if not learner.numel():
         return True
-    lmin, lmax = torch.aminmax(learner)
-    smin, smax = torch.aminmax(sampler)
-    amin, amax = torch.aminmax(adv)
+    ext = [torch.aminmax(t) for t in (learner, sampler, adv)]
+    if learner.device.type != "cpu":
+        return _all_valid_tensors(ext)
+    (lmin, lmax), (smin, smax), (amin, amax) = ((float(a), float(b)) for a, b in ext)
+    (tol_l, cand_l), (tol_s, cand_s) = _bounds(learner.dtype), _bounds(sampler.dtype)
+    return (lmax <= tol_l and lmin > cand_l and smax <= tol_s and smin > cand_s and math.isfinite(amin)
+            and math.isfinite(amax))
+
+
+def _all_valid_tensors(ext: list) -> bool:
+    """:func:`_all_valid` from the ``(min, max)`` tensors of learner, sampler and advantage, on their device."""
+    (lmin, lmax), (smin, smax), (amin, amax) = ext
     ok = torch.stack([lmax <= POSITIVE_LOGP_TOLERANCE, lmin > _SENTINEL_CANDIDATE, smax <= POSITIVE_LOGP_TOLERANCE,
                       smin > _SENTINEL_CANDIDATE, torch.isfinite(amin), torch.isfinite(amax)])
     return bool(ok.all())
+
+
+@functools.lru_cache(maxsize=None)
+def _bounds(dtype: torch.dtype) -> tuple:
+    """(tolerance, largest exact sentinel) rounded to ``dtype``, as a comparison of a ``dtype`` tensor with them
+    rounds them."""
+    return (float(torch.tensor(POSITIVE_LOGP_TOLERANCE, dtype=dtype)),
+            float(torch.tensor(_SENTINEL_CANDIDATE, dtype=dtype)))
 
 
 def is_sentinel(logp: Tensor) -> Tensor:
