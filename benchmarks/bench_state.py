@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -90,22 +89,31 @@ def log_step_costs(batch, windows: tuple, repeats: int, tmp: Path) -> tuple:
         return [statistics.median(ts) for ts in cpu], [statistics.median(ts) for ts in wall]
 
 
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def _status_mb(key: str) -> float:
+    """A field of /proc/self/status in MB (VmRSS: resident now; VmHWM: the peak since start or the last reset)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024.0
+    raise KeyError(key)
 
 
 def rss_growth(batch, steps: int, record: bool = True) -> float:
     """Peak RSS growth (MB) of a monitor (window 25, τ_tail calibrated live, records written when ``record``, each
-    step flushed) over ``steps`` steps after its first."""
+    step flushed) over ``steps`` steps after its first: the peak resident size during those steps (the kernel's
+    high-water mark, reset after the first step through /proc/self/clear_refs, so that imports and compilation
+    do not hide it) minus the resident size after the first step."""
     cfg = MonitorConfig(window=25, tau_tail=None, record_tokens=record, alignment_check_steps=0)
     with tempfile.TemporaryDirectory() as d, MismatchMonitor(Path(d) / "rss", cfg, alerts=False) as mon:
         mon.log_step(0, batch)
         mon.flush()
-        before = rss_mb()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                                             # reset the peak (VmHWM) to the current size
+        before = _status_mb("VmRSS")
         for s in range(1, steps + 1):
             mon.log_step(s, batch)
             mon.flush()
-        return rss_mb() - before
+        return _status_mb("VmHWM") - before
 
 
 def rss_children(args, rows: int, record: bool, envs: tuple) -> list:
@@ -235,13 +243,17 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        # 1. window independence, at every size: a fixed per-step cost must not grow with the window
+        # 1. window independence, at every size: a fixed per-step cost must not grow with the window (one torch
+        # thread, so that the calling thread's CPU time is the whole of log_step's)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         for x in sizes if 1 in figures else []:
             sized = batch_of(SIZES[x], T)
             (c1, c100), (w1, w100) = log_step_costs(sized, (1, 100), 3 * args.repeats, tmp)
             print(f"1. log_step window 100 / window 1 at {x:>4} ({sized.num_tokens:>9,} tokens): {c100 / c1:6.3f} CPU "
                   f"({c100 * 1e3:.2f} ms vs {c1 * 1e3:.2f} ms), {w100 / w1:6.3f} wall ({w100 * 1e3:.2f} vs "
                   f"{w1 * 1e3:.2f} ms); medians of {3 * args.repeats} interleaved calls; goal <= 1.1", flush=True)
+        torch.set_num_threads(threads)
         # 2. memory over 50 steps, in fresh processes: the peak of this one already holds figure 1's monitors.
         # Three processes a size: with glibc's dynamic mmap threshold the heap sometimes keeps freed per-step buffers
         # (tens of MB, more at 4M tokens); the median says what a run usually sees, the max what it may see, and a
