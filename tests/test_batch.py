@@ -576,7 +576,7 @@ def _check_from_padded(lp, s, adv, m, positions, sample_ids):
 
     dtype = lp.dtype
     B, T = m.shape
-    ref = _reference_padded(lp, s, adv, m, positions, sample_ids)
+    ref = _reference_padded(lp.detach(), s, adv, m, positions, sample_ids)
     n = len(ref["learner"])
     col = (lambda k, dt: torch.tensor([float(v) for v in ref[k]], dtype=dt) if n else torch.zeros(0, dtype=dt))
     learner, sampler = col("learner", dtype), col("sampler", dtype)
@@ -604,7 +604,8 @@ def _check_from_padded(lp, s, adv, m, positions, sample_ids):
     keep = ok.nonzero().squeeze(1).tolist()
     pick = (lambda t: t[keep] if keep else t[:0])
     bits = (lambda t: t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]))
-    assert torch.equal(bits(b.learner_logp), bits(pick(learner))) and b.learner_logp.dtype == dtype
+    assert torch.equal(bits(b.learner_logp.detach()), bits(pick(learner))) and b.learner_logp.dtype == dtype
+    assert b.learner_logp.requires_grad == lp.requires_grad
     assert torch.equal(bits(b.sampler_logp), bits(pick(sampler)))
     assert torch.equal(bits(b.advantage), bits(pick(advantage))) and b.advantage.dtype == advantage.dtype
     assert b.sample_index.tolist() == [ref["rank"][i] for i in keep]
@@ -616,9 +617,13 @@ def _check_from_padded(lp, s, adv, m, positions, sample_ids):
     assert b.offset_responses == (left if positions is None else 0)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_from_padded_equals_a_token_by_token_reference_and_its_checks_equal_the_full_check(dtype):
-    """``from_padded`` against a plain-Python reference on random batches of each dtype (0-9 columns, random masks
+def test_from_padded_equals_a_token_by_token_reference_and_its_checks_equal_the_full_check(dtype, compiled,
+                                                                                         monkeypatch):
+    """``from_padded`` against a plain-Python reference on random batches of each dtype, through the compiled CPU
+    gather (float32 / float64) and through the torch operations (``COMPILED_ON_CPU`` off: what an accelerator
+    runs, and float16 / bfloat16 always), with and without a gradient on the learner log-probs (0-9 columns, random masks
     with empty and left-padded rows, per-sample / per-token / column advantages, given positions and shuffled
     sample ids): the kept tokens are bit-identical, in the same order, with the same rows, positions and scatter
     map; the quarantine counts, rows and reasons equal those of ``invalid_codes`` (the full element-wise check)
@@ -626,6 +631,9 @@ def test_from_padded_equals_a_token_by_token_reference_and_its_checks_equal_the_
     reason and the count.  200 random batches (half without an invalid value, half with several), then every bound
     of the value checks and the floats next to it in ``dtype``, alone in an otherwise valid batch, in each of the
     three fields: the fast min/max check must send each invalid one to the full check and let the valid ones by."""
+    from triage_monitor import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "COMPILED_ON_CPU", compiled)
     g = torch.Generator().manual_seed(27)
     for case in range(200):
         B, T = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(0, 10, (1,), generator=g))
@@ -643,6 +651,8 @@ def test_from_padded_equals_a_token_by_token_reference_and_its_checks_equal_the_
         # given positions rise along each row (left padding: the column minus the row's offset, or gaps)
         positions = torch.randint(1, 4, (B, T), generator=g).cumsum(1) - 1 if case % 7 == 0 else None
         sample_ids = torch.randperm(B, generator=g) * 3 if case % 3 == 0 else None
+        if case % 6 == 1:
+            lp.requires_grad_(True)                     # the learner's gather keeps the graph (torch indexing)
         _check_from_padded(lp, s, adv, m, positions, sample_ids)
     edges = torch.tensor(_EDGE_LOGPS, dtype=torch.float64).to(dtype)
     edges = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, math.inf)),

@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
+from numba import njit
 
 from .errors import TriageMonitorError
 
@@ -317,6 +319,14 @@ class TokenBatch:
             _check_shape("positions", positions, (B, T), "learner_logp")
         adv = _advantage_source(advantages, B, T)
         dev = learner_logp.device
+        fast = _gather_padded(learner_logp, sampler_logp, adv, mask, positions)
+        if fast is not None:                # the CPU's one compiled pass: the same tokens, rows, positions, values
+            learner, sampler, adv_tokens, rows, pos, source, counts = fast
+            offset = int(((counts > 0) & ~mask[:, 0]).sum()) if default_positions and T else 0
+            return cls._build(
+                learner, sampler, adv_tokens, rows, pos, B, sample_ids, group_ids, on_invalid, source,
+                SourceLayout("padded", B * T, (B, T)), offset=offset, num_valid=counts,
+                positions_nonnegative=default_positions)
         # the valid tokens' flat indices (row-major: grouped by row, ascending), each one's row and column from its
         # index (no (B, T) row / position / advantage tensor is built), and each row's count from where its
         # tokens start among them
@@ -592,6 +602,71 @@ def _order_by_row_then_position(rows: Tensor, pos: Tensor) -> Tensor:
         return torch.argsort(rows * span + pos, stable=True)
     by_pos = torch.argsort(pos, stable=True)
     return by_pos[torch.argsort(rows[by_pos], stable=True)]
+
+
+# ------------------------------------------------------------ padded gather
+#: Whether CPU tensors of float32 / float64 take the compiled gather of :meth:`TokenBatch.from_padded`
+#: (:func:`_gather_padded`); False: the torch operations everywhere (the tests compare both).
+COMPILED_ON_CPU = True
+
+
+@njit(nogil=True, cache=True)
+def _gather_padded_kernel(mask, learner, sampler, adv, positions, with_learner, adv_per_token, with_positions):
+    # pragma: no cover - compiled
+    """The valid tokens of ``mask`` (B, T) in row-major order: flat index, row, position (the column, or
+    ``positions``), learner and sampler log-probs, advantage (``adv`` (B, T) per token or (B, 1)), and each row's
+    count; two passes over the mask, no intermediate array."""
+    B, T = mask.shape
+    counts = np.zeros(B, np.int64)
+    for b in range(B):
+        c = 0
+        for t in range(T):
+            if mask[b, t]:
+                c += 1
+        counts[b] = c
+    n = counts.sum()
+    source = np.empty(n, np.int64)
+    rows = np.empty(n, np.int64)
+    pos = np.empty(n, np.int64)
+    lo = np.empty(n if with_learner else 0, learner.dtype)
+    so = np.empty(n, sampler.dtype)
+    ao = np.empty(n, adv.dtype)
+    k = 0
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                source[k] = b * T + t
+                rows[k] = b
+                pos[k] = positions[b, t] if with_positions else t
+                if with_learner:
+                    lo[k] = learner[b, t]
+                so[k] = sampler[b, t]
+                ao[k] = adv[b, t] if adv_per_token else adv[b, 0]
+                k += 1
+    return lo, so, ao, rows, pos, source, counts
+
+
+def _gather_padded(learner: Tensor, sampler: Tensor, adv: Tensor, mask: Tensor, positions: Optional[Tensor]):
+    """:meth:`TokenBatch.from_padded`'s gathers in one compiled pass on the CPU: ``(learner, sampler, advantage,
+    rows, positions, flat indices, per-row counts)``, the learner's by torch indexing when it carries a gradient
+    (autograd); None where the torch operations run instead (another device, a dtype other than float32 /
+    float64, integer positions of another type)."""
+    B, T = mask.shape
+    floats = (torch.float32, torch.float64)
+    if (not COMPILED_ON_CPU or not T or learner.device.type != "cpu" or learner.dtype not in floats
+            or sampler.dtype not in floats or adv.dtype not in floats or adv.device.type != "cpu"
+            or (positions is not None and positions.dtype != torch.int64)):
+        return None
+    grad = learner.requires_grad
+    host = (lambda t: t.detach().contiguous().numpy())
+    per_token = tuple(adv.shape) == (B, T)
+    lo, so, ao, rows, pos, source, counts = (torch.from_numpy(x) for x in _gather_padded_kernel(
+        host(mask), host(learner), host(sampler), host(adv if per_token else adv.reshape(B, 1)),
+        host(positions) if positions is not None else np.zeros((1, 1), np.int64), not grad, per_token,
+        positions is not None))
+    if grad:
+        lo = learner.reshape(-1)[source]
+    return lo, so, ao, rows, pos, source, counts
 
 
 # ---------------------------------------------------------------- validation
