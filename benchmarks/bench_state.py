@@ -2,9 +2,12 @@
 
 On steps of B × T tokens (default 256 × 4,096 with lengths uniform in [T/4, T], ~655k valid tokens):
 
-  1. log_step cost at window 100 ÷ window 1 (record_tokens off, τ_tail given; the windows full; the two
-     monitors' calls interleaved);
-  2. peak RSS growth of a monitor over 50 steps (window 25, record_tokens off), in fresh processes;
+  1. log_step cost at window 100 ÷ window 1 at every size of ``--sizes`` (16k, 64k, 640k and 4M padded tokens:
+     4 … 1,024 rows of 4,096; record_tokens off, τ_tail given; the windows full; the two monitors' calls
+     interleaved; CPU time of the calling thread, wall time beside);
+  2. peak RSS growth of a monitor over 50 steps (window 25, record_tokens on, each step flushed: a training step
+     lasts longer than its records' write) at every size of ``--sizes``, in fresh processes; at the largest size
+     also with record_tokens off (the metric state alone, without the writer's buffers);
   3. log_step synchronous cost (record_tokens on; time inside log_step, the background Parquet writer idle at
      the call) ÷ the metric update alone (MismatchStats.update);
   4. analyze (one process) tokens/s ÷ a bare pyarrow decode (rows/s) of the same columns of the same run;
@@ -14,7 +17,8 @@ On steps of B × T tokens (default 256 × 4,096 with lengths uniform in [T/4, T]
      (re-reading the windows' token records for the C_tok shuffle null) at equal draws.
 
     python benchmarks/bench_state.py [--batch 256] [--seq 4096] [--run-steps 32] [--rss-steps 50] [--no-ray]
-                                       [--stage-steps 80] [--old-draws 49]
+                                       [--stage-steps 80] [--old-draws 49] [--sizes 16k,64k,640k,4M]
+                                       [--figures 1,2]
 
 Every line prints a ratio measured here, now, on this machine; timings are medians.
 """
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -52,10 +55,14 @@ def batch_of(B, T, seed=0) -> TokenBatch:
     return TokenBatch.from_padded(lp, s, a, m)
 
 
-def log_step_costs(batch, windows: tuple, repeats: int, tmp: Path) -> list:
+#: figure 1 and 2 sizes: rows of 4,096 columns (~16k, 64k, 640k and 4M padded tokens)
+SIZES = {"16k": 4, "64k": 16, "640k": 160, "4M": 1024}
+
+
+def log_step_costs(batch, windows: tuple, repeats: int, tmp: Path) -> tuple:
     """Median seconds of log_step with a full trailing window of each of ``windows`` steps: one monitor per
     window, their calls interleaved (one call each, in alternating order) so that every window sees the same
-    load."""
+    load.  Returns ``(CPU seconds of the calling thread per window, wall seconds per window)``."""
     import contextlib
 
     with contextlib.ExitStack() as stack:
@@ -68,31 +75,56 @@ def log_step_costs(batch, windows: tuple, repeats: int, tmp: Path) -> list:
                 mon.tracker.push(s, st)
             mon.log_step(window, batch)                           # first call (warm-up), not timed
             mons.append(mon)
-        times = [[] for _ in windows]
+        cpu: list = [[] for _ in windows]
+        wall: list = [[] for _ in windows]
         order = list(range(len(windows)))
         for k in range(repeats):
             for i in (order if k % 2 == 0 else order[::-1]):           # A B, B A, ...: no order bias
                 for mon in mons:                                          # no writer thread busy meanwhile
                     mon.flush()
-                t = time.perf_counter()
+                c, t = time.thread_time(), time.perf_counter()
                 mons[i].log_step(windows[i] + 1 + k, batch)
-                times[i].append(time.perf_counter() - t)
-        return [statistics.median(ts) for ts in times]
+                cpu[i].append(time.thread_time() - c)
+                wall[i].append(time.perf_counter() - t)
+        return [statistics.median(ts) for ts in cpu], [statistics.median(ts) for ts in wall]
 
 
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def _status_mb(key: str) -> float:
+    """A field of /proc/self/status in MB (VmRSS: resident now; VmHWM: the peak since start or the last reset)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024.0
+    raise KeyError(key)
 
 
-def rss_growth(batch, steps: int) -> float:
-    """Peak RSS growth (MB) of a monitor (window 25, τ_tail calibrated live) over ``steps`` steps after its first."""
-    cfg = MonitorConfig(window=25, tau_tail=None, record_tokens=False, alignment_check_steps=0)
-    with tempfile.TemporaryDirectory() as d, MismatchMonitor(Path(d) / "rss", cfg) as mon:
+def rss_growth(batch, steps: int, record: bool = True) -> float:
+    """Peak RSS growth (MB) of a monitor (window 25, τ_tail calibrated live, records written when ``record``, each
+    step flushed) over ``steps`` steps after its first: the peak resident size during those steps (the kernel's
+    high-water mark, reset after the first step through /proc/self/clear_refs, so that imports and compilation
+    do not hide it) minus the resident size after the first step."""
+    cfg = MonitorConfig(window=25, tau_tail=None, record_tokens=record, alignment_check_steps=0)
+    with tempfile.TemporaryDirectory() as d, MismatchMonitor(Path(d) / "rss", cfg, alerts=False) as mon:
         mon.log_step(0, batch)
-        before = rss_mb()
+        mon.flush()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                                             # reset the peak (VmHWM) to the current size
+        before = _status_mb("VmRSS")
         for s in range(1, steps + 1):
             mon.log_step(s, batch)
-        return rss_mb() - before
+            mon.flush()
+        return _status_mb("VmHWM") - before
+
+
+def rss_children(args, rows: int, record: bool, envs: tuple) -> list:
+    """:func:`rss_growth` in one fresh process per entry of ``envs`` (extra environment variables)."""
+    grown = []
+    for env in envs:
+        out = subprocess.run([sys.executable, __file__, "--rss-child", str(args.rss_steps), "--batch", str(rows),
+                              "--seq", str(args.seq), *([] if record else ["--rss-no-record"])],
+                             capture_output=True, text=True, check=True, env={**os.environ, **env})
+        grown.append(float(out.stdout.split()[-1]))
+    return grown
 
 
 def sync_bytes(tokens_per_rank: int) -> tuple:
@@ -191,33 +223,53 @@ def main() -> None:
     ap.add_argument("--stage-steps", type=int, default=80, help="steps of the stage-table run (80 x 620k = 50M "
                     "tokens); 0 skips figure 7")
     ap.add_argument("--old-draws", type=int, default=49, help="null draws when timing the former path")
+    ap.add_argument("--sizes", default=",".join(SIZES), help="figures 1 and 2: of %(default)s")
+    ap.add_argument("--figures", default="1,2,3,4,5,6,7", help="figures 1 and 2 each on their own; any of 3-7 "
+                    "measures all of 3-7 (default: all)")
     ap.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--rss-no-record", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     B, T = args.batch, args.seq
-    batch = batch_of(B, T)
     if args.rss_child:
-        print(rss_growth(batch, args.rss_child))
+        print(rss_growth(batch_of(B, T), args.rss_child, record=not args.rss_no_record))
         return
+    figures = {int(f) for f in args.figures.split(",") if f}
+    sizes = [x for x in args.sizes.split(",") if x]
+    for x in sizes:
+        if x not in SIZES:
+            ap.error(f"--sizes: {x!r} is not one of {', '.join(SIZES)}")
+    batch = batch_of(B, T)
     print(f"steps of {B} x {T}: {batch.num_tokens:,} valid tokens; torch threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        # 1. window independence
-        t1, t100 = log_step_costs(batch, (1, 100), 3 * args.repeats, tmp)
-        print(f"1. log_step window 100 / window 1        {t100 / t1:6.3f}   ({t100 * 1e3:.1f} ms vs {t1 * 1e3:.1f} ms, "
-              f"medians of {3 * args.repeats} interleaved calls; goal <= 1.1)")
-        # 2. memory over 50 steps, in a fresh process: the peak of this one already holds figure 1's monitors
-        # three processes: with glibc's dynamic mmap threshold the heap sometimes keeps tens of MB of freed
-        # buffers once (flat afterwards); the median says what a run usually sees, the max what it may see
-        grown = []
-        for env in ({}, {}, {}, {"MALLOC_MMAP_THRESHOLD_": "131072"}):
-            out = subprocess.run([sys.executable, __file__, "--rss-child", str(args.rss_steps), "--batch", str(B),
-                                  "--seq", str(T)], capture_output=True, text=True, check=True,
-                                 env={**os.environ, **env})
-            grown.append(float(out.stdout.split()[-1]))
-        print(f"2. peak RSS growth over {args.rss_steps} steps          {statistics.median(grown[:3]):6.1f} MB "
-              f"(goal <= 64 MB; median of 3 fresh processes after their first step: "
-              f"{', '.join(f'{g:.1f}' for g in grown[:3])} MB; {grown[3]:.1f} MB with a fixed mmap threshold)")
+        # 1. window independence, at every size: a fixed per-step cost must not grow with the window (one torch
+        # thread, so that the calling thread's CPU time is the whole of log_step's)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        for x in sizes if 1 in figures else []:
+            sized = batch_of(SIZES[x], T)
+            (c1, c100), (w1, w100) = log_step_costs(sized, (1, 100), 3 * args.repeats, tmp)
+            print(f"1. log_step window 100 / window 1 at {x:>4} ({sized.num_tokens:>9,} tokens): {c100 / c1:6.3f} CPU "
+                  f"({c100 * 1e3:.2f} ms vs {c1 * 1e3:.2f} ms), {w100 / w1:6.3f} wall ({w100 * 1e3:.2f} vs "
+                  f"{w1 * 1e3:.2f} ms); medians of {3 * args.repeats} interleaved calls; goal <= 1.1", flush=True)
+        torch.set_num_threads(threads)
+        # 2. memory over 50 steps, in fresh processes: the peak of this one already holds figure 1's monitors.
+        # Three processes a size: with glibc's dynamic mmap threshold the heap sometimes keeps freed per-step buffers
+        # (tens of MB, more at 4M tokens); the median says what a run usually sees, the max what it may see, and a
+        # fixed threshold (MALLOC_MMAP_THRESHOLD_) what the monitor itself keeps
+        for x in sizes if 2 in figures else []:
+            grown = rss_children(args, SIZES[x], True, ({}, {}, {}, {"MALLOC_MMAP_THRESHOLD_": "131072"}))
+            print(f"2. peak RSS growth over {args.rss_steps} steps at {x:>4}, records on: "
+                  f"{statistics.median(grown[:3]):6.1f} MB (goal <= 64 MB; 3 fresh processes: "
+                  f"{', '.join(f'{g:.1f}' for g in grown[:3])} MB; {grown[3]:.1f} MB with a fixed mmap threshold)",
+                  flush=True)
+        if 2 in figures and sizes:
+            grown = rss_children(args, SIZES[sizes[-1]], False, ({}, {}, {}))
+            print(f"2. ... at {sizes[-1]} with records off (the metric state alone): {statistics.median(grown):.1f} MB "
+                  f"({', '.join(f'{g:.1f}' for g in grown)} MB)", flush=True)
+        if not figures & {3, 4, 5, 6, 7}:
+            return
         # 3. synchronous log_step cost vs the metric update alone
         with MismatchMonitor(tmp / "rec", MonitorConfig(tau_tail=TAU, alignment_check_steps=0)) as mon:
             mon.log_step(0, batch)                                        # warm-up, not timed

@@ -533,3 +533,156 @@ def test_padded_rows_reordered_by_sample_id_keep_positions_near_two_to_the_62_in
     assert b.position.tolist() == [3, P62 + 7, P62, P62 + 1]
     assert b.learner_logp.tolist() == pytest.approx([-.4, -.3, -.2, -.1])
     assert torch.equal(b.scatter(b.learner_logp), lp)
+
+
+_EDGE_LOGPS = (1e-3, 1.5e-3, 0.0, -0.0, -9984.0, -9983.0, -9985.0, -9999.0, -1e8, -99999992.0, -3.4e38,
+               float("nan"), float("inf"), float("-inf"), -65504.0, -1500.0)
+
+
+def _edge_values(dtype, n, g, p):
+    """``(n,)`` log-probs of ``dtype``: ordinary values, and with probability ``p`` each one of the bounds of the
+    value checks or the float next to one in ``dtype`` (above and below)."""
+    base = -torch.rand(n, generator=g, dtype=torch.float64) * 5
+    edges = torch.tensor(_EDGE_LOGPS, dtype=torch.float64).to(dtype)
+    near = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, math.inf)),
+                      torch.nextafter(edges, torch.full_like(edges, -math.inf))])
+    pick = near[torch.randint(len(near), (n,), generator=g)].double()
+    return torch.where(torch.rand(n, generator=g) < p, pick, base).to(dtype)
+
+
+def _reference_padded(lp, s, adv, m, positions, sample_ids):
+    """What ``from_padded`` must hold, token by token in plain Python (rows in sample-id order, columns in order):
+    learner, sampler, advantage, row rank, position and flat source index of every valid token."""
+    B, T = m.shape
+    ids = list(range(B)) if sample_ids is None else sample_ids.tolist()
+    rows = sorted(range(B), key=lambda b: ids[b])
+    out = {k: [] for k in ("learner", "sampler", "advantage", "rank", "position", "source")}
+    for rank, b in enumerate(rows):
+        for t in range(T):
+            if m[b, t]:
+                out["learner"].append(lp[b, t])
+                out["sampler"].append(s[b, t])
+                out["advantage"].append(adv[b, t] if adv.dim() == 2 and adv.shape[1] == T else adv.reshape(-1)[b])
+                out["rank"].append(rank)
+                out["position"].append(t if positions is None else int(positions[b, t]))
+                out["source"].append(b * T + t)
+    return out
+
+
+def _check_from_padded(lp, s, adv, m, positions, sample_ids):
+    """``from_padded`` of these tensors against :func:`_reference_padded` and the full element-wise check
+    (``invalid_codes``): see the test below."""
+    from triage_monitor.batch import INVALID_REASONS, invalid_codes
+
+    dtype = lp.dtype
+    B, T = m.shape
+    ref = _reference_padded(lp.detach(), s, adv, m, positions, sample_ids)
+    n = len(ref["learner"])
+    col = (lambda k, dt: torch.tensor([float(v) for v in ref[k]], dtype=dt) if n else torch.zeros(0, dtype=dt))
+    learner, sampler = col("learner", dtype), col("sampler", dtype)
+    advantage = col("advantage", dtype if dtype.is_floating_point else torch.float32)
+    codes = invalid_codes(learner, sampler, advantage) if n else torch.zeros(0, dtype=torch.long)
+    ok = codes < 0
+    kwargs = dict(positions=positions, sample_ids=sample_ids)
+    if bool(ok.all()):
+        b = TokenBatch.from_padded(lp, s, adv, m, **kwargs)
+        assert b.quarantine_counts == {} and b.quarantine_rows is None
+    else:
+        b = TokenBatch.from_padded(lp, s, adv, m, on_invalid="quarantine", **kwargs)
+        want = {INVALID_REASONS[c]: int((codes == c).sum()) for c in range(len(INVALID_REASONS))
+                if int((codes == c).sum())}
+        assert b.quarantine_counts == want
+        assert sorted(b.quarantine_rows["reason"].tolist()) == sorted(codes[~ok].tolist())
+        # the first invalid token in row order (rows by index, not by sample id) is the one the error names
+        order = sorted(range(n), key=lambda i: (ref["source"][i] // T, ref["source"][i]))
+        first = next(i for i in order if not ok[i])
+        with pytest.raises(InvalidTokenError) as err:
+            TokenBatch.from_padded(lp, s, adv, m, **kwargs)
+        assert err.value.reason == INVALID_REASONS[int(codes[first])]
+        assert (err.value.sample, err.value.position) == (ref["source"][first] // T, ref["position"][first])
+        assert err.value.count == int((~ok).sum())
+    keep = ok.nonzero().squeeze(1).tolist()
+    pick = (lambda t: t[keep] if keep else t[:0])
+    bits = (lambda t: t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]))
+    assert torch.equal(bits(b.learner_logp.detach()), bits(pick(learner))) and b.learner_logp.dtype == dtype
+    assert b.learner_logp.requires_grad == lp.requires_grad
+    assert torch.equal(bits(b.sampler_logp), bits(pick(sampler)))
+    assert torch.equal(bits(b.advantage), bits(pick(advantage))) and b.advantage.dtype == advantage.dtype
+    assert b.sample_index.tolist() == [ref["rank"][i] for i in keep]
+    assert b.position.tolist() == [ref["position"][i] for i in keep]
+    assert b._source_index.tolist() == [ref["source"][i] for i in keep]
+    assert b.num_valid.tolist() == [sum(1 for i in keep if ref["rank"][i] == r) for r in range(B)]
+    assert b.sample_id.tolist() == (sorted(sample_ids.tolist()) if sample_ids is not None else list(range(B)))
+    left = sum(1 for r in range(B) if bool(m[r].any()) and not bool(m[r, 0])) if T else 0
+    assert b.offset_responses == (left if positions is None else 0)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_from_padded_equals_a_token_by_token_reference_and_its_checks_equal_the_full_check(dtype, compiled,
+                                                                                         monkeypatch):
+    """``from_padded`` against a plain-Python reference on random batches of each dtype, through the compiled CPU
+    gather (float32 / float64) and through the torch operations (``COMPILED_ON_CPU`` off: what an accelerator
+    runs, and float16 / bfloat16 always), with and without a gradient on the learner log-probs (0-9 columns, random masks
+    with empty and left-padded rows, per-sample / per-token / column advantages, given positions and shuffled
+    sample ids): the kept tokens are bit-identical, in the same order, with the same rows, positions and scatter
+    map; the quarantine counts, rows and reasons equal those of ``invalid_codes`` (the full element-wise check)
+    token by token, and with ``on_invalid="raise"`` the error names the first invalid token in row order with its
+    reason and the count.  200 random batches (half without an invalid value, half with several), then every bound
+    of the value checks and the floats next to it in ``dtype``, alone in an otherwise valid batch, in each of the
+    three fields: the fast min/max check must send each invalid one to the full check and let the valid ones by."""
+    from triage_monitor import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "COMPILED_ON_CPU", compiled)
+    g = torch.Generator().manual_seed(27)
+    for case in range(200):
+        B, T = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(0, 10, (1,), generator=g))
+        p = 0.08 if case % 2 == 0 else 0.0
+        lp = _edge_values(dtype, B * T, g, p).reshape(B, T)
+        s = _edge_values(dtype, B * T, g, p).reshape(B, T)
+        m = torch.rand(B, T, generator=g) < 0.7
+        if case % 5 == 0 and T:
+            m[0, :T // 2] = False                                           # a left-padded row
+        form = case % 3
+        adv = (torch.randn(B, generator=g) if form == 0 else torch.randn(B, T, generator=g) if form == 1
+               else torch.randn(B, 1, generator=g)).to(dtype)
+        if case % 4 == 0 and adv.numel():
+            adv.view(-1)[0] = float("nan")
+        # given positions rise along each row (left padding: the column minus the row's offset, or gaps)
+        positions = torch.randint(1, 4, (B, T), generator=g).cumsum(1) - 1 if case % 7 == 0 else None
+        sample_ids = torch.randperm(B, generator=g) * 3 if case % 3 == 0 else None
+        if case % 6 == 1:
+            lp.requires_grad_(True)                     # the learner's gather keeps the graph (torch indexing)
+        _check_from_padded(lp, s, adv, m, positions, sample_ids)
+    edges = torch.tensor(_EDGE_LOGPS, dtype=torch.float64).to(dtype)
+    edges = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, math.inf)),
+                       torch.nextafter(edges, torch.full_like(edges, -math.inf))])
+    m = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    for value in edges.tolist():
+        for field in range(3):
+            lp, s = -torch.rand(3, 4, generator=g).to(dtype), -torch.rand(3, 4, generator=g).to(dtype)
+            adv = torch.randn(3, generator=g).to(dtype)
+            (lp, s, adv)[field].view(-1)[1] = value                        # row 0, column 1 (or row 1's advantage)
+            _check_from_padded(lp, s, adv, m, None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_fast_value_check_on_the_cpu_and_on_a_device_agree_with_the_full_check(dtype):
+    """The batch's fast check from min and max, as the CPU computes it (six floats against the bounds rounded to the
+    dtype) and as an accelerator does (tensor comparisons, one synchronisation), gives the same answer at every bound
+    and next to it, in each field; True only when the element-wise check (``invalid_codes``) finds no invalid token,
+    and True for every valid value above the largest exact sentinel (−9,984 nats: at or below it the full check
+    decides, as a value there may be a fill value)."""
+    from triage_monitor.batch import _all_valid, _all_valid_tensors, invalid_codes
+
+    edges = torch.tensor(_EDGE_LOGPS, dtype=torch.float64).to(dtype)
+    edges = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, math.inf)),
+                       torch.nextafter(edges, torch.full_like(edges, -math.inf))])
+    for value in edges.tolist():
+        for field in range(3):
+            tensors = [torch.tensor([-0.5, -1.0, -2.0], dtype=dtype) for _ in range(3)]
+            tensors[field][1] = value
+            valid = bool((invalid_codes(*tensors) < 0).all())
+            fast = _all_valid(*tensors)
+            assert fast == _all_valid_tensors([torch.aminmax(t) for t in tensors]), (value, field)
+            assert fast <= valid and fast == (valid and (field == 2 or value > -9984.0)), (value, field)

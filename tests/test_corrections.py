@@ -249,3 +249,20 @@ def test_geometric_mean_ratio_bounds_the_log_mean_at_20_both_ways():
     old = torch.tensor([30.0, 30.0, -30.0, -30.0, 19.5])
     g = geometric_mean_ratio(old, torch.zeros(5), (torch.tensor([0, 0, 1, 1, 2]), 3))
     assert g.tolist() == pytest.approx([math.exp(20.0), math.exp(-20.0), math.exp(19.5)], rel=1e-6)
+
+
+def test_tis_weights_from_a_given_ratio_are_those_it_computes():
+    """A ratio handed in (the controller has exp(old − sampler) already) gives the same weights bit for bit as the
+    ones tis_weights computes itself, gaps beyond ±88 nats (exp overflow / underflow) included; a ratio of another
+    shape is refused naming the three shapes."""
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(1000, generator=g) * 5
+    sampler = -torch.rand(1000, generator=g) * 5
+    old[:3] = torch.tensor([-0.0, -200.0, -1e-9])
+    sampler[:3] = torch.tensor([-150.0, -0.5, -1e-9])
+    raw = torch.exp(old.float() - sampler.float())
+    for lo, hi in ((0.0, 2.0), (0.5, 1.5)):
+        assert torch.equal(tis_weights(old, sampler, lo, hi, ratio=raw).view(torch.int32),
+                           tis_weights(old, sampler, lo, hi).view(torch.int32))
+    with pytest.raises(ValueError, match=r"ratio \(999,\), old_logp \(1000,\) and sampler_logp \(1000,\)"):
+        tis_weights(old, sampler, ratio=raw[1:])

@@ -514,3 +514,52 @@ def test_a_non_finite_old_logp_is_refused_naming_the_token(bad):
     with pytest.raises(ValueError, match=r"old_logp has shape \(2,\)"):
         triage_policy_loss(ctrl, b, 0, old_logp=old[:2])
     assert math.isfinite(triage_policy_loss(ctrl, b, 0, old_logp=b.learner_logp.detach()).loss.item())
+
+
+def test_the_compiled_cpu_passes_give_the_torch_operations_loss_and_gradient_bit_for_bit(monkeypatch):
+    """The TRIAGE loss with the controller's compiled CPU passes (segments and their sums, the Gate's broadcast) and
+    with the torch operations alone (what an accelerator runs, ``segments.COMPILED_ON_CPU = False``): loss, policy
+    loss, per-token loss, weights, Gate weights, Repair, statistics and the gradient of the padded learner
+    log-probs are bit-identical, for both Gate scopes, the three Repair scopes, widths that divide and that do not,
+    a calibrating controller (thresholds set at its third step), per-sample and per-token advantages and several
+    aggregation modes."""
+    from triage_monitor import segments
+    from triage_monitor.controller import CalibrationConfig
+
+    def bits(t):
+        t = t.detach().reshape(-1)
+        return t.view(torch.int64 if t.dtype == torch.float64 else torch.int32).tolist()
+
+    configs = [TriageConfig(), TriageConfig(gate_scope="whole", repair_scope="q2", repair_width=192),
+               TriageConfig(repair_width=100, repair_scope="whole"), TriageConfig(gate=False, tis=False),
+               TriageConfig(gate_width=32, repair_width=64, delta_bad=-0.5),
+               TriageConfig(calibration=CalibrationConfig(window=2, neg_quantile=0.2, severe_quantile=0.05,
+                                                          bad_quantile=0.01))]
+
+    def run() -> list:
+        out = []
+        for i, cfg in enumerate(configs):
+            g = torch.Generator().manual_seed(i)
+            ctrl = TriageController(cfg)
+            for step in range(4):
+                B, T = 9, 300
+                mask = torch.arange(T)[None] < torch.randint(1, T + 1, (B, 1), generator=g)
+                sampler = -torch.rand(B, T, generator=g) * 3
+                learner = (sampler + torch.randn(B, T, generator=g) * 1.5).clamp(max=0)
+                learner[:, ::7] = sampler[:, ::7]                   # δ = 0 exactly: not negative (Gate scope q3)
+                learner.requires_grad_(True)
+                adv = torch.randn(B, generator=g) if step % 2 else torch.randn(B, T, generator=g)
+                batch = TokenBatch.from_padded(learner, sampler, adv, mask)
+                old = batch.gather((learner + torch.randn(B, T, generator=g) * 0.2).clamp(max=0))
+                res = triage_policy_loss(ctrl, batch, step, old_logp=old, dual_clip=3.0,
+                                         agg_mode=AGG_MODES[step % len(AGG_MODES)])
+                res.loss.backward()
+                out.append([bits(t) for t in (res.loss, res.policy_loss, res.per_token_loss, res.token_weights,
+                                              res.output.gate_weights, res.output.tis_weights,
+                                              res.output.repair_loss, learner.grad)]
+                           + [sorted(res.output.stats.items()), ctrl.effective_thresholds()])
+        return out
+
+    compiled = run()
+    monkeypatch.setattr(segments, "COMPILED_ON_CPU", False)
+    assert run() == compiled

@@ -928,3 +928,37 @@ def test_k3_kl_rounding_of_delta_to_float32_stays_within_the_stated_bound():
     assert 59 < ref["delta_max"] < 60
     assert abs(got["k3_kl"] - ref["k3_kl"]) <= 2 ** -24 * (2 + ref["delta_max"]) * ref["k3_kl"]
     assert abs(got["delta_abs_mean"] - ref["delta_abs_mean"]) <= 2 ** -24 * ref["delta_abs_mean"]
+
+
+def _bits(values: dict) -> dict:
+    """Metric values as their IEEE bit patterns (NaN compared as NaN: equal bits here)."""
+    return {k: np.float64(v).view(np.int64).item() if not math.isnan(v) else "nan" for k, v in values.items()}
+
+
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_tracker_window_equals_the_step_order_reduce_of_its_steps_bit_for_bit(window):
+    """The trailing window of every push equals ``layout.reduce`` of its steps' states in their order (what the
+    offline recomputation computes), bit for bit, on states whose float sums differ by 20 orders of magnitude (so
+    that any other summation order changes the result): steps that repeat (replacing the earlier state), jump
+    ahead (evicting several steps at once) and go back (a resumed job), and windows of 1, 3 and 7 steps."""
+    g = torch.Generator().manual_seed(window)
+    cfg = MetricConfig(segment_width=4)
+    tracker = MetricTracker(cfg, tau_tail=-0.5, window=window)
+    lay = MismatchStats(cfg).layout
+    sums = lay.slices["sums"]
+    history = []                                     # the window's (step, state) as the definition keeps them
+    for step in (0, 1, 2, 2, 3, 5, 6, 6, 20, 21, 22, 23, 12, 13, 13, 30, 31, 32, 33, 34):
+        deltas = [(-torch.rand(int(torch.randint(1, 9, (1,), generator=g)), generator=g) * 3).tolist()
+                  for _ in range(3)]
+        st = MismatchStats(cfg).update(_list_batch(deltas, torch.randn(3, generator=g).tolist()), -0.5)
+        scale = 10.0 ** torch.randint(-10, 11, (sums.stop - sums.start,), generator=g).double()
+        st.state[sums] *= scale                    # order-sensitive float sums (integer counts stay integers)
+        if history and history[-1][0] == step:
+            history.pop()
+        history.append((step, st))
+        history = [(s, x) for s, x in history if s > step - window]
+        want = MismatchStats(cfg, state=lay.reduce([x.state for _, x in history]), tau_tail=-0.5).compute()
+        step_res, win_res = tracker.push(step, st)
+        assert _bits(win_res.values) == _bits(want.values), step
+        assert _bits(step_res.values) == _bits(st.compute().values)
+        assert win_res.nan_reasons == want.nan_reasons

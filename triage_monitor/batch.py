@@ -30,12 +30,16 @@ neutralised.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
+from numba import njit
 
 from .errors import TriageMonitorError
 
@@ -311,21 +315,37 @@ class TokenBatch:
         mask = _check_mask("mask", mask, (B, T), "learner_logp")
         _check_same_device(learner_logp, sampler_logp=sampler_logp, advantages=advantages, mask=mask)
         default_positions = positions is None
-        if default_positions:
-            positions = torch.arange(T, device=learner_logp.device).expand(B, T)
-        else:
+        if not default_positions:
             _check_shape("positions", positions, (B, T), "learner_logp")
-        adv = _broadcast_advantages(advantages, B, T)
-        rows = torch.arange(B, device=learner_logp.device).unsqueeze(1).expand(B, T)
-        flat_mask = mask.reshape(-1)
-        source = torch.nonzero(flat_mask, as_tuple=False).squeeze(1)
+        adv = _advantage_source(advantages, B, T)
+        dev = learner_logp.device
+        fast = _gather_padded(learner_logp, sampler_logp, adv, mask, positions)
+        if fast is not None:                # the CPU's one compiled pass: the same tokens, rows, positions, values
+            learner, sampler, adv_tokens, rows, pos, source, counts = fast
+            offset = int(((counts > 0) & ~mask[:, 0]).sum()) if default_positions and T else 0
+            return cls._build(
+                learner, sampler, adv_tokens, rows, pos, B, sample_ids, group_ids, on_invalid, source,
+                SourceLayout("padded", B * T, (B, T)), offset=offset, num_valid=counts,
+                positions_nonnegative=default_positions)
+        # the valid tokens' flat indices (row-major: grouped by row, ascending), each one's row and column from its
+        # index (no (B, T) row / position / advantage tensor is built), and each row's count from where its
+        # tokens start among them
+        source = torch.nonzero(mask.reshape(-1), as_tuple=False).squeeze(1)
+        if T:
+            rows = torch.div(source, T, rounding_mode="floor")
+            pos = source % T if default_positions else positions.reshape(-1)[source].long()
+            counts = torch.diff(torch.searchsorted(source, torch.arange(0, (B + 1) * T, T, device=dev)))  # per row
+        else:                                                               # no column, no token
+            rows = pos = source
+            counts = torch.zeros(B, dtype=torch.long, device=dev)
+        adv_tokens = adv.reshape(-1)[source] if tuple(adv.shape) == (B, T) else adv.reshape(-1)[rows]
         # left padding without positions=: a row whose first unmasked column is not 0 (read before quarantine,
         # so a bad token in column 0 is not mistaken for padding)
-        offset = int((mask.any(1) & ~mask[:, 0]).sum()) if default_positions and T else 0
+        offset = int(((counts > 0) & ~mask[:, 0]).sum()) if default_positions and T else 0
         return cls._build(
-            learner_logp.reshape(-1)[source], sampler_logp.reshape(-1)[source], adv.reshape(-1)[source],
-            rows.reshape(-1)[source], positions.reshape(-1)[source].long(), B,
-            sample_ids, group_ids, on_invalid, source, SourceLayout("padded", B * T, (B, T)), offset=offset)
+            learner_logp.reshape(-1)[source], sampler_logp.reshape(-1)[source], adv_tokens, rows, pos, B,
+            sample_ids, group_ids, on_invalid, source, SourceLayout("padded", B * T, (B, T)), offset=offset,
+            num_valid=counts, positions_nonnegative=default_positions)
 
     @classmethod
     def from_packed(
@@ -490,7 +510,12 @@ class TokenBatch:
     # ------------------------------------------------------------------ core
     @classmethod
     def _build(cls, learner, sampler, adv, rows, pos, num_rows, sample_ids, group_ids, on_invalid, source, layout,
-               presorted: bool = False, offset: int = 0) -> "TokenBatch":
+               presorted: bool = False, offset: int = 0, num_valid: Optional[Tensor] = None,
+               positions_nonnegative: bool = False) -> "TokenBatch":
+        """The batch of the gathered tokens ``(N,)`` (rows ascending, positions ascending within a row): ids, the
+        value validation and quarantine, the canonical order.  ``num_valid``: the tokens per row when the caller
+        has counted them (used while no token is quarantined and the order stays); ``positions_nonnegative``:
+        the positions are column indices (no check needed)."""
         if on_invalid not in ("raise", "quarantine"):
             raise ValueError(f"on_invalid must be 'raise' or 'quarantine', got {on_invalid!r}")
         dev = learner.device
@@ -506,19 +531,17 @@ class TokenBatch:
                 else torch.as_tensor(group_ids, device=dev).long().reshape(-1))
         if gids.shape != (num_rows,):
             raise ValueError(f"group_ids must have shape ({num_rows},), got {tuple(gids.shape)}")
-        if pos.numel() and int(pos.min()) < 0:    # segments are cut by position: a negative one corrupts them
+        # segments are cut by position: a negative one corrupts them
+        if not positions_nonnegative and pos.numel() and int(pos.min()) < 0:
             i = int(torch.argmin(pos))
             raise ValueError(f"positions must be >= 0 (index inside the response), got {int(pos[i])} "
                              f"for a valid token of sample {int(rows[i])}")
 
-        # --- value validation (docs/reliability.md): one fused check, reasons only when something is wrong ---
+        # --- value validation (docs/reliability.md): one min/max pass per field, reasons only when something is wrong ---
         ld = learner.detach()
-        # at or below the largest exact sentinel a value may be one: the full check decides (NaN lands there too)
-        ok = ((ld <= POSITIVE_LOGP_TOLERANCE) & (ld > _SENTINEL_CANDIDATE) & (sampler <= POSITIVE_LOGP_TOLERANCE)
-              & (sampler > _SENTINEL_CANDIDATE) & torch.isfinite(adv))
         counts = {}
         quarantined = None
-        codes = invalid_codes(ld, sampler, adv) if not bool(ok.all()) else None
+        codes = invalid_codes(ld, sampler, adv) if not _all_valid(ld, sampler, adv) else None
         bad = None if codes is None else codes >= 0      # None: every token valid (the usual case, no full check)
         if bad is not None and bool(bad.any()):
             for c, name in enumerate(INVALID_REASONS):
@@ -545,11 +568,13 @@ class TokenBatch:
                 source = source[keep]
 
         # --- canonical order: samples by sample_id ascending ---
-        if num_rows > 1 and not presorted:
+        reordered = False
+        if num_rows > 1 and not presorted and sample_ids is not None:     # default ids: 0 … S−1, in order
             if torch.unique(ids).numel() != num_rows:
                 raise ValueError(f"sample_ids must be unique within a step, got {ids.tolist()[:16]}")
             if bool((ids[1:] < ids[:-1]).any()):
                 perm = torch.argsort(ids, stable=True)
+                reordered = True
                 rank = torch.empty_like(perm)
                 rank[perm] = torch.arange(num_rows, device=dev)
                 ids, gids = ids[perm], gids[perm]
@@ -558,8 +583,9 @@ class TokenBatch:
                 learner, sampler, adv, rows, pos = learner[order], sampler[order], adv[order], rows[order], pos[order]
                 if source is not None:
                     source = source[order]
-        num_valid = torch.bincount(rows, minlength=num_rows) if rows.numel() else torch.zeros(
-            num_rows, dtype=torch.long, device=dev)
+        if num_valid is None or quarantined is not None or reordered:
+            num_valid = torch.bincount(rows, minlength=num_rows) if rows.numel() else torch.zeros(
+                num_rows, dtype=torch.long, device=dev)
         return cls(learner_logp=learner, sampler_logp=sampler, advantage=adv, sample_index=rows.long(),
                    position=pos.long(), sample_id=ids, group_id=gids, num_valid=num_valid, quarantine_counts=counts,
                    quarantine_rows=quarantined, offset_responses=offset, _source_index=source, _layout=layout)
@@ -578,8 +604,107 @@ def _order_by_row_then_position(rows: Tensor, pos: Tensor) -> Tensor:
     return by_pos[torch.argsort(rows[by_pos], stable=True)]
 
 
+# ------------------------------------------------------------ padded gather
+#: Whether CPU tensors of float32 / float64 take the compiled gather of :meth:`TokenBatch.from_padded`
+#: (:func:`_gather_padded`); False: the torch operations everywhere (the tests compare both).
+COMPILED_ON_CPU = True
+
+
+@njit(nogil=True, cache=True)
+def _gather_padded_kernel(mask, learner, sampler, adv, positions, with_learner, adv_per_token, with_positions):
+    # pragma: no cover - compiled
+    """The valid tokens of ``mask`` (B, T) in row-major order: flat index, row, position (the column, or
+    ``positions``), learner and sampler log-probs, advantage (``adv`` (B, T) per token or (B, 1)), and each row's
+    count; two passes over the mask, no intermediate array."""
+    B, T = mask.shape
+    counts = np.zeros(B, np.int64)
+    for b in range(B):
+        c = 0
+        for t in range(T):
+            if mask[b, t]:
+                c += 1
+        counts[b] = c
+    n = counts.sum()
+    source = np.empty(n, np.int64)
+    rows = np.empty(n, np.int64)
+    pos = np.empty(n, np.int64)
+    lo = np.empty(n if with_learner else 0, learner.dtype)
+    so = np.empty(n, sampler.dtype)
+    ao = np.empty(n, adv.dtype)
+    k = 0
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                source[k] = b * T + t
+                rows[k] = b
+                pos[k] = positions[b, t] if with_positions else t
+                if with_learner:
+                    lo[k] = learner[b, t]
+                so[k] = sampler[b, t]
+                ao[k] = adv[b, t] if adv_per_token else adv[b, 0]
+                k += 1
+    return lo, so, ao, rows, pos, source, counts
+
+
+def _gather_padded(learner: Tensor, sampler: Tensor, adv: Tensor, mask: Tensor, positions: Optional[Tensor]):
+    """:meth:`TokenBatch.from_padded`'s gathers in one compiled pass on the CPU: ``(learner, sampler, advantage,
+    rows, positions, flat indices, per-row counts)``, the learner's by torch indexing when it carries a gradient
+    (autograd); None where the torch operations run instead (another device, a dtype other than float32 /
+    float64, integer positions of another type)."""
+    B, T = mask.shape
+    floats = (torch.float32, torch.float64)
+    if (not COMPILED_ON_CPU or not T or learner.device.type != "cpu" or learner.dtype not in floats
+            or sampler.dtype not in floats or adv.dtype not in floats or adv.device.type != "cpu"
+            or (positions is not None and positions.dtype != torch.int64)):
+        return None
+    grad = learner.requires_grad
+    host = (lambda t: t.detach().contiguous().numpy())
+    per_token = tuple(adv.shape) == (B, T)
+    lo, so, ao, rows, pos, source, counts = (torch.from_numpy(x) for x in _gather_padded_kernel(
+        host(mask), host(learner), host(sampler), host(adv if per_token else adv.reshape(B, 1)),
+        host(positions) if positions is not None else np.zeros((1, 1), np.int64), not grad, per_token,
+        positions is not None))
+    if grad:
+        lo = learner.reshape(-1)[source]
+    return lo, so, ao, rows, pos, source, counts
+
+
 # ---------------------------------------------------------------- validation
 _SENTINEL_CANDIDATE = max(SENTINEL_LOGP_EXACT)
+
+
+def _all_valid(learner: Tensor, sampler: Tensor, adv: Tensor) -> bool:
+    """Whether every token passes the value checks of :func:`invalid_codes` (the usual case), from each field's
+    min and max (one read of each tensor): log-probs in (largest exact sentinel, +tolerance], advantages finite.
+    A NaN makes min and max NaN (``torch.aminmax`` propagates it), so it fails here and the full check decides;
+    a value at or below the largest exact sentinel (possibly one) also goes to the full check.  The bounds are
+    compared as the element-wise checks compare them, rounded to each tensor's dtype: on the CPU as six floats,
+    elsewhere as tensors (one synchronisation)."""
+    if not learner.numel():
+        return True
+    ext = [torch.aminmax(t) for t in (learner, sampler, adv)]
+    if learner.device.type != "cpu":
+        return _all_valid_tensors(ext)
+    (lmin, lmax), (smin, smax), (amin, amax) = ((float(a), float(b)) for a, b in ext)
+    (tol_l, cand_l), (tol_s, cand_s) = _bounds(learner.dtype), _bounds(sampler.dtype)
+    return (lmax <= tol_l and lmin > cand_l and smax <= tol_s and smin > cand_s and math.isfinite(amin)
+            and math.isfinite(amax))
+
+
+def _all_valid_tensors(ext: list) -> bool:
+    """:func:`_all_valid` from the ``(min, max)`` tensors of learner, sampler and advantage, on their device."""
+    (lmin, lmax), (smin, smax), (amin, amax) = ext
+    ok = torch.stack([lmax <= POSITIVE_LOGP_TOLERANCE, lmin > _SENTINEL_CANDIDATE, smax <= POSITIVE_LOGP_TOLERANCE,
+                      smin > _SENTINEL_CANDIDATE, torch.isfinite(amin), torch.isfinite(amax)])
+    return bool(ok.all())
+
+
+@functools.lru_cache(maxsize=None)
+def _bounds(dtype: torch.dtype) -> tuple:
+    """(tolerance, largest exact sentinel) rounded to ``dtype``, as a comparison of a ``dtype`` tensor with them
+    rounds them."""
+    return (float(torch.tensor(POSITIVE_LOGP_TOLERANCE, dtype=dtype)),
+            float(torch.tensor(_SENTINEL_CANDIDATE, dtype=dtype)))
 
 
 def is_sentinel(logp: Tensor) -> Tensor:
@@ -642,12 +767,12 @@ def _check_same_device(ref: Tensor, **others) -> None:
             raise ValueError(f"{name} is on {t.device}, but learner_logp is on {ref.device}")
 
 
-def _broadcast_advantages(advantages, B: int, T: int) -> Tensor:
+def _advantage_source(advantages, B: int, T: int) -> Tensor:
+    """``advantages`` as a tensor of shape ``(B, T)`` (per token), ``(B,)`` or ``(B, 1)`` (per sample).
+
+    Raises:
+        ValueError: any other shape (the message names the accepted ones)."""
     adv = torch.as_tensor(advantages)
-    if adv.shape == (B, T):
+    if adv.shape in ((B, T), (B,), (B, 1)):
         return adv
-    if adv.shape == (B,):
-        return adv.unsqueeze(1).expand(B, T)
-    if adv.shape == (B, 1):
-        return adv.expand(B, T)
     raise ValueError(f"advantages must be ({B}, {T}) per token or ({B},) per sample, got {tuple(adv.shape)}")

@@ -43,7 +43,7 @@ import torch
 from .batch import TokenBatch
 from .calibration import ReferenceWindow, part_of
 from .corrections import tis_weights as _tis_weights
-from .segments import Segments, segment_tokens
+from .segments import Segments, broadcast_where_negative, coarsen, segment_sums, segment_tokens
 
 Tensor = torch.Tensor
 
@@ -206,9 +206,13 @@ def gate_segment_weights(delta: Tensor, advantage: Tensor, seg: Segments, neg_th
     seg_adv < 0, else 1.  ``delta`` (nats) and ``advantage`` are ``(N,)``.
     """
     delta = delta.float()
-    seg_adv = seg.mean(advantage.float())
-    seg_delta = seg.mean(delta)
-    k = seg.sum((delta < delta_bad).float())
+    return _gate_weights(seg.mean(advantage.float()), seg.mean(delta), seg.sum((delta < delta_bad).float()),
+                         neg_threshold, severe_threshold, neg_weight, severe_weight, tail_count, tail_floor)
+
+
+def _gate_weights(seg_adv: Tensor, seg_delta: Tensor, k: Tensor, neg_threshold: float, severe_threshold: float,
+                  neg_weight: float, severe_weight: float, tail_count: int, tail_floor: float) -> Tensor:
+    """:func:`gate_segment_weights` from the segments' mean advantage, mean δ and count of δ < ``delta_bad``."""
     one = torch.ones_like(seg_delta)
     tier = torch.where(seg_delta < severe_threshold, one * severe_weight,
                        torch.where(seg_delta < neg_threshold, one * neg_weight, one))
@@ -222,7 +226,7 @@ def pseudo_huber(q: Tensor, beta: float) -> Tensor:
 
 
 def repair_terms(learner_logp: Tensor, sampler_logp: Tensor, advantage: Tensor, seg: Segments, tau: float,
-                 beta: float, scope: str) -> Tuple[Tensor, Tensor, Tensor]:
+                 beta: float, scope: str, in_scope: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Per-segment Repair penalty (docs/metrics.md#repair).
 
     ``d_S`` = mean over the segment's valid tokens of δ = learner_logp − sampler_logp with the
@@ -232,6 +236,9 @@ def repair_terms(learner_logp: Tensor, sampler_logp: Tensor, advantage: Tensor, 
 
     Token scope ``m``: ``whole`` every token; ``adv_positive`` tokens of segments with mean
     advantage > 0; ``q2`` the δ < 0 tokens (δ detached) of those segments.
+
+    ``in_scope``: ``(K,)`` bool, the segments' mean advantage > 0 when the caller has it (scopes ``adv_positive``
+    and ``q2``; computed here otherwise).
 
     Returns:
         ``(phi (K,) float32 differentiable, in_scope (K,) bool, q (K,) float32 detached)``;
@@ -243,7 +250,8 @@ def repair_terms(learner_logp: Tensor, sampler_logp: Tensor, advantage: Tensor, 
         in_scope = torch.ones(seg.num_segments, dtype=torch.bool, device=live.device)
         tok = torch.ones_like(det, dtype=torch.bool)
     else:
-        in_scope = seg.mean(advantage.detach().float()) > 0
+        if in_scope is None:
+            in_scope = seg.mean(advantage.detach().float()) > 0
         tok = seg.broadcast(in_scope)
         if scope == "q2":
             tok = tok & (det < 0)
@@ -296,6 +304,20 @@ class TriageController:
             self.thresholds = dict(neg_threshold=neg, severe_threshold=min(sev, neg), delta_bad=bad)
 
     # ------------------------------------------------------------------ call
+    def _repair_segments(self, batch: TokenBatch, gate_segments: Optional[Segments]) -> tuple:
+        """The repair segments of ``batch`` and, for the scopes that need it, which have a mean advantage > 0 (None
+        for ``whole``): on the CPU one compiled pass (:func:`segment_sums`), elsewhere the unions of the gate
+        segments when W_rep is a multiple of W_gate (:func:`coarsen`: the same segments) or a cut of their own."""
+        c = self.config
+        adv = batch.advantage.detach().float()
+        if (batch.device.type != "cpu" and gate_segments is not None and c.repair_width % gate_segments.width == 0):
+            rseg = coarsen(gate_segments, c.repair_width)
+            return rseg, None if c.repair_scope == "whole" else rseg.mean(adv) > 0
+        if c.repair_scope == "whole":
+            return segment_tokens(batch.sample_index, batch.position, c.repair_width), None
+        rseg, s_adv, _, _ = segment_sums(batch.sample_index, batch.position, c.repair_width, adv)
+        return rseg, s_adv / rseg.count.to(s_adv.dtype) > 0
+
     def repair_segment_count(self, batch: TokenBatch) -> Tensor:
         """Number of valid repair segments of ``batch`` (0-dim float32, summed over the group).
 
@@ -337,15 +359,22 @@ class TriageController:
         ones = torch.ones(n, dtype=torch.float32, device=dev)
 
         gate = ones
+        seg = None
         if c.gate:
-            seg = segment_tokens(batch.sample_index, batch.position, c.gate_width)
-            self._calibrate(int(step), delta, seg)
-            th = self.effective_thresholds()
-            w_seg = gate_segment_weights(delta, batch.advantage, seg, th["neg_threshold"], th["severe_threshold"],
-                                         th["delta_bad"], c.neg_weight, c.severe_weight, c.tail_count, c.tail_floor)
-            gate = seg.broadcast(w_seg)
-            if c.gate_scope == "q3":
-                gate = torch.where(delta < 0, gate, ones)
+            adv = batch.advantage.float()
+            if c.calibration is None or self.thresholds is not None:     # the thresholds are known: one pass
+                th = self.effective_thresholds()
+                seg, s_adv, s_delta, k = segment_sums(batch.sample_index, batch.position, c.gate_width, adv, delta,
+                                                      delta < th["delta_bad"])
+            else:                                    # calibrating: the thresholds may change with this step
+                seg = segment_tokens(batch.sample_index, batch.position, c.gate_width)
+                self._calibrate(int(step), delta, seg)
+                th = self.effective_thresholds()
+                s_adv, s_delta, k = seg.sum(adv), seg.sum(delta), seg.sum((delta < th["delta_bad"]).float())
+            cnt = seg.count.to(delta.dtype)
+            w_seg = _gate_weights(s_adv / cnt, s_delta / cnt, k, th["neg_threshold"], th["severe_threshold"],
+                                  c.neg_weight, c.severe_weight, c.tail_count, c.tail_floor)
+            gate = broadcast_where_negative(seg, w_seg, delta, 1.0) if c.gate_scope == "q3" else seg.broadcast(w_seg)
 
         tis, clip_frac = ones, torch.zeros((), device=dev)
         if c.tis:
@@ -354,8 +383,8 @@ class TriageController:
                 raise ValueError(f"old_logp has shape {tuple(old.shape)}, expected ({n},) = the batch's valid "
                                  "tokens (batch.gather(old_logp) reads a tensor of your layout at them)")
             lo, hi = c.tis_clip
-            tis = _tis_weights(old, batch.sampler_logp, lo, hi)
-            raw = torch.exp(old.float() - batch.sampler_logp.float())
+            raw = torch.exp(old.float() - batch.sampler_logp.float())      # the rollout ratio, once
+            tis = _tis_weights(old, batch.sampler_logp, lo, hi, ratio=raw)
             clip_frac = ((raw < lo) | (raw > hi)).float().mean() if n else torch.full((), float("nan"), device=dev)
 
         repair = torch.zeros((), dtype=torch.float32, device=dev)
@@ -363,9 +392,9 @@ class TriageController:
             repair = repair + batch.learner_logp.float().sum() * 0.0
         active = torch.zeros((), device=dev)
         if c.repair and step >= c.repair_start_step:
-            rseg = segment_tokens(batch.sample_index, batch.position, c.repair_width)
+            rseg, scope = self._repair_segments(batch, seg)
             phi, in_scope, q = repair_terms(batch.learner_logp, batch.sampler_logp, batch.advantage, rseg,
-                                            c.repair_tau, c.repair_beta, c.repair_scope)
+                                            c.repair_tau, c.repair_beta, c.repair_scope, in_scope=scope)
             m = in_scope.float()
             num = (phi * m).sum()
             den = m.sum()

@@ -231,17 +231,24 @@ def reference_kl(logp: Tensor, ref_logp: Tensor, kl_type: str = "k3", input_clam
     return kl
 
 
-def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: float = 2.0) -> Tensor:
+def tis_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.0, high: float = 2.0,
+                ratio: Optional[Tensor] = None) -> Tensor:
     """Truncated importance sampling weight ``(N,)`` float32, detached (docs/metrics.md#baselines).
 
     ``w = clamp(exp(old_logp − sampler_logp), low, high)``, default [0, 2] (published runs;
     verl 0.9.1's ``rollout_is: token`` with ``rollout_is_threshold: 2.0`` truncates at 2.0 from above).  ``exp`` of a large gap gives ``inf`` → ``high``.
+    ``ratio``: ``exp(old_logp − sampler_logp)`` (float32) when the caller has it already (it is not computed again).
 
     Raises:
         ValueError: shapes differ or not ``0 <= low < high``.
     """
     _check_band("tis_weights", low, high)
-    return torch.exp(_log_ratio(old_logp, sampler_logp)).clamp(low, high)
+    if ratio is None:
+        ratio = torch.exp(_log_ratio(old_logp, sampler_logp))
+    elif ratio.shape != old_logp.shape or old_logp.shape != sampler_logp.shape:
+        raise ValueError(f"tis_weights: ratio {tuple(ratio.shape)}, old_logp {tuple(old_logp.shape)} and "
+                         f"sampler_logp {tuple(sampler_logp.shape)} must have the same shape")
+    return ratio.detach().clamp(low, high)
 
 
 def icepop_weights(old_logp: Tensor, sampler_logp: Tensor, low: float = 0.5, high: float = 2.0,

@@ -160,6 +160,7 @@ class StateLayout:
             self.ranges[f.reduction] = (lo, start + f.size)
             start += f.size
         self.size = start
+        self._span_columns: dict = {}
         self._identity = torch.cat([torch.full((f.size,), _IDENTITY[f.reduction], dtype=torch.float64)
                                     for f in self.fields])
 
@@ -192,34 +193,33 @@ class StateLayout:
                 torch.maximum(out[a:b], other[a:b], out=out[a:b])
         return out
 
-    def merge_all_into_spans(self, out: Tensor, others: Sequence[Tensor], spans: Sequence[tuple]) -> Tensor:
-        """:meth:`merge_into_range` of each of ``others`` in turn (their order kept for every entry) over each
-        ``[lo, hi)`` of ``spans``; returns ``out``.  On the CPU one numpy call per state and field group, the
-        views prepared once (a trailing window of W steps costs W small calls, not 2W torch-to-numpy round trips)."""
-        if out.device.type == "cpu" and all(t.device.type == "cpu" for t in others):
-            o = out.numpy()
-            groups = []                                   # (entries x:y, columns p:q of `rows`, reduction)
+    def span_columns(self, spans: Sequence[tuple]) -> "SpanColumns":
+        """The entries of the state inside ``spans`` (each ``[lo, hi)``) as the columns of one row, grouped by
+        reduction (:class:`SpanColumns`; cached per ``spans``)."""
+        key = tuple((int(lo), int(hi)) for lo, hi in spans)
+        cols = self._span_columns.get(key)
+        if cols is None:
+            groups = []                                   # (entries x:y, columns p:q of a row, reduction)
             width = 0
             for red, (a, b) in self.ranges.items():
-                for lo, hi in spans:
+                for lo, hi in key:
                     x, y = max(a, lo), min(b, hi)
                     if x < y:
                         groups.append((x, y, width, width + y - x, red))
                         width += y - x
-            if not groups or not others:
+            cols = self._span_columns[key] = SpanColumns(tuple(groups), width)
+        return cols
+
+    def merge_all_into_spans(self, out: Tensor, others: Sequence[Tensor], spans: Sequence[tuple]) -> Tensor:
+        """:meth:`merge_into_range` of each of ``others`` in turn (their order kept for every entry) over each
+        ``[lo, hi)`` of ``spans``; returns ``out``.  On the CPU the spans' entries of every state are gathered
+        into one array and each field group is folded down it in one numpy call (:class:`SpanColumns`)."""
+        if out.device.type == "cpu" and all(t.device.type == "cpu" for t in others):
+            cols = self.span_columns(spans)
+            if not cols.groups or not others:
                 return out
-            # row 0: out; row i: others[i-1]; each group reduced down the rows in one call, in row order (a
-            # cumulative sum is a left fold: ((out + s1) + s2) + ..., the same IEEE result as merging one by one)
-            rows = np.empty((len(others) + 1, width))
-            for i, t in enumerate([out, *others]):
-                tn = t.numpy()
-                for x, y, p, q, _ in groups:
-                    rows[i, p:q] = tn[x:y]
-            for x, y, p, q, red in groups:
-                if red == "sum":
-                    o[x:y] = np.cumsum(rows[:, p:q], axis=0)[-1]
-                else:
-                    o[x:y] = _NP_MERGE[red].reduce(rows[:, p:q], axis=0)
+            rows = np.stack([cols.row(t.numpy()) for t in [out, *others]])
+            cols.fold(rows, out.numpy())
             return out
         for t in others:
             for lo, hi in spans:
@@ -252,6 +252,31 @@ class StateLayout:
                 state[a:b] = -buf[i:i + b - a] if red == "min" else buf[i:i + b - a]
                 i += b - a
         return state
+
+
+class SpanColumns:
+    """Some entries of a state vector as the columns of a row (:meth:`StateLayout.span_columns`): ``groups`` holds,
+    for each run of entries ``x:y`` of one reduction, the columns ``p:q`` of the row it occupies, so that the rows
+    of several states (one per step) fold into the merged entries in one numpy call per group."""
+
+    def __init__(self, groups: tuple, width: int):
+        self.groups, self.width = groups, width
+        self.index = np.concatenate([np.arange(x, y) for x, y, *_ in groups]) if groups else np.zeros(0, np.int64)
+
+    def row(self, state: np.ndarray) -> np.ndarray:
+        """``(width,)`` float64: the entries of ``state`` (a float64 state vector) in column order."""
+        return state[self.index]
+
+    def fold(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Write the merge of ``rows`` (``(k, width)``, merged in row order) into the entries of ``out`` (a state
+        vector, in place) and return it.  A sum is the cumulative sum down the rows, a left fold ((r0 + r1) + r2) +
+        ..., the same IEEE result as merging the rows one by one; min and max are exact in any order."""
+        for x, y, p, q, red in self.groups:
+            if red == "sum":
+                out[x:y] = np.cumsum(rows[:, p:q], axis=0)[-1]
+            else:
+                out[x:y] = _NP_MERGE[red].reduce(rows[:, p:q], axis=0)
+        return out
 
 
 @functools.lru_cache(maxsize=8)
@@ -517,6 +542,7 @@ class MetricTracker:
         self.reference = calibration.ReferenceWindow(self.calibration_steps, 1, repeated="replace")
         self._history: list = []        # [(step, MismatchStats)] of the trailing window
         self._running = None            # Σ of the window's integer count fields (sketch, C_tok table)
+        self._rows = None               # the other fields of each state (SpanColumns rows): row 0 empty, then _history
 
     def _calibrate(self, step: int, part: Tensor) -> None:
         if self.tau_frozen:
@@ -559,24 +585,33 @@ class MetricTracker:
         window_result)``.  A repeated step replaces the earlier one."""
         layout = stats.layout
         counts = slice(layout.slices["delta_sketch"].start, layout.slices["c_tok_table"].stop)
-        if self._running is None or self._running.device != stats.state.device:
-            self._running = torch.zeros(counts.stop - counts.start, dtype=torch.float64, device=stats.state.device)
+        # the window's state, equal to layout.reduce of its steps' states in their order: the sketch and the C_tok
+        # table are integer counts (exact in any order, so kept as a running sum: the cost does not grow with the
+        # window); the other fields (the float sums, min and max: a few dozen entries) are kept as one row per
+        # step, folded in step order, so that the only per-step work that grows with the window is small numpy
+        # calls over a (window × a few dozen) array
+        cols = layout.span_columns(((0, counts.start), (counts.stop, layout.size)))
+        if self._running is None or self._rows is None or self._rows.shape[1] != cols.width:
+            self._running = torch.zeros(counts.stop - counts.start, dtype=torch.float64)
+            self._rows = cols.row(layout.identity().numpy())[None]        # row 0: the empty state's
             for _, st in self._history:
                 self._running += st.state[counts]
+                self._rows = np.concatenate([self._rows, cols.row(st.state.numpy())[None]])
         if self._history and self._history[-1][0] == step:
             self._running -= self._history.pop()[1].state[counts]
+            self._rows = self._rows[:-1]
         self._history.append((step, stats))
         self._running += stats.state[counts]
-        for s, st in self._history:
-            if s <= step - self.window:
-                self._running -= st.state[counts]
-        self._history = [(s, st) for s, st in self._history if s > step - self.window]
-        # the window's state, equal to layout.reduce of its steps' states in step order: the sketch and the C_tok
-        # table are integer counts (exact in any order, so kept as a running sum: the cost does not grow with the
-        # window), the other fields are reduced in step order
-        state = layout.identity(stats.state.device)
-        layout.merge_all_into_spans(state, [st.state for _, st in self._history],
-                                    [(0, counts.start), (counts.stop, layout.size)])
+        self._rows = np.concatenate([self._rows, cols.row(stats.state.numpy())[None]])
+        keep = [s > step - self.window for s, _ in self._history]
+        if not all(keep):
+            for (_, st), k in zip(self._history, keep):
+                if not k:
+                    self._running -= st.state[counts]
+            self._history = [h for h, k in zip(self._history, keep) if k]
+            self._rows = self._rows[np.array([True, *keep])]
+        state = torch.empty(layout.size, dtype=torch.float64)
+        cols.fold(self._rows, state.numpy())
         state[counts] = self._running
         window = MismatchStats(self.config, state=state, tau_tail=stats.tau_tail)
         return stats.compute(), window.compute()
