@@ -32,6 +32,7 @@ import uuid
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
@@ -72,11 +73,35 @@ STATISTICS_COLUMNS = ("step", "rank", "attempt")
 
 def parquet_options(schema: pa.Schema) -> dict:
     """The writer options of every Parquet file of a run (``pq.write_table`` / ``pq.ParquetWriter`` keywords):
-    a dictionary for every column but :data:`PLAIN_COLUMNS`, statistics of :data:`STATISTICS_COLUMNS`, and no
+    a dictionary for every column but :data:`PLAIN_COLUMNS`, statistics of :data:`STATISTICS_COLUMNS`, no
     compression (the data after dictionary and plain encoding does not shrink under Snappy: the files are the
-    same size, the write 0.4-0.6x the time; ``python benchmarks/bench_writer_encoding.py``)."""
+    same size, the write 0.4-0.6x the time; ``python benchmarks/bench_writer_encoding.py``), and no Arrow schema
+    in the footer: a column given as a dictionary in memory (:func:`constant_column`) reads back as its value type
+    (int64), as every reader takes it from the Parquet types."""
     stats = [c for c in STATISTICS_COLUMNS if c in schema.names]
-    return {"use_dictionary": dictionary_columns(schema), "compression": "none", "write_statistics": stats or False}
+    return {"use_dictionary": dictionary_columns(schema), "compression": "none", "write_statistics": stats or False,
+            "store_schema": False}
+
+
+def constant_column(value: int, n: int) -> pa.DictionaryArray:
+    """``n`` copies of the int64 ``value`` (a step's ``step``, ``rank``, ``attempt``) as a dictionary column: one
+    byte a row in memory instead of eight (2.6M tokens: 2.6 MB instead of 21 MB a column), written to Parquet as
+    the int64 column it stands for (:func:`parquet_options`), read back from a pending file as one
+    (:func:`plain`)."""
+    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(int(n), np.int8)), pa.array([int(value)], pa.int64()))
+
+
+def plain_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with its dictionary fields as their value types."""
+    return pa.schema([pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type,
+                               f.nullable, f.metadata) for f in schema], metadata=schema.metadata)
+
+
+def plain(table: pa.Table) -> pa.Table:
+    """``table`` with its dictionary columns as their value types (what a Parquet reader of the run gets)."""
+    if not any(pa.types.is_dictionary(f.type) for f in table.schema):
+        return table
+    return table.cast(plain_schema(table.schema))
 
 
 def write_parquet(store: Store, rel: str, table: pa.Table) -> None:
@@ -187,7 +212,7 @@ def _read_part(store: Store, part: Part, columns, step) -> pa.Table:
             t = ipc.open_stream(f).read_all()
         if cols is not None:
             t = t.select(cols)
-        return t
+        return plain(t)
     if step is None or part.lo == part.hi:
         with store.open_input(part.name) as f:
             return pq.read_table(f, columns=cols)
@@ -424,7 +449,7 @@ def seal_pending(store: Store, parts: Sequence[Part], spool: Optional[str] = Non
         for p in sorted(ps, key=lambda p: p.lo):
             try:
                 with store.open_input(p.name) as f:
-                    schemas.append(ipc.open_stream(f).schema)
+                    schemas.append(plain_schema(ipc.open_stream(f).schema))     # what read_part gives
                 ok.append(p)
             except (OSError, pa.ArrowException, ValueError) as exc:
                 log.warning("triage-monitor: pending file %s is unreadable (%s); left in place", p.name, exc)

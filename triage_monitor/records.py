@@ -42,6 +42,7 @@ from .locks import acquire_writer_lock, probe_lock, release_writer_lock
 from .storage import TEMP_PREFIX, Store, open_store
 from .manifest import (IDENTITY_KEYS, IO_CONFIG_KEYS, ManifestError, RunManifest,  # noqa: F401
                        check_monitor_config, config_differences, describe_differences, read_manifest)
+from .blocks import constant_column
 from .sink import DeferredColumns, ParquetSink
 
 #: the writer's messages (locks, files, manifest) share one logger name
@@ -54,6 +55,9 @@ TOKEN_SCHEMA = pa.schema([
     ("learner_logp", pa.float32()), ("sampler_logp", pa.float32()), ("advantage", pa.float32()),
     ("attempt", pa.int64()),
 ])
+#: Token columns held as dictionaries in memory on the writer thread (records.RunWriter.record_step): the same
+#: int64 columns on disk.
+DICTIONARY_TOKEN_COLUMNS = ("step", "rank", "sample_id", "group_id", "attempt")
 #: Columns of the alerts table (one row per fired rule: ``alerts.Alert.to_row()`` plus rank and attempt).
 ALERT_SCHEMA = pa.schema([
     ("step", pa.int64()), ("rank", pa.int64()), ("rule", pa.string()), ("metric", pa.string()),
@@ -258,6 +262,7 @@ class RunWriter:
         self._warned: set = set()
         #: the steps table's schema (None until declared or until the first row)
         self.steps_schema: Optional[pa.Schema] = None
+        self._steps_names: Optional[frozenset] = None
         self._lock = acquire_writer_lock(self.store, self.rank, self.attempt)
         try:
             if force and self.rank == 0 and self.store.is_local:   # moving the run aside moves this lock file with
@@ -341,17 +346,24 @@ class RunWriter:
                 schema = schema.append(pa.field(k, pa.float32()))
             rank, attempt = self.rank, self.attempt
 
-            def token_columns() -> dict:
-                cols = {"step": np.full(n, step, dtype=np.int64), "rank": np.full(n, rank, dtype=np.int64),
-                        "sample_id": sid[si].numpy(), "group_id": gid[si].numpy(),
+            def token_columns() -> pa.Table:
+                # the per-sample and constant columns as dictionary columns (written as the int64 columns they
+                # stand for, blocks.parquet_options): step, rank and attempt one byte a token
+                # (blocks.constant_column), sample_id and group_id the token's sample index into the per-sample ids
+                # (one int32 array for both); the others as the schema's types
+                index = pa.array(si.numpy().astype(np.int32))
+                cols = {"step": constant_column(step, n), "rank": constant_column(rank, n),
+                        "sample_id": pa.DictionaryArray.from_arrays(index, pa.array(sid.numpy())),
+                        "group_id": pa.DictionaryArray.from_arrays(index, pa.array(gid.numpy())),
                         "position": pos.numpy().astype(np.int32)}
                 cols.update((k, v.numpy()) for k, v in floats.items())
-                cols["attempt"] = np.full(n, attempt, dtype=np.int64)
+                cols["attempt"] = constant_column(attempt, n)
                 cols.update((k, v.numpy()) for k, v in extras.items())
-                return cols
+                return pa.table(cols, schema=pa.schema([pa.field(f.name, cols[f.name].type) if f.name in
+                                                        DICTIONARY_TOKEN_COLUMNS else f for f in schema]))
 
-            nbytes = n * (8 * 5 + 4 * (4 + len(extras)))
-            self.sink.submit("tokens", step, self.rank, DeferredColumns(token_columns, nbytes, n), schema)
+            nbytes = n * (3 + 4 + 4 * (4 + len(extras)))
+            self.sink.submit("tokens", step, self.rank, DeferredColumns(token_columns, nbytes, n))
         if batch.quarantine_rows is not None:
             qd = {k: v.numpy() for k, v in batch.quarantine_rows.items()}
             m = len(qd["position"])
@@ -384,7 +396,10 @@ class RunWriter:
         keys; a key first seen late is warned and added to the schema (later blocks carry it)."""
         if self.steps_schema is None:
             self.steps_schema = steps_schema([k for k in row if k not in BOOKKEEPING_COLUMNS])
-        new = [k for k in row if k not in self.steps_schema.names]
+        names = self._steps_names
+        if names is None or len(names) != len(self.steps_schema):
+            names = self._steps_names = frozenset(self.steps_schema.names)   # not a list rebuilt for every key
+        new = [k for k in row if k not in names]
         if new:
             self._warn_once("columns", "triage-monitor: step %d brings new metric column(s) %s (extra keys not "
                             "passed at the first step): files of the steps/ table differ in columns; "

@@ -38,7 +38,8 @@ ROW_BYTES = 256
 @dataclass(frozen=True)
 class DeferredColumns:
     """A step's columns, built on the writer thread: ``build()`` returns ``{name: 1-D values}`` (numpy arrays
-    or lists, all of ``nrows`` values); ``nbytes`` / ``nrows`` size it for the queue bound before it exists.
+    or lists, all of ``nrows`` values) or a ``pyarrow.Table`` (taken as it is); ``nbytes`` / ``nrows`` size it for
+    the queue bound before it exists.
 
     The one type of a :class:`Write`'s columns: :meth:`ParquetSink.submit` wraps columns given as a dict of
     arrays or as a list of row dicts into one (:meth:`of`)."""
@@ -287,7 +288,8 @@ class ParquetSink:
         return w
 
     def _write(self, item: Write) -> None:
-        tab = pa.table(item.columns.build(), schema=item.schema)
+        built = item.columns.build()
+        tab = built if isinstance(built, pa.Table) else pa.table(built, schema=item.schema)
         for i, key, value in ((0, "step", item.step), (1, "rank", item.rank)):   # plain readers get int64 step/rank
             if key not in tab.column_names:
                 tab = tab.add_column(i, key, pa.array(np.full(tab.num_rows, value, dtype=np.int64)))
