@@ -32,7 +32,7 @@ demo: setup
 	$(BIN)/triage-monitor study --quick --jobs 2 --out runs/demo
 
 test: setup-test
-	$(BIN)/ruff check triage_monitor hooks dashboards
+	$(BIN)/ruff check triage_monitor hooks dashboards benchmarks tests scripts
 	$(BIN)/mypy triage_monitor
 	$(BIN)/python -m pytest -q
 

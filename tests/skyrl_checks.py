@@ -424,7 +424,6 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
     one alert per monitored step for the job, from rank 0; what SkyRL logs per step (its real reduction over
     micro-batches, DP ranks and mini-batches) holds the curated keys of the previous SkyRL step, equal to the steps
     table."""
-    import pyarrow.parquet as pq
     import ray
 
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries

@@ -904,7 +904,3 @@ if __name__ == "__main__":
         child_noflock_start(Path(args[0]))
     elif mode == "fsize-resume":
         child_fsize_resume(Path(args[0]), int(args[1]))
-    elif mode == "slow-disk":
-        child_slow_disk(Path(args[0]), args[1])
-    elif mode == "ranks":
-        child_ranks(Path(args[0]), int(args[1]), int(args[2]), int(args[3]), [int(a) for a in args[4:]])

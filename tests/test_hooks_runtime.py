@@ -7,7 +7,6 @@ import os
 import pickle
 
 import cloudpickle
-import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch

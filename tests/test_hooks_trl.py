@@ -34,7 +34,6 @@ else:
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
-from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
 from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
 from triage_monitor.hooks.trl import LOSS_TYPE_AGG, TriageGRPOTrainer  # noqa: E402
@@ -221,7 +220,7 @@ def test_tool_loop_call_gets_sampler_logps(trl_run):
 def test_loss_through_trl_equals_core_api(trl_run):
     """Same tensors through the core API give the same loss; TRL's grpo normaliser worked out by hand:
     B responses of the micro-batch × gradient-accumulation steps."""
-    trainer, captured, cfg = trl_run["trainer"], trl_run["captured"], trl_run["cfg"]
+    captured, cfg = trl_run["captured"], trl_run["cfg"]
     assert len(captured) == 3 * GA                                            # 3 steps × 2 micro-batches
     inputs, res, loss = captured[-1]
     mask = (inputs["completion_mask"] * inputs.get("tool_mask", 1)).bool()

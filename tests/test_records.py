@@ -15,7 +15,6 @@ import torch
 from runfiles import file_of, files, parts
 from triage_monitor.analysis import open_run
 from triage_monitor.batch import TokenBatch
-from triage_monitor.layout import RunLayout
 from triage_monitor.manifest import RunManifest
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 from triage_monitor.records import OutputError, RunConflictError, UnwritableOutputError
