@@ -192,6 +192,15 @@ def test_live_alerts_and_diagnostics_on_a_small_real_run(tmp_path):
     jl = judge_run(df, window=cfg.window, live_alerts=live)
     assert jl["alerts_source"] == "live" and jl["live_equals_replay"] is True
     assert jl["n_alerts"] == len([r for r in live.get("rule", []) if r != "nonfinite_logp"])
+    # two rules firing at one step: the live table's order within a step is not the firing order, and still agrees
+    twins = [Rule(name=n, metric="window/rho_asym", condition="above", threshold=thr, group="direction",
+                  guard_metric="window/delta_abs_mean", guard_min=NOISE_FLOOR_NATS) for n in ("z_up", "a_up")]
+    fired = sorted((int(a.step), a.rule) for a in replay_engine(twins, df).fired)   # z_up fires first, stored after
+    if fired:
+        assert [r for _, r in fired[:2]] == ["a_up", "z_up"]
+        as_stored = pd.DataFrame({"step": [s for s, _ in fired], "rule": [n for _, n in fired]})
+        assert judge_run(df, window=cfg.window, rules=twins, live_alerts=as_stored)["live_equals_replay"] is True
+        assert judge_run(df, window=cfg.window, rules=twins, live_alerts=as_stored.iloc[:1])["live_equals_replay"] is False
     # diagnostics by hand: trailing-10 reward needs 10 steps (8 here: NaN), gradient norm, follow probes at 0, 2, 4, 6
     assert math.isnan(j["reward_min"]) and j["grad_norm_max"] == pytest.approx(df["grad_norm"].max())
     assert df["follow_corr"].notna().tolist() == [s % 2 == 0 for s in range(8)]

@@ -320,7 +320,7 @@ def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[p
         "lead_steps": lead, "lead_frac": (lead / n) if lead is not None else None, "n_alerts": len(warn),
         **{f"first_{g}_alert": next((st for st, r in warn if groups.get(r) == g), None) for g in WARNING_GROUPS},
         "alerts": warn, "alerts_source": "live" if live is not None else "replay",
-        "live_equals_replay": (live == replayed) if live is not None else None,
+        "live_equals_replay": (live == sorted(replayed)) if live is not None else None,   # the same (step, rule) set
         "noise_level_steps": len(noise),
     }
 
