@@ -338,7 +338,8 @@ class WorkerRuntime:
         """Add the framework's timer readings of ``step`` (seconds) to the phase timings of that step's row
         (docs/metrics.md#step-time-and-the-full-cycle): mapped with :func:`triage_monitor.timings.phase_times`
         (``framework``'s names, docs/hooks.md#phase-timings), added to what the step already has.  Timers of no
-        phase are said once in the log; readings for a step whose row is already written are dropped (said once).
+        phase are said once in the log; readings for a step whose row is already written go to the run's timings
+        table (``MismatchMonitor.add_timings``), which readers join to the row.
         Never raises: monitoring never stops the training job."""
         with self._lock:
             try:
@@ -354,8 +355,13 @@ class WorkerRuntime:
                                 sorted(unknown))
             step = int(step)
             if self._logged_through is not None and step <= self._logged_through:
-                self._warn_once("timings-late", "triage-monitor: phase timings of step %d arrived after its row was "
-                                "written; they are not recorded", step)
+                # the row is written: the timings go to the run's timings table, which readers join to it
+                try:
+                    if self._monitor is not None and times:
+                        self._monitor.add_timings(step, times)
+                except Exception as exc:   # noqa: BLE001 — monitoring never stops the job
+                    self._warn_once("timings-late", "triage-monitor: phase timings of step %d, which arrived after "
+                                    "its row was written, not recorded (%s)", step, exc)
                 return
             into = self._timings.setdefault(step, {})
             for phase, v in times.items():

@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import sys
 from typing import Optional, Sequence
 
@@ -58,6 +60,8 @@ from triage_monitor.batch import TokenBatch
 from ._common import leading_positions
 from ._options import check_normalization
 from ._runtime import HookSettings, LossHook
+
+log = logging.getLogger("triage_monitor")
 
 #: OpenRLHF releases this hook was run against (docs/hooks.md#openrlhf).
 TESTED_VERSIONS = ("0.11.2",)
@@ -310,6 +314,75 @@ class TriagePolicyActorMixin:
         return out
 
 
+class TriageTimingsMixin:
+    """What the hook adds to OpenRLHF's driver-side trainer (``PPOTrainer``, or the ``TrainingActor`` of the async
+    trainer): ``save_logs_and_checkpoints(global_step, logs_dict)`` — called once per OpenRLHF step with the status
+    that holds the step's ``timing/*`` (``generation``, ``make_experience``, ``ppo_train``, ``broadcast``,
+    ``step_total``; ``trainer/ppo_trainer.py`` ``train_step`` / ``fit``) — first hands those timers to a
+    :class:`~triage_monitor.timings_writer.TimingsWriter` of the run, at the monitored step the status names
+    (``triage/metrics_step``: the last optimizer step of the step's fit, whose row the actors wrote before the
+    driver's timers closed), then calls OpenRLHF's own.  Never raises into the trainer."""
+
+    triage_settings: Optional[HookSettings] = None
+
+    def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None):
+        record_status_timings(self, global_step, logs_dict)
+        return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+
+
+def record_status_timings(trainer, global_step: int, logs_dict) -> Optional[int]:
+    """Record the ``timing/*`` of an OpenRLHF status in the run's timings table (``trainer.triage_settings.run_dir``)
+    at the status's ``triage/metrics_step`` (else the run's newest step); returns the monitored step written, or
+    None.  The writer is kept on ``trainer``.  Never raises."""
+    try:
+        settings = trainer.triage_settings
+        if settings is None or settings.run_dir is None or not logs_dict:
+            return None
+        writer = getattr(trainer, "_triage_timings", None)
+        if writer is None:
+            from triage_monitor.timings_writer import TimingsWriter
+
+            writer = trainer._triage_timings = TimingsWriter(settings.run_dir, framework="openrlhf")
+        step = logs_dict.get("triage/metrics_step")
+        step = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else None
+        return writer.record(logs_dict, step=step, framework_step=int(global_step))
+    except Exception as exc:  # noqa: BLE001 — monitoring never stops the training job
+        log.warning("triage-monitor: OpenRLHF step %s's phase timings not recorded (%s: %s)", global_step,
+                    type(exc).__name__, exc)
+        return None
+
+
+def _timed(base, settings: HookSettings, name: str):
+    """``base`` (a plain class, not the Ray-decorated one) with :class:`TriageTimingsMixin` and ``settings``."""
+    return type(name, (TriageTimingsMixin, base), {"triage_settings": settings, "__module__": __name__,
+                                                   "__doc__": f"OpenRLHF's {base.__name__} recording its phase "
+                                                              "timings (docs/hooks.md#phase-timings)."})
+
+
+def trainer_classes(settings: HookSettings) -> dict:
+    """Ray actor classes for the two places :func:`run_cli` puts them: ``{"PPOTrainer": ..., "PPOTrainerAsync":
+    ...}`` — OpenRLHF's synchronous trainer with :class:`TriageTimingsMixin`, and its asynchronous trainer, whose
+    ``__init__`` (in its own process) makes its ``TrainingActor`` the same (that class is looked up there)."""
+    import ray
+    from openrlhf.trainer import ppo_trainer, ppo_trainer_async
+
+    def plain(cls):
+        return getattr(cls, "__ray_actor_class__", cls)
+
+    sync = _timed(plain(ppo_trainer.PPOTrainer), settings, "TriagePPOTrainer")
+    training_actor = plain(ppo_trainer_async.TrainingActor)
+    async_base = plain(ppo_trainer_async.PPOTrainerAsync)
+
+    def __init__(self, *args, **kwargs):
+        from openrlhf.trainer import ppo_trainer_async as module
+
+        module.TrainingActor = ray.remote(_timed(training_actor, settings, "TriageTrainingActor"))
+        async_base.__init__(self, *args, **kwargs)
+
+    asynchronous = type("TriagePPOTrainerAsync", (async_base,), {"__init__": __init__, "__module__": __name__})
+    return {"PPOTrainer": ray.remote(sync), "PPOTrainerAsync": ray.remote(asynchronous)}
+
+
 def policy_actor_class(settings: HookSettings, num_gpus: float = 1):
     """A Ray actor class: OpenRLHF's ``PolicyModelActor`` with :class:`TriagePolicyActorMixin` and ``settings``.
 
@@ -332,23 +405,31 @@ def policy_actor_class(settings: HookSettings, num_gpus: float = 1):
 
 def run_cli(settings: HookSettings, argv: Optional[Sequence[str]] = None) -> None:
     """Run OpenRLHF's ``openrlhf.cli.train_ppo_ray`` (its own parser, checks and ``train``) with the policy actor
-    class of :func:`policy_actor_class` in place of ``PolicyModelActor``; ``argv``: OpenRLHF's arguments.
+    class of :func:`policy_actor_class` in place of ``PolicyModelActor`` and the trainers of
+    :func:`trainer_classes` in place of ``PPOTrainer`` / ``PPOTrainerAsync``; ``argv``: OpenRLHF's arguments.
 
-    The substitution is the module attribute ``openrlhf.trainer.ray.ppo_actor.PolicyModelActor`` for the
-    duration of the call (the CLI imports the class from there); it is restored afterwards.
+    The substitutions are the module attributes ``openrlhf.trainer.ray.ppo_actor.PolicyModelActor``,
+    ``openrlhf.trainer.ppo_trainer.PPOTrainer`` and ``openrlhf.trainer.ppo_trainer_async.PPOTrainerAsync`` for the
+    duration of the call (the CLI imports the classes from there when it runs); they are restored afterwards.
     """
     import runpy
 
+    from openrlhf.trainer import ppo_trainer, ppo_trainer_async
     from openrlhf.trainer.ray import ppo_actor
 
-    original = ppo_actor.PolicyModelActor
+    originals = [(ppo_actor, "PolicyModelActor", ppo_actor.PolicyModelActor),
+                 (ppo_trainer, "PPOTrainer", ppo_trainer.PPOTrainer),
+                 (ppo_trainer_async, "PPOTrainerAsync", ppo_trainer_async.PPOTrainerAsync)]
     saved_argv = sys.argv
     ppo_actor.PolicyModelActor = policy_actor_class(settings)
+    trainers = trainer_classes(settings)
+    ppo_trainer.PPOTrainer, ppo_trainer_async.PPOTrainerAsync = trainers["PPOTrainer"], trainers["PPOTrainerAsync"]
     sys.argv = ["openrlhf.cli.train_ppo_ray", *(sys.argv[1:] if argv is None else argv)]
     try:
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
     finally:
-        ppo_actor.PolicyModelActor = original
+        for module, name, cls in originals:
+            setattr(module, name, cls)
         sys.argv = saved_argv
 
 
@@ -412,5 +493,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["batch_from_openrlhf", "is_correction_coef", "OpenRLHFTriageLoss", "install", "TriagePolicyActorMixin",
-           "policy_actor_class", "run_cli", "parse_triage_args", "main", "TESTED_VERSIONS",
+           "TriageTimingsMixin", "record_status_timings", "trainer_classes", "policy_actor_class", "run_cli", "parse_triage_args", "main", "TESTED_VERSIONS",
            "IDENTITY_CORRECTION_FLAGS"]

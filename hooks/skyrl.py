@@ -441,5 +441,77 @@ def register(settings: Optional[HookSettings] = None, *, name: str = "triage", b
     return fn
 
 
+# ------------------------------------------------------------------------------------------- phase timings
+def timings_callback(run_dir):
+    """A SkyRL training callback (``skyrl.train.utils.callbacks.TrainingCallback``) recording each step's phase
+    timings in the run directory ``run_dir``.
+
+    The trainer (``train/trainer.py`` ``RayPPOTrainer.train``, in the process of SkyRL's entry point) fires
+    ``on_log`` with the payload it is about to hand to its tracker — the step's ``timing/<name>`` (its
+    ``all_timings``: ``generate``, ``fwd_logprobs_values_reward``, ``train_critic_and_policy``, ``sync_weights``,
+    ``step``, ...) among its metrics — once the step timer closed, after the workers wrote the step's rows (the
+    monitored step is SkyRL's ``global_step``, ``callback_input.global_step``).  The callback hands the payload
+    to a :class:`~triage_monitor.timings_writer.TimingsWriter` of ``run_dir`` at that step (other keys are
+    skipped, the payload is not changed); it never raises into the trainer.  Add it with
+    ``trainer.add_callback(...)`` or ``RayPPOTrainer(..., callbacks=[...])``, or use :func:`experiment_class`.
+
+    Raises:
+        ImportError: SkyRL is not installed."""
+    from skyrl.train.utils.callbacks import TrainingCallback
+
+    from triage_monitor.timings_writer import TimingsWriter
+
+    class TriageTimingsCallback(TrainingCallback):
+        def __init__(self):
+            self.writer = TimingsWriter(run_dir, framework="skyrl")
+
+        def on_log(self, trainer, callback_input, control) -> None:
+            logs, step = callback_input.logs, callback_input.global_step
+            if logs:
+                self.writer.record(logs, step=int(step), framework_step=int(step))
+
+        def on_train_end(self, trainer, callback_input, control) -> None:
+            self.writer.close()
+
+    return TriageTimingsCallback()
+
+
+class TimingsExpMixin:
+    """For SkyRL's experiment class (``skyrl.train.entrypoints.main_base.BasePPOExp`` or your subclass):
+    ``get_trainer`` adds :func:`timings_callback` of ``triage_run_dir`` (the run directory of :func:`register`) to
+    the trainer it builds."""
+
+    triage_run_dir: Optional[str] = None
+
+    def get_trainer(self, *args, **kwargs):
+        trainer = super().get_trainer(*args, **kwargs)
+        if self.triage_run_dir:
+            trainer.add_callback(timings_callback(self.triage_run_dir))
+        return trainer
+
+
+def experiment_class(run_dir, base=None):
+    """``base`` (default SkyRL's ``BasePPOExp``) with :class:`TimingsExpMixin` recording into ``run_dir``."""
+    if base is None:
+        from skyrl.train.entrypoints.main_base import BasePPOExp as base
+    return type(f"Timed{base.__name__}", (TimingsExpMixin, base), {"triage_run_dir": str(run_dir),
+                                                                   "__module__": __name__})
+
+
+def run_experiment(cfg, run_dir, base=None) -> None:
+    """What SkyRL's ``skyrl_entrypoint`` does (``BasePPOExp(cfg).run()``), with the experiment class of
+    :func:`experiment_class`: the trainer's phase timings reach the run's steps table."""
+    experiment_class(run_dir, base)(cfg).run()
+
+
+def entrypoint(num_cpus: float = 1):
+    """SkyRL's ``skyrl_entrypoint`` with the phase timings recorded: a Ray remote function taking
+    ``(cfg, run_dir, base=None)`` (:func:`run_experiment`); ``ray.get(entrypoint().remote(cfg, run_dir))``."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus)(run_experiment)
+
+
 __all__ = ["SKYRL_LOSS_REDUCTIONS", "SKYRL_BASE_LOSSES", "batch_from_skyrl", "check_algorithm_config",
-           "optimizer_steps_per_step", "skyrl_call_site", "SkyRLTriageLoss", "register"]
+           "optimizer_steps_per_step", "skyrl_call_site", "SkyRLTriageLoss", "register", "timings_callback",
+           "TimingsExpMixin", "experiment_class", "run_experiment", "entrypoint"]

@@ -59,6 +59,7 @@ def install_stubs() -> list:
         setattr(fa, n, _raiser(f"flash_attn.bert_padding.{n}"))
     sys.modules["flash_attn.utils.distributed"].all_gather = _raiser("flash_attn.utils.distributed.all_gather")
     sys.modules["vllm"].__version__ = "0.29.0"
+    sys.modules["vllm"].SamplingParams = _raiser("vllm.SamplingParams")
     sys.modules["vllm.inputs"].TokensPrompt = _raiser("vllm.inputs.TokensPrompt")
     sys.modules["vllm.utils"].random_uuid = _raiser("vllm.utils.random_uuid")
     return added

@@ -517,6 +517,64 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
                 assert v == pytest.approx(r0[k], rel=1e-6, abs=1e-9), k
 
 
+def test_the_trainers_timers_reach_the_steps_table_through_a_training_callback(tmp_path):
+    """The experiment class of the hook (SkyRL's BasePPOExp with TimingsExpMixin) builds SkyRL's real RayPPOTrainer
+    through BasePPOExp.get_trainer and adds the callback; the trainer's own _fire("on_log", logs=...) — what
+    RayPPOTrainer.train does before tracker.log (train/trainer.py L522-536) — with the payload train builds
+    (metrics, timing/<all_timings>) at global_step 1..3: each step's row (written earlier by the workers) gets
+    the phases, mapped as docs/hooks.md#phase-timings says; SkyRL's payload is left as it was."""
+    import math
+
+    from skyrl.train.config import SkyRLTrainConfig
+    from skyrl.train.entrypoints.main_base import BasePPOExp
+    from skyrl.train.trainer import RayPPOTrainer
+    from skyrl.train.utils.tracking import Tracking
+
+    from triage_monitor.analysis import open_run
+    from triage_monitor.hooks.skyrl import TimingsExpMixin, experiment_class
+    from triage_monitor.monitor import MismatchMonitor
+
+    run_dir = tmp_path / "run"
+    with MismatchMonitor(run_dir, MonitorConfig(), alerts=False) as mon:      # the workers' rows, no timings
+        for s in (1, 2, 3):
+            g = torch.Generator().manual_seed(s)
+            lp = -torch.rand(2, 6, generator=g) - 0.01
+            mon.log_step(s, TokenBatch.from_padded(lp, lp - 0.1, torch.ones(2, 6), torch.ones(2, 6, dtype=torch.bool)))
+    cfg = SkyRLTrainConfig()
+    cfg.trainer.logger = "console"
+    cfg.generator.inference_engine.enable_ray_prometheus_stats = False     # they query a live Ray cluster
+    cfg.trainer.enable_ray_gpu_monitor = False
+    Exp = experiment_class(run_dir)
+    assert issubclass(Exp, TimingsExpMixin) and issubclass(Exp, BasePPOExp)
+    exp = object.__new__(Exp)                  # BasePPOExp.__init__ loads a tokenizer and datasets: not needed here
+    exp.cfg = cfg
+    tracker = Tracking("p", "r", backend="console", config=cfg)
+    trainer = exp.get_trainer(cfg=cfg, tracker=tracker, tokenizer=None, train_dataset=None, eval_dataset=None,
+                              inference_engine_client=None, generator=None, colocate_pg=None)
+    assert type(trainer) is RayPPOTrainer
+    payloads = []
+    for s in (1, 2, 3):
+        trainer.global_step = s
+        all_timings = {"generate": 6.0 * s, "postprocess_generator_output": 0.1, "convert_to_training_input": 0.2,
+                       "fwd_logprobs_values_reward": 1.0, "compute_advantages_and_returns": 0.2,
+                       "train_critic_and_policy": 2.0, "policy_train": 1.9, "sync_weights": 0.5, "step": 10.0 * s}
+        log_payload = {"trainer/global_step": s, "policy/policy_loss": 0.1,
+                       **{f"timing/{k}": v for k, v in all_timings.items()}}
+        before = dict(log_payload)
+        trainer._fire("on_log", logs=log_payload)
+        assert log_payload == before
+        payloads.append(log_payload)
+    trainer._fire("on_train_end")
+    steps = open_run(run_dir).steps().set_index("step")
+    assert steps["time/generation"].tolist() == [6.0, 12.0, 18.0] and steps["time/step"].tolist() == [10.0, 20.0, 30.0]
+    assert steps["time/reward"].tolist() == pytest.approx([0.3] * 3) and steps["time/other"].tolist() == [0.2] * 3
+    assert steps["time/update"].tolist() == [2.0] * 3 and steps["time/weight_sync"].tolist() == [0.5] * 3
+    assert steps["time/logprob"].tolist() == [1.0] * 3 and all(math.isnan(v) for v in steps["time/quantize"])
+    late = open_run(run_dir).timings()
+    assert late["framework"].tolist() == ["skyrl"] * 3 and late["framework_step"].tolist() == [1, 2, 3]
+    assert not [p for p in (run_dir / "timings").iterdir() if p.name.startswith(".")]     # sealed at train end
+
+
 class _Host:
     def run(self, rank, world, loss_name, port):
         return run_worker(rank, world, loss_name, port)

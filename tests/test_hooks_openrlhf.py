@@ -541,6 +541,72 @@ def test_policy_actor_class_is_a_ray_policy_model_actor(orl):
     assert back.triage_settings == s
 
 
+
+def _driver_classes(run_dir):
+    """The hook's driver-side trainer classes, with OpenRLHF's trainer modules imported as the orl fixture does."""
+    added = cpu.install_stubs()
+    try:
+        from openrlhf.trainer import ppo_trainer, ppo_trainer_async
+        classes = hook.trainer_classes(settings(run_dir, rank=0))
+    finally:
+        cpu.remove_stubs(added)
+    return classes, ppo_trainer, ppo_trainer_async
+
+
+def test_the_drivers_timers_land_on_each_fits_last_step(runs, tmp_path):
+    """OpenRLHF's own BasePPOTrainer.save_logs_and_checkpoints, reached through the hook's PPOTrainer subclass,
+    with each real fit's status plus the timers train_step / fit add (trainer/ppo_trainer.py L255-258, L543-545):
+    the run's steps table gets them at the fit's last optimizer step (2, 5, 8; triage/metrics_step), the other
+    steps stay untimed; OpenRLHF's logger still gets the status, timers included."""
+    import math
+    import types
+
+    from triage_monitor.analysis import open_run
+
+    r = runs["off"]
+    classes, ppo_trainer, _ = _driver_classes(r["run"].parent)
+    cls = classes["PPOTrainer"].__ray_actor_class__
+    assert issubclass(cls, hook.TriageTimingsMixin) and issubclass(cls, ppo_trainer.BasePPOTrainer)
+    logged = []
+    trainer = object.__new__(cls)
+    trainer.args = types.SimpleNamespace(logger=types.SimpleNamespace(logging_steps=1),
+                                         ckpt=types.SimpleNamespace(save_steps=float("inf")))
+    trainer.wandb_logger = types.SimpleNamespace(log_train=lambda step, logs: logged.append((step, dict(logs))))
+    trainer.tensorboard_logger = None
+    for k, status in enumerate(r["statuses"]):
+        status = dict(status)
+        status.update({"timing/make_experience": 1.0 + k, "timing/ppo_train": 2.0, "timing/broadcast": 0.5})
+        status["timing/generation"] = 6.0
+        status["timing/step_total"] = sum(v for key, v in status.items() if key.startswith("timing/"))
+        trainer.save_logs_and_checkpoints(k + 1, status, {})
+    trainer._triage_timings.close()
+    steps = open_run(r["run"]).steps().set_index("step")
+    timed = steps[steps["time/generation"].notna()]
+    assert timed.index.tolist() == [2, 5, 8]
+    assert timed["time/logprob"].tolist() == [1.0, 2.0, 3.0] and timed["time/update"].tolist() == [2.0] * 3
+    assert timed["time/step"].tolist() == [9.5, 10.5, 11.5] and timed["time/weight_sync"].tolist() == [0.5] * 3
+    assert all(math.isnan(v) for v in steps.drop(index=[2, 5, 8])["time/step"])
+    late = open_run(r["run"]).timings()
+    assert late["framework"].tolist() == ["openrlhf"] * 3 and late["framework_step"].tolist() == [1, 2, 3]
+    assert [s for s, _ in logged] == [1, 2, 3] and logged[0][1]["timing/generation"] == 6.0
+
+
+def test_the_async_trainer_makes_its_training_actor_record_timings(tmp_path):
+    """The async trainer's __init__ puts the hook's TrainingActor in ppo_trainer_async's module (where OpenRLHF's
+    PPOTrainerAsync.__init__ looks it up, in its own process) before OpenRLHF's __init__ runs."""
+    classes, _, ppo_trainer_async = _driver_classes(tmp_path)
+    original = ppo_trainer_async.TrainingActor
+    base = classes["PPOTrainerAsync"].__ray_actor_class__
+    try:
+        with pytest.raises(AttributeError):               # OpenRLHF's own __init__ starts: strategy.args...
+            base.__init__(object.__new__(base), "model", None, None, None, None, None, None)
+        actor = ppo_trainer_async.TrainingActor.__ray_actor_class__
+        assert issubclass(actor, hook.TriageTimingsMixin)
+        assert issubclass(actor, original.__ray_actor_class__)
+    finally:
+        ppo_trainer_async.TrainingActor = original
+
+
 # In the main venv only the tests above the side-environment runner are collected; the OpenRLHF tests run in
 # the side environment through test_openrlhf_suite_in_its_side_environment (no silent skip either way).
 MAIN_VENV_TESTS = ("test_cli_arguments_split", "test_cli_alerts_loggers_framework_keys",

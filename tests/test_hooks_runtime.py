@@ -476,7 +476,7 @@ def test_the_hook_hands_its_process_group_to_the_monitor(tmp_path):
 def test_a_hooks_timers_reach_the_row_of_their_step(tmp_path, caplog):
     """add_timings maps the framework's names and adds a step's readings (verl's reward + adv = 0.75 s); the
     timings source fills the phases they lack; an unknown timer is said once and left out; readings for a step
-    whose row is written are said once and dropped."""
+    whose row is written go to the timings table, and fill only the phases the row lacks."""
     import logging
 
     from triage_monitor.analysis import open_run
@@ -492,15 +492,16 @@ def test_a_hooks_timers_reach_the_row_of_their_step(tmp_path, caplog):
         rt.add_timings(1, {"gen": 6.0, "reward": 0.25, "adv": 0.5, "step": 10.5, "my_timer": 1.0}, "verl")
         rt.add_timings(1, {"update_actor": 1.0, "testing": 5.0}, "verl")
         rt.record(2, batch)                            # step 1's row is written now
-        rt.add_timings(1, {"gen": 1.0}, "verl")        # too late
+        rt.add_timings(1, {"gen": 1.0, "save_checkpoint": 3.0}, "verl")   # late: to the timings table
         rt.add_timings(2, {"generation": -1.0})        # not a duration
         rt.close()
     row = open_run(tmp_path / "run").steps().set_index("step").loc[1]
     assert (row["time/generation"], row["time/reward"], row["time/update"], row["time/step"]) == (6.0, 0.75, 1.0, 10.5)
     assert row["time/weight_sync"] == 0.5                 # from the source: a phase the hook's readings lacked
-    assert math.isnan(row["time/other"])                  # verl's testing lies outside the step: no phase
+    assert row["time/other"] == 3.0                       # late, a phase the row lacked (verl's testing: no phase)
+    late = open_run(tmp_path / "run").timings()
+    assert late["step"].tolist() == [1] and late.loc[0, "time/generation"] == 1.0 and late.loc[0, "rank"] == 0
     said = [r.getMessage() for r in caplog.records]
     assert sum("['my_timer']" in m for m in said) == 1
-    assert sum("arrived after its row was written" in m for m in said) == 1
     assert sum("not recorded" in m and "-1.0" in m for m in said) == 1
     assert math.isnan(open_run(tmp_path / "run").steps().set_index("step").loc[2, "time/generation"])

@@ -25,7 +25,7 @@ from triage_monitor.hooks.skyrl import SkyRLTriageLoss, batch_from_skyrl
 pytestmark = pytest.mark.framework
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = 18          # tests in tests/skyrl_checks.py
+CHECKS = 19          # tests in tests/skyrl_checks.py
 
 
 def test_skyrl_0_3_0_real_code_paths(side_env):

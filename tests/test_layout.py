@@ -27,7 +27,7 @@ def test_every_name_of_a_run_directory(tmp_path):
     root = tmp_path / "run"
     assert r.root == root and repr(r) == f"RunLayout({str(root)!r})" and r.is_local
     assert r.manifest == MANIFEST == "run.json"
-    assert TABLES == ("tokens", "steps", "quarantine", "alerts") and r.table_dir("alerts") == "alerts"
+    assert TABLES == ("tokens", "steps", "quarantine", "alerts", "timings") and r.table_dir("alerts") == "alerts"
     assert r.block("tokens", 0, 49, 2, 17, 0) == "tokens/steps-00000000-00000049-rank-0002-attempt-17-part-0.parquet"
     assert r.pending("steps", 3, 12345, 1, 4) == "steps/.pending-00000003-rank-12345-attempt-1-part-4.arrow"
     assert r.lock_name(3) == ".writer-rank-3.lock" and r.lock_file(3) == root / ".writer-rank-3.lock"

@@ -205,3 +205,109 @@ def test_bad_timings_raise_and_record_nothing(tmp_path):
         assert mon.steps_logged == 0
         mon.log_step(0, batch(), timings={"generation": np.float64(1.0)})
     assert open_run(tmp_path / "run").steps()["time/generation"].tolist() == [1.0]
+
+
+def _monitored_run(path, steps, roll_steps=50):
+    """A run whose rows carry no phase timings (as a framework worker writes them): rank 0, ``steps`` steps."""
+    with MismatchMonitor(path, MonitorConfig(roll_steps=roll_steps), alerts=False) as mon:
+        for s in steps:
+            mon.log_step(s, batch(s))
+
+
+def test_a_drivers_timers_fill_the_rows_written_before_them(tmp_path, caplog):
+    """The OpenRLHF driver's status timers of steps 0-2, recorded after the rows (explicit step, then the run's
+    newest step): steps() gets them in the time/ columns, the generation share and projection worked out by hand
+    (6.0 of 10.5 s: g = 0.571, 1.48x at k 2.3); a phase the row timed itself is kept; other status keys are
+    skipped; no new step is said once and nothing is written."""
+    import logging
+
+    from triage_monitor.timings_writer import TimingsWriter
+
+    run = tmp_path / "run"
+    with MismatchMonitor(run, MonitorConfig(), alerts=False) as mon:
+        mon.log_step(0, batch(0), timings={"update": 9.9})          # the row's own reading stays
+        mon.log_step(1, batch(1))
+    status = {"timing/generation": 6.0, "timing/make_experience": 1.5, "timing/ppo_train": 2.5,
+              "timing/broadcast": 0.5, "timing/step_total": 10.5, "policy_loss": 0.3, "triage/metrics_step": 0.0}
+    with TimingsWriter(run, framework="openrlhf") as tw:
+        assert tw.record(status, step=0, framework_step=1) == 0
+        assert tw.record({**status, "timing/generation": 4.0}, framework_step=2) == 1   # the run's newest step
+        with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+            assert tw.record(status, framework_step=3) is None       # no step newer than 1 in the run
+            assert tw.record(status, framework_step=4) is None
+        assert tw.record({"policy_loss": 1.0}, step=1) is None        # no timer: nothing
+    assert sum("no monitored step newer" in r.getMessage() for r in caplog.records) == 1
+    steps = open_run(run).steps().set_index("step")
+    assert steps["time/generation"].tolist() == [6.0, 4.0] and steps["time/step"].tolist() == [10.5, 10.5]
+    assert steps["time/update"].tolist() == [9.9, 2.5] and steps["time/logprob"].tolist() == [1.5, 1.5]
+    assert steps["time/weight_sync"].tolist() == [0.5, 0.5] and math.isnan(steps.loc[0, "time/reference"])
+    frame = tm.cycle_frame(steps.reset_index())
+    assert frame["g"].round(3).tolist()[0] == 0.571 and round(tm.projected_speedup(6.0 / 10.5, 2.3), 2) == 1.48
+    late = open_run(run).timings()
+    assert late["framework"].tolist() == ["openrlhf"] * 2 and late["framework_step"].tolist() == [1, 2]
+    assert late.dtypes["step"] == "int64" and late.dtypes["rank"] == "int64" and late.dtypes["attempt"] == "int64"
+    plain = pd.read_parquet(run / "timings")                         # a plain reader: the sealed block
+    assert plain["step"].tolist() == [0, 1] and plain["time/generation"].tolist() == [6.0, 4.0]
+
+
+def test_the_timings_table_rolls_keeps_a_killed_drivers_steps_and_takes_the_newest_row(tmp_path):
+    """120 steps timed by a driver with roll_steps 50: 3 sealed blocks, no pending file; a driver killed before
+    close leaves its steps in pending files, which steps() reads; a later driver's reading of a phase wins, the
+    phases it did not time keep the earlier row's."""
+    from triage_monitor.timings_writer import TimingsWriter
+
+    run = tmp_path / "run"
+    _monitored_run(run, range(120))
+    tw = TimingsWriter(run, framework="skyrl")
+    for s in range(120):
+        tw.record({"timing/generate": 1.0 + s, "timing/step": 2.0 + s}, step=s)
+    tw.close()
+    names = sorted(p.name for p in (run / "timings").iterdir())
+    assert len(names) == 3 and not [n for n in names if n.startswith(".")]
+    killed = TimingsWriter(run, framework="skyrl")               # never closed: as if killed
+    killed.record({"timing/generate": 0.5}, step=7)
+    killed.record({"timing/sync_weights": 0.25}, step=8)
+    assert len([p for p in (run / "timings").iterdir() if p.name.startswith(".pending-")]) == 2
+    steps = open_run(run).steps().set_index("step")
+    assert steps.loc[7, "time/generation"] == 0.5 and steps.loc[7, "time/step"] == 9.0     # newest per phase
+    assert steps.loc[8, "time/weight_sync"] == 0.25 and steps.loc[9, "time/generation"] == 10.0
+    assert steps["time/generation"].notna().all() and len(steps) == 120
+    killed._closed = True                                        # keep its pending files past this test
+
+
+def test_a_bad_reading_or_an_unwritable_run_never_raises(tmp_path, caplog):
+    """A negative or non-numeric reading, or a run directory the driver cannot write: None and one warning, never
+    an exception into the driver; an unsupported scheme is an error at construction, naming it."""
+    import logging
+
+    from triage_monitor.errors import UnsupportedLocationError
+    from triage_monitor.timings_writer import TimingsWriter
+
+    run = tmp_path / "run"
+    _monitored_run(run, range(2))
+    tw = TimingsWriter(run, framework="nemo_rl")
+    with caplog.at_level(logging.WARNING, logger="triage_monitor"):
+        assert tw.record({"timing/train/generation": -1.0}, step=0) is None
+        assert tw.record({"timing/train/generation": "fast"}, step=0) is None
+        (run / "timings").write_text("not a directory")
+        assert tw.record({"timing/train/generation": 1.0}, step=1) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert any("-1.0" in m for m in said) and any("not written to" in m for m in said)
+    tw.close()
+    with pytest.raises(UnsupportedLocationError, match="gs://"):
+        TimingsWriter("gs://bucket/run")
+
+
+def test_a_monitors_late_timings_go_to_the_timings_table(tmp_path):
+    """MismatchMonitor.add_timings after the step's row: the timings table, filled into the row where NaN;
+    a name that is no timer raises, naming it."""
+    run = tmp_path / "run"
+    with MismatchMonitor(run, MonitorConfig(), alerts=False) as mon:
+        mon.log_step(3, batch(3), timings={"generation": 2.0})
+        mon.add_timings(3, {"perf/update_weights_time": 0.75, "perf/rollout_time": 5.0},
+                        framework="slime", framework_step=12)
+        with pytest.raises(ValueError, match="gpu_time"):
+            mon.add_timings(3, {"gpu_time": 1.0})
+    row = open_run(run).steps().iloc[0]
+    assert (row["time/generation"], row["time/weight_sync"]) == (2.0, 0.75)
+    assert open_run(run).timings()["framework_step"].tolist() == [12]

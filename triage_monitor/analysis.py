@@ -32,6 +32,7 @@ from .errors import TriageMonitorError
 from .layout import DENSE_TABLES, MANIFEST, TABLES, Part, RunLayout, TableIndex
 from .manifest import ManifestError, RunManifest, read_manifest
 from .storage import Store, open_store
+from .timings import TIME_COLUMNS
 
 log = logging.getLogger("triage_monitor.analysis")
 
@@ -293,8 +294,32 @@ class Run:
         if df is None or not len(df):
             return pd.DataFrame({"step": pd.Series([], dtype="int64")})
         front = ["step", "rank"]
-        return df[front + [c for c in df.columns if c not in front]].sort_values(["step", "rank"]).reset_index(
+        df = df[front + [c for c in df.columns if c not in front]].sort_values(["step", "rank"]).reset_index(
             drop=True)
+        return _fill_late_timings(df, self.timings())
+
+    def timings(self) -> pd.DataFrame:
+        """The timings table: phase timings recorded after their step's row (a framework driver's timers,
+        :class:`~triage_monitor.timings_writer.TimingsWriter`, or ``MismatchMonitor.add_timings``), one row a step:
+        each column's newest reading of the step (latest attempt, then part, then write time; a later row without
+        a phase keeps the earlier row's).  :meth:`steps` fills its rows' ``time/<phase>``
+        columns from these where they are NaN.  Empty (with a ``step`` column) when there are none."""
+        idx = self.index("timings")
+        frames = []
+        for p in idx.parts:
+            t = self._read(p)
+            if t is None or not t.num_rows:
+                continue
+            df = t.to_pandas()
+            df["_order"] = [p.order] * len(df)
+            frames.append(df)
+        if not frames:
+            return pd.DataFrame({"step": pd.Series([], dtype="int64")})
+        df = pd.concat(frames, ignore_index=True)
+        df["step"] = df["step"].astype("int64")
+        df = df.sort_values(["step", "_order", "wall_time"], kind="stable").drop(columns=["_order"])
+        out = df.groupby("step", sort=True).last().reset_index()       # each column's newest reading
+        return out.astype({c: "int64" for c in ("rank", "framework_step", "attempt") if c in out.columns})
 
     def _table(self, name: str) -> pd.DataFrame:
         """All rows of a side table (``alerts``, ``quarantine``), latest attempt, with a ``step`` column."""
@@ -314,6 +339,20 @@ class Run:
     def file_count(self) -> dict:
         """``{table: files}`` of the run's tables (sealed blocks and pending files), from their listings."""
         return {t: len(self.index(t)) for t in TABLES}
+
+
+def _fill_late_timings(steps: pd.DataFrame, late: pd.DataFrame) -> pd.DataFrame:
+    """``steps`` with its ``time/<phase>`` columns filled from the timings table ``late`` where NaN (each step's
+    late row fills every rank's row of that step); ``steps`` itself when there is nothing to fill."""
+    if not len(late):
+        return steps
+    cols = [c for c in TIME_COLUMNS if c in late.columns]
+    by_step = late.set_index("step")[cols]
+    out = steps.copy()
+    for c in cols:
+        given = out["step"].map(by_step[c])
+        out[c] = out[c].where(out[c].notna(), given) if c in out.columns else given
+    return out
 
 
 def open_run(path) -> Run:

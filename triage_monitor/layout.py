@@ -27,7 +27,8 @@ holds from its name alone.  ``attempt`` (nanoseconds since the epoch at monitor 
 job start) and ``part`` (the block's number within its rank and attempt) say which records are the newest: a
 step's records in a table are those of the latest attempt that wrote the step there (in the tables with rows at
 some steps only, ``quarantine`` and ``alerts``: the step's latest attempt over ``tokens`` and ``steps``,
-:meth:`RunLayout.step_attempts`), and within an attempt those of the highest part (a step logged twice in a row rolls to a new part), a sealed block before the pending file of
+:meth:`RunLayout.step_attempts`; in ``timings``, written late by whichever process holds a framework's timers,
+the step's newest row of the table itself), and within an attempt those of the highest part (a step logged twice in a row rolls to a new part), a sealed block before the pending file of
 the same part (the same records, while the block is being sealed).  Files of one step of the layout before
 blocks (``step-<S>-rank-<R>-attempt-<A>.parquet``) read as one-step blocks of part 0.
 
@@ -47,9 +48,13 @@ from .storage import TEMP_PREFIX, Store, local_path, open_store  # noqa: F401  (
 #: The manifest's file name.
 MANIFEST = "run.json"
 #: The run's tables, each a directory of block files.
-TABLES = ("tokens", "steps", "quarantine", "alerts")
+TABLES = ("tokens", "steps", "quarantine", "alerts", "timings")
+#: Tables written late, by whichever process holds a framework's timers (a driver without a monitor, or the
+#: monitor's rank): a rank's writer never seals another attempt's pending files of these at start (a driver may
+#: still be writing them); their writer seals them at close, and readers read a killed writer's pending files.
+LATE_TABLES = ("timings",)
 #: The tables every logged step of a rank has records in (when the rank writes them): they say which attempt a
-#: step's records come from.  The other two hold rows of some steps only.
+#: step's records come from.  The others hold rows of some steps only.
 DENSE_TABLES = ("tokens", "steps")
 
 _BLOCK_RE = re.compile(r"^steps-(-?\d+)-(-?\d+)-rank-(\d+)-attempt-(\d+)-part-(\d+)\.parquet$")

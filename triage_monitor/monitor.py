@@ -357,6 +357,28 @@ class MismatchMonitor:
                             "backpressure='drop'); training continues, see metric writer_dropped_rows", dropped)
         return out
 
+    def add_timings(self, step: int, timings: dict, framework: Optional[str] = None,
+                    framework_step: Optional[int] = None) -> None:
+        """Record phase timings of a step already logged: the framework's timers that close after the step's row
+        was written (weight sync, the step timer).  They go to the run's ``timings`` table (written by the
+        background writer, as the rows), and readers fill the step's ``time/<phase>`` columns its row left NaN
+        (``open_run(p).steps()``; docs/metrics.md#step-time-and-the-full-cycle).  Only the process that writes
+        the steps rows records them (rank 0 of a synchronised job); elsewhere this does nothing.
+
+        Args:
+            step: the monitored step they belong to.
+            timings: ``{name: seconds}``: our phase names or ``framework``'s timer names
+                (:func:`triage_monitor.timings.phase_times`).
+            framework: whose timer names ``timings`` uses (a key of ``timings.FRAMEWORK_TIMERS``), or None.
+            framework_step: the framework's own step number, kept in the row (None: not said).
+
+        Raises:
+            ValueError: a name that is no phase or timer of ``framework``, a duration that is not a finite
+                number >= 0 (naming it)."""
+        times = phase_times(dict(timings), framework, strict=True)
+        if times and self.writes_steps:
+            self.writer.record_timings(int(step), times, framework, framework_step)
+
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
             self._warned.add(key)

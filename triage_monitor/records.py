@@ -7,7 +7,8 @@ store) to :mod:`triage_monitor.storage`; the file formats to :mod:`triage_monito
 ``pyarrow.dataset.dataset(dir)``, DuckDB or Polars, with ``step``, ``rank`` and ``attempt`` int64 columns.
 
 One declared schema per table (docs/metrics.md#run-directory-tables names every column): :data:`TOKEN_SCHEMA`
-(plus float32 token extras), :data:`QUARANTINE_SCHEMA`, :data:`ALERT_SCHEMA` and :func:`steps_schema` (int64
+(plus float32 token extras), :data:`QUARANTINE_SCHEMA`, :data:`ALERT_SCHEMA`, :data:`TIMINGS_SCHEMA` and
+:func:`steps_schema` (int64
 ``step``/``rank``, the float64 metric columns the monitor declares — :func:`triage_monitor.monitor.steps_schema`
 — and the extras given at the first step, int64 ``attempt``, float64 ``wall_time``, a string
 ``nan_reasons``).  ``attempt`` (nanoseconds since the epoch at monitor start, shared by the ranks of one job
@@ -44,6 +45,7 @@ from .manifest import (IDENTITY_KEYS, IO_CONFIG_KEYS, ManifestError, RunManifest
                        check_monitor_config, config_differences, describe_differences, read_manifest)
 from .blocks import constant_column
 from .sink import DeferredColumns, ParquetSink
+from .timings import COLUMNS as TIME_COLUMN, TIME_COLUMNS
 
 #: the writer's messages (locks, files, manifest) share one logger name
 log = logging.getLogger("triage_monitor.records")
@@ -70,6 +72,14 @@ QUARANTINE_SCHEMA = pa.schema([
     ("learner_logp", pa.float32()), ("sampler_logp", pa.float32()), ("advantage", pa.float32()),
     ("reason", pa.string()), ("attempt", pa.int64()),
 ])
+#: Columns of the timings table: phase timings that reached the run after their step's row was written (a
+#: framework's driver-side timers, docs/hooks.md#phase-timings), one row per step and writer; readers fill the
+#: steps table's ``time/<phase>`` columns the row left NaN (``analysis.Run.steps``).
+TIMINGS_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("rank", pa.int64()),
+    *((c, pa.float64()) for c in TIME_COLUMNS),
+    ("framework", pa.string()), ("framework_step", pa.int64()), ("attempt", pa.int64()), ("wall_time", pa.float64()),
+])
 #: The bookkeeping columns of the steps table around its metric columns.
 STEPS_HEAD = (("step", pa.int64()), ("rank", pa.int64()))
 STEPS_TAIL = (("attempt", pa.int64()), ("wall_time", pa.float64()), ("nan_reasons", pa.string()))
@@ -92,9 +102,27 @@ def steps_schema(metric_columns: Sequence[str]) -> pa.Schema:
 
 
 def table_schemas(steps: pa.Schema) -> dict:
-    """``{table: schema}`` of the four tables (:data:`~triage_monitor.layout.TABLES`), with ``steps`` as given
+    """``{table: schema}`` of the five tables (:data:`~triage_monitor.layout.TABLES`), with ``steps`` as given
     (:func:`triage_monitor.monitor.steps_schema`); token extras are not included."""
-    return {"tokens": TOKEN_SCHEMA, "steps": steps, "quarantine": QUARANTINE_SCHEMA, "alerts": ALERT_SCHEMA}
+    return {"tokens": TOKEN_SCHEMA, "steps": steps, "quarantine": QUARANTINE_SCHEMA, "alerts": ALERT_SCHEMA,
+            "timings": TIMINGS_SCHEMA}
+
+
+def timings_row(step: int, rank: int, attempt: int, times: dict, framework: Optional[str] = None,
+                framework_step: Optional[int] = None) -> dict:
+    """One row of the timings table (:data:`TIMINGS_SCHEMA`): ``times`` (``{phase or "step": seconds}``) in the
+    ``time/<phase>`` columns, NaN where absent; ``framework`` the timers' framework ("" when not said),
+    ``framework_step`` the framework's own step number (-1 when not said).
+
+    Raises:
+        KeyError: a key of ``times`` that is not a phase (nor ``"step"``)."""
+    row: dict = {"step": int(step), "rank": int(rank)}
+    row.update((c, math.nan) for c in TIME_COLUMNS)
+    for phase, v in times.items():
+        row[TIME_COLUMN[phase]] = float(v)
+    row.update(framework=framework or "", framework_step=-1 if framework_step is None else int(framework_step),
+               attempt=int(attempt), wall_time=time.time())
+    return row
 
 
 def new_attempt_id() -> int:
@@ -389,6 +417,13 @@ class RunWriter:
             return
         self.sink.submit("alerts", step, self.rank, [{**r, "step": int(step), "rank": self.rank,
                                                       "attempt": self.attempt} for r in rows], ALERT_SCHEMA)
+
+    def record_timings(self, step: int, times: dict, framework: Optional[str] = None,
+                       framework_step: Optional[int] = None) -> None:
+        """Queue a row of the timings table: ``step``'s phase timings that arrived after its steps row was written
+        (``{phase or "step": seconds}``, :func:`triage_monitor.timings.phase_times`' output)."""
+        row = timings_row(step, self.rank, self.attempt, times, framework, framework_step)
+        self.sink.submit("timings", step, self.rank, [row], TIMINGS_SCHEMA)
 
     def _step_row(self, step: int, row: dict) -> dict:
         """``row`` with every column of the steps schema (NaN where absent), so that the steps table has one

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from .blocks import ROLL_BYTES, ROLL_STEPS, BlockWriter, seal_pending
-from .layout import TABLES, RunLayout
+from .layout import LATE_TABLES, TABLES, RunLayout
 from .storage import Store, open_store
 
 #: the writer's messages (locks, files, manifest) share one logger name
@@ -300,7 +300,7 @@ class ParquetSink:
             self._report(exc, f"the {item.table} block of rank {item.rank} at step {item.step}", PENDING_KEPT)
 
     def _recover(self, rank: int) -> None:
-        for table in TABLES:
+        for table in (t for t in TABLES if t not in LATE_TABLES):
             idx = self.layout.index(table)
             left = [p for p in idx.parts if not p.sealed and p.rank == rank and p.attempt != self.attempt]
             if left:

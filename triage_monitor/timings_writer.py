@@ -1,0 +1,146 @@
+"""Phase timings from a process without a monitor: :class:`TimingsWriter`, for a framework's driver.
+
+In most RL frameworks the steps row is written by a training worker at its optimizer step, while the step's
+timers live in the driver and close later (weight sync, the step timer; docs/hooks.md#phase-timings).  The
+driver hands its timer dict to :meth:`TimingsWriter.record` once the step is over; the writer puts one row in the
+run's ``timings`` table (:data:`triage_monitor.records.TIMINGS_SCHEMA`), and readers fill the step's
+``time/<phase>`` columns its row left NaN (``open_run(p).steps()``, docs/metrics.md#step-time-and-the-full-cycle).
+
+The rows go into blocks of ``roll_steps`` steps like every table (each step first in a pending file, on disk when
+``record`` returns; :mod:`triage_monitor.blocks`), under rank 0 and an attempt id of the writer's own, sealed at
+:meth:`TimingsWriter.close` (also at interpreter exit).  A killed driver leaves at most ``roll_steps`` pending
+files, which readers read.  Monitoring never stops the job: ``record`` warns once and returns None on any error.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import threading
+from typing import Mapping, Optional
+
+import pyarrow as pa
+
+from .blocks import ROLL_STEPS, BlockWriter
+from .layout import RunLayout
+from .records import TIMINGS_SCHEMA, new_attempt_id, timings_row
+from .timings import is_timer_name, phase_times
+
+log = logging.getLogger("triage_monitor.records")
+
+
+class TimingsWriter:
+    """Writes a framework's phase timings of a run's steps from the process that holds the timers.
+
+    Args:
+        run_dir: the run directory the monitors write (a local path, ``file://`` or ``s3://`` URI).
+        framework: whose timer names :meth:`record` gets (a key of ``timings.FRAMEWORK_TIMERS``: ``"openrlhf"``,
+            ``"skyrl"``, ...), or None for our phase names.
+        roll_steps: steps per sealed block (as ``MonitorConfig.roll_steps``).
+
+    Raises:
+        UnsupportedLocationError: ``run_dir`` is of a URI scheme that is not supported (naming it).
+    """
+
+    def __init__(self, run_dir, framework: Optional[str] = None, roll_steps: int = ROLL_STEPS):
+        self.layout = RunLayout(run_dir)
+        self.framework = framework
+        self.attempt = new_attempt_id()
+        self.roll_steps = int(roll_steps)
+        #: the last monitored step a row was written for
+        self.last_step: Optional[int] = None
+        #: rows written
+        self.rows = 0
+        self._writer: Optional[BlockWriter] = None
+        self._lock = threading.Lock()
+        self._warned: set = set()
+        self._closed = False
+        atexit.register(self.close)
+
+    def latest_step(self) -> Optional[int]:
+        """The newest step in the run's steps table (its index: a listing, nothing opened); None when none."""
+        steps = RunLayout(self.layout.store).index("steps").steps()
+        return steps[-1] if steps else None
+
+    def record(self, timers: Mapping[str, object], step: Optional[int] = None,
+               framework_step: Optional[int] = None) -> Optional[int]:
+        """Write the phase timings of one monitored step.
+
+        Args:
+            timers: ``{name: seconds}``: the framework's timer dict as it logs it (names of other metrics are
+                skipped; timers of no phase of their own are left out; :func:`triage_monitor.timings.phase_times`).
+            step: the monitored step they belong to; None: the newest step in the run's steps table, when it is
+                newer than the last one recorded (a synchronous trainer: the workers wrote the step's row before
+                the driver's step timer closed).
+            framework_step: the framework's own step number, kept in the row.
+
+        Returns:
+            The monitored step written, or None when nothing was (no timer among ``timers``, no new step in the
+            run, a bad reading, an I/O error: each said once in the log, never raised).
+        """
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                times = phase_times({k: v for k, v in timers.items() if is_timer_name(str(k), self.framework)},
+                                    self.framework)
+            except ValueError as exc:
+                self._warn_once("bad", "triage-monitor: phase timings not recorded (%s)", exc)
+                return None
+            times = {k: v for k, v in times.items() if math.isfinite(v)}
+            if not times:
+                return None
+            try:
+                if step is None:
+                    step = self.latest_step()
+                    if step is None or (self.last_step is not None and step <= self.last_step):
+                        self._warn_once("no-step", "triage-monitor: phase timings of %s step %s not recorded: the "
+                                        "run %s holds no monitored step newer than the last one timed (%s)",
+                                        self.framework or "a", framework_step, self.layout.display,
+                                        self.last_step)
+                        return None
+                step = int(step)
+                row = timings_row(step, 0, self.attempt, times, self.framework, framework_step)
+                if self._writer is None:
+                    self._writer = BlockWriter(self.layout.store, "timings", 0, self.attempt, self.roll_steps)
+                self._writer.write(step, pa.Table.from_pylist([row], schema=TIMINGS_SCHEMA))
+                if self._writer.error is not None:
+                    exc, self._writer.error = self._writer.error, None
+                    self._warn_once("block", "triage-monitor: a block of the timings table in %s could not be "
+                                    "written (%s); its steps stay in pending files", self.layout.display, exc)
+            except Exception as exc:  # noqa: BLE001 — monitoring never stops the training job
+                self._warn_once("io", "triage-monitor: phase timings of step %s not written to %s (%s: %s)", step,
+                                self.layout.display, type(exc).__name__, exc)
+                return None
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
+            self.rows += 1
+            return step
+
+    def close(self) -> None:
+        """Seal the open block (idempotent; never raises)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            w, self._writer = self._writer, None
+        atexit.unregister(self.close)
+        if w is not None:
+            try:
+                w.close()
+            except Exception as exc:  # noqa: BLE001 — its steps stay in pending files, which readers read
+                log.warning("triage-monitor: the last block of the timings table in %s could not be sealed (%s); "
+                            "its steps stay in pending files", self.layout.display, exc)
+
+    def __enter__(self) -> "TimingsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _warn_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
