@@ -358,7 +358,7 @@ class WorkerRuntime:
                 # the row is written: the timings go to the run's timings table, which readers join to it
                 try:
                     if self._monitor is not None and times:
-                        self._monitor.add_timings(step, times)
+                        self._monitor.add_timings(step, times, framework)
                 except Exception as exc:   # noqa: BLE001 — monitoring never stops the job
                     self._warn_once("timings-late", "triage-monitor: phase timings of step %d, which arrived after "
                                     "its row was written, not recorded (%s)", step, exc)

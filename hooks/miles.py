@@ -53,13 +53,17 @@ from triage_monitor.corrections import icepop_weights, tis_weights
 from triage_monitor.monitor import ALERT_STATE
 from triage_monitor.trackers import PREFIX, select_metrics
 
-from .slime import SlimeTriageLoss, _old_log_probs, triage_log
+from ._framework_options import reports
+from .slime import SlimeTriageLoss, _old_log_probs, attach_perf_timings, triage_log
 
 #: The commit the hook and its contract tests were checked against.
 MILES_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"
 
 #: Miles' ICEPOP correction, the one custom TIS function the hook reproduces.
 ICEPOP_PATH = "miles.backends.training_utils.loss_hub.corrections.icepop_function"
+#: Where Miles' actor logs its metrics, the rollout's ``perf/<name>_time`` among them (``log_perf_data_raw``,
+#: ``miles/utils/train_metric_utils.py`` L14-62 at 31f1ca96; slime's names, slime's phase mapping).
+MILES_LOG_MODULE = "miles.utils.tracking_utils.tracking"
 
 #: Miles arguments the TRIAGE loss cannot honour: (attribute, value that is fine, why).
 _UNSUPPORTED = (
@@ -254,6 +258,8 @@ class MilesTriageLoss(SlimeTriageLoss):
             log.update(triage_log(res, share, logits.device, self.settings))
         if record:
             log.update(framework_log(self.runtime, share, int(ps.intra_dp_cp.size), logits.device))
+            if reports(self.runtime):
+                attach_perf_timings(self.runtime, MILES_LOG_MODULE)
         return loss, log
 
 

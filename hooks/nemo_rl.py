@@ -273,6 +273,13 @@ class NemoRLTriageLoss(LossHook):
             metrics.update(rt.framework_metrics())
         return loss, metrics
 
+    def record_timings(self, logger) -> Optional["TimingsBackend"]:
+        """Record GRPO's step timers (``timing/train/*``) of NeMo's ``logger`` in this hook's run directory
+        (:func:`record_timings`; on the driver, after ``setup(...)``); None without a ``run_dir``."""
+        if self.settings.run_dir is None:
+            return None
+        return record_timings(logger, self.settings.run_dir)
+
     def _nemo_metrics(self, batch, prev, gen, res, loss, kl, toks, data) -> dict:
         """``ClippedPGLossFn``'s metrics (same names, same values and normalisation) on this micro-batch."""
         with torch.no_grad():
@@ -305,8 +312,62 @@ class NemoRLTriageLoss(LossHook):
         return out
 
 
+class TimingsBackend:
+    """A logger backend in NeMo RL's ``Logger.loggers`` (``nemo_rl/utils/logger.py`` L964-1110 at ``7ea279ab``:
+    ``log_metrics`` fans each call out to every backend, as do ``log_hyperparams``, ``log_histogram``,
+    ``log_plot`` and ``finish``), recording GRPO's step timers.
+
+    GRPO logs a step's ``Timer`` readings last, once the step is over: ``logger.log_metrics(timing_metrics,
+    total_steps + 1, prefix="timing/train", step_finished=True)`` (``algorithms/grpo.py`` L3657-3659,
+    L3767-3772), after the workers wrote the step's rows at their optimizer steps (each on disk when
+    ``policy.train`` returns).  This backend hands those readings, as ``timing/train/<label>``, to a
+    :class:`~triage_monitor.timings_writer.TimingsWriter` of ``run_dir`` at the run's newest monitored step (the
+    last optimizer step of the GRPO step), keeping GRPO's step as ``framework_step``; every other call is
+    ignored, and it never raises."""
+
+    PREFIX = "timing/train"
+
+    def __init__(self, run_dir):
+        from triage_monitor.timings_writer import TimingsWriter
+
+        self.writer = TimingsWriter(run_dir, framework="nemo_rl")
+
+    def log_metrics(self, metrics, step, prefix="", step_metric=None, step_finished=False) -> None:
+        if prefix == self.PREFIX and metrics:
+            self.writer.record({f"{self.PREFIX}/{k}": v for k, v in metrics.items()}, framework_step=int(step))
+
+    def log_hyperparams(self, params) -> None:
+        return None
+
+    def log_histogram(self, histogram, step, name) -> None:
+        return None
+
+    def log_plot(self, figure, step, name) -> None:
+        return None
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+def record_timings(logger, run_dir) -> TimingsBackend:
+    """Add a :class:`TimingsBackend` of ``run_dir`` to NeMo RL's ``logger`` (the ``Logger`` GRPO's ``setup``
+    returns; once per logger and run directory) and return it: GRPO's step timers reach the run's steps table
+    (docs/hooks.md#phase-timings).  :meth:`NemoRLTriageLoss.record_timings` does this with the hook's
+    ``run_dir``."""
+    from triage_monitor.layout import RunLayout
+
+    where = RunLayout(run_dir).location
+    for b in logger.loggers:
+        if isinstance(b, TimingsBackend) and b.writer.layout.location == where:
+            return b
+    b = TimingsBackend(run_dir)
+    logger.loggers.append(b)
+    return b
+
+
 def _as_float(x, device) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.float32, device=device)
 
 
-__all__ = ["NEMO_RL_COMMIT", "CLIPPED_PG_DEFAULTS", "UNSUPPORTED", "batch_from_nemo_rl", "NemoRLTriageLoss"]
+__all__ = ["NEMO_RL_COMMIT", "CLIPPED_PG_DEFAULTS", "UNSUPPORTED", "batch_from_nemo_rl", "NemoRLTriageLoss",
+           "TimingsBackend", "record_timings"]

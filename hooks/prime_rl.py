@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageConfig
 from triage_monitor.corrections import dppo_kl_loss
 from triage_monitor.monitor import MonitorConfig
+from triage_monitor.timings import FRAMEWORK_TIMERS
 
 from ._framework_options import hook_options, own_stats, reports
 from ._options import check_normalization
@@ -188,6 +190,7 @@ class PrimeRLTriageLoss(LossHook):
                             for k, v in own_stats(res.output.stats, self.settings).items()})
         rt = self.runtime
         if reports(rt):
+            attach_timings_monitor(rt)
             # rank 0 only: Tensors.compute_stats pools every rank's values, so each is rank 0's (module docstring);
             # float32 like the empty tensor a rank without the key contributes to prime-rl's all-gather
             metrics.update({k: torch.tensor(v, dtype=torch.float32, device=dev)
@@ -212,6 +215,58 @@ _HOOKS: dict = {}
 _HOOKS_LOCK = threading.Lock()
 
 
+class TimingsMonitor:
+    """A monitor in prime-rl's fan-out (``prime_rl.monitors.MONITORS``, the list ``monitors.log`` hands every
+    metrics dict to: ``src/prime_rl/monitors/__init__.py`` L38, L101-113 at ``559b4477``), with the interface of
+    its ``Monitor`` base (``monitors/base.py`` L16-57: ``log(data, step, kind, subset)``, ``log_metrics``,
+    ``log_episodes``, ``finalize``).
+
+    The trainer logs its step's timers once the step is over (``train.py`` L679-688: ``time/step``,
+    ``time/wait_for_batch``, ``time/load_data``, ``time/broadcast_weights``, ``time/save_ckpt``,
+    ``time/forward_backward``, with ``step``: ``progress.step``), after this process's monitor wrote the step's
+    row at its optimizer step; this monitor hands them to the hook's runtime for that monitored step (the last
+    step the process logged), which puts them in the run's timings table (docs/hooks.md#phase-timings).  Every
+    other dict and the episodes are ignored; it never raises."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    async def init(self, **kwargs) -> None:
+        return None
+
+    async def log(self, data, step=None, kind="train", subset="effective") -> None:
+        if isinstance(data, dict):
+            await self.log_metrics(data, step)
+
+    async def log_metrics(self, metrics: dict, step=None) -> None:
+        timers = {k: v for k, v in metrics.items() if k in FRAMEWORK_TIMERS["prime_rl"]}
+        last = self.runtime.last_metrics
+        if timers and last is not None:
+            self.runtime.add_timings(int(last["step"]), timers, "prime_rl")
+
+    async def log_episodes(self, episodes, step=None, kind="train", subset="effective") -> None:
+        return None
+
+    async def finalize(self) -> None:
+        return None
+
+
+def attach_timings_monitor(runtime) -> Optional[TimingsMonitor]:
+    """Put a :class:`TimingsMonitor` of ``runtime`` into prime-rl's ``prime_rl.monitors.MONITORS`` (once per
+    runtime; the trainer has set its monitors up before the first loss call); None when prime-rl's monitors
+    module is not loaded in this process."""
+    module = sys.modules.get("prime_rl.monitors")
+    registered = getattr(module, "MONITORS", None)
+    if not isinstance(registered, list):
+        return None
+    for m in registered:
+        if isinstance(m, TimingsMonitor) and m.runtime is runtime:
+            return m
+    m = TimingsMonitor(runtime)
+    registered.append(m)
+    return m
+
+
 def triage_loss(inputs, **kwargs) -> LossOutputs:
     """The import-path target ``triage_monitor.hooks.prime_rl.triage_loss``, configured by ``[trainer.loss] kwargs``.
 
@@ -234,5 +289,5 @@ def triage_loss(inputs, **kwargs) -> LossOutputs:
 
 
 __all__ = ["PRIME_RL_COMMIT", "DEFAULT_LOSS_METRICS", "LossOutputs", "batch_from_prime_rl", "PrimeRLTriageLoss",
-           "triage_loss"]
+           "TimingsMonitor", "attach_timings_monitor", "triage_loss"]
 triage_loss_fn = triage_loss   # the import path named by earlier docs

@@ -65,6 +65,7 @@ package), so CI tests this module against slime's call site and formulas transcr
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -72,6 +73,7 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageConfig
 from triage_monitor.monitor import ALERT_STATE, MonitorConfig
+from triage_monitor.timings import FRAMEWORK_TIMERS
 from triage_monitor.trackers import PREFIX, select_metrics
 
 from ._framework_options import first_hand_over, hook_options, own_stats, reports
@@ -310,7 +312,46 @@ class SlimeTriageLoss(LossHook):
             log.update(triage_log(res, _divisor_share(args, batch, sum_of_sample_mean, logits.device), logits.device,
                                   self.settings))
         log.update(_framework_log(self.runtime, args, batch, logits.device))
+        if record and reports(self.runtime):
+            attach_perf_timings(self.runtime)
         return loss, log
+
+
+#: Where slime's actor logs its metrics (``log(args, metrics, step_key)``), at 624b824a.
+SLIME_LOG_MODULE = "slime.observability.logging_utils"
+
+
+def attach_perf_timings(runtime, module_name: str = SLIME_LOG_MODULE) -> bool:
+    """Make slime's metric logging (``slime.observability.logging_utils.log``, 624b824a L45-52, which the training
+    actor's ``train_metric_utils.log_perf_data`` calls at the end of ``train`` with the rollout's Timer readings as
+    ``perf/<name>_time``: ``actor_train_time``, ``log_probs_time``, ``update_weights_time``, ``step_time``, ...;
+    actor.py L564-568, train_metric_utils.py L358-403) hand those readings to ``runtime`` first: they belong to
+    the last step this process logged (the rollout's last optimizer step, whose row is written), so they go to the
+    run's timings table (docs/hooks.md#phase-timings).  slime's own ``log`` is then called unchanged; the wrapper
+    never raises.  Done once per process (the newest reporting runtime is the one fed); False when slime's module
+    is not loaded.  ``module_name``: the module holding that ``log`` (Miles: ``miles.utils.tracking_utils.tracking``,
+    whose ``log_perf_data_raw`` logs the same names)."""
+    module = sys.modules.get(module_name)
+    own = getattr(module, "log", None)
+    if own is None:
+        return False
+    if getattr(own, "triage_runtime", None) is not None:
+        own.triage_runtime = runtime
+        return True
+
+    def log(args, metrics, step_key, *rest, **kw):
+        try:
+            timers = {k: v for k, v in dict(metrics).items() if k in FRAMEWORK_TIMERS["slime"]}
+            rt = log.triage_runtime
+            if timers and rt.last_metrics is not None:
+                rt.add_timings(int(rt.last_metrics["step"]), timers, "slime")
+        except Exception:  # noqa: BLE001 — monitoring never stops the training job
+            pass
+        return own(args, metrics, step_key, *rest, **kw)
+
+    log.triage_runtime = runtime
+    module.log = log
+    return True
 
 
 def _data_parallel_size() -> int:
@@ -402,4 +443,4 @@ def _framework_log(rt, args, batch: dict, device) -> dict:
     return {PREFIX + k: torch.tensor(v * scale[k] if scale[k] else 0.0, device=device) for k, v in values.items()}
 
 
-__all__ = ["SlimeTriageLoss", "batch_from_slime", "check_slime_args", "log_slime_batch"]
+__all__ = ["SlimeTriageLoss", "batch_from_slime", "check_slime_args", "log_slime_batch", "attach_perf_timings"]

@@ -220,6 +220,16 @@ def _framework_worker(rank, world, opts, out, per_token):
                                             dp_with_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
         tokens = sum(max(int(samples[part[j]]["loss_masks"].sum()), 1) for mb_idx in schedule for j in mb_idx)
         logged.append({"log": reduced, "tokens": tokens})
+        # the end of the actor's train: slime's own Timer readings of the rollout, logged by its own log_perf_data
+        # (TP 0, last stage, DP 0 only) through logging_utils.log (W&B and TensorBoard off)
+        from slime.observability import train_metric_utils
+        from slime.observability.timer import Timer
+        for name, seconds in (("train_wait", 6.0 + step), ("train", 4.0), ("data_preprocess", 0.25),
+                              ("log_probs", 1.0), ("update_weights", 0.5)):
+            Timer().add(name, seconds)
+        train_metric_utils.log_perf_data(step, Namespace(**{**vars(args), "use_wandb": False,
+                                                            "use_tensorboard": False,
+                                                            "wandb_always_use_train_step": False}))
     close_all()
     dist.destroy_process_group()
     lines.remove()
@@ -264,6 +274,13 @@ def check_framework_log(opts):
                 exact += 1
         alerts = recording_tracker.alerts_table(out / "run")
         rows = recording_tracker.read(out / "rec.jsonl")
+        from triage_monitor.analysis import open_run
+        timed = open_run(out / "run").steps()
+        want = [10.0 + s for s in range(FW_STEPS)]
+        print(f"phase timings through slime's log_perf_data: time/step {timed['time/step'].tolist()} (want {want}), "
+              f"time/logprob {sorted(set(timed['time/logprob']))}, time/weight_sync "
+              f"{sorted(set(timed['time/weight_sync']))}, time/other {sorted(set(timed['time/other']))}: "
+              f"{'equal' if timed['time/step'].tolist() == want else 'DIFFERENT'}")
         print(f"{'--calculate-per-token-loss' if per_token else 'per-rollout mean'}: {exact} curated values of "
               f"steps 1-{FW_STEPS - 1} vs rank 0's steps table, max rel diff {worst:.2g}"
               + (f"; gate_downweighted_frac vs the ranks' token-weighted mean: max diff {max(weighted):.2g}; "

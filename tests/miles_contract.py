@@ -313,7 +313,7 @@ def install_miles_modules(state: ParallelState) -> dict:
     names = ["miles", "miles.backends", "miles.backends.training_utils", "miles.backends.training_utils.parallel",
              "miles.backends.training_utils.loss_hub", "miles.backends.training_utils.loss_hub.logit_processors",
              "miles.backends.training_utils.loss_hub.math_utils", "miles.backends.training_utils.loss_hub.corrections",
-             "miles.utils", "miles.utils.misc"]
+             "miles.utils", "miles.utils.misc", "miles.utils.tracking_utils", "miles.utils.tracking_utils.tracking"]
     saved = {n: sys.modules.get(n) for n in names}
     mods = {n: types.ModuleType(n) for n in names}
     sys.modules.update(mods)
@@ -324,9 +324,38 @@ def install_miles_modules(state: ParallelState) -> dict:
     mu.compute_approx_kl = compute_approx_kl
     co = mods["miles.backends.training_utils.loss_hub.corrections"]
     co.vanilla_tis_function, co.icepop_function = vanilla_tis_function, icepop_function
+    tracking = mods["miles.utils.tracking_utils.tracking"]
+    tracking.log, tracking.LOGGED = tracking_log, []
+    mods["miles.utils.tracking_utils"].tracking = tracking
     mods["miles.utils.misc"].load_function = lambda path: {
         "miles.backends.training_utils.loss_hub.corrections.icepop_function": icepop_function}.get(path)
     return saved
+
+
+# 31f1ca96 miles/utils/tracking_utils/tracking.py L46-50 (log): the tracking manager's backends (W&B, TensorBoard)
+# and the event logger; here what was handed over is kept in LOGGED, to look at.
+def tracking_log(args, metrics, step_key: str):
+    sys.modules["miles.utils.tracking_utils.tracking"].LOGGED.append(dict(metrics))
+
+
+# 31f1ca96 miles/utils/train_metric_utils.py L14-62 (log_perf_data_raw), as backends/training_utils/log_utils.py
+# L408-420 calls it at the end of the actor's train (is_primary_rank: TP 0, last stage, DP 0); ``timer_log_dict``:
+# Miles' Timer().log_dict() of the rollout; the FLOPs figures left out (compute_total_fwd_flops None).
+def log_perf_data_raw(rollout_id, args, is_primary_rank: bool, timer_log_dict: dict, extra_metrics=None) -> None:
+    from miles.utils.tracking_utils import tracking
+
+    if not is_primary_rank:
+        return
+    log_dict = {f"perf/{key}_time": val for key, val in timer_log_dict.items()}
+    if extra_metrics:
+        log_dict.update(extra_metrics)
+    if "perf/train_wait_time" in log_dict and "perf/train_time" in log_dict:
+        total_time = log_dict["perf/train_wait_time"] + log_dict["perf/train_time"]
+        if total_time > 0:
+            log_dict["perf/step_time"] = total_time
+            log_dict["perf/wait_time_ratio"] = log_dict["perf/train_wait_time"] / total_time
+    log_dict["rollout/step"] = rollout_id
+    tracking.log(args, log_dict, step_key="rollout/step")
 
 
 def restore_modules(saved: dict) -> None:

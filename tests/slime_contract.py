@@ -183,14 +183,44 @@ def install_slime_modules():
     saved = {}
     mods = {}
     for name in ("slime", "slime.backends", "slime.backends.megatron_utils", "slime.backends.megatron_utils.loss",
-                 "slime.utils", "slime.utils.ppo_utils"):
+                 "slime.utils", "slime.utils.ppo_utils", "slime.observability", "slime.observability.logging_utils"):
         saved[name] = sys.modules.get(name)
         mods[name] = sys.modules[name] = types.ModuleType(name)
+    mods["slime.observability"].logging_utils = mods["slime.observability.logging_utils"]
+    mods["slime.observability.logging_utils"].log = log
+    mods["slime.observability.logging_utils"].LOGGED = []
     loss = mods["slime.backends.megatron_utils.loss"]
     loss.get_log_probs_and_entropy = get_log_probs_and_entropy
     loss.get_rollout_top_p_logprob_kwargs = get_rollout_top_p_logprob_kwargs
     mods["slime.utils.ppo_utils"].compute_policy_loss = compute_policy_loss
     return saved
+
+
+# 624b824a slime/observability/logging_utils.py L45-52 (log): W&B and TensorBoard when enabled (both off here:
+# what was handed over is kept in LOGGED instead, to look at).
+def log(args, metrics, step_key: str):
+    import sys
+
+    sys.modules["slime.observability.logging_utils"].LOGGED.append(dict(metrics))
+
+
+# 624b824a slime/observability/train_metric_utils.py L358-403 (log_perf_data), called by the training actor at the
+# end of train (backends/megatron_utils/actor.py L564-568), on TP rank 0 of the last pipeline stage and DP rank 0;
+# ``timer_log_dict``: slime's Timer().log_dict() of the rollout (its seconds per timer name); the FLOPs figures
+# (which need the model's config) left out; compute_rollout_step: the rollout id (one step per rollout).
+def log_perf_data(rollout_id, args, timer_log_dict: dict, extra_metrics=None) -> None:
+    from slime.observability import logging_utils
+
+    log_dict = {f"perf/{key}_time": val for key, val in timer_log_dict.items()}
+    if extra_metrics:
+        log_dict.update(extra_metrics)
+    if "perf/train_wait_time" in log_dict and "perf/train_time" in log_dict:
+        total_time = log_dict["perf/train_wait_time"] + log_dict["perf/train_time"]
+        if total_time > 0:
+            log_dict["perf/step_time"] = total_time
+            log_dict["perf/wait_time_ratio"] = log_dict["perf/train_wait_time"] / total_time
+    log_dict["rollout/step"] = rollout_id
+    logging_utils.log(args, log_dict, step_key="rollout/step")
 
 
 # HEAD loss.py lines 1283-1382 (loss_function), the custom_loss branch, context parallel size 1 (the hook refuses

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from argparse import Namespace
 
 import numpy as np
@@ -100,7 +101,7 @@ def test_miles_tis_changes_the_loss_that_our_correction_reproduces(miles_modules
     assert abs(float(plain) - float(tis)) > 1e-3
 
 
-def miles_train(hook, args, steps: int, schedule=((0, 1, 2), (3, 4, 5))) -> list:
+def miles_train(hook, args, steps: int, schedule=((0, 1, 2), (3, 4, 5)), after_step=None) -> list:
     """``steps`` Miles train steps of one data-parallel rank holding all 6 samples (5 rollouts): per micro-batch
     Miles' ``loss_function`` → backward; one optimizer step; ``aggregate_train_losses`` as the backend calls it
     (Megatron: ÷ the step's rollout count; FSDP and per-token loss: ÷ the summed first entries).  Returns the reduced
@@ -121,6 +122,8 @@ def miles_train(hook, args, steps: int, schedule=((0, 1, 2), (3, 4, 5))) -> list
         opt.step()
         opt.zero_grad()
         logged.append(aggregate_train_losses([losses], GBS if megatron else None))
+        if after_step is not None:
+            after_step(step)
     return logged
 
 
@@ -155,6 +158,27 @@ def test_miles_step_log_carries_the_monitors_values_of_the_step_before(backend, 
     assert [r["step"] for r in rows if r["kind"] == "metrics"] == [0, 1, 2, 3, 4]
     info = json.loads((tmp_path / "run" / "run.json").read_text())["info"]
     assert info["framework"] == "miles"
+
+
+def test_the_actors_perf_timers_reach_the_rows_of_their_rollout(miles_modules, tmp_path):
+    """Miles' actor logs its Timer readings of the rollout at the end of train (log_perf_data_raw → tracking.log,
+    transcribed at 31f1ca96), after the optimizer step wrote the rollout's row: the hook puts them in the run's
+    timings table at that step, with slime's names and mapping; Miles' own log call still gets the dict."""
+    import miles_contract
+
+    from triage_monitor.analysis import open_run
+
+    hook = MilesTriageLoss(str(tmp_path / "run"), triage=None, alerts=False)
+    args = miles_args()
+    miles_train(hook, args, 3, after_step=lambda rollout_id: miles_contract.log_perf_data_raw(
+        rollout_id, args, True, {"train_wait": 6.0 + rollout_id, "train": 4.0, "log_probs": 1.0,
+                                 "actor_train": 2.5, "update_weights": 0.5}))
+    close_all()
+    steps = open_run(tmp_path / "run").steps()
+    assert steps["time/step"].tolist() == [10.0, 11.0, 12.0] and (steps["time/update"] == 2.5).all()
+    assert (steps["time/logprob"] == 1.0).all() and (steps["time/weight_sync"] == 0.5).all()
+    logged = sys.modules["miles.utils.tracking_utils.tracking"].LOGGED
+    assert [d["rollout/step"] for d in logged] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -609,6 +609,73 @@ def test_two_global_batches_per_call_log_the_mean_of_their_previous_steps(nemo_i
     assert steps["alerts_active"].isna().all()
 
 
+class Logger:
+    """NeMo RL's ``Logger`` fan-out (``nemo_rl/utils/logger.py`` L964-1110 at 7ea279ab): ``self.loggers`` holds the
+    enabled backends; ``log_metrics`` calls each one's ``log_metrics(metrics, step, prefix, step_metric,
+    step_finished)`` (L1035-1053), ``finish`` each one's ``finish`` where it has one (L1063-1068)."""
+
+    def __init__(self, backends):
+        self.loggers = list(backends)
+
+    def log_metrics(self, metrics, step, prefix="", step_metric=None, step_finished=False):
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step, prefix, step_metric, step_finished)
+
+    def finish(self):
+        for logger in self.loggers:
+            finish = getattr(logger, "finish", None)
+            if callable(finish):
+                finish()
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.calls = []
+
+    def log_metrics(self, metrics, step, prefix="", step_metric=None, step_finished=False):
+        self.calls.append((prefix, step, dict(metrics)))
+
+
+def test_grpos_step_timers_reach_the_last_optimizer_step_of_each_grpo_step(nemo_interfaces, tmp_path):
+    """loss_fn.record_timings(logger) on the driver; 3 GRPO steps of 2 global batches each (2 optimizer steps,
+    monitored steps 0-5) through the transcribed worker, each step's rows on disk when policy.train returns (as a
+    Ray worker flushes at its optimizer step); then GRPO's last log of the step, its Timer sums under
+    prefix="timing/train" at total_steps + 1 (grpo.py L3657-3659, L3767-3772): the phases land on each GRPO
+    step's last optimizer step (1, 3, 5), the others stay untimed; NeMo's own backends get the call unchanged."""
+    from triage_monitor.analysis import open_run
+
+    loss_fn = nemo_rl.NemoRLTriageLoss({}, run_dir=str(tmp_path / "run"), alerts=False,
+                                       monitor=MonitorConfig(window=4, calibration_steps=2))
+    own = RecordingBackend()
+    logger = Logger([own])
+    backend = loss_fn.record_timings(logger)
+    assert loss_fn.record_timings(logger) is backend and len(logger.loggers) == 2
+    model = TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for total_steps in range(3):
+        worker_train(model, opt, make_data(300 + total_steps, rows=8, amplify=True), loss_fn, gbs=4, mbs=2)
+        loss_fn.runtime.monitor.flush()
+        timing_metrics = {"generation": 6.0 + total_steps, "policy_and_reference_logprobs": 1.0,
+                          "reward_calculation": 0.25, "advantage_calculation": 0.25, "policy_training": 2.0,
+                          "prepare_for_generation/total": 0.5, "total_step_time": 10.0 + total_steps,
+                          "valid_tokens_per_sec_per_gpu": 1234.0}
+        logger.log_metrics({"loss": 0.1}, total_steps + 1, prefix="train")
+        logger.log_metrics(timing_metrics, total_steps + 1, prefix="timing/train", step_finished=True)
+    close_all()
+    logger.finish()
+    steps = open_run(tmp_path / "run").steps().set_index("step")
+    assert steps.index.tolist() == list(range(6))
+    timed = steps[steps["time/step"].notna()]
+    assert timed.index.tolist() == [1, 3, 5]
+    assert timed["time/generation"].tolist() == [6.0, 7.0, 8.0] and timed["time/step"].tolist() == [10.0, 11.0, 12.0]
+    assert timed["time/reward"].tolist() == [0.5] * 3 and timed["time/logprob"].tolist() == [1.0] * 3
+    assert timed["time/update"].tolist() == [2.0] * 3 and timed["time/weight_sync"].tolist() == [0.5] * 3
+    late = open_run(tmp_path / "run").timings()
+    assert late["framework_step"].tolist() == [1, 2, 3] and set(late["framework"]) == {"nemo_rl"}
+    assert [c[0] for c in own.calls] == ["train", "timing/train"] * 3 and own.calls[1][2]["generation"] == 6.0
+    assert not [p for p in (tmp_path / "run" / "timings").iterdir() if p.name.startswith(".")]   # sealed at finish
+
+
 # ------------------------------------------------------------------------- real Ray cluster, 2 workers
 STEPS, GBS, MBS = 4, 16, 2
 
@@ -740,8 +807,10 @@ def test_the_docs_lines_configure_the_hook():
     text = (Path(__file__).resolve().parents[1] / "docs" / "hooks.md").read_text()
     section = text.split("\n## NeMo RL\n", 1)[1].split("\n## ", 1)[0]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    ns = {"master_config": types.SimpleNamespace(loss_fn={})}
+    logger = Logger([])
+    ns = {"master_config": types.SimpleNamespace(loss_fn={}), "logger": logger}
     exec(code, ns)
+    assert [type(b) for b in logger.loggers] == [nemo_rl.TimingsBackend]
     s = ns["loss_fn"].settings
     assert (s.run_dir, s.alerts, s.framework_keys) == ("results/triage", True, "curated")
     assert s.triage is not None and [t.kind for t in s.loggers] == ["tensorboard", "mlflow"]

@@ -24,6 +24,7 @@ are None) are left out; ``"cuda"`` is the CPU here and the process group gloo.  
 through ``import_object`` exactly as prime-rl does.
 """
 
+import asyncio
 import importlib
 import json
 import math
@@ -46,6 +47,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import recording_tracker  # noqa: E402
+from triage_monitor.analysis import open_run  # noqa: E402
 from triage_monitor.controller import TriageConfig  # noqa: E402
 from triage_monitor.hooks import prime_rl  # noqa: E402
 from triage_monitor.hooks._runtime import close_all  # noqa: E402
@@ -549,6 +551,30 @@ framework_keys = "curated"
 """
 
 
+def install_monitors_module():
+    """``prime_rl.monitors`` as far as the trainer's logging uses it (``src/prime_rl/monitors/__init__.py`` L38
+    ``MONITORS``, L101-113 ``log``: every registered monitor's ``log``, a failing one warned and skipped), in
+    ``sys.modules`` where ``train.py``'s ``from prime_rl import monitors`` finds it; no monitor registered (this
+    test's ranks set none up, as a job without W&B / file monitors)."""
+    import types
+
+    pkg = sys.modules.setdefault("prime_rl", types.ModuleType("prime_rl"))
+    mod = types.ModuleType("prime_rl.monitors")
+    mod.MONITORS = []
+
+    async def log(data, step, kind="train", subset="effective"):
+        for monitor in mod.MONITORS:
+            try:
+                await monitor.log(data, step=step, kind=kind, subset=subset)
+            except Exception as e:  # noqa: BLE001 — prime-rl's own: get_logger().warning(...)
+                print(f"Failed to log to {monitor.__class__.__name__}: {e}")
+
+    mod.log = log
+    pkg.monitors = mod
+    sys.modules["prime_rl.monitors"] = mod
+    return mod
+
+
 def dist_worker(rank: int, world: int, outdir: str) -> None:
     """One trainer rank: prime-rl's train step (transcribed above) over DIST_STEPS optimizer steps, 2 amplifying
     micro-batches per rank and step; rank 0 keeps what ``monitors.log`` receives (the filtered tensor stats)."""
@@ -560,6 +586,7 @@ def dist_worker(rank: int, world: int, outdir: str) -> None:
     fn = setup_rl_loss_fn(CustomLossConfig(loss_cfg["import_path"], loss_cfg["kwargs"]))
     w = torch.nn.Parameter(torch.zeros(()))
     opt = torch.optim.AdamW([w], lr=1e-4)
+    monitors = install_monitors_module()
     logged = []
     for step in range(DIST_STEPS):
         tensors = Tensors()                                          # train.py L331
@@ -574,6 +601,16 @@ def dist_worker(rank: int, world: int, outdir: str) -> None:
         tensor_stats["step"] = step                                  # L675 (progress.step)
         if rank == 0:                                                # monitors.log: rank 0's monitors only
             logged.append(filter_rl_trainer_tensor_stats_for_wandb(tensor_stats))
+        time_metrics = {                                             # L679-688: the step's timers, logged last
+            "time/step": 10.0 + step,
+            "time/wait_for_batch": 6.0,
+            "time/load_data": 0.25,
+            "time/broadcast_weights": 0.5,
+            "time/save_ckpt": 0.0,
+            "time/forward_backward": 3.0,
+            "step": step,
+        }
+        asyncio.run(monitors.log(time_metrics, step=step))
     close_all()
     lines.remove()
     (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "logged": logged, "alerts": lines.lines}))
@@ -658,6 +695,13 @@ def check_dist(tmp_path) -> None:
         if r["kind"] == "metrics":
             assert r["metrics"]["window/rho_asym"] == pytest.approx(steps.loc[r["step"], "window/rho_asym"])
     assert steps_table_nan(run, "alerts_active", rank=1)                  # rank 1 evaluates no rule
+    # the trainer's timers of each step (logged after its row was written) reach the row, rank 0's table only
+    timed = open_run(run).steps()
+    assert timed["time/step"].tolist() == [10.0 + s for s in range(DIST_STEPS)]
+    assert (timed["time/generation"] == 6.0).all() and (timed["time/update"] == 3.0).all()
+    assert (timed["time/weight_sync"] == 0.5).all() and (timed["time/other"] == 0.25).all()
+    late = open_run(run).timings()
+    assert set(late["rank"]) == {0} and set(late["framework"]) == {"prime_rl"}
 
 
 def steps_table_nan(run, col, rank):

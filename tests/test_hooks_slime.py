@@ -443,7 +443,7 @@ def slime_micro_batch(samples: list, idx: list, offset: torch.Tensor):
     return mb, logits
 
 
-def slime_train(hooks, args, steps: int, partitions, schedule, seed0: int = 0) -> list:
+def slime_train(hooks, args, steps: int, partitions, schedule, seed0: int = 0, after_step=None) -> list:
     """``steps`` slime train steps (model.py train_one_step): every DP rank (one hook each) runs its micro-batches
     through loss_function → backward; one optimizer step; then reduce_train_step_metrics over the ranks.  Returns
     the reduced log of each step (what slime logs as ``train/<key>``)."""
@@ -467,6 +467,8 @@ def slime_train(hooks, args, steps: int, partitions, schedule, seed0: int = 0) -
         logged.append(slime_contract.reduce_train_step_metrics(
             ranks, calculate_per_token_loss=args.calculate_per_token_loss,
             step_global_batch_size=args.global_batch_size))
+        if after_step is not None:
+            after_step(step)
     return logged
 
 
@@ -522,6 +524,36 @@ def test_curated_metrics_reach_slimes_step_log_per_rollout_mean(slime_modules, t
     rows = recording_tracker.read(tmp_path / "rec.jsonl")
     assert [r["rule"] for r in rows if r["kind"] == "alert"] == ["test_rho_asym_above_2"]
     assert [r["step"] for r in rows if r["kind"] == "metrics"] == list(range(6))     # rank 0's steps only
+
+
+def test_the_actors_perf_timers_reach_the_rows_of_their_rollout(slime_modules, tmp_path):
+    """slime's training actor logs its Timer readings of the rollout at the end of train (log_perf_data →
+    logging_utils.log, transcribed at 624b824a), after the optimizer step wrote the rollout's row: the hook of the
+    reporting rank puts them in the run's timings table at that step (one optimizer step per rollout here:
+    steps 0-2), mapped as docs/hooks.md#phase-timings says (perf/step_time = train_wait + train); slime's own
+    log call still gets the dict; they are the job's timings, so rank 1's rows of those steps show them too."""
+    from triage_monitor.analysis import open_run
+
+    hooks = two_ranks(tmp_path, alerts=False, loggers=[])
+    args = slime_args()
+
+    def perf(rollout_id):
+        slime_contract.log_perf_data(rollout_id, args, {"train_wait": 6.0 + rollout_id, "train": 4.0,
+                                                        "data_preprocess": 0.25, "log_probs": 1.0,
+                                                        "actor_train": 2.5, "update_weights": 0.5})
+
+    slime_train(hooks, args, 3, PARTITION, [[0, 1], [2]], after_step=perf)
+    close_all()
+    run = open_run(tmp_path / "run")
+    steps = run.steps().set_index("step")
+    assert steps["time/step"].tolist() == [10.0, 11.0, 12.0]
+    assert steps["time/logprob"].tolist() == [1.0] * 3 and steps["time/update"].tolist() == [2.5] * 3
+    assert steps["time/weight_sync"].tolist() == [0.5] * 3 and steps["time/other"].tolist() == [0.25] * 3
+    assert steps["time/generation"].isna().all()      # perf/rollout_time comes from the rollout manager's process
+    assert run.steps(rank=1)["time/step"].tolist() == [10.0, 11.0, 12.0]
+    assert set(run.timings()["framework"]) == {"slime"} and set(run.timings()["rank"]) == {0}
+    logged = sys.modules["slime.observability.logging_utils"].LOGGED
+    assert [d["rollout/step"] for d in logged] == [0, 1, 2] and logged[0]["perf/step_time"] == 10.0
 
 
 def test_controller_statistics_are_weighted_by_rollouts_not_samples(slime_modules, tmp_path):

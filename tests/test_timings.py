@@ -228,7 +228,8 @@ def test_a_drivers_timers_fill_the_rows_written_before_them(tmp_path, caplog):
         mon.log_step(0, batch(0), timings={"update": 9.9})          # the row's own reading stays
         mon.log_step(1, batch(1))
     status = {"timing/generation": 6.0, "timing/make_experience": 1.5, "timing/ppo_train": 2.5,
-              "timing/broadcast": 0.5, "timing/step_total": 10.5, "policy_loss": 0.3, "triage/metrics_step": 0.0}
+              "timing/broadcast": 0.5, "timing/step_total": 10.5, "policy_loss": 0.3, "triage/metrics_step": 0.0,
+              "reward": 0.8, "step": 7}                          # a status's reward and step are no durations
     with TimingsWriter(run, framework="openrlhf") as tw:
         assert tw.record(status, step=0, framework_step=1) == 0
         assert tw.record({**status, "timing/generation": 4.0}, framework_step=2) == 1   # the run's newest step
@@ -241,6 +242,7 @@ def test_a_drivers_timers_fill_the_rows_written_before_them(tmp_path, caplog):
     assert steps["time/generation"].tolist() == [6.0, 4.0] and steps["time/step"].tolist() == [10.5, 10.5]
     assert steps["time/update"].tolist() == [9.9, 2.5] and steps["time/logprob"].tolist() == [1.5, 1.5]
     assert steps["time/weight_sync"].tolist() == [0.5, 0.5] and math.isnan(steps.loc[0, "time/reference"])
+    assert steps["time/reward"].isna().all() and steps["time/step"].tolist() != [7.0, 7.0]
     frame = tm.cycle_frame(steps.reset_index())
     assert frame["g"].round(3).tolist()[0] == 0.571 and round(tm.projected_speedup(6.0 / 10.5, 2.3), 2) == 1.48
     late = open_run(run).timings()

@@ -27,7 +27,7 @@ import pyarrow as pa
 from .blocks import ROLL_STEPS, BlockWriter
 from .layout import RunLayout
 from .records import TIMINGS_SCHEMA, new_attempt_id, timings_row
-from .timings import is_timer_name, phase_times
+from .timings import FRAMEWORK_TIMERS, is_timer_name, phase_times, timer_key
 
 log = logging.getLogger("triage_monitor.records")
 
@@ -70,8 +70,10 @@ class TimingsWriter:
         """Write the phase timings of one monitored step.
 
         Args:
-            timers: ``{name: seconds}``: the framework's timer dict as it logs it (names of other metrics are
-                skipped; timers of no phase of their own are left out; :func:`triage_monitor.timings.phase_times`).
+            timers: ``{name: seconds}``: the framework's metrics dict as it logs it; only the framework's own
+                timer names are read (``timings.FRAMEWORK_TIMERS``; a ``reward`` or ``step`` key of its metrics is
+                no duration), our phase names when no framework was said; timers of no phase of their own are left
+                out (:func:`triage_monitor.timings.phase_times`).
             step: the monitored step they belong to; None: the newest step in the run's steps table, when it is
                 newer than the last one recorded (a synchronous trainer: the workers wrote the step's row before
                 the driver's step timer closed).
@@ -85,8 +87,7 @@ class TimingsWriter:
             if self._closed:
                 return None
             try:
-                times = phase_times({k: v for k, v in timers.items() if is_timer_name(str(k), self.framework)},
-                                    self.framework)
+                times = phase_times({k: v for k, v in timers.items() if self._is_timer(k)}, self.framework)
             except ValueError as exc:
                 self._warn_once("bad", "triage-monitor: phase timings not recorded (%s)", exc)
                 return None
@@ -118,6 +119,15 @@ class TimingsWriter:
             self.last_step = step if self.last_step is None else max(self.last_step, step)
             self.rows += 1
             return step
+
+    def _is_timer(self, name) -> bool:
+        """A timer of the framework (its own names only: a status's ``reward`` or ``step`` is no duration), or
+        one of our phase names when no framework was said."""
+        if not isinstance(name, str):
+            return False
+        if self.framework is None:
+            return is_timer_name(name)
+        return timer_key(self.framework, name) in FRAMEWORK_TIMERS.get(self.framework, {})
 
     def close(self) -> None:
         """Seal the open block (idempotent; never raises)."""
