@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Optional
 
 import torch
@@ -78,10 +79,63 @@ class TrainerHookMixin:
 
     # ------------------------------------------------------------------ loss
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        t0 = time.perf_counter()
         res = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if self._tm_capture:
             self._tm_live = res
+        else:                          # scoring the rollouts: the old log-probs, or the reference model's
+            model = args[0] if args else kwargs.get("model")
+            ref = getattr(self, "ref_model", None)
+            self._tm_time("reference" if ref is not None and model is ref else "logprob", time.perf_counter() - t0)
         return res
+
+    # ------------------------------------------------------------ timings
+    # What the trainer profiles as spans sent to trackers only (TRL's and ms-swift's profiling_context), and its
+    # own step_time, added to the phase timings of the step being trained (docs/hooks.md#phase-timings).
+    _tm_prep = 0.0                     # seconds in _prepare_inputs during the training_step running now
+    _tm_in_step = False                # inside a training_step (generation and scoring included; evaluation not)
+
+    def _tm_time(self, name: str, seconds: float) -> None:
+        """Add a timer reading (a TRL span name, TRL's ``step_time`` or one of our phases) to the phase timings
+        of the step being trained (inside ``training_step`` only: the model may be in eval mode while it
+        generates)."""
+        if self.triage_hook is None or not self._tm_in_step:
+            return
+        self.triage_hook.runtime.add_timings(self.state.global_step, {name: max(seconds, 0.0)}, "trl")
+
+    def _tm_timed(self, name: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, its time added under ``name`` (:meth:`_tm_time`)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._tm_time(name, time.perf_counter() - t0)
+
+    def _prepare_inputs(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super()._prepare_inputs(*args, **kwargs)
+        finally:
+            self._tm_prep += time.perf_counter() - t0
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.triage_hook is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        times = self._metrics["train"].get("step_time", [])
+        before = len(times)
+        self._tm_prep = 0.0
+        self._tm_in_step = True
+        try:
+            t0 = time.perf_counter()
+            out = super().training_step(model, inputs, num_items_in_batch)
+            # the loss forward and backward: the training_step outside _prepare_inputs (generation and scoring)
+            self._tm_time("update", time.perf_counter() - t0 - self._tm_prep)
+            times = self._metrics["train"].get("step_time", [])
+            if len(times) > before:      # TRL closed its step_time of this optimizer step (every GA micro-steps)
+                self._tm_time("step_time", float(times[-1]))
+        finally:
+            self._tm_in_step = False
+        return out
 
     def _tm_run_captured(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)`` (the framework's own loss) with the live log-probs of its forward captured:

@@ -157,6 +157,18 @@ class TriageSwiftGRPOTrainer(TrainerHookMixin, SwiftGRPOTrainer):
                 "threshold": self.rollout_importance_sampling_threshold,
                 "reproduced_by": ROLLOUT_IS_CORRECTIONS[self.rollout_importance_sampling_mode]})
 
+    # ------------------------------------------------------------ timings
+    # the methods ms-swift profiles as spans sent to W&B / SwanLab only (rlhf_trainers/utils.py profiling_context),
+    # timed by the hook; the old / reference log-probs, the update and TRL's step_time: the mixin's
+    def _engine_infer(self, *args, **kwargs):               # ms-swift's 'generate' span (rollout_mixin.py)
+        return self._tm_timed("generation", super()._engine_infer, *args, **kwargs)
+
+    def _move_model_to_vllm(self, *args, **kwargs):         # the weights handed to vLLM
+        return self._tm_timed("weight_sync", super()._move_model_to_vllm, *args, **kwargs)
+
+    def _score_completions(self, *args, **kwargs):          # rewards (and their per-function metrics)
+        return self._tm_timed("reward", super()._score_completions, *args, **kwargs)
+
     # ------------------------------------------------------------ checks
     def _check_monitoring(self) -> None:
         """Refuse set-ups where the hook would see no learner or sampler log-probs, or a token twice.

@@ -171,7 +171,6 @@ class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
         import trl
 
         triage = self._tm_attach(triage, {"framework": "trl", "framework_version": trl.__version__})
-        self._tm_prep = 0.0                # seconds in _prepare_inputs during the training_step running now
         if triage is None:
             return
         self._check_monitoring()
@@ -278,51 +277,9 @@ class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
                     "sampler log-probs for this batch")
         return ids, logps
 
-    # ------------------------------------------------------------------ loss
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        res = super()._get_per_token_logps_and_entropies(*args, **kwargs)   # the mixin captures the live call
-        if not self._tm_capture:        # scoring the rollouts: the old log-probs, or the reference model's
-            model = args[0] if args else kwargs.get("model")
-            ref = getattr(self, "ref_model", None)
-            self._tm_time("reference" if ref is not None and model is ref else "logprob", time.perf_counter() - t0)
-        return res
-
     # ------------------------------------------------------------ timings
     def _calculate_rewards(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return super()._calculate_rewards(*args, **kwargs)
-        finally:
-            self._tm_time("_calculate_rewards", time.perf_counter() - t0)
-
-    def _prepare_inputs(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return super()._prepare_inputs(*args, **kwargs)
-        finally:
-            self._tm_prep += time.perf_counter() - t0
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.triage_hook is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        times = self._metrics["train"].get("step_time", [])
-        before = len(times)
-        self._tm_prep = 0.0
-        t0 = time.perf_counter()
-        out = super().training_step(model, inputs, num_items_in_batch)
-        # the loss forward and backward: the training_step outside _prepare_inputs (generation and scoring)
-        self._tm_time("update", time.perf_counter() - t0 - self._tm_prep)
-        times = self._metrics["train"].get("step_time", [])
-        if len(times) > before:          # TRL closed its step_time of this optimizer step (every GA micro-steps)
-            self._tm_time("step_time", float(times[-1]))
-        return out
-
-    def _tm_time(self, name: str, seconds: float) -> None:
-        """Add a timer reading (TRL's span name or our phase) to the phase timings of the step being trained."""
-        if self.triage_hook is None or not self.model.training:
-            return
-        self.triage_hook.runtime.add_timings(self.state.global_step, {name: max(seconds, 0.0)}, "trl")
+        return self._tm_timed("_calculate_rewards", super()._calculate_rewards, *args, **kwargs)
 
     def _compute_loss(self, model, inputs):
         if self.triage_hook is None:

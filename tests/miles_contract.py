@@ -346,14 +346,7 @@ def log_perf_data_raw(rollout_id, args, is_primary_rank: bool, timer_log_dict: d
 
     if not is_primary_rank:
         return
-    log_dict = {f"perf/{key}_time": val for key, val in timer_log_dict.items()}
-    if extra_metrics:
-        log_dict.update(extra_metrics)
-    if "perf/train_wait_time" in log_dict and "perf/train_time" in log_dict:
-        total_time = log_dict["perf/train_wait_time"] + log_dict["perf/train_time"]
-        if total_time > 0:
-            log_dict["perf/step_time"] = total_time
-            log_dict["perf/wait_time_ratio"] = log_dict["perf/train_wait_time"] / total_time
+    log_dict = slime_contract.perf_log_dict(timer_log_dict, extra_metrics)     # the same lines as slime's
     log_dict["rollout/step"] = rollout_id
     tracking.log(args, log_dict, step_key="rollout/step")
 

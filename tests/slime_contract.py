@@ -211,6 +211,14 @@ def log(args, metrics, step_key: str):
 def log_perf_data(rollout_id, args, timer_log_dict: dict, extra_metrics=None) -> None:
     from slime.observability import logging_utils
 
+    log_dict = perf_log_dict(timer_log_dict, extra_metrics)
+    log_dict["rollout/step"] = rollout_id
+    logging_utils.log(args, log_dict, step_key="rollout/step")
+
+
+def perf_log_dict(timer_log_dict: dict, extra_metrics=None) -> dict:
+    """The perf dict of a rollout's Timer readings, as slime's log_perf_data (L376-378, L395-399) and Miles'
+    log_perf_data_raw (miles/utils/train_metric_utils.py L28-30, L52-56 at 31f1ca96) build it, FLOPs left out."""
     log_dict = {f"perf/{key}_time": val for key, val in timer_log_dict.items()}
     if extra_metrics:
         log_dict.update(extra_metrics)
@@ -219,8 +227,7 @@ def log_perf_data(rollout_id, args, timer_log_dict: dict, extra_metrics=None) ->
         if total_time > 0:
             log_dict["perf/step_time"] = total_time
             log_dict["perf/wait_time_ratio"] = log_dict["perf/train_wait_time"] / total_time
-    log_dict["rollout/step"] = rollout_id
-    logging_utils.log(args, log_dict, step_key="rollout/step")
+    return log_dict
 
 
 # HEAD loss.py lines 1283-1382 (loss_function), the custom_loss branch, context parallel size 1 (the hook refuses

@@ -200,6 +200,25 @@ def test_the_real_job_writes_every_valid_token_once_per_step(job):
     assert info["swift_loss_type"] == "grpo"
 
 
+def test_the_step_time_and_the_profiled_methods_are_the_phase_timings(job):
+    """ms-swift's own step timer (TRL's training_step: ``step_time``, in the trainer's log) is each row's time/step;
+    the methods ms-swift profiles (generation through its engine, scoring the rewards, the old log-probs) and the
+    loss forward + backward, timed by the hook, fill their phases inside the step."""
+    import math
+
+    import pandas as pd
+
+    steps = pd.read_parquet(job["run"] / "steps").sort_values("step")
+    logged = {int(h["step"]) - 1: h["step_time"] for h in job["trainer"].state.log_history if "step_time" in h}
+    assert sorted(logged) == steps["step"].astype(int).tolist()
+    for _, row in steps.iterrows():
+        assert row["time/step"] == pytest.approx(logged[int(row["step"])], rel=1e-12)
+        assert row["time/generation"] > 0 and row["time/reward"] > 0 and row["time/update"] > 0
+        phases = [row[f"time/{p}"] for p in ("generation", "logprob", "reference", "reward", "update")]
+        assert sum(v for v in phases if math.isfinite(v)) <= row["time/step"] * 1.01 + 1e-3
+        assert math.isnan(row["time/weight_sync"])                       # no vLLM here
+
+
 def test_swifts_own_mismatch_metrics_are_kept_and_ours_join_its_log_under_triage(job):
     """ms-swift's ``rollout_correction/*`` keep their names and ms-swift's values; ours come under ``triage/``, the
     monitored step before each log row (``triage/metrics_step``).  With one micro-batch per step the two sides

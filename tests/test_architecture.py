@@ -11,7 +11,7 @@ LAYERS = [
      "alignment", "exits"),
     ("metrics",),
     ("corrections", "controller", "loss"),
-    ("manifest", "locks", "blocks", "sink", "records"),
+    ("manifest", "locks", "blocks", "sink", "records", "timings_writer"),
     ("alert_rules", "references", "alerts", "trackers", "wandb_logger", "tensorboard_logger", "mlflow_logger"),
     ("monitor",),
     ("engines", "analysis", "stages"),

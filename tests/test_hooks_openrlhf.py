@@ -510,22 +510,31 @@ def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
 
 def test_run_cli_runs_openrlhf_cli_with_the_hook_class(orl, monkeypatch, capsys):
     """run_cli executes OpenRLHF's own train_ppo_ray module (here up to its parser's --help), whose
-    PolicyModelActor is then the hook's class; OpenRLHF's module attribute is restored afterwards."""
+    PolicyModelActor is then the hook's class, and PPOTrainer (which train() imports) the hook's timed trainer;
+    OpenRLHF's module attributes are restored afterwards."""
     import argparse
 
     seen = {}
 
     def spy(self, *a, **k):
         seen["actor"] = sys.modules["__main__"].__dict__.get("PolicyModelActor")   # the running CLI's global
+        seen["trainer"] = sys.modules["openrlhf.trainer.ppo_trainer"].PPOTrainer
         seen["prog"] = sys.argv[0]
     monkeypatch.setattr(argparse.ArgumentParser, "print_help", spy)
     original = orl["ppo_actor"].PolicyModelActor
-    with pytest.raises(SystemExit) as e:
-        hook.main(["--triage.run_dir", "unused", "--help"])
+    added = cpu.install_stubs()               # the trainer modules import vllm (not installable on a CPU)
+    try:
+        from openrlhf.trainer import ppo_trainer
+        original_trainer = ppo_trainer.PPOTrainer
+        with pytest.raises(SystemExit) as e:
+            hook.main(["--triage.run_dir", "unused", "--help"])
+    finally:
+        cpu.remove_stubs(added)
     assert e.value.code == 0 and seen["prog"].endswith("train_ppo_ray.py")
     assert issubclass(seen["actor"].__ray_actor_class__, hook.TriagePolicyActorMixin)
     assert seen["actor"].__ray_actor_class__.triage_settings.run_dir == "unused"
-    assert orl["ppo_actor"].PolicyModelActor is original
+    assert issubclass(seen["trainer"].__ray_actor_class__, hook.TriageTimingsMixin)
+    assert orl["ppo_actor"].PolicyModelActor is original and ppo_trainer.PPOTrainer is original_trainer
 
 
 def test_policy_actor_class_is_a_ray_policy_model_actor(orl):

@@ -31,6 +31,8 @@ NOT_MUTATED = {
     "state_kernel.py": "compiled by numba: mutmut's trampolines cannot be compiled; tests/test_state_kernel.py "
                        "checks it bit for bit against the torch path",
     "trackers.py": "hands metrics to W&B / TensorBoard / MLflow",
+    "timings_writer.py": "writes a driver's timer readings as rows (the mapping onto phases is timings.py's, "
+                         "mutated; tests/test_timings.py reads the rows back)",
     "wandb_logger.py": "tracker adapter",
     "tensorboard_logger.py": "tracker adapter",
     "mlflow_logger.py": "tracker adapter",
