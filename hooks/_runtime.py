@@ -345,7 +345,8 @@ class WorkerRuntime:
             try:
                 skipped: list = []
                 times = phase_times(timers, framework, unmapped=skipped)
-            except ValueError as exc:
+                step = int(step)
+            except Exception as exc:   # noqa: BLE001 — a bad reading: said once, never raised into the job
                 self._warn_once("timings-bad", "triage-monitor: phase timings of step %s not recorded (%s)", step, exc)
                 return
             unknown = [n for n in skipped if not is_timer_name(n, framework)]

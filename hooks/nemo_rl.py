@@ -333,8 +333,11 @@ class TimingsBackend:
         self.writer = TimingsWriter(run_dir, framework="nemo_rl")
 
     def log_metrics(self, metrics, step, prefix="", step_metric=None, step_finished=False) -> None:
-        if prefix == self.PREFIX and metrics:
-            self.writer.record({f"{self.PREFIX}/{k}": v for k, v in metrics.items()}, framework_step=int(step))
+        try:
+            if prefix == self.PREFIX and metrics:
+                self.writer.record({f"{self.PREFIX}/{k}": v for k, v in dict(metrics).items()}, framework_step=step)
+        except Exception:  # noqa: BLE001 — the writer says a bad reading itself; never raised into GRPO
+            pass
 
     def log_hyperparams(self, params) -> None:
         return None

@@ -239,10 +239,13 @@ class TimingsMonitor:
             await self.log_metrics(data, step)
 
     async def log_metrics(self, metrics: dict, step=None) -> None:
-        timers = {k: v for k, v in metrics.items() if k in FRAMEWORK_TIMERS["prime_rl"]}
-        last = self.runtime.last_metrics
-        if timers and last is not None:
-            self.runtime.add_timings(int(last["step"]), timers, "prime_rl")
+        try:
+            timers = {k: v for k, v in metrics.items() if k in FRAMEWORK_TIMERS["prime_rl"]}
+            last = self.runtime.last_metrics
+            if timers and last is not None:
+                self.runtime.add_timings(int(last["step"]), timers, "prime_rl")
+        except Exception:  # noqa: BLE001 — add_timings says a bad reading itself; never raised into prime-rl
+            pass
 
     async def log_episodes(self, episodes, step=None, kind="train", subset="effective") -> None:
         return None

@@ -467,8 +467,8 @@ def timings_callback(run_dir):
 
         def on_log(self, trainer, callback_input, control) -> None:
             logs, step = callback_input.logs, callback_input.global_step
-            if logs:
-                self.writer.record(logs, step=int(step), framework_step=int(step))
+            if logs:                    # record never raises; a step that is no integer is said once there
+                self.writer.record(logs, step=step, framework_step=step)
 
         def on_train_end(self, trainer, callback_input, control) -> None:
             self.writer.close()

@@ -313,3 +313,84 @@ def test_a_monitors_late_timings_go_to_the_timings_table(tmp_path):
     row = open_run(run).steps().iloc[0]
     assert (row["time/generation"], row["time/weight_sync"]) == (2.0, 0.75)
     assert open_run(run).timings()["framework_step"].tolist() == [12]
+
+
+def test_a_resumed_job_takes_its_own_timings_and_the_newest_step_of_its_own_attempt(tmp_path):
+    """Attempt 1 times steps 0-9 (step=None: the newest step on disk); attempt 2 resumes from step 5 with a new
+    driver: its readings land on its own steps 5-7 (not on attempt 1's step 9), a step it re-logged without timers
+    is untimed (not attempt 1's reading), and steps it did not redo keep attempt 1's."""
+    from triage_monitor.timings_writer import TimingsWriter
+
+    run = tmp_path / "run"
+    with MismatchMonitor(run, MonitorConfig(), alerts=False) as mon:
+        tw = TimingsWriter(run, "nemo_rl")
+        for s in range(10):
+            mon.log_step(s, batch(s))
+            mon.flush()                                             # as a Ray worker does at its optimizer step
+            assert tw.record({"timing/train/total_step_time": 100.0 + s}) == s
+        tw.close()
+    with MismatchMonitor(run, MonitorConfig(), alerts=False, resume=True) as mon:
+        tw = TimingsWriter(run, "nemo_rl")
+        for s in (5, 6, 7):
+            mon.log_step(s, batch(s))
+            mon.flush()
+            assert tw.record({"timing/train/total_step_time": 200.0 + s}) == s
+        mon.log_step(8, batch(8))
+        tw.close()
+    got = open_run(run).steps().set_index("step")["time/step"]
+    assert got.loc[[4, 5, 6, 7, 9]].tolist() == [104.0, 205.0, 206.0, 207.0, 109.0] and math.isnan(got.loc[8])
+
+
+def test_each_rank_keeps_its_own_late_timings_and_takes_rank_0s_for_the_rest(tmp_path):
+    """Two ranks writing rows (not synchronised): rank 0's and rank 1's add_timings differ; each row shows its own
+    rank's reading, and a phase only rank 0 timed (the job's) fills rank 1's row too."""
+    run = tmp_path / "run"
+    mons = [MismatchMonitor(run, MonitorConfig(), alerts=False, rank=r, attempt=11) for r in (0, 1)]
+    for s in range(3):
+        for r, mon in enumerate(mons):
+            mon.log_step(s, batch(10 * r + s))
+        mons[0].add_timings(s, {"update": 1.0, "weight_sync": 0.5})
+        mons[1].add_timings(s, {"update": 9.0})
+    for mon in mons:
+        mon.close()
+    rows = open_run(run).steps(rank=None)
+    assert rows.loc[rows["rank"] == 0, "time/update"].tolist() == [1.0] * 3
+    assert rows.loc[rows["rank"] == 1, "time/update"].tolist() == [9.0] * 3
+    assert (rows["time/weight_sync"] == 0.5).all()
+    assert open_run(run).timings()[["step", "rank"]].values.tolist() == [[s, r] for s in range(3) for r in (0, 1)]
+
+
+def test_the_driver_writer_never_raises_and_reads_only_the_frameworks_timer_names(tmp_path, caplog):
+    """Not a dict, a reading that is no number (huge, a tensor of two values, a bool), a step that is no integer:
+    None and a warning, never an exception; verl's bare metric keys (step, reward, values) are not its timers;
+    an unknown framework or an empty run_dir is an error at construction; framework_step survives a later row
+    that does not give it."""
+    from triage_monitor.timings_writer import TimingsWriter
+
+    run = tmp_path / "run"
+    _monitored_run(run, range(3))
+    tw = TimingsWriter(run, "openrlhf")
+    for bad in (None, [1.0], {"timing/generation": 10 ** 400}, {"timing/generation": torch.tensor([1.0, 2.0])},
+                {"timing/generation": True}):
+        assert tw.record(bad, step=1) is None
+    for step in (True, 2.7, "2"):
+        assert tw.record({"timing/generation": 1.0}, step=step) is None
+    assert tw.record({"timing/generation": 1.0}, step=np.int64(1), framework_step=7) == 1
+    assert tw.record({"timing/broadcast": 0.5}, step=1) == 1
+    tw.close()
+    tv = TimingsWriter(run, "verl")
+    assert tv.record({"timing_s/gen": 5.0, "timing_s/step": 9.0, "step": 2, "reward": 0.7, "values": 1.5}, step=2) == 2
+    tv.close()
+    late = open_run(run).timings().set_index("step")
+    assert late.loc[1, "framework_step"] == 7 and late.loc[1, "time/weight_sync"] == 0.5
+    assert late.loc[2, "time/step"] == 9.0 and math.isnan(late.loc[2, "time/reward"]) and math.isnan(late.loc[2, "time/other"])
+    for kw, match in ((dict(run_dir=run, framework="OpenRLHF"), "'OpenRLHF' is not one of"),
+                      (dict(run_dir=""), "run_dir")):
+        with pytest.raises(ValueError, match=match):
+            TimingsWriter(**kw)
+    with MismatchMonitor(tmp_path / "other", MonitorConfig(), alerts=False) as mon:
+        mon.log_step(0, batch())
+        with pytest.raises(TypeError, match="dict"):
+            mon.add_timings(0, None)
+        with pytest.raises(ValueError, match="step = 0.5"):
+            mon.add_timings(0.5, {"generation": 1.0})

@@ -300,10 +300,11 @@ class Run:
 
     def timings(self) -> pd.DataFrame:
         """The timings table: phase timings recorded after their step's row (a framework driver's timers,
-        :class:`~triage_monitor.timings_writer.TimingsWriter`, or ``MismatchMonitor.add_timings``), one row a step:
-        each column's newest reading of the step (latest attempt, then part, then write time; a later row without
-        a phase keeps the earlier row's).  :meth:`steps` fills its rows' ``time/<phase>``
-        columns from these where they are NaN.  Empty (with a ``step`` column) when there are none."""
+        :class:`~triage_monitor.timings_writer.TimingsWriter`, rank 0; ``MismatchMonitor.add_timings``, the
+        monitor's rank), one row a step and rank: each column's newest reading (latest attempt, then part, then
+        write time; a later row without a phase keeps the earlier row's, a later row without ``framework_step``
+        keeps the earlier one's).  :meth:`steps` fills its rows' ``time/<phase>`` columns from these where they
+        are NaN.  Empty (with a ``step`` column) when there are none."""
         idx = self.index("timings")
         frames = []
         for p in idx.parts:
@@ -316,10 +317,14 @@ class Run:
         if not frames:
             return pd.DataFrame({"step": pd.Series([], dtype="int64")})
         df = pd.concat(frames, ignore_index=True)
-        df["step"] = df["step"].astype("int64")
-        df = df.sort_values(["step", "_order", "wall_time"], kind="stable").drop(columns=["_order"])
-        out = df.groupby("step", sort=True).last().reset_index()       # each column's newest reading
-        return out.astype({c: "int64" for c in ("rank", "framework_step", "attempt") if c in out.columns})
+        df["step"], df["rank"] = df["step"].astype("int64"), df["rank"].astype("int64")
+        df = df.sort_values(["step", "rank", "_order", "wall_time"], kind="stable").drop(columns=["_order"])
+        df["framework_step"] = df["framework_step"].where(df["framework_step"] >= 0)      # -1: not given
+        df["framework"] = df["framework"].where(df["framework"] != "")
+        out = df.groupby(["step", "rank"], sort=True).last().reset_index()     # each column's newest reading
+        out["framework_step"] = out["framework_step"].fillna(-1).astype("int64")
+        out["framework"] = out["framework"].fillna("")
+        return out.astype({"attempt": "int64"})
 
     def _table(self, name: str) -> pd.DataFrame:
         """All rows of a side table (``alerts``, ``quarantine``), latest attempt, with a ``step`` column."""
@@ -342,16 +347,25 @@ class Run:
 
 
 def _fill_late_timings(steps: pd.DataFrame, late: pd.DataFrame) -> pd.DataFrame:
-    """``steps`` with its ``time/<phase>`` columns filled from the timings table ``late`` where NaN (each step's
-    late row fills every rank's row of that step); ``steps`` itself when there is nothing to fill."""
+    """``steps`` with its ``time/<phase>`` columns filled from the timings table ``late`` (:meth:`Run.timings`)
+    where NaN: a row takes its own rank's timings of its step, then rank 0's (a driver's, or the reporting rank's:
+    the job's), each only when written after the attempt that wrote the row started (a resumed job's re-logged
+    steps do not take an earlier attempt's timers; attempt ids are the attempt's start, ns since the epoch).
+    ``steps`` itself when there is nothing to fill."""
     if not len(late):
         return steps
     cols = [c for c in TIME_COLUMNS if c in late.columns]
-    by_step = late.set_index("step")[cols]
     out = steps.copy()
-    for c in cols:
-        given = out["step"].map(by_step[c])
-        out[c] = out[c].where(out[c].notna(), given) if c in out.columns else given
+    started = out["attempt"].to_numpy(np.float64) / 1e9 if "attempt" in out.columns else np.zeros(len(out))
+    keys = out[["step", "rank"]].reset_index(drop=True)
+    own = keys.merge(late[["step", "rank", "wall_time", *cols]], on=["step", "rank"], how="left")
+    job = keys[["step"]].merge(late.loc[late["rank"] == 0, ["step", "wall_time", *cols]], on="step", how="left")
+    for source in (own, job):
+        after = source["wall_time"].to_numpy(np.float64) >= started       # NaN (no row) compares False
+        for c in cols:
+            given = np.where(after, source[c].to_numpy(np.float64), np.nan)
+            have = out[c].to_numpy(np.float64) if c in out.columns else np.full(len(out), np.nan)
+            out[c] = np.where(np.isnan(have), given, have)
     return out
 
 

@@ -373,11 +373,18 @@ class MismatchMonitor:
             framework_step: the framework's own step number, kept in the row (None: not said).
 
         Raises:
+            TypeError: ``timings`` is not a dict.
             ValueError: a name that is no phase or timer of ``framework``, a duration that is not a finite
-                number >= 0 (naming it)."""
+                number >= 0, a ``step`` or ``framework_step`` that is not an integer (naming it)."""
+        if not hasattr(timings, "items"):
+            raise TypeError(f"timings must be a dict of name -> seconds, got {type(timings).__name__}")
         times = phase_times(dict(timings), framework, strict=True)
+        for name, v in (("step", step), ("framework_step", framework_step)):
+            if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))):
+                raise ValueError(f"add_timings: {name} = {v!r} must be an integer")
         if times and self.writes_steps:
-            self.writer.record_timings(int(step), times, framework, framework_step)
+            self.writer.record_timings(int(step), times, framework,
+                                       None if framework_step is None else int(framework_step))
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:

@@ -206,14 +206,18 @@ def phase_times(raw: Mapping[str, object], framework: Optional[str] = None, *, s
 
 
 def _seconds(name: str, value) -> float:
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
+    bad = f"timings[{name!r}] = {value!r}: a duration must be a number of seconds"
+    try:
+        if hasattr(value, "item") and callable(value.item):
+            value = value.item()        # a tensor / array of one value; of several: an error, named below
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(bad + " (one value)") from None
     if isinstance(value, bool):
-        raise ValueError(f"timings[{name!r}] = {value!r}: a duration must be a number of seconds")
+        raise ValueError(bad)
     try:
         v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"timings[{name!r}] = {value!r}: a duration must be a number of seconds") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(bad) from None
     if math.isinf(v) or v < 0:
         raise ValueError(f"timings[{name!r}] = {v!r}: a duration must be a finite number of seconds >= 0")
     return v

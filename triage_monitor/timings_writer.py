@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import threading
 from typing import Mapping, Optional
 
+import numpy as np
 import pyarrow as pa
 
 from .blocks import ROLL_STEPS, BlockWriter
@@ -30,6 +30,16 @@ from .records import TIMINGS_SCHEMA, new_attempt_id, timings_row
 from .timings import FRAMEWORK_TIMERS, is_timer_name, phase_times, timer_key
 
 log = logging.getLogger("triage_monitor.records")
+
+
+def _integer(name: str, value) -> int:
+    """``value`` as an int: an int or numpy integer (not a bool).
+
+    Raises:
+        ValueError: anything else (naming ``name`` and the value)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} = {value!r}: must be an integer")
+    return int(value)
 
 
 class TimingsWriter:
@@ -43,9 +53,16 @@ class TimingsWriter:
 
     Raises:
         UnsupportedLocationError: ``run_dir`` is of a URI scheme that is not supported (naming it).
+        ValueError: an empty ``run_dir``, or a ``framework`` that is not a key of ``timings.FRAMEWORK_TIMERS``
+            (naming the accepted ones).
     """
 
     def __init__(self, run_dir, framework: Optional[str] = None, roll_steps: int = ROLL_STEPS):
+        if run_dir is None or not str(run_dir).strip():
+            raise ValueError(f"TimingsWriter: run_dir must name the run directory, got {run_dir!r}")
+        if framework is not None and framework not in FRAMEWORK_TIMERS:
+            raise ValueError(f"TimingsWriter: framework {framework!r} is not one of {sorted(FRAMEWORK_TIMERS)} "
+                             "(or None for our phase names)")
         self.layout = RunLayout(run_dir)
         self.framework = framework
         self.attempt = new_attempt_id()
@@ -61,9 +78,13 @@ class TimingsWriter:
         atexit.register(self.close)
 
     def latest_step(self) -> Optional[int]:
-        """The newest step in the run's steps table (its index: a listing, nothing opened); None when none."""
-        steps = RunLayout(self.layout.store).index("steps").steps()
-        return steps[-1] if steps else None
+        """The newest step the run's newest attempt wrote to its steps table (its index: a listing, nothing
+        opened; a resumed job's new attempt, not the steps an earlier attempt wrote beyond it); None when none."""
+        parts = RunLayout(self.layout.store).index("steps").parts
+        if not parts:
+            return None
+        newest = max(p.attempt for p in parts)
+        return max(p.hi for p in parts if p.attempt == newest)
 
     def record(self, timers: Mapping[str, object], step: Optional[int] = None,
                framework_step: Optional[int] = None) -> Optional[int]:
@@ -71,54 +92,65 @@ class TimingsWriter:
 
         Args:
             timers: ``{name: seconds}``: the framework's metrics dict as it logs it; only the framework's own
-                timer names are read (``timings.FRAMEWORK_TIMERS``; a ``reward`` or ``step`` key of its metrics is
-                no duration), our phase names when no framework was said; timers of no phase of their own are left
-                out (:func:`triage_monitor.timings.phase_times`).
-            step: the monitored step they belong to; None: the newest step in the run's steps table, when it is
-                newer than the last one recorded (a synchronous trainer: the workers wrote the step's row before
-                the driver's step timer closed).
+                timer names are read (``timings.FRAMEWORK_TIMERS``, as the framework logs them; a ``reward`` or
+                ``step`` key of its metrics is no duration), our phase names when no framework was said; timers of
+                no phase of their own are left out (:func:`triage_monitor.timings.phase_times`).
+            step: the monitored step they belong to (an int); None: the newest step the run's newest attempt
+                wrote, when it is newer than the last one recorded — for a synchronous trainer whose workers have
+                written (flushed) the step's rows before the driver's step timer closed (in a framework's Ray
+                workers they are on disk at the optimizer step); a monitor in this process writes its rows in the
+                background, so pass ``step`` there.
             framework_step: the framework's own step number, kept in the row.
 
         Returns:
-            The monitored step written, or None when nothing was (no timer among ``timers``, no new step in the
-            run, a bad reading, an I/O error: each said once in the log, never raised).
+            The monitored step written, or None when nothing was: no timer among ``timers`` (a framework logs
+            other metrics through the same call), after :meth:`close`, or — each said once in the log — a bad
+            reading or step, no new step in the run, an I/O error.  Never raises.
         """
         with self._lock:
             if self._closed:
                 return None
             try:
-                times = phase_times({k: v for k, v in timers.items() if self._is_timer(k)}, self.framework)
-            except ValueError as exc:
-                self._warn_once("bad", "triage-monitor: phase timings not recorded (%s)", exc)
-                return None
-            times = {k: v for k, v in times.items() if math.isfinite(v)}
-            if not times:
-                return None
-            try:
-                if step is None:
-                    step = self.latest_step()
-                    if step is None or (self.last_step is not None and step <= self.last_step):
-                        self._warn_once("no-step", "triage-monitor: phase timings of %s step %s not recorded: the "
-                                        "run %s holds no monitored step newer than the last one timed (%s)",
-                                        self.framework or "a", framework_step, self.layout.display,
-                                        self.last_step)
-                        return None
-                step = int(step)
-                row = timings_row(step, 0, self.attempt, times, self.framework, framework_step)
-                if self._writer is None:
-                    self._writer = BlockWriter(self.layout.store, "timings", 0, self.attempt, self.roll_steps)
-                self._writer.write(step, pa.Table.from_pylist([row], schema=TIMINGS_SCHEMA))
-                if self._writer.error is not None:
-                    exc, self._writer.error = self._writer.error, None
-                    self._warn_once("block", "triage-monitor: a block of the timings table in %s could not be "
-                                    "written (%s); its steps stay in pending files", self.layout.display, exc)
+                return self._record(timers, step, framework_step)
             except Exception as exc:  # noqa: BLE001 — monitoring never stops the training job
                 self._warn_once("io", "triage-monitor: phase timings of step %s not written to %s (%s: %s)", step,
                                 self.layout.display, type(exc).__name__, exc)
                 return None
-            self.last_step = step if self.last_step is None else max(self.last_step, step)
-            self.rows += 1
-            return step
+
+    def _record(self, timers, step, framework_step) -> Optional[int]:
+        if not isinstance(timers, Mapping):
+            self._warn_once("type", "triage-monitor: phase timings not recorded: timers must be a dict of name -> "
+                            "seconds, got %s", type(timers).__name__)
+            return None
+        try:
+            times = phase_times({k: v for k, v in timers.items() if self._is_timer(k)}, self.framework)
+            if step is not None:
+                step = _integer("step", step)
+            if framework_step is not None:
+                framework_step = _integer("framework_step", framework_step)
+        except ValueError as exc:
+            self._warn_once("bad", "triage-monitor: phase timings not recorded (%s)", exc)
+            return None
+        if not times:
+            return None
+        if step is None:
+            step = self.latest_step()
+            if step is None or (self.last_step is not None and step <= self.last_step):
+                self._warn_once("no-step", "triage-monitor: phase timings of %s step %s not recorded: the run %s "
+                                "holds no monitored step newer than the last one timed (%s)",
+                                self.framework or "a", framework_step, self.layout.display, self.last_step)
+                return None
+        row = timings_row(step, 0, self.attempt, times, self.framework, framework_step)
+        if self._writer is None:
+            self._writer = BlockWriter(self.layout.store, "timings", 0, self.attempt, self.roll_steps)
+        self._writer.write(step, pa.Table.from_pylist([row], schema=TIMINGS_SCHEMA))
+        if self._writer.error is not None:
+            exc, self._writer.error = self._writer.error, None
+            self._warn_once("block", "triage-monitor: a block of the timings table in %s could not be written "
+                            "(%s); its steps stay in pending files", self.layout.display, exc)
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        self.rows += 1
+        return step
 
     def _is_timer(self, name) -> bool:
         """A timer of the framework (its own names only: a status's ``reward`` or ``step`` is no duration), or
@@ -127,7 +159,8 @@ class TimingsWriter:
             return False
         if self.framework is None:
             return is_timer_name(name)
-        return timer_key(self.framework, name) in FRAMEWORK_TIMERS.get(self.framework, {})
+        table = FRAMEWORK_TIMERS[self.framework]
+        return name in table or (self.framework == "trl" and timer_key("trl", name) in table)
 
     def close(self) -> None:
         """Seal the open block (idempotent; never raises)."""
