@@ -51,7 +51,8 @@ from .layout import RunLayout
 from .metrics import METRIC_NAMES, MetricTracker
 from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, new_attempt_id
 from .records import steps_schema as records_steps_schema
-from .timings import COLUMNS as TIME_PHASES, PREFIX as TIME_PREFIX, TIME_COLUMNS, columns_of, phase_of, phase_times
+from .timings import (COLUMNS as TIME_PHASES, PREFIX as TIME_PREFIX, TIME_COLUMNS, columns_of, integer, phase_of,
+                      phase_times)
 from .trackers import ConfigRecorder, build_trackers
 
 log = logging.getLogger("triage_monitor")
@@ -379,12 +380,10 @@ class MismatchMonitor:
         if not hasattr(timings, "items"):
             raise TypeError(f"timings must be a dict of name -> seconds, got {type(timings).__name__}")
         times = phase_times(dict(timings), framework, strict=True)
-        for name, v in (("step", step), ("framework_step", framework_step)):
-            if v is not None and (isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))):
-                raise ValueError(f"add_timings: {name} = {v!r} must be an integer")
+        step = integer("add_timings: step", step)
+        framework_step = None if framework_step is None else integer("add_timings: framework_step", framework_step)
         if times and self.writes_steps:
-            self.writer.record_timings(int(step), times, framework,
-                                       None if framework_step is None else int(framework_step))
+            self.writer.record_timings(step, times, framework, framework_step)
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:

@@ -21,6 +21,7 @@ Torch-free; pandas is imported by the frame functions only.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
@@ -203,6 +204,16 @@ def phase_times(raw: Mapping[str, object], framework: Optional[str] = None, *, s
             continue
         out[phase] = out.get(phase, 0.0) + seconds
     return out
+
+
+def integer(name: str, value) -> int:
+    """``value`` as an int: an int or numpy integer (not a bool): a step number given with timings.
+
+    Raises:
+        ValueError: anything else (naming ``name`` and the value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} = {value!r}: must be an integer")
+    return int(value)
 
 
 def _seconds(name: str, value) -> float:

@@ -21,25 +21,14 @@ import logging
 import threading
 from typing import Mapping, Optional
 
-import numpy as np
 import pyarrow as pa
 
 from .blocks import ROLL_STEPS, BlockWriter
 from .layout import RunLayout
 from .records import TIMINGS_SCHEMA, new_attempt_id, timings_row
-from .timings import FRAMEWORK_TIMERS, is_timer_name, phase_times, timer_key
+from .timings import FRAMEWORK_TIMERS, integer, is_timer_name, phase_times, timer_key
 
 log = logging.getLogger("triage_monitor.records")
-
-
-def _integer(name: str, value) -> int:
-    """``value`` as an int: an int or numpy integer (not a bool).
-
-    Raises:
-        ValueError: anything else (naming ``name`` and the value)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} = {value!r}: must be an integer")
-    return int(value)
 
 
 class TimingsWriter:
@@ -125,9 +114,9 @@ class TimingsWriter:
         try:
             times = phase_times({k: v for k, v in timers.items() if self._is_timer(k)}, self.framework)
             if step is not None:
-                step = _integer("step", step)
+                step = integer("step", step)
             if framework_step is not None:
-                framework_step = _integer("framework_step", framework_step)
+                framework_step = integer("framework_step", framework_step)
         except ValueError as exc:
             self._warn_once("bad", "triage-monitor: phase timings not recorded (%s)", exc)
             return None
