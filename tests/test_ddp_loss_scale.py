@@ -74,6 +74,7 @@ def worker(rank, world, outdir):
         (loss * scale).backward()                        # DDP averages the gradients over the ranks here
         out[name] = (loss.detach(), grads(model.module))
     torch.save(out, outdir / f"rank{rank}.pt")
+    dist.barrier()                   # neither rank tears its gloo pairs down while the other still uses them
     dist.destroy_process_group()
 
 
