@@ -78,7 +78,7 @@ def load_recomputed(path: str, window: int, sig: tuple, snap: tuple) -> pd.DataF
 def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> tuple:
     """(frame, unreadable files): step and window metrics of the snapshot's steps with the run's one frozen
     tau_tail for every step (the cached per-step states; the live rows when the run has no token records)."""
-    from triage_monitor.analysis import postmortem_frame  # torch-backed: after the first charts are out
+    from triage_monitor.analysis import postmortem_frame
 
     run = open_run(path)
     frame = postmortem_frame(run, window, live=load_run(path, sig)[1], steps=snap)[0]
@@ -89,7 +89,7 @@ def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> tuple:
 def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple, snap: tuple) -> pd.DataFrame:
     """The stage table of the snapshot's steps ``snap``."""
     from triage_monitor.analysis import recompute_states
-    from triage_monitor.stages import stage_table  # torch-backed: imported after the first charts are out
+    from triage_monitor.stages import stage_table
 
     run = open_run(path)
     todo = sorted(set(run.step_numbers()) & set(snap))
@@ -416,7 +416,7 @@ if toks is not None:
 
 # ------------------------------------------------------------------ stages
 st.header("Stages (docs/metrics.md#stages)")
-from triage_monitor.stages import anchor_steps, degenerate_notice, format_stage_table  # noqa: E402  (torch-backed)
+from triage_monitor.stages import anchor_steps, degenerate_notice, format_stage_table  # noqa: E402
 
 with st.sidebar:
     st.header("Stages")

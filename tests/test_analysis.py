@@ -698,3 +698,31 @@ def test_workers_are_cut_to_what_the_token_records_pay_for(run, monkeypatch):
 
     monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", total // 3)
     assert planned_workers(sources, 8) == 3 and planned_workers(sources, 2) == 2
+
+
+def test_the_post_mortem_commands_never_import_torch(run, tmp_path):
+    """`analyze`, `report` and the stage table work on numpy states and compiled passes: none of them imports
+    torch (1-1.5 s of a cold command on the 2-core machine), and their values are the live monitor's."""
+    import json
+    import subprocess
+    import sys
+
+    r, live = run
+    code = f"""
+import json, sys
+from triage_monitor.cli import main
+for argv in (["analyze", {str(r.path)!r}, "--out", {str(tmp_path / "m.csv")!r}],
+             ["report", {str(r.path)!r}, "--out", {str(tmp_path / "r.html")!r}]):
+    assert main(argv) == 0, argv
+from triage_monitor.analysis import open_run
+from triage_monitor.stages import stage_table
+t = stage_table(open_run({str(r.path)!r}), window=2, draws=19)
+print(json.dumps({{"torch": "torch" in sys.modules, "c_tok": float(t["c_tok"].iloc[-1])}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch"] is False, out.stdout[-2000:]
+    assert got["c_tok"] == live[-1]["window/c_tok"]
+    frame = pd.read_csv(tmp_path / "m.csv")
+    assert frame["window/rho_asym"].tolist() == pytest.approx([m["window/rho_asym"] for m in live], rel=1e-12,
+                                                              nan_ok=True)

@@ -36,8 +36,9 @@ from .timings import TIME_COLUMNS
 
 log = logging.getLogger("triage_monitor.analysis")
 
-# torch-backed modules (batch, metrics) are imported inside the functions that need them, so that reading
-# step-level data (Run.steps, the dashboard's first charts) does not pay for importing torch.
+# the metric code (metrics, state_kernel: numba) is imported inside the functions that need it, so that reading
+# step-level data (Run.steps, the dashboard's first charts) does not pay for it; nothing on the offline path
+# imports torch (only Run.token_batch, which builds a TokenBatch).
 
 
 class RunDirError(TriageMonitorError, ValueError):
@@ -454,7 +455,7 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
     from .state_kernel import BOTH, MAGNITUDE, OK, update_state
 
     stats = MismatchStats(config)
-    state = stats.state.numpy()
+    state = stats.array
     kw = dict(mode=MAGNITUDE if math.isnan(tau_tail) else BOTH, tau_tail=tau_tail, width=config.segment_width,
               small_gap_threshold=config.small_gap_threshold, heavy_fraction=config.heavy_fraction,
               dilution_threshold=config.dilution_threshold, null_input=null_input)
@@ -470,7 +471,7 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
         sid, pos, delta, adv = sid[order], pos[order], delta[order], adv[order]
         if update_state(state, stats.layout.slices, delta, adv, sid, pos, -1, **kw) != OK:
             raise ValueError(f"{path_hint}: a (sample_id, position) pair occurs twice in the token records")
-    return stats.state.numpy()
+    return stats.array
 
 
 def step_state(source, tau_tail: float, config) -> "np.ndarray":
@@ -517,23 +518,19 @@ class StepStates:
 
     def stats(self, step: int):
         """The :class:`~triage_monitor.metrics.MismatchStats` of one step."""
-        import torch
-
         from .metrics import MismatchStats
 
         i = self._index[int(step)]
-        return MismatchStats(self.config, state=torch.from_numpy(self.states[i].copy()), tau_tail=self.taus[i])
+        return MismatchStats(self.config, state=self.states[i].copy(), tau_tail=self.taus[i])
 
     def window_stats(self, step: int, window: Optional[int] = None):
         """The merge of the steps ``s`` with ``step - window < s <= step`` (in step order), as live."""
-        import torch
-
         from .metrics import MismatchStats, state_layout
 
         w = self.window if window is None else int(window)
         idx = [i for i, s in enumerate(self.steps) if step - w < s <= step]
         layout = state_layout(self.config.segment_width)
-        state = layout.reduce([torch.from_numpy(self.states[i]) for i in idx])
+        state = layout.reduce([self.states[i] for i in idx]) if idx else layout.identity_array()
         return MismatchStats(self.config, state=state, tau_tail=self.taus[idx[-1]] if idx else math.nan)
 
     def frame(self, window: Optional[int] = None) -> pd.DataFrame:
@@ -637,7 +634,7 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
         redo = [s for s in need if not _same(taus[s], cand[s])]
         if redo:
             states.update(run_map(redo, taus, "recomputing with the calibrated tau_tail"))
-    size = MismatchStats(cfg).state.numel()
+    size = MismatchStats(cfg).array.size
     mat = np.stack([states[s] for s in todo]) if todo else np.zeros((0, size))
     out = StepStates(todo, mat, [taus[s] for s in todo], cfg, win, tau_mode, [nulls[s] for s in todo])
     if path is not None:
@@ -646,8 +643,9 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
 
 
 #: Token-record bytes each local worker process must have to map before its start-up (a spawned interpreter
-#: importing torch, numba and the package: 2-4 s on the 2-core machine) pays off: 1 GiB, about 110M tokens,
-#: 3-4 s of decoding in one process.  Below it, fewer workers (one: this process) are faster.
+#: importing numba, pyarrow and the package, and loading the compiled kernels: about 1 s on the 2-core machine)
+#: pays off: 1 GiB, about 110M tokens, 3-4 s of decoding in one process.  Below it, fewer workers (one: this
+#: process) are faster.
 WORKER_MIN_BYTES = 1 << 30
 
 
@@ -719,11 +717,9 @@ def _save_states(store: Store, path: str, states: StepStates) -> None:
 
 
 def _part(state, cfg):
-    import torch
-
     from .metrics import MismatchStats, _calibration_part
 
-    return _calibration_part(MismatchStats(cfg, state=torch.tensor(state)))    # a copy: Ray's arrays are read-only
+    return _calibration_part(MismatchStats(cfg, state=np.array(state)))    # a copy: Ray's arrays are read-only
 
 
 def _candidate_taus(run: Run, mode: str, steps: list, calib: list) -> Optional[dict]:

@@ -11,13 +11,14 @@ step after them arrives; quantiles are read from the merged sketch with its stat
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-import torch
+import numpy as np
 
 from . import sketch
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:                  # parts are tensors live and numpy arrays offline (no torch import there)
+    from torch import Tensor
 
 #: Length of a part: the sketch counts, then min and max.
 PART_SIZE = sketch.SIZE + 2
@@ -28,6 +29,8 @@ def part_of(values: Tensor) -> Tensor:
 
     An empty tensor gives zero counts, min +inf and max −inf (the identity of the merge).
     """
+    import torch
+
     v = values.detach().reshape(-1).float()
     counts = sketch.sketch_counts(v).double().cpu()
     if v.numel():
@@ -38,20 +41,26 @@ def part_of(values: Tensor) -> Tensor:
 
 
 def merge_parts(parts: Sequence[Tensor]) -> Tensor:
-    """One part holding the values of all ``parts`` (counts summed, min of mins, max of maxes)."""
-    out = parts[0].detach().cpu().double().clone()
+    """One part holding the values of all ``parts`` (counts summed, min of mins, max of maxes): a new float64
+    numpy array when ``parts[0]`` is one, else a new float64 CPU tensor."""
+    out = np.array(sketch.host_array(parts[0]), dtype=np.float64)
     k = sketch.SIZE
     for p in parts[1:]:
-        p = p.detach().cpu().double()
+        p = sketch.host_array(p).astype(np.float64, copy=False)
         out[:k] += p[:k]
         out[k] = min(float(out[k]), float(p[k]))
         out[k + 1] = max(float(out[k + 1]), float(p[k + 1]))
-    return out
+    if isinstance(parts[0], np.ndarray):
+        return out
+    import torch
+
+    return torch.from_numpy(out)
 
 
 def sync_part(part: Tensor, group=None) -> Tensor:
     """All-reduce a part over ``group`` (torch.distributed): SUM of the counts, MIN of min, MAX of max.
     Fixed size whatever the number of values."""
+    import torch
     import torch.distributed as dist
 
     home = part.device
@@ -68,7 +77,7 @@ def sync_part(part: Tensor, group=None) -> Tensor:
 def part_quantiles(part: Tensor, qs: Sequence[float]) -> list:
     """Quantiles ``qs`` (nats) of the values in ``part``, within the sketch's bound; NaN when it holds none."""
     k = sketch.SIZE
-    return sketch.sketch_quantiles(part[:k].detach().cpu(), list(qs), float(part[k]), float(part[k + 1]))
+    return sketch.sketch_quantiles(part[:k], list(qs), float(part[k]), float(part[k + 1]))
 
 
 def part_count(part: Tensor) -> float:
@@ -142,4 +151,6 @@ class ReferenceWindow:
         """Restore :meth:`state_dict` output (the size and streams stay this window's own)."""
         self.frozen = bool(sd["frozen"])
         self.step_numbers = list(sd["steps"])
+        import torch
+
         self.parts = [[torch.as_tensor(p, dtype=torch.float64) for p in ps] for ps in sd["parts"]]

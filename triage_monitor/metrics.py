@@ -23,16 +23,17 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import numpy as np
-import torch
 
 from . import calibration, sketch, state_kernel
-from .batch import TokenBatch
 from .config import MetricConfig
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:                  # torch is imported where a tensor is handled, so that the offline path (analyze,
+    from torch import Tensor       # report, the dashboard: numpy states) never imports it
+
+    from .batch import TokenBatch
 
 #: Quantiles of δ reported per step / window (docs/metrics.md#delta_quantiles), name → q.
 DELTA_QUANTILES = {"delta_q01": 0.01, "delta_q05": 0.05, "delta_q50": 0.50}
@@ -80,6 +81,8 @@ def c_tok_from_segments(seg_tail: Tensor, seg_valid: Tensor, top_fraction: float
     K = seg_tail.numel()
     if K == 0 or total == 0:
         return math.nan
+    import torch
+
     top = math.ceil(top_fraction * K)
     frac = seg_tail.double() / seg_valid.double()
     by_count = torch.argsort(-seg_tail, stable=True)
@@ -104,7 +107,7 @@ def c_tok_from_table(table: Tensor, width: int, top_fraction: float = 0.05) -> f
         float in [0, 1]; NaN when there is no tail token.
     """
     order, tails = _cell_order(int(width))
-    counts = table.detach().cpu().numpy()[order] if isinstance(table, Tensor) else np.asarray(table)[order]
+    counts = sketch.host_array(table)[order]
     K = float(counts.sum())
     total = float((counts * tails).sum())
     if K == 0 or total == 0:
@@ -114,6 +117,32 @@ def c_tok_from_table(table: Tensor, width: int, top_fraction: float = 0.05) -> f
     i = int(np.searchsorted(cum, top))                    # first cell whose cumulative count reaches top
     taken = float((counts[:i] * tails[:i]).sum()) + (top - (float(cum[i - 1]) if i else 0.0)) * float(tails[i])
     return taken / total
+
+
+def _host(t, dtype) -> np.ndarray:
+    """A contiguous host array of ``t`` (a numpy array, or a tensor on any device) in numpy ``dtype``: a tensor
+    is converted by torch (bfloat16 included), as the records store its values."""
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t, dtype)
+    import torch
+
+    to = {np.float32: torch.float32, np.int64: torch.int64}[dtype]
+    return t.detach().to("cpu", to).contiguous().numpy()
+
+
+def _state_array(state) -> np.ndarray:
+    """A given state (array or tensor) as a writable float64 host array; shares memory where it can."""
+    if isinstance(state, np.ndarray):
+        out = np.asarray(state, np.float64)
+        return out if out.flags.writeable else out.copy()
+    import torch
+
+    return state.detach().to("cpu", torch.float64).numpy()
+
+
+def _on_host(x) -> bool:
+    """True for a numpy array or a CPU tensor (merged through numpy views)."""
+    return isinstance(x, np.ndarray) or x.device.type == "cpu"
 
 
 @functools.lru_cache(maxsize=8)
@@ -161,26 +190,34 @@ class StateLayout:
             start += f.size
         self.size = start
         self._span_columns: dict = {}
-        self._identity = torch.cat([torch.full((f.size,), _IDENTITY[f.reduction], dtype=torch.float64)
-                                    for f in self.fields])
+        self._identity = np.concatenate([np.full(f.size, _IDENTITY[f.reduction]) for f in self.fields])
+
+    def identity_array(self) -> np.ndarray:
+        """``(size,)`` float64 numpy state of an empty accumulator (0 for sums, +inf for min, -inf for max)."""
+        return self._identity.copy()
 
     def identity(self, device=None) -> Tensor:
-        """``(size,)`` float64 state of an empty accumulator (0 for sums, +inf for min, -inf for max)."""
-        return self._identity.to(device if device is not None else "cpu", copy=True)
+        """:meth:`identity_array` as a new float64 tensor on ``device`` (default the CPU)."""
+        import torch
+
+        return torch.from_numpy(self._identity.copy()).to(device if device is not None else "cpu")
 
     def merge_into(self, out: Tensor, other: Tensor) -> Tensor:
-        """``out`` ⊕= ``other`` (in place) by each field's reduction; returns ``out``."""
+        """``out`` ⊕= ``other`` (in place) by each field's reduction; returns ``out``.  Both numpy arrays or
+        both tensors (a CPU tensor and an array mix)."""
         return self.merge_into_range(out, other, 0, self.size)
 
     def merge_into_range(self, out: Tensor, other: Tensor, lo: int, hi: int) -> Tensor:
         """:meth:`merge_into` restricted to the entries ``[lo, hi)`` of the state vector."""
-        if out.device.type == "cpu" and other.device.type == "cpu":      # numpy views: a fraction of torch's
-            o, t = out.numpy(), other.numpy()                            # per-call cost (same IEEE results)
+        if _on_host(out) and _on_host(other):                          # numpy views: a fraction of torch's
+            o, t = sketch.host_array(out), sketch.host_array(other)    # per-call cost (same IEEE results)
             for red, (a, b) in self.ranges.items():
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
                     _NP_MERGE[red](o[a:b], t[a:b], out=o[a:b])
             return out
+        import torch
+
         for red, (a, b) in self.ranges.items():
             a, b = max(a, lo), min(b, hi)
             if a >= b:
@@ -214,12 +251,12 @@ class StateLayout:
         """:meth:`merge_into_range` of each of ``others`` in turn (their order kept for every entry) over each
         ``[lo, hi)`` of ``spans``; returns ``out``.  On the CPU the spans' entries of every state are gathered
         into one array and each field group is folded down it in one numpy call (:class:`SpanColumns`)."""
-        if out.device.type == "cpu" and all(t.device.type == "cpu" for t in others):
+        if _on_host(out) and all(_on_host(t) for t in others):
             cols = self.span_columns(spans)
             if not cols.groups or not others:
                 return out
-            rows = np.stack([cols.row(t.numpy()) for t in [out, *others]])
-            cols.fold(rows, out.numpy())
+            rows = np.stack([cols.row(sketch.host_array(t)) for t in [out, *others]])
+            cols.fold(rows, sketch.host_array(out))
             return out
         for t in others:
             for lo, hi in spans:
@@ -227,8 +264,10 @@ class StateLayout:
         return out
 
     def reduce(self, states: Sequence[Tensor]) -> Tensor:
-        """The merge of ``states`` in the given order (a trailing window), as a new tensor."""
-        out = self.identity(states[0].device if states else None)
+        """The merge of ``states`` in the given order (a trailing window), as a new array (numpy ``states``) or
+        tensor."""
+        out = (self.identity_array() if states and isinstance(states[0], np.ndarray)
+               else self.identity(states[0].device if states else None))
         for s in states:
             self.merge_into(out, s)
         return out
@@ -236,6 +275,7 @@ class StateLayout:
     def all_reduce(self, state: Tensor, group=None) -> Tensor:
         """All-reduce ``state`` in place across ``group``: one SUM all-reduce of the sum fields and one
         MAX all-reduce of the (negated min, max) fields -- fixed sizes whatever the tokens."""
+        import torch
         import torch.distributed as dist
 
         if "sum" in self.ranges:
@@ -295,7 +335,8 @@ def state_layout(segment_width: int) -> StateLayout:
 class MismatchStats:
     """Fixed-size, mergeable state behind every metric of docs/metrics.md, torchmetrics-style.
 
-    The state is one float64 vector (:attr:`state`, on the host) laid out by :func:`state_layout`: the additive
+    The state is one float64 vector on the host (:attr:`array`, a numpy array; :attr:`state` is the same memory
+    as a tensor) laid out by :func:`state_layout`: the additive
     sums of :data:`SUM_FIELDS`, the δ quantile sketch (:mod:`triage_monitor.sketch`), the table of segment
     counts by (valid tokens, tail tokens) for C_tok, and δ's min and max.  Its size depends only on the segment
     width (about 161 KB at W = 64), never on the tokens.
@@ -318,14 +359,22 @@ class MismatchStats:
             if tuple(state.shape) != (self.layout.size,):
                 raise ValueError(f"MismatchStats state must have shape ({self.layout.size},) for segment width "
                                  f"{self.config.segment_width}, got {tuple(state.shape)}")
-            self.state = state.detach().to("cpu", torch.float64)
+            self.array = _state_array(state)
         else:
-            self.state = self.layout.identity()
+            self.array = self.layout.identity_array()
         self.tau_tail = float(tau_tail)
 
+    @property
+    def state(self) -> Tensor:
+        """:attr:`array` as a ``(size,)`` float64 CPU tensor sharing its memory (what ``torch.distributed``
+        reduces; writes to it are writes to the state)."""
+        import torch
+
+        return torch.from_numpy(self.array)
+
     def part(self, name: str) -> Tensor:
-        """The view of one declared field of :attr:`state` (``sums``, ``delta_sketch``, ``c_tok_table``,
-        ``delta_min``, ``delta_max``)."""
+        """The tensor view of one declared field of :attr:`state` (``sums``, ``delta_sketch``, ``c_tok_table``,
+        ``delta_min``, ``delta_max``); ``array[layout.slices[name]]`` is the numpy view."""
         return self.state[self.layout.slices[name]]
 
     @property
@@ -335,12 +384,12 @@ class MismatchStats:
 
     def sum(self, name: str) -> float:
         """One additive sum of :data:`SUM_FIELDS` by name."""
-        return float(self.sums[SUM_FIELDS.index(name)])
+        return float(self.array[self.layout.slices["sums"]][SUM_FIELDS.index(name)])
 
     @property
     def nbytes(self) -> int:
         """Bytes of the state (what a multi-rank sync sends per rank and reduction pass)."""
-        return self.state.numel() * self.state.element_size()
+        return self.array.nbytes
 
     # ---------------------------------------------------------------- update
     def update(self, batch: TokenBatch, tau_tail: float = math.nan) -> "MismatchStats":
@@ -384,11 +433,10 @@ class MismatchStats:
 
     def _kernel(self, delta, advantage, sample_index, position, num_samples, mode, tau_tail=math.nan):
         cfg = self.config
-        host = (lambda t, dt: t.detach().to("cpu", dt).contiguous().numpy())
-        pos = host(position, torch.int64) if position is not None else np.zeros(delta.numel(), np.int64)
+        pos = _host(position, np.int64) if position is not None else np.zeros(len(delta), np.int64)
         status = state_kernel.update_state(
-            self.state.numpy(), self.layout.slices, host(delta, torch.float32), host(advantage, torch.float32),
-            host(sample_index, torch.int64), pos, int(num_samples), mode=mode, tau_tail=tau_tail,
+            self.array, self.layout.slices, _host(delta, np.float32), _host(advantage, np.float32),
+            _host(sample_index, np.int64), pos, int(num_samples), mode=mode, tau_tail=tau_tail,
             width=cfg.segment_width, small_gap_threshold=cfg.small_gap_threshold, heavy_fraction=cfg.heavy_fraction,
             dilution_threshold=cfg.dilution_threshold)
         if status != state_kernel.OK:
@@ -398,7 +446,7 @@ class MismatchStats:
 
     def merge(self, other: "MismatchStats") -> "MismatchStats":
         """Add ``other``'s state into this one (in place; returns self)."""
-        self.layout.merge_into(self.state, other.state)
+        self.layout.merge_into(self.array, other.array)
         if not math.isnan(other.tau_tail):
             self.tau_tail = other.tau_tail
         return self
@@ -416,6 +464,7 @@ class MismatchStats:
         """All-reduce the state across the ranks of ``group`` (torch.distributed): one SUM all-reduce
         of the fixed-size sum fields and one MAX all-reduce of δ's (−min, max).  Exact: the result equals
         the state of the concatenated batches.  A no-op when torch.distributed is not initialised."""
+        import torch
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -429,7 +478,7 @@ class MismatchStats:
     # ---------------------------------------------------------------- compute
     def compute(self) -> MetricResult:
         """Turn the state into the metrics of docs/metrics.md (names in :data:`METRIC_NAMES`)."""
-        host = self.state.detach().cpu()
+        host = self.array
         s = dict(zip(SUM_FIELDS, host[self.layout.slices["sums"]].tolist()))
         dmin = float(host[self.layout.slices["delta_min"]][0])
         dmax = float(host[self.layout.slices["delta_max"]][0])
@@ -499,12 +548,14 @@ class MismatchStats:
 
 
 # --------------------------------------------------------------------------- calibration state
-def _calibration_part(stats: MismatchStats) -> Tensor:
-    """``(sketch.SIZE + 2,)`` float64: the step's δ sketch, min and max (what τ_tail is calibrated from)."""
-    return torch.cat([stats.part("delta_sketch"), stats.part("delta_min"), stats.part("delta_max")]).clone()
+def _calibration_part(stats: MismatchStats) -> np.ndarray:
+    """``(sketch.SIZE + 2,)`` float64 (a new array): the step's δ sketch, min and max (what τ_tail is calibrated
+    from; :mod:`triage_monitor.calibration`'s part)."""
+    sl = stats.layout.slices
+    return np.concatenate([stats.array[sl["delta_sketch"]], stats.array[sl["delta_min"]], stats.array[sl["delta_max"]]])
 
 
-def tau_from_calibration(parts: Sequence[Tensor], q: float) -> float:
+def tau_from_calibration(parts: Sequence, q: float) -> float:
     """τ_tail (nats): the ``q`` quantile of the merged calibration parts (sketch, min, max), read from the
     sketch (docs/metrics.md#quantile-sketch); NaN when they hold no token."""
     return calibration.part_quantiles(calibration.merge_parts(parts), [q])[0]
@@ -544,7 +595,7 @@ class MetricTracker:
         self._running = None            # Σ of the window's integer count fields (sketch, C_tok table)
         self._rows = None               # the other fields of each state (SpanColumns rows): row 0 empty, then _history
 
-    def _calibrate(self, step: int, part: Tensor) -> None:
+    def _calibrate(self, step: int, part) -> None:
         if self.tau_frozen:
             return
         if self.reference.add(step, [part]):                     # first step after the reference window
@@ -560,6 +611,8 @@ class MetricTracker:
         reports the global metrics; while τ_tail is calibrating, the step's δ sketch is all-reduced
         first (fixed size too), so τ_tail comes from the global δ.
         """
+        import torch
+
         stats = MismatchStats(self.config)
         # the host copy of the tokens the state update reads (a no-op for a CPU batch)
         delta, adv = batch.delta.detach().cpu(), batch.advantage.detach().cpu()
@@ -571,7 +624,7 @@ class MetricTracker:
                 stats.sync(group)
             return self.push(step, stats)
         stats.add_magnitude(delta, adv, sample_index, batch.num_samples)
-        part = _calibration_part(stats)                          # calibrating: τ_tail from the steps so far
+        part = torch.from_numpy(_calibration_part(stats))        # calibrating: τ_tail from the steps so far
         self._calibrate(step, calibration.sync_part(part, group) if distributed else part)
         if not math.isnan(self.tau_tail):
             stats.add_localisation(delta, adv, sample_index, position, batch.num_samples, self.tau_tail)
@@ -592,26 +645,26 @@ class MetricTracker:
         # calls over a (window × a few dozen) array
         cols = layout.span_columns(((0, counts.start), (counts.stop, layout.size)))
         if self._running is None or self._rows is None or self._rows.shape[1] != cols.width:
-            self._running = torch.zeros(counts.stop - counts.start, dtype=torch.float64)
-            self._rows = cols.row(layout.identity().numpy())[None]        # row 0: the empty state's
+            self._running = np.zeros(counts.stop - counts.start)
+            self._rows = cols.row(layout.identity_array())[None]         # row 0: the empty state's
             for _, st in self._history:
-                self._running += st.state[counts]
-                self._rows = np.concatenate([self._rows, cols.row(st.state.numpy())[None]])
+                self._running += st.array[counts]
+                self._rows = np.concatenate([self._rows, cols.row(st.array)[None]])
         if self._history and self._history[-1][0] == step:
-            self._running -= self._history.pop()[1].state[counts]
+            self._running -= self._history.pop()[1].array[counts]
             self._rows = self._rows[:-1]
         self._history.append((step, stats))
-        self._running += stats.state[counts]
-        self._rows = np.concatenate([self._rows, cols.row(stats.state.numpy())[None]])
+        self._running += stats.array[counts]
+        self._rows = np.concatenate([self._rows, cols.row(stats.array)[None]])
         keep = [s > step - self.window for s, _ in self._history]
         if not all(keep):
             for (_, st), k in zip(self._history, keep):
                 if not k:
-                    self._running -= st.state[counts]
+                    self._running -= st.array[counts]
             self._history = [h for h, k in zip(self._history, keep) if k]
             self._rows = self._rows[np.array([True, *keep])]
-        state = torch.empty(layout.size, dtype=torch.float64)
-        cols.fold(self._rows, state.numpy())
+        state = np.empty(layout.size)
+        cols.fold(self._rows, state)
         state[counts] = self._running
         window = MismatchStats(self.config, state=state, tau_tail=stats.tau_tail)
         return stats.compute(), window.compute()
@@ -640,6 +693,8 @@ class MetricTracker:
         self.tau_tail, self.tau_frozen = float(sd["tau_tail"]), frozen
         self.reference = calibration.ReferenceWindow(self.calibration_steps, 1, repeated="replace")
         self.reference.frozen = self.tau_frozen
+        import torch
+
         self.reference.parts = [[torch.as_tensor(c, dtype=torch.float64).cpu()] for c in calib]
         self.reference.step_numbers = list(sd.get("calib_steps", range(-len(calib), 0)))
 

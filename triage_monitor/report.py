@@ -13,6 +13,7 @@ the subject of the other sections.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import html
 import math
 import time
@@ -175,16 +176,18 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
         frames[label], alert_frames[label] = frame, r.alerts()
     subject = next(iter(frames))
     say(f"stage table and C_tok shuffle null ({draws} draws) …")
-    table = stage_table(run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject],
-                        states=subject_states)
-
-    figs = [views.timeseries_figure(frames, p, True, win, alert_frames) for p in REPORT_PANELS]
-    figs = [f for f in figs if f is not None]
-    figs += [views.quadrant_figure(frames[subject], True, subject),
-             views.localisation_figure(frames[subject], True, subject)]
-    cycle_html, cycle_figs = _cycle_html(runs, list(frames), steps, k)
-    divs = [f.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False, default_width="100%",
-                      config={"displaylogo": False, "responsive": True}) for i, f in enumerate(figs + cycle_figs)]
+    # the stage table's null draws (compiled, outside the GIL) run on their threads while the figures are built
+    with cf.ThreadPoolExecutor(1) as pool:
+        staged = pool.submit(stage_table, run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject],
+                             states=subject_states)
+        figs = [views.timeseries_figure(frames, p, True, win, alert_frames) for p in REPORT_PANELS]
+        figs = [f for f in figs if f is not None]
+        figs += [views.quadrant_figure(frames[subject], True, subject),
+                 views.localisation_figure(frames[subject], True, subject)]
+        cycle_html, cycle_figs = _cycle_html(runs, list(frames), steps, k)
+        divs = [f.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False, default_width="100%",
+                          config={"displaylogo": False, "responsive": True}) for i, f in enumerate(figs + cycle_figs)]
+        table = staged.result()
     cycle_divs = "".join(f'<div class="chart">{d}</div>' for d in divs[len(figs):])
     divs = divs[:len(figs)]
 

@@ -26,12 +26,12 @@ and the linearly interpolated quantile (numpy's default method) at ``h = qÂ·(nâˆ
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
-import torch
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:                  # torch only where a tensor is bucketed: reading a sketch needs numpy alone
+    from torch import Tensor
 
 #: Mantissa bits kept per bucket: relative bucket width 2^-8.
 MANTISSA_BITS = 8
@@ -55,6 +55,8 @@ def bucket_index(delta: Tensor) -> Tensor:
     Args:
         delta: ``(N,)`` float32 (nats), any device; other float dtypes are rounded to float32 first.
     """
+    import torch
+
     d = delta.detach()
     if d.dtype != torch.float32:
         d = d.float()
@@ -66,7 +68,14 @@ def bucket_index(delta: Tensor) -> Tensor:
 
 def sketch_counts(delta: Tensor) -> Tensor:
     """``(SIZE,)`` float64 counts of ``delta`` (``(N,)`` float32 nats) per bucket, on ``delta``'s device."""
+    import torch
+
     return torch.bincount(bucket_index(delta), minlength=SIZE).double()
+
+
+def host_array(x) -> np.ndarray:
+    """A numpy view (or host copy) of ``x``: an array, or a tensor on any device."""
+    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
 def _representatives() -> np.ndarray:
@@ -93,8 +102,7 @@ def sketch_quantiles(counts, qs: Sequence[float], lo: Optional[float] = None, hi
     Returns:
         list of floats (nats); NaN for every level when the sketch is empty.
     """
-    c = counts.detach().cpu().numpy() if isinstance(counts, Tensor) else np.asarray(counts)
-    c = c.astype(np.float64, copy=False)
+    c = host_array(counts).astype(np.float64, copy=False)
     n = float(c.sum())
     if n <= 0:
         return [math.nan] * len(qs)

@@ -21,21 +21,21 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 from numba import njit
 
 from .layout import RunLayout
 from .analysis import Run
-from .batch import TokenBatch
 from .metrics import c_tok_from_segments
-from .segments import segment_tokens
 from .state_kernel import NullInput
 
-Tensor = torch.Tensor
+if TYPE_CHECKING:      # torch only for the token-level paths: the stage table from the states needs numpy alone
+    from torch import Tensor
+
+    from .batch import TokenBatch
 
 #: Default anchor fractions of the run's horizon (docs/metrics.md#stages).
 DEFAULT_FRACTIONS = (0.25, 0.50, 0.75, 1.00)
@@ -67,6 +67,8 @@ class TailLayout:
 
     def c_tok(self, top_fraction: float = 0.05) -> float:
         """The observed C_tok of these segments (:func:`~triage_monitor.metrics.c_tok_from_segments`)."""
+        import torch
+
         return c_tok_from_segments(torch.as_tensor(self.tail), torch.as_tensor(self.valid), top_fraction)
 
     @staticmethod
@@ -97,6 +99,8 @@ def tail_layout_from_tokens(tokens: pd.DataFrame, tau_tail: float, width: int) -
     """:func:`tail_layout` of a step's token rows as :meth:`Run.tokens` returns them (sorted by
     ``sample_id``, ``position``), without building a validated TokenBatch (the fast offline path).
     δ is computed in float32 as :attr:`TokenBatch.delta` does, so the counts are identical."""
+    import torch
+
     codes, uniq = pd.factorize(tokens["sample_id"], sort=True)
     col = (lambda name, dtype: torch.from_numpy(tokens[name].to_numpy(dtype, copy=True)))
     return _layout(torch.from_numpy(codes.astype(np.int64)), col("position", np.int64), col("advantage", np.float32),
@@ -107,6 +111,10 @@ def _layout(sample_index: Tensor, position: Tensor, advantage: Tensor, delta: Te
             tau_tail: float, width: int) -> TailLayout:
     # segments as everywhere (triage_monitor.segments); a response's advantage is the mean over its valid tokens;
     # a tail token has A < 0 and δ < τ_tail (compared in float32, as the state update does)
+    import torch
+
+    from .segments import segment_tokens
+
     nv = torch.bincount(sample_index, minlength=num_samples).clamp(min=1).double()
     resp_adv = torch.zeros(num_samples, dtype=torch.float64).index_add(0, sample_index, advantage.double()) / nv
     seg = segment_tokens(sample_index, position, width)
@@ -264,12 +272,16 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
     layouts: dict = {}
     rows: list = []
     nulls: list = []
+    costs: list = []                  # a window's null costs O(its tail tokens) per draw
     for label, a in zip(labels, anchors):
         win = [s for s in steps if a - window < s <= a]
         row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win), "max_segments": math.nan}
         nulls.append(None)
+        costs.append(0.0)
         if states is not None:
-            values = states.window_stats(a, window).compute().values
+            stats = states.window_stats(a, window)
+            values = stats.compute().values
+            costs[-1] = stats.sum("tail_tokens")
             row.update({name: float(values[name]) for name in STAGE_METRICS})
             row["tau_frozen"] = True
             tau = values["tau_tail"]
@@ -284,9 +296,12 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             row["tau_frozen"] = bool(frame["tau_tail_frozen"].loc[win].astype(float).eq(1).all()) \
                 if "tau_tail_frozen" in frame.columns else False
         rows.append(row)
-    # the windows' nulls are independent draws (the compiled sampler releases the GIL): one thread each
+    # the windows' nulls are independent draws (the compiled sampler releases the GIL): one thread each, the
+    # costliest windows first so that the threads finish together
     with cf.ThreadPoolExecutor(max(1, min(len(nulls), os.cpu_count() or 1))) as pool:
-        nulls = list(pool.map(lambda f: f() if f is not None else np.full(draws, math.nan), nulls))
+        futures = {i: pool.submit(nulls[i]) for i in sorted(range(len(nulls)), key=lambda i: -costs[i])
+                   if nulls[i] is not None}
+        nulls = [futures[i].result() if i in futures else np.full(draws, math.nan) for i in range(len(nulls))]
     for row, null in zip(rows, nulls):
         if np.isnan(null).all():
             row.update(c_tok_null_median=math.nan, c_tok_null_lo=math.nan, c_tok_null_hi=math.nan)
@@ -376,7 +391,8 @@ def _window_null(run: Run, states, win: list, anchor: int, window: int, tau: flo
     idx = [states.steps.index(s) for s in win]
     if states.null_inputs is not None and all(states.taus[i] == tau for i in idx):
         null_input = NullInput.concat([NullInput(*states.null_inputs[i]) for i in idx])
-        table = states.window_stats(anchor, window).part("c_tok_table").numpy()
+        stats = states.window_stats(anchor, window)
+        table = stats.array[stats.layout.slices["c_tok_table"]]
         most = int(null_input.response_segments.max()) if len(null_input.response_segments) else 0
         return (lambda: shuffle_null_from_state(null_input, table, cfg.segment_width, draws, seed, cfg.top_fraction),
                 most)
@@ -391,6 +407,8 @@ def tail_layout_from_arrays(parts: list, tau_tail: float, width: int = 64) -> Ta
     """:func:`tail_layout` of a step's decoded rank files (:func:`~triage_monitor.analysis.read_token_arrays`),
     the responses of each rank file kept apart as the live monitor keeps them.  Rows are in the monitor's
     (sample_id, position) order."""
+    import torch
+
     out = []
     for sid, pos, lp, sp, adv in parts:
         if sid.size == 0:

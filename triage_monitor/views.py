@@ -22,7 +22,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 #: The four regions of docs/metrics.md#terms, as in :data:`triage_monitor.metrics.REGIONS` (repeated here so the
-#: dashboard's first charts need no torch import; tests/test_dashboard.py checks they agree).
+#: dashboard's first charts need no import of the metric code; tests/test_dashboard.py checks they agree).
 REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
 PALETTE = ("#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563")

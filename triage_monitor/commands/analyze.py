@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if not n_steps:
         raise exits.CommandError(f"{run.path}: the run has no recorded steps with token records yet, nothing to "
                                  "analyze")
-    from .. import metrics  # noqa: F401  (imports torch now, so the throughput below times the recomputation only)
+    from .. import metrics  # noqa: F401  (imports numba now, so the throughput below times the recomputation only)
     exits.note("analyze", f"recomputing {n_steps} step(s) of {run.path} …")
     if args.engine == "local" and args.workers > 1:
         from ..analysis import WORKER_MIN_BYTES, planned_workers
