@@ -266,3 +266,36 @@ def test_tis_weights_from_a_given_ratio_are_those_it_computes():
                            tis_weights(old, sampler, lo, hi).view(torch.int32))
     with pytest.raises(ValueError, match=r"ratio \(999,\), old_logp \(1000,\) and sampler_logp \(1000,\)"):
         tis_weights(old, sampler, ratio=raw[1:])
+
+
+def test_ppo_clip_loss_equals_the_minimum_form_with_ties_and_dual_clip_ties():
+    """The surrogate is computed with where / one minimum (cheaper backwards); values and gradients equal the
+    textbook form -min(r·A, clip(r)·A), dual clip min(loss, -c·A) for A < 0, torch.minimum's tie rule included:
+    r inside the clip range (a tie of the two branches, every such token), r on a clip boundary, A = 0, and a
+    token whose loss equals the dual-clip cap exactly (half of its gradient through the cap's minimum)."""
+    def textbook(logp, old, adv, lo, hi, c):
+        ratio = torch.exp((logp - old).clamp(-20.0, 20.0))
+        loss = -torch.min(ratio * adv, ratio.clamp(1.0 - lo, 1.0 + hi) * adv)
+        return loss if c is None else torch.where(adv < 0, torch.min(loss, -c * adv), loss)
+
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    old = -torch.rand(n, generator=g) * 3
+    logp = old + torch.randn(n, generator=g) * 0.4
+    logp[:500] = old[:500]                                    # r = 1: both branches tie
+    logp[500:600] = old[500:600] + math.log(1.28)             # at the upper boundary
+    adv = torch.randn(n, generator=g)
+    adv[600:700] = 0.0
+    r_tie = float(torch.exp(torch.tensor(2.0)))               # the dual-clip cap equals this token's loss exactly
+    logp[700], old[700], adv[700] = 2.0 - 3.0, -3.0, -1.0
+    up = torch.randn(n, generator=g)
+    for c in (None, 3.0, r_tie):
+        got, want = [], []
+        for f, out in ((ppo_clip_loss, got), (textbook, want)):
+            lp = logp.clone().requires_grad_(True)
+            loss = f(lp, old, adv, 0.2, 0.28, c)
+            (loss * up).sum().backward()
+            out += [loss.detach(), lp.grad]
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), c     # == (±0 alike)
+    assert float(want[0][700]) == r_tie                       # the tie is real: the cap's minimum split its gradient
+    assert float(want[1][700]) == pytest.approx(0.5 * r_tie * float(up[700]), rel=1e-6)

@@ -235,7 +235,7 @@ class TokenBatch:
         flat = values.reshape(-1)
         if flat.numel() != self._layout.size:
             raise ValueError(f"gather: values has {flat.numel()} elements, the batch was built from {self._layout.size}")
-        return flat[self._source_index.to(values.device)]
+        return torch.index_select(flat, 0, self._source_index.to(values.device))     # 1-D: ~4x faster than flat[i]
 
     # ----------------------------------------------------------- constructors
     @classmethod
@@ -665,7 +665,7 @@ def _gather_padded(learner: Tensor, sampler: Tensor, adv: Tensor, mask: Tensor, 
         host(positions) if positions is not None else np.zeros((1, 1), np.int64), not grad, per_token,
         positions is not None))
     if grad:
-        lo = learner.reshape(-1)[source]
+        lo = torch.index_select(learner.reshape(-1), 0, source)     # its backward an index_add, not an index_put
     return lo, so, ao, rows, pos, source, counts
 
 
