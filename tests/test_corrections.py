@@ -269,8 +269,9 @@ def test_tis_weights_from_a_given_ratio_are_those_it_computes():
 
 
 def test_ppo_clip_loss_equals_the_minimum_form_with_ties_and_dual_clip_ties():
-    """The surrogate is computed with where / one minimum (cheaper backwards); values and gradients equal the
-    textbook form -min(r·A, clip(r)·A), dual clip min(loss, -c·A) for A < 0, torch.minimum's tie rule included:
+    """The dual clip is computed as one minimum against a +inf cap where A >= 0 (one backward instead of a where
+    and a minimum); values and gradients equal the textbook form -min(r·A, clip(r)·A), dual clip min(loss, -c·A)
+    for A < 0, torch.minimum's tie rule included:
     r inside the clip range (a tie of the two branches, every such token), r on a clip boundary, A = 0, and a
     token whose loss equals the dual-clip cap exactly (half of its gradient through the cap's minimum)."""
     def textbook(logp, old, adv, lo, hi, c):

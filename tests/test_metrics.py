@@ -962,3 +962,23 @@ def test_tracker_window_equals_the_step_order_reduce_of_its_steps_bit_for_bit(wi
         assert _bits(win_res.values) == _bits(want.values), step
         assert _bits(step_res.values) == _bits(st.compute().values)
         assert win_res.nan_reasons == want.nan_reasons
+
+
+def test_state_assignment_strides_and_an_older_pickle_keep_working():
+    """``MismatchStats.state`` (a tensor view of the numpy ``array``) can be assigned; a numpy state with negative
+    strides is copied (torch cannot view it); an accumulator pickled when the state was a tensor attribute loads."""
+    import pickle
+
+    cfg = MetricConfig(segment_width=8)
+    a = MismatchStats(cfg)
+    a.update(TokenBatch.from_padded(torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([[-1.2, -1.0, -0.5]]),
+                                    torch.tensor([-1.0]), torch.ones(1, 3)), -0.5)
+    b = MismatchStats(cfg)
+    b.state = a.state.clone()
+    assert b.compute().values["n_tokens"] == 3 and np.array_equal(b.array, a.array)
+    rev = MismatchStats(cfg, state=a.array[::-1].copy()[::-1])
+    assert torch.equal(rev.state, a.state)
+    old = MismatchStats.__new__(MismatchStats)
+    old.__dict__.update({k: v for k, v in a.__dict__.items() if k != "array"}, state=a.state.clone())
+    back = pickle.loads(pickle.dumps(old))
+    assert back.compute().values["n_tokens"] == 3 and np.array_equal(back.array, a.array)

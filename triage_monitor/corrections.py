@@ -149,11 +149,7 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantage: Tensor, clip_low: f
         raise ValueError(f"ppo_clip_loss: clip_low={clip_low}, clip_high={clip_high} must be >= 0")
     adv = advantage.detach().float()
     ratio = torch.exp((logp.float() - old_logp.detach().float()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    # min(r·A, clip(r)·A) as a where: torch.minimum's backward (the tie rule, two masks a side) was a quarter of
-    # the loss's backward; the gradient is the same: where r·A = clip(r)·A, minimum sends half to each and both
-    # halves reach r times A (exact: halving commutes with rounding), where sends all of it through r·A
-    unclipped, clipped = ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = -torch.where(unclipped <= clipped, unclipped, clipped)
+    loss = -torch.min(ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv)
     if dual_clip is not None:
         if dual_clip <= 1.0:
             raise ValueError(f"ppo_clip_loss: dual_clip must be > 1, got {dual_clip}")

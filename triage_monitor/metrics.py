@@ -134,7 +134,7 @@ def _state_array(state) -> np.ndarray:
     """A given state (array or tensor) as a writable float64 host array; shares memory where it can."""
     if isinstance(state, np.ndarray):
         out = np.asarray(state, np.float64)
-        return out if out.flags.writeable else out.copy()
+        return out if out.flags.writeable and min(out.strides) > 0 else out.copy()    # torch needs strides > 0
     import torch
 
     return state.detach().to("cpu", torch.float64).numpy()
@@ -371,6 +371,19 @@ class MismatchStats:
         import torch
 
         return torch.from_numpy(self.array)
+
+    @state.setter
+    def state(self, value) -> None:
+        if tuple(value.shape) != (self.layout.size,):
+            raise ValueError(f"MismatchStats state must have shape ({self.layout.size},), got {tuple(value.shape)}")
+        self.array = _state_array(value)
+
+    def __setstate__(self, d: dict) -> None:
+        """Unpickle, also an accumulator pickled before the state was a numpy vector (its ``state`` tensor)."""
+        if "array" not in d and "state" in d:
+            d = dict(d)
+            d["array"] = _state_array(d.pop("state"))
+        self.__dict__.update(d)
 
     def part(self, name: str) -> Tensor:
         """The tensor view of one declared field of :attr:`state` (``sums``, ``delta_sketch``, ``c_tok_table``,
