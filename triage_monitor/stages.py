@@ -286,7 +286,7 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             row["tau_frozen"] = True
             tau = values["tau_tail"]
             if not math.isnan(tau):
-                nulls[-1], row["max_segments"] = _window_null(run, states, win, a, window, tau, cfg, draws, seed,
+                nulls[-1], row["max_segments"] = _window_null(run, states, win, stats, tau, cfg, draws, seed,
                                                               layouts)
                 nulls[-1] = _cached_null(run, states, win, tau, draws, seed, nulls[-1])
         else:
@@ -378,11 +378,12 @@ def degenerate_notice(table: pd.DataFrame, width: int) -> Optional[str]:
             "shown as -). These values say nothing about localisation; use a smaller --segment-width.")
 
 
-def _window_null(run: Run, states, win: list, anchor: int, window: int, tau: float, cfg, draws: int, seed: int,
+def _window_null(run: Run, states, win: list, window_stats, tau: float, cfg, draws: int, seed: int,
                  layouts: dict) -> tuple:
     """The C_tok shuffle null of one stage window, as a function returning its ``(draws,)`` values, and the
     most segments of one A<0 response holding tail tokens (the responses whose tails the null moves;
-    ``max_segments <= 1`` is the degenerate case of :func:`degenerate_notice`): from the steps' states and
+    ``max_segments <= 1`` is the degenerate case of :func:`degenerate_notice`): from the steps' states (their merge
+    ``window_stats`` holds the window's C_tok table) and
     recorded null inputs when every step of the window was computed with the window's τ_tail
     (:func:`shuffle_null_from_state`), else from the window's token records (:func:`shuffle_null_c_tok`, the
     tokens read now)."""
@@ -391,8 +392,7 @@ def _window_null(run: Run, states, win: list, anchor: int, window: int, tau: flo
     idx = [states.steps.index(s) for s in win]
     if states.null_inputs is not None and all(states.taus[i] == tau for i in idx):
         null_input = NullInput.concat([NullInput(*states.null_inputs[i]) for i in idx])
-        stats = states.window_stats(anchor, window)
-        table = stats.array[stats.layout.slices["c_tok_table"]]
+        table = window_stats.array[window_stats.layout.slices["c_tok_table"]]
         most = int(null_input.response_segments.max()) if len(null_input.response_segments) else 0
         return (lambda: shuffle_null_from_state(null_input, table, cfg.segment_width, draws, seed, cfg.top_fraction),
                 most)
