@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from triage_monitor.alerts import AlertEngine, CallbackSink, LoggingSink, Rule, default_rules, load_rules, replay
 from triage_monitor.commands.alerts import main as alerts_cli
@@ -123,8 +124,8 @@ def test_alert_row_and_text_name_metric_value_threshold_window_step():
     (a,) = eng.observe(7, {"window/rho_asym": 2.319})
     row = a.to_row()
     assert row == {"step": 7, "rule": "rho_high", "metric": "window/rho_asym", "value": 2.319,
-                   "threshold": 1.45, "window": 25, "level": "ERROR", "title": "triage ERROR: rho_high",
-                   "text": a.text}
+                   "threshold": 1.45, "window": 25, "level": "ERROR", "title": "triage ERROR (collapse): rho_high",
+                   "text": a.text, "tier": "collapse"}
     for part in ("window/rho_asym", "2.319", "1.45", "25-step window", "step 7", "why."):
         assert part in a.text
 
@@ -146,7 +147,7 @@ def test_failing_sink_reported_once_and_others_still_called(caplog):
     failures = [rec for rec in caplog.records if "failed on" in rec.getMessage()]
     assert len(failures) == 1 and failures[0].exc_info is not None
     assert any("failed 3 times" in rec.getMessage() for rec in caplog.records)
-    assert sum(rec.levelno == logging.WARNING and "triage WARN: r" in rec.getMessage()
+    assert sum(rec.levelno == logging.WARNING and "triage WARN (collapse): r" in rec.getMessage()
                for rec in caplog.records) == 3
 
 
@@ -543,7 +544,7 @@ def test_logging_sink_logs_title_and_text_at_the_alert_level(caplog):
     with caplog.at_level(logging.INFO, logger="triage_monitor.alerts"):
         (a,) = eng.observe(3, {"window/x": 2.5})
     (rec,) = caplog.records
-    assert rec.levelno == logging.ERROR and rec.getMessage() == f"triage ERROR: r: {a.text}"
+    assert rec.levelno == logging.ERROR and rec.getMessage() == f"triage ERROR (collapse): r: {a.text}"
     assert a.text.startswith("window/x = 2.5 is above 0 at step 3")
 
 
@@ -610,7 +611,7 @@ def test_titles_are_cut_to_64_characters_and_carry_the_rule_wait():
     """The W&B alert title is ``triage <LEVEL>: <name>`` cut to 64 characters; wait_s comes from the rule."""
     name = "n" * 80
     (a,) = AlertEngine([Rule(name, "window/x", "above", 0.0, wait_s=30)]).observe(0, {"window/x": 1.0})
-    assert a.title == ("triage WARN: " + name)[:64] and len(a.title) == 64
+    assert a.title == ("triage WARN (collapse): " + name)[:64] and len(a.title) == 64
     assert a.wait_s == 30.0
 
 
@@ -689,3 +690,34 @@ def test_a_repeated_step_replaces_the_last_one_and_duplicate_rule_names_are_name
     assert eng.state_dict() == {"steps": [0, 1], "metrics": {"window/x": [1.0, 3.0]}}
     with pytest.raises(ValueError, match=r"AlertEngine: duplicate rule names in \['r', 'r'\]"):
         AlertEngine([Rule("r", "window/x", "below", 0.0), Rule("r", "window/x", "above", 1.0)])
+
+
+# ------------------------------------------------------------------------------------------ tiers
+def test_every_shipped_rule_has_a_tier_and_the_direction_rules_are_not_the_mismatch_detector():
+    """Two tiers (docs/alerts.md#tiers): each shipped rule says whether it reports the mismatch itself (informational)
+    or warns of a coming collapse; the staleness detector delta_q05_low is a mismatch-tier rule."""
+    from triage_monitor.alert_rules import TIERS
+    rules = {r.name: r for r in default_rules()}
+    assert all(r.tier in TIERS for r in rules.values())
+    assert rules["delta_q05_low"].tier == "mismatch" and rules["records_dropped"].tier == "mismatch"
+    assert {r.tier for r in rules.values()} == set(TIERS)
+    with pytest.raises(ValueError, match=r"tier='severe' must be one of \('mismatch', 'collapse'\)"):
+        Rule("x", "m", "above", 1.0, tier="severe")
+
+
+def test_the_tier_reaches_the_alert_its_title_and_the_alerts_table(tmp_path):
+    """A mismatch-tier and a collapse-tier rule firing at one step: each alert, its title and the run's alerts table
+    carry their own tier (an engine that stamped one tier on every alert fails)."""
+    from triage_monitor import MismatchMonitor, MonitorConfig, TokenBatch
+    from triage_monitor.analysis import open_run
+    rules = [Rule("gap", "n_tokens", "above", 0, tier="mismatch"), Rule("boom", "n_tokens", "above", 0)]
+    (a, b) = AlertEngine(rules).observe(3, {"n_tokens": 5.0})
+    assert (a.tier, a.title, b.tier, b.title) == ("mismatch", "triage WARN (mismatch): gap", "collapse",
+                                                  "triage WARN (collapse): boom")
+    d = tmp_path / "run"
+    mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), alerts=rules)
+    lp = torch.tensor([[-1.0, -2.0, -0.5]])
+    mon.log_step(0, TokenBatch.from_padded(lp, lp - 0.1, torch.tensor([1.0]), torch.ones(1, 3)))
+    mon.close()
+    got = open_run(d).alerts()
+    assert sorted(zip(got["rule"], got["tier"])) == [("boom", "collapse"), ("gap", "mismatch")]

@@ -12,7 +12,7 @@ LAYERS = [
     ("metrics",),
     ("corrections", "controller", "loss"),
     ("manifest", "locks", "blocks", "sink", "records", "timings_writer"),
-    ("alert_rules", "references", "alerts", "trackers", "wandb_logger", "tensorboard_logger", "mlflow_logger"),
+    ("alert_rules", "references", "outcome", "alerts", "trackers", "wandb_logger", "tensorboard_logger", "mlflow_logger"),
     ("monitor",),
     ("engines", "analysis", "stages"),
     ("verdict", "views", "report", "dashboards", "importers", "nvfp4", "demo"),

@@ -288,7 +288,7 @@ def test_rows_dropped_by_a_full_queue_are_counted_and_warned_once(tmp_path, capl
                       "backpressure='drop'); training continues, see metric writer_dropped_rows"]
     # the default records_dropped rule raises its alert once, as a line of the alerts logger
     alerted = [r.getMessage() for r in caplog.records if r.name == "triage_monitor.alerts"]
-    assert len(alerted) == 1 and alerted[0].startswith("triage WARN: records_dropped: writer_dropped_rows = ")
+    assert len(alerted) == 1 and alerted[0].startswith("triage WARN (mismatch): records_dropped: writer_dropped_rows = ")
 
 
 def test_log_step_after_close_warns_once_that_nothing_is_recorded(tmp_path, caplog):

@@ -299,7 +299,7 @@ def test_alert_rows_carry_the_writers_rank_and_attempt(tmp_path):
     name (plain readers group by the columns)."""
     d = tmp_path / "run"
     row = {"rule": "rho", "metric": "rho_asym", "value": 2.0, "threshold": 1.5, "window": 10, "level": "warning",
-           "title": "t", "text": "x"}
+           "title": "t", "text": "x", "tier": "mismatch"}
     mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1)
     mon.writer.record_alerts(7, [row])
     attempt = mon.writer.attempt

@@ -180,8 +180,8 @@ def test_metrics_config_and_alerts_reach_the_wandb_log(offline):
     assert cfg["lr"] == 1e-6 and cfg["triage"] == {"framework": "demo", "window": 25}
 
     alerts = of_kind(recs, "alert")
-    assert [(a.title, a.level) for a in alerts] == [("triage ERROR: rho_high", "ERROR"),
-                                                   ("triage WARN: nonfinite", "WARN")]
+    assert [(a.title, a.level) for a in alerts] == [("triage ERROR (collapse): rho_high", "ERROR"),
+                                                   ("triage WARN (collapse): nonfinite", "WARN")]
     assert [a.text for a in alerts] == [a.text for a in fired]
     assert "window/rho_asym = 1.504 is above 1.45 at step 1 (pooled over steps 0–1 (2 of a 25-step window)" in \
         alerts[0].text
@@ -202,7 +202,7 @@ def test_logger_starts_and_finishes_its_own_run(offline):
     assert wandb.run is None
     recs = logged(offline)
     assert [h["triage/window/small_gap_share"] for h in history_rows(recs)] == [0.9, 0.82, 0.81, 0.95]
-    assert [(a.title, a.level) for a in of_kind(recs, "alert")] == [("triage WARN: low", "WARN")]
+    assert [(a.title, a.level) for a in of_kind(recs, "alert")] == [("triage WARN (collapse): low", "WARN")]
     assert "at step 2" in of_kind(recs, "alert")[0].text
     assert config_items(recs)["seed"] == 3
 
@@ -269,7 +269,7 @@ def test_monitor_default_rules_alert_through_the_logger(offline):
     run.finish()
     recs = logged(offline)
     (alert,) = of_kind(recs, "alert")
-    assert (alert.title, alert.level) == ("triage ERROR: rho_asym_critical", "ERROR")
+    assert (alert.title, alert.level) == ("triage ERROR (collapse): rho_asym_critical", "ERROR")
     assert "is above 1.8 at step 2" in alert.text and alert.wait_duration == 600_000
     assert [h["triage/alerts_active"] for h in history_rows(recs)] == [0, 0, 1]
 
@@ -318,3 +318,21 @@ def test_user_config_and_monitor_manifest_both_kept(offline):
     assert cfg["lr"] == 1e-6
     assert cfg["triage"]["model"] == "4B" and cfg["triage"]["recipe"] == "nvfp4"      # the user's
     assert cfg["triage"]["tool"] == "triage-monitor" and cfg["triage"]["info"] == {"framework": "test"}  # ours
+
+
+def test_only_the_collapse_tier_raises_a_wandb_alert_unless_both_are_asked_for(offline):
+    """The mismatch tier is informational (docs/alerts.md#tiers): by default it never pages anyone through
+    wandb.alert; a logger asked for both tiers raises both, in order."""
+    rules = [Rule("stale", "window/delta_q05", "below", -1.0, tier="mismatch"),
+             Rule("diverging", "window/rho_asym", "above", 1.8, tier="collapse")]
+    for tiers, want in ((("collapse",), ["triage WARN (collapse): diverging"]),
+                        (("mismatch", "collapse"), ["triage WARN (mismatch): stale", "triage WARN (collapse): diverging"])):
+        d = offline / "-".join(tiers)
+        lg = WandbLogger(init_kwargs={"project": "triage-test", "dir": d, "mode": "offline"}, alert_tiers=tiers)
+        eng = AlertEngine(rules, sinks=[lg])
+        eng.observe(0, {"window/delta_q05": -2.0, "window/rho_asym": 1.0})
+        eng.observe(1, {"window/delta_q05": -2.0, "window/rho_asym": 2.0})
+        lg.close()
+        assert [a.title for a in of_kind(logged(d), "alert")] == want
+    with pytest.raises(ValueError, match="alert_tiers='collapse': give a list of tiers"):
+        WandbLogger(alert_tiers="collapse")

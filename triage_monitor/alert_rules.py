@@ -50,6 +50,10 @@ import numpy as np
 
 CONDITIONS = ("above", "below", "rising", "falling", "excess", "deficit")
 LEVELS = ("INFO", "WARN", "ERROR")
+#: What a rule's alert means (docs/alerts.md#tiers): ``mismatch`` — the sampler is this far off-policy or this
+#: imprecise, or the logged gap cannot be trusted (informational: expected on any lagged or low-precision run);
+#: ``collapse`` — a warning that the run is heading for divergence.
+TIERS = ("mismatch", "collapse")
 AGGS = {"mean": np.nanmean, "sum": np.nansum, "min": np.nanmin, "max": np.nanmax, "last": None}
 WINDOW_PREFIX = "window/"
 DEFAULT_RULES_FILE = "default_alert_rules.toml"
@@ -83,6 +87,9 @@ class Rule:
         level: ``INFO``, ``WARN`` or ``ERROR``.
         wait_s: W&B ``wait_duration`` in seconds (server-side de-duplication per title).
         group: free label (``direction``, ``magnitude``, ...), shown in docs and tables.
+        tier: one of :data:`TIERS`: ``mismatch`` (informational: the gap is this large, expected on any stale or
+            low-precision run) or ``collapse`` (the run is heading for divergence; the only tier that raises a
+            W&B alert by default).  A rule file's rule without ``tier`` is a ``collapse`` rule.
         note: one sentence appended to the alert text (why the rule exists).
         guard_metric: optional metric that must be >= ``guard_min`` for the rule to be
             evaluated at a step (the noise guard; see the module docstring).  Empty: no guard.
@@ -109,6 +116,7 @@ class Rule:
     level: str = "WARN"
     wait_s: float = 600.0
     group: str = ""
+    tier: str = "collapse"
     note: str = ""
     guard_metric: str = ""
     guard_min: float = 0.0
@@ -125,6 +133,8 @@ class Rule:
             bad("condition", f"must be one of {CONDITIONS}")
         if self.level not in LEVELS:
             bad("level", f"must be one of {LEVELS}")
+        if self.tier not in TIERS:
+            bad("tier", f"must be one of {TIERS}")
         if self.agg not in AGGS:
             bad("agg", f"must be one of {tuple(AGGS)}")
         try:
@@ -220,5 +230,5 @@ def default_rules() -> list[Rule]:
         return load_rules(p)
 
 
-__all__ = ["Rule", "load_rules", "default_rules", "CONDITIONS", "LEVELS", "AGGS", "WINDOW_PREFIX",
+__all__ = ["Rule", "load_rules", "default_rules", "CONDITIONS", "LEVELS", "TIERS", "AGGS", "WINDOW_PREFIX",
            "DEFAULT_RULES_FILE", "NOISE_FLOOR_NATS"]

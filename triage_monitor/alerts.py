@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 import numpy as np
 
 # the rules are re-exported: ``from triage_monitor.alerts import Rule, default_rules, load_rules`` keeps working
-from .alert_rules import AGGS, CONDITIONS, LEVELS, NOISE_FLOOR_NATS, Rule, default_rules, load_rules  # noqa: F401
+from .alert_rules import AGGS, CONDITIONS, LEVELS, NOISE_FLOOR_NATS, TIERS, Rule, default_rules, load_rules  # noqa: F401
 
 log = logging.getLogger("triage_monitor.alerts")
 
@@ -52,7 +52,8 @@ log = logging.getLogger("triage_monitor.alerts")
 class Alert:
     """One fired rule.  ``value`` is the tested statistic (the level for above/below, the
     rise/drop for rising/falling, the distance from the baseline for excess/deficit),
-    comparable with ``threshold``; ``window`` is the rule's window in steps."""
+    comparable with ``threshold``; ``window`` is the rule's window in steps; ``tier`` the rule's tier
+    (:data:`~triage_monitor.alert_rules.TIERS`: ``mismatch`` informational, ``collapse`` a warning of divergence)."""
 
     step: int
     rule: str
@@ -64,6 +65,7 @@ class Alert:
     title: str
     text: str
     wait_s: float = 600.0
+    tier: str = "collapse"
 
     def to_row(self) -> dict:
         """The row the monitor writes to the run's ``alerts/`` table (wait_s is not part of it)."""
@@ -283,12 +285,13 @@ class AlertEngine:
         if st.last_fire is not None and step - st.last_fire < r.cooldown:
             return None
         st.active, st.last_fire = True, step
-        title = f"triage {r.level}: {r.name}"[:64]
+        title = f"triage {r.level} ({r.tier}): {r.name}"[:64]
         held = f"held {st.streak} step{'s' if st.streak != 1 else ''}"
         text = f"{detail} at step {step} ({self._pooled(r, step)}{held})."
         if r.note:
             text += f" {r.note}"
-        return Alert(step, r.name, r.metric, score, r.threshold, r.window, r.level, title, text, float(r.wait_s))
+        return Alert(step, r.name, r.metric, score, r.threshold, r.window, r.level, title, text, float(r.wait_s),
+                     r.tier)
 
     def _pooled(self, r: Rule, step: int) -> str:
         """Which steps the tested value pools, as alert text: ``"pooled over steps 0–8 (9 of a 25-step window); "``
@@ -549,4 +552,4 @@ def normalize_columns(frame):
 
 
 __all__ = ["Rule", "Alert", "RuleStatus", "AlertSink", "AlertObserver", "Closable", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
-           "replay", "replay_engine", "normalize_columns", "build_engine", "check_alerts_setting", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS"]
+           "replay", "replay_engine", "normalize_columns", "build_engine", "check_alerts_setting", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS", "TIERS"]

@@ -27,6 +27,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .alert_rules import default_rules
 from .blocks import read_part
 from .errors import TriageMonitorError
 from .layout import DENSE_TABLES, MANIFEST, TABLES, Part, RunLayout, TableIndex
@@ -335,8 +336,14 @@ class Run:
         return df.sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
 
     def alerts(self) -> pd.DataFrame:
-        """Alert rows recorded in ``alerts/`` (empty DataFrame when none)."""
-        return self._table("alerts")
+        """Alert rows recorded in ``alerts/`` (empty DataFrame when none).  Rows of a run written before alerts had
+        a ``tier`` column get the tier of the shipped rule of that name (``""`` for another rule)."""
+        df = self._table("alerts")
+        if len(df) and "rule" in df.columns:
+            shipped = {r.name: r.tier for r in default_rules()}
+            known = df["tier"] if "tier" in df.columns else pd.Series(None, index=df.index, dtype=object)
+            df["tier"] = known.where(known.notna(), df["rule"].map(shipped)).fillna("")
+        return df
 
     def quarantine(self) -> pd.DataFrame:
         """Quarantined tokens (docs/reliability.md), with a ``step`` column (empty when none)."""

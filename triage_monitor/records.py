@@ -64,7 +64,7 @@ DICTIONARY_TOKEN_COLUMNS = ("step", "rank", "sample_id", "group_id", "attempt")
 ALERT_SCHEMA = pa.schema([
     ("step", pa.int64()), ("rank", pa.int64()), ("rule", pa.string()), ("metric", pa.string()),
     ("value", pa.float64()), ("threshold", pa.float64()), ("window", pa.int64()), ("level", pa.string()),
-    ("title", pa.string()), ("text", pa.string()), ("attempt", pa.int64()),
+    ("title", pa.string()), ("text", pa.string()), ("attempt", pa.int64()), ("tier", pa.string()),
 ])
 #: Columns of the quarantine table (docs/reliability.md): the excluded tokens and why.
 QUARANTINE_SCHEMA = pa.schema([

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
+from .alert_rules import TIERS
 from .trackers import PREFIX, CallGuard, check_keys, select_metrics
 
 log = logging.getLogger("triage_monitor.wandb")
@@ -42,6 +43,17 @@ def import_wandb():
                         "(pip install 'triage-monitor[wandb]')")
         return None
     return wandb
+
+
+def check_tiers(tiers: Sequence[str], where: str) -> tuple:
+    """``tiers`` as a tuple of known alert tiers (:data:`~triage_monitor.alert_rules.TIERS`).
+
+    Raises:
+        ValueError: a string instead of a list, or an unknown tier, naming ``where`` and the value.
+    """
+    if isinstance(tiers, str) or not all(t in TIERS for t in tiers):
+        raise ValueError(f"{where}={tiers!r}: give a list of tiers out of {TIERS}")
+    return tuple(tiers)
 
 
 class _Guard(CallGuard):
@@ -66,18 +78,22 @@ class WandbLogger:
             is reported and the logger stays inactive).
         keys: the metrics logged: ``"curated"`` (default, :data:`~triage_monitor.trackers.CURATED_KEYS`),
             ``"all"``, or a list of names.
+        alert_tiers: the alert tiers raised as W&B alerts (:class:`WandbAlertSink`'s ``tiers``): the collapse tier
+            only by default; ``("mismatch", "collapse")`` for both.
 
     ``log_metrics(step, metrics)``: step is an int; metrics ``dict[str, float]``
     (NaN allowed: logged as NaN; a value that is not a number is skipped).  ``emit(alert)``: the alert as a
     W&B alert (:class:`WandbAlertSink`).
 
     Raises:
-        ValueError: a bad ``keys`` selection.
+        ValueError: a bad ``keys`` selection or an unknown tier.
     """
 
     def __init__(self, run=None, *, config: Optional[Mapping] = None, prefix: str = PREFIX,
-                 init_kwargs: Optional[Mapping] = None, start: bool = True, keys="curated"):
+                 init_kwargs: Optional[Mapping] = None, start: bool = True, keys="curated",
+                 alert_tiers: Sequence[str] = ("collapse",)):
         self.prefix, self.start = prefix, start
+        self.alert_tiers = check_tiers(alert_tiers, "WandbLogger: alert_tiers")
         self.keys = check_keys(keys)
         self.init_kwargs = dict(init_kwargs or {"project": "triage-monitor"})
         self._run, self._owned, self._defined = run, False, False
@@ -131,7 +147,7 @@ class WandbLogger:
     def emit(self, alert) -> None:
         """Send one alert as a W&B alert on this logger's run (:class:`WandbAlertSink`)."""
         if self._sink is None:
-            self._sink = WandbAlertSink(self)
+            self._sink = WandbAlertSink(self, tiers=self.alert_tiers)
         self._sink.emit(alert)
 
     _sink = None
@@ -149,12 +165,18 @@ class WandbAlertSink:
     Args:
         target: a ``wandb.Run``, a :class:`WandbLogger` (its run is used), or None
             (the active ``wandb.run`` at alert time).
+        tiers: the alert tiers raised as W&B alerts (docs/alerts.md#tiers): ``("collapse",)`` by default, the
+            warnings of a coming divergence; ``("mismatch", "collapse")`` raises the informational tier too.
     The alert's ``wait_s`` becomes ``wait_duration`` (seconds; W&B suppresses a
     second alert with the same title within it).  Failures are reported once.
+
+    Raises:
+        ValueError: ``tiers`` names an unknown tier.
     """
 
-    def __init__(self, target=None):
+    def __init__(self, target=None, tiers: Sequence[str] = ("collapse",)):
         self.target = target
+        self.tiers = check_tiers(tiers, "WandbAlertSink: tiers")
         self._wandb = import_wandb()
         self._guard = _Guard("WandbAlertSink")
         self._no_run_reported = False
@@ -167,8 +189,9 @@ class WandbAlertSink:
         return self._wandb.run if self._wandb is not None else None
 
     def emit(self, alert) -> None:
-        """Send one :class:`~triage_monitor.alerts.Alert` (no-op without wandb or a run)."""
-        if self._wandb is None:
+        """Send one :class:`~triage_monitor.alerts.Alert` (no-op without wandb or a run, or for a tier not in
+        :attr:`tiers`)."""
+        if self._wandb is None or getattr(alert, "tier", "collapse") not in self.tiers:
             return
         run = self._run()
         if run is None:

@@ -52,6 +52,7 @@ import pandas as pd
 
 from ..alerts import NOISE_FLOOR_NATS, default_rules, replay_engine
 from ..layout import MANIFEST
+from ..outcome import COLLAPSE_FRACTION, MIN_STAY, SMOOTH_STEPS, destabilisation_step, trailing_mean  # noqa: F401
 from ..timings import DEFAULT_K, LABELS, PHASES, compare_cycles, cycle_summary, figures
 from .grpo import DemoConfig
 
@@ -88,9 +89,6 @@ GPU_PRESET = dict(
     arms=("none", "tis", "triage", "fp32", "none-mlp"), seeds=(0,))
 PRESETS: dict = {"gpu": GPU_PRESET}
 
-SMOOTH_STEPS = 10
-COLLAPSE_FRACTION = 0.5
-MIN_STAY = 10
 BLOWUP_FACTOR = 10.0
 #: steps of the reference of :func:`blowup_step` and :func:`onsets`, from the first step at full staleness
 REF_STEPS = 10
@@ -115,40 +113,7 @@ def arm_label(arm: str, base: DemoConfig) -> str:
 
 
 # ------------------------------------------------------------------------------ judging one run
-def _trailing(values, n: int = SMOOTH_STEPS) -> np.ndarray:
-    """Trailing ``n``-row mean, NaN before ``n`` rows exist (NaN values are skipped inside a window)."""
-    return pd.Series(np.asarray(values, dtype=float)).rolling(n, min_periods=1).mean().where(
-        pd.Series(np.arange(len(values))) >= n - 1).to_numpy()
-
-
-def destabilisation_step(steps: Sequence[int], reward: Sequence[float]) -> Optional[int]:
-    """The step at which a run destabilised, or None.
-
-    Definition (docs/study.md#definitions): ``m(t)`` = mean reward over the trailing
-    :data:`SMOOTH_STEPS` steps (defined once that many steps exist); ``peak(t)`` = the maximum of
-    ``m`` up to ``t``.  The run destabilised at the first step ``t`` such that
-    ``m < COLLAPSE_FRACTION · peak`` holds at ``t`` and at the :data:`MIN_STAY` − 1 steps after it
-    (``MIN_STAY`` consecutive steps).  What happens afterwards does not matter: a deep dip that
-    recovers counts; a drop in the last ``MIN_STAY`` − 1 steps of the run cannot be called.
-
-    Args:
-        steps: ``(n,)`` increasing step numbers, one row per step; reward: ``(n,)`` mean reward per step.
-
-    Raises:
-        ValueError: different lengths.
-    """
-    steps, reward = np.asarray(steps), np.asarray(reward, dtype=float)
-    if steps.shape != reward.shape:
-        raise ValueError(f"destabilisation_step: steps {steps.shape} and reward {reward.shape} differ in length")
-    m = _trailing(reward)
-    peak = np.fmax.accumulate(np.where(np.isnan(m), -np.inf, m))
-    below = ~np.isnan(m) & (m < COLLAPSE_FRACTION * peak)
-    run = 0
-    for i, b in enumerate(below):
-        run = run + 1 if b else 0
-        if run == MIN_STAY:
-            return int(steps[i - MIN_STAY + 1])
-    return None
+_trailing = trailing_mean
 
 
 def blowup_step(steps: Sequence[int], values: Sequence[float], ref_start: int = 0,
