@@ -338,18 +338,89 @@ def test_device_quantizer_uses_a_compiled_function_only_when_it_is_bit_exact(mon
     assert "eager torch ops" in caplog.text
     # one that compiles but raises later falls back for good
     monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
-    calls = []
+    armed = []
 
     def flaky(f):
         def run(xf, rows, tl):
-            calls.append(1)
-            if len(calls) > 10:
+            if armed:
                 raise RuntimeError("recompile failed")
             return f(xf, rows, tl)
         return run
     fn = nv._device_quantizer("cpu", compile_fn=flaky)
-    assert torch.equal(fn(x, 1, True), nv._native_torch(x, 1, True))    # the 11th call raises, answered eagerly
+    armed.append(1)                                                   # passed its check; now every call raises
+    assert torch.equal(fn(x, 1, True), nv._native_torch(x, 1, True))    # the call raises, answered eagerly
     assert nv._DEVICE_QUANTIZERS["cpu"] is nv._native_torch
     monkeypatch.setenv("TRIAGE_NVFP4_COMPILE", "0")
     monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
     assert nv._device_quantizer("cpu", compile_fn=lambda f: f) is nv._native_torch
+
+
+def test_compiled_quantizer_within_the_tolerance_is_kept_and_says_how_far(monkeypatch, caplog):
+    import triage_monitor.nvfp4 as nv
+
+    monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
+    monkeypatch.setattr(nv, "_QUANTIZER_STATUS", {})
+
+    def one_neighbour(f):   # what an approximate division does near a rounding boundary: one value, one grid step
+        def run(xf, rows, tl):
+            out = f(xf, rows, tl).clone()
+            i = int(out.abs().argmax())
+            out.view(-1)[i] = out.view(-1)[i] * (4.0 / 6.0)          # ±6·s → ±4·s, its neighbour on the grid
+            return out
+        return run
+    fn = nv._device_quantizer("cpu", compile_fn=one_neighbour)
+    assert isinstance(fn, nv._Guarded)
+    status = nv._QUANTIZER_STATUS["cpu"]
+    assert "within tolerance" in status and "4 of 10912 values differ" in status and "0.333" in status
+    assert "eager torch ops" not in caplog.text
+    # each differing value by more than 0.4 of its block's amax, or more than 0.1 % of the values: refused
+    for bad in (lambda f: (lambda xf, rows, tl: f(xf, rows, tl) * 0.5),
+                lambda f: (lambda xf, rows, tl: f(xf, rows, tl).reshape(xf.shape) * (1 + (xf.abs() > 0) * 0.01))):
+        monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
+        monkeypatch.setattr(nv, "_WARNED", set())
+        assert nv._device_quantizer("cpu", compile_fn=bad) is nv._native_torch
+        assert "outside the tolerance" in nv._QUANTIZER_STATUS["cpu"]
+    assert caplog.text.count("using the eager torch ops") == 2          # once per fall-back (one per process)
+
+
+def test_compiled_quantizer_checks_each_new_key_at_its_first_use(monkeypatch):
+    import triage_monitor.nvfp4 as nv
+
+    monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
+    monkeypatch.setattr(nv, "_QUANTIZER_STATUS", {})
+    monkeypatch.setattr(nv, "_WARNED", set())
+    wrong_tiles = lambda f: (lambda xf, rows, tl: f(xf, rows, tl) * (2.0 if rows == 16 else 1.0))
+    fn = nv._device_quantizer("cpu", compile_fn=wrong_tiles)
+    assert isinstance(fn, nv._Guarded) and "bit-identical" in nv._QUANTIZER_STATUS["cpu"]
+    w = torch.randn(32, 64)
+    assert torch.equal(fn(w, 16, False), nv._native_torch(w, 16, False))   # checked now: refused, answered eagerly
+    assert nv._DEVICE_QUANTIZERS["cpu"] is nv._native_torch
+    assert "outside the tolerance (rows=16, two_level=False)" in nv._QUANTIZER_STATUS["cpu"]
+    assert torch.equal(fn(w, 1, True), nv._native_torch(w, 1, True))       # fell back for every key
+    assert nv.quantizer_status("cpu").startswith("numba kernel")
+
+
+def test_device_path_flattens_to_two_dimensions_without_changing_a_bit():
+    import triage_monitor.nvfp4 as nv
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 32, 64, generator=g) * torch.rand(3, 32, 64, generator=g) ** 4
+    for rows in (1, 16):
+        for tl in (True, False):
+            flat = nv._native_torch(x.reshape(-1, 64), rows, tl).reshape(x.shape)
+            whole = nv._native_torch(x, rows, tl).reshape(x.shape)
+            assert torch.equal(flat.view(torch.int32), whole.view(torch.int32))
+
+
+def test_compilation_uses_one_inductor_worker_unless_the_environment_says(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    import triage_monitor.nvfp4 as nv
+
+    monkeypatch.setattr(inductor_config, "compile_threads", 8)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")
+    nv._one_compile_worker()
+    assert inductor_config.compile_threads == 8
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    nv._one_compile_worker()
+    assert inductor_config.compile_threads == 1

@@ -22,8 +22,11 @@ the reference implementation of the format, for 1x16 blocks.  A "native"
 backend runs the same arithmetic without torchao and is the only one for 16x16
 tiles: on the CPU in one compiled pass (numba, :func:`_quantize_kernel`; a
 call costs about as much as one small torch op), on other devices in about 20
-vectorised torch ops with no host synchronisation.  The tests check both
-bit for bit against torchao and against a hand implementation
+vectorised torch ops with no host synchronisation (on CUDA compiled with
+``torch.compile`` while the compiled kernels stay within
+:data:`COMPILED_MAX_DIFF_FRACTION` / :data:`COMPILED_MAX_DIFF_OF_BLOCK_AMAX` of
+the eager ops; :func:`quantizer_status` says which runs).  The tests check
+both bit for bit against torchao and against a hand implementation
 (benchmarks/bench_nvfp4.py measures the cost per decode step, docs/study.md).
 
 :class:`NVFP4Linear` quantizes weights and activations (W4A4) with a
@@ -252,7 +255,8 @@ def nvfp4_fake_quantize(x: Tensor, *, block_size: int = 16, two_level: bool = Tr
             if not 0 < amax < math.inf:   # all zero: zeros; NaN/inf somewhere: NaN everywhere
                 return torch.zeros_like(x) if amax == 0 else torch.full_like(x, float("nan"))
             return out.reshape(x.shape).to(x.dtype)
-        return _device_quantizer(xf.device)(xf, rows, two_level).reshape(x.shape).to(x.dtype)
+        flat = xf.reshape(-1, x.shape[-1])   # 2-D: one compiled graph whatever the input's rank
+        return _device_quantizer(xf.device)(flat, rows, two_level).reshape(x.shape).to(x.dtype)
 
 
 def _native_torch(xf: Tensor, rows: int, two_level: bool) -> Tensor:
@@ -278,52 +282,190 @@ def _native_torch(xf: Tensor, rows: int, two_level: bool) -> Tensor:
 
 
 _DEVICE_QUANTIZERS: dict = {}
+#: device type -> one line: which quantizer runs there and why (:func:`quantizer_status`)
+_QUANTIZER_STATUS: dict = {}
+_WARNED: set = set()
 _log = logging.getLogger(__name__)
+
+#: Tolerance of the compiled device quantizer against the eager torch ops, checked at the first use of each
+#: (rows, two_level) on a fixed set of random inputs (:func:`_compare_to_eager`): at most this fraction of the values
+#: may differ ...
+COMPILED_MAX_DIFF_FRACTION = 1e-3
+#: ... and each differing value by at most this fraction of its block's amax(|x|) (plus two floor scales, for blocks
+#: whose E4M3 scale is clamped at 2⁻⁶).  One E2M1 step is at most 2 × scale ≈ amax/3 (between 4 and 6), so this
+#: admits a value rounded to the neighbouring grid point or a block scale one E4M3 step off (what an approximate
+#: float32 division, e.g. Triton's, does to a value within an ulp of a rounding boundary), and nothing larger.
+COMPILED_MAX_DIFF_OF_BLOCK_AMAX = 0.4
+
+
+def _check_inputs(device, rows: int) -> list:
+    """The fixed random inputs ``(R, K)`` float32 of the compiled quantizer's check (heavy-tailed: many block
+    scales, some clamped at the E4M3 floor; one all-zero block row)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    shapes = ((8, 64), (24, 256), (64, 64), (5, 32)) if rows == 1 else ((48, 32), (64, 64))
+    out = []
+    for shape in shapes:
+        x = torch.randn(*shape, generator=g, device=device) * torch.rand(*shape, generator=g, device=device) ** 4
+        x[0, :16] = 0.0
+        out.append(x)
+    return out
+
+
+def _compare_to_eager(got: Tensor, want: Tensor, x: Tensor, rows: int, two_level: bool) -> tuple[int, float, bool]:
+    """How far ``got`` (the compiled quantizer's output) is from ``want`` (the eager ops'), both float32 of ``x``'s
+    ``(R, K)`` elements.
+
+    Returns:
+        ``(n_diff, worst, within)``: the number of values whose bits differ, the largest difference as a fraction of
+        its block's amax(|x|) (0 when none differs, NaN when a NaN differs), and whether every differing value lies
+        within :data:`COMPILED_MAX_DIFF_OF_BLOCK_AMAX` of its block's amax (+ two floor scales).
+    """
+    got, want = got.reshape(x.shape), want.reshape(x.shape)       # _native_torch returns the tiled view
+    differ = got.view(torch.int32) != want.view(torch.int32)
+    n = int(differ.sum())
+    if n == 0:
+        return 0, 0.0, True
+    R, K = x.shape
+    a = x.abs()
+    blocks = a.reshape(R // rows, rows, K // 16, 16).amax(dim=(1, 3), keepdim=True)
+    blocks = blocks.expand(R // rows, rows, K // 16, 16).reshape(R, K)
+    floor = E4M3_MIN_SCALE * (float(a.amax()) / (E2M1_MAX * E4M3_MAX) if two_level else 1.0)
+    d = (got - want).abs()[differ]
+    bound = COMPILED_MAX_DIFF_OF_BLOCK_AMAX * blocks[differ] + 2 * floor
+    worst = float((d / blocks[differ].clamp_min(torch.finfo(torch.float32).tiny)).max())
+    return n, worst, bool((d <= bound).all())
+
+
+def _check_compiled(compiled, device, rows: int, two_level: bool) -> str:
+    """Run ``compiled`` and the eager ops on :func:`_check_inputs`; return how they compare (one phrase).
+
+    Raises:
+        ValueError: outside the tolerance (:data:`COMPILED_MAX_DIFF_FRACTION`, :data:`COMPILED_MAX_DIFF_OF_BLOCK_AMAX`),
+            the message giving the counts.
+    """
+    n_diff = total = 0
+    worst = 0.0
+    within = True
+    for x in _check_inputs(device, rows):
+        n, w, ok = _compare_to_eager(compiled(x, rows, two_level), _native_torch(x, rows, two_level), x, rows,
+                                     two_level)
+        n_diff, total, within = n_diff + n, total + x.numel(), within and ok
+        worst = w if (w != w or w > worst) else worst
+    key = f"rows={rows}, two_level={two_level}"
+    if not within or n_diff > COMPILED_MAX_DIFF_FRACTION * total:
+        raise ValueError(f"compiled NVFP4 quantizer outside the tolerance ({key}): {n_diff} of {total} values "
+                         f"differ from the eager ops, the largest by {worst:.3g} of its block's amax (allowed: "
+                         f"{COMPILED_MAX_DIFF_FRACTION:g} of the values, each within "
+                         f"{COMPILED_MAX_DIFF_OF_BLOCK_AMAX:g} of its block's amax)")
+    if n_diff == 0:
+        return f"bit-identical to the eager ops ({key}, {total} values)"
+    return (f"within tolerance ({key}): {n_diff} of {total} values differ from the eager ops, the largest by "
+            f"{worst:.3g} of its block's amax")
+
+
+def _fall_back(kind: str, why) -> None:
+    """Use the eager ops on ``kind`` from now on, saying why once per process."""
+    _DEVICE_QUANTIZERS[kind] = _native_torch
+    _QUANTIZER_STATUS[kind] = f"eager torch ops: {why}"
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        _log.warning("NVFP4 on %s: using the eager torch ops (%s)", kind, why)
+
+
+def _one_compile_worker() -> None:
+    """Let inductor compile in this process, with no pool of worker processes (several demo processes compiling at
+    once would each start one), unless ``TORCHINDUCTOR_COMPILE_THREADS`` in the environment says otherwise."""
+    import os
+
+    if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"):
+        return
+    try:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1
+    except Exception:   # pragma: no cover - an inductor without the setting: its default
+        pass
 
 
 def _device_quantizer(device, compile_fn=None):
-    """The function that runs :func:`_native_torch` on ``device`` (cached per device type).
+    """The function ``(xf, rows, two_level) -> Tensor`` that runs :func:`_native_torch` on ``device`` (cached per
+    device type).
 
     On CUDA the ~20 small ops of :func:`_native_torch` are compiled into a few fused kernels with
-    ``torch.compile`` (a decode step of a small model calls the quantizer for every linear: on a GPU the
-    cost is one kernel launch per op).  The compiled function is used only if it reproduces the eager ops
-    bit for bit on a set of random inputs at first use; if compiling or that check fails, or a later call
-    raises, the eager ops are used from then on (with one warning).  ``TRIAGE_NVFP4_COMPILE=0`` in the
-    environment keeps the eager ops.  Other devices use the eager ops.  ``compile_fn`` (tests): the compiler
-    to use instead of ``torch.compile``, and compile on any device.
+    ``torch.compile`` (a decode step of a small model calls the quantizer for every linear: on a GPU the cost is one
+    kernel launch per op), with one compile worker (:func:`_one_compile_worker`).  The compiled function is used
+    only while it stays within the tolerance of the eager ops (:data:`COMPILED_MAX_DIFF_FRACTION`,
+    :data:`COMPILED_MAX_DIFF_OF_BLOCK_AMAX`; bit-identical in the usual case), checked on fixed random inputs
+    for ``rows=1, two_level=True`` (the ``nvfp4`` recipe) when it is built and for any other (rows, two_level) at
+    its first use.  If compiling or a check fails, or a later call raises, the eager ops are used from then on,
+    with one warning saying why (:func:`quantizer_status` keeps the line).  ``TRIAGE_NVFP4_COMPILE=0`` in the
+    environment keeps the eager ops.  Other devices use the eager ops.  ``compile_fn`` (tests): the compiler to
+    use instead of ``torch.compile``, and compile on any device.
     """
     import os
 
     kind = torch.device(device).type
     if kind in _DEVICE_QUANTIZERS:
         return _DEVICE_QUANTIZERS[kind]
-    fn = _native_torch
-    if (kind == "cuda" or compile_fn is not None) and os.environ.get("TRIAGE_NVFP4_COMPILE", "1") != "0":
+    _DEVICE_QUANTIZERS[kind] = _native_torch
+    _QUANTIZER_STATUS[kind] = "eager torch ops (no compiled path on this device type)"
+    if kind == "cuda" or compile_fn is not None:
+        if os.environ.get("TRIAGE_NVFP4_COMPILE", "1") == "0":
+            _QUANTIZER_STATUS[kind] = "eager torch ops: TRIAGE_NVFP4_COMPILE=0"
+            return _native_torch
         try:
-            compiled = (compile_fn or (lambda f: torch.compile(f, dynamic=True)))(_native_torch)
-            g = torch.Generator(device=device).manual_seed(0)
-            for shape, rows in (((8, 1, 64), 1), ((8, 3, 256), 1), ((64, 64), 1), ((48, 32), 16), ((5, 1, 32), 1)):
-                x = torch.randn(*shape, generator=g, device=device) * torch.rand(*shape, generator=g, device=device) ** 4
-                for two_level in (True, False):
-                    a, b = compiled(x, rows, two_level), _native_torch(x, rows, two_level)
-                    if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
-                        raise ValueError(f"compiled NVFP4 quantizer differs from the eager ops (shape {shape})")
-            fn = _guarded(compiled, kind)
-        except Exception as exc:   # no compiler, or not bit-exact: the eager ops (same numerics, more launches)
-            _log.warning("NVFP4 on %s: using the eager torch ops (%s)", kind, exc)
-    _DEVICE_QUANTIZERS[kind] = fn
-    return fn
+            if compile_fn is None:
+                _one_compile_worker()
+                compiled = torch.compile(_native_torch, dynamic=True)
+            else:
+                compiled = compile_fn(_native_torch)
+            guarded = _Guarded(compiled, kind, device)
+            first = _check_compiled(compiled, device, 1, True)
+            guarded.checked[(1, True)] = first
+            _DEVICE_QUANTIZERS[kind] = guarded
+            _QUANTIZER_STATUS[kind] = f"compiled (torch.compile): {first}"
+        except Exception as exc:   # no compiler, or outside the tolerance: the eager ops (same numerics, more launches)
+            _fall_back(kind, exc)
+    return _DEVICE_QUANTIZERS[kind]
 
 
-def _guarded(compiled, kind):
-    def run(xf, rows, two_level):
-        try:
-            return compiled(xf, rows, two_level)
-        except Exception as exc:   # e.g. a recompilation that fails: fall back for good
-            _log.warning("NVFP4 on %s: the compiled quantizer failed (%s); using the eager torch ops", kind, exc)
-            _DEVICE_QUANTIZERS[kind] = _native_torch
+class _Guarded:
+    """A compiled quantizer used while it holds: each new (rows, two_level) is checked at its first use
+    (:func:`_check_compiled`); a failed check or a call that raises sends ``kind`` to the eager ops for good."""
+
+    def __init__(self, compiled, kind: str, device):
+        self.compiled, self.kind, self.device = compiled, kind, device
+        self.checked: dict = {}
+
+    def __call__(self, xf: Tensor, rows: int, two_level: bool) -> Tensor:
+        if _DEVICE_QUANTIZERS.get(self.kind) is not self:      # fell back earlier (a copy of this object kept)
             return _native_torch(xf, rows, two_level)
-    return run
+        try:
+            key = (rows, bool(two_level))
+            if key not in self.checked:
+                self.checked[key] = _check_compiled(self.compiled, self.device, rows, two_level)
+                _QUANTIZER_STATUS[self.kind] += f"; {self.checked[key]}"
+            return self.compiled(xf, rows, two_level)
+        except Exception as exc:   # e.g. a recompilation that fails, or a new key outside the tolerance
+            _fall_back(self.kind, f"the compiled quantizer failed: {exc}")
+            return _native_torch(xf, rows, two_level)
+
+
+def quantizer_status(device) -> str:
+    """One line: which NVFP4 quantizer the native backend runs on ``device`` and why.
+
+    On the CPU: the compiled numba kernel.  Elsewhere this builds the device's quantizer (on CUDA it compiles and
+    checks it against the eager ops: seconds the first time) and returns its status: ``compiled (torch.compile):
+    bit-identical ...``, ``... within tolerance ...: N of M values differ ...`` or ``eager torch ops: <why>``.
+
+    Args:
+        device: a torch device or its name (``"cuda"``, ``"cuda:0"``, ``"cpu"``).
+    """
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return "numba kernel (one compiled pass on the CPU; bit-identical to the eager ops)"
+    _device_quantizer(device)
+    return _QUANTIZER_STATUS[kind]
 
 
 def fake_quantize_ste(x: Tensor, **kwargs) -> Tensor:
