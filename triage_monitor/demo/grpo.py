@@ -63,6 +63,9 @@ QUANTIZE = {"mlp": ("blocks.*.mlp.*",),
             "all": ("blocks.*.mlp.*", "blocks.*.attn.*", "head")}
 GATE_THRESHOLDS = ("fixed", "calibrated")
 SFT_CHECK_EVERY = 25
+#: off the CPU, :func:`generate` asks whether every response has ended only every this many tokens (each question
+#: is a host synchronisation; on the CPU it asks after every token, which costs nothing there)
+DONE_CHECK_EVERY = 16
 
 
 @dataclass
@@ -263,7 +266,10 @@ def generate(model: TinyGPT, prompts: Tensor, group_size: int, max_new: int, tem
 
     The prompts ``(P, L)`` are prefilled once and the cache repeated per
     response, then tokens are decoded one at a time.  After a response's
-    first ``EOS`` it is padded with ``EOS`` and masked out.
+    first ``EOS`` it is padded with ``EOS`` and masked out.  Decoding stops
+    when every response has ended: on the CPU checked after each token, on
+    other devices every :data:`DONE_CHECK_EVERY` tokens (the only host
+    synchronisation of the loop), so a CUDA decode runs ahead of the host.
 
     Returns:
         responses ``(P·G, max_new)`` int64 (rows ordered prompt-major),
@@ -277,6 +283,7 @@ def generate(model: TinyGPT, prompts: Tensor, group_size: int, max_new: int, tem
     n = logits.shape[0]
     tokens, logps = [], []
     done = torch.zeros(n, dtype=torch.bool, device=logits.device)
+    check_every = _done_check_every(logits.device)
     for t in range(max_new):
         logp_all = torch.log_softmax(logits / temperature, dim=-1)
         tok = logp_all.argmax(-1) if greedy else torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(1)
@@ -284,7 +291,9 @@ def generate(model: TinyGPT, prompts: Tensor, group_size: int, max_new: int, tem
         tokens.append(tok)
         logps.append(logp_all.gather(1, tok[:, None]).squeeze(1))
         done = done | (tok == EOS)
-        if t == max_new - 1 or bool(done.all()):
+        # stop once every response has ended: the check reads a device value (a host synchronisation), so off the
+        # CPU it runs every DONE_CHECK_EVERY tokens (the tokens decoded past the end are EOS padding, masked out)
+        if t == max_new - 1 or ((t + 1) % check_every == 0 and bool(done.all())):
             break
         logits, cache = model(tok[:, None], cache)
         logits = logits[:, -1]
@@ -297,6 +306,12 @@ def generate(model: TinyGPT, prompts: Tensor, group_size: int, max_new: int, tem
     is_eos = responses == EOS
     mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # up to and including the first EOS
     return responses, logp, mask
+
+
+def _done_check_every(device: torch.device) -> int:
+    """Tokens between two checks of :func:`generate` for the end of every response: 1 on the CPU, else
+    :data:`DONE_CHECK_EVERY`."""
+    return 1 if device.type == "cpu" else DONE_CHECK_EVERY
 
 
 def teacher_forced_logp(model: TinyGPT, prompts: Tensor, responses: Tensor, temperature: float = 1.0) -> Tensor:

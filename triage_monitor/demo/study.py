@@ -880,8 +880,15 @@ def write_outputs(out: Path, base: DemoConfig, frames: dict, summary: pd.DataFra
             "per_arm": json.loads(arms.to_json(orient="records")),
             "runs": json.loads(summary.to_json(orient="records"))}
     (out / "study.json").write_text(json.dumps(meta, indent=1, default=str))
-    (out / "study.html").write_text(report_html(base, frames, summary, seconds, out if live else None),
-                                        encoding="utf-8")
+    try:
+        page = report_html(base, frames, summary, seconds, out if live else None)
+    except ModuleNotFoundError as exc:    # plotly is optional (the dashboard extra): the tables above are the study
+        if (exc.name or "").split(".")[0] != "plotly":
+            raise
+        (out / "study.html").unlink(missing_ok=True)
+        logging.getLogger(__name__).warning("study.html not written: plotly is not installed (pip install plotly)")
+        return
+    (out / "study.html").write_text(page, encoding="utf-8")
 
 
 def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, base: Optional[DemoConfig] = None,
@@ -906,7 +913,9 @@ def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, bas
         for line in cycle_lines(base, frames):
             console.print(line, highlight=False, soft_wrap=True)
     took = f"{seconds:.0f} s" if math.isfinite(seconds) else "judged again"
-    console.print(f"study: {took}.  Report: [bold]{out / 'study.html'}[/]  (tables: {out / 'summary.csv'}, "
+    page = out / "study.html"
+    shown = f"[bold]{page}[/]" if page.exists() else "none (plotly is not installed)"
+    console.print(f"study: {took}.  Report: {shown}  (tables: {out / 'summary.csv'}, "
                   f"{out / 'arms.csv'})", highlight=False, soft_wrap=True)
     fail, held = pick_pair(summary)
     if fail and held:
