@@ -880,15 +880,15 @@ def write_outputs(out: Path, base: DemoConfig, frames: dict, summary: pd.DataFra
             "per_arm": json.loads(arms.to_json(orient="records")),
             "runs": json.loads(summary.to_json(orient="records"))}
     (out / "study.json").write_text(json.dumps(meta, indent=1, default=str))
-    try:
-        page = report_html(base, frames, summary, seconds, out if live else None)
-    except ModuleNotFoundError as exc:    # plotly is optional (the dashboard extra): the tables above are the study
-        if (exc.name or "").split(".")[0] != "plotly":
-            raise
+    try:                                  # plotly is optional (the dashboard extra): the tables above are the study
+        import plotly.graph_objects  # noqa: F401
+    except Exception as exc:              # missing, or an install that does not import (one line, not a traceback)
         (out / "study.html").unlink(missing_ok=True)
-        logging.getLogger(__name__).warning("study.html not written: plotly is not installed (pip install plotly)")
+        why = "plotly is not installed" if isinstance(exc, ModuleNotFoundError) else f"plotly does not import ({exc})"
+        logging.getLogger(__name__).warning("study.html not written: %s (pip install plotly)", why)
         return
-    (out / "study.html").write_text(page, encoding="utf-8")
+    (out / "study.html").write_text(report_html(base, frames, summary, seconds, out if live else None),
+                                    encoding="utf-8")
 
 
 def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, base: Optional[DemoConfig] = None,
