@@ -46,5 +46,14 @@ bench: setup
 bench-dashboard: setup chromium
 	$(BIN)/python benchmarks/bench_dashboard.py
 
+# wheels the GPU kit carries (scripts/gpu_kit.sh, docs/metrics.md#the-gpu-kit): the GPU machine has no package
+# registry and no plotly, which only the optional study.html needs.  Pure Python, the version the tests use here,
+# into .whl/ (git-ignored: name it in the device call's carry); the kit installs it with pip --no-index
+.PHONY: gpu-wheels
+gpu-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl "plotly==7.1.0"
+	du -sh .whl
+
 clean:
 	rm -rf $(VENV) runs build *.egg-info
