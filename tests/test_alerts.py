@@ -39,7 +39,9 @@ def test_cooldown_delays_refiring_until_it_has_passed():
 def test_clearing_rearms_and_nan_does_not_clear(caplog):
     r = Rule("r", "window/x", "below", 0.0)
     assert run(r, [-1, -1, 1, -1]) == [0, 3]          # clears at 2, fires again at 3
-    assert run(r, [-1, math.nan, -1, None]) == [0]    # NaN / missing: not evaluated, stays active
+    # NaN / missing: not evaluated, stays active for fewer than clear_after (default: hold) steps in a row
+    assert run(Rule("r", "window/x", "below", 0.0, clear_after=2), [-1, math.nan, -1, None]) == [0]
+    assert run(r, [-1, math.nan, -1]) == [0, 2]       # hold 1: one step without a value clears it, step 2 fires anew
     eng = AlertEngine([r])
     eng.observe(0, {"window/x": -1})
     assert eng.active == ["r"]

@@ -374,7 +374,8 @@ def test_monitor_default_rules_reach_tensorboard_and_mlflow(store, tmp_path):
 
     scalars, texts = tb_read(tmp_path / "tb")
     assert set(scalars) == {"triage/" + k for k in CURATED_KEYS if k != "gate_downweighted_frac"} | {
-        "triage/alerts_fired"}                                      # no controller: no Gate fraction
+        "triage/alerts_fired", "triage/noise"}                      # no controller: no Gate fraction
+    assert scalars["triage/noise"] == [(s, 0.0) for s in range(6)]  # mean |δ| 0.1 nats: above the noise floor
     assert scalars["triage/window/rho_asym"] == [(s, pytest.approx(4.0, rel=1e-6)) for s in range(6)]
     assert scalars["triage/delta_abs_mean"] == [(s, pytest.approx(0.1, rel=1e-5)) for s in range(6)]
     assert scalars["triage/alerts_active"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]
@@ -393,3 +394,48 @@ def test_monitor_default_rules_reach_tensorboard_and_mlflow(store, tmp_path):
     assert run.data.tags["triage.alert.rho_asym_high"].startswith("WARN at step 4: ")
     assert run.data.tags["triage.alerts_fired"] == "2"
     assert len(client.list_artifacts(rid, "triage/alerts")) == 2
+
+
+def test_ratios_at_noise_level_reach_the_trackers_as_nan_beside_the_noise_flag(store, tmp_path):
+    """The issue a user met: with sampler = learner to 1e-6 nats, ρ_asym is a ratio of rounding noise (here 4.0, above
+    the 1.8 ERROR line) and the alert guard rightly stays silent — the trackers must not chart it as a value either.
+    Steps 0-3: |δ| = 0.1 nats (ρ_asym 4.0 by hand); steps 4-9: the same pattern at 1e-6 nats.  With a 2-step window
+    the window's mean |δ| drops below the 1e-4 floor from step 5 (steps 4-5 pooled): from there window ρ_asym and C_tok
+    reach TensorBoard and MLflow as NaN, the step's ρ_asym from step 4, and ``triage/noise`` reads 1."""
+    from triage_monitor.batch import TokenBatch
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+    from triage_monitor.trackers import NOISE_GUARDED, tracker_metrics
+    from triage_monitor.alert_rules import NOISE_FLOOR_NATS, default_rules
+
+    # the same rule as the alert guard: every guarded shipped rule on a ratio is masked by its own guard and floor
+    for r in default_rules():
+        if r.guard_metric and r.metric in NOISE_GUARDED:
+            assert (NOISE_GUARDED[r.metric], r.guard_min) == (r.guard_metric, NOISE_FLOOR_NATS)
+    assert {r.metric for r in default_rules() if r.guard_metric} - {"window/k3_kl"} <= set(NOISE_GUARDED)
+    uri, client = store
+    g = torch.Generator().manual_seed(0)
+    adv = torch.tensor([1.0, -1.0] * 8)
+    pos = torch.arange(32).expand(16, 32)
+    loggers = [TrackerSpec("tensorboard", options={"log_dir": str(tmp_path / "tb")}),
+               {"kind": "mlflow", "tracking_uri": uri, "experiment": "noise"}]
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(window=2, calibration_steps=2), loggers=loggers) as mon:
+        returned = []
+        for step in range(10):
+            size = 0.1 if step < 4 else 1e-6
+            sampler = -3 * torch.rand(16, 32, generator=g) - 0.2
+            delta = torch.where((adv[:, None] > 0) & (pos % 4 == 0), size, -size)
+            returned.append(mon.log_step(step, TokenBatch.from_padded(sampler + delta, sampler, adv,
+                                                                      torch.ones(16, 32, dtype=torch.bool))))
+    assert all(m["rho_asym"] == pytest.approx(4.0, rel=1e-3) for m in returned)     # the monitor keeps the value
+    want_noise = [0.0] * 5 + [1.0] * 5
+    assert [tracker_metrics(m)["noise"] for m in returned] == want_noise
+    scalars, _ = tb_read(tmp_path / "tb")
+    assert [v for _, v in scalars["triage/noise"]] == want_noise
+    win = [v for _, v in scalars["triage/window/rho_asym"]]
+    assert win[:5] == [pytest.approx(4.0, rel=1e-3)] * 5 and all(math.isnan(v) for v in win[5:])
+    step_rho = [v for _, v in scalars["triage/rho_asym"]]
+    assert step_rho[:4] == [pytest.approx(4.0, rel=1e-3)] * 4 and all(math.isnan(v) for v in step_rho[4:])
+    rid = the_run(client, "noise").info.run_id
+    hist = history(client, rid, "triage/window/rho_asym")
+    assert [s for s, v in hist if not math.isnan(v)] == [0, 1, 2, 3, 4]
+    assert [v for _, v in history(client, rid, "triage/noise")] == want_noise

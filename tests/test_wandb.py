@@ -237,7 +237,9 @@ def test_monitor_feeds_wandb_and_alerts_table(offline):
     hist = history_rows(logged(offline))
     assert [h["triage/step"] for h in hist] == list(range(6))
     for h, m in zip(hist, returned):         # the curated keys (no controller: no Gate fraction), as returned
-        assert set(h) == {"triage/step"} | {"triage/" + k for k in CURATED if k != "gate_downweighted_frac"}
+        assert set(h) == {"triage/step", "triage/noise"} | {"triage/" + k for k in CURATED
+                                                            if k != "gate_downweighted_frac"}
+        assert h["triage/noise"] == 0.0                                   # |δ| ≈ 0.1 nats: no ratio is masked
         for k in ("window/rho_asym", "delta_abs_mean", "window/k3_kl", "alerts_active"):
             assert h["triage/" + k] == pytest.approx(m[k], rel=1e-12), k
     live = [a.to_row() for a in eng.fired]

@@ -96,6 +96,12 @@ class Rule:
         guard_min: the guard's threshold, in ``guard_metric``'s units (nats for ``window/delta_abs_mean``).
         full_window: rising/falling only: a look-back before step ``first_step + window − 1``
             (the monitor's first full window) is not a reference (the rule waits for one).
+        clear_after: an active alert clears once the tested value has been missing or NaN on this many consecutive
+            steps (0, the default: the rule's ``hold``, as many steps as it took to fire); a step held back by the
+            noise guard clears it at once (docs/alerts.md#hysteresis-clearing-cooldown).
+        runbook: where the rule's "what to do" entry is (a doc anchor or a URL), named in its alert text; empty:
+            the shipped rules' entry in docs/alerts.md#runbook, none for other rules
+            (:func:`triage_monitor.alerts.runbook_ref`).
 
     Raises:
         ValueError: naming the field and the bad value.
@@ -121,6 +127,8 @@ class Rule:
     guard_metric: str = ""
     guard_min: float = 0.0
     full_window: bool = False
+    clear_after: int = 0
+    runbook: str = ""
 
     def __post_init__(self):
         def bad(f, why):
@@ -162,7 +170,17 @@ class Rule:
         object.__setattr__(self, "guard_min", float(self.guard_min))
         if not isinstance(self.full_window, bool):
             bad("full_window", "must be true or false")
+        if not isinstance(self.clear_after, int) or isinstance(self.clear_after, bool) or self.clear_after < 0:
+            bad("clear_after", "must be an integer >= 0 (0: the rule's hold)")
+        if not isinstance(self.runbook, str):
+            bad("runbook", "must be a string (a doc reference or URL) or empty")
         object.__setattr__(self, "threshold", float(self.threshold))
+
+    @property
+    def clear_steps(self) -> int:
+        """Consecutive steps without a value of the tested metric (missing or NaN) after which an active alert of
+        this rule clears (docs/alerts.md#hysteresis-clearing-cooldown): ``clear_after``, or ``hold`` when 0."""
+        return self.clear_after or self.hold
 
     @property
     def pooled(self) -> bool:

@@ -11,7 +11,11 @@ evaluated steps and at least ``cooldown`` steps have passed since it last
 fired; it then stays *active* (no new alert) until a step where the condition
 does not hold, which clears it.  A step where the value is missing or NaN
 (or the look-back/baseline is not available yet) is not evaluated: the rule's
-state is left unchanged.
+state is left unchanged — until the value has been missing or NaN on
+:attr:`Rule.clear_steps` consecutive steps, which clears an active alert with
+that reason; a step below the rule's noise guard clears it at once.  Every
+clearing is kept in :attr:`AlertEngine.cleared` (a :class:`Clear` each), live
+and in replay alike.
 
 Steps: integers, normally increasing.  A step that is not larger than the
 last one seen (a job resumed from a checkpoint) *replaces* the history from
@@ -74,6 +78,40 @@ class Alert:
         return d
 
 
+@dataclass(frozen=True)
+class Clear:
+    """One active alert that cleared (:attr:`AlertEngine.cleared`): at ``step``, the rule ``rule`` (of ``tier``,
+    ``level``) that fired at ``fired_at``; ``reason`` says why: its condition stopped holding, its metric had no
+    value on :attr:`~triage_monitor.alert_rules.Rule.clear_steps` consecutive steps, or its noise guard held it
+    back (docs/alerts.md#hysteresis-clearing-cooldown)."""
+
+    step: int
+    rule: str
+    reason: str
+    fired_at: Optional[int]
+    tier: str
+    level: str
+
+
+def runbook_ref(rule: Rule) -> str:
+    """Where the "what to do" entry of ``rule`` is: its own ``runbook`` field when set, else
+    ``docs/alerts.md#<name>`` for a rule named like a shipped default (each has an entry under
+    docs/alerts.md#runbook), else ``""``."""
+    if rule.runbook:
+        return rule.runbook
+    return f"docs/alerts.md#{rule.name}" if rule.name in _shipped_names() else ""
+
+
+_SHIPPED: Optional[frozenset] = None
+
+
+def _shipped_names() -> frozenset:
+    global _SHIPPED
+    if _SHIPPED is None:
+        _SHIPPED = frozenset(r.name for r in default_rules())
+    return _SHIPPED
+
+
 # ------------------------------------------------------------------------------------- the seams
 @runtime_checkable
 class AlertSink(Protocol):
@@ -132,7 +170,8 @@ class RuleStatus:
     ``evaluated``: steps where its condition was tested; ``noise``: steps its noise guard held it back;
     ``fired``: alerts it raised; ``active``: fired and not cleared at the last step; ``evaluable_from``: the
     first step at which it can evaluate (its look-backs or baseline exist; None for a rule whose metric never
-    had a value); ``reason``: why it did not evaluate ("" when it did)."""
+    had a value); ``reason``: why it did not evaluate ("" when it did); ``cleared``: its latest :class:`Clear`
+    when it is not active now (None when it never cleared, or fired again after it)."""
 
     name: str
     group: str
@@ -142,6 +181,7 @@ class RuleStatus:
     active: bool
     evaluable_from: Optional[int]
     reason: str
+    cleared: Optional[Clear] = None
 
 
 @dataclass
@@ -177,6 +217,8 @@ class AlertEngine:
         self._metrics = sorted({r.metric for r in self.rules} | {r.guard_metric for r in self.rules if r.guard_metric})
         self._failed: dict[int, int] = {}  # id(sink) -> failure count
         self.fired: list[Alert] = []
+        #: every clearing of an active alert, in order (:class:`Clear`; live and replay alike)
+        self.cleared: list[Clear] = []
         self._reset()
 
     # ---- history and state
@@ -187,6 +229,8 @@ class AlertEngine:
         self._state = {r.name: _State(baseline=r.baseline) for r in self.rules}
         self._evaluated = {r.name: 0 for r in self.rules}
         self._present: set = set()                             # metrics that appeared in some step
+        self._missing = {r.name: 0 for r in self.rules}        # consecutive steps its tested value had none
+        self._clearing: list[Clear] = []                       # cleared at the step being observed
         #: rule name -> steps at which its guard held it back (noise level), in order
         self.noise_steps: dict[str, list[int]] = {r.name: [] for r in self.rules if r.guard_metric}
 
@@ -231,6 +275,7 @@ class AlertEngine:
             self._cols[m].append(_as_float(metrics.get(m)))
         self._present.update(m for m in self._metrics if m in metrics)
         out = []
+        self._clearing = []
         for r in self.rules:
             v = self._value(r)
             self._vals[r.name].append(v)
@@ -238,10 +283,17 @@ class AlertEngine:
             if a is not None:
                 out.append(a)
         if emit:
+            self.cleared.extend(self._clearing)
             for a in out:
                 self.fired.append(a)
                 self._send(a)
         return out
+
+    def _clear(self, r: Rule, st: "_State", step: int, reason: str) -> None:
+        """Clear the active alert of ``r`` at ``step`` for ``reason`` (logged at INFO, kept in :attr:`cleared`)."""
+        log.info("alerts: %s cleared at step %d: %s", r.name, step, reason)
+        self._clearing.append(Clear(step, r.name, reason, st.last_fire, r.tier, r.level))
+        st.streak, st.active = 0, False
 
     def _value(self, r: Rule) -> float:
         col = self._cols[r.metric]
@@ -268,15 +320,26 @@ class AlertEngine:
             g = self._cols[r.guard_metric][-1]
             if math.isfinite(g) and g < r.guard_min:   # noise level: never fires, the streak restarts
                 self.noise_steps[r.name].append(step)
+                if st.active:
+                    self._clear(r, st, step, f"held back at noise level ({r.guard_metric} = {g:.3g} < "
+                                             f"{r.guard_min:g}: learner and sampler agree to rounding)")
                 st.streak, st.active = 0, False
                 return None
         holds, score, detail = self._evaluate(r, st, step, v)
         if holds is None:
+            if math.isfinite(v):
+                self._missing[r.name] = 0
+                return None
+            n = self._missing[r.name] = self._missing[r.name] + 1
+            if st.active and n >= r.clear_steps:       # no value for as long as it took to fire: not evidence
+                self._clear(r, st, step, f"{r.metric} had no value on {n} consecutive step(s) (steps "
+                                         f"{self._steps[-n]}–{step}; the rule clears after {r.clear_steps})")
             return None
+        self._missing[r.name] = 0
         self._evaluated[r.name] += 1
         if not holds:
             if st.active:
-                log.info("alerts: %s cleared at step %d: no longer true that %s", r.name, step, detail)
+                self._clear(r, st, step, f"no longer true that {detail}")
             st.streak, st.active = 0, False
             return None
         st.streak += 1
@@ -290,6 +353,9 @@ class AlertEngine:
         text = f"{detail} at step {step} ({self._pooled(r, step)}{held})."
         if r.note:
             text += f" {r.note}"
+        ref = runbook_ref(r)
+        if ref:
+            text += f" What to do: {ref}"
         return Alert(step, r.name, r.metric, score, r.threshold, r.window, r.level, title, text, float(r.wait_s),
                      r.tier)
 
@@ -396,13 +462,17 @@ class AlertEngine:
         fired: dict = {}
         for a in self.fired:
             fired[a.rule] = fired.get(a.rule, 0) + 1
+        cleared: dict = {}
+        for c in self.cleared:
+            cleared[c.rule] = c
         out = []
         for r in self.rules:
             n = self._evaluated[r.name]
             out.append(RuleStatus(r.name, r.group, n, len(self.noise_steps.get(r.name, [])), fired.get(r.name, 0),
                                   self._state[r.name].active,
                                   self.evaluable_from(r) if r.metric in self._present else None,
-                                  "" if n else self._why_not(r)))
+                                  "" if n else self._why_not(r),
+                                  None if self._state[r.name].active else cleared.get(r.name)))
         return out
 
     # ---- sinks
@@ -551,5 +621,5 @@ def normalize_columns(frame):
     return frame.rename(columns=ren) if ren else frame
 
 
-__all__ = ["Rule", "Alert", "RuleStatus", "AlertSink", "AlertObserver", "Closable", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
+__all__ = ["Rule", "Alert", "Clear", "runbook_ref", "RuleStatus", "AlertSink", "AlertObserver", "Closable", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
            "replay", "replay_engine", "normalize_columns", "build_engine", "check_alerts_setting", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS", "TIERS"]

@@ -31,7 +31,7 @@ import re
 import time
 from typing import Any, Mapping, Optional
 
-from .trackers import PREFIX, CallGuard, check_keys, select_metrics
+from .trackers import PREFIX, CallGuard, check_keys, tracker_metrics
 
 log = logging.getLogger("triage_monitor.mlflow")
 _missing_reported = False
@@ -163,7 +163,7 @@ class MLflowLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        rows = [Metric(self.prefix + k, v, now, int(step)) for k, v in select_metrics(metrics, self.keys).items()]
+        rows = [Metric(self.prefix + k, v, now, int(step)) for k, v in tracker_metrics(metrics, self.keys).items()]
         for i in range(0, len(rows), BATCH):
             self._guard("log_batch", self._client.log_batch, run_id, metrics=rows[i:i + BATCH])
 

@@ -26,7 +26,7 @@ import json
 import logging
 from typing import Any, Mapping, Optional
 
-from .trackers import PREFIX, CallGuard, check_keys, select_metrics
+from .trackers import PREFIX, CallGuard, check_keys, tracker_metrics
 
 log = logging.getLogger("triage_monitor.tensorboard")
 _missing_reported = False
@@ -110,7 +110,7 @@ class TensorBoardLogger:
             self.log_config({})
         if not self.metrics:
             return
-        for name, value in select_metrics(metrics, self.keys).items():
+        for name, value in tracker_metrics(metrics, self.keys).items():
             self._guard("add_scalar", w.add_scalar, self.prefix + name, value, global_step=int(step))
 
     def emit(self, alert) -> None:

@@ -38,6 +38,15 @@ PREFIX = "triage/"
 CURATED_KEYS = ("window/rho_asym", "rho_asym", "window/small_gap_share", "window/k3_kl", "window/c_tok",
                 "delta_abs_mean", "gate_downweighted_frac", "alerts_active")
 
+#: Ratio metrics that are rounding noise when the learner and the sampler agree to rounding: each with the metric that
+#: says so, by the rule of the shipped rules' noise guard (docs/alerts.md#noise-guard): below
+#: :data:`~triage_monitor.alert_rules.NOISE_FLOOR_NATS` nats of mean |δ| they reach a tracker as NaN.
+NOISE_GUARDED = {**{f"window/{m}": "window/delta_abs_mean" for m in ("rho_asym", "rho_asym_lennorm", "amp_share",
+                                                                         "c_tok")},
+                 **{m: "delta_abs_mean" for m in ("rho_asym", "rho_asym_lennorm", "amp_share", "c_tok")}}
+#: The flag series beside them: 1.0 when the step's window is at noise level, 0.0 otherwise (``triage/noise``).
+NOISE_KEY = "noise"
+
 #: Tracker kinds and the ``module:Class`` that implements each.
 KINDS = {"wandb": "triage_monitor.wandb_logger:WandbLogger",
          "tensorboard": "triage_monitor.tensorboard_logger:TensorBoardLogger",
@@ -127,6 +136,58 @@ def select_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
             out[k] = float(v)
         except (TypeError, ValueError):
             continue
+    return out
+
+
+def at_noise_level(metrics: Mapping[str, Any], guard: str = "window/delta_abs_mean") -> bool:
+    """True when ``metrics[guard]`` (mean |δ|, nats) is finite and below
+    :data:`~triage_monitor.alert_rules.NOISE_FLOOR_NATS`: the shipped rules' noise guard (docs/alerts.md#noise-guard);
+    False when it is absent or NaN (nothing says so)."""
+    from .alert_rules import NOISE_FLOOR_NATS
+
+    v = metrics.get(guard)
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(v) and v < NOISE_FLOOR_NATS
+
+
+def noise_flags(frame, window: bool = True):
+    """:func:`at_noise_level` of every row of a steps frame: ``(rows,)`` bool numpy array — the window's mean |δ|
+    (``window``) or the step's below the floor; all False without the column."""
+    import numpy as np
+
+    from .alert_rules import NOISE_FLOOR_NATS
+
+    col = "window/delta_abs_mean" if window else "delta_abs_mean"
+    if col not in frame.columns:
+        return np.zeros(len(frame), dtype=bool)
+    g = frame[col].to_numpy(dtype=float)
+    return np.isfinite(g) & (g < NOISE_FLOOR_NATS)
+
+
+def tracker_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
+    """What a tracker (W&B, TensorBoard, MLflow) logs: :func:`select_metrics` with every ratio of
+    :data:`NOISE_GUARDED` set to NaN where its guard is below the noise floor (:func:`at_noise_level`, the alert
+    guard's rule: a ratio of rounding noise is no value to chart), and the flag :data:`NOISE_KEY` (1.0 / 0.0, from
+    the window's mean |δ|) when the curated set or ``"all"`` is asked for (or ``"noise"`` named) and the step has
+    the guard.
+
+    Args:
+        metrics: the monitor's step metrics; keys: see :func:`check_keys`.
+
+    Returns:
+        ``{name: float}`` without the prefix (docs/alerts.md#trackers).
+    """
+    out = select_metrics(metrics, keys)
+    for k in out:
+        guard = NOISE_GUARDED.get(k)
+        if guard is not None and at_noise_level(metrics, guard):
+            out[k] = math.nan
+    named = keys in ("curated", "all") or (not isinstance(keys, str) and NOISE_KEY in keys)
+    if named and "window/delta_abs_mean" in metrics:
+        out[NOISE_KEY] = 1.0 if at_noise_level(metrics) else 0.0
     return out
 
 
@@ -248,4 +309,5 @@ def specs_of(items: Iterable) -> list:
 
 
 __all__ = ["PREFIX", "CURATED_KEYS", "KINDS", "CallGuard", "MetricLogger", "ConfigRecorder", "TrackerSpec", "check_keys",
-           "select_metrics", "framework_metrics", "build_trackers", "specs_of"]
+           "select_metrics", "tracker_metrics", "at_noise_level", "noise_flags", "NOISE_GUARDED", "NOISE_KEY",
+           "framework_metrics", "build_trackers", "specs_of"]

@@ -26,6 +26,13 @@ from plotly.subplots import make_subplots
 REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
 PALETTE = ("#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563")
+#: One colour convention for the report, the dashboard and the study: the inspected (failing) run in red, the
+#: reference (a control that holds) in grey, any other run overlaid in the colours after them; each legend names
+#: the roles ("(inspected)", "(reference)").  The study's arms use the same red (no correction) and grey (control).
+INSPECTED_COLOR, REFERENCE_COLOR = "#dc2626", "#6b7280"
+OTHER_COLORS = ("#2563eb", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777")
+#: The destabilisation step's marker on every time series (docs/alerts.md#the-run-verdict).
+MARKER_COLOR = "#111827"
 REGION_COLORS = {"amp_neg": "#dc2626", "amp_pos": "#f97316", "con_neg": "#3b82f6", "con_pos": "#10b981"}
 REGION_LABELS = {"amp_neg": "A⁻ amplifying (A<0, δ<0)", "amp_pos": "A⁺ amplifying (A>0, δ>0)",
                  "con_neg": "contracting (A<0, δ>0)", "con_pos": "contracting (A>0, δ<0)"}
@@ -91,19 +98,91 @@ def _values(s: pd.Series, scale: float) -> list:
     return [None if not math.isfinite(v) else v * scale for v in s.to_numpy(dtype=float)]
 
 
-def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool = False, window_steps: int = 25,
-                      alerts: Optional[Mapping[str, pd.DataFrame]] = None, rules=None) -> Optional[go.Figure]:
-    """One time-series panel of :data:`PANELS` over steps, every run of ``runs`` (label -> metric frame)
-    overlaid; alerts of ``alerts`` (label -> alert rows) drawn as markers on the first series.  The direction
-    panel also carries the healthy ρ_asym band and the alert thresholds of ``rules`` (None: the shipped
-    defaults; :func:`add_rho_asym_guides`).
+def run_roles(labels, reference: Optional[str] = None) -> dict:
+    """label -> ``(role, colour)`` of every run of a chart: the first label is the inspected run (red), ``reference``
+    the reference (grey), the others ``"compared"`` in :data:`OTHER_COLORS` order."""
+    out, k = {}, 0
+    for i, label in enumerate(labels):
+        if label == reference:
+            out[label] = ("reference", REFERENCE_COLOR)
+        elif i == 0:
+            out[label] = ("inspected", INSPECTED_COLOR)
+        else:
+            out[label] = ("compared", OTHER_COLORS[k % len(OTHER_COLORS)])
+            k += 1
+    return out
 
-    Trace ``meta`` = ``{"run", "column", "window", "scale"}`` (alerts: ``{"run", "alerts": True}``; guides:
-    ``{"guide": "healthy" | <rule name>, "value": ...}``).  Returns None when no run has any column of the panel.
+
+def noise_steps(df: pd.DataFrame, window: bool = True) -> np.ndarray:
+    """The steps of ``df`` at noise level by the rule of the alert guard and the trackers
+    (:func:`triage_monitor.trackers.at_noise_level`: mean |δ| of the window, or of the step in the per-step view,
+    below :data:`~triage_monitor.alert_rules.NOISE_FLOOR_NATS` nats); ``(n,)`` int64."""
+    from .trackers import noise_flags
+
+    flags = noise_flags(df, window)
+    return df["step"].to_numpy()[flags].astype(np.int64)
+
+
+def _spans(steps: np.ndarray) -> list:
+    """Contiguous runs of sorted integer ``steps`` as ``[(first, last), ...]``."""
+    if steps.size == 0:
+        return []
+    cut = np.flatnonzero(np.diff(steps) != 1)
+    starts = np.r_[steps[0], steps[cut + 1]]
+    ends = np.r_[steps[cut], steps[-1]]
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def add_noise_shading(fig: go.Figure, steps: np.ndarray, row=None, col=None) -> go.Figure:
+    """Grey the x-ranges of ``steps`` (noise level: the ratio drawn there is rounding noise, docs/alerts.md#noise-guard)
+    with a legend entry (``meta = {"guide": "noise", "steps": n}``).  Returns ``fig``."""
+    spans = _spans(np.asarray(steps, dtype=np.int64))
+    if not spans:
+        return fig
+    where = {} if row is None else {"row": row, "col": col}
+    for a, b in spans:
+        fig.add_vrect(x0=a - 0.5, x1=b + 0.5, fillcolor="#9ca3af", opacity=0.18, line_width=0, layer="below",
+                      **where)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="noise level (mean |δ| < 1e-4 nats): greyed",
+                             line=dict(color="#9ca3af", width=8), opacity=0.4, hoverinfo="skip",
+                             showlegend=row in (None, 1), meta={"guide": "noise", "steps": int(len(steps))}), **where)
+    return fig
+
+
+def add_destabilisation_marker(fig: go.Figure, step: Optional[int], row=None, col=None) -> go.Figure:
+    """Mark the step at which the run destabilised (docs/alerts.md#the-run-verdict) with a vertical line and a legend
+    entry (``meta = {"marker": "destabilised", "step": step}``); nothing when ``step`` is None.  Returns ``fig``."""
+    if step is None:
+        return fig
+    where = {} if row is None else {"row": row, "col": col}
+    fig.add_vline(x=int(step), line=dict(color=MARKER_COLOR, dash="dashdot", width=1.5), **where)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"destabilised at step {int(step)}",
+                             line=dict(color=MARKER_COLOR, dash="dashdot", width=1.5), hoverinfo="skip",
+                             showlegend=row in (None, 1), meta={"marker": "destabilised", "step": int(step)}), **where)
+    return fig
+
+
+def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool = False, window_steps: int = 25,
+                      alerts: Optional[Mapping[str, pd.DataFrame]] = None, rules=None, *,
+                      reference: Optional[str] = None, band=None, destabilised: Optional[int] = None
+                      ) -> Optional[go.Figure]:
+    """One time-series panel of :data:`PANELS` over steps, every run of ``runs`` (label -> metric frame)
+    overlaid — the first is the inspected run (red), ``reference`` (a label of ``runs``) the reference (grey,
+    :func:`run_roles`), each column of the panel a dash style; alerts of ``alerts`` (label -> alert rows) drawn as
+    markers on the first series.  The direction panel also carries the healthy ρ_asym bands (``band``: a reference
+    run's :class:`~triage_monitor.verdict.ReferenceBand`, and the published one) and the alert thresholds of
+    ``rules`` (None: the shipped defaults; :func:`add_rho_asym_guides`), and greys the inspected run's steps at
+    noise level (:func:`add_noise_shading`).  ``destabilised``: the inspected run's destabilisation step, marked
+    (:func:`add_destabilisation_marker`).
+
+    Trace ``meta`` = ``{"run", "column", "window", "scale", "role"}`` (alerts: ``{"run", "alerts": True}``; guides:
+    ``{"guide": "healthy" | "reference" | "noise" | <rule name>, "value": ...}``; the marker:
+    ``{"marker": "destabilised", "step"}``).  Returns None when no run has any column of the panel.
     """
     title, cols, ytitle, ref = PANELS[panel]
     fig = go.Figure()
     multi = len(runs) > 1
+    roles = run_roles(list(runs), reference)
     for ri, (label, df) in enumerate(runs.items()):
         first = None
         for ci, (col, name, scale) in enumerate(cols):
@@ -111,12 +190,13 @@ def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool
             if s is None or (s.isna().all() and col in EXTRAS):
                 continue                      # an all-NaN metric is still drawn (empty): its absence is news
             first = first if first is not None else (s, scale)
-            color = PALETTE[ri % len(PALETTE)] if multi else PALETTE[ci % len(PALETTE)]
+            role, color = roles[label]
             suffix = " (trailing mean)" if window and col in EXTRAS else ""
             fig.add_trace(go.Scatter(
-                x=df["step"].tolist(), y=_values(s, scale), mode="lines", name=(f"{label} · " if multi else "")
-                + name + suffix, line=dict(color=color, width=2, dash="solid" if ci == 0 else "dot"),
-                meta={"run": label, "column": col, "window": bool(window), "scale": scale}))
+                x=df["step"].tolist(), y=_values(s, scale), mode="lines", name=(f"{label} ({role}) · " if multi
+                                                                                 else "") + name + suffix,
+                line=dict(color=color, width=2 if role != "reference" else 1.6, dash="solid" if ci == 0 else "dot"),
+                meta={"run": label, "column": col, "window": bool(window), "scale": scale, "role": role}))
         a = (alerts or {}).get(label)
         if first is not None and a is not None and len(a):
             metric = a["metric"].astype(str).str.replace("window/", "", regex=False) if "metric" in a else None
@@ -141,7 +221,10 @@ def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool
         fig.add_hline(y=ref, line=dict(color="#6b7280", dash="dash", width=1), annotation_text=f"{ref:g}",
                       annotation_position="top left")
     if panel == "direction":
-        add_rho_asym_guides(fig, rules)
+        add_rho_asym_guides(fig, rules, band=band)
+        inspected = next(iter(runs))
+        add_noise_shading(fig, noise_steps(runs[inspected], window))
+    add_destabilisation_marker(fig, destabilised)
     _layout(fig, title + (f" · {window_steps}-step window" if window else " · per step"), height=360,
             margin=dict(l=60, r=36, t=46, b=40 + 22 * math.ceil(len(fig.data) / 2)))
     fig.update_xaxes(title_text="step")
@@ -149,14 +232,16 @@ def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool
     return fig
 
 
-def add_rho_asym_guides(fig: go.Figure, rules=None, row=None, col=None) -> go.Figure:
-    """Draw on a ρ_asym chart the healthy band of the published runs and the alert thresholds on window ρ_asym.
+def add_rho_asym_guides(fig: go.Figure, rules=None, row=None, col=None, band=None) -> go.Figure:
+    """Draw on a ρ_asym chart the healthy bands and the alert thresholds on window ρ_asym.
 
-    The band spans :data:`~triage_monitor.references.RHO_ASYM_HEALTHY` (1.023 dense 4B to 1.337 MoE 30B,
-    docs/metrics.md#rho_asym); each ``above`` rule on ``window/rho_asym`` of ``rules`` (None: the shipped
-    defaults, 1.45 WARN and 1.8 ERROR) is a dashed line.  Each guide also gets a legend entry (a trace with
-    ``meta["guide"]``), so the page says what the lines are.  ``row`` / ``col`` address a subplot.
-    Returns ``fig``.
+    The published band spans :data:`~triage_monitor.references.RHO_ASYM_HEALTHY` (1.023 dense 4B to 1.337 MoE 30B,
+    docs/metrics.md#rho_asym), labelled "published (4B dense / 30B MoE)"; ``band`` (a reference run's
+    :class:`~triage_monitor.verdict.ReferenceBand`, docs/alerts.md#a-reference-run) is drawn in grey, labelled
+    with the reference's name (or, without a usable band, named in the legend with the reason); each ``above`` rule
+    on ``window/rho_asym`` of ``rules`` (None: the shipped defaults, 1.45 WARN and 1.8 ERROR) is a dashed line.
+    Each guide also gets a legend entry (a trace with ``meta["guide"]``), so the page says what the lines are.
+    ``row`` / ``col`` address a subplot.  Returns ``fig``.
     """
     from .references import RHO_ASYM_HEALTHY, rho_asym_thresholds
 
@@ -164,9 +249,22 @@ def add_rho_asym_guides(fig: go.Figure, rules=None, row=None, col=None) -> go.Fi
     where = {} if row is None else {"row": row, "col": col}
     fig.add_hrect(y0=lo, y1=hi, fillcolor="#10b981", opacity=0.12, line_width=0, layer="below", **where)
     first = row in (None, 1)
-    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"healthy ρ_asym {lo:g}–{hi:g} (published)",
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines",
+                             name=f"healthy ρ_asym {lo:g}–{hi:g}, published (4B dense / 30B MoE)",
                              line=dict(color="#10b981", width=8), opacity=0.35, hoverinfo="skip",
                              showlegend=first, meta={"guide": "healthy", "value": [lo, hi]}), **where)
+    if band is not None:
+        usable = band.usable
+        if usable:
+            fig.add_hrect(y0=band.lo, y1=band.hi, fillcolor=REFERENCE_COLOR, opacity=0.16, line_width=0,
+                          layer="below", **where)
+        name = (f"healthy ρ_asym {band.lo:.3g}–{band.hi:.3g}, reference {band.label}" if usable
+                else f"reference {band.label}: {band.note}")
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=name,
+                                 line=dict(color=REFERENCE_COLOR, width=8), opacity=0.4 if usable else 0.0,
+                                 hoverinfo="skip", showlegend=first,
+                                 meta={"guide": "reference", "label": band.label,
+                                       "value": [band.lo, band.hi] if usable else None}), **where)
     for value, name, level in rho_asym_thresholds(rules):
         color = "#b91c1c" if level == "ERROR" else "#d97706"
         fig.add_hline(y=value, line=dict(color=color, dash="dash", width=1), **where)
@@ -186,14 +284,17 @@ def quadrant_shares(df: pd.DataFrame, window: bool = False) -> pd.DataFrame:
     return m.div(total.where(total > 0), axis=0) * 100.0
 
 
-def quadrant_figure(df: pd.DataFrame, window: bool = False, label: str = "") -> go.Figure:
-    """Stacked area of the four quadrant masses as shares (%) of the |A| mass per step."""
+def quadrant_figure(df: pd.DataFrame, window: bool = False, label: str = "",
+                    destabilised: Optional[int] = None) -> go.Figure:
+    """Stacked area of the four quadrant masses as shares (%) of the |A| mass per step; ``destabilised``: the step
+    marked (:func:`add_destabilisation_marker`)."""
     sh = quadrant_shares(df, window)
     fig = go.Figure()
     for r in REGIONS:
         fig.add_trace(go.Scatter(x=df["step"].tolist(), y=_values(sh[r], 1.0), name=REGION_LABELS[r],
                                  mode="lines", stackgroup="mass", line=dict(width=0.5, color=REGION_COLORS[r]),
                                  meta={"run": label, "column": f"mass_{r}", "window": bool(window)}))
+    add_destabilisation_marker(fig, destabilised)
     _layout(fig, "Quadrant masses (share of |A| mass)" + (f" · {label}" if label else ""), height=360)
     fig.update_yaxes(title_text="% of |A| mass", range=[0, 100])
     fig.update_xaxes(title_text="step")
@@ -201,8 +302,9 @@ def quadrant_figure(df: pd.DataFrame, window: bool = False, label: str = "") -> 
 
 
 def localisation_figure(df: pd.DataFrame, window: bool = False, label: str = "",
-                        reference: float = 5.0) -> go.Figure:
-    """c_tok, r_amp and h_seg (%) per step, with the uniform-placement reference of c_tok (5 %)."""
+                        reference: float = 5.0, destabilised: Optional[int] = None) -> go.Figure:
+    """c_tok, r_amp and h_seg (%) per step, with the uniform-placement reference of c_tok (5 %); steps at noise level
+    greyed (:func:`add_noise_shading`), ``destabilised`` marked (:func:`add_destabilisation_marker`)."""
     fig = go.Figure()
     for i, (col, name) in enumerate((("c_tok", "C_tok"), ("r_amp", "r_amp"), ("h_seg", "H_seg"))):
         s = series(df, col, window)
@@ -216,6 +318,8 @@ def localisation_figure(df: pd.DataFrame, window: bool = False, label: str = "",
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"uniform C_tok reference ({reference:g} %)",
                              line=dict(color="#6b7280", dash="dash", width=1), hoverinfo="skip",
                              meta={"run": label, "reference": reference}))
+    add_noise_shading(fig, noise_steps(df, window))
+    add_destabilisation_marker(fig, destabilised)
     _layout(fig, "Localisation" + (f" · {label}" if label else ""), height=360)
     fig.update_yaxes(title_text="%", rangemode="tozero")
     fig.update_xaxes(title_text="step")

@@ -25,7 +25,7 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 from .alert_rules import TIERS
-from .trackers import PREFIX, CallGuard, check_keys, select_metrics
+from .trackers import PREFIX, CallGuard, check_keys, tracker_metrics
 
 log = logging.getLogger("triage_monitor.wandb")
 _missing_reported = False
@@ -141,7 +141,7 @@ class WandbLogger:
         if not self._defined:
             self._setup(run)
         row = {self.prefix + "step": int(step)}
-        row.update((self.prefix + k, v) for k, v in select_metrics(metrics, self.keys).items())
+        row.update((self.prefix + k, v) for k, v in tracker_metrics(metrics, self.keys).items())
         self._guard("run.log", run.log, row)
 
     def emit(self, alert) -> None:

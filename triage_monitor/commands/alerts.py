@@ -14,6 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--rules", help="rules file (.toml, .yaml); default: the shipped default rules")
     parser.add_argument("--from-csv", dest="from_csv", metavar="CSV",
                         help="replay a metrics history CSV (e.g. a W&B history export) instead of RUN_DIR")
+    parser.add_argument("--reference", metavar="RUN",
+                        help="a reference run of the same job (an on-policy or BF16 control): the verdict places the "
+                             "run's window ρ_asym against its range (docs/alerts.md#a-reference-run)")
     parser.add_argument("--step-column", dest="step_column", default="step",
                         help="step column of the CSV (default: step; 'triage/step' is accepted as 'step')")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
@@ -81,16 +84,25 @@ def run(args: argparse.Namespace) -> int:
               f"noise) held back " + ", ".join(f"{n} on {len(s)} step(s)" for n, s in noise.items()), file=sys.stderr)
     if absent:
         print(f"note: metric(s) absent from the history, their rules never evaluated: {absent}", file=sys.stderr)
-    from ..verdict import health_verdict
+    from ..verdict import reference_of_run, run_verdict
 
-    verdict = health_verdict(frame, engine)
+    reference = None
+    if args.reference:
+        from ..analysis import RunDirError, open_run
+        try:
+            reference = reference_of_run(open_run(args.reference))
+        except (RunDirError, OSError, ValueError) as e:
+            exits.error("alerts", f"--reference: {e}")
+            return exits.INPUT_ERROR
+    verdict = run_verdict(frame if step_col == "step" else frame.rename(columns={step_col: "step"}), engine,
+                          reference=reference)
     out = sys.stdout if args.format == "table" else sys.stderr   # csv / json stay machine-readable
-    waiting = [(n, why) for n, why in verdict.not_evaluable if why.startswith("not evaluable")]
+    waiting = [(n, why) for n, why in verdict.status.not_evaluable if why.startswith("not evaluable")]
     if waiting:
         print(f"{len(waiting)} rule(s) could not evaluate yet over these {len(frame)} step(s):", file=out)
         for n, why in waiting:
             print(f"  {n}: {why}", file=out)
-    print(verdict.line, file=out)
+    print(verdict.text, file=out)
     return exits.FINDING if rows else exits.OK
 
 

@@ -117,10 +117,16 @@ def run(args: argparse.Namespace) -> int:
             live = live[~later]
     exits.report_unreadable("analyze", run)
     verdict = _verdict(live if live is not None and not live.empty else df)
+    saved = _save_verdict(run, verdict, out)
     try:
         return _compare_with_live(console, run, df, live)
     finally:
-        console.print(verdict.line, style=_VERDICT_STYLE[verdict.level], highlight=False)
+        console.print(verdict.lines[0], style=_VERDICT_STYLE[verdict.level], highlight=False, markup=False,
+                      soft_wrap=True)
+        for line in verdict.lines[1:]:
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+        if saved:
+            console.print(f"verdict saved: {saved}", highlight=False, markup=False, soft_wrap=True)
 
 
 #: rich styles of the verdict levels
@@ -129,12 +135,35 @@ _VERDICT_STYLE = {"NO SIGNAL": "dim", "OK": "green", "WATCH": "yellow", "WARNING
 
 
 def _verdict(frame, rules=None):
-    """The run's health verdict (:func:`triage_monitor.verdict.health_verdict`) after replaying ``rules``
-    (default: the shipped ones) over ``frame``."""
-    from ..alerts import replay_engine
-    from ..verdict import health_verdict
+    """The run's verdict (:func:`triage_monitor.verdict.run_verdict`, docs/alerts.md#the-run-verdict) after
+    replaying ``rules`` (default: the shipped ones) over ``frame``."""
+    from ..verdict import verdict_of_steps
 
-    return health_verdict(frame, replay_engine(rules, frame))
+    return verdict_of_steps(frame, rules)
+
+
+def _save_verdict(run, verdict, table_out) -> str:
+    """Store the verdict as JSON beside the table (``analysis/verdict.json`` for the default table, else
+    ``<table>.verdict.json``); returns where, or "" (with a note) when it cannot be written."""
+    import json
+    from pathlib import Path
+
+    from .. import exits
+
+    data = json.dumps(verdict.to_dict(), indent=1, ensure_ascii=False).encode()
+    default = not isinstance(table_out, Path) or table_out == run.layout.root / run.layout.analysis_dir / "metrics.csv"
+    try:
+        if default:
+            rel = f"{run.layout.analysis_dir}/verdict.json"
+            run.store.makedirs(run.layout.analysis_dir)
+            run.store.write_bytes(rel, data)
+            return run.store.display(rel)
+        dest = table_out.with_name(table_out.stem + ".verdict.json")
+        dest.write_bytes(data)
+        return str(dest)
+    except OSError as exc:
+        exits.note("analyze", f"the verdict could not be saved ({exc.strerror or exc})")
+        return ""
 
 
 def _compare_with_live(console, run, df, live) -> int:
