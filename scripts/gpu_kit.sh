@@ -337,7 +337,7 @@ regime_step() {
   local args=(--regime --work "$WORK/regime" --json "$WORK/regime.json" --csv "$WORK/regime.csv")
   if [ "$SMOKE" = 1 ]; then
     args+=(--device cpu --d-model 32 --n-layer 1 --n-head 2 --vocab-tail 10 --response-len 16 --segment-width 8
-           --prompts 2 --group 2 --sft-steps 2 --steps "${KIT_REGIME_STEPS:-3}" --window 2 --lrs 1e-4,1e-3 --jobs 2)
+           --prompts 2 --group 2 --sft-steps 2 --steps "${KIT_REGIME_STEPS:-3}" --window 2 --lrs 1e-3)
   else
     args+=(--device cuda --steps "${KIT_REGIME_STEPS:-50}" --lrs 1e-6,1e-5,1e-4,1e-3)
   fi
