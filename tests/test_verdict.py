@@ -252,3 +252,39 @@ def test_a_reference_runs_band_and_the_verdict_against_it(tmp_path):
            "1.023–1.337; alert thresholds 1.45 WARN, 1.8 ERROR)" in v.lines[-1]
     assert v.status.level == "WATCH" and v.reference["label"] == "ref"
     assert run_verdict(frame, replay_engine(None, frame)).status.level == "OK"
+
+
+# ------------------------------------------------------------------------------------------ 4. diagnostics' cause
+def test_the_degenerate_localisation_notice_names_the_true_cause(tmp_path):
+    """Responses of 64 tokens in 16-token segments (4 segments each): the first steps have an amplifying tail, the later
+    ones a learner within 0.01 nats of the sampler (no token below τ_tail).  The late window's notice must say "no
+    amplifying-tail token" and keep the segment width — not "shorter than one segment", the advice the issue met —
+    while responses shorter than a segment still get that advice."""
+    from triage_monitor.metrics import MetricConfig
+    from triage_monitor.stages import degenerate_causes, degenerate_notice, stage_table
+
+    g = torch.Generator().manual_seed(4)
+    cfg = MonitorConfig(window=4, calibration_steps=3, metrics=MetricConfig(segment_width=16))
+    with MismatchMonitor(tmp_path / "run", cfg) as mon:
+        for step in range(16):
+            s = -torch.rand(8, 64, generator=g) * 3 - 0.05
+            tail = (torch.rand(8, 64, generator=g) < 0.1) * 1.5 if step < 6 else 0.0
+            lp = (s + torch.randn(8, 64, generator=g) * (0.05 if step < 6 else 0.003) - tail).clamp(max=0)
+            mon.log_step(step, TokenBatch.from_padded(lp, s, torch.linspace(-1, 1, 8),
+                                                      torch.ones(8, 64, dtype=torch.bool)))
+    table = stage_table(open_run(tmp_path / "run"), [5, 15], draws=19)
+    assert table["max_segments"].tolist() == [4, 0]
+    assert table["tail_tokens"].iloc[1] == 0 and table["neg_tokens"].iloc[1] == 4 * 4 * 64     # 4 A<0 responses/step
+    assert [(st, c) for st, c, _ in degenerate_causes(table)] == [("step 15", "no_tail")]
+    notice = degenerate_notice(table, 16)
+    assert notice.startswith("No localisation in stage(s) step 15: the window holds no amplifying-tail token (0 of "
+                             "1,024 A<0 tokens below τ_tail = ")
+    assert "not a matter of the segment width" in notice and "shorter than one segment" not in notice
+    # the other causes, as the counts tell them apart
+    rows = pd.DataFrame({"stage": ["a", "b", "c"], "max_segments": [1, 1, 0], "neg_tokens": [100, 100, 0],
+                         "tail_tokens": [5, 5, 0], "neg_pairs": [0, 40, 0], "tau_tail": [-0.5] * 3})
+    assert [c for _, c, _ in degenerate_causes(rows)] == ["short", "short_tails", "no_negative"]
+    text = degenerate_notice(rows, 64)
+    assert "stage(s) a: every A<0 response is shorter than one segment (W = 64 positions)" in text
+    assert "stage(s) b: every A<0 response that holds amplifying-tail tokens fits in one segment" in text
+    assert "stage(s) c: the window holds no A<0 response" in text

@@ -232,9 +232,11 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
         window), the window values of :data:`STAGE_METRICS` under their plain names (ratios as fractions,
         not %), ``c_tok_null_median``, ``c_tok_null_lo``, ``c_tok_null_hi`` (2.5 % / 97.5 % quantiles of
         the null), ``c_tok_excess`` (``c_tok - null median``), ``tau_frozen`` (the row's localisation
-        metrics use the run's one frozen τ_tail) and ``max_segments`` (most segments of one A<0 response
-        holding tail tokens in the window; 1 makes the null degenerate, :func:`degenerate_notice`).  Without token records the null
-        and ``max_segments`` are NaN.
+        metrics use the run's one frozen τ_tail), ``max_segments`` (most segments of one A<0 response
+        holding tail tokens in the window; 0 or 1 makes the null degenerate, :func:`degenerate_notice`), and the
+        window's counts ``neg_tokens`` (valid tokens of A<0 responses), ``tail_tokens`` (amplifying-tail tokens among
+        them) and ``neg_pairs`` (pairs of neighbouring segments in A<0 responses).  Without token records the null,
+        ``max_segments`` and the counts are NaN.
 
     Raises:
         ValueError: no recorded step, an anchor step that was not recorded, or another window asked of a
@@ -275,7 +277,8 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
     costs: list = []                  # a window's null costs O(its tail tokens) per draw
     for label, a in zip(labels, anchors):
         win = [s for s in steps if a - window < s <= a]
-        row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win), "max_segments": math.nan}
+        row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win), "max_segments": math.nan,
+               "neg_tokens": math.nan, "tail_tokens": math.nan, "neg_pairs": math.nan}
         nulls.append(None)
         costs.append(0.0)
         if states is not None:
@@ -283,6 +286,10 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             values = stats.compute().values
             costs[-1] = stats.sum("tail_tokens")
             row.update({name: float(values[name]) for name in STAGE_METRICS})
+            # what the degenerate-localisation notice tells apart: A<0 tokens, tail tokens among them, and pairs of
+            # neighbouring segments in A<0 responses (0: every A<0 response fits in one segment)
+            row.update(neg_tokens=float(stats.sum("neg_valid_tokens")), tail_tokens=float(stats.sum("tail_tokens")),
+                       neg_pairs=float(stats.sum("pairs")))
             row["tau_frozen"] = True
             tau = values["tau_tail"]
             if not math.isnan(tau):
@@ -356,26 +363,85 @@ def max_segments_per_response(layout: TailLayout) -> int:
     return int(counts.max())
 
 
-def degenerate_notice(table: pd.DataFrame, width: int) -> Optional[str]:
-    """Why the stage table's C_tok null and P_adj say nothing, or None (docs/metrics.md#shuffle_null).
+def degenerate_causes(table: pd.DataFrame) -> list:
+    """Why each degenerate anchor window of a :func:`stage_table` has no localisation evidence: ``[(stage, cause,
+    row), ...]`` for the rows whose ``max_segments`` is 0 or 1, cause one of
 
-    When every A<0 response of an anchor window fits in one segment of ``width`` positions
-    (``max_segments <= 1``), the within-response shuffle cannot move a tail token to another segment, so the
-    null equals the observed C_tok (excess 0.00 by construction), and no segment has a predecessor, so P_adj
-    is undefined (NaN).  These values are not evidence of anything; a smaller segment width or longer
-    responses are needed to localise.
+    * ``"no_negative"``: no A<0 response in the window (``neg_tokens`` = 0);
+    * ``"no_tail"``: A<0 responses, but no amplifying-tail token among their tokens (``tail_tokens`` = 0);
+    * ``"short"``: every A<0 response fits in one segment (``neg_pairs`` = 0);
+    * ``"short_tails"``: longer A<0 responses exist, but every one holding tail tokens fits in one segment.
+
+    Without the counts (a run without token records) ``max_segments`` 0 reads ``"no_tail"`` and 1 ``"short_tails"``.
     """
     if "max_segments" not in table.columns:
+        return []
+    out = []
+    for _, row in table.iterrows():
+        m = float(row["max_segments"])
+        if math.isnan(m) or m > 1:
+            continue
+        neg, tail, pairs = (float(row.get(c, math.nan)) for c in ("neg_tokens", "tail_tokens", "neg_pairs"))
+        if neg == 0:
+            cause = "no_negative"
+        elif tail == 0 or (math.isnan(tail) and m == 0):
+            cause = "no_tail"
+        elif pairs == 0:
+            cause = "short"
+        else:
+            cause = "short_tails"
+        out.append((str(row["stage"]), cause, row))
+    return out
+
+
+def degenerate_notice(table: pd.DataFrame, width: int) -> Optional[str]:
+    """Why the stage table's C_tok null and P_adj say nothing, or None (docs/metrics.md#shuffle_null), naming the
+    true cause of each degenerate window (:func:`degenerate_causes`) with the advice that fits it.
+
+    When no A<0 response of an anchor window holds tail tokens in two or more segments (``max_segments`` 0 or 1),
+    the within-response shuffle cannot move a tail token to another segment, so the null equals the observed C_tok
+    (excess 0.00 by construction, or undefined without tail tokens) and P_adj is undefined (NaN).  That happens when
+    the window holds no A<0 response, or no amplifying-tail token (nothing to localise: not a matter of the segment
+    width), or when the A<0 responses that hold tail tokens are shorter than one segment of ``width`` positions (a
+    smaller segment width, or longer responses, are needed).
+    """
+    causes = degenerate_causes(table)
+    if not causes:
         return None
-    m = table["max_segments"].astype(float)
-    rows = table.loc[m.le(1) & m.notna(), "stage"].astype(str).tolist()
-    if not rows:
-        return None
-    which = "every stage" if len(rows) == len(table) else "stage(s) " + ", ".join(rows)
-    return (f"Degenerate localisation in {which}: every A<0 response is shorter than one segment "
-            f"(W = {width} positions), so the shuffle null cannot move a tail token to another segment "
-            "(null = C_tok, excess 0.00 by construction) and no segment has a predecessor (P_adj undefined, "
-            "shown as -). These values say nothing about localisation; use a smaller --segment-width.")
+    parts = []
+    for cause in ("short", "short_tails", "no_tail", "no_negative"):
+        rows = [(st, row) for st, c, row in causes if c == cause]
+        if not rows:
+            continue
+        which = "every stage" if len(rows) == len(table) else "stage(s) " + ", ".join(st for st, _ in rows)
+        if cause == "short":
+            parts.append(f"Degenerate localisation in {which}: every A<0 response is shorter than one segment "
+                         f"(W = {width} positions), so the shuffle null cannot move a tail token to another segment "
+                         "(null = C_tok, excess 0.00 by construction) and no segment has a predecessor (P_adj "
+                         "undefined, shown as -). These values say nothing about localisation; use a smaller segment "
+                         "width (MetricConfig(segment_width=...), the demo's --segment-width) or longer responses.")
+        elif cause == "short_tails":
+            parts.append(f"Degenerate localisation in {which}: every A<0 response that holds amplifying-tail tokens "
+                         f"fits in one segment (W = {width} positions; longer A<0 responses hold none), so the "
+                         "shuffle null cannot move a tail token to another segment (null = C_tok, excess 0.00 by "
+                         "construction). These values say nothing about localisation; a smaller segment width "
+                         "(MetricConfig(segment_width=...), the demo's --segment-width) would.")
+        elif cause == "no_tail":
+            counts = [f"0 of {int(r['neg_tokens']):,} A<0 tokens" for _, r in rows
+                      if not math.isnan(float(r.get("neg_tokens", math.nan)))]
+            tau = float(rows[0][1].get("tau_tail", math.nan))
+            below = f" below τ_tail = {tau:.3g} nats" if math.isfinite(tau) else ""
+            parts.append(f"No localisation in {which}: the window holds no amplifying-tail token"
+                         + (f" ({'; '.join(counts)}{below})" if counts else "") + ", so there is nothing to "
+                         "localise: C_tok, its null and P_adj are undefined there (shown as -). This is not a matter "
+                         "of the segment width (keep it); the learner does not fall below τ_tail on any token of an "
+                         "A<0 response in these steps — compare the δ histogram with τ_tail, which was calibrated on "
+                         "the first steps.")
+        else:
+            parts.append(f"No localisation in {which}: the window holds no A<0 response (every advantage is >= 0), so "
+                         "there is no amplifying tail to localise; check the advantages (a reward with no spread "
+                         "within its groups gives A = 0 everywhere).")
+    return " ".join(parts)
 
 
 def _window_null(run: Run, states, win: list, window_stats, tau: float, cfg, draws: int, seed: int,
