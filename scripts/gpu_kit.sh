@@ -34,6 +34,8 @@
 # (default .whl, skipped when it holds none).  Exit status 0 when the kit ran to its end (each step's own status is
 # in kit.json), 2 on a bad call.
 set -uo pipefail
+CALLER=$(pwd)
+abs() { case "$1" in /*) echo "$1" ;; *) echo "$CALLER/$1" ;; esac; }   # paths given are the caller's
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 SMOKE=0
@@ -45,10 +47,10 @@ for arg in "$@"; do
   esac
 done
 if [ -z "${OUT:-}" ]; then echo "gpu_kit.sh: set OUT to the folder that receives the results" >&2; exit 2; fi
+OUT=$(abs "$OUT")
 mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
-if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
-WORK=${KIT_WORK:-$(mktemp -d /tmp/gpu-kit.XXXXXX)}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; case "$PY" in */*) PY=$(abs "$PY") ;; esac; elif [ -x .venv/bin/python ]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi
+WORK=$(abs "${KIT_WORK:-$(mktemp -d /tmp/gpu-kit.XXXXXX)}")
 mkdir -p "$WORK" || exit 2
 LOG=$WORK/kit.log
 : > "$LOG"
@@ -222,7 +224,7 @@ run_step() {
 }
 
 # ------------------------------------------------------------------ wheels carried with the tree (no registry there)
-WHEELS=${KIT_WHEELS:-$ROOT/.whl}
+WHEELS=$(abs "${KIT_WHEELS:-$ROOT/.whl}")
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "$WHEELS"/*.whl \
       >>"$LOG" 2>&1; then
@@ -318,6 +320,12 @@ bad = [k for k, v in mods.items() if v != "ok"]
 sys.exit(1 if bad or (not cuda and not smoke) else 0)
 PYEOF
 want env && run_step env 90 "$PY" "$WORK/env_step.py" "$SMOKE" "$WORK/env.json"
+# a quantizer that did not compile (or not in time) here would not in the later processes either: they skip trying
+if [ -f "$WORK/env.json" ] && "$PY" -c "import json, sys; q = json.load(open(sys.argv[1])).get('nvfp4_quantizer', '');
+sys.exit(0 if q.startswith(('eager', 'not checked')) else 1)" "$WORK/env.json" 2>/dev/null; then
+  export TRIAGE_NVFP4_COMPILE=0
+  say "the NVFP4 quantizer did not compile in the env step: the later steps use the eager ops (TRIAGE_NVFP4_COMPILE=0)"
+fi
 
 # ------------------------------------------------------------------ (b) the learner overhead, (c) the monitor on CUDA
 if [ "$SMOKE" = 1 ]; then

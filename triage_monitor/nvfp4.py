@@ -414,6 +414,7 @@ def _device_quantizer(device, compile_fn=None):
             _QUANTIZER_STATUS[kind] = "eager torch ops: TRIAGE_NVFP4_COMPILE=0"
             return _native_torch
         try:
+            _e2m1_tables(torch.empty(0, device=device).device)   # built before tracing: the trace only reads them
             if compile_fn is None:
                 _one_compile_worker()
                 compiled = torch.compile(_native_torch, dynamic=True)
