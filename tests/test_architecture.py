@@ -14,7 +14,7 @@ LAYERS = [
     ("manifest", "locks", "blocks", "sink", "records", "timings_writer"),
     ("alert_rules", "references", "outcome", "alerts", "trackers", "wandb_logger", "tensorboard_logger", "mlflow_logger"),
     ("monitor",),
-    ("engines", "analysis", "stages"),
+    ("engines", "analysis", "stages", "evaluation"),
     ("verdict", "views", "report", "dashboards", "importers", "nvfp4", "demo"),
     ("commands", "cli", "__main__"),
 ]

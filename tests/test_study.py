@@ -341,10 +341,11 @@ def test_study_options_do_not_overlap_and_defaults_are_the_demo_job(capsys):
     for bad in (["--seed", "1"], ["--correction", "tis"]):
         with pytest.raises(SystemExit):
             main(["study", "--out", "unused", *bad])
-    # no options: the study's job is DemoConfig's defaults (what `triage-monitor demo` runs), five arms, 3 seeds
+    # no options: the study's job is DemoConfig's defaults (what `triage-monitor demo` runs), six arms, 10 seeds
     cfg, arms, seeds = study_config()
-    assert cfg == DemoConfig() and arms == DEFAULT_ARMS and seeds == (0, 1, 2)
-    assert set(DEFAULT_ARMS) == {"none", "tis", "triage", "fp32-lag", "fp32"} and ARMS["fp32"]["sampler_lag"] == 0
+    assert cfg == DemoConfig() and arms == DEFAULT_ARMS and seeds == tuple(range(10))
+    assert set(DEFAULT_ARMS) == {"none", "none-half-lr", "tis", "triage", "fp32-lag", "fp32"}
+    assert ARMS["fp32"]["sampler_lag"] == 0
     cfg, arms, seeds = study_config(quick=True, steps=7)
     assert (cfg.steps, arms, seeds) == (7, ("none", "fp32"), (0,))
     with pytest.raises(ValueError, match="per arm"):
@@ -396,3 +397,24 @@ def test_pick_pair_prefers_the_failing_arm_and_its_control():
     assert pick_pair(s) == (("none", 1), ("fp32", 1))
     assert pick_pair(s.assign(destabilised_at=None)) == (None, ("fp32", 0))     # nothing failed: the control
     assert pick_pair(s[s["arm"] != "fp32"].assign(destabilised_at=None)) == (None, ("none", 0))
+
+
+def test_fisher_exact_holm_and_the_bootstrap_by_hand():
+    """Fisher's two-sided exact p of known tables (R's fisher.test gives 0.0198 for 7/10 vs 1/10 and 1 for equal
+    counts), Holm's step-down adjustment, and a bootstrap interval that holds the statistic."""
+    from triage_monitor.demo.study import bootstrap_ci, fisher_exact, holm
+    assert fisher_exact(7, 3, 1, 9) == pytest.approx(2 * (1200 + 45) / 125970)      # tables 7,8 and 1,0 of C(20,8)
+    assert fisher_exact(3, 2, 3, 2) == pytest.approx(1.0)
+    assert fisher_exact(0, 5, 5, 0) == pytest.approx(2 / 252)
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    stat, lo, hi = bootstrap_ci([1.0, 2.0, 3.0, 4.0], np.mean)
+    assert stat == 2.5 and 1.0 <= lo <= 2.5 <= hi <= 4.0
+
+
+def test_the_paper_study_arms_half_lr_and_nvfp4():
+    from triage_monitor.demo.study import DEFAULT_SEEDS, arm_config, arm_label
+    base = DemoConfig()
+    assert arm_config("none-half-lr", base).lr == base.lr / 2 and arm_config("none-half-lr", base).correction == "none"
+    nv = arm_config("nvfp4", base, seed=4)
+    assert (nv.sampler_recipe, nv.sampler_lag, nv.correction, nv.seed) == ("nvfp4", 0, "none", 4)
+    assert "lr 0.0005" in arm_label("none-half-lr", base) and len(DEFAULT_SEEDS) >= 10

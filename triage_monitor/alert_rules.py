@@ -14,6 +14,9 @@ docs/metrics.md#steps-and-windows) and tests one condition every step:
 ``excess``      value - baseline > threshold; baseline = median of the value over the
                 first ``baseline_steps`` steps of the run (or given as ``baseline``)
 ``deficit``     baseline - value > threshold
+``drawdown``    (running peak - value) / |running peak| > threshold: the value fell this far
+                below the highest value it had since the rule's first full window
+                (e.g. a trailing reward 20 % below its peak: ``threshold = 0.2``)
 ==============  =========================================================================
 
 The value a rule tests is the metric itself when the metric already is a
@@ -48,7 +51,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-CONDITIONS = ("above", "below", "rising", "falling", "excess", "deficit")
+CONDITIONS = ("above", "below", "rising", "falling", "excess", "deficit", "drawdown")
 LEVELS = ("INFO", "WARN", "ERROR")
 #: What a rule's alert means (docs/alerts.md#tiers): ``mismatch`` — the sampler is this far off-policy or this
 #: imprecise, or the logged gap cannot be trusted (informational: expected on any lagged or low-precision run);
@@ -57,6 +60,9 @@ TIERS = ("mismatch", "collapse")
 AGGS = {"mean": np.nanmean, "sum": np.nansum, "min": np.nanmin, "max": np.nanmax, "last": None}
 WINDOW_PREFIX = "window/"
 DEFAULT_RULES_FILE = "default_alert_rules.toml"
+#: Baseline rules any engineer writes without this toolkit (docs/alerts.md#evaluating-the-alerts): the yardstick of
+#: ``triage-monitor alerts --evaluate``
+BASELINE_RULES_FILE = "baseline_alert_rules.toml"
 #: Mean |δ| (nats) below which direction metrics are float-rounding noise: 1e-4 nats sits ~1000× above a
 #: bit-exact fp32 pipeline (|δ| ~ 1e-8–1e-7) and ~100× below an NVFP4 sampler (|δ| ~ 0.01–0.1); docs/alerts.md#noise-guard
 NOISE_FLOOR_NATS = 1e-4
@@ -242,11 +248,18 @@ def load_rules(path) -> list[Rule]:
     return rules
 
 
+def baseline_rules() -> list[Rule]:
+    """The baseline rules (``triage_monitor/baseline_alert_rules.toml``): a trailing reward below its running peak, a
+    gradient-norm spike, a mean |δ| level; what the shipped rules must beat (docs/alerts.md#evaluating-the-alerts)."""
+    with resources.as_file(resources.files("triage_monitor") / BASELINE_RULES_FILE) as p:
+        return load_rules(p)
+
+
 def default_rules() -> list[Rule]:
     """The shipped defaults (``triage_monitor/default_alert_rules.toml``; justified in docs/alerts.md)."""
     with resources.as_file(resources.files("triage_monitor") / DEFAULT_RULES_FILE) as p:
         return load_rules(p)
 
 
-__all__ = ["Rule", "load_rules", "default_rules", "CONDITIONS", "LEVELS", "TIERS", "AGGS", "WINDOW_PREFIX",
+__all__ = ["Rule", "load_rules", "default_rules", "baseline_rules", "BASELINE_RULES_FILE", "CONDITIONS", "LEVELS", "TIERS", "AGGS", "WINDOW_PREFIX",
            "DEFAULT_RULES_FILE", "NOISE_FLOOR_NATS"]

@@ -46,7 +46,8 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 import numpy as np
 
 # the rules are re-exported: ``from triage_monitor.alerts import Rule, default_rules, load_rules`` keeps working
-from .alert_rules import AGGS, CONDITIONS, LEVELS, NOISE_FLOOR_NATS, TIERS, Rule, default_rules, load_rules  # noqa: F401
+from .alert_rules import (AGGS, CONDITIONS, LEVELS, NOISE_FLOOR_NATS, TIERS, Rule, baseline_rules,  # noqa: F401
+                          default_rules, load_rules)
 
 log = logging.getLogger("triage_monitor.alerts")
 
@@ -190,6 +191,7 @@ class _State:
     active: bool = False
     last_fire: Optional[int] = None
     baseline: Optional[float] = None
+    peak: float = -math.inf
 
 
 def _fmt(x: float) -> str:
@@ -388,6 +390,15 @@ class AlertEngine:
                             r.name, m, r.baseline_steps)
         if not math.isfinite(v):
             return None, math.nan, ""
+        if c == "drawdown":
+            if step < self._steps[0] + r.window - 1:      # a partial first window is no peak
+                return None, math.nan, ""
+            st.peak = max(st.peak, v)
+            if st.peak == 0:
+                return None, math.nan, ""
+            score = (st.peak - v) / abs(st.peak)
+            return score > thr, score, (f"{m} = {_fmt(v)} is {_fmt(score)} below its running peak {_fmt(st.peak)} "
+                                        f"(relative; threshold {_fmt(thr)})")
         if c == "above":
             return v > thr, v, f"{m} = {_fmt(v)} is above {_fmt(thr)}"
         if c == "below":

@@ -1,4 +1,4 @@
-"""A run's outcome from its recorded reward: did it destabilise, and at which step (docs/alerts.md#outcome).
+"""A run's outcome from its recorded reward: did it destabilise, and at which step (docs/alerts.md#evaluating-the-alerts).
 
 One definition serves the study (:mod:`triage_monitor.demo.study`), the alert evaluation
 (``triage-monitor alerts --evaluate``, :mod:`triage_monitor.evaluation`) and the run-level verdict:

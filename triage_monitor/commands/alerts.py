@@ -10,7 +10,9 @@ from typing import Optional, Sequence
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of ``triage-monitor alerts``; returns ``parser``."""
-    parser.add_argument("run_dir", nargs="?", help="run directory (its steps/ table is replayed)")
+    parser.add_argument("run_dir", nargs="*", metavar="RUN_DIR",
+                        help="run directory (its steps/ table is replayed); with --evaluate, any number of run "
+                             "directories and metrics CSV files")
     parser.add_argument("--rules", help="rules file (.toml, .yaml); default: the shipped default rules")
     parser.add_argument("--from-csv", dest="from_csv", metavar="CSV",
                         help="replay a metrics history CSV (e.g. a W&B history export) instead of RUN_DIR")
@@ -20,6 +22,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--step-column", dest="step_column", default="step",
                         help="step column of the CSV (default: step; 'triage/step' is accepted as 'step')")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
+    ev = parser.add_argument_group("evaluating the rules on runs with known outcomes (docs/alerts.md#evaluating-the-alerts)")
+    ev.add_argument("--evaluate", action="store_true",
+                    help="score every rule, tier and rule group against each run's outcome, beside baseline rules: "
+                         "precision, recall, lead, warnings on runs that held")
+    ev.add_argument("--labels", metavar="FILE",
+                    help="outcomes from a CSV/JSON label file (run, failed_at, optional group) instead of the reward")
+    ev.add_argument("--horizon", type=int, default=None,
+                    help="H, steps: a warning counts when the run destabilises within H steps after it "
+                         "(default: 20%% of the median run length)")
+    ev.add_argument("--outcome-fraction", type=float, default=None,
+                    help="destabilised below this fraction of the trailing reward's running peak (default 0.5)")
+    ev.add_argument("--outcome-smooth", type=int, default=None, help="trailing reward mean, steps (default 10)")
+    ev.add_argument("--outcome-stay", type=int, default=None,
+                    help="consecutive steps below the fraction (default 10)")
+    ev.add_argument("--baselines", metavar="FILE",
+                    help="baseline rules file (default: the built-in reward drawdown, gradient-norm spike, |δ| level)")
     return parser
 
 
@@ -37,6 +55,16 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import exits
 
+    if args.evaluate:
+        return _evaluate(args)
+    for name in ("labels", "horizon", "outcome_fraction", "outcome_smooth", "outcome_stay", "baselines"):
+        if getattr(args, name) is not None:
+            exits.error("alerts", f"--{name.replace('_', '-')} is an option of --evaluate")
+            return exits.INPUT_ERROR
+    if len(args.run_dir) > 1:
+        exits.error("alerts", f"one RUN_DIR at a time without --evaluate (got {len(args.run_dir)})")
+        return exits.INPUT_ERROR
+    args.run_dir = args.run_dir[0] if args.run_dir else None
     if args.run_dir and args.from_csv:
         exits.error("alerts", f"give RUN_DIR or --from-csv CSV, not both (got {args.run_dir} and {args.from_csv})")
         return exits.INPUT_ERROR
@@ -104,6 +132,86 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {n}: {why}", file=out)
     print(verdict.text, file=out)
     return exits.FINDING if rows else exits.OK
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    """``alerts --evaluate RUN ...``: the evaluation table (docs/alerts.md#evaluating-the-alerts); exit 0, 2 on bad
+    input, 3 on an unreadable input."""
+    import json
+
+    from .. import exits
+    from ..alerts import baseline_rules, default_rules, load_rules
+    from ..evaluation import evaluate, load_run, read_labels
+    from ..outcome import OutcomeDefinition
+
+    paths = list(args.run_dir) + ([args.from_csv] if args.from_csv else [])
+    try:
+        if not paths:
+            raise ValueError("--evaluate needs at least one run directory or metrics CSV")
+        given = {k: v for k, v in (("fraction", args.outcome_fraction), ("smooth", args.outcome_smooth),
+                                   ("stay", args.outcome_stay)) if v is not None}
+        definition = OutcomeDefinition(**given)
+        if args.horizon is not None and args.horizon < 0:
+            raise ValueError(f"--horizon must be >= 0 steps, got {args.horizon}")
+        rules = load_rules(args.rules) if args.rules else default_rules()
+        baselines = load_rules(args.baselines) if args.baselines else baseline_rules()
+        labels = read_labels(args.labels) if args.labels else None
+        runs = []
+        for i, p in enumerate(paths, start=1):
+            runs.append(load_run(p, labels, definition, step_column=args.step_column))
+            if args.format == "table" and len(paths) > 20 and i % 20 == 0:
+                print(f"read {i}/{len(paths)} runs", file=sys.stderr)
+        table = evaluate(runs, rules, baselines, args.horizon)
+    except PermissionError as e:
+        exits.error("alerts", e)
+        return exits.OUTPUT_ERROR
+    except (OSError, ValueError, ImportError) as e:
+        exits.error("alerts", e)
+        return exits.INPUT_ERROR
+    horizon = table.attrs["horizon"]
+    unknown = [r.name for r in runs if not r.outcome_known]
+    outcomes = [{"run": r.name, "group": r.group, "steps": r.n_steps, "destabilised_at": r.destabilised_at,
+                 "outcome_known": r.outcome_known} for r in runs]
+    if args.format == "json":
+        print(json.dumps({"horizon": horizon, "definition": definition.describe(), "runs": outcomes,
+                          "detectors": table.to_dict("records")}, indent=1, default=float))
+    elif args.format == "csv":
+        table.to_csv(sys.stdout, index=False)
+    else:
+        _print_evaluation(table, runs, horizon, definition.describe())
+    if unknown:
+        print(f"note: {len(unknown)} run(s) without a recorded reward or label were not scored: "
+              f"{', '.join(unknown[:10])}{' …' if len(unknown) > 10 else ''}", file=sys.stderr)
+    return exits.OK
+
+
+def _print_evaluation(table, runs, horizon: int, definition: str) -> None:
+    import math
+
+    from rich.console import Console
+    from rich.table import Table
+
+    known = [r for r in runs if r.outcome_known]
+    failed = [r for r in known if r.destabilised_at is not None]
+    groups = sorted({r.group for r in known})
+    con = Console(width=200)
+    con.print(f"{len(runs)} run(s): {len(failed)} destabilised, {len(known) - len(failed)} held"
+              f"{f', {len(runs) - len(known)} without an outcome' if len(runs) > len(known) else ''}; {definition}; "
+              f"a warning counts when the run destabilises within H = {horizon} steps after it.", highlight=False)
+
+    def f(x, pct=False):
+        return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else (f"{x:.0%}" if pct else f"{x:g}")
+
+    t = Table(title="alert rules against the runs' outcomes (precision, recall: destabilises within H steps)")
+    for c in ("kind", "detector", "tier", "warned", "precision", "recall", "lead median (min–max)", "late",
+              *[f"held {g} warned" for g in groups]):
+        t.add_column(c, overflow="fold")
+    for _, r in table.iterrows():
+        lead = "—" if math.isnan(r["lead_median"]) else f"{r['lead_median']:g} ({r['lead_min']:g}–{r['lead_max']:g})"
+        t.add_row(r["kind"], r["name"], r["tier"], f"{r['warned']}/{r['runs']}", f(r["precision"], True),
+                  f"{f(r['recall'], True)} ({r['timely']}/{r['failed']})", lead, str(r["late"]),
+                  *[f"{r[f'held_warned_{g}']}/{r[f'held_{g}']}" for g in groups])
+    con.print(t)
 
 
 def _print_alert_table(rows: list, n_steps: int, n_rules: int) -> None:

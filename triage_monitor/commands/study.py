@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel, one process each (default: 1)")
     parser.add_argument("--rejudge", action="store_true",
                         help="run nothing: judge the run directories already in OUT/runs again and rewrite the report")
+    parser.add_argument("--population", action="store_true",
+                        help="the alert-evaluation population instead of the study: fp32 and NVFP4 on-policy, NVFP4 2/4/8 "
+                             "updates stale with none/TIS/TRIAGE, two learning rates, calibration and held-out seeds "
+                             "(docs/alerts.md#evaluating-the-alerts; resumable: finished runs are kept)")
     parser.add_argument("--quick", action="store_true",
                         help=f"the short version (`make demo`): arms {','.join(QUICK['arms'])}, seed "
                              f"{QUICK['seeds'][0]}, unless --arms / --seeds are given")
@@ -52,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
         if args.rejudge:
             rejudge(cfg, args.out)
+            return 0
+        if args.population:
+            from ..demo.population import run_population
+
+            run_population(cfg, args.out, jobs=args.jobs, seeds=seeds if args.seeds else None)
             return 0
         run_study(cfg, args.out, arms=arms, seeds=seeds, jobs=args.jobs, resume=args.resume, force=args.force)
     except ValueError as exc:

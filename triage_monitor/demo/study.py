@@ -45,32 +45,40 @@ import math
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 
-from ..alerts import NOISE_FLOOR_NATS, default_rules, replay_engine
+from ..alerts import NOISE_FLOOR_NATS, TIERS, default_rules, replay_engine
 from ..layout import MANIFEST
 from ..outcome import COLLAPSE_FRACTION, MIN_STAY, SMOOTH_STEPS, destabilisation_step, trailing_mean  # noqa: F401
 from ..timings import DEFAULT_K, LABELS, PHASES, compare_cycles, cycle_summary, figures
 from .grpo import DemoConfig
 
 #: Arms: overrides of the base configuration (the base's ``sampler_lag`` is the study's staleness).
-ARMS = {
+ARMS: dict[str, dict[str, Any]] = {
     "none": dict(correction="none"),
+    "none-half-lr": dict(correction="none", lr_factor=0.5),
     "tis": dict(correction="tis"),
     "triage": dict(correction="triage"),
     "fp32-lag": dict(sampler_recipe="fp32", correction="none"),
     "fp32": dict(sampler_recipe="fp32", correction="none", sampler_lag=0),
+    "nvfp4": dict(correction="none", sampler_lag=0),
     "none-mlp": dict(correction="none", quantize="mlp"),
 }
 #: The study's arms when ``--arms`` is not given.
-DEFAULT_ARMS = ("none", "tis", "triage", "fp32-lag", "fp32")
+DEFAULT_ARMS = ("none", "none-half-lr", "tis", "triage", "fp32-lag", "fp32")
+#: The study's seeds when ``--seeds`` is not given (a paper-sized study: a 5-seed study's counts are not significant).
+DEFAULT_SEEDS = tuple(range(10))
+#: The corrected arm and the baseline it is judged against (an asynchronous trainer's fair baseline is TIS, not
+#: plain PPO), and the comparisons whose exact tests the findings report (Holm-corrected together).
+TREATMENT_ARM, BASELINE_ARM = "triage", "tis"
+COMPARISONS = (("triage", "tis"), ("triage", "none"), ("tis", "none"), ("none", "none-half-lr"))
 #: The arm expected to fail, and the on-policy control.
 FAILING_ARM, CONTROL_ARM = "none", "fp32"
-ARM_COLORS = {"none": "#dc2626", "tis": "#d97706", "triage": "#2563eb", "fp32-lag": "#7c3aed", "fp32": "#6b7280",
-              "none-mlp": "#059669"}
+ARM_COLORS = {"none": "#dc2626", "none-half-lr": "#f87171", "tis": "#d97706", "triage": "#2563eb",
+              "fp32-lag": "#7c3aed", "fp32": "#6b7280", "nvfp4": "#0891b2", "none-mlp": "#059669"}
 #: The study's fields that arms set (not options of ``study``: they would overlap ``--arms`` / ``--seeds``).
 PER_ARM_FIELDS = ("seed", "correction", "sampler_recipe")
 
@@ -102,14 +110,26 @@ LEAD_GOAL = 0.2
 MIN_SEEDS = 3
 
 
+def arm_config(arm: str, base: DemoConfig, seed: Optional[int] = None) -> DemoConfig:
+    """``base`` with the overrides of ``arm`` (an ``lr_factor`` scales the base's learning rate) and ``seed``."""
+    ov = dict(ARMS[arm])
+    factor = ov.pop("lr_factor", None)
+    if factor is not None:
+        ov["lr"] = base.lr * factor
+    if seed is not None:
+        ov["seed"] = int(seed)
+    return replace(base, **ov)
+
+
 def arm_label(arm: str, base: DemoConfig) -> str:
     """A short description of an arm under ``base`` (e.g. ``NVFP4 sampler 8 stale · TIS``)."""
-    cfg = replace(base, **ARMS[arm])
+    cfg = arm_config(arm, base)
     num = "fp32" if cfg.sampler_recipe == "fp32" else ("NVFP4 (MLP)" if cfg.quantize == "mlp" else "NVFP4")
     lag = f" {cfg.sampler_lag} stale" if cfg.sampler_lag else " on-policy"
     corr = {"none": "no correction", "tis": "TIS", "triage": "TRIAGE"}[cfg.correction]
     tail = " (control)" if arm == CONTROL_ARM else ""
-    return f"{num} sampler{lag} · {corr}{tail}"
+    lr = f" · lr {cfg.lr:g}" if cfg.lr != base.lr else ""
+    return f"{num} sampler{lag} · {corr}{lr}{tail}"
 
 
 # ------------------------------------------------------------------------------ judging one run
@@ -247,6 +267,8 @@ def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[p
     finally:
         quiet.setLevel(level)
     groups = {r.name: r.group for r in eng.rules}
+    tiers = {r.name: r.tier for r in eng.rules}
+    every = [(int(a.step), a.rule) for a in eng.fired]
     replayed = [(int(a.step), a.rule) for a in eng.fired if groups.get(a.rule) in WARNING_GROUPS]
     if live_alerts is not None and len(live_alerts):
         live = sorted((int(s), str(r)) for s, r in zip(live_alerts["step"], live_alerts["rule"])
@@ -284,6 +306,11 @@ def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[p
         "first_alert": first[0] if first else None, "first_alert_rule": first[1] if first else None,
         "lead_steps": lead, "lead_frac": (lead / n) if lead is not None else None, "n_alerts": len(warn),
         **{f"first_{g}_alert": next((st for st, r in warn if groups.get(r) == g), None) for g in WARNING_GROUPS},
+        **{f"first_{t}_alert": next((st for st, r in every if tiers.get(r) == t), None) for t in TIERS},
+        **{f"first_{t}_rule": next((r for st, r in every if tiers.get(r) == t), None) for t in TIERS},
+        "collapse_lead_steps": (destab - next(st for st, r in every if tiers.get(r) == "collapse"))
+        if destab is not None and any(tiers.get(r) == "collapse" for _, r in every) else None,
+        "reward_auc": fin(np.nanmean(m)) if np.isfinite(m).any() else math.nan,
         "alerts": warn, "alerts_source": "live" if live is not None else "replay",
         "live_equals_replay": (live == sorted(replayed)) if live is not None else None,   # the same (step, rule) set
         "noise_level_steps": len(noise),
@@ -371,11 +398,11 @@ def plan_study(base: DemoConfig, out, arms: Sequence[str], seeds: Sequence[int])
     if not seeds:
         raise ValueError("study: give at least one seed")
     out = Path(out)
-    return {(arm, int(seed)): (replace(base, seed=int(seed), **ARMS[arm]), out / "runs" / f"{arm}-s{seed}")
+    return {(arm, int(seed)): (arm_config(arm, base, seed), out / "runs" / f"{arm}-s{seed}")
             for arm in arms for seed in seeds}
 
 
-def run_study(base: DemoConfig, out, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequence[int] = (0, 1, 2),
+def run_study(base: DemoConfig, out, arms: Sequence[str] = DEFAULT_ARMS, seeds: Sequence[int] = DEFAULT_SEEDS,
               jobs: int = 1, console=None, progress: bool = True, resume: bool = False,
               force: bool = False) -> pd.DataFrame:
     """Run every (arm, seed), judge each run and write the comparison report into ``out``.
@@ -527,6 +554,69 @@ def summarize(frames: dict, attrs: dict, window: int, out: Optional[Path] = None
         drop=True)
 
 
+def fisher_exact(a: int, b: int, c: int, d: int) -> float:
+    """Two-sided p-value of Fisher's exact test of the 2×2 table ``[[a, b], [c, d]]`` (e.g. destabilised / held of
+    two arms): the sum of the hypergeometric probabilities of every table with the same margins that is no more
+    likely than the observed one (a relative tolerance of 1e-7, as R and SciPy use)."""
+    n1, n2, k = a + b, c + d, a + c
+    total = math.comb(n1 + n2, k)
+
+    def prob(x):
+        return math.comb(n1, x) * math.comb(n2, k - x) / total
+
+    p0 = prob(a)
+    lo, hi = max(0, k - n2), min(k, n1)
+    return min(1.0, sum(p for p in (prob(x) for x in range(lo, hi + 1)) if p <= p0 * (1 + 1e-7)))
+
+
+def holm(pvalues: Sequence[float]) -> list:
+    """Holm–Bonferroni adjusted p-values (same order as given)."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    out, running = [0.0] * len(pvalues), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def bootstrap_ci(values, stat: Callable = np.median, n: int = 2000, seed: int = 0) -> tuple:
+    """``(statistic, low, high)``: ``stat`` of ``values`` (``(k,)`` floats, NaN dropped) with a 95 % percentile
+    bootstrap interval over ``n`` resamples (NaN for fewer than 2 values)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size < 2:
+        return (float(stat(v)) if v.size else math.nan), math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    boots = [stat(v[rng.integers(0, v.size, v.size)]) for _ in range(n)]
+    lo, hi = np.percentile(boots, [2.5, 97.5])
+    return float(stat(v)), float(lo), float(hi)
+
+
+def comparisons(summary: pd.DataFrame) -> pd.DataFrame:
+    """The study's pre-stated comparisons (:data:`COMPARISONS`) present in ``summary``: destabilised counts, Fisher's
+    exact p-value, the Holm-adjusted p over the comparisons made, and the difference of the mean final trailing
+    reward (first arm − second) with a 95 % bootstrap interval."""
+    rows = []
+    for a, b in COMPARISONS:
+        ga, gb = summary[summary["arm"] == a], summary[summary["arm"] == b]
+        if not len(ga) or not len(gb):
+            continue
+        da, db = int(ga["destabilised_at"].notna().sum()), int(gb["destabilised_at"].notna().sum())
+        p = fisher_exact(da, len(ga) - da, db, len(gb) - db)
+        la, lb = ga["reward_last"].to_numpy(float), gb["reward_last"].to_numpy(float)
+        rng = np.random.default_rng(0)
+        diffs = [np.nanmean(rng.choice(la, la.size)) - np.nanmean(rng.choice(lb, lb.size)) for _ in range(2000)]
+        lo, hi = np.percentile(diffs, [2.5, 97.5])
+        rows.append({"a": a, "b": b, "destabilised_a": da, "seeds_a": len(ga), "destabilised_b": db,
+                     "seeds_b": len(gb), "p_fisher": p, "reward_last_diff": float(np.nanmean(la) - np.nanmean(lb)),
+                     "reward_last_diff_low": float(lo), "reward_last_diff_high": float(hi)})
+    table = pd.DataFrame(rows)
+    if len(table):
+        table["p_holm"] = holm(list(table["p_fisher"]))
+        table.attrs["comparisons"] = len(table)
+    return table
+
+
 def arm_table(summary: pd.DataFrame) -> pd.DataFrame:
     """One row per arm: seeds, destabilised / blown-up counts, steps to destabilise (median, min–max),
     trailing reward minimum (median, min–max), early warnings (runs warned, median lead, runs with a lead of
@@ -545,6 +635,8 @@ def arm_table(summary: pd.DataFrame) -> pd.DataFrame:
             "reward_min_median": float(g["reward_min"].median()),
             "reward_min_range": f"{g['reward_min'].min():.2f}–{g['reward_min'].max():.2f}",
             "reward_last_median": float(g["reward_last"].median()),
+            **{f"{k}_{part}": v for k in ("reward_auc", "reward_last", "reward_min") if k in g
+               for part, v in zip(("mean", "low", "high"), bootstrap_ci(g[k], np.mean))},
             "grad_norm_max_median": float(g["grad_norm_max"].median()),
             "follow_mean": float(g["follow"].mean()),
             "warned": int(g["first_alert"].notna().sum()),
@@ -559,7 +651,7 @@ def arm_table(summary: pd.DataFrame) -> pd.DataFrame:
 # ------------------------------------------------------------------------------ report
 def mechanism_sentence(base: DemoConfig) -> str:
     """The plain sentence on the mismatch of the study's failing arm (its :meth:`DemoConfig.mechanism`)."""
-    return replace(base, **ARMS[FAILING_ARM]).mechanism()
+    return arm_config(FAILING_ARM, base).mechanism()
 
 
 def _ratio(n: int, d: int) -> str:
@@ -615,6 +707,29 @@ def verdict(summary: pd.DataFrame, base: Optional[DemoConfig] = None) -> list[st
         early = int((g["first_direction_alert"] < g["destabilised_at"]).sum()) if "first_direction_alert" in g else 0
         lines.append(f"Direction rules alone (ρ_asym) on {FAILING_ARM}: before destabilising on {early}/{len(g)} "
                      f"destabilised run(s).")
+    comp = comparisons(summary)
+    if len(comp):
+        parts = [f"{r['a']} {r['destabilised_a']}/{r['seeds_a']} vs {r['b']} {r['destabilised_b']}/{r['seeds_b']}: "
+                 f"p = {r['p_fisher']:.3g} (Holm {r['p_holm']:.3g}); final reward {r['reward_last_diff']:+.3f} "
+                 f"[{r['reward_last_diff_low']:+.3f}, {r['reward_last_diff_high']:+.3f}]" for _, r in comp.iterrows()]
+        lines.append(f"Exact tests of the destabilised counts (Fisher, two-sided; {len(comp)} comparison(s), Holm-"
+                     f"corrected; the corrections are judged against {BASELINE_ARM.upper()}, the fair baseline of an "
+                     f"asynchronous trainer): " + "; ".join(parts) + ".")
+    learn = []
+    for arm, g in summary.groupby("arm", sort=False):
+        up = int((g["reward_last"] > g["reward_first"]).sum())
+        learn.append(f"{arm} {up}/{len(g)}")
+    lines.append("Runs that end above their starting trailing reward (does the arm learn?): " + ", ".join(learn) + ".")
+    if "first_mismatch_alert" in summary:
+        for _, r in summary.iterrows() if len(summary) <= 4 else []:
+            mm, cl = r.get("first_mismatch_alert"), r.get("first_collapse_alert")
+            said = (f"{r['arm']} s{r['seed']}: mismatch tier first at step {mm:.0f} ({r['first_mismatch_rule']})"
+                    if mm is not None and not pd.isna(mm) else f"{r['arm']} s{r['seed']}: no mismatch-tier alert")
+            said += (f"; collapse tier first at step {cl:.0f} ({r['first_collapse_rule']})" if cl is not None
+                     and not pd.isna(cl) else "; no collapse-tier alert")
+            dst = r["destabilised_at"]
+            said += (f"; destabilised at step {dst:.0f}" if dst is not None and not pd.isna(dst) else "; held") + "."
+            lines.append(said)
     for name, sel in (("the on-policy control", summary["arm"] == CONTROL_ARM),
                       ("the other arms", summary["arm"] != CONTROL_ARM)):
         held = summary[sel & summary["destabilised_at"].isna()]
@@ -949,5 +1064,5 @@ def study_config(preset: Optional[str] = None, quick: bool = False, **given) -> 
     p = PRESETS.get(preset, {})
     cfg = DemoConfig(**{**p.get("config", {}), **{k: v for k, v in given.items() if k in names}})
     arms = tuple(QUICK["arms"] if quick else p.get("arms", DEFAULT_ARMS))
-    seeds = tuple(QUICK["seeds"] if quick else p.get("seeds", (0, 1, 2)))
+    seeds = tuple(QUICK["seeds"] if quick else p.get("seeds", DEFAULT_SEEDS))
     return cfg, arms, seeds
