@@ -214,19 +214,19 @@ def test_kit_smoke_runs_every_step_without_what_the_gpu_machine_lacks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_step_cut_short_at_the_kits_limit_still_returns_what_it_has(tmp_path):
-    # the regime step alone, asked for 100,000 steps under a 35-second kit: its processes are stopped at the
+    # the regime step alone, asked for 100,000 steps under a 45-second kit: its processes are stopped at the
     # deadline (whatever this machine's speed, they cannot finish), and the kit still ends with its summary
     env = gpu_like_env(tmp_path)
     out = tmp_path / "out"
     env.update(OUT=str(out), KIT_WORK=str(tmp_path / "work"), KIT_WHEELS=str(tmp_path / "no-wheels"),
-               KIT_STEPS="regime", KIT_SECONDS="35", KIT_REGIME_STEPS="100000")
+               KIT_STEPS="regime", KIT_SECONDS="45", KIT_REGIME_STEPS="100000")
     proc = subprocess.run(["bash", str(KIT), "--smoke"], env=env, cwd=tmp_path, capture_output=True, text=True)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said[-4000:]
     kit = json.loads((out / "kit.json").read_text())
     assert kit["finished"] and list(kit["steps"]) == ["regime"] and kit["out_check"]["ok"], said[-4000:]
     step = kit["steps"]["regime"]
-    assert step["status"].startswith("cut short") and step["budget_s"] <= 20, step
+    assert step["status"].startswith("cut short") and step["budget_s"] <= 30, step
     assert set(step["figures"]["status"].values()) <= {"stopped at the deadline", "not started (deadline)"}
     assert all(r["steps"] < 100000 for r in step["figures"]["summary"])
     assert out_problems(out) == [] and (out / "kit.log").exists()
