@@ -251,6 +251,9 @@ for name in ("torch", "triton", "numpy", "pandas", "pyarrow", "numba", "rich", "
         version = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         version = None
+    if name in ("triton", "transformers"):           # the package does not use them: the version is enough
+        pkgs[name] = {"version": version}
+        continue
     try:
         importlib.import_module(name)
         importable = True
