@@ -20,6 +20,7 @@ empty run or a run being written gives a message in the page, never a traceback.
 
 from __future__ import annotations
 
+import html
 import math
 import os
 import sys
@@ -112,12 +113,51 @@ def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tup
 
 
 # ----------------------------------------------------------------------------- helpers
+def _script_args() -> list:
+    """The arguments after ``--`` of ``streamlit run app.py`` (sys.argv), or [] when the page runs otherwise."""
+    return list(sys.argv[1:]) if Path(sys.argv[0]).name == "app.py" else []
+
+
 def _initial_runs() -> list:
-    """Run paths given after ``--`` to ``streamlit run app.py`` (sys.argv), else ``$TRIAGE_MONITOR_RUNS``."""
-    args = [a for a in sys.argv[1:] if not a.startswith("-")] if Path(sys.argv[0]).name == "app.py" else []
+    """Run paths given after ``--`` to ``streamlit run app.py`` (sys.argv; the value of ``--reference`` is not one),
+    else ``$TRIAGE_MONITOR_RUNS``."""
+    argv, args, skip = _script_args(), [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--reference":
+            skip = True
+        elif not a.startswith("-"):
+            args.append(a)
     if not args and os.environ.get("TRIAGE_MONITOR_RUNS"):
         args = _split_runs(os.environ["TRIAGE_MONITOR_RUNS"])
     return args
+
+
+def _initial_reference() -> str:
+    """The reference run given as ``--reference RUN`` (or ``--reference=RUN``) after ``--``, else
+    ``$TRIAGE_MONITOR_REFERENCE``, else ""."""
+    argv = _script_args()
+    for i, a in enumerate(argv):
+        if a == "--reference" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--reference="):
+            return a.split("=", 1)[1]
+    return os.environ.get("TRIAGE_MONITOR_REFERENCE", "")
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def load_verdict(path: str, sig: tuple, ref_path: str, ref_sig: tuple) -> dict:
+    """The run verdict of ``path`` (:func:`triage_monitor.verdict.verdict_of_steps` on its live steps, the shipped
+    rules replayed), against the reference run ``ref_path`` when given; as its JSON dict."""
+    from triage_monitor.verdict import reference_of_run, verdict_of_steps
+
+    band = reference_of_run(open_run(ref_path)) if ref_path else None
+    v = verdict_of_steps(load_run(path, sig)[1], reference=band)
+    out = v.to_dict()
+    out["band"] = None if band is None else {"label": band.label, "lo": band.lo, "hi": band.hi, "windows": band.windows,
+                                             "noise": band.noise, "note": band.note}
+    return out
 
 
 def _split_runs(text: str) -> list:
@@ -153,6 +193,14 @@ st.markdown("""<style>
 div.block-container {padding-top: 2.2rem; padding-bottom: 2rem;}
 div[data-testid="stMetricValue"] {font-size: 1.45rem;}
 h2 {margin-top: 0.8rem;}
+div.triage-verdict {border-radius: 6px; padding: 10px 14px; margin: 4px 0 10px; font-size: 0.92rem;
+border: 1px solid #d1d5db; background: #f3f4f6; color: #111827;}
+div.triage-verdict b {font-size: 0.98rem;}
+div.triage-verdict div.rest {white-space: pre-wrap; margin-top: 6px; font-size: 0.85rem;}
+div.triage-verdict.ok {background: #ecfdf5; border-color: #10b981; color: #065f46;}
+div.triage-verdict.watch {background: #fffbeb; border-color: #f59e0b; color: #78350f;}
+div.triage-verdict.warning {background: #fff7ed; border-color: #ea580c; color: #7c2d12;}
+div.triage-verdict.critical {background: #fef2f2; border-color: #dc2626; color: #7f1d1d;}
 </style>""", unsafe_allow_html=True)
 
 with st.sidebar:
@@ -190,6 +238,10 @@ with st.sidebar:
     primary = st.selectbox("Run to inspect", list(runs), format_func=labels.get, key="primary")
     overlay = st.multiselect("Overlay in time series", list(runs), default=list(runs), format_func=labels.get,
                              key="overlay")
+    reference_path = st.text_input("Reference run (its ρ_asym range is the healthy band)", _initial_reference(),
+                                   key="reference", help="An on-policy or BF16 control of the same job "
+                                                         "(docs/alerts.md#a-reference-run); empty: the published "
+                                                         "band only.").strip()
     st.header("View")
     view = st.radio("Values", ["per step", "trailing window"], index=1, horizontal=True, key="view")
     manifest, steps, alerts, _ = runs[primary]
@@ -207,6 +259,28 @@ sig = sigs[primary]
 snap = snapshot_steps(primary)
 ov = views.run_overview(open_run(primary), steps, alerts)
 status = ov["status"]
+reference = None                  # (path, label, live steps) of the reference run
+if reference_path:
+    try:
+        ref_sig = _signature(reference_path)
+        _, ref_steps, _, _ = load_run(reference_path, ref_sig)
+        ref_label = labels.get(reference_path) or Path(reference_path).name or reference_path
+        if ref_label in [labels[p_] for p_ in runs if p_ != reference_path]:
+            ref_label = f"{ref_label} (reference)"
+        reference = (reference_path, ref_label, ref_steps, ref_sig)
+    except RunDirError as exc:
+        st.error(f"Reference run: {exc}")
+    except Exception as exc:  # an unreadable reference: say so, never a traceback
+        st.error(f"Reference run {reference_path}: could not be read ({type(exc).__name__}: {exc})")
+verdict = None
+if not steps.empty:
+    verdict = load_verdict(primary, sig, reference[0] if reference else "", reference[3] if reference else ())
+    level = verdict["level"].lower().replace(" ", "-")
+    rest = "\n".join(line.strip() for line in verdict["lines"][1:])
+    # the verdict's text is ours (rule names, numbers), escaped all the same
+    st.markdown(f'<div class="triage-verdict {level}" id="triage-verdict" data-level="{verdict["level"]}">'
+                f'<b>{html.escape(verdict["lines"][0])}</b><div class="rest">{html.escape(rest)}</div></div>',
+                unsafe_allow_html=True)
 # run.json strings are the run writer's input, not the page's: plain text, never Markdown (a crafted manifest
 # would otherwise show links and load remote images)
 st.text(f"{ov['path']} · triage-monitor {ov.get('tool_version') or '?'} · created {ov.get('created') or '?'}")
@@ -278,16 +352,37 @@ def metrics_of(path: str) -> pd.DataFrame:
     return live
 
 
-frames = {labels[p]: metrics_of(p) for p in (overlay or [primary])}
-alert_frames = {labels[p]: runs[p][2] for p in (overlay or [primary])}
+shown_runs = [primary] + [p for p in (overlay or []) if p != primary]     # the inspected run first: it is red
+ref_label = None
+if reference is not None and reference[0] in runs:
+    ref_label = labels[reference[0]]
+    shown_runs = [p for p in shown_runs if p != reference[0]] + [reference[0]]
+frames = {labels[p]: metrics_of(p) for p in shown_runs}
+alert_frames = {labels[p]: runs[p][2] for p in shown_runs}
+if reference is not None and ref_label is None:
+    ref_label = reference[1]
+    frames[ref_label], alert_frames[ref_label] = reference[2], None
+band = None
+if verdict is not None and verdict.get("band"):
+    from triage_monitor.verdict import ReferenceBand
+
+    band = ReferenceBand(**verdict["band"])
+destabilised = verdict["outcome"]["step"] if verdict is not None else None
 st.header("Time series")
+roles = views.run_roles(list(frames), ref_label)
+legend = " · ".join(f"{label}: {role} ({'red' if c == views.INSPECTED_COLOR else 'grey' if c == views.REFERENCE_COLOR else 'colour in the legend'})"
+                    for label, (role, c) in roles.items())
 st.caption(("Pooled trailing-window values (raw sums of the window, docs/metrics.md#steps-and-windows)" if window else "Per-step values")
-           + (f" · overlay of {len(frames)} runs" if len(frames) > 1 else "") + " · alerts as ▼ markers")
+           + f" · {legend}" + " · alerts as ▼ markers"
+           + (f" · dash-dot line: destabilised at step {destabilised}" if destabilised is not None else "")
+           + " · grey shading: steps at noise level · the study draws its failing arm in the same red, its control "
+             "in the same grey")
 # each figure is sent as soon as it is built (the first chart reaches the browser before the others are
 # computed); panels without data are skipped and the two-column grid stays compact
 cols, slot = None, 0
 for p in views.PANELS:
-    f = views.timeseries_figure(frames, p, window, window_steps, alert_frames)
+    f = views.timeseries_figure(frames, p, window, window_steps, alert_frames, reference=ref_label, band=band,
+                                destabilised=destabilised)
     if f is None:
         continue
     if slot == 0:
@@ -299,12 +394,12 @@ for p in views.PANELS:
 primary_frame = frames.get(labels[primary], metrics_of(primary))
 cols = st.columns(2)
 with cols[0]:
-    _chart(views.quadrant_figure(primary_frame, window, labels[primary]), "quadrants")
+    _chart(views.quadrant_figure(primary_frame, window, labels[primary], destabilised=destabilised), "quadrants")
 with cols[1]:
     # localisation depends on tau_tail: drawn with the run's frozen value for every step, the first ones included
     with st.spinner("localisation metrics with the frozen tau_tail…"):
         loc_frame, loc_unreadable = load_postmortem(primary, window_steps, sig, snap)
-    _chart(views.localisation_figure(loc_frame, window, labels[primary]), "localisation")
+    _chart(views.localisation_figure(loc_frame, window, labels[primary], destabilised=destabilised), "localisation")
 _show_unreadable(loc_unreadable)
 
 # ------------------------------------------------------------------ step time and the full cycle
@@ -332,11 +427,12 @@ else:
             "; on an accelerator the phases' shares differ (NVFP4 emulated on a CPU is slower than full precision)."
             if device.startswith("cpu") else "."))
     st.markdown("\n".join(f"- {line}" for line in summ.lines()[1:]))
-    _chart(views.cycle_figure(cycle, cycle_k, labels[primary], device), "cycle")
+    _chart(views.cycle_figure(cycle, cycle_k, labels[primary], device, destabilised), "cycle")
     others = [p_ for p_ in runs if p_ != primary]
     if others:
-        other = st.selectbox("Compare with (a low-precision run of the same job; the run inspected is the baseline)",
-                             others, format_func=labels.get, key="cycle_other")
+        other = st.selectbox(f"Compare {labels[primary]} (the run inspected: the baseline) with another run of the "
+                             "same job; a speedup is the baseline's time ÷ the other's", others,
+                             format_func=labels.get, key="cycle_other")
         other_steps = runs[other][1]
         if cycle_frame(other_steps, cycle_k).empty:
             st.info(f"{labels[other]} has no phase timings: nothing to compare.")
@@ -361,17 +457,26 @@ else:
                 n_alerts = [len(runs[p_][2]) if "rule" in runs[p_][2].columns else 0 for p_ in (primary, other)]
                 mm = pd.concat([mm, pd.DataFrame([{"mismatch": "alerts raised", pair[0]: float(n_alerts[0]),
                                                    pair[1]: float(n_alerts[1])}])], ignore_index=True)
-                st.dataframe(mm, hide_index=True, width="stretch", key="cycle_mismatch")
+                st.dataframe(mm, hide_index=True, width="stretch", key="cycle_mismatch",
+                             column_config={c_: st.column_config.NumberColumn(format="%.4g")
+                                            for c_ in (pair[0], pair[1])})
             _chart(views.cycle_bars_figure({pair[0]: cmp.base, pair[1]: cmp.other},
                                            "Mean step time by phase, the two runs", device), "cycle_bars")
 
 # ------------------------------------------------------------------ one step (token data, lazy)
 st.header("One step")
 step_list = [int(s) for s in steps["step"]]
-with st.sidebar:
-    st.header("Step")
-    step = int(st.select_slider("Step for the δ histogram, heatmap and drill-down", step_list,
-                                value=step_list[-1], key="step"))
+focus = verdict["focus_step"] if verdict is not None else None
+focus = focus if focus in step_list else step_list[-1]
+focus_why = verdict["focus_why"] if verdict is not None and focus == verdict["focus_step"] else "the last step"
+sel = st.columns([2, 3])
+with sel[0]:
+    step = int(st.select_slider("Step for the δ histogram, heatmap and drill-down", step_list, value=focus,
+                                key="step"))
+with sel[1]:
+    st.markdown(f'<div id="triage-step-note">Opened at step {focus}: {html.escape(focus_why)} (the most informative '
+                f"step: the first collapse-tier alert, else the window ρ_asym peak). Showing step {step}.</div>",
+                unsafe_allow_html=True)
 row = steps.set_index("step").loc[step]
 # the run's one frozen tau_tail (the live row holds a provisional value on the first steps)
 frozen_tau = loc_frame.set_index("step")["tau_tail"] if "tau_tail" in loc_frame.columns else pd.Series(dtype=float)

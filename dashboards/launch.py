@@ -39,10 +39,12 @@ def validate_runs(run_dirs: Sequence[str]) -> list:
 
 
 def build_command(run_dirs: Sequence[str], host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                  headless: bool = True, python: Optional[str] = None) -> list:
-    """The ``python -m streamlit run <app.py> ... -- RUN_DIR ...`` argument list (nothing is started).
+                  headless: bool = True, python: Optional[str] = None, reference: Optional[str] = None) -> list:
+    """The ``python -m streamlit run <app.py> ... -- RUN_DIR ... [--reference RUN]`` argument list (nothing is
+    started).
 
-    ``headless`` keeps Streamlit from opening a browser; usage statistics are off.
+    ``headless`` keeps Streamlit from opening a browser; usage statistics are off; ``reference``: a reference run
+    whose window ρ_asym range the page draws as the healthy band (docs/alerts.md#a-reference-run).
     """
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
@@ -51,4 +53,4 @@ def build_command(run_dirs: Sequence[str], host: str = DEFAULT_HOST, port: int =
             "--server.headless", "true" if headless else "false",
             "--browser.gatherUsageStats", "false", "--global.developmentMode", "false",
             "--client.toolbarMode", "minimal", "--server.fileWatcherType", "none",
-            "--", *run_dirs]
+            "--", *run_dirs, *(["--reference", str(reference)] if reference else [])]

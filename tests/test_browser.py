@@ -355,3 +355,97 @@ def test_dashboard_of_a_run_being_written_is_one_snapshot(browser, tmp_path):
     assert loc and direction, last
     # steps 0 .. n-1 in the overview; every chart ends at n-1, although the writer kept adding steps
     assert set(last.values()) == {n_steps - 1}, (n_steps, last)
+
+
+POSTMORTEM_JS = """(() => {
+  const banner = document.querySelector('#triage-verdict');
+  const note = document.querySelector('#triage-step-note');
+  const charts = {};
+  for (const el of document.querySelectorAll('.js-plotly-plot')) {
+    const title = String((el.layout && el.layout.title && (el.layout.title.text || el.layout.title)) || '');
+    const data = el.data || [];
+    charts[title] = {
+      marker: data.filter(t => t.meta && t.meta.marker === 'destabilised').map(t => t.meta.step),
+      guides: data.filter(t => t.meta && t.meta.guide).map(t => [t.meta.guide, t.meta.value === undefined ? null : t.meta.value]),
+      heatmap: data.filter(t => t.type === 'heatmap').map(t => t.meta && t.meta.step),
+      runs: data.filter(t => t.meta && t.meta.run && t.meta.column && t.line).map(t => [t.meta.run, t.meta.role, t.line.color]),
+    };
+  }
+  return {banner: banner && banner.innerText, level: banner && banner.dataset.level, note: note && note.innerText,
+          top: banner && Math.round(banner.getBoundingClientRect().top), charts};
+})()"""
+
+
+@needs_chromium
+def test_dashboard_opens_on_the_verdict_the_destabilisation_and_the_informative_step(browser, tmp_path):
+    """A failing run shaped like the demo's (a reward that falls from step 30, destabilised at step 35 by the stated
+    definition; a sampler drifting from step 10) with a reference run of the same job: on the page, read from the
+    DOM, the verdict banner stands on top of the first screen with the run verdict's text; every time series marks
+    step 35; the ρ_asym chart draws the reference's band beside the published one, the inspected run in red and the
+    reference in grey; the token views (δ histogram, heatmap) open at the verdict's most informative step, with the
+    selector and the reason beside them.  The first screen is saved as dashboard_first_screen.png."""
+    import torch
+
+    from test_verdict import _batch, _failing_run
+    from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+    from triage_monitor.verdict import reference_of_run, verdict_of_steps
+    from triage_monitor.analysis import open_run
+    from triage_monitor.views import INSPECTED_COLOR, REFERENCE_COLOR
+
+    failing = _failing_run(tmp_path / "failing")
+    g = torch.Generator().manual_seed(5)
+    with MismatchMonitor(tmp_path / "reference", MonitorConfig(window=5, calibration_steps=3)) as mon:
+        for step in range(60):
+            mon.log_step(step, _batch(g, drift=0.0), extra={"reward": 0.6})
+    band = reference_of_run(open_run(tmp_path / "reference"))
+    want = verdict_of_steps(failing.steps(), reference=band)
+    assert want.outcome["step"] == 35 and want.focus_step is not None
+    port = free_port()
+    log = tmp_path / "streamlit.log"
+    cmd = build_command([str(tmp_path / "failing")], "127.0.0.1", port, reference=str(tmp_path / "reference"))
+    assert cmd[-2:] == ["--reference", str(tmp_path / "reference")]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        browser.navigate(f"http://127.0.0.1:{port}/")
+        browser.wait_for("!!document.querySelector('#triage-verdict')", timeout=900)
+        browser.wait_for(f"!{RUNNING_JS}", timeout=900)              # the page's script has finished
+        browser.wait_for(f"{CHARTS_JS} >= 10", timeout=300)
+        time.sleep(1.0)
+        browser.screenshot(ARTIFACTS / "browser" / "dashboard_first_screen.png", full_page=False)
+        page = browser.eval(POSTMORTEM_JS)
+        assert browser.eval(EXCEPTION_JS) == 0, "the page shows an exception"
+    finally:
+        stop(proc)
+    # the banner: the verdict's lines, first on the page (under the title)
+    assert page["banner"].splitlines() == [line.strip() for line in want.lines]
+    assert page["level"] == "CRITICAL" and page["banner"].startswith("verdict: CRITICAL — destabilised at step 35")
+    assert 0 < page["top"] < 300
+    # the destabilisation step on every time series
+    series = {t: c for t, c in page["charts"].items()
+              if t.split(" · ")[0] in ("Direction: ρ_asym = mass(A⁻) / mass(A⁺)", "Small-gap share |δ| < 0.05",
+                                       "q0.05 of δ", "k3 KL estimator", "Reward and accuracy",
+                                       "Quadrant masses (share of |A| mass)", "Localisation")}
+    assert len(series) == 7, list(page["charts"])
+    assert all(c["marker"] == [35] for c in series.values()), {t: c["marker"] for t, c in series.items()}
+    # the reference's band beside the published one; the inspected run red, the reference grey
+    direction = next(c for t, c in series.items() if t.startswith("Direction"))
+    guides = dict((k, v) for k, v in direction["guides"])
+    assert guides["healthy"] == [1.023, 1.337] and guides["reference"] == pytest.approx([band.lo, band.hi])
+    colours = {(run, role): colour for run, role, colour in direction["runs"]}
+    assert colours[("failing", "inspected")] == INSPECTED_COLOR and colours[("reference", "reference")] == REFERENCE_COLOR
+    # the token views at the most informative step, the selector and the reason beside them
+    focus = want.focus_step
+    hist = [t for t in page["charts"] if t.startswith("δ distribution")]
+    assert hist == [f"δ distribution (log count) · step {focus}"], hist
+    heat = [c["heatmap"] for t, c in page["charts"].items() if t.startswith("Segment tail fraction")]
+    assert heat == [[focus]], heat
+    assert page["note"].startswith(f"Opened at step {focus}: {want.focus_why}")

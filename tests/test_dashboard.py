@@ -300,10 +300,13 @@ def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
     assert not at.exception and not at.error
     assert len(at.get("plotly_chart")) >= 6
     warnings = " ".join(w.value for w in at.warning)
-    assert "Token records of step 3" in warnings
+    live = open_run(tmp_path / "steps_only").steps()
+    from triage_monitor.verdict import verdict_of_steps
+
+    focus = verdict_of_steps(live).focus_step                         # the page opens its token views there
+    assert f"Token records of step {focus} are not readable" in warnings
     table = at.dataframe[-1].value                                   # live window values, null "-"
     assert table["step"].tolist() == [0, 1, 2, 3] and table["null 95% interval (%)"].tolist() == ["-"] * 4
-    live = open_run(tmp_path / "steps_only").steps()
     np.testing.assert_allclose(table["ρ_asym"].to_numpy(float), live["window/rho_asym"].to_numpy(float))
     at.number_input(key="window_steps").set_value(3).run()
     assert not at.exception and "no token records to recompute" in " ".join(w.value for w in at.warning)
@@ -317,6 +320,8 @@ def test_launcher_command_and_validation(demo_run_dir, tmp_path, capsys):
     assert cmd[1:4] == ["-m", "streamlit", "run"] and Path(cmd[4]).is_file() and cmd[4].endswith("app.py")
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1" and cmd[cmd.index("--server.port") + 1] == "9000"
     assert cmd[cmd.index("--") + 1:] == [str(demo_run_dir)]
+    ref = dashboard.build_command([str(demo_run_dir)], args.host, 9000, reference="/runs/ref")
+    assert ref[ref.index("--") + 1:] == [str(demo_run_dir), "--reference", "/runs/ref"]
     assert Path(cmd[4]).parent.name == "dashboards" and (Path(cmd[4]).parent / "__init__.py").is_file()
     args = p.parse_args([str(demo_run_dir), "--host", "0.0.0.0", "--port", "8600", "--print-command"])
     assert dashboard_cmd.run(args) == 0

@@ -288,3 +288,41 @@ def test_the_degenerate_localisation_notice_names_the_true_cause(tmp_path):
     assert "stage(s) a: every A<0 response is shorter than one segment (W = 64 positions)" in text
     assert "stage(s) b: every A<0 response that holds amplifying-tail tokens fits in one segment" in text
     assert "stage(s) c: the window holds no A<0 response" in text
+
+
+# ------------------------------------------------------------------------------------------ 7. one colour convention
+def test_one_colour_convention_for_the_report_the_dashboard_and_the_study():
+    """The inspected (failing) run is red and the reference grey in the report and the dashboard (views.run_roles),
+    the same red and grey as the study's failing arm (no correction) and its control."""
+    from triage_monitor.demo.study import ARM_COLORS
+    from triage_monitor.views import INSPECTED_COLOR, REFERENCE_COLOR, run_roles
+
+    assert ARM_COLORS["none"] == INSPECTED_COLOR and ARM_COLORS["fp32"] == REFERENCE_COLOR
+    roles = run_roles(["failing", "other", "control"], reference="control")
+    assert roles == {"failing": ("inspected", INSPECTED_COLOR), "other": ("compared", roles["other"][1]),
+                     "control": ("reference", REFERENCE_COLOR)}
+    assert roles["other"][1] not in (INSPECTED_COLOR, REFERENCE_COLOR)
+
+
+def test_the_compare_caption_names_the_inspected_run_as_the_baseline_in_either_order(tmp_path, monkeypatch):
+    """Two timed runs: the step-time comparison's caption names the run inspected as the baseline, whichever of the
+    two is inspected (it read "a low-precision run ... the run inspected is the baseline", backwards when the
+    low-precision run was the one inspected)."""
+    import os
+
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    for name, gen in (("bf16", 0.2), ("nvfp4", 0.1)):
+        g = torch.Generator().manual_seed(6)
+        with MismatchMonitor(tmp_path / name, MonitorConfig(window=3, calibration_steps=2)) as mon:
+            for step in range(6):
+                mon.log_step(step, _batch(g, drift=0.1), timings={"generation": gen, "update": 0.1, "step": gen + 0.1})
+    monkeypatch.setenv("TRIAGE_MONITOR_RUNS", os.pathsep.join(str(tmp_path / n) for n in ("nvfp4", "bf16")))
+    at = AppTest.from_file(str(ROOT / "dashboards" / "app.py"), default_timeout=300).run()
+    assert not at.exception
+    label = at.selectbox(key="cycle_other").label
+    assert label.startswith("Compare nvfp4 (the run inspected: the baseline) with another run")
+    at.selectbox(key="primary").set_value(str(tmp_path / "bf16")).run()
+    assert not at.exception
+    assert at.selectbox(key="cycle_other").label.startswith("Compare bf16 (the run inspected: the baseline) with")

@@ -22,9 +22,8 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from .alerts import replay_engine
 from .analysis import Run, RunDirError, open_run, postmortem_frame
-from .verdict import health_verdict
+from .verdict import reference_of_run, verdict_of_steps
 from .stages import degenerate_notice, format_stage_table, stage_table
 from .timings import DEFAULT_K
 from . import exits, views
@@ -58,7 +57,23 @@ border: 1px solid #d1d5db; background: #f3f4f6;}
 .verdict-watch {background: #fffbeb; border-color: #f59e0b; color: #78350f;}
 .verdict-warning {background: #fff7ed; border-color: #ea580c; color: #7c2d12;}
 .verdict-critical {background: #fef2f2; border-color: #dc2626; color: #7f1d1d;}
+.verdict .rest {font-weight: 400; font-size: 13px; margin-top: 6px; white-space: pre-wrap;}
+.legend-note {color: #374151; font-size: 12.5px; margin: 6px 0;}
+.swatch {display: inline-block; width: 22px; height: 4px; vertical-align: middle; margin: 0 4px 0 10px;}
 """
+
+
+def verdict_html(verdict) -> str:
+    """The run verdict (:class:`~triage_monitor.verdict.RunVerdict`) as the report's top banner: its first line in
+    bold, the other lines below, the JSON beside it (``<script id="triage-verdict" type="application/json">``)."""
+    import json
+
+    data = json.dumps(verdict.to_dict(), ensure_ascii=False).replace("</", "<\\/")
+    rest = "\n".join(line.strip() for line in verdict.lines[1:])
+    level = verdict.level.lower().replace(" ", "-")
+    return (f'<div class="verdict verdict-{level}" id="verdict">'
+            f'{html.escape(verdict.lines[0])}<div class="rest">{html.escape(rest)}</div></div>'
+            f'<script type="application/json" id="triage-verdict">{data}</script>')
 
 
 def _fmt(v, pct: bool = False) -> str:
@@ -82,7 +97,8 @@ def _stage_html(table: pd.DataFrame) -> str:
             f'<tbody>{"".join(rows)}</tbody></table></div>')
 
 
-def _cycle_html(runs: Sequence[Run], names: Sequence[str], subject_steps: pd.DataFrame, k: float) -> tuple:
+def _cycle_html(runs: Sequence[Run], names: Sequence[str], subject_steps: pd.DataFrame, k: float,
+                destabilised: Optional[int] = None) -> tuple:
     """(section HTML, figures) of the step time and the full cycle: the subject run's breakdown; with a second run,
     the comparison (the first run the baseline).  Empty when the subject has no phase timing."""
     from .timings import compare_cycles, cycle_frame, cycle_summary, device_of, figures
@@ -96,7 +112,7 @@ def _cycle_html(runs: Sequence[Run], names: Sequence[str], subject_steps: pd.Dat
     device = device_of(info)
     summary = cycle_summary(frame, k)
     lines = "".join(f"<li>{html.escape(x)}</li>" for x in summary.lines(device))
-    figs = [views.cycle_figure(frame, k, names[0], device)]
+    figs = [views.cycle_figure(frame, k, names[0], device, destabilised)]
     cpu = (f'<div class="notice">{html.escape(figures(device))}: measured on this machine\'s {html.escape(device)}; '
            "on an accelerator the phases' shares differ (and NVFP4 emulated on a CPU is slower than full precision, "
            "where native NVFP4 kernels are faster).</div>" if device and device.startswith("cpu") else "")
@@ -132,7 +148,8 @@ def _cycle_html(runs: Sequence[Run], names: Sequence[str], subject_steps: pd.Dat
 
 
 def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None, window: Optional[int] = None,
-                 draws: int = 499, seed: int = 0, progress: bool = False, k: float = DEFAULT_K) -> str:
+                 draws: int = 499, seed: int = 0, progress: bool = False, k: float = DEFAULT_K,
+                 reference=None) -> str:
     """The report's HTML text (see module docstring).
 
     Args:
@@ -142,6 +159,9 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
         draws, seed: C_tok shuffle-null draws and seed (docs/metrics.md#localisation).
         k: generator speedup of the full-cycle projection (docs/metrics.md#step-time-and-the-full-cycle; default 2.3).
         progress: print what is being computed on stderr (one line per phase, a bar for the per-step states).
+        reference: a reference run (path or :class:`~triage_monitor.analysis.Run`; docs/alerts.md#a-reference-run):
+            its window ρ_asym range is the healthy band of the ρ_asym chart and of the verdict, and its series are
+            overlaid in grey.
 
     Raises:
         RunDirError: a path is not a run directory; ValueError: the first run has no recorded step,
@@ -156,7 +176,10 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
         raise ValueError(f"{run.path}: the run has no recorded steps yet, nothing to report")
     alerts = run.alerts()
     ov = views.run_overview(run, steps, alerts)
-    verdict = health_verdict(steps, replay_engine(None, steps))
+    ref_run = None if reference is None else reference if isinstance(reference, Run) else open_run(reference)
+    band = None if ref_run is None else reference_of_run(ref_run)
+    verdict = verdict_of_steps(steps, reference=band)
+    destabilised = verdict.outcome["step"]
     win = int(window or run.config.window)
     frames, alert_frames = {}, {}
     names = [r.path.name for r in runs]
@@ -175,16 +198,21 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
             subject_states = states
         frames[label], alert_frames[label] = frame, r.alerts()
     subject = next(iter(frames))
+    ref_label = None
+    if ref_run is not None:                  # its live rows: the reference is drawn, not analysed
+        ref_label = f"{ref_run.path.name} (reference)" if ref_run.path.name in frames else ref_run.path.name
+        frames[ref_label], alert_frames[ref_label] = ref_run.steps(), ref_run.alerts().iloc[0:0]
     say(f"stage table and C_tok shuffle null ({draws} draws) …")
     # the stage table's null draws (compiled, outside the GIL) run on their threads while the figures are built
     with cf.ThreadPoolExecutor(1) as pool:
         staged = pool.submit(stage_table, run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject],
                              states=subject_states)
-        figs = [views.timeseries_figure(frames, p, True, win, alert_frames) for p in REPORT_PANELS]
+        figs = [views.timeseries_figure(frames, p, True, win, alert_frames, reference=ref_label, band=band,
+                                        destabilised=destabilised) for p in REPORT_PANELS]
         figs = [f for f in figs if f is not None]
-        figs += [views.quadrant_figure(frames[subject], True, subject),
-                 views.localisation_figure(frames[subject], True, subject)]
-        cycle_html, cycle_figs = _cycle_html(runs, list(frames), steps, k)
+        figs += [views.quadrant_figure(frames[subject], True, subject, destabilised=destabilised),
+                 views.localisation_figure(frames[subject], True, subject, destabilised=destabilised)]
+        cycle_html, cycle_figs = _cycle_html(runs, list(frames), steps, k, destabilised)
         divs = [f.to_html(full_html=False, include_plotlyjs="inline" if i == 0 else False, default_width="100%",
                           config={"displaylogo": False, "responsive": True}) for i, f in enumerate(figs + cycle_figs)]
         table = staged.result()
@@ -217,6 +245,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
             unreadable_html += (f'<div class="notice unreadable"><b>{len(bad)} unreadable file(s)</b> in '
                                 f'<code>{html.escape(str(r.path))}</code> were skipped; everything below is computed '
                                 f'without them:<ul>{items}{more}</ul></div>')
+    legend = _legend_html(subject, ref_label, destabilised)
     overlay = f" · overlay of {len(frames)} runs: {', '.join(map(html.escape, frames))}" if len(frames) > 1 else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>triage-monitor post-mortem · {html.escape(ov['run'])}</title>
@@ -226,14 +255,16 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
 <div class="sub">generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from <code>{html.escape(ov['path'])}</code>
 {overlay}</div>
 {unreadable_html}
-<div class="verdict verdict-{verdict.level.lower().replace(' ', '-')}">{html.escape(verdict.line)}</div>
+{verdict_html(verdict)}
 <h2>Overview</h2><div class="cards">{card_html}</div>
 <table class="facts" style="margin-top:14px">{facts}</table>
 {alert_html}
 <h2>Time series, quadrants and localisation</h2>
 <div class="note">Pooled trailing {win}-step windows (raw sums of the window, docs/metrics.md#steps-and-windows); reward and controller
 columns are trailing means of the per-step values; alerts as ▼ markers. On the ρ_asym chart the green band is the
-published healthy range (1.023 dense 4B – 1.337 MoE 30B) and the dashed lines are the shipped alert thresholds.</div>
+published healthy range (1.023 dense 4B – 1.337 MoE 30B), the grey band a reference run's range when one is given,
+grey shading the steps at noise level, and the dashed lines the shipped alert thresholds.</div>
+{legend}
 <div class="grid">{charts}</div>
 {cycle_html}
 {cycle_divs}
@@ -245,6 +276,19 @@ within each A&lt;0 response ({draws} draws, seed {seed}); 95 % = central interva
 (points). Dilution: share of A&lt;0 responses with a tail-heavy segment whose mean |δ| &lt; 0.05.</div>
 </main></body></html>
 """
+
+
+def _legend_html(subject: str, ref_label: Optional[str], destabilised: Optional[int]) -> str:
+    """The colour convention of the charts (views.run_roles), stated once above them."""
+    def swatch(color):
+        return f'<span class="swatch" style="background:{color}"></span>'
+    parts = [f"{swatch(views.INSPECTED_COLOR)}the run inspected ({html.escape(subject)})"]
+    if ref_label is not None:
+        parts.append(f"{swatch(views.REFERENCE_COLOR)}the reference ({html.escape(ref_label)})")
+    if destabilised is not None:
+        parts.append(f"{swatch(views.MARKER_COLOR)}dash-dot line: destabilised at step {destabilised}")
+    return ('<div class="legend-note">Colours: ' + "".join(parts) + " — the study draws its failing arm in the same "
+            "red and its control in the same grey.</div>")
 
 
 def write_report(run_dirs: Sequence, output, **kw) -> Path:

@@ -265,13 +265,25 @@ class RunVerdict:
         return self.lines[0]
 
     def to_dict(self) -> dict:
-        """A JSON-able dict of every field (``analysis/verdict.json``); ``text`` holds the paragraph."""
+        """A JSON-able dict of every field (``analysis/verdict.json``; NaN written as null); ``text`` holds the
+        paragraph."""
         d = {"level": self.level, "text": self.text, "lines": list(self.lines), "outcome": self.outcome,
              "first_alerts": self.first_alerts, "worst": self.worst, "active": self.active, "cleared": self.cleared,
              "actions": self.actions, "focus_step": self.focus_step, "focus_why": self.focus_why,
              "status": {**asdict(self.status), "not_evaluable": [list(x) for x in self.status.not_evaluable]},
              "reference": self.reference, "steps": list(self.steps)}
-        return json.loads(json.dumps(d, default=_json_default))
+        return _no_nan(json.loads(json.dumps(d, default=_json_default)))
+
+
+def _no_nan(x):
+    """``x`` with every non-finite float replaced by None (strict JSON: a browser's JSON.parse reads it)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_no_nan(v) for v in x]
+    return x
 
 
 def _json_default(x):

@@ -156,9 +156,11 @@ def add_destabilisation_marker(fig: go.Figure, step: Optional[int], row=None, co
         return fig
     where = {} if row is None else {"row": row, "col": col}
     fig.add_vline(x=int(step), line=dict(color=MARKER_COLOR, dash="dashdot", width=1.5), **where)
+    on = {} if row is None else {"row": 1 if row == "all" else row, "col": col}
     fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"destabilised at step {int(step)}",
                              line=dict(color=MARKER_COLOR, dash="dashdot", width=1.5), hoverinfo="skip",
-                             showlegend=row in (None, 1), meta={"marker": "destabilised", "step": int(step)}), **where)
+                             showlegend=row in (None, 1, "all"), meta={"marker": "destabilised", "step": int(step)}),
+                  **on)
     return fig
 
 
@@ -225,8 +227,12 @@ def timeseries_figure(runs: Mapping[str, pd.DataFrame], panel: str, window: bool
         inspected = next(iter(runs))
         add_noise_shading(fig, noise_steps(runs[inspected], window))
     add_destabilisation_marker(fig, destabilised)
-    _layout(fig, title + (f" · {window_steps}-step window" if window else " · per step"), height=360,
-            margin=dict(l=60, r=36, t=46, b=40 + 22 * math.ceil(len(fig.data) / 2)))
+    # the legend stands below the plot: its rows (one per entry once names are long) make the figure taller, so
+    # that the plot keeps its height
+    named = [t.name or "" for t in fig.data if t.showlegend is not False]
+    rows = len(named) if max(map(len, named), default=0) > 40 else math.ceil(len(named) / 2)
+    _layout(fig, title + (f" · {window_steps}-step window" if window else " · per step"), height=300 + 21 * rows,
+            margin=dict(l=60, r=36, t=46, b=40 + 21 * rows))
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text=ytitle)
     return fig
@@ -494,8 +500,8 @@ PHASE_COLORS = {"generation": "#dc2626", "logprob": "#2563eb", "reference": "#7c
                 "untimed": "#d1d5db"}
 
 
-def cycle_figure(steps: pd.DataFrame, k: float = 2.3, label: str = "", device: Optional[str] = None
-                 ) -> Optional[go.Figure]:
+def cycle_figure(steps: pd.DataFrame, k: float = 2.3, label: str = "", device: Optional[str] = None,
+                 destabilised: Optional[int] = None) -> Optional[go.Figure]:
     """Where each step's time went: stacked seconds per phase (and the untimed rest) per step on top; below, the
     generation share g per step and the projected full-cycle speedup at ``k`` (right axis)
     (docs/metrics.md#step-time-and-the-full-cycle).
@@ -503,7 +509,7 @@ def cycle_figure(steps: pd.DataFrame, k: float = 2.3, label: str = "", device: O
     Args:
         steps: the run's steps table (``time/<phase>`` columns) or :func:`triage_monitor.timings.cycle_frame`'s output.
         k: generator speedup of the projection; label: the run's name; device: where it ran (the title says
-            "CPU figures" for ``"cpu"``).
+            "CPU figures" for ``"cpu"``); destabilised: the step marked on both rows (:func:`add_destabilisation_marker`).
 
     Returns:
         The figure (trace ``meta``: ``{"phase": p}`` for the bars, ``{"column": "g"}``, ``{"column": "projected",
@@ -531,6 +537,7 @@ def cycle_figure(steps: pd.DataFrame, k: float = 2.3, label: str = "", device: O
     fig.add_trace(go.Scatter(x=x, y=_values(f["projected"], 1.0), mode="lines", name=f"projected speedup at k = {k:g}",
                              line=dict(color="#111827", width=2, dash="dot"), meta={"column": "projected", "k": k}),
                   row=2, col=1, secondary_y=True)
+    add_destabilisation_marker(fig, destabilised, row="all", col=1)
     where = f" · {figures(device)}" if device else ""
     _layout(fig, "Step time and the full cycle" + (f" · {label}" if label else "") + where, height=520,
             barmode="stack", bargap=0.05, margin=dict(l=60, r=60, t=64, b=70 + 20 * math.ceil(len(fig.data) / 6)),

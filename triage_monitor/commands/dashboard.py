@@ -17,6 +17,9 @@ from ..exits import INPUT_ERROR, INTERRUPTED, error
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``triage-monitor dashboard``; returns ``parser``."""
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (several are overlaid)")
+    parser.add_argument("--reference", metavar="RUN",
+                        help="a reference run of the same job (an on-policy or BF16 control): its window ρ_asym range "
+                             "is drawn as the healthy band, its series in grey (docs/alerts.md#a-reference-run)")
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help="address to listen on (default: %(default)s; 0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
@@ -31,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     130 after Ctrl-C)."""
     try:
         runs = validate_runs(args.run_dirs)
-        cmd = build_command(runs, args.host, args.port, headless=not getattr(args, "open_browser", False))
+        reference = validate_runs([args.reference])[0] if getattr(args, "reference", None) else None
+        cmd = build_command(runs, args.host, args.port, headless=not getattr(args, "open_browser", False),
+                            reference=reference)
     except (RunDirError, ValueError) as exc:
         error("dashboard", exc)
         return INPUT_ERROR

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="run directory (more are overlaid in the time series)")
     parser.add_argument("-o", "--output", default="report.html", help="HTML file to write (default: %(default)s)")
+    parser.add_argument("--reference", metavar="RUN",
+                        help="a reference run of the same job (an on-policy or BF16 control): its window ρ_asym range "
+                             "is drawn as the healthy band, its series in grey (docs/alerts.md#a-reference-run)")
     parser.add_argument("--anchors", type=int, nargs="+", metavar="STEP",
                         help="stage anchor steps (default: 25/50/75/100 %% of the run)")
     parser.add_argument("--window", type=int, help="trailing window in steps (default: the run's)")
@@ -53,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     exits.note("report", f"reading {', '.join(map(str, args.run_dirs))} …")
     try:
         runs = [open_run(p) for p in args.run_dirs]
+        reference = open_run(args.reference) if getattr(args, "reference", None) else None
         text = build_report(runs, anchors=args.anchors, window=args.window, draws=args.draws,
-                            seed=args.seed, progress=True, k=args.k)
+                            seed=args.seed, progress=True, k=args.k, reference=reference)
     except (RunDirError, ValueError, KeyError) as exc:
         exits.error("report", exc)
         return exits.INPUT_ERROR
