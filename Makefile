@@ -27,9 +27,10 @@ $(VENV)/.frameworks: $(VENV)/.installed requirements-frameworks.txt scripts/inst
 	TORCH_SPEC="$(TORCH_SPEC)" bash scripts/install_frameworks.sh $(BIN)/python
 	touch $@
 
-# the short study: uncorrected NVFP4 sampler vs TRIAGE, side by side (docs/study.md)
+# the short study: uncorrected NVFP4 sampler vs TRIAGE, side by side (docs/study.md); run again, it starts afresh
+# (--force: the previous runs are moved to runs/demo/runs/<arm>-s<seed>.replaced-<time>, one line each says so)
 demo: setup
-	$(BIN)/triage-monitor study --quick --jobs 2 --out runs/demo
+	$(BIN)/triage-monitor study --quick --jobs 2 --out runs/demo --force
 
 test: setup-test
 	$(BIN)/ruff check triage_monitor hooks dashboards benchmarks tests scripts

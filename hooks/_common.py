@@ -54,11 +54,16 @@ class StepAccumulator:
         monitor: a :class:`~triage_monitor.monitor.MismatchMonitor` (or anything with its ``log_step``).
         timings_for: ``fn(step) -> {phase: seconds} or None``, asked when a step is logged: the step's phase
             timings (``log_step(timings=...)``, docs/metrics.md#step-time-and-the-full-cycle).
+        extra_for: ``fn(step) -> {name: value} or None``, asked when a step is logged, after ``timings_for``:
+            scalars of the step from outside the loss calls (the framework's ``reward``), put in ``extra`` over
+            the calls' averages.
     """
 
-    def __init__(self, monitor, timings_for: Optional[Callable[[int], Optional[dict]]] = None):
+    def __init__(self, monitor, timings_for: Optional[Callable[[int], Optional[dict]]] = None,
+                 extra_for: Optional[Callable[[int], Optional[dict]]] = None):
         self.monitor = monitor
         self.timings_for = timings_for
+        self.extra_for = extra_for
         self.step: Optional[int] = None
         self._parts: list = []
 
@@ -85,6 +90,8 @@ class StepAccumulator:
                 scalars[k].append(float(v))
         extra = {k: sum(v) / len(v) for k, v in scalars.items()}
         timings = self.timings_for(step) if self.timings_for is not None else None
+        if self.extra_for is not None:
+            extra.update(self.extra_for(step) or {})
         if timings:
             return self.monitor.log_step(step, batch, extra=extra, token_extras=token_extras, timings=timings)
         return self.monitor.log_step(step, batch, extra=extra, token_extras=token_extras)

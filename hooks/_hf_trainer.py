@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from triage_monitor.exits import log_lines_above_progress_bars
+
 from ._runtime import HookSettings, LossHook
 
 #: Name of the per-rank controller / monitor state file written into each checkpoint folder.
@@ -112,11 +114,42 @@ class TrainerHookMixin:
             self._tm_time(name, time.perf_counter() - t0)
 
     def _prepare_inputs(self, *args, **kwargs):
+        rewards = self._metrics["train"].get("reward", []) if self._tm_in_step else None
+        before = len(rewards) if rewards is not None else 0
         t0 = time.perf_counter()
         try:
-            return super()._prepare_inputs(*args, **kwargs)
+            out = super()._prepare_inputs(*args, **kwargs)
         finally:
             self._tm_prep += time.perf_counter() - t0
+        self._tm_record_reward(before)
+        return out
+
+    # ------------------------------------------------------------- reward
+    _tm_reward = None                  # (generation number, reward) of the newest generation batch
+    _tm_generations = 0
+
+    def _tm_record_reward(self, before: int) -> None:
+        """The reward of the generation batch the micro-batch just prepared comes from, for the step being trained.
+
+        The trainer scores each generation batch in ``_prepare_inputs`` (``_generate_and_score_completions``) and
+        appends the batch's mean reward, over every process's completions, to ``_metrics["train"]["reward"]`` (TRL:
+        ``grpo_trainer.py``, the weighted sum of the reward functions; ms-swift: ``_compute_advantages``); a batch
+        buffered for several micro-batches or steps keeps its reward.  Each micro-batch of the step adds its batch's
+        reward under the batch's number, so a step trained on two batches gets their mean (the runtime averages
+        over keys).  Inside ``training_step`` only; never raises."""
+        if self.triage_hook is None or not self._tm_in_step:
+            return
+        try:
+            rewards = self._metrics["train"].get("reward", [])
+            if len(rewards) > before:                  # a new generation batch was scored in this call
+                self._tm_generations += 1
+                self._tm_reward = (self._tm_generations, float(rewards[-1]))
+            if self._tm_reward is not None:
+                gen, value = self._tm_reward
+                self.triage_hook.runtime.add_reward(self.state.global_step, value, key=gen)
+        except Exception as exc:  # noqa: BLE001 — monitoring never stops training
+            self.triage_hook.runtime._warn_once("trainer-reward", "triage-monitor: the step's reward not recorded "
+                                                "(%s: %s)", type(exc).__name__, exc)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.triage_hook is None:
@@ -179,11 +212,14 @@ class TrainerHookMixin:
 
     # ------------------------------------------------------------ lifecycle
     def train(self, *args, **kwargs):
-        try:
+        if self.triage_hook is None:
             return super().train(*args, **kwargs)
+        try:
+            # the trainer draws a tqdm bar: an alert's log line goes above it, not into it
+            with log_lines_above_progress_bars():
+                return super().train(*args, **kwargs)
         finally:
-            if self.triage_hook is not None:
-                self.triage_hook.close()       # logs the last step, closes this process's monitor
+            self.triage_hook.close()           # logs the last step, closes this process's monitor
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -56,6 +56,7 @@ from triage_monitor.storage import open_store
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 from triage_monitor.records import new_attempt_id, probe_writable
 from triage_monitor.timings import is_timer_name, phase_times
+from triage_monitor.timings_writer import finite_or_none
 from triage_monitor.trackers import check_keys, framework_metrics, specs_of
 
 from ._common import StepAccumulator
@@ -216,6 +217,16 @@ class WorkerRuntime:
         #: (e.g. the verl trainer's published timings); its phases fill what :meth:`add_timings` left out
         self.timings_source = None
         self._logged_through: Optional[int] = None
+        #: the framework's rewards waiting for their step's row: ``{step: {key: reward}}`` (:meth:`add_reward`)
+        self._rewards: dict = {}
+        #: the reward of every row logged from now on (:meth:`set_reward`); None: none
+        self.current_reward: Optional[float] = None
+        #: ``fn(step) -> reward or None``: where the hook finds a step's reward when it logs the step (e.g. the verl
+        #: trainer's published reward), asked when :meth:`add_reward` gave none
+        self.reward_source = None
+        #: whether this process's rows carry ``reward`` (decided at its first row; a column first seen later would
+        #: change the steps table's schema, so a reward that first comes later goes to the timings table instead)
+        self._reward_in_rows: Optional[bool] = None
 
     # ------------------------------------------------------------- monitor
     @property
@@ -255,7 +266,7 @@ class WorkerRuntime:
                 manifest.setdefault("triage", _plain(self.controller.config))
             self._monitor = MismatchMonitor(run_dir, s.monitor, manifest=manifest, rank=rank, attempt=attempt,
                                             group=group, resume=s.resume, alerts=s.alerts, loggers=s.loggers)
-            self._acc = StepAccumulator(self._monitor, timings_for=self._timings_for)
+            self._acc = StepAccumulator(self._monitor, timings_for=self._timings_for, extra_for=self._extra_for)
         return self._monitor
 
     # --------------------------------------------------------------- steps
@@ -386,6 +397,70 @@ class WorkerRuntime:
                 self._warn_once("timings-source", "triage-monitor: reading the phase timings of step %d failed (%s: "
                                 "%s); the step is recorded without them", step, type(exc).__name__, exc)
         return own or None
+
+    # -------------------------------------------------------------- reward
+    def add_reward(self, step: int, value, key=None) -> None:
+        """The framework's reward of monitored step ``step`` (its mean over the step's responses, as the framework
+        logs it), recorded as the steps table's ``reward`` column, the column the report, the dashboard and the
+        verdict read (docs/hooks.md#rewards).  Readings of one step under different ``key``s are averaged (a step
+        trained on two generation batches), a reading under the same key replaces the earlier one.  A reward for a
+        step whose row is already written goes to the run's timings table, which readers join to the row.  A value
+        that is not a finite number (None, NaN: e.g. every sample aborted) is no reading.  Never raises."""
+        with self._lock:
+            v = finite_or_none(value)
+            try:
+                step = int(step)
+            except (TypeError, ValueError):
+                self._warn_once("reward-step", "triage-monitor: a reward for step %r not recorded: the step is no "
+                                "integer", step)
+                return
+            if v is None:
+                return
+            if self._logged_through is not None and step <= self._logged_through:
+                self._late_reward(step, v)
+                return
+            self._rewards.setdefault(step, {})[key] = v
+
+    def set_reward(self, value) -> None:
+        """The framework's reward for every row this process logs from now on, until the next call (a framework that
+        reports a rollout's reward before it trains on it: slime, Miles); a value that is not a finite number
+        clears it.  Never raises."""
+        with self._lock:
+            self.current_reward = finite_or_none(value)
+
+    def _late_reward(self, step: int, value: float) -> None:
+        try:
+            if self._monitor is not None:
+                self._monitor.add_timings(step, {}, reward=value)
+        except Exception as exc:   # noqa: BLE001 — monitoring never stops the job
+            self._warn_once("reward-late", "triage-monitor: the reward of step %d not recorded (%s: %s)", step,
+                            type(exc).__name__, exc)
+
+    def _extra_for(self, step: int) -> Optional[dict]:
+        """``{"reward": r}`` for ``step``'s row: :meth:`add_reward`'s readings (their mean), else
+        :attr:`reward_source`'s, else :meth:`set_reward`'s; None without one.  When this process's first row had
+        none, a reward goes to the timings table instead (one schema for the steps table)."""
+        step = int(step)
+        own = self._rewards.pop(step, None)
+        for s in [s for s in self._rewards if s < step]:
+            del self._rewards[s]
+        r = sum(own.values()) / len(own) if own else None
+        if r is None and self.reward_source is not None:
+            try:
+                r = finite_or_none(self.reward_source(step))
+            except Exception as exc:   # noqa: BLE001 — monitoring never stops the job
+                self._warn_once("reward-source", "triage-monitor: reading the reward of step %d failed (%s: %s); the "
+                                "step is recorded without it", step, type(exc).__name__, exc)
+        if r is None:
+            r = self.current_reward
+        if self._reward_in_rows is None:
+            self._reward_in_rows = r is not None
+        if r is None:
+            return None
+        if self._reward_in_rows:
+            return {"reward": r}
+        self._late_reward(step, r)
+        return None
 
     def framework_metrics(self) -> dict:
         """The metrics to hand to the framework's own logger: ``settings.framework_keys`` of the last step this

@@ -33,12 +33,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from swift.rlhf_trainers import GRPOTrainer as SwiftGRPOTrainer
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageConfig
 from triage_monitor.corrections import (geometric_sequence_mask_weights, icepop_weights,
                                         sequence_is_geometric_weights, tis_weights)
+from triage_monitor.exits import quiet_imports
 from triage_monitor.monitor import MonitorConfig
 
 from ._common import leading_positions
@@ -46,6 +46,9 @@ from ._framework_options import hook_options
 from ._hf_trainer import TrainerHookMixin, last_stats
 from ._options import check_normalization
 from ._runtime import HookSettings
+
+with quiet_imports():          # ms-swift loads transformers, which loads torchao (failed CUDA-extension loads on a CPU)
+    from swift.rlhf_trainers import GRPOTrainer as SwiftGRPOTrainer
 
 #: ms-swift ``loss_type`` → :func:`~triage_monitor.loss.agg_loss` mode (denominators:
 #: :meth:`TriageSwiftGRPOTrainer._triage_denominator`).  ``cispo``, ``sapo``, ``real``, ``fipo`` are not a PPO-clip

@@ -322,20 +322,30 @@ class TimingsBackend:
     L3767-3772), after the workers wrote the step's rows at their optimizer steps (each on disk when
     ``policy.train`` returns).  This backend hands those readings, as ``timing/train/<label>``, to a
     :class:`~triage_monitor.timings_writer.TimingsWriter` of ``run_dir`` at the run's newest monitored step (the
-    last optimizer step of the GRPO step), keeping GRPO's step as ``framework_step``; every other call is
-    ignored, and it never raises."""
+    last optimizer step of the GRPO step), keeping GRPO's step as ``framework_step``, together with the step's
+    reward: the ``reward`` of GRPO's ``logger.log_metrics(metrics, total_steps + 1, prefix="train")`` just before
+    (L3762; ``metrics["reward"]`` = ``np.mean`` of the batch's ``total_reward``, L3435 and L3480-3490; the async
+    trainer alike, L5394-5400).  Every other call is ignored, and it never raises."""
 
     PREFIX = "timing/train"
+    #: GRPO's log of the step's training metrics, which holds its ``reward``
+    TRAIN_PREFIX = "train"
 
     def __init__(self, run_dir):
         from triage_monitor.timings_writer import TimingsWriter
 
         self.writer = TimingsWriter(run_dir, framework="nemo_rl")
+        self._reward = None            # (GRPO step, reward) of the last "train" log that held one
 
     def log_metrics(self, metrics, step, prefix="", step_metric=None, step_finished=False) -> None:
         try:
+            if prefix == self.TRAIN_PREFIX and metrics and "reward" in metrics:
+                self._reward = (step, metrics["reward"])
             if prefix == self.PREFIX and metrics:
-                self.writer.record({f"{self.PREFIX}/{k}": v for k, v in dict(metrics).items()}, framework_step=step)
+                reward = self._reward[1] if self._reward is not None and self._reward[0] == step else None
+                self._reward = None
+                self.writer.record({f"{self.PREFIX}/{k}": v for k, v in dict(metrics).items()}, framework_step=step,
+                                   reward=reward)
         except Exception:  # noqa: BLE001 — the writer says a bad reading itself; never raised into GRPO
             pass
 

@@ -318,7 +318,8 @@ class TriageTimingsMixin:
     """What the hook adds to OpenRLHF's driver-side trainer (``PPOTrainer``, or the ``TrainingActor`` of the async
     trainer): ``save_logs_and_checkpoints(global_step, logs_dict)`` — called once per OpenRLHF step with the status
     that holds the step's ``timing/*`` (``generation``, ``make_experience``, ``ppo_train``, ``broadcast``,
-    ``step_total``; ``trainer/ppo_trainer.py`` ``train_step`` / ``fit``) — first hands those timers to a
+    ``step_total``; ``trainer/ppo_trainer.py`` ``train_step`` / ``fit``) and the step's reward
+    (``rollout/reward_mean``, :data:`REWARD_KEY`) — first hands those timers and the reward to a
     :class:`~triage_monitor.timings_writer.TimingsWriter` of the run, at the monitored step the status names
     (``triage/metrics_step``: the last optimizer step of the step's fit, whose row the actors wrote before the
     driver's timers closed), then calls OpenRLHF's own.  Never raises into the trainer."""
@@ -330,10 +331,16 @@ class TriageTimingsMixin:
         return super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
 
 
+#: The step's reward in an OpenRLHF status: ``rollout/reward_mean``, the mean of every experience's
+#: ``info["reward"]`` (one per sample, the reward model's or reward function's score), computed by
+#: ``BasePPOTrainer._compute_rollout_stats`` in ``train_step`` before the PPO update (``trainer/ppo_trainer.py``).
+REWARD_KEY = "rollout/reward_mean"
+
+
 def record_status_timings(trainer, global_step: int, logs_dict) -> Optional[int]:
-    """Record the ``timing/*`` of an OpenRLHF status in the run's timings table (``trainer.triage_settings.run_dir``)
-    at the status's ``triage/metrics_step`` (else the run's newest step); returns the monitored step written, or
-    None.  The writer is kept on ``trainer``.  Never raises."""
+    """Record the ``timing/*`` and the reward (:data:`REWARD_KEY`) of an OpenRLHF status in the run's timings table
+    (``trainer.triage_settings.run_dir``) at the status's ``triage/metrics_step`` (else the run's newest step);
+    returns the monitored step written, or None.  The writer is kept on ``trainer``.  Never raises."""
     try:
         settings = trainer.triage_settings
         if settings is None or settings.run_dir is None or not logs_dict:
@@ -345,7 +352,8 @@ def record_status_timings(trainer, global_step: int, logs_dict) -> Optional[int]
             writer = trainer._triage_timings = TimingsWriter(settings.run_dir, framework="openrlhf")
         step = logs_dict.get("triage/metrics_step")
         step = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else None
-        return writer.record(logs_dict, step=step, framework_step=int(global_step))
+        return writer.record(logs_dict, step=step, framework_step=int(global_step),
+                             reward=logs_dict.get(REWARD_KEY))
     except Exception as exc:  # noqa: BLE001 — monitoring never stops the training job
         log.warning("triage-monitor: OpenRLHF step %s's phase timings not recorded (%s: %s)", global_step,
                     type(exc).__name__, exc)

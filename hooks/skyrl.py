@@ -442,17 +442,25 @@ def register(settings: Optional[HookSettings] = None, *, name: str = "triage", b
 
 
 # ------------------------------------------------------------------------------------------- phase timings
+#: The step's reward in SkyRL's log payload: ``reward/avg_raw_reward``, set by ``RayPPOTrainer.
+#: postprocess_generator_output`` (``train/trainer.py``) from ``generators/utils.py``
+#: ``get_metrics_from_generator_output``: the mean over the step's trajectories of each one's reward (summed over
+#: its tokens when the rewards are per token), before any KL penalty or advantage.
+REWARD_KEY = "reward/avg_raw_reward"
+
+
 def timings_callback(run_dir):
     """A SkyRL training callback (``skyrl.train.utils.callbacks.TrainingCallback``) recording each step's phase
-    timings in the run directory ``run_dir``.
+    timings and reward (:data:`REWARD_KEY`) in the run directory ``run_dir``.
 
     The trainer (``train/trainer.py`` ``RayPPOTrainer.train``, in the process of SkyRL's entry point) fires
     ``on_log`` with the payload it is about to hand to its tracker — the step's ``timing/<name>`` (its
     ``all_timings``: ``generate``, ``fwd_logprobs_values_reward``, ``train_critic_and_policy``, ``sync_weights``,
     ``step``, ...) among its metrics — once the step timer closed, after the workers wrote the step's rows (the
     monitored step is SkyRL's ``global_step``, ``callback_input.global_step``).  The callback hands the payload
-    to a :class:`~triage_monitor.timings_writer.TimingsWriter` of ``run_dir`` at that step (other keys are
-    skipped, the payload is not changed); it never raises into the trainer.  Add it with
+    to a :class:`~triage_monitor.timings_writer.TimingsWriter` of ``run_dir`` at that step, with the payload's
+    ``reward/avg_raw_reward`` as the step's reward (other keys are skipped, the payload is not changed); it never
+    raises into the trainer.  Add it with
     ``trainer.add_callback(...)`` or ``RayPPOTrainer(..., callbacks=[...])``, or use :func:`experiment_class`.
 
     Raises:
@@ -468,7 +476,7 @@ def timings_callback(run_dir):
         def on_log(self, trainer, callback_input, control) -> None:
             logs, step = callback_input.logs, callback_input.global_step
             if logs:                    # record never raises; a step that is no integer is said once there
-                self.writer.record(logs, step=step, framework_step=step)
+                self.writer.record(logs, step=step, framework_step=step, reward=logs.get(REWARD_KEY))
 
         def on_train_end(self, trainer, callback_input, control) -> None:
             self.writer.close()
@@ -513,5 +521,5 @@ def entrypoint(num_cpus: float = 1):
 
 
 __all__ = ["SKYRL_LOSS_REDUCTIONS", "SKYRL_BASE_LOSSES", "batch_from_skyrl", "check_algorithm_config",
-           "optimizer_steps_per_step", "skyrl_call_site", "SkyRLTriageLoss", "register", "timings_callback",
+           "optimizer_steps_per_step", "skyrl_call_site", "SkyRLTriageLoss", "register", "timings_callback", "REWARD_KEY",
            "TimingsExpMixin", "experiment_class", "run_experiment", "entrypoint"]

@@ -319,6 +319,13 @@ class SlimeTriageLoss(LossHook):
 
 #: Where slime's actor logs its metrics (``log(args, metrics, step_key)``), at 624b824a.
 SLIME_LOG_MODULE = "slime.observability.logging_utils"
+#: The rollout's reward in the training actor's log: ``log_rollout_data`` (``observability/train_metric_utils.py``
+#: L142-221 at 624b824a; Miles: ``backends/training_utils/log_utils.py`` L165-261 at 31f1ca96), which the actor calls
+#: before it trains on the rollout (slime actor.py L508-524; Miles megatron actor.py L566-571), reduces
+#: ``rollout_data["raw_reward"]`` (each sample's reward before GRPO's normalisation: slime ``ray/rollout.py``
+#: L612-663) to its mean and logs it as ``rollout/raw_reward`` through ``gather_log_data`` → ``log`` on the
+#: data-parallel source rank (L117-138; Miles L81-128).
+REWARD_KEY = "rollout/raw_reward"
 
 
 def attach_perf_timings(runtime, module_name: str = SLIME_LOG_MODULE) -> bool:
@@ -327,8 +334,11 @@ def attach_perf_timings(runtime, module_name: str = SLIME_LOG_MODULE) -> bool:
     ``perf/<name>_time``: ``actor_train_time``, ``log_probs_time``, ``update_weights_time``, ``step_time``, ...;
     actor.py L564-568, train_metric_utils.py L358-403) hand those readings to ``runtime`` first: they belong to
     the last step this process logged (the rollout's last optimizer step, whose row is written), so they go to the
-    run's timings table (docs/hooks.md#phase-timings).  slime's own ``log`` is then called unchanged; the wrapper
-    never raises.  Done once per process (the newest reporting runtime is the one fed); False when slime's module
+    run's timings table (docs/hooks.md#phase-timings); and the rollout's reward that ``log_rollout_data`` logs
+    before the rollout's training (:data:`REWARD_KEY`) becomes the reward of the rows logged after it (the
+    rollout's optimizer steps; ``WorkerRuntime.set_reward``, docs/hooks.md#rewards).  The wrapper is put in place at
+    the reporting rank's first loss call, after the first rollout's reward was logged: that rollout's rows carry
+    none.  slime's own ``log`` is then called unchanged; the wrapper never raises.  Done once per process (the newest reporting runtime is the one fed); False when slime's module
     is not loaded.  ``module_name``: the module holding that ``log`` (Miles: ``miles.utils.tracking_utils.tracking``,
     whose ``log_perf_data_raw`` logs the same names)."""
     module = sys.modules.get(module_name)
@@ -341,10 +351,13 @@ def attach_perf_timings(runtime, module_name: str = SLIME_LOG_MODULE) -> bool:
 
     def log(args, metrics, step_key, *rest, **kw):
         try:
-            timers = {k: v for k, v in dict(metrics).items() if k in FRAMEWORK_TIMERS["slime"]}
+            logged = dict(metrics)
+            timers = {k: v for k, v in logged.items() if k in FRAMEWORK_TIMERS["slime"]}
             rt = log.triage_runtime
             if timers and rt.last_metrics is not None:
                 rt.add_timings(int(rt.last_metrics["step"]), timers, "slime")
+            if REWARD_KEY in logged:           # the rollout's reward, logged before its optimizer steps
+                rt.set_reward(logged[REWARD_KEY])
         except Exception:  # noqa: BLE001 — monitoring never stops the training job
             pass
         return own(args, metrics, step_key, *rest, **kw)
@@ -443,4 +456,5 @@ def _framework_log(rt, args, batch: dict, device) -> dict:
     return {PREFIX + k: torch.tensor(v * scale[k] if scale[k] else 0.0, device=device) for k, v in values.items()}
 
 
-__all__ = ["SlimeTriageLoss", "batch_from_slime", "check_slime_args", "log_slime_batch", "attach_perf_timings"]
+__all__ = ["SlimeTriageLoss", "batch_from_slime", "check_slime_args", "log_slime_batch", "attach_perf_timings",
+           "REWARD_KEY"]

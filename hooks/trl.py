@@ -25,7 +25,12 @@ monitor, controller and step accumulation live in this process's runtime; the st
   (TRL's ``transformers.generate`` / ``vLLM.generate`` / ``transformers.generate_batch`` spans, with TRL's
   ``sync_weights`` inside on vLLM → generation), ``_calculate_rewards`` (reward), ``_get_per_token_logps_and_entropies``
   outside the loss (the old log-probs → logprob; with the reference model → reference), and ``training_step`` less
-  ``_prepare_inputs`` (the loss forward and backward → update).  Evaluation is not timed.
+  ``_prepare_inputs`` (the loss forward and backward → update); with a ``rollout_func`` (which TRL calls from
+  ``_generate`` without a span of its own) the hook times ``_generate`` as generation.  Evaluation is not timed.
+* **Reward** (docs/hooks.md#rewards): TRL's own ``reward`` metric — the mean over the generation batch of the
+  weighted sum of the reward functions, appended to ``_metrics["train"]["reward"]`` in
+  ``_generate_and_score_completions`` — of the batch each training micro-batch comes from is the step's
+  ``reward`` column (:meth:`TrainerHookMixin._tm_record_reward <triage_monitor.hooks._hf_trainer.TrainerHookMixin._tm_record_reward>`).
 * ``log``: TRL logs after the optimizer has stepped, so the monitored step that update closed is complete: it is
   logged now, and the hook's curated metrics (``hook.framework_metrics()``: ``triage/window/rho_asym``, ...,
   ``triage/alerts_active``, ``triage/metrics_step``) join TRL's log, which TRL's ``report_to`` callbacks forward
@@ -41,13 +46,16 @@ import time
 from typing import Optional
 
 import torch
-from trl import GRPOTrainer
 
 from triage_monitor.batch import TokenBatch
+from triage_monitor.exits import quiet_imports
 
 from ._hf_trainer import TrainerHookMixin, TrainerLossHook, last_stats
 from ._options import check_normalization
 from ._runtime import HookSettings
+
+with quiet_imports():          # TRL loads transformers, which loads torchao: its failed CUDA-extension loads on a CPU
+    from trl import GRPOTrainer
 
 #: What the sampler log-probs recorded on the transformers path are (say which one was logged).
 SAMPLER_LOGP_KIND = "transformers.generate KV-cache decoding: log_softmax(raw logits / temperature), no top-k/top-p"
@@ -249,6 +257,14 @@ class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
                             "own normaliser")
 
     # ------------------------------------------------------------ generation
+    def _generate(self, prompts, *args, **kwargs):
+        # With a rollout_func TRL calls it from _generate (not _generate_single_turn) and profiles no span of its
+        # own around it: the hook times that call as generation (with vLLM it holds TRL's sync_weights span, as
+        # _generate_single_turn does).  Without one, _generate_single_turn below is timed instead.
+        if self.triage_hook is None or self.rollout_func is None:
+            return super()._generate(prompts, *args, **kwargs)
+        return self._tm_timed("generation", super()._generate, prompts, *args, **kwargs)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         # TRL 1.13: (prompt_ids, images, multimodal_fields, has_tool_images=False);
         # TRL 1.16: (prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)

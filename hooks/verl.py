@@ -36,6 +36,9 @@ Checked against the installed verl 0.9.1 (``trainer/ppo/core_algos.py``, ``worke
   them as ``time/<phase>`` (docs/hooks.md#phase-timings): in decoupled mode the trainer's own monitor logs the step
   there, in bypass mode the trainer publishes them in ``<run_dir>/.verl/<job>/timings/<step>.json`` before it
   publishes the next step, and the worker writing the step's row reads them (:func:`publish_timings`).
+* **Reward.**  verl's ``critic/score/mean`` (:data:`REWARD_KEY`: ``compute_data_metrics``, which ``_compute_metrics``
+  calls) is the step's ``reward`` column, by the same two paths as the timers: the trainer's monitor in decoupled
+  mode, ``<run_dir>/.verl/<job>/rewards/<step>.json`` read by the workers in bypass mode.
 
 No metric or controller logic here: conversion to :class:`TokenBatch` and calls into the core.
 """
@@ -76,6 +79,10 @@ ENV_LOGGERS = "TRIAGE_MONITOR_LOGGERS"
 ENV_FRAMEWORK_KEYS = "TRIAGE_MONITOR_FRAMEWORK_KEYS"
 #: Policy-loss name registered by :mod:`triage_monitor.hooks.verl_plugin`.
 LOSS_NAME = "triage"
+#: The step's reward in verl's metrics: ``compute_data_metrics`` (``trainer/ppo/metric_utils.py``), called by the v1
+#: trainer's ``_compute_metrics``: the mean over the step's non-aborted responses of each response's score, the sum
+#: of its ``token_level_scores`` (= ``rm_scores``, the reward function's output before any KL penalty).
+REWARD_KEY = "critic/score/mean"
 #: verl's v1 trainer modes wrapped by :func:`register_trainers` (registered as ``triage_<mode>``).
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 
@@ -299,18 +306,34 @@ def read_step(run_dir: Optional[str], job: Optional[str] = None) -> Optional[int
         return None
 
 
-def publish_timings(run_dir: str, step: int, timing_raw: dict, job: Optional[str] = None) -> None:
+def publish_timings(run_dir: str, step: int, timing_raw: dict, job: Optional[str] = None,
+                    reward: Optional[float] = None) -> None:
     """Publish verl's timers of ``step`` (``timing_raw``: verl's names, seconds) for the job's workers, mapped onto
-    the phases (``<run_dir>/.verl/<job>/timings/<step>.json``, written atomically; :func:`read_timings`).  Called
-    by the ``triage_*`` trainers in bypass mode, before they publish the next step.  Never raises."""
+    the phases (``<run_dir>/.verl/<job>/timings/<step>.json``, written atomically; :func:`read_timings`), and the
+    step's reward (verl's ``critic/score/mean``, :data:`REWARD_KEY`; ``rewards/<step>.json``,
+    :func:`read_reward`) when it is a finite number.  Called by the ``triage_*`` trainers in bypass mode, before
+    they publish the next step.  Never raises."""
     from triage_monitor.timings import phase_times
+    from triage_monitor.timings_writer import finite_or_none
 
+    jd = _job_dir(run_dir, job if job is not None else _ray_job_id())
     try:
         times = phase_times(timing_raw, "verl")
-        _write_text(run_dir, f"{_job_dir(run_dir, job if job is not None else _ray_job_id())}/timings/{int(step)}.json",
-                    json.dumps(times))
+        _write_text(run_dir, f"{jd}/timings/{int(step)}.json", json.dumps(times))
+        value = finite_or_none(reward)
+        if value is not None:
+            _write_text(run_dir, f"{jd}/rewards/{int(step)}.json", json.dumps(value))
     except (OSError, ValueError) as exc:     # monitoring I/O never stops the job
         log.warning("triage-monitor: cannot publish the phase timings of step %s in %s (%s)", step, run_dir, exc)
+
+
+def read_reward(run_dir: str, step: int, job: Optional[str] = None) -> Optional[float]:
+    """The reward the trainer published for ``step`` (:func:`publish_timings`); None when none was."""
+    try:
+        return float(json.loads(_read_text(run_dir, f"{_job_dir(run_dir, job if job is not None else _ray_job_id())}/"
+                                                    f"rewards/{int(step)}.json")))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def read_timings(run_dir: str, step: int, job: Optional[str] = None) -> Optional[dict]:
@@ -340,8 +363,9 @@ def watch_published_steps(runtime, run_dir: str, job: Optional[str] = None) -> N
             return
         _WATCHED.add(runtime.settings.key)
     jd = _job_dir(run_dir, job)
-    # the step's phase timings, published by the trainer once verl's step timer closed (publish_timings)
+    # the step's phase timings and reward, published by the trainer once verl's step timer closed (publish_timings)
     runtime.timings_source = lambda step: read_timings(run_dir, step, job)
+    runtime.reward_source = lambda step: read_reward(run_dir, step, job)
     try:
         _write_text(run_dir, f"{jd}/workers/{os.getpid()}", "")
     except OSError as exc:     # monitoring I/O never stops the job
@@ -664,15 +688,17 @@ class TriageTrainerMixin:
         """The step is over (verl's step timer closed, its timers in ``timing_raw``): decoupled mode logs the
         monitored step with them as phase timings and adds its ``framework_keys`` to verl's ``metrics``; bypass
         mode publishes them for the workers (:func:`publish_timings`).  Never raises."""
+        reward = metrics.get(REWARD_KEY) if hasattr(metrics, "get") else None
         try:
             if self.triage_monitor is not None:
                 self.triage_monitor.runtime.add_timings(step, dict(timing_raw or {}), "verl")
+                self.triage_monitor.runtime.add_reward(step, reward)
                 # this step's own values (no lag: the trainer logs the step it has just closed), the framework_keys
                 # selection as triage/<name> and triage/metrics_step; verl logs them under its global_steps
                 if self.triage_monitor.flush() is not None:
                     metrics.update(self.triage_monitor.framework_metrics())
             elif self.triage_settings.run_dir is not None and self.triage_bypass:
-                publish_timings(self.triage_settings.run_dir, step, dict(timing_raw or {}))
+                publish_timings(self.triage_settings.run_dir, step, dict(timing_raw or {}), reward=reward)
         except Exception as exc:  # noqa: BLE001 — monitoring never stops the training job
             log.warning("triage-monitor: logging step %s failed (%s: %s); training continues", step,
                         type(exc).__name__, exc)
@@ -743,5 +769,5 @@ def register_trainers() -> list:
 
 
 __all__ = ["batch_from_dataproto", "log_dataproto", "batch_from_transfer_queue", "settings_from_env",
-           "shared_attempt", "publish_step", "read_step", "publish_timings", "read_timings", "watch_published_steps", "finish_workers", "verl_aggregation", "verl_metrics", "VerlTriageLoss",
+           "shared_attempt", "publish_step", "read_step", "publish_timings", "read_timings", "read_reward", "REWARD_KEY", "watch_published_steps", "finish_workers", "verl_aggregation", "verl_metrics", "VerlTriageLoss",
            "register", "VerlBatchMonitor", "TriageTrainerMixin", "check_config", "register_trainers"]

@@ -351,6 +351,21 @@ def log_perf_data_raw(rollout_id, args, is_primary_rank: bool, timer_log_dict: d
     tracking.log(args, log_dict, step_key="rollout/step")
 
 
+# 31f1ca96 miles/backends/training_utils/log_utils.py L165-261 (log_rollout_data), the branch of a plain list of
+# numbers (``raw_reward``, each rank's samples): (sum(flat), len(flat)) per rank, reduced on the DP-CP rank 0 as
+# Σsum / Σcount (reduce_gathered_log_dict, L34-78) and logged by gather_log_data (L81-128) through tracking.log as
+# ``rollout/<key>`` at ``rollout/step``; the Megatron actor calls it before it trains on the rollout
+# (backends/megatron_utils/actor.py L566-571).
+def log_rollout_raw_reward(rollout_id, args, per_rank_raw_reward: list) -> None:
+    from miles.utils.tracking_utils import tracking
+
+    gathered = [(sum(flat), len(flat)) for flat in per_rank_raw_reward]
+    reduced = {"raw_reward": sum(x for x, _ in gathered) / sum(n for _, n in gathered)}
+    log_dict = {f"rollout/{k}": v for k, v in reduced.items()}
+    log_dict["rollout/step"] = rollout_id
+    tracking.log(args, log_dict, step_key="rollout/step")
+
+
 def restore_modules(saved: dict) -> None:
     for name, mod in saved.items():
         if mod is None:

@@ -522,7 +522,8 @@ def test_the_trainers_timers_reach_the_steps_table_through_a_training_callback(t
     through BasePPOExp.get_trainer and adds the callback; the trainer's own _fire("on_log", logs=...) — what
     RayPPOTrainer.train does before tracker.log (train/trainer.py L522-536) — with the payload train builds
     (metrics, timing/<all_timings>) at global_step 1..3: each step's row (written earlier by the workers) gets
-    the phases, mapped as docs/hooks.md#phase-timings says; SkyRL's payload is left as it was."""
+    the phases, mapped as docs/hooks.md#phase-timings says, and the reward SkyRL's own postprocess_generator_output
+    put in the payload; SkyRL's payload is left as it was."""
     import math
 
     from skyrl.train.config import SkyRLTrainConfig
@@ -553,12 +554,18 @@ def test_the_trainers_timers_reach_the_steps_table_through_a_training_callback(t
                               inference_engine_client=None, generator=None, colocate_pg=None)
     assert type(trainer) is RayPPOTrainer
     payloads = []
+    rewards = {1: [1.0, -1.0, 0.5, 0.5], 2: [0.0, -0.5, 0.0, 1.0], 3: [2.0, 1.0, 1.0, -1.0]}
     for s in (1, 2, 3):
         trainer.global_step = s
+        trainer.all_metrics = {}
+        # SkyRL's own postprocess_generator_output (what train runs after generation) puts the step's reward
+        # metrics into all_metrics: reward/avg_raw_reward, the mean trajectory reward
+        out = {"response_ids": [[5, 6, 7]] * 4, "rewards": list(rewards[s]), "loss_masks": [[1, 1, 1]] * 4}
+        trainer.postprocess_generator_output(out, ["a", "a", "b", "b"])
         all_timings = {"generate": 6.0 * s, "postprocess_generator_output": 0.1, "convert_to_training_input": 0.2,
                        "fwd_logprobs_values_reward": 1.0, "compute_advantages_and_returns": 0.2,
                        "train_critic_and_policy": 2.0, "policy_train": 1.9, "sync_weights": 0.5, "step": 10.0 * s}
-        log_payload = {"trainer/global_step": s, "policy/policy_loss": 0.1,
+        log_payload = {**trainer.all_metrics, "trainer/global_step": s, "policy/policy_loss": 0.1,
                        **{f"timing/{k}": v for k, v in all_timings.items()}}
         before = dict(log_payload)
         trainer._fire("on_log", logs=log_payload)
@@ -570,6 +577,11 @@ def test_the_trainers_timers_reach_the_steps_table_through_a_training_callback(t
     assert steps["time/reward"].tolist() == pytest.approx([0.3] * 3) and steps["time/other"].tolist() == [0.2] * 3
     assert steps["time/update"].tolist() == [2.0] * 3 and steps["time/weight_sync"].tolist() == [0.5] * 3
     assert steps["time/logprob"].tolist() == [1.0] * 3 and all(math.isnan(v) for v in steps["time/quantize"])
+    # the step's reward: SkyRL's reward/avg_raw_reward (0.25, 0.125, 0.75), not its pass@n (1, 0.5, 1) or its
+    # positive-reward mean (0.5, 0.25, 1)
+    assert [p["reward/avg_raw_reward"] for p in payloads] == [0.25, 0.125, 0.75]
+    assert [p["reward/mean_positive_reward"] for p in payloads] == [0.5, 0.25, 1.0]
+    assert steps["reward"].tolist() == [0.25, 0.125, 0.75]
     late = open_run(run_dir).timings()
     assert late["framework"].tolist() == ["skyrl"] * 3 and late["framework_step"].tolist() == [1, 2, 3]
     assert not [p for p in (run_dir / "timings").iterdir() if p.name.startswith(".")]     # sealed at train end

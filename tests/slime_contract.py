@@ -216,6 +216,22 @@ def log_perf_data(rollout_id, args, timer_log_dict: dict, extra_metrics=None) ->
     logging_utils.log(args, log_dict, step_key="rollout/step")
 
 
+# 624b824a slime/observability/train_metric_utils.py L142-221 (log_rollout_data), the branch of a plain list of
+# numbers (``raw_reward``: every sample's reward, shipped whole to each data-parallel rank, utils/data.py L320-327):
+# (sum, count) per rank, reduced on the DP source rank as Σsum / Σcount (gather_and_reduce_log_dict, L86-114) and
+# logged by gather_log_data (L117-138) as ``rollout/<key>`` at ``rollout/step``; called by the training actor
+# before it trains on the rollout (backends/megatron_utils/actor.py L508-524).  Miles' log_rollout_data
+# (backends/training_utils/log_utils.py L165-261 at 31f1ca96) reduces and logs the same way.
+def log_rollout_raw_reward(rollout_id, args, raw_reward: list, dp_size: int = 1) -> None:
+    from slime.observability import logging_utils
+
+    per_rank = [(sum(raw_reward), len(raw_reward))] * dp_size
+    reduced = {"raw_reward": sum(x for x, _ in per_rank) / sum(n for _, n in per_rank)}
+    log_dict = {f"rollout/{k}": v for k, v in reduced.items()}
+    log_dict["rollout/step"] = rollout_id
+    logging_utils.log(args, log_dict, step_key="rollout/step")
+
+
 def perf_log_dict(timer_log_dict: dict, extra_metrics=None) -> dict:
     """The perf dict of a rollout's Timer readings, as slime's log_perf_data (L376-378, L395-399) and Miles'
     log_perf_data_raw (miles/utils/train_metric_utils.py L28-30, L52-56 at 31f1ca96) build it, FLOPs left out."""

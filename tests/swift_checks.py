@@ -219,6 +219,20 @@ def test_the_step_time_and_the_profiled_methods_are_the_phase_timings(job):
         assert math.isnan(row["time/weight_sync"])                       # no vLLM here
 
 
+def test_swifts_reward_is_each_rows_reward(job):
+    """ms-swift's own ``reward`` (its log: ``_compute_advantages``' mean over the generation batch of the reward
+    functions' weighted sum, every process's completions) is each row's ``reward``: the column the report, the
+    dashboard and the verdict read; each step its own."""
+    import pandas as pd
+
+    steps = pd.read_parquet(job["run"] / "steps").sort_values("step")
+    logged = {int(h["step"]) - 1: h["reward"] for h in job["trainer"].state.log_history if "reward" in h}
+    assert sorted(logged) == steps["step"].astype(int).tolist() == [0, 1, 2, 3]
+    for _, row in steps.iterrows():
+        assert row["reward"] == pytest.approx(logged[int(row["step"])], rel=1e-12)
+    assert len(set(logged.values())) > 1
+
+
 def test_swifts_own_mismatch_metrics_are_kept_and_ours_join_its_log_under_triage(job):
     """ms-swift's ``rollout_correction/*`` keep their names and ms-swift's values; ours come under ``triage/``, the
     monitored step before each log row (``triage/metrics_step``).  With one micro-batch per step the two sides

@@ -101,7 +101,7 @@ def test_miles_tis_changes_the_loss_that_our_correction_reproduces(miles_modules
     assert abs(float(plain) - float(tis)) > 1e-3
 
 
-def miles_train(hook, args, steps: int, schedule=((0, 1, 2), (3, 4, 5)), after_step=None) -> list:
+def miles_train(hook, args, steps: int, schedule=((0, 1, 2), (3, 4, 5)), after_step=None, before_step=None) -> list:
     """``steps`` Miles train steps of one data-parallel rank holding all 6 samples (5 rollouts): per micro-batch
     Miles' ``loss_function`` → backward; one optimizer step; ``aggregate_train_losses`` as the backend calls it
     (Megatron: ÷ the step's rollout count; FSDP and per-token loss: ÷ the summed first entries).  Returns the reduced
@@ -111,6 +111,8 @@ def miles_train(hook, args, steps: int, schedule=((0, 1, 2), (3, 4, 5)), after_s
     megatron = args.train_backend == "megatron" and not args.calculate_per_token_loss
     logged = []
     for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         samples = amplifying_step(step)
         losses = []
         for idx in schedule:
@@ -179,6 +181,26 @@ def test_the_actors_perf_timers_reach_the_rows_of_their_rollout(miles_modules, t
     assert (steps["time/logprob"] == 1.0).all() and (steps["time/weight_sync"] == 0.5).all()
     logged = sys.modules["miles.utils.tracking_utils.tracking"].LOGGED
     assert [d["rollout/step"] for d in logged] == [0, 1, 2]
+
+
+def test_the_rollouts_raw_reward_is_the_reward_of_its_rows(miles_modules, tmp_path):
+    """Miles' actor logs each rollout's rollout/raw_reward (log_rollout_data → gather_log_data → tracking.log,
+    transcribed at 31f1ca96) before it trains on the rollout: the hook makes it the reward of the rollout's rows,
+    from the second rollout on (the first is logged before Miles loads the loss module)."""
+    import miles_contract
+
+    from triage_monitor.analysis import open_run
+
+    hook = MilesTriageLoss(str(tmp_path / "run"), triage=None, alerts=False)
+    args = miles_args()
+    per_rank = {0: [[1.0, 0.0], [0.0]], 1: [[1.0, 1.0], [0.0, 0.0]], 2: [[0.5], [0.5, 0.5, 1.5]]}
+    miles_train(hook, args, 3, before_step=lambda rollout_id: miles_contract.log_rollout_raw_reward(
+        rollout_id, args, per_rank[rollout_id]))
+    close_all()
+    got = open_run(tmp_path / "run").steps().set_index("step")["reward"]
+    assert got.index.tolist() == [0, 1, 2] and np.isnan(got[0]) and got[[1, 2]].tolist() == [0.5, 0.75]
+    logged = sys.modules["miles.utils.tracking_utils.tracking"].LOGGED
+    assert [d["rollout/raw_reward"] for d in logged] == pytest.approx([1 / 3, 0.5, 0.75])
 
 
 @pytest.mark.parametrize("kw,match", [

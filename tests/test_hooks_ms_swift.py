@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.framework
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = 31          # tests in tests/swift_checks.py
+CHECKS = 32          # tests in tests/swift_checks.py
 
 
 @pytest.mark.parametrize("release", ["4.6.0", "4.4.0"])

@@ -39,6 +39,7 @@ import math
 from pathlib import Path
 
 import cloudpickle
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -659,7 +660,11 @@ def test_grpos_step_timers_reach_the_last_optimizer_step_of_each_grpo_step(nemo_
                           "reward_calculation": 0.25, "advantage_calculation": 0.25, "policy_training": 2.0,
                           "prepare_for_generation/total": 0.5, "total_step_time": 10.0 + total_steps,
                           "valid_tokens_per_sec_per_gpu": 1234.0}
-        logger.log_metrics({"loss": 0.1}, total_steps + 1, prefix="train")
+        # GRPO's metrics of the step: "reward" = np.mean of the batch's total_reward (grpo.py L3435, L3480-3490)
+        rewards = np.array([1.0, 0.0, 0.5, 0.25 * total_steps])          # the batch's total_reward
+        metrics = {"loss": 0.1, "reward": np.mean(rewards).item()}
+        logger.log_metrics({"mean_gen_tokens_per_sample": 5.0}, total_steps + 1, prefix="train")   # L3022, before
+        logger.log_metrics(metrics, total_steps + 1, prefix="train")
         logger.log_metrics(timing_metrics, total_steps + 1, prefix="timing/train", step_finished=True)
     close_all()
     logger.finish()
@@ -670,9 +675,12 @@ def test_grpos_step_timers_reach_the_last_optimizer_step_of_each_grpo_step(nemo_
     assert timed["time/generation"].tolist() == [6.0, 7.0, 8.0] and timed["time/step"].tolist() == [10.0, 11.0, 12.0]
     assert timed["time/reward"].tolist() == [0.5] * 3 and timed["time/logprob"].tolist() == [1.0] * 3
     assert timed["time/update"].tolist() == [2.0] * 3 and timed["time/weight_sync"].tolist() == [0.5] * 3
+    # GRPO's train/reward of each step is the reward of its last optimizer step's row: 0.375, 0.4375, 0.5
+    assert timed["reward"].tolist() == [0.375, 0.4375, 0.5]
+    assert steps.drop(index=[1, 3, 5])["reward"].isna().all()
     late = open_run(tmp_path / "run").timings()
     assert late["framework_step"].tolist() == [1, 2, 3] and set(late["framework"]) == {"nemo_rl"}
-    assert [c[0] for c in own.calls] == ["train", "timing/train"] * 3 and own.calls[1][2]["generation"] == 6.0
+    assert [c[0] for c in own.calls] == ["train", "train", "timing/train"] * 3 and own.calls[2][2]["generation"] == 6.0
     assert not [p for p in (tmp_path / "run" / "timings").iterdir() if p.name.startswith(".")]   # sealed at finish
 
 

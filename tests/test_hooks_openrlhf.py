@@ -566,9 +566,12 @@ def test_the_drivers_timers_land_on_each_fits_last_step(runs, tmp_path):
     """OpenRLHF's own BasePPOTrainer.save_logs_and_checkpoints, reached through the hook's PPOTrainer subclass,
     with each real fit's status plus the timers train_step / fit add (trainer/ppo_trainer.py L255-258, L543-545):
     the run's steps table gets them at the fit's last optimizer step (2, 5, 8; triage/metrics_step), the other
-    steps stay untimed; OpenRLHF's logger still gets the status, timers included."""
+    steps stay untimed; so does the step's reward (rollout/reward_mean); OpenRLHF's logger still gets the status,
+    timers included."""
     import math
     import types
+
+    from openrlhf.trainer.ppo_utils.experience import Experience
 
     from triage_monitor.analysis import open_run
 
@@ -582,9 +585,15 @@ def test_the_drivers_timers_land_on_each_fits_last_step(runs, tmp_path):
                                          ckpt=types.SimpleNamespace(save_steps=float("inf")))
     trainer.wandb_logger = types.SimpleNamespace(log_train=lambda step, logs: logged.append((step, dict(logs))))
     trainer.tensorboard_logger = None
+    rewards = [[1.0, 0.0, 0.5, 0.25], [0.0, 0.0, 1.0, 1.0], [2.0, 1.0, 1.0, 0.0]]
     for k, status in enumerate(r["statuses"]):
         status = dict(status)
         status.update({"timing/make_experience": 1.0 + k, "timing/ppo_train": 2.0, "timing/broadcast": 0.5})
+        # train_step merges OpenRLHF's rollout stats (L261): its own _compute_rollout_stats over the step's
+        # experiences, each sample's reward in info["reward"] as samples_generator.py L284 puts it
+        exps = [Experience(info={"reward": torch.tensor([x])}, response_length=torch.tensor([5.0]),
+                           truncated=torch.tensor([False])) for x in rewards[k]]
+        status.update(ppo_trainer.BasePPOTrainer._compute_rollout_stats(trainer, exps))
         status["timing/generation"] = 6.0
         status["timing/step_total"] = sum(v for key, v in status.items() if key.startswith("timing/"))
         trainer.save_logs_and_checkpoints(k + 1, status, {})
@@ -592,6 +601,10 @@ def test_the_drivers_timers_land_on_each_fits_last_step(runs, tmp_path):
     steps = open_run(r["run"]).steps().set_index("step")
     timed = steps[steps["time/generation"].notna()]
     assert timed.index.tolist() == [2, 5, 8]
+    # OpenRLHF's rollout/reward_mean of each step is the reward of that step's row (the mean of its samples'
+    # rewards: 0.4375, 0.5, 1.0); the other rows have none
+    assert timed["reward"].tolist() == [sum(x) / 4 for x in rewards] == [0.4375, 0.5, 1.0]
+    assert steps.drop(index=[2, 5, 8])["reward"].isna().all()
     assert timed["time/logprob"].tolist() == [1.0, 2.0, 3.0] and timed["time/update"].tolist() == [2.0] * 3
     assert timed["time/step"].tolist() == [9.5, 10.5, 11.5] and timed["time/weight_sync"].tolist() == [0.5] * 3
     assert all(math.isnan(v) for v in steps.drop(index=[2, 5, 8])["time/step"])

@@ -443,7 +443,8 @@ def slime_micro_batch(samples: list, idx: list, offset: torch.Tensor):
     return mb, logits
 
 
-def slime_train(hooks, args, steps: int, partitions, schedule, seed0: int = 0, after_step=None) -> list:
+def slime_train(hooks, args, steps: int, partitions, schedule, seed0: int = 0, after_step=None,
+                before_step=None) -> list:
     """``steps`` slime train steps (model.py train_one_step): every DP rank (one hook each) runs its micro-batches
     through loss_function → backward; one optimizer step; then reduce_train_step_metrics over the ranks.  Returns
     the reduced log of each step (what slime logs as ``train/<key>``)."""
@@ -451,6 +452,8 @@ def slime_train(hooks, args, steps: int, partitions, schedule, seed0: int = 0, a
     opt = torch.optim.SGD([param], lr=0.0)
     logged = []
     for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         samples = amplifying_step(seed0 + step)
         ranks = []
         for hook, part in zip(hooks, partitions):
@@ -554,6 +557,31 @@ def test_the_actors_perf_timers_reach_the_rows_of_their_rollout(slime_modules, t
     assert set(run.timings()["framework"]) == {"slime"} and set(run.timings()["rank"]) == {0}
     logged = sys.modules["slime.observability.logging_utils"].LOGGED
     assert [d["rollout/step"] for d in logged] == [0, 1, 2] and logged[0]["perf/step_time"] == 10.0
+
+
+def test_the_rollouts_raw_reward_is_the_reward_of_its_rows(slime_modules, tmp_path):
+    """slime's training actor logs each rollout's rollout/raw_reward (the mean of every sample's reward, before
+    GRPO's normalisation) in log_rollout_data, before it trains on the rollout (transcribed at 624b824a): the
+    reporting rank's hook makes it the reward of the rollout's rows, rank 1's too (the job's reward).  The first
+    rollout's is logged before slime imports the loss module (its first loss call): its row has none."""
+    from triage_monitor.analysis import open_run
+
+    hooks = two_ranks(tmp_path, alerts=False, loggers=[])
+    args = slime_args()
+    raw = {0: [1.0, 0.0, 0.0, 0.0], 1: [1.0, 1.0, 0.0, 0.5], 2: [0.0, 0.0, 0.5, 0.5], 3: [1.0, 1.0, 1.0, 0.0]}
+
+    def rollout(rollout_id):
+        slime_contract.log_rollout_raw_reward(rollout_id, args, raw[rollout_id], dp_size=2)
+
+    slime_train(hooks, args, 4, PARTITION, [[0, 1], [2]], before_step=rollout)
+    close_all()
+    run = open_run(tmp_path / "run")
+    for rank in (0, 1):
+        got = run.steps(rank=rank).set_index("step")["reward"]
+        assert got.index.tolist() == [0, 1, 2, 3] and np.isnan(got[0])
+        assert got[[1, 2, 3]].tolist() == [0.625, 0.25, 0.75]
+    logged = sys.modules["slime.observability.logging_utils"].LOGGED
+    assert [d["rollout/raw_reward"] for d in logged] == [0.25, 0.625, 0.25, 0.75]     # slime's own log, unchanged
 
 
 def test_controller_statistics_are_weighted_by_rollouts_not_samples(slime_modules, tmp_path):

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +181,33 @@ def test_trls_step_time_and_the_profiled_spans_are_the_phase_timings(trl_run):
         assert np.isnan(row["time/weight_sync"]) and np.isnan(row["time/quantize"])         # not on this path
     generated = steps["time/generation"].dropna()
     assert len(generated) >= 1 and (generated > 0).all()
+
+
+def test_trls_reward_is_each_rows_reward(trl_run):
+    """TRL's own ``reward`` (its log: the mean over the step's generation batch of the reward functions' weighted sum,
+    grpo_trainer.py ``_generate_and_score_completions``) is each row's ``reward``, the column the report, the
+    dashboard and the verdict read; each step its own (this reward changes from step to step)."""
+    steps = pd.read_parquet(trl_run["run_dir"] / "steps").sort_values("step")
+    logged = {int(h["step"]) - 1: h["reward"] for h in trl_run["trainer"].state.log_history if "reward" in h}
+    assert sorted(logged) == steps["step"].astype(int).tolist() == [0, 1, 2]
+    for _, row in steps.iterrows():
+        assert row["reward"] == pytest.approx(logged[int(row["step"])], rel=1e-12)
+    assert len(set(logged.values())) == 3
+
+
+def test_a_generation_batch_trained_over_two_steps_gives_both_its_reward(tmp_path):
+    """``steps_per_generation=2`` with one micro-batch a step: each generation batch is trained in two optimizer steps,
+    and TRL logs its reward once (at the first of them; TRL clears its metrics after each log).  Both steps' rows
+    carry that batch's reward: steps 0 and 1 the first batch's, 2 and 3 the second's."""
+    trainer = make_trainer(tmp_path, HookSettings(run_dir=str(tmp_path / "run")), max_steps=4, steps_per_generation=2,
+                           gradient_accumulation_steps=1, per_device_train_batch_size=4)
+    trainer.train()
+    logged = {int(h["step"]) - 1: h["reward"] for h in trainer.state.log_history if "reward" in h}
+    assert sorted(logged) == [0, 2]
+    steps = pd.read_parquet(tmp_path / "run" / "steps").sort_values("step")
+    assert steps["step"].astype(int).tolist() == [0, 1, 2, 3]
+    assert steps["reward"].tolist() == pytest.approx([logged[0], logged[0], logged[2], logged[2]], rel=1e-12)
+    assert logged[0] != logged[2]
 
 
 def test_sampler_logps_are_the_generation_logits(trl_run):
@@ -557,9 +585,16 @@ def test_monitor_only_keeps_trl_loss(tmp_path):
 def test_rollout_func_logprobs_are_the_sampler_logps(tmp_path):
     """With a ``rollout_func`` (TRL's hook for a custom generator), the sampler log-probs are exactly the ones it
     returns: TRL turns them into ``sampling_per_token_logps``, the hook records them unchanged."""
-    returned = []
+    returned, spent = [], []
 
     def rollout(prompts, trainer):
+        t0 = time.perf_counter()
+        try:
+            return generate(prompts, trainer)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    def generate(prompts, trainer):
         tok, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for p in prompts:
@@ -581,7 +616,7 @@ def test_rollout_func_logprobs_are_the_sampler_logps(tmp_path):
     ds = datasets.Dataset.from_dict({"prompt": [" ".join(WORDS[i:i + 2]) for i in range(4)]})
     args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                           max_completion_length=6, max_steps=1, report_to="none", use_cpu=True, beta=0.0,
-                          save_strategy="no", seed=0)
+                          save_strategy="no", seed=0, logging_steps=1)
     trainer = TriageGRPOTrainer(model=tiny_model(len(tok)), reward_funcs=reward_count_a, args=args,
                                 train_dataset=ds, processing_class=tok, rollout_func=rollout,
                                 triage=HookSettings(run_dir=str(tmp_path / "run")))
@@ -592,6 +627,14 @@ def test_rollout_func_logprobs_are_the_sampler_logps(tmp_path):
     assert delta.mean() == pytest.approx(0.05, abs=5e-3)
     info = json.loads((tmp_path / "run" / "run.json").read_text())["info"]
     assert info["sampler_logp_kind"] == "rollout_func logprobs"
+    # generation through the rollout_func is timed (TRL profiles no span around it): at least the time spent in the
+    # function, within TRL's step_time; and TRL's reward of the step is the row's
+    steps = pd.read_parquet(tmp_path / "run" / "steps")
+    assert steps["step"].astype(int).tolist() == [0] and len(spent) == 1
+    row = steps.iloc[0]
+    assert spent[0] <= row["time/generation"] <= row["time/step"]
+    logged = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert len(logged) == 1 and row["reward"] == pytest.approx(logged[0], rel=1e-12)
 
 
 # ------------------------------------------------- alerts and trackers through a real TRL run
@@ -712,6 +755,51 @@ def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path,
     assert run.data.tags["triage.alert.rho_asym_critical"].startswith("ERROR at step 2: window/rho_asym = ")
     assert [a.path for a in client.list_artifacts(run.info.run_id, "triage/alerts")] == [
         "triage/alerts/step00000002-rho_asym_critical.txt"]
+
+
+ALERT_UNDER_A_BAR = """
+import logging, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+if {configured}:
+    logging.basicConfig()                     # the user's own console handler on the root logger
+import test_hooks_trl as t
+from triage_monitor.hooks._runtime import HookSettings
+tmp = Path({tmp!r})
+trainer = t.make_trainer(tmp, HookSettings(run_dir=str(tmp / "run")), max_steps=4, cls=t.AmplifyingSamplerTrainer,
+                         reward=t.reward_first_word, gradient_accumulation_steps=1, per_device_train_batch_size=8,
+                         disable_tqdm=False, logging_steps=10)
+trainer.train()
+"""
+
+
+def on_screen(text: str) -> list:
+    """The lines a terminal shows for ``text``: each carriage return goes back to the start of the line, and what
+    follows overwrites what was there."""
+    shown = []
+    for line in text.split("\n"):
+        cells: list = []
+        for part in line.split("\r"):
+            cells[:len(part)] = part
+        shown.append("".join(cells).rstrip())
+    return shown
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["no-logging-config", "basicConfig"])
+def test_an_alert_line_goes_above_trls_progress_bar_not_into_it(tmp_path, configured):
+    """A real GRPOTrainer.train() with its tqdm bar on (a user's script, its own process) and the shipped rules: the
+    amplifying sampler's rho_asym_critical alert is logged while the bar is drawn.  On screen its line holds the alert
+    alone — above the bar, not appended to the bar's line — whether the script configured no logging (Python's
+    last-resort handler would write it into the bar) or its own console handler (logging.basicConfig)."""
+    script = ALERT_UNDER_A_BAR.format(tests=str(Path(__file__).parent), configured=configured, tmp=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in on_screen(proc.stderr) if "rho_asym_critical" in x]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "it/s]" not in lines[0] and "%|" not in lines[0], lines[0]
+    assert lines[0].startswith("ERROR:triage_monitor.alerts:triage ERROR" if configured else "triage ERROR"), lines[0]
+    assert any("%|" in x for x in on_screen(proc.stderr))              # the bar was drawn
 
 
 def test_checkpoint_keeps_controller_state(tmp_path):

@@ -571,7 +571,7 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
         results.append(ray.get([w.train.remote(i, step, port) for i, w in enumerate(workers)]))
         # the step is over: the triage_* trainer's _compute_metrics publishes verl's timers of the step (bypass mode)
         hook.publish_timings(str(run), step, {"gen": 1.0 * step, "update_actor": 0.5, "step": 2.0 * step + 1.0,
-                                              "testing": 9.0})
+                                              "testing": 9.0}, reward=0.25 * step)
     assert hook.finish_workers(str(run), timeout=60)                  # the trainer's fit() ends with this
     last = results[-1]
     assert {r["rank"] for r in last} == {0, 1} and len({r["pid"] for r in last}) == 2
@@ -606,6 +606,7 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
         for rank in (0, 1):
             r = rows[(s, rank)]
             assert (r["time/generation"], r["time/update"], r["time/step"]) == (1.0 * s, 0.5, 2.0 * s + 1.0)
+            assert r["reward"] == 0.25 * s                          # and the step's reward (critic/score/mean)
             assert np.isnan(r["time/logprob"]) and np.isnan(r["time/other"])
     assert all(np.isnan(rows[(s, 1)]["alerts_active"]) for s in (1, 2, 3))
 
@@ -658,7 +659,7 @@ def task_runner_compute_advantage() -> dict:
         lens, keys, fields, tags = [9, 5, 12, 7], [], [], []
         for i, n in enumerate(lens):                                 # as AgentLoopWorkerTQ puts its outputs
             rm = torch.zeros(n)
-            rm[-1] = float(i % 2)
+            rm[-1] = SCORES[i]                                       # the reward function's score, at the last token
             keys.append(f"p{i // 2}_{i % 2}_0")
             fields.append({"prompts": torch.ones(3, dtype=torch.int64), "responses": torch.ones(n, dtype=torch.int64),
                            "response_mask": torch.ones(n, dtype=torch.int64), "rm_scores": rm, "uid": f"p{i // 2}",
@@ -682,15 +683,25 @@ def task_runner_compute_advantage() -> dict:
         trainer._init_resource_pool_mgr()
         trainer._compute_metrics(meta, metrics, dict(VERL_TIMING_RAW), global_steps=3, epoch=0)
         trainer.triage_monitor.close()
+        # bypass mode (the loss monitors in the workers): the same _compute_metrics publishes the step's reward for
+        # the workers, beside its timers
+        trainer.triage_monitor, trainer.triage_bypass = None, True
+        bypass = {}
+        trainer._compute_metrics(meta, bypass, dict(VERL_TIMING_RAW), global_steps=4, epoch=0)
+        published = hook.read_reward(trainer.triage_settings.run_dir, 4)
     finally:
         tq.close()
     return {"cls": type(trainer).__name__, "mode": trainer.trainer_mode, "metrics": sorted(metrics),
+            "score_mean": float(metrics["critic/score/mean"]), "published_reward": published,
+            "bypass_score_mean": float(bypass["critic/score/mean"]),
             "timing_s": {k: float(v) for k, v in metrics.items() if k.startswith("timing_s/")},
             "triage": {k: float(v) for k, v in metrics.items() if k.startswith("triage/")}, "lens": lens,
             "old": torch.cat(old), "rollout": torch.cat([f["rollout_log_probs"] for f in fields]),
             "adv": [a.clone() for a in adv.unbind()]}
 
 
+#: The four responses' scores (verl's rm_scores at the last token; two GRPO groups of two): mean 0.45.
+SCORES = [0.2, 1.0, 0.0, 0.6]
 #: A verl step's timers (verl's names, seconds), chosen by hand: generation 6.0 s of a 10.5 s step.
 VERL_TIMING_RAW = {"gen": 6.0, "reward": 0.25, "old_log_prob": 1.0, "adv": 0.25, "update_actor": 2.25,
                    "update_weights": 0.5, "step": 10.5, "testing": 3.0}
@@ -735,6 +746,11 @@ def test_triage_trainer_monitors_the_transfer_queue_batch(ray_cluster, tmp_path)
     summary = cycle_summary(steps)
     assert summary.g == pytest.approx(6.0 / 10.5) and summary.projected == pytest.approx(1.4771, abs=1e-4)
     assert got["triage"]["triage/metrics_step"] == 3.0      # the step's curated keys joined verl's metrics
+    # verl's own critic/score/mean (the mean of each response's summed rm_scores, computed by verl's
+    # compute_data_metrics) is the step's reward: 0.45, not a per-token mean (1.8 / 33)
+    assert got["score_mean"] == pytest.approx(sum(SCORES) / 4) and row["reward"] == got["score_mean"]
+    # bypass mode: the trainer publishes it for the workers writing the rows
+    assert got["published_reward"] == got["bypass_score_mean"] == got["score_mean"]
     tokens = pd.read_parquet(run / "tokens").sort_values(["sample_id", "position"])
     assert set(tokens["step"].astype(int)) == {3}
     assert torch.equal(torch.tensor(tokens["learner_logp"].to_numpy()), got["old"])

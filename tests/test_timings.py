@@ -315,6 +315,33 @@ def test_a_monitors_late_timings_go_to_the_timings_table(tmp_path):
     assert open_run(run).timings()["framework_step"].tolist() == [12]
 
 
+def test_a_reward_that_comes_after_the_row_fills_the_reward_column_and_a_row_keeps_its_own(tmp_path):
+    """A framework's reward recorded after its step's row (a driver's TimingsWriter, MismatchMonitor.add_timings):
+    steps() fills the reward column where the row has none and keeps a row's own; a NaN reading (every sample
+    aborted) is no reading; a timings table without a reward adds no reward column."""
+    from triage_monitor.timings_writer import TimingsWriter
+
+    run = tmp_path / "run"
+    with MismatchMonitor(run, MonitorConfig(), alerts=False) as mon:
+        mon.log_step(0, batch(0), extra={"reward": 0.9})             # the row's own reward stays
+        mon.log_step(1, batch(1), extra={"reward": float("nan")})
+        mon.log_step(2, batch(2), extra={"reward": float("nan")})
+        mon.add_timings(2, {}, reward=0.25)                          # the monitor's process, after the row
+        with pytest.raises(ValueError, match="reward"):
+            mon.add_timings(2, {}, reward=float("inf"))
+    with TimingsWriter(run, framework="openrlhf") as tw:
+        assert tw.record({"timing/generation": 1.0}, step=0, reward=0.1) == 0
+        assert tw.record({"policy_loss": 1.0}, step=1, reward=0.5) == 1        # a reward alone is a reading
+        assert tw.record({"policy_loss": 1.0}, step=2, reward=float("nan")) is None
+    assert open_run(run).steps()["reward"].tolist() == [0.9, 0.5, 0.25]
+    other = tmp_path / "timed"
+    with MismatchMonitor(other, MonitorConfig(), alerts=False) as mon:
+        mon.log_step(0, batch(0))
+        mon.add_timings(0, {"generation": 1.0})
+    steps = open_run(other).steps()
+    assert steps["time/generation"].tolist() == [1.0] and "reward" not in steps.columns
+
+
 def test_a_resumed_job_takes_its_own_timings_and_the_newest_step_of_its_own_attempt(tmp_path):
     """Attempt 1 times steps 0-9 (step=None: the newest step on disk); attempt 2 resumes from step 5 with a new
     driver: its readings land on its own steps 5-7 (not on attempt 1's step 9), a step it re-logged without timers

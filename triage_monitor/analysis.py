@@ -301,12 +301,13 @@ class Run:
         return _fill_late_timings(df, self.timings())
 
     def timings(self) -> pd.DataFrame:
-        """The timings table: phase timings recorded after their step's row (a framework driver's timers,
-        :class:`~triage_monitor.timings_writer.TimingsWriter`, rank 0; ``MismatchMonitor.add_timings``, the
-        monitor's rank), one row a step and rank: each column's newest reading (latest attempt, then part, then
-        write time; a later row without a phase keeps the earlier row's, a later row without ``framework_step``
-        keeps the earlier one's).  :meth:`steps` fills its rows' ``time/<phase>`` columns from these where they
-        are NaN.  Empty (with a ``step`` column) when there are none."""
+        """The timings table: phase timings and rewards recorded after their step's row (a framework driver's
+        timers and reward, :class:`~triage_monitor.timings_writer.TimingsWriter`, rank 0;
+        ``MismatchMonitor.add_timings``, the monitor's rank), one row a step and rank: each column's newest reading
+        (latest attempt, then part, then write time; a later row without a phase or reward keeps the earlier row's,
+        a later row without ``framework_step`` keeps the earlier one's).  :meth:`steps` fills its rows'
+        ``time/<phase>`` and ``reward`` columns from these where they are NaN.  Empty (with a ``step`` column) when
+        there are none."""
         idx = self.index("timings")
         frames = []
         for p in idx.parts:
@@ -355,14 +356,17 @@ class Run:
 
 
 def _fill_late_timings(steps: pd.DataFrame, late: pd.DataFrame) -> pd.DataFrame:
-    """``steps`` with its ``time/<phase>`` columns filled from the timings table ``late`` (:meth:`Run.timings`)
-    where NaN: a row takes its own rank's timings of its step, then rank 0's (a driver's, or the reporting rank's:
-    the job's), each only when written after the attempt that wrote the row started (a resumed job's re-logged
-    steps do not take an earlier attempt's timers; attempt ids are the attempt's start, ns since the epoch).
+    """``steps`` with its ``time/<phase>`` and ``reward`` columns filled from the timings table ``late``
+    (:meth:`Run.timings`) where NaN: a row takes its own rank's timings and reward of its step, then rank 0's (a
+    driver's, or the reporting rank's: the job's), each only when written after the attempt that wrote the row
+    started (a resumed job's re-logged steps do not take an earlier attempt's timers; attempt ids are the attempt's
+    start, ns since the epoch).  A ``reward`` column is added only when the timings table holds a reward.
     ``steps`` itself when there is nothing to fill."""
     if not len(late):
         return steps
     cols = [c for c in TIME_COLUMNS if c in late.columns]
+    if "reward" in late.columns and late["reward"].notna().any():     # a framework's reward that came late
+        cols.append("reward")
     out = steps.copy()
     started = out["attempt"].to_numpy(np.float64) / 1e9 if "attempt" in out.columns else np.zeros(len(out))
     keys = out[["step", "rank"]].reset_index(drop=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 
 from .commands import COMMANDS
@@ -28,7 +27,8 @@ def build_parser(command=None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="triage-monitor", description=__doc__.splitlines()[0].replace("``", ""),
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging: also the INFO lines (an alert rule cleared, ...) and library messages")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module, help_ in COMMANDS:
@@ -150,7 +150,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("triage-monitor: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .exits import configure_logging
+
+    configure_logging(args.verbose)       # INFO chatter and library noise only with -v; lines never inside a bar
     if getattr(args, "_missing", None):
         from .exits import error
 

@@ -37,6 +37,7 @@ resume to keep τ_tail; without it, a τ_tail frozen by an earlier attempt is re
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -359,31 +360,38 @@ class MismatchMonitor:
         return out
 
     def add_timings(self, step: int, timings: dict, framework: Optional[str] = None,
-                    framework_step: Optional[int] = None) -> None:
-        """Record phase timings of a step already logged: the framework's timers that close after the step's row
-        was written (weight sync, the step timer).  They go to the run's ``timings`` table (written by the
-        background writer, as the rows), and readers fill the step's ``time/<phase>`` columns its row left NaN
-        (``open_run(p).steps()``; docs/metrics.md#step-time-and-the-full-cycle).  Only the process that writes
-        the steps rows records them (rank 0 of a synchronised job); elsewhere this does nothing.
+                    framework_step: Optional[int] = None, reward: Optional[float] = None) -> None:
+        """Record phase timings (and the reward) of a step already logged: the framework's timers that close after
+        the step's row was written (weight sync, the step timer), the reward a framework reports after it.  They go
+        to the run's ``timings`` table (written by the background writer, as the rows), and readers fill the step's
+        ``time/<phase>`` and ``reward`` columns its row left NaN (``open_run(p).steps()``;
+        docs/metrics.md#step-time-and-the-full-cycle).  Only the process that writes the steps rows records them
+        (rank 0 of a synchronised job); elsewhere this does nothing.
 
         Args:
             step: the monitored step they belong to.
             timings: ``{name: seconds}``: our phase names or ``framework``'s timer names
-                (:func:`triage_monitor.timings.phase_times`).
+                (:func:`triage_monitor.timings.phase_times`); may be empty when only ``reward`` is given.
             framework: whose timer names ``timings`` uses (a key of ``timings.FRAMEWORK_TIMERS``), or None.
             framework_step: the framework's own step number, kept in the row (None: not said).
+            reward: the framework's reward of the step (a finite number), or None.
 
         Raises:
             TypeError: ``timings`` is not a dict.
             ValueError: a name that is no phase or timer of ``framework``, a duration that is not a finite
-                number >= 0, a ``step`` or ``framework_step`` that is not an integer (naming it)."""
+                number >= 0, a ``step`` or ``framework_step`` that is not an integer, a ``reward`` that is not a
+                finite number (naming it)."""
         if not hasattr(timings, "items"):
             raise TypeError(f"timings must be a dict of name -> seconds, got {type(timings).__name__}")
         times = phase_times(dict(timings), framework, strict=True)
         step = integer("add_timings: step", step)
         framework_step = None if framework_step is None else integer("add_timings: framework_step", framework_step)
-        if times and self.writes_steps:
-            self.writer.record_timings(step, times, framework, framework_step)
+        if reward is not None:
+            reward = _to_float("reward", reward)
+            if not math.isfinite(reward):
+                raise ValueError(f"add_timings: reward must be a finite number, got {reward!r}")
+        if (times or reward is not None) and self.writes_steps:
+            self.writer.record_timings(step, times, framework, framework_step, reward)
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:

@@ -72,12 +72,13 @@ QUARANTINE_SCHEMA = pa.schema([
     ("learner_logp", pa.float32()), ("sampler_logp", pa.float32()), ("advantage", pa.float32()),
     ("reason", pa.string()), ("attempt", pa.int64()),
 ])
-#: Columns of the timings table: phase timings that reached the run after their step's row was written (a
-#: framework's driver-side timers, docs/hooks.md#phase-timings), one row per step and writer; readers fill the
-#: steps table's ``time/<phase>`` columns the row left NaN (``analysis.Run.steps``).
+#: Columns of the timings table: phase timings (and the framework's reward) that reached the run after their step's
+#: row was written (a framework's driver-side timers and reward, docs/hooks.md#phase-timings), one row per step and
+#: writer; readers fill the steps table's ``time/<phase>`` and ``reward`` columns the row left NaN
+#: (``analysis.Run.steps``).
 TIMINGS_SCHEMA = pa.schema([
     ("step", pa.int64()), ("rank", pa.int64()),
-    *((c, pa.float64()) for c in TIME_COLUMNS),
+    *((c, pa.float64()) for c in TIME_COLUMNS), ("reward", pa.float64()),
     ("framework", pa.string()), ("framework_step", pa.int64()), ("attempt", pa.int64()), ("wall_time", pa.float64()),
 ])
 #: The bookkeeping columns of the steps table around its metric columns.
@@ -109,10 +110,11 @@ def table_schemas(steps: pa.Schema) -> dict:
 
 
 def timings_row(step: int, rank: int, attempt: int, times: dict, framework: Optional[str] = None,
-                framework_step: Optional[int] = None) -> dict:
+                framework_step: Optional[int] = None, reward: Optional[float] = None) -> dict:
     """One row of the timings table (:data:`TIMINGS_SCHEMA`): ``times`` (``{phase or "step": seconds}``) in the
-    ``time/<phase>`` columns, NaN where absent; ``framework`` the timers' framework ("" when not said),
-    ``framework_step`` the framework's own step number (-1 when not said).
+    ``time/<phase>`` columns, NaN where absent; ``reward`` the framework's reward of the step (NaN when not given);
+    ``framework`` the timers' framework ("" when not said), ``framework_step`` the framework's own step number (-1
+    when not said).
 
     Raises:
         KeyError: a key of ``times`` that is not a phase (nor ``"step"``)."""
@@ -120,6 +122,7 @@ def timings_row(step: int, rank: int, attempt: int, times: dict, framework: Opti
     row.update((c, math.nan) for c in TIME_COLUMNS)
     for phase, v in times.items():
         row[TIME_COLUMN[phase]] = float(v)
+    row["reward"] = math.nan if reward is None else float(reward)
     row.update(framework=framework or "", framework_step=-1 if framework_step is None else int(framework_step),
                attempt=int(attempt), wall_time=time.time())
     return row
@@ -419,10 +422,10 @@ class RunWriter:
                                                       "attempt": self.attempt} for r in rows], ALERT_SCHEMA)
 
     def record_timings(self, step: int, times: dict, framework: Optional[str] = None,
-                       framework_step: Optional[int] = None) -> None:
-        """Queue a row of the timings table: ``step``'s phase timings that arrived after its steps row was written
-        (``{phase or "step": seconds}``, :func:`triage_monitor.timings.phase_times`' output)."""
-        row = timings_row(step, self.rank, self.attempt, times, framework, framework_step)
+                       framework_step: Optional[int] = None, reward: Optional[float] = None) -> None:
+        """Queue a row of the timings table: ``step``'s phase timings (``{phase or "step": seconds}``,
+        :func:`triage_monitor.timings.phase_times`' output) and reward that arrived after its steps row was written."""
+        row = timings_row(step, self.rank, self.attempt, times, framework, framework_step, reward)
         self.sink.submit("timings", step, self.rank, [row], TIMINGS_SCHEMA)
 
     def _step_row(self, step: int, row: dict) -> dict:

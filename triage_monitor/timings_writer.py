@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import threading
 from typing import Mapping, Optional
 
@@ -29,6 +30,16 @@ from .records import TIMINGS_SCHEMA, new_attempt_id, timings_row
 from .timings import FRAMEWORK_TIMERS, integer, is_timer_name, phase_times, timer_key
 
 log = logging.getLogger("triage_monitor.records")
+
+
+def finite_or_none(value) -> Optional[float]:
+    """``value`` as a float when it is a finite number (a Python or numpy number, a one-element tensor or array),
+    else None: a framework's reward reading that can be recorded."""
+    try:
+        v = float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return v if math.isfinite(v) else None
 
 
 class TimingsWriter:
@@ -76,8 +87,8 @@ class TimingsWriter:
         return max(p.hi for p in parts if p.attempt == newest)
 
     def record(self, timers: Mapping[str, object], step: Optional[int] = None,
-               framework_step: Optional[int] = None) -> Optional[int]:
-        """Write the phase timings of one monitored step.
+               framework_step: Optional[int] = None, reward: Optional[float] = None) -> Optional[int]:
+        """Write the phase timings (and the framework's reward) of one monitored step.
 
         Args:
             timers: ``{name: seconds}``: the framework's metrics dict as it logs it; only the framework's own
@@ -90,23 +101,27 @@ class TimingsWriter:
                 workers they are on disk at the optimizer step); a monitor in this process writes its rows in the
                 background, so pass ``step`` there.
             framework_step: the framework's own step number, kept in the row.
+            reward: the framework's reward of the step (its mean over the step's responses, as the framework
+                logs it); readers fill the steps table's ``reward`` column from it where the row has none.  None,
+                or a value that is not a finite number: no reward (a NaN reward of a step whose samples were all
+                aborted is no reading).
 
         Returns:
-            The monitored step written, or None when nothing was: no timer among ``timers`` (a framework logs
-            other metrics through the same call), after :meth:`close`, or — each said once in the log — a bad
-            reading or step, no new step in the run, an I/O error.  Never raises.
+            The monitored step written, or None when nothing was: no timer among ``timers`` and no reward (a
+            framework logs other metrics through the same call), after :meth:`close`, or — each said once in the
+            log — a bad reading or step, no new step in the run, an I/O error.  Never raises.
         """
         with self._lock:
             if self._closed:
                 return None
             try:
-                return self._record(timers, step, framework_step)
+                return self._record(timers, step, framework_step, reward)
             except Exception as exc:  # noqa: BLE001 — monitoring never stops the training job
                 self._warn_once("io", "triage-monitor: phase timings of step %s not written to %s (%s: %s)", step,
                                 self.layout.display, type(exc).__name__, exc)
                 return None
 
-    def _record(self, timers, step, framework_step) -> Optional[int]:
+    def _record(self, timers, step, framework_step, reward=None) -> Optional[int]:
         if not isinstance(timers, Mapping):
             self._warn_once("type", "triage-monitor: phase timings not recorded: timers must be a dict of name -> "
                             "seconds, got %s", type(timers).__name__)
@@ -120,7 +135,8 @@ class TimingsWriter:
         except ValueError as exc:
             self._warn_once("bad", "triage-monitor: phase timings not recorded (%s)", exc)
             return None
-        if not times:
+        reward = finite_or_none(reward)
+        if not times and reward is None:
             return None
         if step is None:
             step = self.latest_step()
@@ -129,7 +145,7 @@ class TimingsWriter:
                                 "holds no monitored step newer than the last one timed (%s)",
                                 self.framework or "a", framework_step, self.layout.display, self.last_step)
                 return None
-        row = timings_row(step, 0, self.attempt, times, self.framework, framework_step)
+        row = timings_row(step, 0, self.attempt, times, self.framework, framework_step, reward)
         if self._writer is None:
             self._writer = BlockWriter(self.layout.store, "timings", 0, self.attempt, self.roll_steps)
         self._writer.write(step, pa.Table.from_pylist([row], schema=TIMINGS_SCHEMA))

@@ -693,6 +693,8 @@ def _summary(console, cfg: DemoConfig, df: pd.DataFrame, out_dir: Path) -> None:
 
     for line in cycle_summary(df).lines(cfg.device):      # the step's own phase timings (docs/metrics.md)
         console.print(line, highlight=False)
+    from ..exits import command_line       # the command as it runs from here (docs/cli.md#printed-commands)
+
     console.print(f"greedy accuracy (sampler recipe): {df.attrs['eval_before']:.3f} after SFT → "
                   f"{df.attrs['eval_after']:.3f} after GRPO; {df.attrs['seconds_total']:.1f} s; run written to "
-                  f"{out_dir} (try: triage-monitor analyze {out_dir})")
+                  f"{out_dir} (try: {command_line('analyze', out_dir)})", highlight=False, soft_wrap=True)

@@ -51,6 +51,7 @@ import numpy as np
 import pandas as pd
 
 from ..alerts import NOISE_FLOOR_NATS, TIERS, default_rules, replay_engine
+from ..exits import command_line
 from ..layout import MANIFEST
 from ..outcome import COLLAPSE_FRACTION, MIN_STAY, SMOOTH_STEPS, destabilisation_step, trailing_mean  # noqa: F401
 from ..timings import DEFAULT_K, LABELS, PHASES, compare_cycles, cycle_summary, figures
@@ -438,6 +439,13 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = DEFAULT_ARMS, seeds: 
     console.print(f"mismatch: {mechanism_sentence(base)}", highlight=False, soft_wrap=True)
     frames, attrs = {}, {}
     existing = {"resume": resume, "force": force}
+    again = [str(p) for _, p in plan.values() if (p / MANIFEST).is_file()] if not (resume or force) else []
+    if again:        # never a silent second attempt: say it, and how to start afresh
+        one = len(again) == 1
+        console.print(f"{len(again)} run director{'y' if one else 'ies'} of this study already hold{'s' if one else ''} a run "
+                      f"({', '.join(again)}): a run of this configuration continues there as a new attempt (its "
+                      "steps replace the older ones); --force starts afresh (the old run is moved aside)",
+                      highlight=False, soft_wrap=True, markup=False)
     with _ArmProgress(console, plan, base.steps, enabled=progress) as bar:
         if jobs == 1:
             for key, (cfg, path) in plan.items():
@@ -921,9 +929,10 @@ def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: 
     fail, held = pick_pair(summary)
     pair = ""
     if fail and held:
+        where = Path(out) if out is not None else Path(".")     # as printed on the console, from where it ran
+        side = command_line("dashboard", where / "runs" / f"{fail[0]}-s{fail[1]}", where / "runs" / f"{held[0]}-s{held[1]}")
         pair = (f"<p>Side by side: <b>{fail[0]} s{fail[1]}</b> (destabilised) and <b>{held[0]} s{held[1]}</b> "
-                f"(held) — <code>triage-monitor dashboard runs/{fail[0]}-s{fail[1]} runs/{held[0]}-s{held[1]}</code> "
-                f"from this folder.</p>")
+                f"(held) — <code>{html.escape(side)}</code> in {html.escape(str(Path.cwd()))}.</p>")
     mech = html.escape(mechanism_sentence(base))
     took = f"{seconds:.0f} s wall time" if math.isfinite(seconds) else "judged again from the run directories"
     return f"""<!DOCTYPE html>
@@ -1034,14 +1043,14 @@ def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, bas
                   f"{out / 'arms.csv'})", highlight=False, soft_wrap=True)
     fail, held = pick_pair(summary)
     if fail and held:
-        console.print(f"Failing: {fail[0]} s{fail[1]}; held: {held[0]} s{held[1]}.  Side by side: triage-monitor "
-                      f"dashboard {out / 'runs' / f'{fail[0]}-s{fail[1]}'} {out / 'runs' / f'{held[0]}-s{held[1]}'}",
-                      highlight=False, soft_wrap=True)
+        side = command_line("dashboard", out / "runs" / f"{fail[0]}-s{fail[1]}", out / "runs" / f"{held[0]}-s{held[1]}")
+        console.print(f"Failing: {fail[0]} s{fail[1]}; held: {held[0]} s{held[1]}.  Side by side: {side}",
+                      highlight=False, soft_wrap=True, markup=False)
     else:
         first_seed = summary["seed"].iloc[0]
-        dirs = " ".join(str(out / "runs" / f"{a}-s{first_seed}") for a in dict.fromkeys(summary["arm"]))
-        console.print(f"Dashboard (seed {first_seed} of each arm): triage-monitor dashboard {dirs}",
-                      highlight=False, soft_wrap=True)
+        dirs = [out / "runs" / f"{a}-s{first_seed}" for a in dict.fromkeys(summary["arm"])]
+        console.print(f"Dashboard (seed {first_seed} of each arm): {command_line('dashboard', *dirs)}",
+                      highlight=False, soft_wrap=True, markup=False)
 
 
 def study_config(preset: Optional[str] = None, quick: bool = False, **given) -> tuple:
