@@ -326,3 +326,49 @@ def test_the_compare_caption_names_the_inspected_run_as_the_baseline_in_either_o
     at.selectbox(key="primary").set_value(str(tmp_path / "bf16")).run()
     assert not at.exception
     assert at.selectbox(key="cycle_other").label.startswith("Compare bf16 (the run inspected: the baseline) with")
+
+
+# ------------------------------------------------------------------------------------------ 1. one text everywhere
+def test_analyze_alerts_and_the_report_print_the_same_verdict_and_analyze_stores_it(tmp_path, capsys):
+    """The same paragraph from `analyze` (and its analysis/verdict.json), `alerts` and the report's banner (and its
+    embedded JSON); the report marks the destabilisation on its time series and draws the reference's band."""
+    import html as html_mod
+
+    from triage_monitor.cli import main
+    from triage_monitor.report import build_report
+
+    failing = _failing_run(tmp_path / "failing")
+    g = torch.Generator().manual_seed(5)
+    with MismatchMonitor(tmp_path / "reference", MonitorConfig(window=5, calibration_steps=3)) as mon:
+        for step in range(40):
+            mon.log_step(step, _batch(g, drift=0.0), extra={"reward": 0.6})
+    capsys.readouterr()
+    assert main(["alerts", str(failing.path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    alerts_lines = out[next(k for k, line in enumerate(out) if line.startswith("verdict: ")):]
+    assert alerts_lines[0].startswith("verdict: CRITICAL — destabilised at step 35")
+    assert main(["analyze", str(failing.path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = next(k for k, line in enumerate(out) if line.startswith("verdict: "))
+    assert out[start:start + len(alerts_lines)] == alerts_lines
+    stored = json.loads((failing.path / "analysis" / "verdict.json").read_text())
+    assert stored["lines"] == alerts_lines and stored["outcome"]["step"] == 35
+    page = build_report([failing.path], draws=9)
+    data = re.search(r'<script type="application/json" id="triage-verdict">(.*?)</script>', page, re.S).group(1)
+    assert json.loads(data)["lines"] == alerts_lines
+    banner = re.search(r'<div class="verdict verdict-critical" id="verdict">(.*?)<div class="rest">(.*?)</div>',
+                       page, re.S)
+    assert html_mod.unescape(banner.group(1)) == alerts_lines[0]
+    assert html_mod.unescape(banner.group(2)).splitlines() == [line.strip() for line in alerts_lines[1:]]
+    assert page.index('id="verdict"') < page.index("<h2>Overview</h2>")          # on top
+    # with a reference: the verdict's last line and the chart use its band; every time series marks step 35
+    ref_page = build_report([failing.path], draws=9, reference=tmp_path / "reference")
+    ref_verdict = json.loads(re.search(r'id="triage-verdict">(.*?)</script>', ref_page, re.S).group(1))
+    band = reference_band(open_run(tmp_path / "reference").steps(), "reference", window=5)
+    assert f"reference reference {band.lo:.3g}–{band.hi:.3g}; published (4B dense / 30B MoE)" in ref_verdict["lines"][-1]
+    markers = re.findall(r'"meta":\{"marker":"destabilised","step":(\d+)\}', ref_page)
+    # every time series: the 5 panels with data here (no controller), the quadrants, the localisation (no timings)
+    assert markers == ["35"] * 7
+    legend = ref_page.replace("\\u002f", "/")                       # plotly's JSON writes "/" as \u002f
+    assert "healthy ρ_asym 1.023–1.337, published (4B dense / 30B MoE)" in legend
+    assert f"healthy ρ_asym {band.lo:.3g}–{band.hi:.3g}, reference reference" in legend
