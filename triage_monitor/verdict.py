@@ -299,7 +299,7 @@ def _g(x, digits: int = 3) -> str:
 
 
 def _outcome(frame, definition: OutcomeDefinition) -> dict:
-    out = {"status": "no reward recorded", "step": None, "definition": definition.describe(), "peak": None,
+    out: dict = {"status": "no reward recorded", "step": None, "definition": definition.describe(), "peak": None,
            "peak_step": None, "at": None, "minimum": None, "minimum_step": None, "last": None, "last_step": None,
            "recent_fall": False}
     if "reward" not in frame.columns:
@@ -335,7 +335,7 @@ def _outcome(frame, definition: OutcomeDefinition) -> dict:
 
 
 def _worst(frame) -> dict:
-    out = {}
+    out: dict = {}
     noise = _noise_mask(frame)
     if len(frame) and noise.all():           # learner = sampler to rounding: no window is worse than another
         return out
