@@ -298,7 +298,8 @@ def test_study_command_end_to_end(tmp_path, capsys):
     assert "Steps to destabilise" not in page and "Per run: steps to destabilise" in page and "plotly" in page.lower()
     assert "fp32 sampler on-policy · no correction (control)" in page and html_escape(meta["mechanism"]) in page
     # the window ρ_asym panels carry the published healthy band and the alert thresholds (legend entries)
-    assert "published (4B dense / 30B MoE)" in page and "alert rho_asym_high" in page and "alert rho_asym_critical" in page
+    legend = page.replace("\\u002f", "/")                  # plotly's JSON writes "/" as \u002f
+    assert "published (4B dense / 30B MoE)" in legend and "alert rho_asym_high" in page and "alert rho_asym_critical" in page
     text = capsys.readouterr().out
     # progress per run as plain lines (captured output is not a terminal), the table, where to look
     assert "none s0: step 4/4" in text and "fp32 s0: step 4/4" in text
