@@ -163,11 +163,17 @@ def test_info_chatter_and_library_noise_only_with_v(tmp_path):
     run = tmp_path / "run"
     demo = subprocess.run([script, "demo", "--out", str(run), "--steps", "20", "--sampler-lag", "8", "--correction",
                            "none", *[a for a in TINY if a not in ("--nvfp4-backend", "native")],
-                           "--nvfp4-backend", "torchao"], capture_output=True, text=True, env=env, timeout=600)
+                           "--nvfp4-backend", "torchao"], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tmp_path)
     assert demo.returncode == 0, demo.stderr[-3000:]
     for text in (demo.stdout, demo.stderr):
         assert "Failed to load" not in text and "_C_mxfp8" not in text and "_pytree" not in text
         assert not re.search(r"^(INFO|DEBUG) ", text, re.M)
+    # the analyze command the demo prints runs as printed, from where it ran
+    printed = re.search(r"\(try: (.*analyze .*)\)\s*$", demo.stdout, re.M)
+    assert printed, demo.stdout[-2000:]
+    again = bash(printed.group(1), tmp_path, env, timeout=600)
+    assert again.returncode in (0, 1) and "recomputed" in again.stderr, again.stderr[-2000:]
     quiet = subprocess.run([script, "alerts", str(run)], capture_output=True, text=True, env=env, timeout=300)
     loud = subprocess.run([script, "-v", "alerts", str(run)], capture_output=True, text=True, env=env, timeout=300)
     assert quiet.returncode == loud.returncode == 1                   # the replay raised an alert: a finding
