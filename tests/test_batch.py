@@ -686,3 +686,35 @@ def test_the_fast_value_check_on_the_cpu_and_on_a_device_agree_with_the_full_che
             fast = _all_valid(*tensors)
             assert fast == _all_valid_tensors([torch.aminmax(t) for t in tensors]), (value, field)
             assert fast <= valid and fast == (valid and (field == 2 or value > -9984.0)), (value, field)
+
+
+def test_one_host_copy_a_step_shared_by_the_metrics_and_the_writer(tmp_path, monkeypatch):
+    """log_step copies a batch's tokens to the host once (TokenBatch.host), for the metrics and the record writer
+    alike, and a later step copies its own (the cache never outlives the step); the packed copy of a batch off the
+    CPU is bit-identical to each column's .float().cpu() (checked here on a meta-free path: the pack and unpack of
+    CPU tensors of mixed dtypes)."""
+    import triage_monitor.batch as batch_mod
+    from triage_monitor import MismatchMonitor, MonitorConfig
+
+    copies = []
+    real = batch_mod.TokenBatch.host
+
+    def counted(self):
+        if self._host is None:
+            copies.append(self.num_tokens)
+        return real(self)
+
+    monkeypatch.setattr(batch_mod.TokenBatch, "host", counted)
+    g = torch.Generator().manual_seed(0)
+    mon = MismatchMonitor(tmp_path / "run", MonitorConfig(window=2, tau_tail=-1.0))
+    for step, n in enumerate((5, 7)):
+        s = -torch.rand(3, n, generator=g)
+        b = TokenBatch.from_padded(s - 0.1 * torch.rand(3, n, generator=g), s, torch.tensor([1.0, -1.0, 0.5]),
+                                   torch.ones(3, n))
+        mon.log_step(step, b)
+    mon.close()
+    assert copies == [15, 21]
+    cols = [torch.tensor([-1.5, -0.25], dtype=torch.float32), torch.tensor([3, 9], dtype=torch.int64),
+            torch.tensor([-2.0, 0.5, 7.0], dtype=torch.bfloat16).float()]
+    back = batch_mod._unpack(batch_mod._pack(cols), cols)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(cols, back))

@@ -35,7 +35,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -115,6 +115,39 @@ class SourceLayout:
     shape: Optional[tuple] = None
 
 
+class HostTokens(NamedTuple):
+    """A :class:`TokenBatch`'s columns on the host (:meth:`TokenBatch.host`): float32 ``(N,)`` log-probs (nats) and
+    advantages, int64 ``(N,)`` sample_index / position, int64 ``(S,)`` sample_id / group_id, CPU tensors."""
+
+    learner_logp: Tensor
+    sampler_logp: Tensor
+    advantage: Tensor
+    sample_index: Tensor
+    position: Tensor
+    sample_id: Tensor
+    group_id: Tensor
+
+    @property
+    def delta(self) -> Tensor:
+        """``(N,)`` float32 δ = learner − sampler (the same IEEE subtraction as :attr:`TokenBatch.delta`)."""
+        return self.learner_logp - self.sampler_logp
+
+
+def _pack(cols: Sequence[Tensor]) -> Tensor:
+    """The columns' bytes, concatenated into one contiguous uint8 tensor on their device."""
+    return torch.cat([c.contiguous().reshape(-1).view(torch.uint8) for c in cols])
+
+
+def _unpack(buf: Tensor, like: Sequence[Tensor]) -> list:
+    """Split a :func:`_pack` buffer (now on the host) back into tensors of the dtypes and lengths of ``like``."""
+    out, at = [], 0
+    for c in like:
+        n = c.numel() * c.element_size()
+        out.append(buf[at:at + n].view(c.dtype).reshape(c.shape))
+        at += n
+    return out
+
+
 @dataclass
 class TokenBatch:
     """One step's valid tokens, flat (see module docstring).
@@ -154,6 +187,8 @@ class TokenBatch:
     # where each flat token sits in the caller's flattened layout, and what that layout was
     _source_index: Optional[Tensor] = None
     _layout: "SourceLayout" = field(default_factory=lambda: SourceLayout("flat"))
+    # the step's token columns on the host (:meth:`host`), copied once and shared by the metrics and the writer
+    _host: Optional["HostTokens"] = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -170,6 +205,28 @@ class TokenBatch:
     def device(self) -> torch.device:
         return self.learner_logp.device
 
+    def host(self) -> "HostTokens":
+        """The batch's token columns on the host, copied once per batch (cached) and shared by the metrics and the
+        record writer.
+
+        A CPU batch's columns are returned as they are (``learner_logp`` detached and, like the others, as
+        float32).  A batch on another device is packed into one byte buffer there and copied to the host in one
+        transfer (one synchronisation a step); the float32 values are bit-identical to ``.float().cpu()`` of each.
+
+        Returns:
+            :class:`HostTokens`: float32 ``(N,)`` learner / sampler log-probs and advantages (nats), int64 ``(N,)``
+            sample_index and position, int64 ``(S,)`` sample_id and group_id, all CPU tensors.
+        """
+        if self._host is None:
+            cols = (self.learner_logp.detach().float(), self.sampler_logp.detach().float(),
+                    self.advantage.detach().float(), self.sample_index.long(), self.position.long(),
+                    self.sample_id.long(), self.group_id.long())
+            if all(c.device.type == "cpu" for c in cols):
+                self._host = HostTokens(*cols)
+            else:
+                self._host = HostTokens(*_unpack(_pack(cols).cpu(), cols))
+        return self._host
+
     @property
     def delta(self) -> Tensor:
         """``(N,)`` float32, detached: δ = learner_logp − sampler_logp (nats, docs/metrics.md#terms)."""
@@ -177,9 +234,9 @@ class TokenBatch:
 
     def detach(self) -> "TokenBatch":
         """A copy whose ``learner_logp`` carries no autograd graph."""
-        out = TokenBatch(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        out = TokenBatch(**{k: getattr(self, k) for k in self.__dataclass_fields__ if k != "_host"})
         out.learner_logp = self.learner_logp.detach()
-        return out
+        return out                  # without the host copy: the monitor detaches each step, so each step copies once
 
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "TokenBatch":
         """Move every tensor (not the scatter map's meaning) to ``device``."""

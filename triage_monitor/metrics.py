@@ -627,9 +627,9 @@ class MetricTracker:
         import torch
 
         stats = MismatchStats(self.config)
-        # the host copy of the tokens the state update reads (a no-op for a CPU batch)
-        delta, adv = batch.delta.detach().cpu(), batch.advantage.detach().cpu()
-        sample_index, position = batch.sample_index.cpu(), batch.position.cpu()
+        # the host copy of the tokens the state update reads (one per batch, shared with the writer; a no-op on CPU)
+        host = batch.host()
+        delta, adv, sample_index, position = host.delta, host.advantage, host.sample_index, host.position
         distributed = group is not None or _dist_ready()
         if self.tau_frozen:                                      # one pass: both parts with the frozen τ_tail
             stats.update_flat(delta, adv, sample_index, position, batch.num_samples, self.tau_tail)
