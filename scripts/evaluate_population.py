@@ -149,6 +149,25 @@ def main(argv=None) -> int:
         chosen[name] = best
         print(f"calibration: {name}: " + (f"threshold {best.threshold:g}" if best else "no threshold qualifies "
                                            "(every candidate warns on a quiet run or catches nothing)"))
+    # the tier each calibrated rule earns on the calibration half: collapse only if, at its calibrated threshold, it
+    # warns on no quiet run and its precision is at least the reward-drop baseline's (what anyone can write)
+    base_score = evaluate(cal, [], [by_name["baseline_reward_drawdown"]], horizon).iloc[0]
+    print(f"\ncalibration: baseline_reward_drawdown precision {_pct(base_score['precision'])}, recall "
+          f"{_pct(base_score['recall'])}\n\n| rule | calibrated threshold | precision | recall | tier earned |\n|---|---|---|---|---|")
+    decisions = {}
+    for name in GRIDS:
+        if name.startswith("baseline"):
+            continue
+        best = chosen.get(name)
+        if best is None:
+            decisions[name] = ("mismatch", "no threshold warns on no quiet run and catches a failure")
+            print(f"| {name} | — | — | — | mismatch |")
+            continue
+        sc = evaluate(cal, [best], [], horizon).iloc[0]
+        ok = sc["precision"] >= base_score["precision"] and sc["timely"] > 0
+        decisions[name] = ("collapse" if ok else "mismatch", f"threshold {best.threshold:g}")
+        print(f"| {name} | {best.threshold:g} | {_pct(sc['precision'])} | {_pct(sc['recall'])} | "
+              f"{'collapse' if ok else 'mismatch'} |")
     calibrated = [replace(chosen[r.name], name=r.name + "@cal") for r in shipped
                   if r.tier == "collapse" and chosen.get(r.name) is not None]
     base_cal = [replace(chosen["baseline_delta_level"], name="baseline_delta_level@cal")] \
@@ -156,7 +175,7 @@ def main(argv=None) -> int:
 
     out = {"horizon": horizon, "runs": [{"run": r.name, "group": r.group, "split": r.info["split"],
                                          "destabilised_at": r.destabilised_at, **r.info} for r in runs],
-           "chosen": {k: (v.threshold if v else None) for k, v in chosen.items()}}
+           "chosen": {k: (v.threshold if v else None) for k, v in chosen.items()}, "decisions": decisions}
     for half, sel in (("calibration", cal), ("heldout", held)):
         table = evaluate(sel, shipped + calibrated, bases + base_cal, horizon)
         table["label"] = [f"{k}: {n}" if k in ("tier", "group") else n for k, n in zip(table["kind"], table["name"])]
@@ -167,7 +186,9 @@ def main(argv=None) -> int:
         print(_md(keep, groups))
         out[half] = table.to_dict("records")
 
-    print("\n### step-level AUROC on the held-out half (destabilises within H steps; 95 % bootstrap over runs)\n")
+    n_fail = sum(r.destabilised_at is not None for r in held)
+    print(f"\n### step-level AUROC on the held-out half (destabilises within H steps; 95 % bootstrap over runs, "
+          f"failed and held runs resampled separately; {n_fail} failed run(s) of {len(held)})\n")
     print("| metric | sign (fixed on calibration) | AUROC calibration | AUROC held-out [95 % CI] | positive / negative steps |")
     print("|---|---|---|---|---|")
     out["auroc"] = []

@@ -113,7 +113,7 @@ def test_the_population_split_is_fixed_and_disjoint():
                                                 regime, split_of)
     assert not set(CALIBRATION_SEEDS) & set(HELDOUT_SEEDS) and not set(CALIBRATION_SEEDS + HELDOUT_SEEDS) & set(range(10))
     plan = plan_population(DemoConfig(), "/tmp/x")
-    assert len(plan) == len(CONDITIONS) * 4 >= 60
+    assert len(plan) == len(CONDITIONS) * 4 >= 60 and len(CONDITIONS) == 24
     assert plan == plan_population(DemoConfig(), "/tmp/x")
     halves = {split_of(seed) for _, seed in plan}
     assert halves == {"calibration", "heldout"}

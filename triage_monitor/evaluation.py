@@ -321,7 +321,9 @@ def metric_auroc(runs: Sequence[EvalRun], score: Callable[[pd.DataFrame], np.nda
 
     Args:
         runs: runs with a known outcome; score: ``frame -> (rows,)`` float scores (NaN rows are left out).
-        horizon: H in steps; n_boot: bootstrap resamples of whole runs (steps of one run are not independent);
+        horizon: H in steps; n_boot: bootstrap resamples of whole runs (steps of one run are not independent),
+            failed and held runs resampled separately (a stratified bootstrap: every resample has both; with few
+            failed runs the interval is still only as wide as their spread, so read it beside their count);
         seed: the bootstrap's random seed.
 
     Returns:
@@ -341,9 +343,12 @@ def metric_auroc(runs: Sequence[EvalRun], score: Callable[[pd.DataFrame], np.nda
     sc = np.concatenate([p[1] for p in per])
     point = auroc(lab, sc)
     rng = np.random.default_rng(seed)
+    # stratified by outcome: failed runs and held runs are resampled separately, so every resample keeps both
+    failed = [i for i, p in enumerate(per) if p[0].any()]
+    others = [i for i, p in enumerate(per) if not p[0].any()]
     boots = []
-    for _ in range(n_boot):
-        idx = rng.integers(0, len(per), len(per))
+    for _ in range(n_boot if failed and others else 0):
+        idx = np.concatenate([rng.choice(failed, len(failed)), rng.choice(others, len(others))])
         b = auroc(np.concatenate([per[i][0] for i in idx]), np.concatenate([per[i][1] for i in idx]))
         if math.isfinite(b):
             boots.append(b)
