@@ -54,7 +54,8 @@ from triage_monitor.controller import TriageConfig, TriageController
 from triage_monitor.layout import RunLayout
 from triage_monitor.storage import open_store
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-from triage_monitor.records import new_attempt_id, probe_writable
+from triage_monitor.manifest import check_monitor_config
+from triage_monitor.records import check_writer_options, new_attempt_id, probe_writable
 from triage_monitor.timings import is_timer_name, phase_times
 from triage_monitor.timings_writer import finite_or_none
 from triage_monitor.trackers import check_keys, framework_metrics, specs_of
@@ -131,6 +132,12 @@ class HookSettings:
             raise ValueError(f"HookSettings.on_invalid must be 'raise' or 'quarantine', got {self.on_invalid!r}")
         if isinstance(self.monitor, dict):
             self.monitor = MonitorConfig.from_dict(self.monitor)
+        if not isinstance(self.monitor, MonitorConfig):
+            raise TypeError(f"HookSettings.monitor must be a MonitorConfig or a dict of its settings, got "
+                            f"{type(self.monitor).__name__}")
+        # on the driver, with the readers' rules, naming the option: not a bare error in a worker at step 1
+        check_monitor_config(self.monitor.to_dict(), "HookSettings.monitor")
+        check_writer_options("HookSettings", rank=self.rank, attempt=self.attempt, resume=self.resume)
         if isinstance(self.triage, dict):
             self.triage = TriageConfig(**self.triage)
         if self.run_dir is not None:

@@ -417,7 +417,7 @@ def test_a_broken_rank_file_skips_only_that_rank_and_the_rows_are_numbered_afres
 
     d = tmp_path / "run"
     monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 7)    # one attempt shared by the two "ranks"
-    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, roll_steps=1), rank=r, alerts=_EveryStep())
+    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, roll_steps=1), rank=r, attempt=7, alerts=_EveryStep())
             for r in (0, 1)]
     for s in range(2):
         for m in mons:
@@ -454,7 +454,7 @@ def test_tokens_keep_each_responses_position_order_without_the_position_column(t
     monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 7)
     T = 400
     lp = -1.0 - torch.arange(T, 0, -1, dtype=torch.float32) / T            # increasing along the response
-    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=r) for r in (0, 1)]
+    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=r, attempt=7) for r in (0, 1)]
     for r, m in enumerate(mons):
         ids = torch.tensor([r, r + 2])
         m.log_step(0, TokenBatch.from_padded(lp.repeat(2, 1), lp.repeat(2, 1) - 0.1, torch.ones(2),
@@ -623,7 +623,8 @@ def test_step_state_merges_rank_files_sorts_unsorted_rows_and_skips_empty_files(
     d = tmp_path / "run"
     monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 7)
     cfg = MetricConfig(segment_width=8)
-    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, metrics={"segment_width": 8}), rank=r)
+    mons = [MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, metrics={"segment_width": 8}), rank=r,
+                            attempt=7)
             for r in (0, 1)]
     batches = [_batch(0), _batch(1)]
     for m, b in zip(mons, batches):

@@ -452,7 +452,7 @@ def test_resume_with_fewer_ranks_drops_the_old_attempts_extra_shards(tmp_path, m
     def log(attempt, world, step):
         monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: attempt)
         for r in range(world):
-            with monitor_mod.MismatchMonitor(tmp_path / "run", rank=r) as mon:
+            with monitor_mod.MismatchMonitor(tmp_path / "run", rank=r, attempt=attempt) as mon:
                 lp, s, adv, mask, ids, gids = shard(step, r, world)
                 mon.log_step(step, TokenBatch.from_padded(lp, s, adv, mask, sample_ids=ids))
 
@@ -474,7 +474,8 @@ def test_resume_with_more_ranks_reads_every_rank_of_the_new_attempt_only(tmp_pat
     def log(attempt, world, steps):
         monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: attempt)
         for r in range(world):
-            with monitor_mod.MismatchMonitor(tmp_path / "run", monitor_mod.MonitorConfig(tau_tail=-1.0), rank=r) as mon:
+            with monitor_mod.MismatchMonitor(tmp_path / "run", monitor_mod.MonitorConfig(tau_tail=-1.0), rank=r,
+                                              attempt=attempt) as mon:
                 for step in steps:
                     lp, s, adv, mask, ids, gids = shard(step, r, world)
                     mon.log_step(step, TokenBatch.from_padded(lp, s, adv, mask, sample_ids=ids))

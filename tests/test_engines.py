@@ -34,7 +34,7 @@ def _write(d, world):
 
     with pytest.MonkeyPatch.context() as mp:      # one attempt id shared by the two in-process "ranks"
         mp.setattr(monitor_mod, "new_attempt_id", lambda: 7)
-        mons = [MismatchMonitor(d, cfg, rank=r) for r in range(world)]
+        mons = [MismatchMonitor(d, cfg, rank=r, attempt=7) for r in range(world)]
     for step in range(STEPS):
         for r, m in enumerate(mons):
             m.log_step(step, _shard(step, r, world))

@@ -733,7 +733,8 @@ def test_drop_policy_surfaces_in_monitor_metrics(tmp_path, caplog):
     ms = [mon.log_step(s, batch(s)) for s in range(6)]
     mon.close()
     assert mon.sink.dropped_rows > 0 and ms[-1]["writer_dropped_rows"] > 0
-    assert len([r for r in caplog.records if "dropped" in r.getMessage() and r.name == "triage_monitor"]) == 1
+    assert len([r for r in caplog.records if "dropped" in r.getMessage() and r.name == "triage_monitor"
+                and r.levelno == logging.WARNING]) == 1                      # close() adds its one ERROR line
     assert len([r for r in caplog.records if "records_dropped" in r.getMessage()]) == 1     # the default rule, once
 
 
@@ -778,7 +779,8 @@ def test_a_slow_disk_blocks_training_or_drops_rows_visibly(tmp_path, caplog, hel
         lost = batch(0).num_tokens + 1                  # step 0's token rows and its steps row
         assert sorted(steps.index) == [1, 2, 3] and mon.sink.dropped_rows == lost
         assert steps.loc[1, "writer_dropped_rows"] == lost and out[1]["writer_dropped_rows"] == lost
-        assert len([r for r in caplog.records if r.name == "triage_monitor" and "dropped" in r.getMessage()]) == 1
+        assert len([r for r in caplog.records if r.name == "triage_monitor" and "dropped" in r.getMessage()
+                    and r.levelno == logging.WARNING]) == 1
         assert [r.getMessage().split(":")[1].strip() for r in caplog.records
                 if r.name == "triage_monitor.alerts"] == ["records_dropped"]
 

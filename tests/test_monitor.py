@@ -283,9 +283,13 @@ def test_rows_dropped_by_a_full_queue_are_counted_and_warned_once(tmp_path, capl
             outs = [mon.log_step(s, _batch(s)) for s in (1, 2)]
             release.set()
     assert outs[0]["writer_dropped_rows"] == _batch(0).num_tokens + 1
-    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage() and r.name == "triage_monitor"]
+    warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage() and r.name == "triage_monitor"
+              and r.levelname == "WARNING"]
     assert warned == [f"triage-monitor dropped {_batch(0).num_tokens + 1} record rows so far (writer queue full with "
                       "backpressure='drop'); training continues, see metric writer_dropped_rows"]
+    # close() says it once more, as an ERROR line: the run lost records
+    closing = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and r.name == "triage_monitor"]
+    assert len(closing) == 1 and "record row(s) of this run were not written" in closing[0]
     # the default records_dropped rule raises its alert once, as a line of the alerts logger
     alerted = [r.getMessage() for r in caplog.records if r.name == "triage_monitor.alerts"]
     assert len(alerted) == 1 and alerted[0].startswith("triage WARN (mismatch): records_dropped: writer_dropped_rows = ")

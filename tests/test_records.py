@@ -117,7 +117,7 @@ def test_a_steps_file_holds_the_step_metrics_and_five_bookkeeping_columns_only(t
     """No stray column: the file's columns are log_step's keys plus rank, attempt, wall_time and nan_reasons
     (the writer thread adds a missing ``rank`` column, so a misnamed one would otherwise pass unseen)."""
     d = tmp_path / "run"
-    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1) as mon:
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1, attempt=7) as mon:
         out = mon.log_step(4, _batch(4))
     (f,) = (d / "steps").iterdir()
     t = pq.read_table(f)
@@ -300,7 +300,7 @@ def test_alert_rows_carry_the_writers_rank_and_attempt(tmp_path):
     d = tmp_path / "run"
     row = {"rule": "rho", "metric": "rho_asym", "value": 2.0, "threshold": 1.5, "window": 10, "level": "warning",
            "title": "t", "text": "x", "tier": "mismatch"}
-    mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1)
+    mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1, attempt=7)
     mon.writer.record_alerts(7, [row])
     attempt = mon.writer.attempt
     mon.close()
@@ -312,7 +312,7 @@ def test_alert_rows_carry_the_writers_rank_and_attempt(tmp_path):
 def test_a_steps_file_starts_with_step_and_rank_and_holds_each_once(tmp_path):
     """The steps row of a step: int64 ``step`` and ``rank`` first, each column once, the step's value in it."""
     d = tmp_path / "run"
-    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1) as mon:
+    with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), rank=1, attempt=7) as mon:
         mon.log_step(4, _batch(4))
     (f,) = (d / "steps").iterdir()
     t = pq.read_table(f)

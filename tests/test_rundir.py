@@ -132,7 +132,7 @@ def test_every_table_reads_with_pandas_pyarrow_duckdb_and_polars(tmp_path):
 HOLDER = """
 import sys, time
 from triage_monitor.monitor import MismatchMonitor
-mon = MismatchMonitor(sys.argv[1], rank=int(sys.argv[2]))
+mon = MismatchMonitor(sys.argv[1], rank=int(sys.argv[2]), attempt=1)
 print("ready", flush=True)
 time.sleep(120)
 """
@@ -161,7 +161,7 @@ def test_a_second_process_writing_the_same_rank_is_refused_at_start(tmp_path):
         with pytest.raises(RunLockedError, match=f"rank 0 .*pid {p.pid}") as err:
             MismatchMonitor(d, rank=0)
         assert str(d) in str(err.value)
-        with MismatchMonitor(d, rank=1) as mon:         # another rank of the same run: allowed
+        with MismatchMonitor(d, rank=1, attempt=7) as mon:    # another rank of the same run: allowed
             mon.log_step(0, _batch(0))
         # the holder is killed (no close, no cleanup): the OS releases its lock, the next writer starts
         p.send_signal(signal.SIGKILL)
@@ -222,7 +222,7 @@ def test_a_lock_held_by_another_process_is_refused_quoting_its_text(tmp_path, te
     try:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
         with pytest.raises(RunLockedError) as err:
-            MismatchMonitor(d, MonitorConfig(window=2), rank=12)
+            MismatchMonitor(d, MonitorConfig(window=2), rank=12, attempt=7)
         assert str(err.value) == (
             f"{d}: another process is writing this run's rank 12 ({holder}); one writer per rank: stop it, or "
             "write to another directory (a killed writer's lock is released by the OS)")
@@ -306,7 +306,7 @@ def test_force_on_a_rank_other_than_0_neither_checks_nor_moves_the_run(tmp_path)
     refused (rank 0 decides) and moves nothing: the directory and its run.json stay as they were."""
     d = tmp_path / "run"
     _write(d, steps=2, manifest={"model": "a"})
-    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), rank=1, force=True,
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), rank=1, attempt=7, force=True,
                          manifest={"model": "b"}) as mon:
         mon.log_step(0, _batch(0))
     assert [p.name for p in tmp_path.iterdir()] == ["run"]

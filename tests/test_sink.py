@@ -112,19 +112,23 @@ def test_an_unwritable_table_is_counted_and_reported_once(tmp_path, caplog):
     assert sink.written_rows == 0 and sink.written_steps == 0
 
 
-def test_close_waits_at_most_its_timeout_for_a_busy_writer_which_still_writes_the_step(tmp_path, held_file):
-    """``close(timeout=0.2)`` while the writer thread is busy with a step returns with the thread still running
-    (a hung disk does not hang the job's exit); the step is written and sealed once the writer gets on."""
+def test_close_waits_at_most_its_timeout_and_counts_what_is_left_as_dropped(tmp_path, held_file):
+    """``close(timeout=0.2)`` while the writer thread is busy with a step (a hung disk) returns False with the
+    thread still running: the step being written and the one queued behind it are counted as dropped
+    (``abandoned_rows``), and the writer, once it gets on, writes nothing more and counts nothing twice."""
     release = threading.Event()
     sink = ParquetSink(tmp_path, attempt=1)
     try:
         sink.submit("steps", 0, 0, held_file(release, rows=2))
-        sink.close(timeout=0.2)
+        sink.submit("steps", 1, 0, {"x": np.arange(3)})
+        assert sink.close(timeout=0.2) is False
         assert sink.closed is True and sink._thread.is_alive() and sink.written_steps == 0
+        assert (sink.abandoned, sink.abandoned_rows, sink.dropped_rows) == (True, 5, 5)
     finally:
         release.set()
     sink._thread.join(10)
-    assert not sink._thread.is_alive() and (sink.written_steps, sink.written_rows, sink.sealed_blocks) == (1, 2, 1)
+    assert not sink._thread.is_alive()
+    assert (sink.written_steps, sink.written_rows, sink.sealed_blocks, sink.dropped_rows) == (0, 0, 0, 5)
 
 
 def test_a_steps_columns_are_cast_to_the_schema_it_was_submitted_with(tmp_path):

@@ -176,7 +176,7 @@ class Run:
         metric thresholds, a given τ_tail); the documented defaults for what the manifest lacks."""
         from .config import MonitorConfig
 
-        return MonitorConfig.from_dict(self.manifest.monitor_config)
+        return MonitorConfig.from_dict(self.manifest.monitor_config, strict=False)   # a newer release's keys: ignored
 
     @property
     def tau_tail(self) -> Optional[float]:

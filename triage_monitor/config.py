@@ -82,20 +82,56 @@ class MonitorConfig:
 
     def __post_init__(self):
         if isinstance(self.metrics, dict):
+            _no_unknown_keys(self.metrics, MetricConfig, "MonitorConfig.metrics")
             self.metrics = MetricConfig(**self.metrics)
+        if not isinstance(self.metrics, MetricConfig):
+            raise TypeError(f"MonitorConfig.metrics must be a MetricConfig or a dict of its fields, got "
+                            f"{type(self.metrics).__name__}")
         for name in ("roll_steps", "roll_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MonitorConfig.{name} must be an integer >= 1, got {v!r}")
+        if self.backpressure not in ("block", "drop"):
+            raise ValueError(f"MonitorConfig.backpressure must be 'block' or 'drop', got {self.backpressure!r}")
+        for name, lo in (("max_queue_bytes", 1), ("alignment_check_steps", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+                raise ValueError(f"MonitorConfig.{name} must be an integer >= {lo}, got {v!r}")
+        # window, calibration_steps, tau_tail, record_tokens, ...: checked with the readers' own rules by every writer
+        # before it writes anything (manifest.check_monitor_config: MismatchMonitor, HookSettings)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MonitorConfig":
+    def from_dict(cls, d: dict, strict: bool = True) -> "MonitorConfig":
+        """A :class:`MonitorConfig` from ``to_dict()``'s form (``metrics`` a dict of :class:`MetricConfig` fields).
+
+        Args:
+            d: the settings; a missing key takes its default.
+            strict: refuse a key this version does not know (a misspelt ``windw`` would otherwise be dropped and
+                its default used); readers of a run.json written by another release pass False to ignore them.
+
+        Raises:
+            ValueError: an unknown key (``strict``), or a value :class:`MonitorConfig` refuses (naming it).
+            TypeError: ``d`` is not a dict."""
+        if not isinstance(d, dict):
+            raise TypeError(f"MonitorConfig.from_dict takes a dict, got {type(d).__name__}")
         d = dict(d)
-        d["metrics"] = MetricConfig(**d.get("metrics", {}))
+        metrics = dict(d.get("metrics") or {})
+        if strict:
+            _no_unknown_keys(d, cls, "MonitorConfig")
+        else:
+            metrics = {k: v for k, v in metrics.items() if k in MetricConfig.__dataclass_fields__}
+        d["metrics"] = metrics
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def _no_unknown_keys(d: dict, cls, where: str) -> None:
+    """Raise ValueError naming the keys of ``d`` that are no field of dataclass ``cls``."""
+    unknown = sorted(str(k) for k in d if k not in cls.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"{where}: unknown setting(s) {unknown} (known: {', '.join(cls.__dataclass_fields__)})")
 
 
 #: Fields of a per-token table that ``triage-monitor import table`` maps to columns (docs/hooks.md).

@@ -6,6 +6,7 @@
     │   ├── RunConflictError         the directory holds another run
     │   └── RunLockedError           another live process writes the same rank
     ├── UnsupportedLocationError     (also a ValueError) a location given as a URI whose scheme is not supported there
+    ├── ForkedWriterError            (also a RuntimeError) a writer used in a process forked after it was built
     ├── analysis.RunDirError         (also a ValueError) the path is not a readable run directory
     ├── batch.InvalidTokenError      (also a ValueError) a valid token carries an impossible value
     └── exits.CommandError           a command stops with a message and an exit status
@@ -69,3 +70,9 @@ class UnsupportedLocationError(TriageMonitorError, ValueError):
         super().__init__(f"{what} {location!r}: the {scheme!r} scheme is not supported; it must be "
                          f"{supported or self.RUN_DIR}")
 
+
+
+class ForkedWriterError(TriageMonitorError, RuntimeError):
+    """A monitor (or its background writer) built in one process was used in a child forked from it: the child
+    has no writer thread, so nothing it logs would be written.  Build a new monitor in the child (after the fork),
+    or fork before building it (docs/reliability.md#forked-processes)."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -49,8 +50,10 @@ from .alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
 from .layout import RunLayout
+from .manifest import check_monitor_config
 from .metrics import METRIC_NAMES, MetricTracker
-from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, new_attempt_id
+from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, check_writer_options, new_attempt_id
+from .sink import WAIT_TIMEOUT_S
 from .records import steps_schema as records_steps_schema
 from .timings import (COLUMNS as TIME_PHASES, PREFIX as TIME_PREFIX, TIME_COLUMNS, columns_of, integer, phase_of,
                       phase_times)
@@ -146,7 +149,11 @@ class MismatchMonitor:
         force: start a new run; an existing one is moved to ``<run_dir>.replaced-<UTC time>`` (rank 0).
 
     Raises:
-        ValueError: ``group`` is given and this process is not a member of it.
+        ValueError: ``group`` is given and this process is not a member of it; ``rank`` or ``attempt`` outside
+            0..2**63 - 1; a ``rank`` other than 0 without a torch.distributed group of two or more and without
+            ``attempt`` (ranks that each drew their own attempt id would hide each other's records).
+        TypeError: ``rank`` / ``attempt`` not an integer, ``resume`` / ``force`` not a boolean, ``config`` not a
+            :class:`MonitorConfig` (each named, before anything is written).
         triage_monitor.errors.UnsupportedLocationError: ``run_dir`` is a URI of a scheme other than ``file://`` and
             ``s3://`` (``gs://bucket/run``): a ValueError naming the scheme, raised before anything is built or
             written.
@@ -161,6 +168,12 @@ class MismatchMonitor:
                  attempt: Optional[int] = None, resume: bool = False, force: bool = False):
         import torch.distributed as dist
 
+        check_writer_options("MismatchMonitor", rank=rank, attempt=attempt, resume=resume, force=force)
+        if config is not None and not isinstance(config, MonitorConfig):
+            raise TypeError(f"MismatchMonitor: config must be a MonitorConfig, got {type(config).__name__} (a dict: "
+                            "MonitorConfig.from_dict(d))")
+        check_monitor_config((config or MonitorConfig()).to_dict(), "MonitorConfig")  # as readers will, before
+                                                                                        # trackers or files exist
         layout = RunLayout(run_dir)     # gs://... and other URI schemes: UnsupportedLocationError, before any work
         #: the run directory as users name it (a local path, or the s3:// URI without its query)
         self.run_dir = layout.display
@@ -180,8 +193,17 @@ class MismatchMonitor:
         self.world_size = dist.get_world_size(group) if dist_on else 1
         if attempt is not None:
             self.attempt = int(attempt)
+        elif dist_on and self.world_size > 1:
+            self.attempt = _shared_attempt_id(group)
+        elif self.rank != 0 and not dist_on:
+            # each process would draw its own id, and readers keep a step's latest attempt across ranks: the ranks
+            # would hide each other's records (docs/reliability.md#many-ranks)
+            raise ValueError(f"MismatchMonitor: rank={self.rank} without a torch.distributed process group needs "
+                             "attempt=: the id every process of this job start shares (draw it once, e.g. "
+                             "triage_monitor.records.new_attempt_id() in the launcher, and pass it to every rank); "
+                             "ranks that each draw their own would hide each other's records")
         else:
-            self.attempt = _shared_attempt_id(group) if dist_on and self.world_size > 1 else new_attempt_id()
+            self.attempt = new_attempt_id()
         #: rank 0 of ``group`` reports: it evaluates the rules and calls the trackers (its metrics are those
         #: all-reduced over the group).  Without torch.distributed: rank 0.
         self.reports = self.group_rank == 0
@@ -269,7 +291,10 @@ class MismatchMonitor:
                 ``rank``) or not ``N`` values, or a ``timings`` name that is no phase or known timer, or a duration
                 that is not a finite number of seconds >= 0 (naming it).  Nothing is recorded or changed when it
                 raises.
+            ForkedWriterError: (a RuntimeError) called in a process forked after the monitor was built: its
+                writer thread is not there (docs/reliability.md#forked-processes).
         """
+        self.sink.check_process()            # a forked child: ForkedWriterError, never a silent loss
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise TypeError(f"step must be an int, got {step!r}")
         if not isinstance(batch, TokenBatch):
@@ -444,18 +469,66 @@ class MismatchMonitor:
             return None
 
     # ----------------------------------------------------------------- closing
-    def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued record is on disk."""
-        self.sink.flush(timeout)
+    def flush(self, timeout: Optional[float] = WAIT_TIMEOUT_S) -> bool:
+        """Wait until every queued record is written, at most ``timeout`` seconds (default
+        :data:`~triage_monitor.sink.WAIT_TIMEOUT_S`, 60 s; None: no bound).
 
-    def close(self, status: str = "finished") -> None:
+        Returns:
+            True when the queue is empty; False when the bound passed first (one warning; the writer goes on and
+            nothing is dropped by a flush).
+
+        Raises:
+            ForkedWriterError: called in a process forked after the monitor was built."""
+        self.sink.check_process()
+        done = self.sink.flush(timeout)
+        if not done:
+            log.warning("triage-monitor: flush() gave up after %.0f s with %d record row(s) still queued (a frozen or "
+                        "slow store?); the writer goes on, training continues", timeout, self.sink.queued_rows)
+        return done
+
+    def close(self, status: str = "finished", timeout: Optional[float] = WAIT_TIMEOUT_S) -> bool:
         """Drain the writer, close loggers and alerts, mark the manifest ``status``
-        ("finished"; "failed" when the ``with`` block raised, "interrupted" when it was stopped by Ctrl-C)."""
-        self.writer.sink.close()
+        ("finished"; "failed" when the ``with`` block raised, "interrupted" when it was stopped by Ctrl-C), all
+        within about ``timeout`` seconds (default :data:`~triage_monitor.sink.WAIT_TIMEOUT_S`, 60 s; None: no bound;
+        run.json gets at least :data:`~triage_monitor.records.CLOSE_GRACE_S` more when the writer used it up).
+
+        At the bound (a frozen or slow store, a hung mount) the rows still queued are counted as dropped, run.json's
+        ``writer`` records them (``dropped_rows``, ``unwritten_at_close``, ``close_timed_out``) when it can still be
+        written, and the loss is alerted: one ERROR line and an ``records_dropped`` alert to the trackers that take
+        alerts.  Any rows dropped during the run are alerted the same way at close.
+
+        Returns:
+            True when every record was written and run.json updated.
+
+        Raises:
+            ForkedWriterError: called in a process forked after the monitor was built."""
+        self.sink.check_process()
+        start = time.monotonic()
+        drained = self.sink.close(timeout)
+        if self.sink.dropped_rows:
+            self._alert_dropped_at_close(drained, timeout)
         for obj in [*self.loggers, self.alerts]:
             if isinstance(obj, Closable):
                 self._guard(obj, "close")
-        self.writer.close(status, self.steps_logged)
+        left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
+        return self.writer.close(status, self.steps_logged, left) and drained
+
+    def _alert_dropped_at_close(self, drained: bool, timeout: Optional[float]) -> None:
+        """The ERROR line and the ``records_dropped`` alert of a close with rows dropped."""
+        sink = self.sink
+        why = (f"close() gave up on the writer after {timeout:.0f} s (a frozen or slow store?) with "
+               f"{sink.abandoned_rows} row(s) still queued; " if not drained else "")
+        text = (f"triage-monitor: {why}{sink.dropped_rows} record row(s) of this run were not written "
+                f"(rank {self.rank}; last error: {sink.last_error or 'none'}); they are counted in run.json's "
+                f"writer.dropped_rows and readers report the run as incomplete")
+        log.error("%s", text)
+        if self.reports:
+            alert = Alert(step=self._last_step if self._last_step is not None else -1, rule="records_dropped",
+                          metric="writer_dropped_rows", value=float(sink.dropped_rows), threshold=0.0, window=1,
+                          level="ERROR", title="triage-monitor: records dropped", text=text, tier="mismatch")
+            for lg in self.loggers:
+                if isinstance(lg, AlertSink):
+                    self._guard(lg, "emit", alert)
 
     def __enter__(self) -> "MismatchMonitor":
         return self

@@ -41,10 +41,10 @@ from .errors import OutputError, RunConflictError, RunLockedError, UnwritableOut
 from .layout import MANIFEST, RunLayout
 from .locks import acquire_writer_lock, probe_lock, release_writer_lock
 from .storage import TEMP_PREFIX, Store, open_store
-from .manifest import (IDENTITY_KEYS, IO_CONFIG_KEYS, ManifestError, RunManifest,  # noqa: F401
+from .manifest import (IDENTITY_KEYS, IO_CONFIG_KEYS, ManifestError, RunManifest, json_text,  # noqa: F401
                        check_monitor_config, config_differences, describe_differences, read_manifest)
 from .blocks import constant_column
-from .sink import DeferredColumns, ParquetSink
+from .sink import WAIT_TIMEOUT_S, DeferredColumns, ParquetSink
 from .timings import COLUMNS as TIME_COLUMN, TIME_COLUMNS
 
 #: the writer's messages (locks, files, manifest) share one logger name
@@ -126,6 +126,44 @@ def timings_row(step: int, rank: int, attempt: int, times: dict, framework: Opti
     row.update(framework=framework or "", framework_step=-1 if framework_step is None else int(framework_step),
                attempt=int(attempt), wall_time=time.time())
     return row
+
+
+def check_writer_options(where: str, *, rank=None, attempt=None, resume=False, force=False) -> None:
+    """The options of a run's writer (``MismatchMonitor``, a hook's ``HookSettings``), checked with the readers'
+    rules before anything is written: ``rank`` and ``attempt`` None or integers from 0 to 2**63 - 1 (the file
+    names' and run.json's int64 fields), ``resume`` and ``force`` booleans.
+
+    Raises:
+        TypeError: a value of the wrong type, naming ``<where>.<option>``.
+        ValueError: an integer out of range, naming ``<where>.<option>``."""
+    for name, v in (("rank", rank), ("attempt", attempt)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{where}: {name} must be an integer from 0 to 2**63 - 1, got {v!r} "
+                            f"({type(v).__name__})")
+        if not 0 <= int(v) <= 2 ** 63 - 1:
+            raise ValueError(f"{where}: {name} must be an integer from 0 to 2**63 - 1 (readers refuse other values "
+                             f"in file names and run.json), got {int(v)}")
+    for name, v in (("resume", resume), ("force", force)):
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{where}: {name} must be True or False, got {v!r} ({type(v).__name__}): a string such "
+                            f"as 'no' would count as true")
+
+
+#: Seconds run.json and the lock's release get at a :meth:`RunWriter.close` whose writer used up its bound.
+CLOSE_GRACE_S = 5.0
+
+
+def _bounded(fn, timeout: Optional[float]) -> bool:
+    """Run ``fn()`` on a daemon thread and wait at most ``timeout`` seconds (None: no bound); True when it
+    returned (its exceptions are its own to handle) within the bound."""
+    import threading
+
+    t = threading.Thread(target=fn, name="triage-monitor-close", daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive()
 
 
 def new_attempt_id() -> int:
@@ -341,9 +379,13 @@ class RunWriter:
                             self.store.display(MANIFEST), exc)
 
     def save_calibration(self, tau_tail: float, step: int) -> None:
-        """Record the frozen τ_tail (nats) and the step it froze at, so a resumed job keeps it."""
+        """Record the frozen τ_tail (nats) and the step it froze at, so a resumed job keeps it.  run.json is
+        written on the writer thread, after the steps queued before (the training thread never waits on storage
+        here: a frozen store or a hung mount delays the file, not the step)."""
         self.manifest.calibration = {"tau_tail": float(tau_tail), "frozen_at_step": int(step), "attempt": self.attempt}
-        self.save_manifest()
+        if self.rank == 0:
+            data = json_text(self.manifest.to_dict()).encode()      # the manifest as of now, off this thread
+            self.sink.submit_task(lambda: self.layout.store.write_bytes(MANIFEST, data), MANIFEST)
 
     def declare_steps(self, schema: pa.Schema) -> None:
         """Declare the steps table's schema (:func:`steps_schema`) before the first row; a later declaration is
@@ -447,16 +489,43 @@ class RunWriter:
                 self.steps_schema = self.steps_schema.append(pa.field(k, pa.float64()))
         return {k: row.get(k, math.nan) for k in self.steps_schema.names}
 
-    def close(self, status: str, steps_logged: int) -> None:
-        """Drain the writer, seal its blocks and mark the manifest ``status`` with the writer's counts."""
-        self.sink.close()
+    def close(self, status: str, steps_logged: int, timeout: Optional[float] = WAIT_TIMEOUT_S) -> bool:
+        """Drain the writer, seal its blocks and mark the manifest ``status`` with the writer's counts, within
+        ``timeout`` seconds in all (default :data:`~triage_monitor.sink.WAIT_TIMEOUT_S`; None: no bound).
+
+        At the bound (a frozen store, a hung mount) what is still queued is counted as dropped
+        (:meth:`ParquetSink.close`) and run.json's ``writer`` says so (``dropped_rows``, ``unwritten_at_close``,
+        ``close_timed_out``); run.json and the lock's release get what is left of the bound (at least
+        :data:`CLOSE_GRACE_S` seconds) on a thread of their own, and when that passes too run.json keeps saying
+        ``running`` (readers report such a run as incomplete) and one ERROR line says so.
+
+        Returns:
+            True when everything queued was written and run.json updated; False otherwise."""
+        start = time.monotonic()
+        drained = self.sink.close(timeout)
         self.manifest.status = status
         self.manifest.steps_logged = int(steps_logged)
         self.manifest.writer = {"written_rows": self.sink.written_rows, "dropped_rows": self.sink.dropped_rows,
                                 "last_error": self.sink.last_error}
-        self.save_manifest()
-        release_writer_lock(self._lock)
-        self._lock = None
+        if not drained:
+            self.manifest.writer.update(close_timed_out=True, unwritten_at_close=self.sink.abandoned_rows)
+        lock, self._lock = self._lock, None
+
+        def finish():
+            try:
+                self.save_manifest()
+                release_writer_lock(lock)
+            except Exception as exc:  # noqa: BLE001 — e.g. the S3 client finalized at exit under a hung request
+                self._warn_once("close", "triage-monitor: closing %s failed (%s: %s)", self.run_dir,
+                                type(exc).__name__, exc)
+
+        left = None if timeout is None else max(timeout - (time.monotonic() - start), CLOSE_GRACE_S)
+        done = _bounded(finish, left)
+        if not done:
+            log.error("triage-monitor: %s could not be written within close()'s bound (a frozen or slow store?): "
+                      "it still says the run is running; the run's records end where the writer stopped",
+                      self.store.display(MANIFEST))
+        return drained and done
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:

@@ -10,6 +10,7 @@ writer thread is kept in :attr:`ParquetSink.last_error` and shows in the next st
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from .blocks import ROLL_BYTES, ROLL_STEPS, BlockWriter, seal_pending
+from .errors import ForkedWriterError
 from .layout import LATE_TABLES, TABLES, RunLayout
 from .storage import Store, open_store
 
@@ -33,6 +35,11 @@ PENDING_KEPT = ("its steps stay in pending files, which readers read and a later
                 "writer of the rank) completes")
 #: Bytes a row given as a dict counts against the queue bound.
 ROW_BYTES = 256
+#: The default bound, seconds, of every wait of the training thread on the writer: ``close()`` and ``flush()``
+#: (what is still queued at the bound is counted as dropped at close), and a submit of ``backpressure="block"``
+#: waiting for room in a full queue (the step is dropped and counted after it).  A frozen store or a hung mount
+#: never holds the job longer than this (docs/reliability.md#a-frozen-or-slow-store).
+WAIT_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,17 @@ class Recover:
     nrows = 0           # waited for by flush(); never held up by, nor counted against, the queue bound
 
 
+@dataclass(frozen=True)
+class Task:
+    """Queue item: run ``fn()`` on the writer thread (a write the training thread must not wait for, e.g. run.json
+    when τ_tail freezes); ``what`` names it in the one warning its failure gives."""
+
+    fn: Callable[[], None]
+    what: str
+
+    nrows = 0           # as Recover: waited for by flush(), never bounded
+
+
 class _Stop:
     """Queue item: seal every open block, then the writer thread ends (queued by :meth:`ParquetSink.close`)."""
 
@@ -132,7 +150,8 @@ class ParquetSink:
 
     def __init__(self, run_dir, attempt: int, max_queue_bytes: int = 256 << 20, backpressure: str = "block",
                  roll_steps: int = ROLL_STEPS, roll_bytes: int = ROLL_BYTES,
-                 heartbeat: Optional[Callable[[], None]] = None, heartbeat_s: float = 30.0):
+                 heartbeat: Optional[Callable[[], None]] = None, heartbeat_s: float = 30.0,
+                 block_timeout: Optional[float] = WAIT_TIMEOUT_S):
         if backpressure not in ("block", "drop"):
             raise ValueError(f"backpressure must be 'block' or 'drop', got {backpressure!r}")
         self.store: Store = run_dir if isinstance(run_dir, Store) else open_store(run_dir)
@@ -148,6 +167,17 @@ class ParquetSink:
         self.dropped_rows = 0
         #: steps whose submit had to wait for room (``backpressure="block"``: the training loop was held)
         self.blocked_submits = 0
+        #: steps dropped because ``backpressure="block"`` found no room within ``block_timeout`` seconds (counted
+        #: in ``dropped_rows`` too)
+        self.timed_out_submits = 0
+        #: rows still queued (or being written) when :meth:`close` reached its bound: counted in ``dropped_rows``
+        self.abandoned_rows = 0
+        #: whether :meth:`close` gave up on the writer at its bound
+        self.abandoned = False
+        self.block_timeout = None if block_timeout is None else float(block_timeout)
+        self._stalled = False               # a blocked submit timed out and the writer has finished nothing since
+        self._inflight = None               # the item the writer thread is on
+        self._pid = os.getpid()
         self.last_error: Optional[str] = None
         self._warned: set = set()
         self._heartbeat, self._heartbeat_s, self._beat_at = heartbeat, float(heartbeat_s), time.monotonic()
@@ -174,9 +204,24 @@ class ParquetSink:
         """Queue the sealing of the pending files that earlier attempts of ``rank`` left (:class:`Recover`)."""
         self._put(Recover(int(rank)))
 
+    def submit_task(self, fn: Callable[[], None], what: str) -> bool:
+        """Run ``fn()`` on the writer thread, after what is queued (:class:`Task`); False when the sink is closed.
+        Its exception is logged once and kept in :attr:`last_error`."""
+        return self._put(Task(fn, what))
+
+    def check_process(self) -> None:
+        """Raise :class:`~triage_monitor.errors.ForkedWriterError` in a process forked after this sink was built
+        (its writer thread is not there: nothing would be written, a flush would wait forever)."""
+        if os.getpid() != self._pid:
+            raise ForkedWriterError(f"triage-monitor: this monitor was built in process {self._pid} and is used in "
+                                    f"process {os.getpid()}, forked from it after it was built: its writer thread "
+                                    "does not exist here and nothing would be written; build a new monitor in the "
+                                    "child (another rank, or another run directory), or fork before building it")
+
     def _put(self, item) -> bool:
-        """Queue ``item`` under the byte bound (a :class:`Recover` neither counts nor waits for room); False when
-        dropped."""
+        """Queue ``item`` under the byte bound (a :class:`Recover` or :class:`Task` neither counts nor waits for
+        room); False when dropped."""
+        self.check_process()
         with self._cv:
             if self._closed:
                 self.dropped_rows += item.nrows
@@ -186,27 +231,51 @@ class ParquetSink:
                 self._q.put(item)
                 return True
             nbytes, waited = item.nbytes, False
+            deadline = None if self.block_timeout is None else time.monotonic() + self.block_timeout
             while self._queued_bytes + nbytes > self.max_queue_bytes and self._queued_bytes > 0:
-                if self.backpressure == "drop":
+                left = None if deadline is None else deadline - time.monotonic()
+                if self.backpressure == "drop" or self._stalled or (left is not None and left <= 0):
                     self.dropped_rows += item.nrows
+                    if self.backpressure == "block":
+                        self.timed_out_submits += 1
+                        if not self._stalled:
+                            self._stalled = True
+                            log.warning("triage-monitor: the writer made no room in its queue for %.0f s (a frozen "
+                                        "or slow store?); training continues: steps that find the queue full are "
+                                        "dropped and counted (metric writer_dropped_rows) until the writer moves "
+                                        "again", self.block_timeout)
                     return False
                 if not waited:
                     waited = True
                     self.blocked_submits += 1
-                self._cv.wait(timeout=1.0)
+                self._cv.wait(timeout=1.0 if left is None else max(min(left, 1.0), 0.01))
             self._queued_bytes += nbytes
         self._q.put(item)
         return True
 
-    def flush(self, timeout: Optional[float] = None) -> None:
-        """Wait until every queued step is written (or dropped), at most ``timeout`` seconds (None: no limit)."""
+    def flush(self, timeout: Optional[float] = WAIT_TIMEOUT_S) -> bool:
+        """Wait until every queued step is written (or dropped), at most ``timeout`` seconds (default
+        :data:`WAIT_TIMEOUT_S`; None: no limit).  Returns True when the queue is empty, False when the bound passed
+        first (the writer goes on; nothing is dropped by a flush).
+
+        Raises:
+            ForkedWriterError: called in a process forked after the sink was built."""
+        self.check_process()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._queued_bytes > 0 or self._queued_other > 0:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    return
+                    return False
                 self._cv.wait(timeout=0.5 if left is None else min(left, 0.5))
+        return True
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows queued and not yet written (the item the writer is on included)."""
+        with self._cv:
+            rows = sum(getattr(i, "nrows", 0) for i in list(self._q.queue))
+            return rows + (self._inflight.nrows if isinstance(self._inflight, Write) else 0)
 
     @property
     def sealed_blocks(self) -> int:
@@ -218,41 +287,88 @@ class ParquetSink:
         """True after :meth:`close`: later submits are dropped and counted in ``dropped_rows``."""
         return self._closed
 
-    def close(self, timeout: Optional[float] = None) -> None:
-        """Drain the queue, seal the open blocks and stop the writer thread (waiting at most ``timeout`` seconds
-        for it; a writer still busy then finishes on its own, and what it has not sealed stays as pending files)."""
+    def close(self, timeout: Optional[float] = WAIT_TIMEOUT_S) -> bool:
+        """Drain the queue, seal the open blocks and stop the writer thread, waiting at most ``timeout`` seconds
+        (default :data:`WAIT_TIMEOUT_S`; None: no limit).
+
+        Returns:
+            True when the writer finished; False when the bound passed first: the steps still queued, and the one
+            being written, are counted in :attr:`dropped_rows` and :attr:`abandoned_rows` (the one being written may
+            still reach the store), the writer thread writes nothing more, and the open blocks stay as pending
+            files (which readers read and the next writer of the rank seals).
+
+        Raises:
+            ForkedWriterError: called in a process forked after the sink was built."""
+        self.check_process()
         with self._cv:
             if self._closed:
-                return
+                return not self.abandoned
             self._closed = True
         self._q.put(_Stop)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            return True
+        self._abandon()
+        return False
+
+    def _abandon(self) -> None:
+        """Give up on the writer thread (:meth:`close` at its bound): count what it has not written as dropped."""
+        with self._cv:
+            self.abandoned = True
+            rows = self._inflight.nrows if isinstance(self._inflight, Write) else 0
+            while True:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                rows += getattr(item, "nrows", 0)
+            self.abandoned_rows = rows
+            self.dropped_rows += rows
+            self._queued_bytes, self._queued_other = 0, 0
+            self._cv.notify_all()
 
     # ---------------------------------------------------------------- writer
     def _run(self) -> None:
         while True:
             item = self._q.get()
+            with self._cv:
+                if self.abandoned:              # close() gave up on this thread: what is left was counted dropped
+                    return
+                self._inflight = item
             if item is _Stop:
                 self._seal_all()
                 return
+            ok, exc = True, None
             try:
                 if isinstance(item, Recover):
                     self._recover(item.rank)
+                elif isinstance(item, Task):
+                    item.fn()
                 else:
                     self._write(item)
-                    self.written_rows += item.nrows
-                    self.written_steps += bool(item.nrows)
-            except Exception as exc:  # never raise into training: count and report once
-                self.dropped_rows += item.nrows
-                self._report(exc, f"{getattr(item, 'table', 'pending')} rows for step {getattr(item, 'step', '-')}",
-                             "rows are counted as dropped")
-            finally:
-                with self._cv:
-                    if isinstance(item, Write):
-                        self._queued_bytes -= item.nbytes
+            except Exception as e:  # never raise into training: count and report once
+                ok, exc = False, e
+            with self._cv:
+                self._inflight = None
+                if self.abandoned:              # counted dropped at the bound, whatever became of it
+                    return
+                if isinstance(item, Write):
+                    self._queued_bytes -= item.nbytes
+                    if ok:
+                        self.written_rows += item.nrows
+                        self.written_steps += bool(item.nrows)
+                        self._stalled = False
                     else:
-                        self._queued_other -= 1
-                    self._cv.notify_all()
+                        self.dropped_rows += item.nrows
+                else:
+                    self._queued_other -= 1
+                self._cv.notify_all()
+            if exc is not None:
+                if isinstance(item, Task):
+                    self._report(exc, item.what, f"{item.what} is not written")
+                else:
+                    self._report(exc, f"{getattr(item, 'table', 'pending')} rows for step "
+                                 f"{getattr(item, 'step', '-')}", "rows are counted as dropped")
             self._beat()
 
     def _report(self, exc: BaseException, what: str, consequence: str) -> None:

@@ -1,0 +1,317 @@
+"""The second hostile trial's reproductions (issue 39), on real processes and files: a frozen object store (the local
+S3 server of tests/test_object_store.py behind a TCP proxy the test freezes, loopback only) never holds the
+training thread and a close ends on time, counting what it could not write; a process forked from a monitor's
+raises; ranks without a process group cannot hide each other; a writer checks its options before it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from triage_monitor.batch import TokenBatch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _batch(step, B=4, T=24):
+    g = torch.Generator().manual_seed(step)
+    s = -torch.rand(B, T, generator=g) * 3
+    lp = (s + torch.randn(B, T, generator=g) * 0.2).clamp(max=0)
+    return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), torch.ones(B, T, dtype=torch.bool),
+                                  sample_ids=torch.arange(B) + 10 * step)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on a free port of 127.0.0.1 (as tests/test_object_store.py starts it) and a TCP proxy in
+    front of it.  Yields ``(server_port, proxy, make_bucket)``; the monitor is pointed at the proxy by the URI's
+    query, the checks read the server directly."""
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
+    import boto3
+
+    from tcp_proxy import TcpProxy
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                            "AWS_EC2_METADATA_DISABLED")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_EC2_METADATA_DISABLED="true")
+    client = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
+    proxy = TcpProxy(port)
+
+    def bucket(name: str) -> str:
+        client.create_bucket(Bucket=name)
+        return name
+
+    try:
+        yield port, proxy, bucket
+    finally:
+        proxy.close()
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+CHILD = r"""
+import json, sys, time
+import torch
+sys.path.insert(0, sys.argv[2])
+from test_hostile_trial import _batch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+
+mon = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=6))
+for s in range(3):
+    mon.log_step(s, _batch(s))
+assert mon.flush(timeout=120)
+print("written", flush=True)
+sys.stdin.readline()                      # the test has frozen the store
+worst = 0.0
+for s in range(3, 12):                    # tau_tail freezes at step 5: run.json is due then
+    t = time.monotonic()
+    mon.log_step(s, _batch(s))
+    worst = max(worst, time.monotonic() - t)
+    print(f"step {s}", flush=True)
+t = time.monotonic()
+ok = mon.close(timeout=3.0)
+print(json.dumps({"worst": worst, "close_ok": ok, "close_s": time.monotonic() - t, "tau": mon.tracker.tau_frozen,
+                  "dropped": mon.sink.dropped_rows, "abandoned": mon.sink.abandoned_rows}), flush=True)
+"""
+
+
+def test_a_frozen_store_never_holds_the_training_thread_and_close_ends_on_its_bound(s3):
+    """A monitor process writes three steps to S3 through the proxy; the test freezes the proxy (every byte held,
+    connections open: a frozen store) and keeps it frozen until the process has exited.  Nine more steps, τ_tail
+    freezing among them (its run.json write is due), all return: the training thread never waits on the store.
+    ``close(timeout=3)`` returns False within its bound plus run.json's grace; the steps still queued are counted
+    as dropped (``abandoned_rows``), an ERROR line says run.json could not be written, the process exits, and the
+    store's run.json still says ``running`` (what readers report as incomplete)."""
+    port, proxy, bucket = s3
+    uri = f"s3://{bucket('frozen')}/run?endpoint_override={proxy.endpoint}&scheme=http"
+    p = subprocess.Popen([sys.executable, "-c", CHILD, uri, str(ROOT / "tests")], cwd=ROOT, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert p.stdout.readline().strip() == "written", p.stderr.read()
+        proxy.freeze()
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=300)         # a training thread waiting on the store would never get here
+        exited_frozen = not proxy._open.is_set()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        proxy.thaw()
+    assert p.returncode == 0, err
+    assert exited_frozen
+    assert "Traceback" not in err, err
+    lines = out.splitlines()
+    assert lines[:9] == [f"step {s}" for s in range(3, 12)]
+    res = json.loads(lines[9])
+    assert res["tau"] is True and res["close_ok"] is False
+    assert res["close_s"] < 3.0 + 5.0 + 5.0                        # the bound, run.json's grace, slack for load
+    assert res["abandoned"] > 0 and res["dropped"] >= res["abandoned"]
+    assert "could not be written within close()'s bound" in err and "record row(s) of this run were not written" in err
+    assert res["worst"] < 5.0, res       # a write through the frozen proxy takes the client's timeouts (>= 3 s) or more
+    from triage_monitor.storage import open_store
+
+    store = open_store(f"s3://frozen/run?endpoint_override=127.0.0.1:{port}&scheme=http")
+    manifest = json.loads(store.read_bytes("run.json"))
+    assert manifest["status"] == "running" and manifest.get("calibration") is None
+
+
+def test_close_at_its_bound_counts_the_queued_rows_in_run_json_and_alerts(tmp_path, caplog):
+    """A local run whose writer is held (a hung mount, stood in for by a write that waits on an event): ``close(
+    timeout=0.5)`` returns False at once after its bound; run.json is written (the disk itself answers) with
+    ``status`` finished, ``writer.close_timed_out`` and the queued rows in ``dropped_rows`` and
+    ``unwritten_at_close``; one ERROR line and a ``records_dropped`` alert to an alert-taking tracker say so."""
+    import threading
+
+    from triage_monitor.sink import DeferredColumns
+
+    class Tracker:
+        alerts: list = []
+
+        def log_metrics(self, step, metrics):
+            pass
+
+        def emit(self, alert):
+            self.alerts.append(alert)
+
+    release = threading.Event()
+    d = tmp_path / "run"
+    tracker = Tracker()
+    mon = MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0), loggers=[tracker])
+    mon.sink.submit("alerts", 0, 0, DeferredColumns(lambda: release.wait() and {"x": [1]}, 8, 1))
+    for s in range(3):
+        mon.log_step(s, _batch(s))
+    queued = mon.sink.queued_rows
+    t = time.monotonic()
+    with caplog.at_level("ERROR", logger="triage_monitor"):
+        assert mon.close(timeout=0.5) is False
+    took = time.monotonic() - t
+    release.set()
+    assert took < 0.5 + 5.0 + 5.0
+    man = json.loads((d / "run.json").read_text())
+    assert man["status"] == "finished" and man["writer"]["close_timed_out"] is True
+    assert man["writer"]["unwritten_at_close"] == queued == man["writer"]["dropped_rows"] > 0
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and f"with {queued} row(s) still queued" in errors[0]
+    assert [a.rule for a in tracker.alerts] == ["records_dropped"] and tracker.alerts[0].level == "ERROR"
+
+
+def test_a_full_queue_on_a_held_writer_drops_after_its_bound_instead_of_stalling(tmp_path, caplog):
+    """``backpressure="block"`` with a writer that makes no progress (a frozen store): the submit that finds the
+    queue full waits ``block_timeout`` seconds at most, then the step is dropped and counted with one warning; the
+    next steps are dropped at once until the writer moves again (no second wait)."""
+    import threading
+
+    from triage_monitor.sink import DeferredColumns, ParquetSink
+
+    release = threading.Event()
+    sink = ParquetSink(tmp_path, attempt=1, max_queue_bytes=16, block_timeout=0.5)
+    try:
+        sink.submit("steps", 0, 0, DeferredColumns(lambda: release.wait() and {"x": [1]}, 8, 1))
+        sink.submit("steps", 1, 0, DeferredColumns(lambda: {"x": [1]}, 8, 1))
+        with caplog.at_level("WARNING", logger="triage_monitor"):
+            assert sink.submit("steps", 2, 0, {"x": [1, 2]}) is False
+            t = time.monotonic()
+            assert sink.submit("steps", 3, 0, {"x": [1, 2, 3]}) is False
+            assert time.monotonic() - t < 0.5                       # no second wait
+        assert sink.dropped_rows == 5 and sink.timed_out_submits == 2
+        assert len([r for r in caplog.records if "made no room" in r.getMessage()]) == 1
+    finally:
+        release.set()
+        sink.close()
+    assert sink.written_rows == 2
+
+
+FORK_CHILD = r"""
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from test_hostile_trial import _batch
+from triage_monitor.errors import ForkedWriterError
+from triage_monitor.monitor import MismatchMonitor
+
+mon = MismatchMonitor(sys.argv[1])
+mon.log_step(0, _batch(0))
+pid = os.fork()
+if pid == 0:
+    msgs = []
+    for call in (lambda: mon.log_step(1, _batch(1)), lambda: mon.flush(), lambda: mon.close()):
+        try:
+            call()
+            msgs.append("no error")
+        except ForkedWriterError as exc:
+            msgs.append(str(exc))
+    print("\n".join(msgs), flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+mon.log_step(1, _batch(1))
+mon.close()
+print("parent closed", flush=True)
+"""
+
+
+def test_a_monitor_used_in_a_forked_child_raises_and_the_parent_keeps_writing(tmp_path):
+    """After ``os.fork()`` the child's ``log_step``, ``flush()`` and ``close()`` each raise ForkedWriterError naming
+    both processes and what to do (no silent loss, no endless flush); the parent's monitor goes on and its run holds
+    both of its steps."""
+    from triage_monitor.analysis import open_run
+
+    d = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", FORK_CHILD, str(d), str(ROOT / "tests")], cwd=ROOT, text=True,
+                       capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 4 and lines[3] == "parent closed"
+    for msg in lines[:3]:
+        assert "forked from it after it was built" in msg and "build a new monitor in the child" in msg
+    assert open_run(d).steps()["step"].tolist() == [0, 1]
+
+
+def test_a_second_rank_without_a_process_group_or_attempt_is_refused_before_writing(tmp_path):
+    """``MismatchMonitor(d, rank=1)`` in a process without torch.distributed would draw its own attempt id and hide
+    (or be hidden by) rank 0's records: refused naming ``attempt=``, nothing written; with the shared ``attempt``
+    two processes' ranks both read back."""
+    from triage_monitor.analysis import open_run
+    from triage_monitor.records import new_attempt_id
+
+    d = tmp_path / "run"
+    with pytest.raises(ValueError, match="rank=1 without a torch.distributed process group needs attempt="):
+        MismatchMonitor(d, rank=1)
+    assert not d.exists()
+    attempt = new_attempt_id()
+    code = ("import sys; sys.path.insert(0, sys.argv[3]); from test_hostile_trial import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor; "
+            "m = MismatchMonitor(sys.argv[1], rank=int(sys.argv[2]), attempt=%d); m.log_step(0, _batch(0)); m.close()"
+            % attempt)
+    for rank in (0, 1):
+        subprocess.run([sys.executable, "-c", code, str(d), str(rank), str(ROOT / "tests")], cwd=ROOT, check=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = open_run(d)
+    assert len(run.steps()) == 1 and len(run.steps(rank=1)) == 1
+    assert sorted(run.tokens(0)["rank"].unique().tolist()) == [0, 1]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"attempt": -5}, ValueError, "MismatchMonitor: attempt must be an integer from 0 to 2**63 - 1"),
+    ({"rank": 2 ** 70}, ValueError, "MismatchMonitor: rank must be an integer from 0 to 2**63 - 1"),
+    ({"rank": "0"}, TypeError, "MismatchMonitor: rank must be an integer"),
+    ({"resume": "no"}, TypeError, "MismatchMonitor: resume must be True or False, got 'no'"),
+    ({"force": 1}, TypeError, "MismatchMonitor: force must be True or False"),
+    ({"config": {"window": 3}}, TypeError, "config must be a MonitorConfig"),
+])
+def test_a_writer_refuses_options_readers_would_refuse_before_writing_anything(tmp_path, kwargs, error, message):
+    """``attempt=-5``, ``rank=2**70``, ``resume="no"`` and friends are refused at construction naming the option,
+    and the directory is not even created."""
+    d = tmp_path / "run"
+    with pytest.raises(error, match=message.replace("*", r"\*").replace("(", r"\(")):
+        MismatchMonitor(d, **kwargs)
+    assert not d.exists()
+
+
+def test_monitor_config_refuses_unknown_keys_and_bad_values_at_construction(tmp_path):
+    """``MonitorConfig.from_dict`` refuses a misspelt key (``windw``) naming it, ``MonitorConfig(backpressure=
+    "yolo")`` is refused where it is built (before any run.json or lock exists); a reader's ``strict=False`` keeps
+    ignoring keys a newer release added."""
+    with pytest.raises(ValueError, match=r"MonitorConfig: unknown setting\(s\) \['windw'\]"):
+        MonitorConfig.from_dict({"windw": 5})
+    with pytest.raises(ValueError, match=r"MonitorConfig.metrics: unknown setting\(s\) \['segmnt_width'\]"):
+        MonitorConfig.from_dict({"metrics": {"segmnt_width": 5}})
+    with pytest.raises(ValueError, match="MonitorConfig.backpressure must be 'block' or 'drop', got 'yolo'"):
+        MonitorConfig(backpressure="yolo")
+    with pytest.raises(ValueError, match="MonitorConfig.max_queue_bytes must be an integer >= 1"):
+        MonitorConfig(max_queue_bytes=0)
+    assert MonitorConfig.from_dict({"window": 5, "future_key": 1}, strict=False).window == 5
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"attempt": -5}, ValueError, "HookSettings: attempt must be an integer from 0 to 2**63 - 1"),
+    ({"rank": 2 ** 70}, ValueError, "HookSettings: rank must be an integer from 0 to 2**63 - 1"),
+    ({"resume": "no"}, TypeError, "HookSettings: resume must be True or False, got 'no'"),
+    ({"monitor": {"windw": 5}}, ValueError, "MonitorConfig: unknown setting(s) ['windw']"),
+    ({"monitor": MonitorConfig(window=2.5)}, ValueError, "HookSettings.monitor.window must be an integer from 1"),
+    ({"monitor": {"backpressure": "yolo"}}, ValueError, "MonitorConfig.backpressure must be 'block' or 'drop'"),
+])
+def test_hook_settings_check_the_writers_options_on_the_driver_naming_them(tmp_path, kwargs, error, message):
+    """The options a worker's monitor would refuse (or, before, accept and lose records with) are refused where
+    ``HookSettings`` is built, on the driver, naming the option."""
+    from triage_monitor.hooks._runtime import HookSettings
+
+    with pytest.raises(error) as err:
+        HookSettings(run_dir=str(tmp_path / "run"), **kwargs)
+    assert message in str(err.value)
+    assert not (tmp_path / "run").exists()
