@@ -101,7 +101,9 @@ def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple, sn
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tuple:
-    """(δ array, tail layout, sample ids, gate weights, gate width) of one step."""
+    """(δ array, tail layout, sample ids, gate weights, gate width, responses) of one step: ``responses`` is
+    :meth:`~triage_monitor.analysis.Run.responses` (each batch response's rank and recorded sample id: two ranks
+    that reuse a sample id are two responses)."""
     from triage_monitor.stages import tail_layout
 
     run = open_run(path)
@@ -109,7 +111,7 @@ def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tup
     delta = batch.delta.double().numpy()
     layout = tail_layout(batch, tau, width) if math.isfinite(tau) else None
     gw, cfg = views.gate_weights(batch, run.manifest)
-    return delta, layout, batch.sample_id.numpy(), gw, cfg.gate_width
+    return delta, layout, batch.sample_id.numpy(), gw, cfg.gate_width, run.responses(step)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -485,8 +487,11 @@ width = run_config.metrics.segment_width
 small_gap = run_config.metrics.small_gap_threshold
 try:
     with st.spinner(f"loading the tokens of step {step}…"):
-        delta, layout, sample_ids, gw, gate_width = step_detail(primary, step, step_tau, width, sig)
+        delta, layout, sample_ids, gw, gate_width, who = step_detail(primary, step, step_tau, width, sig)
         toks = load_tokens(primary, step, sig)
+        # toks and the batch are both sorted by (sample_id, rank, position): the same flat order; each row's
+        # response is the batch's sample id (a rank's reused id stays its own response)
+        toks = toks.assign(response=np.repeat(who["batch_id"].to_numpy(), who["n_tokens"].to_numpy()))
 except (KeyError, OSError, ValueError) as exc:
     st.warning(f"Token records of step {step} are not readable ({exc}); step-level charts above are complete.")
     toks = None
@@ -501,7 +506,10 @@ if toks is not None:
             _chart(views.segment_heatmap_figure(layout, sample_ids, step), "heatmap")
 
     st.subheader("Response drill-down")
-    adv = toks.groupby("sample_id", sort=True)["advantage"].mean()
+    adv = toks.groupby("response", sort=True)["advantage"].mean()
+    renumbered = not (who["batch_id"] == who["sample_id"]).all()
+    named = {int(b): (f"rank {int(r)} · id {int(i)}" if renumbered else f"id {int(i)}")
+             for b, r, i in zip(who["batch_id"], who["rank"], who["sample_id"])}
     # tail tokens per response from the step's tail layout (stages.tail_layout: the segments of triage_monitor.segments)
     tails = pd.Series(0, index=adv.index, dtype=np.int64)
     if layout is not None and layout.num_segments:
@@ -509,9 +517,8 @@ if toks is not None:
         tails = tails.add(per_id, fill_value=0).astype(np.int64)
     order = sorted(adv.index, key=lambda i: (-int(tails[i]), float(adv[i]), int(i)))
     pick = st.selectbox("Response (most amplifying-tail tokens first)", order, key="response",
-                        format_func=lambda i: f"id {i} · A {adv[i]:+.3f} · {int(tails[i])} tail tokens")
-    sel = (toks["sample_id"] == pick).to_numpy()
-    # toks and the batch are both sorted by (sample_id, position): the same flat order
+                        format_func=lambda i: f"{named[int(i)]} · A {adv[i]:+.3f} · {int(tails[i])} tail tokens")
+    sel = (toks["response"] == pick).to_numpy()
     gw_sel = gw[sel] if gw is not None and gw.shape[0] == sel.shape[0] else None
     # segments drawn with the monitor's W, as in the heatmap above (the Gate's own width is named below)
     _chart(views.response_figure(toks[sel], gw_sel, width, step_tau, int(pick)), "response_chart")

@@ -202,7 +202,8 @@ class Run:
         return StepSource(self.layout.location, int(step), tuple(parts))
 
     def tokens(self, step: int, columns: Optional[Sequence[str]] = None) -> pd.DataFrame:
-        """Token rows of one step (all ranks, latest attempt) as a DataFrame, sorted by (sample_id, position).
+        """Token rows of one step (all ranks, latest attempt) as a DataFrame, sorted by (sample_id, rank, position):
+        a response is the rows of one (rank, sample_id), contiguous even where two ranks reuse a sample id.
 
         ``columns``: only these (a ``rank`` column is always there). A rank file that cannot be read is skipped
         and named in :attr:`unreadable` (with a WARNING).
@@ -223,27 +224,59 @@ class Run:
             raise KeyError(f"step {step}: every token file is unreadable "
                            f"({', '.join(self.store.display(f.name) for f in src.parts)})")
         df = pa.concat_tables(tables, promote_options="default").to_pandas()
-        sort = [c for c in ("sample_id", "position") if c in df.columns]
-        return df.sort_values(sort, kind="stable").reset_index(drop=True) if sort else df
+        sort = [c for c in ("sample_id", "rank", "position") if c in df.columns]
+        return df.sort_values(sort, kind="stable").reset_index(drop=True)
 
     def token_files(self, step: int) -> list:
         """The step's token files of its latest attempt (their locations, str), one per rank, by rank; a block
         file holds the step among others."""
         return [self.store.display(f.name) for f in self.token_source(step).parts]
 
-    def token_batch(self, step: int):
-        """The step's valid tokens as a :class:`~triage_monitor.batch.TokenBatch` (float32 values exactly as recorded)."""
+    def token_batch(self, step: int, rank: Optional[int] = None):
+        """The step's valid tokens as a :class:`~triage_monitor.batch.TokenBatch` (float32 values exactly as recorded).
+
+        A response is keyed by (rank, sample_id): ranks that reuse sample ids (the default ids 0 … B−1 of
+        ``from_padded`` on every rank) stay separate responses.  ``batch.sample_id`` is the recorded id while no
+        two of the step's ranks share one (a one-rank run; hooks that pass global ids); otherwise the responses
+        are numbered 0 … S−1 in (sample_id, rank) order.  :meth:`responses` gives each response's rank and
+        recorded id either way.  ``rank``: that rank's tokens only (its recorded ids).
+
+        Raises:
+            KeyError: the step has no token records (of ``rank``), or none is readable.
+        """
         import torch
 
         from .batch import TokenBatch
 
-        df = self.tokens(step, ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"])
-        t = {c: torch.as_tensor(df[c].to_numpy().copy()) for c in df.columns if c != "rank"}
-        return TokenBatch.from_flat(t["learner_logp"], t["sampler_logp"], t["advantage"], t["sample_id"],
+        df = self._batch_tokens(step, rank)
+        t = {c: torch.as_tensor(df[c].to_numpy().copy()) for c in ("learner_logp", "sampler_logp", "advantage",
+                                                                      "position", "group_id")}
+        ids = torch.from_numpy(np.array(_response_ids(df)[1], dtype=np.int64))
+        return TokenBatch.from_flat(t["learner_logp"], t["sampler_logp"], t["advantage"], ids,
                                     t["position"], group_id=t["group_id"])
 
+    def responses(self, step: int, rank: Optional[int] = None) -> pd.DataFrame:
+        """One row per response of :meth:`token_batch` ``(step, rank)``, in the batch's order (row i is sample
+        index i): ``batch_id`` (the batch's ``sample_id``), ``rank`` and ``sample_id`` (as recorded by that rank),
+        ``n_tokens``."""
+        df = self._batch_tokens(step, rank)
+        first, ids = _response_ids(df)
+        out = df.loc[first, ["rank", "sample_id"]].reset_index(drop=True).astype("int64")
+        out.insert(0, "batch_id", ids[first])
+        out["n_tokens"] = np.diff(np.append(first, len(df)))
+        return out
+
+    def _batch_tokens(self, step: int, rank: Optional[int]) -> pd.DataFrame:
+        df = self.tokens(step, ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"])
+        if rank is not None:
+            df = df[df["rank"].to_numpy() == rank].reset_index(drop=True)
+            if not len(df):
+                raise KeyError(f"step {step} has no token records of rank {rank} in {self.path}")
+        return df
+
     def iter_batches(self, steps: Optional[Sequence[int]] = None) -> Iterator:
-        """Yield ``(step, TokenBatch)`` in step order, one step in memory at a time."""
+        """Yield ``(step, TokenBatch)`` in step order (:meth:`token_batch`: responses keyed by rank and sample id),
+        one step in memory at a time."""
         for s in (self.step_numbers() if steps is None else steps):
             yield s, self.token_batch(s)
 
@@ -379,6 +412,19 @@ def _fill_late_timings(steps: pd.DataFrame, late: pd.DataFrame) -> pd.DataFrame:
             have = out[c].to_numpy(np.float64) if c in out.columns else np.full(len(out), np.nan)
             out[c] = np.where(np.isnan(have), given, have)
     return out
+
+
+def _response_ids(df: pd.DataFrame) -> tuple:
+    """(first row of each response, the batch's sample id of every row) of token rows sorted by (sample_id, rank,
+    position) (:meth:`Run.tokens`): a response is one (rank, sample_id); its id is the recorded one while no two
+    ranks share a sample id, else its number 0 … S−1 in that order."""
+    sid, rk = df["sample_id"].to_numpy(np.int64), df["rank"].to_numpy(np.int64)
+    new = np.ones(len(df), dtype=bool)
+    new[1:] = (sid[1:] != sid[:-1]) | (rk[1:] != rk[:-1])
+    first = np.flatnonzero(new)
+    if np.unique(sid[first]).size == first.size:
+        return first, sid
+    return first, np.cumsum(new) - 1
 
 
 def open_run(path) -> Run:

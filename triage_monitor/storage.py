@@ -309,14 +309,3 @@ def _s3(text: str) -> tuple:
     except (pa.ArrowException, ValueError, TypeError) as exc:
         raise ValueError(f"{text}: not a usable s3:// location ({exc})") from None
     return fs, root, False
-
-
-def child_location(location, name: str) -> str:
-    """The location of ``name`` inside ``location`` (a sub-directory or key prefix), as a string: a local path
-    joined with ``os.path.join``, a URI with ``/`` before its query (``s3://b/runs?x=1`` + ``a`` →
-    ``s3://b/runs/a?x=1``)."""
-    scheme, text = split_uri(location)
-    if scheme is None:
-        return str(Path(text) / name)
-    base, q, query = text.partition("?")
-    return f"{base.rstrip('/')}/{name}" + (f"?{query}" if q else "")
