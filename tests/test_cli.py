@@ -333,11 +333,12 @@ def test_analyze_of_a_run_being_written_is_one_snapshot(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(analysis, "recompute", recompute_while_written)
     try:
-        assert main(["analyze", str(d)]) == 0
+        assert main(["analyze", str(d)]) == 1          # a run still running is never called complete (issue 39)
     finally:
         mon.close()
     out, err = capsys.readouterr()
     assert "(5 steps, 1,200 tokens)" in out and re.search(r"all \d+ metrics equal the live values", out)
+    assert "incomplete records: run.json says the run is 'running'" in out
     verdict = next(ln for ln in out.splitlines() if ln.startswith("  last step:"))   # the last step's status
     assert "at step 4" in verdict, verdict
     assert ("triage-monitor analyze: 3 step(s) recorded while this ran (after step 4) are not included; run it "

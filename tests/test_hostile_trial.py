@@ -315,3 +315,74 @@ def test_hook_settings_check_the_writers_options_on_the_driver_naming_them(tmp_p
         HookSettings(run_dir=str(tmp_path / "run"), **kwargs)
     assert message in str(err.value)
     assert not (tmp_path / "run").exists()
+
+
+def _cli(*args, timeout=300):
+    """``python -m triage_monitor ARGS`` in a process of its own: (exit status, stdout + stderr)."""
+    p = subprocess.run([sys.executable, "-m", "triage_monitor", *map(str, args)], cwd=ROOT, text=True,
+                       capture_output=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return p.returncode, p.stdout + p.stderr
+
+
+def _run(d, steps=8, **cfg):
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2, roll_steps=4, **cfg)) as mon:
+        for s in range(steps):
+            mon.log_step(s, _batch(s))
+
+
+def test_analyze_never_calls_a_run_that_lost_records_complete(tmp_path):
+    """A run whose close gave up on a held writer (rows counted dropped in run.json) and a run whose run.json still
+    says ``running`` (a killed job, a close that could not write it): ``analyze`` names each gap on a line of its
+    own, never says "the records are complete", and exits 1; the intact run exits 0 and says it."""
+    import threading
+
+    from triage_monitor.sink import DeferredColumns
+
+    whole = tmp_path / "whole"
+    _run(whole)
+    code, out = _cli("analyze", whole)
+    assert code == 0 and "the records are complete" in out
+    lost = tmp_path / "lost"
+    release = threading.Event()
+    mon = MismatchMonitor(lost, MonitorConfig(window=2, calibration_steps=2))
+    for s in range(4):
+        mon.log_step(s, _batch(s))
+    assert mon.flush(timeout=120)
+    mon.sink.submit("alerts", 0, 0, DeferredColumns(lambda: release.wait() and {"x": [1]}, 8, 1))
+    for s in range(4, 8):
+        mon.log_step(s, _batch(s))
+    assert mon.close(timeout=0.2) is False
+    release.set()
+    code, out = _cli("analyze", lost)
+    assert code == 1 and "the records are complete" not in out
+    assert "incomplete records: the writer dropped" in out and "close() gave up" in out
+    man = json.loads((whole / "run.json").read_text())
+    man["status"] = "running"
+    (whole / "run.json").write_text(json.dumps(man))
+    code, out = _cli("analyze", whole)
+    assert code == 1 and "incomplete records: run.json says the run is 'running'" in out
+    assert "the records are complete" not in out
+
+
+def test_the_state_cache_is_keyed_by_the_files_and_a_damaged_cache_is_recomputed_with_one_warning(tmp_path):
+    """After one ``analyze``, a token block truncated in place is read again (the cache key holds each file's
+    name, size and modification time): exit 2 naming the file, never a cached "complete".  A damaged state cache
+    (not a zip file) gives one WARNING naming it, is recomputed and rewritten, exit 0 — no traceback."""
+    d = tmp_path / "run"
+    _run(d)
+    code, out = _cli("analyze", d)
+    assert code == 0
+    (cache,) = (d / "analysis").glob("states-*.npz")
+    cache.write_bytes(cache.read_bytes()[:100])
+    code, out = _cli("analyze", d)
+    assert code == 0 and "Traceback" not in out
+    assert out.count(f"the state cache {cache} is damaged (BadZipFile") == 1
+    import numpy as np
+
+    with np.load(cache) as z:                       # rewritten whole
+        assert z["states"].shape[0] == 8
+    block = sorted((d / "tokens").glob("*part-1.parquet"))[0]
+    with open(block, "r+b") as f:
+        f.truncate(300)
+    code, out = _cli("analyze", d)
+    assert code == 2 and block.name in out and "the records are complete" not in out

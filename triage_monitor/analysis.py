@@ -724,17 +724,19 @@ def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: s
     from .metrics import state_layout
 
     # the state layout is part of the key: a state of another layout (a field added or resized) is never loaded.
-    # A step's records are named by (rank, attempt, part): the same records whether still pending or sealed.
+    # A step's records are keyed by the files that hold them: name (rank, attempt, part, pending or sealed), size
+    # and modification time, so a file truncated, emptied, rewritten or sealed since is read again.
     layout = [(f.name, f.size, f.reduction) for f in state_layout(cfg.segment_width).fields]
     h = hashlib.sha256(json.dumps([asdict(cfg), explicit, n_calib, tau_mode, todo, layout,
                                    list(state_kernel_fields()), _CACHE_FORMAT]).encode())
     for s in sorted(files):
-        h.update(f"{s}:{[(p.rank, p.attempt, p.part) for p in files[s].parts]};".encode())
+        h.update(f"{s}:{[(p.name, p.size, p.mtime_ns) for p in files[s].parts]};".encode())
     return h.hexdigest()[:20]
 
 
-#: Version of the cached states file (part of its key): 2 adds the shuffle-null inputs, 3 keys by records.
-_CACHE_FORMAT = 3
+#: Version of the cached states file (part of its key): 2 adds the shuffle-null inputs, 3 keys by records, 4 by
+#: their files' names, sizes and modification times.
+_CACHE_FORMAT = 4
 
 
 def state_kernel_fields() -> tuple:
@@ -753,7 +755,11 @@ def _load_states(store: Store, path: str, cfg, window: int, tau_mode: str) -> Op
             steps = z["steps"].tolist()
             return StepStates(steps, z["states"], z["taus"].tolist(), cfg, window, tau_mode,
                               nulls if len(nulls) == len(steps) else None)
-    except (OSError, KeyError, ValueError):
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 — a damaged cache (BadZipFile, a truncated array, ...) is recomputed
+        log.warning("triage-monitor: the state cache %s is damaged (%s: %s); recomputing it",
+                    store.display(path), type(exc).__name__, exc)
         return None
 
 
@@ -983,3 +989,49 @@ def resume_explanations(run, live, rec) -> tuple:
         for m in TAU_DEPENDENT:
             explained.setdefault(f"window/{m}", set()).update(near)
     return explained, reasons
+
+
+def record_gaps(run: Run, live: Optional[pd.DataFrame] = None) -> list:
+    """What the run's records lack, one plain sentence each (``[]``: nothing known to be missing).  What readers
+    say before they call a run's records complete (``analyze``, docs/reliability.md#a-frozen-or-slow-store):
+
+    * run.json's ``status`` is not ``finished`` (a live or killed job, or one whose close could not write run.json:
+      the last steps may be missing);
+    * the writer dropped rows: run.json's ``writer.dropped_rows`` (and whether close timed out), or, for a run that
+      never closed, the steps table's ``writer_dropped_rows``;
+    * steps with token records but no steps row (rank 0's table), named;
+    * files a read of ``run`` found unreadable (:attr:`Run.unreadable`).
+
+    Args:
+        run: the opened run.
+        live: its steps table (``run.steps()``) when already read; read here otherwise.
+
+    Returns:
+        list of str."""
+    out = []
+    man = run.manifest
+    if man.status != "finished":
+        out.append(f"run.json says the run is {man.status!r}, not 'finished' (a job still running or killed, or "
+                   "one whose close could not write run.json): its last steps may be missing")
+    writer = man.writer or {}
+    dropped = int(writer.get("dropped_rows") or 0)
+    if live is None:
+        try:
+            live = run.steps()
+        except Exception:  # noqa: BLE001 — no steps table: the other checks still hold
+            live = pd.DataFrame()
+    if not dropped and "writer_dropped_rows" in live.columns and len(live):
+        dropped = int(np.nan_to_num(live["writer_dropped_rows"].max()))
+    if dropped:
+        timed = " (close() gave up on a writer that made no progress)" if writer.get("close_timed_out") else ""
+        out.append(f"the writer dropped {dropped} record row(s){timed}: run.json writer.dropped_rows / the steps "
+                   "table's writer_dropped_rows")
+    if "step" in live.columns:
+        no_row = sorted(set(run.step_numbers()) - set(int(s) for s in live["step"]))
+        if no_row:
+            more = " …" if len(no_row) > 8 else ""
+            out.append(f"{len(no_row)} step(s) have token records but no steps row: "
+                       f"{', '.join(map(str, no_row[:8]))}{more}")
+    for path, reason in run.unreadable:
+        out.append(f"unreadable file skipped: {path} ({reason})")
+    return out

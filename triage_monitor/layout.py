@@ -66,7 +66,8 @@ _LOCK_RE = re.compile(r"^\.writer-rank-(\d+)\.lock$")
 class Part(NamedTuple):
     """One file of a table: the steps ``lo..hi`` of ``rank`` written by ``attempt`` as its block ``part``;
     ``sealed`` for a Parquet block, False for a pending Arrow file of one step (``lo == hi``).  ``name`` is the
-    file's path relative to the run directory (``tokens/steps-...``); ``size`` its bytes."""
+    file's path relative to the run directory (``tokens/steps-...``); ``size`` its bytes; ``mtime_ns`` its
+    modification time (ns since the epoch; 0 unknown)."""
 
     table: str
     lo: int
@@ -77,6 +78,7 @@ class Part(NamedTuple):
     sealed: bool
     name: str
     size: int = 0
+    mtime_ns: int = 0
 
     @property
     def order(self) -> tuple:
@@ -94,21 +96,22 @@ def pending_name(step: int, rank: int, attempt: int, part: int) -> str:
     return f".pending-{int(step):08d}-rank-{int(rank):04d}-attempt-{int(attempt)}-part-{int(part)}.arrow"
 
 
-def parse_part(table: str, name: str, size: int = 0) -> Optional[Part]:
-    """The :class:`Part` a file name of ``table`` says, None for any other name (a write under way, a stray
-    file, a directory of another layout)."""
+def parse_part(table: str, name: str, size: int = 0, mtime_ns: int = 0) -> Optional[Part]:
+    """The :class:`Part` a file name of ``table`` says (``size`` bytes, modified at ``mtime_ns``), None for any
+    other name (a write under way, a stray file, a directory of another layout)."""
     m = _BLOCK_RE.match(name)
     if m:
         lo, hi, rank, attempt, part = (int(g) for g in m.groups())
-        return Part(table, lo, hi, rank, attempt, part, True, f"{table}/{name}", size) if lo <= hi else None
+        return (Part(table, lo, hi, rank, attempt, part, True, f"{table}/{name}", size, mtime_ns) if lo <= hi
+                else None)
     m = _PENDING_RE.match(name)
     if m:
         step, rank, attempt, part = (int(g) for g in m.groups())
-        return Part(table, step, step, rank, attempt, part, False, f"{table}/{name}", size)
+        return Part(table, step, step, rank, attempt, part, False, f"{table}/{name}", size, mtime_ns)
     m = _ONE_STEP_RE.match(name)
     if m:
         step, rank, attempt = (int(g) for g in m.groups())
-        return Part(table, step, step, rank, attempt, 0, True, f"{table}/{name}", size)
+        return Part(table, step, step, rank, attempt, 0, True, f"{table}/{name}", size, mtime_ns)
     return None
 
 
@@ -232,7 +235,7 @@ class RunLayout:
 
         Raises:
             OSError: the directory cannot be listed."""
-        parts = (parse_part(table, e.name, e.size) for e in self.store.listdir(table))
+        parts = (parse_part(table, e.name, e.size, e.mtime_ns) for e in self.store.listdir(table))
         return TableIndex(table, (p for p in parts if p is not None))
 
     def step_attempts(self, indexes=None) -> dict:

@@ -167,9 +167,27 @@ def _save_verdict(run, verdict, table_out) -> str:
 
 
 def _compare_with_live(console, run, df, live) -> int:
-    """The recomputation check: the recomputed table ``df`` against the live steps; returns the exit code."""
+    """The recomputation check: the recomputed table ``df`` against the live steps, then what the records lack
+    (:func:`~triage_monitor.analysis.record_gaps`: never "complete", never exit 0 on such a run); returns the exit
+    code."""
     from .. import exits
-    from ..analysis import compare_live, differing_steps, provisional_skips, resume_explanations
+    from ..analysis import record_gaps
+
+    code = _compare_values(console, run, df, live)
+    gaps = record_gaps(run, live)
+    if not gaps:
+        return code
+    for line in gaps:
+        console.print(f"incomplete records: {line}", style="yellow", highlight=False, markup=False, soft_wrap=True)
+    exits.note("analyze", f"the run's records are incomplete ({len(gaps)} finding(s) above): what was recomputed "
+                          "covers the records that exist")
+    return max(code, exits.FINDING)
+
+
+def _compare_values(console, run, df, live) -> int:
+    """The recomputed table ``df`` against the live steps; returns the exit code."""
+    from .. import exits
+    from ..analysis import compare_live, differing_steps, provisional_skips, record_gaps, resume_explanations
 
     if live is None or live.empty:
         return exits.OK
@@ -182,8 +200,9 @@ def _compare_with_live(console, run, df, live) -> int:
                       "holding them) are not compared (--tau-mode live replays the provisional values)")
     bad = cmp[~cmp["equal"]]
     if bad.empty:
+        whole = "" if record_gaps(run, live) else ": the records are complete"
         console.print(f"[green]recomputation check: all {len(cmp)} metrics equal the live values (recomputed "
-                      f"from tokens/: the records are complete)[/green]")
+                      f"from tokens/{whole})[/green]")
         return exits.OK
     explained, reasons = resume_explanations(run, live, df)
     skipped = provisional_skips(live, df, int(df.attrs.get("window") or run.config.window))
