@@ -386,3 +386,34 @@ def test_the_state_cache_is_keyed_by_the_files_and_a_damaged_cache_is_recomputed
         f.truncate(300)
     code, out = _cli("analyze", d)
     assert code == 2 and block.name in out and "the records are complete" not in out
+
+
+def test_import_table_on_a_full_disk_exits_3_and_marks_the_run_failed(tmp_path):
+    """``import table`` in a process whose files may not pass 24 kB (``ulimit -f``: the writes fail with EFBIG,
+    as on a full disk): the token rows cannot be written, so the command exits 3 naming the rows lost and the
+    error, never "imported N step(s)", and run.json says ``failed``."""
+    import resource
+
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    n_steps, per = 20, 2048
+    sampler = -rng.random(n_steps * per) * 3
+    table = pd.DataFrame({"step": np.repeat(np.arange(n_steps), per), "sample_id": np.tile(np.repeat(np.arange(8),
+                          per // 8), n_steps), "learner_logp": sampler - 0.01, "sampler_logp": sampler,
+                          "advantage": np.ones(n_steps * per), "position": np.tile(np.arange(per // 8), 8 * n_steps)})
+    src = tmp_path / "in.parquet"
+    table.to_parquet(src)
+    out = tmp_path / "run"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (24_000, 24_000))
+
+    p = subprocess.run([sys.executable, "-m", "triage_monitor", "import", "table", str(src), "--out", str(out)],
+                       cwd=ROOT, text=True, capture_output=True, timeout=300, preexec_fn=limit,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "imported" not in p.stdout
+    assert "record row(s) could not be written" in p.stderr and "File too large" in p.stderr
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"

@@ -565,13 +565,33 @@ def write_run(steps: Iterable[Tuple[int, TokenBatch]], run_dir, manifest: dict,
               config: Optional[MonitorConfig] = None, *, resume: bool = False, force: bool = False) -> int:
     """Log every ``(step, batch)`` through a MismatchMonitor into ``run_dir``; returns the number of steps.
 
+    An import is no training job: it waits for the disk (no bound on the close) and fails when any row could
+    not be written, the run then marked ``failed`` in run.json.
+
     Raises:
         triage_monitor.records.OutputError: ``run_dir`` cannot be written or holds another run (``resume`` /
             ``force``: :class:`~triage_monitor.monitor.MismatchMonitor`), before the first step is logged.
+        UnwritableOutputError: rows were dropped (a full disk, a file size limit, a read-only remount): the
+            message names the run, the rows lost and the writer's last error.
     """
+    from .errors import UnwritableOutputError
+
     n = 0
-    with MismatchMonitor(run_dir, config or MonitorConfig(), manifest=manifest, resume=resume, force=force) as mon:
+    mon = MismatchMonitor(run_dir, config or MonitorConfig(), manifest=manifest, resume=resume, force=force)
+    try:
         for step, batch in steps:
             mon.log_step(step, batch)
             n += 1
+        mon.flush(timeout=None)
+    except BaseException:
+        mon.close("failed", timeout=None)
+        raise
+    sink = mon.sink
+    status = "failed" if sink.dropped_rows else "finished"
+    mon.close(status, timeout=None)
+    if sink.dropped_rows:
+        raise UnwritableOutputError(f"{mon.run_dir}: {sink.dropped_rows} of {sink.dropped_rows + sink.written_rows} "
+                                    f"record row(s) could not be written ({sink.last_error}); the imported run is "
+                                    "incomplete (run.json says failed): free the space and import again with --force",
+                                    mon.run_dir)
     return n
