@@ -333,7 +333,7 @@ def test_analyze_of_a_run_being_written_is_one_snapshot(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(analysis, "recompute", recompute_while_written)
     try:
-        assert main(["analyze", str(d)]) == 1          # a run still running is never called complete (issue 39)
+        assert main(["analyze", str(d)]) == 1          # a run still running is never called complete
     finally:
         mon.close()
     out, err = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""The second hostile trial's reproductions (issue 39), on real processes and files: a frozen object store (the local
+"""Reproductions of a hostile trial, on real processes and files: a frozen object store (the local
 S3 server of tests/test_object_store.py behind a TCP proxy the test freezes, loopback only) never holds the
 training thread and a close ends on time, counting what it could not write; a process forked from a monitor's
 raises; ranks without a process group cannot hide each other; a writer checks its options before it writes."""
