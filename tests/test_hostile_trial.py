@@ -417,3 +417,51 @@ def test_import_table_on_a_full_disk_exits_3_and_marks_the_run_failed(tmp_path):
     assert "imported" not in p.stdout
     assert "record row(s) could not be written" in p.stderr and "File too large" in p.stderr
     assert json.loads((out / "run.json").read_text())["status"] == "failed"
+
+
+TAKEOVER_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+from test_hostile_trial import _batch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+with MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2)) as mon:
+    for s in range(3, 6):
+        mon.log_step(s, _batch(s))
+print(mon.attempt, flush=True)
+"""
+
+
+def test_a_writer_taken_over_stops_writing_and_leaves_run_json_to_the_new_one(s3, caplog):
+    """Writer A's lease on S3 is made stale (its renewal time 200 s back, as after a freeze of A); writer B, a real
+    process, takes rank 0 over, writes steps 3-5 and closes.  A's next renewal finds B's lease: one ERROR line, A's
+    later steps are counted dropped (not written), and A's close leaves B's run.json (B's attempt, finished)."""
+    import time as _time
+
+    from triage_monitor.analysis import open_run
+    from triage_monitor.storage import open_store
+
+    port, _, bucket = s3
+    uri = f"s3://{bucket('takeover')}/run?endpoint_override=127.0.0.1:{port}&scheme=http"
+    a = MismatchMonitor(uri, MonitorConfig(window=2, calibration_steps=2))
+    for s in range(3):
+        a.log_step(s, _batch(s))
+    assert a.flush(timeout=120)
+    lease = a.writer._lock
+    store = open_store(uri)
+    store.write_bytes(lease.name, f"{lease._head}, renewed {_time.time() - 200:.3f}\n".encode())
+    p = subprocess.run([sys.executable, "-c", TAKEOVER_CHILD, uri, str(ROOT / "tests")], cwd=ROOT, text=True,
+                       capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    b_attempt = int(p.stdout.split()[-1])
+    assert "a stopped writer's lease, taken over" in p.stderr
+    with caplog.at_level("ERROR", logger="triage_monitor"):
+        assert lease.renew() is False
+    assert [r.getMessage() for r in caplog.records if "took over rank 0" in r.getMessage()]
+    a.log_step(6, _batch(6))
+    a.close(timeout=60)
+    assert a.sink.dropped_rows == _batch(6).num_tokens + 1 and a.sink.written_rows > 0
+    man = json.loads(store.read_bytes("run.json"))
+    assert man["status"] == "finished" and man["attempts"][-1]["attempt"] == b_attempt
+    steps = open_run(uri).steps()
+    assert steps["step"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert (steps.loc[steps["step"] >= 3, "attempt"] == b_attempt).all()

@@ -341,6 +341,9 @@ class Lease:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.renewals = 0
+        #: the lease line of the writer that took this rank over (None while the lease is this writer's): set by
+        #: :meth:`renew`, after which this writer writes no record (its writer counts them dropped)
+        self.taken_over_by: Optional[str] = None
 
     def _line(self) -> str:
         return f"{self._head}, renewed {time.time():.3f}\n"
@@ -393,11 +396,35 @@ class Lease:
         lease._thread.start()
         return lease
 
+    def renew(self) -> bool:
+        """Renew the lease unless another writer has taken it over (its object names another attempt, or is gone:
+        this writer was stopped or cut off for :data:`LEASE_STALE_S` seconds): then :attr:`taken_over_by` is set, one ERROR
+        line says so, and the lease is never renewed again.  Returns whether the lease is still this writer's.
+
+        Raises:
+            OSError: the lease object cannot be read or written."""
+        if self.taken_over_by is not None:
+            return False
+        try:
+            held = self.store.read_bytes(self.name).decode(errors="replace").strip()
+        except FileNotFoundError:    # only a writer releasing its own lease deletes one: another took over, and closed
+            held = "its lease object was removed by the writer that took it over and has closed since"
+        if not held.startswith(self._head):
+            self.taken_over_by = held
+            self._stop.set()
+            log.error("triage-monitor: another writer took over rank %d of %s (%s): this writer (attempt %d) writes "
+                      "no more records (counted as dropped) and leaves run.json to it", self.rank,
+                      self.store.display(), held, self.attempt)
+            return False
+        self.write()
+        return True
+
     def _renew(self) -> None:
         warned = False
         while not self._stop.wait(LEASE_RENEW_S):
             try:
-                self.write()
+                if not self.renew():
+                    return
             except Exception as exc:  # noqa: BLE001 — advisory: writing records goes on
                 if not warned:
                     warned = True

@@ -365,6 +365,8 @@ class RunWriter:
         self.sink = ParquetSink(self.store, self.attempt, max_queue_bytes, backpressure,
                                 roll_steps=int(monitor_config.get("roll_steps", 50)),
                                 roll_bytes=int(monitor_config.get("roll_bytes", 1 << 30)))
+        lease = self._lock
+        self.sink.taken_over = lambda: getattr(lease, "taken_over_by", None) is not None
         if any(a["attempt"] != self.attempt for a in self.manifest.attempts if a.get("attempt") is not None):
             self.sink.submit_recover(self.rank)   # a killed earlier attempt's open blocks: sealed before our steps
 
@@ -410,9 +412,9 @@ class RunWriter:
         if record_tokens and n:
             # on the caller's thread: only the copies to host (no-ops for CPU tensors); the per-token gathers,
             # casts and constant columns are built on the writer thread (DeferredColumns)
-            sid, gid, si, pos = (batch.sample_id.cpu(), batch.group_id.cpu(), batch.sample_index.cpu(),
-                                 batch.position.cpu())
-            floats = {k: getattr(batch, k).detach().float().cpu() for k in ("learner_logp", "sampler_logp", "advantage")}
+            host = batch.host()          # one copy a step, shared with the metrics (TokenBatch.host)
+            sid, gid, si, pos = host.sample_id, host.group_id, host.sample_index, host.position
+            floats = {k: getattr(host, k) for k in ("learner_logp", "sampler_logp", "advantage")}
             extras = {k: torch.as_tensor(v).detach().float().cpu().reshape(-1) for k, v in (token_extras or {}).items()}
             schema = TOKEN_SCHEMA
             for k in extras:
@@ -513,7 +515,12 @@ class RunWriter:
 
         def finish():
             try:
-                self.save_manifest()
+                newer = self._newer_writer(lock)
+                if newer:
+                    self._warn_once("superseded", "triage-monitor: %s is not rewritten at close: %s",
+                                    self.store.display(MANIFEST), newer)
+                else:
+                    self.save_manifest()
                 release_writer_lock(lock)
             except Exception as exc:  # noqa: BLE001 — e.g. the S3 client finalized at exit under a hung request
                 self._warn_once("close", "triage-monitor: closing %s failed (%s: %s)", self.run_dir,
@@ -526,6 +533,21 @@ class RunWriter:
                       "it still says the run is running; the run's records end where the writer stopped",
                       self.store.display(MANIFEST))
         return drained and done
+
+    def _newer_writer(self, lock) -> str:
+        """Why run.json is no longer this writer's to rewrite ("" when it is): another writer took the rank over
+        (the lease), or run.json lists a later attempt (a resumed job started meanwhile).  Rank 0 only."""
+        if self.rank != 0:
+            return ""
+        held = getattr(lock, "taken_over_by", None)
+        if held is not None:
+            return f"another writer took this rank over ({held})"
+        try:
+            now = read_manifest(self.layout)
+        except Exception:  # noqa: BLE001 — unreadable or gone: ours is written
+            return ""
+        later = [a.get("attempt") for a in now.attempts if (a.get("attempt") or 0) > self.attempt]
+        return f"it lists a later attempt ({later[-1]}), whose run.json it is" if later else ""
 
     def _warn_once(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:

@@ -178,6 +178,10 @@ class ParquetSink:
         self._stalled = False               # a blocked submit timed out and the writer has finished nothing since
         self._inflight = None               # the item the writer thread is on
         self._pid = os.getpid()
+        #: ``fn() -> bool``: whether another writer has taken this rank over (an object store's lease,
+        #: :class:`~triage_monitor.locks.Lease`); from then on no step is written (each counted as dropped) and no
+        #: block sealed.  None: never.
+        self.taken_over: Optional[Callable[[], bool]] = None
         self.last_error: Optional[str] = None
         self._warned: set = set()
         self._heartbeat, self._heartbeat_s, self._beat_at = heartbeat, float(heartbeat_s), time.monotonic()
@@ -404,6 +408,8 @@ class ParquetSink:
         return w
 
     def _write(self, item: Write) -> None:
+        if self.taken_over is not None and self.taken_over():
+            raise RuntimeError("another writer took over this rank (its lease); this writer's records stop here")
         built = item.columns.build()
         tab = built if isinstance(built, pa.Table) else pa.table(built, schema=item.schema)
         for i, key, value in ((0, "step", item.step), (1, "rank", item.rank)):   # plain readers get int64 step/rank
@@ -425,6 +431,8 @@ class ParquetSink:
                          "into %s", len(left), rank, table, ", ".join(names))
 
     def _seal_all(self) -> None:
+        if self.taken_over is not None and self.taken_over():
+            return          # the new writer of the rank seals what this one left in pending files
         for w in self._writers.values():
             try:
                 w.close()
