@@ -721,7 +721,7 @@ def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path,
     (log_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     recs = read_wandb_records(log_file)
     (alert,) = of_kind(recs, "alert")
-    assert (alert.title, alert.level) == ("triage ERROR: rho_asym_critical", "ERROR")
+    assert (alert.title, alert.level) == ("triage ERROR (collapse): rho_asym_critical", "ERROR")
     assert "is above 1.8 at step 2" in alert.text
     hist = history_rows(recs)
     trl_rows = [h for h in hist if "train/triage/metrics_step" in h]
@@ -740,7 +740,7 @@ def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path,
     assert scalars["triage/window/rho_asym"] == [(s, pytest.approx(rho[s], rel=1e-6)) for s in range(3)]
     assert scalars["triage/alerts_active"] == [(0, 0.0), (1, 0.0), (2, 1.0)]
     ((step, text),) = texts["triage/alerts"]
-    assert step == 2 and text.startswith("**triage ERROR: rho_asym_critical** at step 2")
+    assert step == 2 and text.startswith("**triage ERROR (collapse): rho_asym_critical** at step 2")
     (trl_tb,) = (tmp_path / "out" / "runs").iterdir()
     trl_scalars, _ = tb_read(trl_tb)
     assert trl_scalars["train/triage/window/rho_asym"] == [(s + 1, pytest.approx(rho[s], rel=1e-6)) for s in range(3)]
