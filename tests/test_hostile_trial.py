@@ -6,6 +6,7 @@ raises; ranks without a process group cannot hide each other; a writer checks it
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -465,3 +466,45 @@ def test_a_writer_taken_over_stops_writing_and_leaves_run_json_to_the_new_one(s3
     steps = open_run(uri).steps()
     assert steps["step"].tolist() == [0, 1, 2, 3, 4, 5]
     assert (steps.loc[steps["step"] >= 3, "attempt"] == b_attempt).all()
+
+
+def test_a_live_rule_on_a_metric_the_monitor_does_not_log_is_warned_at_the_first_step(tmp_path, caplog):
+    """A rule on ``rho_asymm`` (misspelt) or on an extra never passed is named in one WARNING at the first step
+    (not an INFO line at close); a rule on a logged extra (``reward``) is not."""
+    from triage_monitor.alert_rules import Rule
+
+    rules = [Rule(name="typo", metric="rho_asymm", condition="above", threshold=1.0),
+             Rule(name="mine", metric="reward", condition="below", threshold=-1.0)]
+    with caplog.at_level("WARNING", logger="triage_monitor"):
+        with MismatchMonitor(tmp_path / "run", MonitorConfig(window=2, tau_tail=-1.0), alerts=rules) as mon:
+            for s in range(3):
+                mon.log_step(s, _batch(s), extra={"reward": 0.5})
+    warned = [r.getMessage() for r in caplog.records if "does not log" in r.getMessage()]
+    assert len(warned) == 1 and "typo ('rho_asymm')" in warned[0] and "mine" not in warned[0]
+
+
+def test_a_batch_on_the_meta_device_is_refused_naming_the_argument():
+    """Log-probs on the ``meta`` device (shapes without values) are a ValueError naming the argument and the
+    device, from every layout constructor, instead of torch's NotImplementedError from deep inside."""
+    m = torch.zeros(2, 3, device="meta")
+    adv, mask = torch.zeros(2, device="meta"), torch.ones(2, 3, dtype=torch.bool, device="meta")
+    calls = {"learner_logp": lambda: TokenBatch.from_padded(m, m, adv, mask),
+             "learner_logp[0]": lambda: TokenBatch.from_list([m[0]], [m[0]], [torch.zeros(3, device="meta")]),
+             "learner_logp ": lambda: TokenBatch.from_flat(m[0], m[0], torch.zeros(3, device="meta"),
+                                                           torch.zeros(3, dtype=torch.long, device="meta"),
+                                                           torch.arange(3, device="meta"))}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=rf"^{re.escape(name.strip())} is on the meta device"):
+            call()
+
+
+def test_a_run_ending_at_step_two_to_the_63_minus_1_is_named_exactly(tmp_path):
+    """Steps up to 2**63 - 1 (the last int64): the verdict's last-step line names 9223372036854775807, not the
+    float's 9223372036854775808; the shipped rules raise no warning about metrics the monitor does not log."""
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        for s in range(2 ** 63 - 4, 2 ** 63):
+            mon.log_step(s, _batch(s % 1000))
+    code, out = _cli("analyze", d)
+    last = next(ln for ln in out.splitlines() if ln.strip().startswith("last step:"))
+    assert "at step 9223372036854775807," in last and "does not log" not in out

@@ -489,6 +489,8 @@ class TokenBatch:
         for i, (a, b) in enumerate(zip(learner_logp, sampler_logp)):
             _check_float(f"learner_logp[{i}]", a)
             _check_float(f"sampler_logp[{i}]", b)
+            _check_not_meta(f"learner_logp[{i}]", a)
+            _check_not_meta(f"sampler_logp[{i}]", b)
             if a.dim() != 1 or b.shape != a.shape:
                 raise ValueError(f"sample {i}: learner_logp shape {tuple(a.shape)} and sampler_logp shape "
                                  f"{tuple(b.shape)} must be equal and 1-D")
@@ -545,6 +547,8 @@ class TokenBatch:
             ValueError: shapes disagree or a (sample_id, position) pair repeats; InvalidTokenError
                 (its ``sample`` is the ``sample_id``).
         """
+        _check_not_meta("learner_logp", learner_logp)
+        _check_not_meta("sampler_logp", sampler_logp)
         n = learner_logp.shape[0]
         for name, t in (("sampler_logp", sampler_logp), ("advantage", advantage), ("sample_id", sample_id),
                         ("position", position)):
@@ -798,6 +802,13 @@ def _check_float(name: str, t) -> None:
         raise TypeError(f"{name} must be a floating-point tensor of log-probs (nats), got dtype {t.dtype}")
 
 
+def _check_not_meta(name: str, t) -> None:
+    """Raise ValueError when ``t`` is on the meta device (no values to read)."""
+    if isinstance(t, Tensor) and t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (a shape without values, e.g. a model built under "
+                         "torch.device('meta') and never materialised): pass the log-probs on a real device")
+
+
 def _check_shape(name: str, t, shape: tuple, ref: str) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -822,6 +833,7 @@ def _check_same_device(ref: Tensor, **others) -> None:
     for name, t in others.items():
         if isinstance(t, Tensor) and t.device != ref.device:
             raise ValueError(f"{name} is on {t.device}, but learner_logp is on {ref.device}")
+    _check_not_meta("learner_logp", ref)
 
 
 def _advantage_source(advantages, B: int, T: int) -> Tensor:

@@ -216,6 +216,9 @@ class MismatchMonitor:
         self.alerts = (build_engine(alerts, sinks=[lg for lg in self.loggers if isinstance(lg, AlertSink)])
                        if self.reports else None)
         self._failed_sinks: set = set()
+        # rules the user gave (a file, a list, an engine): their metrics are checked at the first step; the shipped
+        # defaults include rules on metrics only a controller logs (gate_downweighted_frac)
+        self._own_rules = alerts is not None and not isinstance(alerts, bool)
         self.tracker = MetricTracker(self.config.metrics, self.config.window, self.config.tau_tail,
                                      self.config.calibration_steps)
         self.steps_logged = 0
@@ -451,10 +454,24 @@ class MismatchMonitor:
         if self.alerts is None:
             metrics[ALERT_STATE] = float("nan")
             return []
+        if self.steps_logged == 0 and self._own_rules:
+            self._check_rule_metrics(metrics)
         fired = self._guard(self.alerts, "observe", step, metrics) or []
         active = getattr(self.alerts, "active", None)
         metrics[ALERT_STATE] = float(len(active)) if active is not None else float("nan")
         return fired
+
+    def _check_rule_metrics(self, metrics: dict) -> None:
+        """At the first step, for rules the user gave: one WARNING naming each live rule whose metric (or guard
+        metric) is none of the step's keys (a misspelt name, an ``extra`` never passed): it would never fire."""
+        missing = sorted({(r.name, m) for r in getattr(self.alerts, "rules", ())
+                          for m in (r.metric, getattr(r, "guard_metric", None)) if m and m not in metrics})
+        if missing:
+            log.warning("triage-monitor: alert rule(s) on metrics the monitor does not log: %s; they will never fire "
+                        "(a misspelt name, or an extra= key not passed to log_step; the metric names: "
+                        "docs/metrics.md, the extras of this step: %s)",
+                        ", ".join(f"{n} ({m!r})" for n, m in missing),
+                        sorted(k for k in metrics if k not in RESERVED_KEYS and k != ALERT_STATE) or "none")
 
     def _guard(self, obj, method: str, *args):
         key = (id(obj), method)

@@ -210,8 +210,8 @@ def _last_finite(frame, col):
     s = _finite_rows(frame, col)
     if s is None or s.empty:
         return None, math.nan
-    row = s.iloc[-1]
-    return int(row["step"]), float(row[col])
+    # by column: a row of mixed columns is upcast to float64, which turns step 2**63 - 1 into 2**63
+    return int(s["step"].iloc[-1]), float(s[col].iloc[-1])
 
 
 # ------------------------------------------------------------------------------------------ the run verdict
