@@ -257,3 +257,168 @@ def test_a_hook_writes_its_run_to_s3_and_refuses_to_claim_a_rank_there(s3, monke
     assert verl_hook.shared_attempt(uri, "job1") == a
     verl_hook.publish_step(uri, 7, "job1")
     assert verl_hook.read_step(uri, "job1") == 7
+
+
+# ------------------------------------------------------------------ failure paths, on the local disk and on S3
+# Each storage failure (a write that raises, a rename / commit that fails, a full store) against both backends: the
+# local disk (a temporary file renamed into place) and the S3 server above (an upload under a temporary key, moved
+# onto the target).  Either way the error reaches the caller, nothing partial appears under the target's name, no
+# temporary file or object is left, and an earlier complete file keeps its content.
+import errno  # noqa: E402
+
+DATA = bytes(range(256)) * 64
+
+
+@pytest.fixture(params=["local", "s3"])
+def backend(request, tmp_path):
+    """``(store, kind)``: a fresh run location on the local disk or on the S3 server."""
+    if request.param == "local":
+        return open_store(tmp_path / "run"), "local"
+    _, bucket = request.getfixturevalue("s3")
+    return open_store(f"s3://{bucket('failures')}/{request.node.name.replace('[', '-').rstrip(']')}"), "s3"
+
+
+def _names(store, rel=""):
+    return sorted(e.name for e in store.listdir(rel))
+
+
+class _Stream:
+    """A writable stream that raises ENOSPC once ``room`` bytes have been written (a store that fills up)."""
+
+    def __init__(self, real, room):
+        self.real, self.room = real, room
+
+    def write(self, b):
+        if len(b) > self.room:
+            self.real.write(bytes(b)[: self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(b)
+        return self.real.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.real.close()
+
+
+class _FailingFS:
+    """The S3 file system with a failure injected: uploads that fill up after ``room`` bytes, or a failing move
+    (the commit of the upload onto its target: the object store's rename)."""
+
+    def __init__(self, fs, room=None, move_fails=False):
+        self.fs, self.room, self.move_fails = fs, room, move_fails
+
+    def open_output_stream(self, path, *a, **kw):
+        out = self.fs.open_output_stream(path, *a, **kw)
+        return out if self.room is None else _Stream(out, self.room)
+
+    def move(self, src, dst):
+        if self.move_fails:
+            raise OSError(errno.EIO, "Input/output error")
+        return self.fs.move(src, dst)
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+def _fill_up(monkeypatch, store, kind, room):
+    """From now on every write to ``store`` fails with ENOSPC after ``room`` bytes."""
+    if kind == "s3":
+        monkeypatch.setattr(store, "fs", _FailingFS(store.fs, room=room))
+        return
+    from triage_monitor import storage
+
+    def full_open(path, mode="r", *a, **kw):
+        f = open(path, mode, *a, **kw)
+        return _Stream(f, room) if "x" in mode or "w" in mode else f
+    monkeypatch.setattr(storage, "open", full_open, raising=False)
+
+
+def _fail_rename(monkeypatch, store, kind):
+    if kind == "s3":
+        monkeypatch.setattr(store, "fs", _FailingFS(store.fs, move_fails=True))
+        return
+
+    def refuse(src, dst):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(os, "replace", refuse)
+
+
+@pytest.mark.parametrize("exc", [OSError(errno.ENOSPC, "No space left on device"), ValueError("the encoder failed")],
+                         ids=["oserror", "valueerror"])
+def test_a_write_that_raises_leaves_nothing_and_keeps_the_earlier_file(backend, exc):
+    """A write whose producer raises midway (an OSError, or any other exception: a pyarrow encoder's): the error
+    reaches the caller, the new file does not appear, a rewritten file keeps its earlier content, no temporary
+    file or object is left."""
+    store, _ = backend
+    store.write_bytes("run.json", b"old")
+    with pytest.raises(type(exc)):
+        with store.writing("steps/t.parquet") as out:
+            out.write(DATA[: len(DATA) // 2])
+            raise exc
+    with pytest.raises(type(exc)):
+        with store.writing("run.json") as out:
+            out.write(b"new, half")
+            raise exc
+    assert store.read_bytes("run.json") == b"old"
+    assert _names(store) == ["run.json"] and _names(store, "steps") == []
+
+
+def test_a_rename_that_fails_keeps_the_earlier_file_and_leaves_nothing(backend, monkeypatch):
+    """The last step of a write fails (the local rename, the object store's move of the upload onto its key):
+    the error reaches the caller, the earlier content stays, a new file does not appear, nothing is left."""
+    store, kind = backend
+    store.write_bytes("run.json", b"old")
+    _fail_rename(monkeypatch, store, kind)
+    with pytest.raises(OSError) as err:
+        store.write_bytes("run.json", b"new")
+    assert err.value.errno == errno.EIO
+    with pytest.raises(OSError):
+        store.write_bytes("steps/t.parquet", DATA)
+    monkeypatch.undo()
+    assert store.read_bytes("run.json") == b"old"
+    assert _names(store) == ["run.json"] and _names(store, "steps") == []
+
+
+def test_a_full_store_fails_the_write_whole_and_keeps_the_earlier_file(backend, monkeypatch):
+    """The store fills up during a write (ENOSPC after 1,000 bytes): the error (ENOSPC) reaches the caller, the
+    file does not appear, a rewritten file keeps its earlier content, nothing is left; once there is room again a
+    write succeeds whole."""
+    store, kind = backend
+    store.write_bytes("run.json", b"old")
+    _fill_up(monkeypatch, store, kind, room=1000)
+    for rel in ("steps/t.parquet", "run.json"):
+        with pytest.raises(OSError) as err:
+            store.write_bytes(rel, DATA)
+        assert err.value.errno == errno.ENOSPC, rel
+    monkeypatch.undo()
+    assert store.read_bytes("run.json") == b"old"
+    assert _names(store) == ["run.json"] and _names(store, "steps") == []
+    store.write_bytes("steps/t.parquet", DATA)
+    assert store.read_bytes("steps/t.parquet") == DATA
+
+
+def test_a_monitor_on_a_full_store_drops_that_step_only_and_the_run_reads_back(backend, monkeypatch):
+    """A monitor whose store is full while step 1 is written (its pending files fail with ENOSPC): the step's rows
+    are counted as dropped (its 96 token rows and its steps row), no file holds step 1, steps 0 and 2 read back
+    whole, nothing temporary is left."""
+    store, kind = backend
+    with MismatchMonitor(store.location, MonitorConfig(window=2, calibration_steps=1)) as mon:
+        for s in range(3):
+            if s == 1:
+                _fill_up(monkeypatch, mon.sink.store, kind, room=0)
+            mon.log_step(s, _batch(s))
+            mon.sink.flush()
+            monkeypatch.undo()
+        dropped = mon.sink.dropped_rows
+    assert dropped == 4 * 24 + 1
+    run = open_run(store.location)
+    assert run.step_numbers() == [0, 2] and run.steps()["step"].tolist() == [0, 2]
+    assert [len(run.tokens(s)) for s in (0, 2)] == [4 * 24, 4 * 24]
+    for table in ("tokens", "steps"):
+        assert not [n for n in _names(store, table) if n.startswith(".tmp-")], table

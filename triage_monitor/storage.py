@@ -196,8 +196,11 @@ class Store:
         whole, when the block ends without an exception, or not at all.
 
         Local: written under a hidden temporary name (:data:`TEMP_PREFIX`, ``suffix`` appended) in the same
-        directory and renamed over ``rel``.  Object store: uploaded to ``rel`` itself (an object appears when its
-        upload completes); when the block raises, the object is deleted again.  The parent directory is created.
+        directory and renamed over ``rel``.  Object store: uploaded under such a hidden name beside ``rel``, then
+        moved onto ``rel`` (a server-side copy: the object at ``rel`` changes whole or not at all); when the block
+        raises or the upload or the copy fails, the temporary object is deleted and an earlier object at ``rel``
+        is kept as it was (uploading to ``rel`` itself would complete the half-written upload on the way out, over
+        the earlier object).  The parent directory is created.
 
         Raises:
             OSError, pyarrow.ArrowException: the file cannot be written (no temporary file is left behind)."""
@@ -217,16 +220,24 @@ class Store:
                     except OSError:
                         pass
             return
-        out = self.fs.open_output_stream(target)
+        parent, _, _ = target.rpartition("/")
+        tmp = f"{parent}/{TEMP_PREFIX}{uuid.uuid4().hex}{suffix}"
+        out = self.fs.open_output_stream(tmp)
+        moved = False
         try:
-            yield out
-        except BaseException:
-            with contextlib.suppress(Exception):
-                out.close()
-            with contextlib.suppress(Exception):
-                self.fs.delete_file(target)
-            raise
-        out.close()
+            try:
+                yield out
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    out.close()
+                raise
+            out.close()
+            self.fs.move(tmp, target)
+            moved = True
+        finally:
+            if not moved:
+                with contextlib.suppress(Exception):
+                    self.fs.delete_file(tmp)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write ``data`` to ``rel`` whole (:meth:`writing`).
