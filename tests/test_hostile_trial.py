@@ -508,3 +508,31 @@ def test_a_run_ending_at_step_two_to_the_63_minus_1_is_named_exactly(tmp_path):
     code, out = _cli("analyze", d)
     last = next(ln for ln in out.splitlines() if ln.strip().startswith("last step:"))
     assert "at step 9223372036854775807," in last and "does not log" not in out
+
+
+def test_analyze_out_and_report_o_on_a_full_disk_leave_no_file_and_no_temporary(tmp_path):
+    """``analyze --out t.csv`` / ``--out t.parquet`` and ``report -o r.html`` in processes whose files may not pass
+    a size limit (``ulimit -f``, as a full disk): exit 3, and neither the output nor a hidden temporary file is
+    left in its directory (a truncated table at its final name was the fault)."""
+    import resource
+
+    d = tmp_path / "run"
+    _run(d, steps=30)
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+
+    def limited(args, limit):
+        def pre():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        return subprocess.run([sys.executable, "-m", "triage_monitor", *map(str, args)], cwd=ROOT, text=True,
+                              capture_output=True, timeout=300, preexec_fn=pre,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    for name in ("t.csv", "t.parquet"):
+        p = limited(["analyze", d, "--out", outdir / name], 4000)
+        assert p.returncode == 3, p.stdout + p.stderr
+        assert f"cannot save the table to {outdir / name}" in p.stderr
+        assert sorted(x.name for x in outdir.iterdir()) == []
+    p = limited(["report", d, "-o", outdir / "r.html", "--draws", "9"], 100_000)
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert sorted(x.name for x in outdir.iterdir()) == []

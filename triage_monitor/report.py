@@ -295,8 +295,7 @@ def write_report(run_dirs: Sequence, output, **kw) -> Path:
     """Write :func:`build_report` to ``output`` (atomically, through a temporary file); returns the path."""
     out = Path(output)
     text = build_report(run_dirs, **kw)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(out)
+    from .storage import open_store
+
+    open_store(str(out.parent)).write_bytes(out.name, text.encode("utf-8"))   # whole or nothing, no temp left
     return out

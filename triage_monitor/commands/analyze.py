@@ -89,9 +89,15 @@ def run(args: argparse.Namespace) -> int:
             run.store.write_bytes(rel, df.to_csv(index=False).encode())
             out = run.store.display(rel)
         else:
+            from ..storage import open_store
+
             out = out or run.layout.root / run.layout.analysis_dir / "metrics.csv"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            (df.to_parquet if out.suffix.lower() == ".parquet" else df.to_csv)(out, index=False)
+            # whole or not at all: a hidden temporary file renamed over out (a full disk leaves neither)
+            with open_store(str(out.parent)).writing(out.name, ".tmp") as f:
+                if out.suffix.lower() == ".parquet":
+                    df.to_parquet(f, index=False)
+                else:
+                    f.write(df.to_csv(index=False).encode())
     except OSError as exc:
         raise exits.CommandError(f"cannot save the table to {out}: {exc.strerror or exc}", exits.OUTPUT_ERROR) \
             from None

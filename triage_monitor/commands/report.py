@@ -63,10 +63,9 @@ def run(args: argparse.Namespace) -> int:
         exits.error("report", exc)
         return exits.INPUT_ERROR
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out)
+        from ..storage import open_store
+
+        open_store(str(out.parent)).write_bytes(out.name, text.encode("utf-8"))  # whole or nothing, no temp left
     except OSError as exc:
         exits.error("report", f"cannot write {out}: {exc.strerror or exc}")
         return exits.OUTPUT_ERROR
