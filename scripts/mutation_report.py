@@ -15,6 +15,10 @@ Reads the results mutmut keeps in ``mutants/*.meta`` and prints, per module:
   accelerator job takes) count as survived; they are only left out of ``--list``;
 * score = killed / (killed + survived + no tests − equivalent − accelerator only), over the mutants run.
 
+The report starts with what the run covered: the modules of ``[tool.mutmut].only_mutate`` (those without a mutant
+in this run named), the test files mutmut selects from and the marker filter (multiprocess tests are left out; the
+substitute is named).
+
 ``--open-names`` prints only their names (what ``scripts/mutation.sh --continue`` runs again).  ``--list`` prints every survivor and "no tests" mutant that is neither listed nor accelerator-only, with its diff
 (what is left to review), then the accelerator-only ones.  Uses mutmut's own reading of its results (the pinned mutmut of
 scripts/requirements-mutation.txt).
@@ -26,7 +30,9 @@ import re
 import sys
 from pathlib import Path
 
-from mutmut.__main__ import SourceFileMutationData, get_diff_for_mutant, status_by_exit_code, walk_mutatable_files
+import tomllib
+
+# mutmut is imported where it is used (main): coverage_lines() runs without it (tests/test_mutation_selection.py)
 
 DOCS = Path(__file__).resolve().parent / "mutation"
 _DEVICE_ARG = re.compile(r"device\s*=\s*[\w.\[\]]+")
@@ -72,7 +78,32 @@ def accelerator_only(diff: str) -> bool:
     return True
 
 
+MULTIPROCESS_SUBSTITUTE = ("multiprocess tests (spawned ranks, Ray, worker pools, killed children) are left out: "
+                           "mutmut maps a test to the functions it calls in the test process only; substitute: the "
+                           "multi-rank plants of scripts/plant_audit.py against tests/test_distributed.py and "
+                           "tests/test_rank_reader.py, and the in-process world-of-one runs of the rank functions")
+
+
+def coverage_lines(cfg: dict, mutated: set) -> list:
+    """What a run covered, as lines: ``cfg`` is ``[tool.mutmut]`` of pyproject.toml, ``mutated`` the modules
+    (``triage_monitor.storage``) with at least one mutant in the run."""
+    files = list(cfg.get("only_mutate", []))
+    as_module = {f: f[:-3].replace("/", ".") for f in files}
+    none = [f for f in files if as_module[f] not in mutated]
+    tests = list(cfg.get("pytest_add_cli_args_test_selection", []))
+    args = list(cfg.get("pytest_add_cli_args", []))
+    marker = args[args.index("-m") + 1] if "-m" in args else "(none)"
+    return [f"modules mutated ({len(files)}, [tool.mutmut].only_mutate): {', '.join(files)}",
+            f"modules with no mutant in this run ({len(none)}): {', '.join(none) or '-'}",
+            f"tests run against the mutants ({len(tests)} files, those of them that call the mutated function): "
+            f"{', '.join(tests)}",
+            f"marker filter: -m \"{marker}\"",
+            MULTIPROCESS_SUBSTITUTE]
+
+
 def main(argv: list) -> int:
+    from mutmut.__main__ import status_by_exit_code, walk_mutatable_files
+
     listed, left = reasons("equivalent"), reasons("left")
     rows = collections.defaultdict(collections.Counter)
     open_items, accel_items, names = [], [], []
@@ -92,12 +123,12 @@ def main(argv: list) -> int:
                 reason = next((r for p, r in listed if fnmatch.fnmatchcase(name, p)), None)
                 diff = None
                 if reason is None:
-                    diff = get_diff_for_mutant(name, path=path)
+                    diff = _diff(name, path)
                     if status == "survived" and accelerator_only(diff):
                         reason = "accelerator only"
                 if reason.startswith("accelerator only") if reason else False:
                     rows[module]["accelerator only"] += 1
-                    accel_items.append((name, status, diff or get_diff_for_mutant(name, path=path)))
+                    accel_items.append((name, status, diff or _diff(name, path)))
                 elif reason is not None:
                     rows[module]["equivalent"] += 1
                 elif not any(fnmatch.fnmatchcase(name, p) for p, _ in left):
@@ -113,6 +144,8 @@ def main(argv: list) -> int:
     stale = [p for p, _ in listed + left if not any(fnmatch.fnmatchcase(n, p) for n in names)]
     if stale:      # a list line naming no mutant of this run: a typo, or a function that changed since
         print(f"warning: {len(stale)} line(s) of scripts/mutation/*.txt match no mutant: {', '.join(stale)}")
+    cfg = tomllib.loads(Path("pyproject.toml").read_text())["tool"]["mutmut"]
+    print("\n".join(coverage_lines(cfg, set(rows))) + "\n")
     cols = ["killed", "survived", "no tests", "equivalent", "accelerator only", "not run", "other"]
     print(f"{'module':30} " + " ".join(f"{c:>9}" for c in ["killed", "survived", "no tests", "equiv.", "accel.",
                                                              "not run", "other"]) + f" {'score':>7}")
@@ -133,10 +166,18 @@ def main(argv: list) -> int:
     return 0
 
 
-def _load(path) -> SourceFileMutationData:
+def _load(path):
+    from mutmut.__main__ import SourceFileMutationData
+
     data = SourceFileMutationData(path=path)
     data.load()
     return data
+
+
+def _diff(name, path) -> str:
+    from mutmut.__main__ import get_diff_for_mutant
+
+    return get_diff_for_mutant(name, path=path)
 
 
 def _score(c: collections.Counter) -> str:

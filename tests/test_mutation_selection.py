@@ -12,7 +12,8 @@ pytestmark = pytest.mark.static
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Modules outside the mutation selection, and why: none of them computes a number a user reads.
+#: Modules outside the mutation selection, and why: none of them computes, stores or reports a number a user
+#: reads, except state_kernel (numba).
 NOT_MUTATED = {
     "__init__.py": "package marker",
     "__main__.py": "python -m entry point",
@@ -22,20 +23,13 @@ NOT_MUTATED = {
     "errors.py": "exception classes",
     "exits.py": "exit-status constants and the one-line error printer",
     "engines.py": "where the work runs (process, pool, Ray): the numbers are analysis.py's",
-    "layout.py": "file names of a run directory",
     "manifest.py": "reading and validating run.json (tests/test_manifest.py)",
     "locks.py": "writer locks (tests/test_faults.py, real processes)",
-    "storage.py": "where the bytes go: pyarrow.fs calls and temporary-name renames (tests/test_atomic_write.py, tests/test_object_store.py against a real S3 server)",
     "references.py": "published constants, each pinned by tests/test_constants_metrics.py",
     "report.py": "HTML assembly of views.py's figures",
-    "state_kernel.py": "compiled by numba: mutmut's trampolines cannot be compiled; tests/test_state_kernel.py "
-                       "checks it bit for bit against the torch path",
-    "trackers.py": "hands metrics to W&B / TensorBoard / MLflow",
-    "timings_writer.py": "writes a driver's timer readings as rows (the mapping onto phases is timings.py's, "
-                         "mutated; tests/test_timings.py reads the rows back)",
-    "wandb_logger.py": "tracker adapter",
-    "tensorboard_logger.py": "tracker adapter",
-    "mlflow_logger.py": "tracker adapter",
+    "state_kernel.py": "compiled by numba (@njit): mutmut replaces each function by a Python trampoline that picks "
+                       "the mutant at run time, which numba cannot compile, so no mutant of it could run; "
+                       "tests/test_state_kernel.py checks it bit for bit against the torch path",
     "demo": "the built-in job (its runs are judged by tests/test_study.py)",
 }
 
@@ -54,3 +48,48 @@ def test_every_module_that_computes_a_number_is_mutated():
     assert not both, both
     for t in cfg["pytest_add_cli_args_test_selection"]:
         assert (ROOT / t).exists(), t
+
+
+#: What the mutation run must cover besides the metric core (docs/testing.md#mutation-testing): the modules that
+#: store a run's numbers and hand them to the trackers.
+STORING_AND_REPORTING = ("storage.py", "layout.py", "timings_writer.py", "trackers.py", "wandb_logger.py",
+                         "tensorboard_logger.py", "mlflow_logger.py")
+
+
+def test_the_modules_that_store_and_report_numbers_are_mutated_with_their_tests():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    for m in STORING_AND_REPORTING:
+        assert f"triage_monitor/{m}" in cfg["only_mutate"], m
+    for t in ("tests/test_layout.py", "tests/test_object_store.py", "tests/test_trackers.py", "tests/test_wandb.py",
+              "tests/test_atomic_write.py", "tests/test_sink.py", "tests/test_timings.py"):
+        assert t in cfg["pytest_add_cli_args_test_selection"], t
+    assert "state_kernel.py" in NOT_MUTATED and "numba" in NOT_MUTATED["state_kernel.py"]
+
+
+def test_the_hooks_runtime_is_named_where_the_export_puts_it():
+    """``only_mutate`` names ``triage_monitor/hooks/_runtime.py``: the path in the export, where scripts/mutation.sh
+    copies the repository's ``hooks/`` (the installed layout); the repository's file is ``hooks/_runtime.py``.  Both
+    must hold, or the path is stale and the hooks' runtime silently gets no mutant."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    hooks = [p for p in cfg["only_mutate"] if p.startswith("triage_monitor/hooks/")]
+    assert hooks == ["triage_monitor/hooks/_runtime.py"]
+    assert (ROOT / "hooks" / "_runtime.py").exists()
+    assert not (ROOT / "triage_monitor" / "hooks").exists()       # only the export has it
+    assert "cp -r hooks triage_monitor/hooks" in (ROOT / "scripts" / "mutation.sh").read_text()
+
+
+def test_the_report_says_which_modules_and_tests_the_run_covered():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_report", ROOT / "scripts" / "mutation_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)                      # importable without mutmut: it is imported in main()
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    text = "\n".join(report.coverage_lines(cfg, mutated={"triage_monitor.storage", "triage_monitor.metrics"}))
+    for p in cfg["only_mutate"]:
+        assert p in text, p
+    for t in cfg["pytest_add_cli_args_test_selection"]:
+        assert t in text, t
+    assert "not multiprocess" in text and "substitute" in text
+    no_mutant = next(line for line in text.splitlines() if line.startswith("modules with no mutant"))
+    assert "triage_monitor/layout.py" in no_mutant and "triage_monitor/storage.py" not in no_mutant
