@@ -33,6 +33,7 @@ import streamlit as st
 from triage_monitor.analysis import RunDirError, open_run, recompute, run_signature
 from triage_monitor.config import MonitorConfig
 from triage_monitor import views
+from triage_monitor.dashboards.launch import ROOT_ARG, check_location
 
 TOKEN_COLUMNS = ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"]
 #: Above this many tokens in the anchor windows the stage table waits for a click (it reads them all).
@@ -210,6 +211,13 @@ with st.sidebar:
     runs_text = st.text_area("Run directories (one per line)", "\n".join(_initial_runs()), key="runs_text",
                              height=110)
 paths = list(dict.fromkeys(line.strip() for line in runs_text.splitlines() if line.strip()))
+# what a visitor may open: the runs the command line gave, and runs under its --allow-root roots (launch.check_location)
+_GIVEN = [*_initial_runs(), *([_initial_reference()] if _initial_reference() else [])]
+_ROOTS = [a[len(ROOT_ARG):] for a in _script_args() if a.startswith(ROOT_ARG)]
+_refused = {p: why for p in paths if (why := check_location(p, _ROOTS, _GIVEN))}
+for _why in _refused.values():
+    st.error(_why)
+paths = [p for p in paths if p not in _refused]
 
 st.title("triage-monitor · post-mortem")
 if not paths:
@@ -244,6 +252,9 @@ with st.sidebar:
                                    key="reference", help="An on-policy or BF16 control of the same job "
                                                          "(docs/alerts.md#a-reference-run); empty: the published "
                                                          "band only.").strip()
+    if reference_path and check_location(reference_path, _ROOTS, _GIVEN):
+        st.error(check_location(reference_path, _ROOTS, _GIVEN))
+        reference_path = ""
     st.header("View")
     view = st.radio("Values", ["per step", "trailing window"], index=1, horizontal=True, key="view")
     manifest, steps, alerts, _ = runs[primary]
@@ -424,8 +435,8 @@ else:
     c[2].metric("Mean step", f"{summ.mean.get('step', math.nan):.3g} s", help=f"{summ.steps} timed step(s)")
     c[3].metric("Not sped up", "-" if math.isnan(summ.g) else f"{100 * (1 - summ.g):.0f} % of the step",
                 help="every phase but generation, and the untimed rest")
-    if device:
-        st.caption(f"{figures(device)}: measured on the run's {device}" + (
+    if device:      # info.device is run.json's: plain text, never Markdown (as the manifest line above)
+        st.text(f"{figures(device)}: measured on the run's {device}" + (
             "; on an accelerator the phases' shares differ (NVFP4 emulated on a CPU is slower than full precision)."
             if device.startswith("cpu") else "."))
     st.markdown("\n".join(f"- {line}" for line in summ.lines()[1:]))

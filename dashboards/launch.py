@@ -19,6 +19,52 @@ from triage_monitor.analysis import RunDirError, open_run
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
+#: The page's argument naming a run root it may open (``--allow-root=<root>``, after ``--``; repeated).
+ROOT_ARG = "--allow-root="
+#: Hosts that keep the page on this machine.
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def root_of(location: str) -> str:
+    """A run root as the page compares it: a local path made absolute with symbolic links resolved; an ``s3://``
+    URI without its query and trailing slash."""
+    location = str(location).strip()
+    if "://" in location and not location.startswith("file://"):
+        return location.split("?", 1)[0].rstrip("/")
+    import os
+
+    return os.path.realpath(location[len("file://"):] if location.startswith("file://") else location)
+
+
+def check_location(location: str, roots: Sequence[str], given: Sequence[str] = ()) -> Optional[str]:
+    """Whether the page may open ``location`` (typed in its sidebar): None when it may, else the reason.
+
+    A location the command line gave (``given``, as given) may always be opened.  Any other must lie in one of
+    ``roots`` (:func:`root_of` each; empty: no restriction) and, on an object store, carry no query: options such as
+    ``endpoint_override`` would have the server sign requests to an endpoint a visitor chooses.
+
+    Args:
+        location: a local path, ``file://`` or ``s3://`` URI.
+        roots: the allowed run roots (``--allow-root``; by default the runs the dashboard was started with).
+        given: the locations the command line gave.
+
+    Returns:
+        None, or one line naming the location and what to do."""
+    location = str(location).strip()
+    if location in given:
+        return None
+    remote = "://" in location and not location.startswith("file://")
+    if remote and "?" in location:
+        return (f"{location}: a location typed in the page may not carry query options (endpoint_override, scheme, "
+                "...): the dashboard takes them only from its command line")
+    if not roots:
+        return None
+    loc = root_of(location)
+    for r in map(root_of, roots):
+        if ("://" in r) == remote and (loc == r or loc.startswith(r.rstrip("/") + "/")):
+            return None
+    return (f"{location}: outside the run roots this dashboard serves ({', '.join(map(root_of, roots))}); start "
+            "it with --allow-root DIR to open runs elsewhere")
 
 
 def app_path() -> Path:
@@ -39,12 +85,14 @@ def validate_runs(run_dirs: Sequence[str]) -> list:
 
 
 def build_command(run_dirs: Sequence[str], host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                  headless: bool = True, python: Optional[str] = None, reference: Optional[str] = None) -> list:
-    """The ``python -m streamlit run <app.py> ... -- RUN_DIR ... [--reference RUN]`` argument list (nothing is
-    started).
+                  headless: bool = True, python: Optional[str] = None, reference: Optional[str] = None,
+                  roots: Optional[Sequence[str]] = None) -> list:
+    """The ``python -m streamlit run <app.py> ... -- RUN_DIR ... [--reference RUN] --allow-root=ROOT ...``
+    argument list (nothing is started).
 
     ``headless`` keeps Streamlit from opening a browser; usage statistics are off; ``reference``: a reference run
-    whose window ρ_asym range the page draws as the healthy band (docs/alerts.md#a-reference-run).
+    whose window ρ_asym range the page draws as the healthy band (docs/alerts.md#a-reference-run); ``roots``: the
+    run roots the page may open (:func:`check_location`; None: the runs given and the reference).
     """
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
@@ -53,4 +101,5 @@ def build_command(run_dirs: Sequence[str], host: str = DEFAULT_HOST, port: int =
             "--server.headless", "true" if headless else "false",
             "--browser.gatherUsageStats", "false", "--global.developmentMode", "false",
             "--client.toolbarMode", "minimal", "--server.fileWatcherType", "none",
-            "--", *run_dirs, *(["--reference", str(reference)] if reference else [])]
+            "--", *run_dirs, *(["--reference", str(reference)] if reference else []),
+            *(f"{ROOT_ARG}{r}" for r in (roots if roots else [*run_dirs, *([reference] if reference else [])]))]

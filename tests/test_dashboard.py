@@ -319,9 +319,10 @@ def test_launcher_command_and_validation(demo_run_dir, tmp_path, capsys):
     cmd = dashboard.build_command([str(demo_run_dir)], args.host, 9000)
     assert cmd[1:4] == ["-m", "streamlit", "run"] and Path(cmd[4]).is_file() and cmd[4].endswith("app.py")
     assert cmd[cmd.index("--server.address") + 1] == "127.0.0.1" and cmd[cmd.index("--server.port") + 1] == "9000"
-    assert cmd[cmd.index("--") + 1:] == [str(demo_run_dir)]
+    assert cmd[cmd.index("--") + 1:] == [str(demo_run_dir), f"--allow-root={demo_run_dir}"]
     ref = dashboard.build_command([str(demo_run_dir)], args.host, 9000, reference="/runs/ref")
-    assert ref[ref.index("--") + 1:] == [str(demo_run_dir), "--reference", "/runs/ref"]
+    assert ref[ref.index("--") + 1:] == [str(demo_run_dir), "--reference", "/runs/ref", f"--allow-root={demo_run_dir}",
+                                         "--allow-root=/runs/ref"]
     assert Path(cmd[4]).parent.name == "dashboards" and (Path(cmd[4]).parent / "__init__.py").is_file()
     args = p.parse_args([str(demo_run_dir), "--host", "0.0.0.0", "--port", "8600", "--print-command"])
     assert dashboard_cmd.run(args) == 0

@@ -536,3 +536,80 @@ def test_analyze_out_and_report_o_on_a_full_disk_leave_no_file_and_no_temporary(
     p = limited(["report", d, "-o", outdir / "r.html", "--draws", "9"], 100_000)
     assert p.returncode == 3, p.stdout + p.stderr
     assert sorted(x.name for x in outdir.iterdir()) == []
+
+
+def test_the_dashboard_page_opens_only_the_given_roots_and_takes_no_endpoint_from_a_visitor(tmp_path, monkeypatch):
+    """The page as the launcher starts it (``-- RUN --allow-root=...`` after app.py): a run typed in the sidebar
+    outside the roots is refused naming them, one inside is shown; an ``s3://`` location typed with
+    ``?endpoint_override=`` is refused before any request — a listener at that endpoint is never connected to."""
+    import socket
+
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    from triage_monitor.dashboards.launch import app_path, build_command
+
+    root = tmp_path / "root"
+    _run(root / "a", steps=4)
+    _run(root / "b", steps=4)
+    _run(tmp_path / "elsewhere", steps=4)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.5)
+    cmd = build_command([str(root / "a")], roots=[str(root)])
+    monkeypatch.setattr(sys, "argv", [str(app_path()), *cmd[cmd.index("--") + 1:]])
+    monkeypatch.delenv("TRIAGE_MONITOR_RUNS", raising=False)
+    at = AppTest.from_file(str(app_path()), default_timeout=180).run()
+    assert not at.exception and not at.error
+    at.text_area(key="runs_text").input(f"{root / 'b'}\n{tmp_path / 'elsewhere'}").run()
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and errors[0].startswith(f"{tmp_path / 'elsewhere'}: outside the run roots")
+    port = listener.getsockname()[1]
+    at.text_area(key="runs_text").input(f"s3://bucket/run?endpoint_override=127.0.0.1:{port}&scheme=http").run()
+    assert any("may not carry query options" in e.value for e in at.error)
+    with pytest.raises(socket.timeout):
+        listener.accept()
+    listener.close()
+
+
+def test_the_dashboard_warns_when_it_binds_beyond_loopback(tmp_path, capsys):
+    """``dashboard RUN --host 0.0.0.0`` prints a warning naming the host and what it exposes, before the server
+    starts (the server is stubbed: a command that exits at once); 127.0.0.1 prints none."""
+    import argparse
+
+    from triage_monitor.commands import dashboard as dashboard_cmd
+
+    pytest.importorskip("streamlit")
+    _run(tmp_path / "a", steps=2)
+    parser = dashboard_cmd.add_arguments(argparse.ArgumentParser())
+    orig = dashboard_cmd.build_command
+    try:
+        dashboard_cmd.build_command = lambda *a, **k: [sys.executable, "-c", "pass"]
+        for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
+            assert dashboard_cmd.run(parser.parse_args([str(tmp_path / "a"), "--host", host])) == 0
+            err = capsys.readouterr().err
+            assert (f"warning: bound to {host}, the page is reachable from the network" in err) is warned
+    finally:
+        dashboard_cmd.build_command = orig
+
+
+def test_the_runs_device_in_the_step_time_caption_is_plain_text(tmp_path, monkeypatch):
+    """``info.device`` of a crafted run.json (a link and a remote image) is shown verbatim as plain text under the
+    step-time breakdown; no Markdown or caption element of the page carries it."""
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    from triage_monitor.dashboards.launch import app_path
+
+    device = "cuda:0 [click](https://evil.example/p) ![x](https://evil.example/t.png)"
+    d = tmp_path / "run"
+    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), manifest={"device": device}) as mon:
+        for s in range(4):
+            mon.log_step(s, _batch(s), timings={"generation": 1.0, "update": 0.5, "step": 2.0})
+    monkeypatch.setenv("TRIAGE_MONITOR_RUNS", str(d))
+    at = AppTest.from_file(str(app_path()), default_timeout=180).run()
+    assert not at.exception
+    assert any(device in t.value for t in at.text)
+    rendered = [m.value for m in at.markdown] + [c.value for c in at.caption]
+    assert not [v for v in rendered if "evil.example" in v]

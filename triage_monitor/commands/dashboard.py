@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from ..analysis import RunDirError, open_run
-from ..dashboards.launch import DEFAULT_HOST, DEFAULT_PORT, build_command, validate_runs
+from ..dashboards.launch import DEFAULT_HOST, DEFAULT_PORT, LOOPBACK, build_command, validate_runs
 from ..exits import INPUT_ERROR, INTERRUPTED, error
 
 
@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help="address to listen on (default: %(default)s; 0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    parser.add_argument("--allow-root", action="append", default=[], metavar="DIR",
+                        help="a folder (or s3:// prefix) whose runs the page may open when typed in its sidebar "
+                             "(repeatable; default: only the runs given)")
     parser.add_argument("--open-browser", action="store_true", help="let Streamlit open a browser tab")
     parser.add_argument("--print-command", action="store_true", help="print the streamlit command and exit")
     return parser
@@ -36,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         runs = validate_runs(args.run_dirs)
         reference = validate_runs([args.reference])[0] if getattr(args, "reference", None) else None
         cmd = build_command(runs, args.host, args.port, headless=not getattr(args, "open_browser", False),
-                            reference=reference)
+                            reference=reference, roots=list(getattr(args, "allow_root", []) or []) or None)
     except (RunDirError, ValueError) as exc:
         error("dashboard", exc)
         return INPUT_ERROR
@@ -55,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             print(f"triage-monitor dashboard: {p}: {len(bad)} unreadable file(s), skipped and listed in the page: "
                   + ", ".join(str(f) for f, _ in bad[:3]) + (" …" if len(bad) > 3 else ""), file=sys.stderr)
+    if str(args.host) not in LOOPBACK:
+        print(f"triage-monitor dashboard: warning: bound to {args.host}, the page is reachable from the network "
+              "without authentication: anyone who reaches it reads the runs under "
+              f"{', '.join(getattr(args, 'allow_root', []) or runs)} (docs/reliability.md#security)", file=sys.stderr)
     print(f"triage-monitor dashboard: http://{args.host}:{args.port}  ({len(runs)} run(s); Ctrl+C to stop)",
           file=sys.stderr)
     proc = subprocess.Popen(cmd)
