@@ -160,6 +160,27 @@ def test_state_cache_key_follows_the_settings_and_the_token_files(run):
     assert [f.name for f in _cache_files(copy)] == [f.name for f in _cache_files(r)]
 
 
+def test_the_state_cache_follows_a_resume_that_reuses_part_and_step_numbers(tmp_path):
+    """The default layout (one block of ``roll_steps`` steps per attempt, part 0): a resumed job redoes step 3 as part
+    0 of its own attempt, the same step and part numbers as the records it replaces, with other values.  The cached
+    states are then those of the new records (equal to a fresh recomputation), not the earlier attempt's; the cache
+    of the first attempt is not read for them (docs/testing.md#test-data: a resume reuses part and step numbers)."""
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2, tau_tail=-0.4, metrics={"segment_width": 8})         # default roll_steps
+    _write(d, cfg)
+    before = recompute_states(open_run(d), cache=True)
+    with MismatchMonitor(d, cfg) as mon:
+        mon.log_step(3, _batch(9))
+    r = open_run(d)
+    (new,) = r.index("tokens").for_step(3)
+    (old,) = [p for p in r.index("tokens").covering(3) if p.attempt != new.attempt]
+    assert (new.part, new.rank) == (old.part, old.rank) == (0, 0)                    # only the attempt differs
+    after = recompute_states(r, cache=True)
+    _same_states(after, recompute_states(r))
+    assert not np.array_equal(after.states[3], before.states[3])
+    np.testing.assert_array_equal(after.states[[0, 1, 2, 4]], before.states[[0, 1, 2, 4]])
+
+
 def test_a_damaged_or_unwritable_cache_is_recomputed_without_error(run):
     r, _ = run
     fresh = recompute_states(r)

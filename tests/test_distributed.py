@@ -293,8 +293,9 @@ def test_an_alert_fires_once_per_job_not_once_per_rank(tmp_path):
 
 
 def per_rank_worker(rank, world, outdir):
-    """Every rank logs 3 steps of its shard with ``per_rank_steps=True``; rank 1's shard holds a padding sentinel
-    (−1e10) inside its mask at every step, quarantined."""
+    """Every rank logs 3 steps of its shard with ``per_rank_steps=True``; rank r's shard holds r + 1 padding
+    sentinels (−1e10) inside its mask at every step, quarantined: a different count on every rank, so the group's
+    sum (3) differs from the maximum (2) and from either rank's own count (docs/testing.md#test-data)."""
     import torch.distributed as dist
 
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
@@ -304,25 +305,25 @@ def per_rank_worker(rank, world, outdir):
     with MismatchMonitor(outdir / "run", MonitorConfig(tau_tail=-1.0, per_rank_steps=True)) as mon:
         for step in range(STEPS):
             lp, s, adv, mask, ids, _ = shard(step, rank, world)
-            if rank == 1:
-                lp = lp.clone()
-                lp[0, 0], mask = -1e10, mask.clone()
-                mask[0, 0] = True
+            lp, mask = lp.clone(), mask.clone()
+            lp[0, : rank + 1] = -1e10
+            mask[0, : rank + 1] = True
             mon.log_step(step, TokenBatch.from_padded(lp, s, adv, mask, sample_ids=ids, on_invalid="quarantine"))
     dist.destroy_process_group()
 
 
 def test_per_rank_steps_rows_and_counters_summed_over_the_group(tmp_path):
     """``MonitorConfig(per_rank_steps=True)`` in a 2-rank synchronised job: both ranks write a steps row of every
-    step, with the same (all-reduced) metrics, and the integrity counters summed over the group — rank 1's one
-    quarantined sentinel per step is in rank 0's row too (without the sum rank 0 would show 0)."""
+    step, with the same (all-reduced) metrics, and the integrity counters summed over the group — rank 0's one and
+    rank 1's two quarantined sentinels per step make 3 in both rows (a maximum would give 2, a rank's own count 1
+    or 2)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run_ranks(__file__, lambda r: ["perrank", r, 2, tmp_path], 2, env, "per-rank steps job")
     from triage_monitor.analysis import open_run
 
     steps = open_run(tmp_path / "run").steps(rank=None)
     assert sorted(zip(steps["step"], steps["rank"])) == [(s, r) for s in range(STEPS) for r in range(2)]
-    assert (steps["sentinel_logp_count"] == 1.0).all() and (steps["quarantined_count"] == 1.0).all()
+    assert (steps["sentinel_logp_count"] == 3.0).all() and (steps["quarantined_count"] == 3.0).all()
     by_rank = steps.set_index(["rank", "step"])
     for col in ("k3_kl", "rho_asym", "n_tokens", "window/rho_asym"):
         assert by_rank.loc[0, col].tolist() == by_rank.loc[1, col].tolist(), col

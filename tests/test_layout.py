@@ -88,6 +88,20 @@ def test_listing_a_table_keeps_its_files_and_skips_everything_else(tmp_path):
     assert r.step_attempts() == {s: 5 for s in range(11)}
 
 
+def test_a_steps_attempt_is_the_latest_over_the_tokens_and_the_steps_table(tmp_path):
+    """A resume that redid steps 1 and 2 wrote each to one table only (its token file of step 1 failed; its steps
+    row of step 2 failed): the step's attempt, whose alert and quarantine rows a reader takes, is the latest over
+    both tables whichever table holds it; part and step numbers are reused by the resume, as the default layout
+    does (part 0 of each attempt, the same steps)."""
+    for table, files in {"tokens": [block_name(0, 1, 0, 1, 0), pending_name(2, 0, 2, 0)],
+                         "steps": [block_name(0, 1, 0, 1, 0), pending_name(1, 0, 2, 0), block_name(2, 2, 0, 1, 0)]
+                         }.items():
+        (tmp_path / table).mkdir()
+        for name in files:
+            (tmp_path / table / name).write_bytes(b"xyz")
+    assert RunLayout(tmp_path).step_attempts() == {0: 1, 1: 2, 2: 2}
+
+
 def test_lock_files_and_whether_a_directory_holds_a_run(tmp_path):
     r = RunLayout(tmp_path / "run")
     assert r.lock_files() == [] and not r.holds_run()

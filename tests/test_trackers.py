@@ -216,6 +216,34 @@ def test_mlflow_logs_the_curated_set_with_steps_and_ends_its_run(store):
         assert same(history(client, run_id, "triage/" + k)[0][1], STEP[k]), k
 
 
+def test_tracker_timestamps_are_the_time_of_logging(store, tmp_path):
+    """MLflow's metric timestamps (milliseconds since the epoch) and TensorBoard's event wall times (seconds), read back
+    against the clock around the calls: values and steps alone would pass with a timestamp in the wrong unit
+    (docs/testing.md#test-data)."""
+    import time
+
+    uri, client = store
+    t0 = time.time()
+    lg = MLflowLogger(uri, "exp")
+    lg.log_metrics(7, STEP)
+    lg.emit(ALERTS[0])
+    run_id = lg.run_id
+    lg.close()
+    tb = TensorBoardLogger(str(tmp_path / "tb"))
+    tb.log_metrics(7, STEP)
+    tb.emit(ALERTS[0])
+    tb.close()
+    t1 = time.time()
+    for key in ("triage/window/rho_asym", "triage/alerts_fired"):
+        (m,) = client.get_metric_history(run_id, key)
+        assert int(t0 * 1000) <= m.timestamp <= int(t1 * 1000) + 1, (key, m.timestamp, t0, t1)
+    ea = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    ea.Reload()
+    for tag in ("triage/window/rho_asym", "triage/alerts_fired"):
+        (e,) = ea.Scalars(tag)
+        assert t0 - 1 <= e.wall_time <= t1 + 1, (tag, e.wall_time, t0, t1)
+
+
 def test_mlflow_keys_all(store):
     uri, client = store
     lg = MLflowLogger(uri, "exp", keys="all", run_name="everything")
