@@ -635,6 +635,38 @@ def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path, plain_mai
         assert torch.allclose(st, whole.state, rtol=1e-12, atol=0)
 
 
+def _sync_calibration_rank(rank, world, init_file, out):
+    import torch.distributed as dist
+
+    from triage_monitor import calibration
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        values = [torch.tensor([-2., .5, 3.]), torch.tensor([-4., .1])][rank]
+        torch.save(calibration.sync_part(calibration.part_of(values)), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_calibration_parts_sync_to_the_part_of_both_ranks_values(tmp_path, plain_main):
+    """The τ_tail reference window's δ parts of two gloo ranks (the ranks' values differ, and so do their minima
+    and maxima: −2 / 3 on rank 0, −4 / 0.1 on rank 1): after ``sync_part`` each rank holds the part of all five
+    values — counts summed, the minimum −4 and the maximum 3 (not their sums −6 / 3.1, nor one rank's own) — so the
+    0 and 1 quantiles are −4 and 3 and the part equals the merge of the two parts in one process."""
+    import torch.multiprocessing as mp
+
+    from triage_monitor import calibration
+
+    mp.spawn(_sync_calibration_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path / "part")), nprocs=2, join=True)
+    whole = calibration.merge_parts([calibration.part_of(torch.tensor([-2., .5, 3.])),
+                                     calibration.part_of(torch.tensor([-4., .1]))])
+    for r in range(2):
+        got = torch.load(tmp_path / f"part.{r}")
+        assert torch.equal(got, whole), r
+        assert calibration.part_count(got) == 5
+        assert calibration.part_quantiles(got, [0.0, 1.0]) == [-4.0, 3.0]
+
+
 def test_length_normalised_masses_are_the_documented_sums(quadrant_batch):
     """The state's length-normalised masses, not only their ratio (states are merged across
     ranks and steps): quadrant_batch's Σ |A|/n over amp_neg = 2·(2/3) + 1·(1/2) = 11/6 and over amp_pos = 2·(1/4)."""
