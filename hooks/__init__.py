@@ -5,3 +5,15 @@ loss; ``.verl_plugin`` is the module verl imports), ``.openrlhf``, ``.skyrl``, `
 ``.miles`` (MilesTriageLoss), ``.ms_swift`` (TriageSwiftGRPOTrainer, register).  Importing this package
 imports no framework; each module imports its framework only where it needs it.
 """
+
+__all__ = ["HookSettings"]
+
+
+def __getattr__(name):
+    """``from triage_monitor.hooks import HookSettings``: the hooks' settings, public here (imported on first use:
+    importing the package stays light)."""
+    if name == "HookSettings":
+        from ._runtime import HookSettings
+
+        return HookSettings
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

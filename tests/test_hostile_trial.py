@@ -613,3 +613,60 @@ def test_the_runs_device_in_the_step_time_caption_is_plain_text(tmp_path, monkey
     assert any(device in t.value for t in at.text)
     rendered = [m.value for m in at.markdown] + [c.value for c in at.caption]
     assert not [v for v in rendered if "evil.example" in v]
+
+
+def test_a_bare_tensorboard_tracker_writes_into_the_run_directory(tmp_path):
+    """``loggers=["tensorboard"]`` in a process whose working directory is elsewhere: the event file is in
+    ``<run>/tensorboard/``, and no ``runs/`` folder appears in the working directory (SummaryWriter's default)."""
+    pytest.importorskip("tensorboard")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    d = tmp_path / "run"
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_trial import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+            "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2), loggers=['tensorboard']); "
+            "[m.log_step(s, _batch(s)) for s in range(3)]; m.close()")
+    subprocess.run([sys.executable, "-c", code, str(d), str(ROOT / "tests")], cwd=work, check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert list(work.iterdir()) == []
+    assert [p.name.startswith("events.out.tfevents") for p in (d / "tensorboard").iterdir()] == [True]
+
+
+def test_the_trackers_line_of_docs_hooks_runs_as_written(tmp_path):
+    """The ``loggers=`` line of docs/hooks.md (``"tensorboard"`` and ``{"kind": "mlflow", "tracking_uri":
+    "file:/shared/mlruns", "experiment": "exp1"}``, ``/shared`` put under tmp) in a process without
+    ``MLFLOW_ALLOW_FILE_STORE``: an MLflow run of experiment exp1 holds the monitor's metrics, the TensorBoard events
+    are in the run directory, and nothing lands in the working directory."""
+    import ast
+    import re as re_
+
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    text = (ROOT / "docs" / "hooks.md").read_text()
+    m = re_.search(r'loggers=(\["tensorboard",\s*# [^\n]*\n\s*\{"kind": "mlflow", "tracking_uri": '
+                   r'"file:/shared/mlruns", "experiment": "exp1"\}\])', text)
+    assert m, "the loggers= line of docs/hooks.md changed"
+    literal = re_.sub(r"#[^\n]*\n", "\n", m.group(1)).replace("/shared", str(tmp_path))
+    loggers = ast.literal_eval(literal)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"}
+    code = ("import sys, json; sys.path.insert(0, sys.argv[2]); from test_hostile_trial import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+            "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2), loggers=json.loads(sys.argv[3])); "
+            "[m.log_step(s, _batch(s)) for s in range(3)]; m.close()")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), str(ROOT / "tests"), json.dumps(loggers)],
+                       cwd=work, timeout=300, capture_output=True, text=True, env={**env, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0 and "could not" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert list(work.iterdir()) == []
+    assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "run" / "tensorboard").iterdir())
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"file:{tmp_path}/mlruns")
+        exp = client.get_experiment_by_name("exp1")
+        (run,) = client.search_runs([exp.experiment_id])
+        assert "triage/rho_asym" in run.data.metrics or any(k.startswith("triage/") for k in run.data.metrics)
+    finally:
+        os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)

@@ -67,8 +67,10 @@ class MLflowLogger:
     Args:
         tracking_uri: the tracking server or store (``http://host:5000``, ``sqlite:///mlflow.db`` (full ``mlflow``
             package), ``file:/path/mlruns``); None: MLflow's own (``MLFLOW_TRACKING_URI``, else its default).
-            MLflow 3.18 refuses a ``file:`` store unless ``MLFLOW_ALLOW_FILE_STORE=true`` is set (the failure is
-            reported once, naming the variable).
+            MLflow 3.18 refuses a ``file:`` store unless ``MLFLOW_ALLOW_FILE_STORE=true`` is set: a ``file:`` URI
+            given here is an explicit choice of that store, so the logger sets the variable in its process (unless
+            it is set already: ``false`` keeps MLflow's refusal, reported once); the worker process that builds the
+            logger is the one that needs it, so a Ray job needs nothing more.
         experiment: experiment name of a run this logger starts (created if missing); None:
             ``MLFLOW_EXPERIMENT_NAME``, else ``"triage-monitor"``.
         run_id: log into this existing run (never ended by the logger).  None: the active run
@@ -96,6 +98,8 @@ class MLflowLogger:
                  config: Optional[Mapping] = None, metrics: bool = True, start: bool = True):
         self.keys = check_keys(keys)
         self.tracking_uri, self.prefix, self.metrics, self.start = tracking_uri, prefix, bool(metrics), start
+        if isinstance(tracking_uri, str) and tracking_uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")      # asked for by name (see tracking_uri)
         self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "triage-monitor"
         self.run_name, self.tags = run_name, dict(tags or {})
         self._run_id, self._client, self._owned = run_id, None, False
@@ -169,7 +173,8 @@ class MLflowLogger:
 
     def emit(self, alert) -> None:
         """Record one alert: tags ``triage.alert.<rule>``, ``triage.alerts_fired``, ``triage.last_alert``, the
-        metric ``prefix + "alerts_fired"`` at the alert's step, and a text artifact."""
+        metric ``prefix + "alerts_fired"`` at the alert's step (not with ``metrics=False``: that run's metric axis
+        is another logger's, e.g. transformers' global step), and a text artifact."""
         run_id = self.run_id
         if run_id is None:
             return
@@ -180,8 +185,9 @@ class MLflowLogger:
         tags = [RunTag(f"triage.alert.{rule}", f"{alert.level} at step {step}: {alert.text}"[:MAX_TAG_CHARS]),
                 RunTag("triage.alerts_fired", str(self.alerts_sent)),
                 RunTag("triage.last_alert", f"step {step}: {alert.title}"[:MAX_TAG_CHARS])]
-        count = Metric(self.prefix + "alerts_fired", float(self.alerts_sent), int(time.time() * 1000), step)
-        self._guard("log_batch", self._client.log_batch, run_id, metrics=[count], tags=tags)
+        count = ([Metric(self.prefix + "alerts_fired", float(self.alerts_sent), int(time.time() * 1000), step)]
+                 if self.metrics else [])
+        self._guard("log_batch", self._client.log_batch, run_id, metrics=count, tags=tags)
         fields = alert.to_row() if hasattr(alert, "to_row") else {}
         body = f"{alert.title}\n\n{alert.text}\n\n{json.dumps(fields, indent=2, sort_keys=True, default=str)}\n"
         self._guard("log_text", self._client.log_text, run_id, body, f"triage/alerts/step{step:08d}-{rule}.txt")

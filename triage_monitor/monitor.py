@@ -212,7 +212,7 @@ class MismatchMonitor:
         #: whether this process writes the step's steps row: rank 0 of a synchronised group (every rank's row would
         #: repeat it), every process that is not synchronised, or every rank with ``per_rank_steps``
         self.writes_steps = self.reports or not self.synchronised or self.config.per_rank_steps
-        self.loggers = build_trackers(loggers) if self.reports else []
+        self.loggers = build_trackers(_in_run_dir(loggers, layout)) if self.reports else []
         self.alerts = (build_engine(alerts, sinks=[lg for lg in self.loggers if isinstance(lg, AlertSink)])
                        if self.reports else None)
         self._failed_sinks: set = set()
@@ -592,6 +592,25 @@ def _shared_attempt_id(group=None) -> int:
     t = torch.tensor([new_attempt_id()], dtype=torch.int64, device=_collective_device(group))
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(t.item())
+
+
+def _in_run_dir(loggers: Sequence, layout: RunLayout) -> list:
+    """``loggers`` with a TensorBoard tracker given without ``log_dir`` (``"tensorboard"``) writing into the run
+    directory's ``tensorboard/`` folder (a local run), not SummaryWriter's ``./runs/<date>_<host>`` in whatever
+    working directory the reporting process has (a Ray worker's is the driver's); an object-store run keeps the
+    default (SummaryWriter writes local files)."""
+    from .trackers import TrackerSpec
+
+    out = []
+    for item in loggers or ():
+        if layout.is_local and (item == "tensorboard" or (isinstance(item, TrackerSpec) and item.kind == "tensorboard"
+                                                          and "log_dir" not in item.options and "writer" not in item.options)
+                                or (isinstance(item, dict) and item.get("kind") == "tensorboard"
+                                    and "log_dir" not in item and "writer" not in item)):
+            spec = TrackerSpec.parse(item)
+            item = TrackerSpec(spec.kind, spec.keys, {**spec.options, "log_dir": str(layout.root / "tensorboard")})
+        out.append(item)
+    return out
 
 
 def _check_token_extras(token_extras: Optional[dict], n: int) -> None:
