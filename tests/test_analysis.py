@@ -81,6 +81,34 @@ def test_token_files_name_each_ranks_file_of_the_latest_attempt(tmp_path):
     assert r.token_batch(0).num_tokens == _batch(0).num_tokens + _batch(1).num_tokens
 
 
+def test_refresh_reads_a_resumed_jobs_new_attempt(tmp_path):
+    """An open ``Run`` keeps its listings (and each step's attempt) until ``refresh()``: a resumed job then redoes
+    step 0, where the first attempt raised an alert and the new one raises none.  Before the refresh the run reads
+    the first attempt; after it, the step's attempt is the new one and the old alert is gone (the same step and
+    part numbers, only the attempt differs)."""
+    from triage_monitor.alert_rules import Rule
+    from triage_monitor.alerts import AlertEngine
+
+    def engine(threshold):
+        return AlertEngine([Rule(name="many", metric="n_tokens", condition="above", threshold=threshold)])
+
+    d, cfg = tmp_path / "run", MonitorConfig(window=2, tau_tail=-1.0)
+    with MismatchMonitor(d, cfg, alerts=engine(0)) as mon:
+        for s in range(3):
+            mon.log_step(s, _batch(s))
+        a1 = mon.attempt
+    r = open_run(d)
+    assert r.alerts()["step"].tolist() == [0] and r.step_attempts()[0] == a1
+    with MismatchMonitor(d, cfg, alerts=engine(1e9)) as mon:
+        mon.log_step(0, _batch(7))
+        a2 = mon.attempt
+    assert r.alerts()["step"].tolist() == [0]                 # the open run's listing, until refreshed
+    r.refresh()
+    assert r.step_attempts() == {0: a2, 1: a1, 2: a1}
+    assert r.alerts().empty and r.steps().set_index("step")["attempt"].to_dict() == {0: a2, 1: a1, 2: a1}
+    assert r.token_batch(0).num_tokens == _batch(7).num_tokens
+
+
 # ------------------------------------------------------------------------------ one step's state from its files
 def test_state_of_a_steps_files_gives_the_live_step_metrics(tmp_path):
     """The offline state (numpy kernel over the decoded Parquet columns) against the live monitor's values (the
