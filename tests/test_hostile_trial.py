@@ -670,3 +670,57 @@ def test_the_trackers_line_of_docs_hooks_runs_as_written(tmp_path):
         assert "triage/rho_asym" in run.data.metrics or any(k.startswith("triage/") for k in run.data.metrics)
     finally:
         os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+KILLED_WRITER = r"""
+import sys, os
+sys.path.insert(0, sys.argv[2])
+from test_hostile_trial import _batch
+from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+mon = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2, roll_steps=50))
+for s in range(3):                         # 3 x 384k tokens: past the 16 MiB row group, so the block's file exists
+    mon.log_step(s, _batch(s, B=128, T=3072))
+assert mon.flush(timeout=120)
+print("written", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _killed_writer(where, env):
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(where), str(ROOT / "tests")], cwd=ROOT, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert p.stdout.readline().strip() == "written", p.stderr.read()
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+
+
+def test_a_killed_writers_temporary_block_and_spool_are_removed_by_the_next_writer(s3, tmp_path):
+    """A writer SIGKILLed with open blocks leaves hidden ``.tmp-rank-R-attempt-A-*.parquet`` files (local) or its
+    spool directory in ``$TMPDIR`` (S3); the next writer of the rank removes them (the temporaries when it seals
+    the killed attempt's pending files, the spool when it makes its own), and the steps read back."""
+    from triage_monitor.analysis import open_run
+
+    port, _, bucket = s3
+    spool_root = tmp_path / "tmpdir"
+    spool_root.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(spool_root)}
+    d = tmp_path / "run"
+    _killed_writer(d, env)
+    left = [f.name for f in (d / "tokens").iterdir() if f.name.startswith(".tmp-rank-0000-attempt-")]
+    assert left
+    uri = f"s3://{bucket('killed')}/run?endpoint_override=127.0.0.1:{port}&scheme=http"
+    _killed_writer(uri, env)
+    spools = [x.name for x in spool_root.iterdir() if x.name.startswith("triage-monitor-spool-")]
+    assert len(spools) == 1
+    code = ("import sys; sys.path.insert(0, sys.argv[3]); from test_hostile_trial import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+            "[MismatchMonitor(w, MonitorConfig(window=2, calibration_steps=2, roll_steps=50)).close() "
+            "for w in (sys.argv[1], sys.argv[2])]")
+    subprocess.run([sys.executable, "-c", code, str(d), uri, str(ROOT / "tests")], cwd=ROOT, check=True, timeout=300,
+                   env=env)
+    assert not [f for f in (d / "tokens").iterdir() if f.name.startswith(".tmp-")]
+    assert not [x for x in spool_root.iterdir() if x.name in spools]
+    assert open_run(d).steps()["step"].tolist() == [0, 1, 2]
+    assert open_run(uri).steps()["step"].tolist() == [0, 1, 2]

@@ -292,7 +292,9 @@ class BlockWriter:
         self.error: Optional[BaseException] = None
 
     def _temp(self) -> str:
-        name = f"{TEMP_PREFIX}{uuid.uuid4().hex}.parquet"
+        # the rank and attempt in the name: the next writer of the rank removes what a killed attempt left
+        # (remove_stale_temps)
+        name = f"{temp_prefix(self.rank, self.attempt)}{uuid.uuid4().hex}.parquet"
         if self.store.is_local:
             self.store.makedirs(self.table)
             return self.store.full(f"{self.table}/{name}")
@@ -411,6 +413,33 @@ class BlockWriter:
                 mine = [p for p in idx.parts if not p.sealed and p.rank == self.rank and p.attempt == self.attempt
                         and p.part in parts]
                 seal_pending(self.store, mine, self.spool)
+
+
+def temp_prefix(rank: int, attempt: int) -> str:
+    """The start of the hidden temporary name of an open block of (``rank``, ``attempt``)."""
+    return f"{TEMP_PREFIX}rank-{int(rank):04d}-attempt-{int(attempt)}-"
+
+
+def remove_stale_temps(store: Store, table: str, rank: int, attempt: int) -> list:
+    """Remove the open-block temporary files that other attempts of ``rank`` left in ``table``'s directory (a local
+    run; a killed writer's: the caller holds the rank's writer lock, so no other writer of the rank is alive).
+    Returns the names removed; an OSError leaves a file where it is."""
+    if not store.is_local:
+        return []
+    mine, prefix = temp_prefix(rank, attempt), f"{TEMP_PREFIX}rank-{int(rank):04d}-attempt-"
+    gone = []
+    try:
+        entries = store.listdir(table)
+    except OSError:
+        return []
+    for e in entries:
+        if e.name.startswith(prefix) and not e.name.startswith(mine) and e.name.endswith(".parquet"):
+            try:
+                os.unlink(store.full(f"{table}/{e.name}"))
+                gone.append(e.name)
+            except OSError:
+                pass
+    return gone
 
 
 def _publish(store: Store, tmp: str, rel: str) -> None:

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import pyarrow as pa
 
-from .blocks import ROLL_BYTES, ROLL_STEPS, BlockWriter, seal_pending
+from .blocks import ROLL_BYTES, ROLL_STEPS, BlockWriter, remove_stale_temps, seal_pending
 from .errors import ForkedWriterError
 from .layout import LATE_TABLES, TABLES, RunLayout
 from .storage import Store, open_store
@@ -33,6 +33,33 @@ log = logging.getLogger("triage_monitor.records")
 #: What a block's error leaves (warned once): its steps are on disk all the same.
 PENDING_KEPT = ("its steps stay in pending files, which readers read and a later seal (at close, or by the next "
                 "writer of the rank) completes")
+#: The local spool directories of object-store writers: ``$TMPDIR/<prefix><pid>-<random>``.
+SPOOL_PREFIX = "triage-monitor-spool-"
+
+
+def _remove_dead_spools() -> None:
+    """Remove the spool directories of writer processes of this machine that are not running any more (a killed
+    writer's; its blocks' steps are in their pending objects on the store)."""
+    import re
+
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = re.match(rf"^{SPOOL_PREFIX}(\d+)-", name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue                       # alive (or not ours to signal): kept
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except OSError:
+            continue
+
+
 #: Bytes a row given as a dict counts against the queue bound.
 ROW_BYTES = 256
 #: The default bound, seconds, of every wait of the training thread on the writer: ``close()`` and ``flush()``
@@ -396,7 +423,8 @@ class ParquetSink:
         if self.store.is_local:
             return None
         if self._spool is None:
-            self._spool = tempfile.mkdtemp(prefix="triage-monitor-spool-")
+            _remove_dead_spools()
+            self._spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-")
         return self._spool
 
     def _writer(self, table: str, rank: int) -> BlockWriter:
@@ -422,6 +450,11 @@ class ParquetSink:
             self._report(exc, f"the {item.table} block of rank {item.rank} at step {item.step}", PENDING_KEPT)
 
     def _recover(self, rank: int) -> None:
+        for table in TABLES:                 # a killed attempt's open blocks' temporary files (never read)
+            gone = remove_stale_temps(self.store, table, rank, self.attempt)
+            if gone:
+                log.info("triage-monitor: removed %d temporary file(s) a killed attempt of rank %d left in %s/",
+                         len(gone), rank, table)
         for table in (t for t in TABLES if t not in LATE_TABLES):
             idx = self.layout.index(table)
             left = [p for p in idx.parts if not p.sealed and p.rank == rank and p.attempt != self.attempt]
