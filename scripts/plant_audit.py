@@ -27,9 +27,11 @@ that already fail on the clean tree are deselected (the baseline pass, first).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,10 +67,17 @@ def pytest(wt: Path, py: str, files: list, deselect: list, xml: Path, timeout: f
     cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *(["-x"] if stop_first else []),
            *files, *[a for d in deselect for a in ("--deselect", d)]]
     t0 = time.time()
+    # its own process group: a timeout or an interrupt of this script ends pytest and the ranks it spawned
+    proc = subprocess.Popen(cmd, cwd=wt, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
-        rc = subprocess.run(cmd, cwd=wt, env=env, capture_output=True, text=True, timeout=timeout).returncode
+        rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _end(proc)
         return [], [], "timeout", time.time() - t0
+    except BaseException:
+        _end(proc)
+        raise
     failed, errored = [], []
     if xml.exists():
         for case in ET.parse(xml).getroot().iter("testcase"):
@@ -81,7 +90,23 @@ def pytest(wt: Path, py: str, files: list, deselect: list, xml: Path, timeout: f
     return failed, errored, rc, time.time() - t0
 
 
+def _end(proc: subprocess.Popen) -> None:
+    """End ``proc`` and every process of its group (pytest and the ranks its tests spawned)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)        # kill -TERM <pid>: the worktree is removed, nothing left running
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("only", nargs="*", help="plant numbers (file name prefixes) to run; default all")
     ap.add_argument("--list", action="store_true", help="list the plants and their tests, run nothing")

@@ -81,6 +81,23 @@ def test_token_files_name_each_ranks_file_of_the_latest_attempt(tmp_path):
     assert r.token_batch(0).num_tokens == _batch(0).num_tokens + _batch(1).num_tokens
 
 
+def test_a_step_logged_again_on_one_rank_keeps_the_other_ranks_row(tmp_path):
+    """Per-rank steps rows (``per_rank_steps``) of one attempt: rank 0 logs step 1 again (a newer part of its own
+    file, other values), rank 1 logs it once.  The newest part is chosen per (step, rank): rank 0's second row
+    and rank 1's only row of step 1 are both read (a choice per step alone drops rank 1's)."""
+    d = tmp_path / "run"
+    cfg = MonitorConfig(window=2, tau_tail=-1.0, per_rank_steps=True)
+    logged = {}
+    for rank in (0, 1):
+        with MismatchMonitor(d, cfg, rank=rank, attempt=1) as mon:
+            for s, seed in [(0, 10 + rank), (1, 20 + rank)] + ([(1, 30)] if rank == 0 else []):
+                logged[(s, rank)] = mon.log_step(s, _batch(seed))["n_tokens"]
+    rows = open_run(d).steps(rank=None)
+    assert sorted(zip(rows["step"], rows["rank"])) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    got = {(int(s), int(r)): n for s, r, n in zip(rows["step"], rows["rank"], rows["n_tokens"])}
+    assert got == logged and logged[(1, 0)] == _batch(30).num_tokens != _batch(21).num_tokens == logged[(1, 1)]
+
+
 def test_refresh_reads_a_resumed_jobs_new_attempt(tmp_path):
     """An open ``Run`` keeps its listings (and each step's attempt) until ``refresh()``: a resumed job then redoes
     step 0, where the first attempt raised an alert and the new one raises none.  Before the refresh the run reads
