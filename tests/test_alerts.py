@@ -86,6 +86,31 @@ def test_trailing_aggregation_of_per_step_metric():
     assert run(mx, [5, 1, 1, 1, 1]) == [0]            # max over (t-3, t] stays 5 until step 3 clears
 
 
+@pytest.mark.parametrize("agg", ["max", "mean", "sum"])
+def test_a_spike_leaves_the_rules_window_after_exactly_w_steps(agg):
+    """A spike at step 2 in a flat series, window w = 3: the rule's trailing value holds the spike at steps 2, 3, 4
+    (windows (t − 3, t]) and not at step 5, so it fires at 2 and clears at 5 exactly — not at 6 (a window of
+    w + 1 steps), not at 4 (w − 1).  The data differs across every window boundary (docs/testing.md#test-data)."""
+    r = Rule("r", "x", "above", 4.0, window=3, agg=agg)
+    eng = AlertEngine([r])
+    values = [0.0, 0.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    for s, v in enumerate(values):
+        eng.observe(s, {"x": v})
+    assert [a.step for a in eng.fired] == [2] and [c.step for c in eng.cleared] == [5]
+
+
+def test_a_rising_rule_looks_back_exactly_one_window():
+    """A strictly rising series with a different value at every step (0, 1, 3, 6, 10, 15), window 2, k = 1: the
+    look-back of step t is step t − 2 itself, so the rule first evaluates at step 2 and fires there with the rise
+    v(2) − v(0) = 3 (a look-back one step short or long would give 2 or 5 and evaluate at another step)."""
+    r = Rule("r", "window/x", "rising", 2.5, window=2, k=1)
+    eng = AlertEngine([r])
+    for s, v in enumerate([0.0, 1.0, 3.0, 6.0, 10.0, 15.0]):
+        eng.observe(s, {"window/x": v})
+    (a,) = eng.fired
+    assert (a.step, a.value) == (2, 3.0)
+
+
 def test_trailing_sum_respects_step_gaps():
     s = Rule("r", "x", "above", 6.5, window=3, agg="sum")
     # steps 0,1,2: sum 6; step 10: window (7,10] holds only 4; step 11: 4+5 = 9 > 6.5
