@@ -499,7 +499,7 @@ class MismatchMonitor:
         self.sink.check_process()
         done = self.sink.flush(timeout)
         if not done:
-            log.warning("triage-monitor: flush() gave up after %.0f s with %d record row(s) still queued (a frozen or "
+            log.warning("triage-monitor: flush() gave up after %g s with %d record row(s) still queued (a frozen or "
                         "slow store?); the writer goes on, training continues", timeout, self.sink.queued_rows)
         return done
 
@@ -515,11 +515,15 @@ class MismatchMonitor:
         alerts.  Any rows dropped during the run are alerted the same way at close.
 
         Returns:
-            True when every record was written and run.json updated.
+            True when every record was written and run.json updated (a second call returns the first one's answer
+            and does nothing else).
 
         Raises:
             ForkedWriterError: called in a process forked after the monitor was built."""
         self.sink.check_process()
+        if getattr(self, "_close_result", None) is not None:      # closed already: said once, returned as then
+            return self._close_result
+        timeout = None if timeout is None else max(float(timeout), 0.0)
         start = time.monotonic()
         drained = self.sink.close(timeout)
         if self.sink.dropped_rows:
@@ -528,12 +532,13 @@ class MismatchMonitor:
             if isinstance(obj, Closable):
                 self._guard(obj, "close")
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
-        return self.writer.close(status, self.steps_logged, left) and drained
+        self._close_result = self.writer.close(status, self.steps_logged, left) and drained
+        return self._close_result
 
     def _alert_dropped_at_close(self, drained: bool, timeout: Optional[float]) -> None:
         """The ERROR line and the ``records_dropped`` alert of a close with rows dropped."""
         sink = self.sink
-        why = (f"close() gave up on the writer after {timeout:.0f} s (a frozen or slow store?) with "
+        why = (f"close() gave up on the writer after {timeout:g} s (a frozen or slow store?) with "
                f"{sink.abandoned_rows} row(s) still queued; " if not drained else "")
         text = (f"triage-monitor: {why}{sink.dropped_rows} record row(s) of this run were not written "
                 f"(rank {self.rank}; last error: {sink.last_error or 'none'}); they are counted in run.json's "
