@@ -321,11 +321,3 @@ def run_path(location, what: str = "run directory") -> Path:
     Raises:
         UnsupportedLocationError: any other scheme, naming it."""
     return local_path(location, what)
-
-
-def temp_path(directory, suffix: str = "", kind: str = "") -> Path:
-    """A new hidden temporary path in local ``directory``: ``.tmp-<kind><32 hex digits><suffix>`` (a file written,
-    then renamed into place; ``kind="probe-"``: the start check's probe file, written and removed)."""
-    import uuid
-
-    return Path(directory) / f"{TEMP_PREFIX}{kind}{uuid.uuid4().hex}{suffix}"
