@@ -157,7 +157,9 @@ def main() -> int:
             files = ["tests"] if args.full else h["tests"]
             failed, errored, rc, secs = pytest(wt, args.python, files, skip, base / "plant.xml", args.timeout,
                                                stop_first=True)
-            verdict = "killed" if failed else ("timeout" if rc == "timeout" else "survived")
+            # errors and no failure (a plant that breaks the import, a fixture that cannot set up): no verdict, the
+            # plant is to be repaired; it is not counted
+            verdict = "killed" if failed else ("timeout" if rc == "timeout" else "errors" if errored else "survived")
             by = failed[0] if failed else (f"{len(errored)} errors, no failure" if errored else "")
             rows.append((p.name, h, verdict, by, secs))
             print(f"{p.name}: {verdict.upper()} {by} ({secs:.0f} s)", flush=True)
