@@ -126,15 +126,15 @@ def test_changing_the_naming_is_this_module_alone(tmp_path, monkeypatch):
     block_re = re.compile(r"^b(-?\d+)_(-?\d+)_r(\d+)_a(\d+)_p(\d+)\.pq$")
     pending_re = re.compile(r"^\.p(-?\d+)_r(\d+)_a(\d+)_p(\d+)\.ipc$")
 
-    def parse(table, name, size=0):
+    def parse(table, name, size=0, mtime_ns=0):
         m = block_re.match(name)
         if m:
             lo, hi, rank, attempt, part = map(int, m.groups())
-            return Part(table, lo, hi, rank, attempt, part, True, f"{table}/{name}", size)
+            return Part(table, lo, hi, rank, attempt, part, True, f"{table}/{name}", size, mtime_ns)
         m = pending_re.match(name)
         if m:
             s, rank, attempt, part = map(int, m.groups())
-            return Part(table, s, s, rank, attempt, part, False, f"{table}/{name}", size)
+            return Part(table, s, s, rank, attempt, part, False, f"{table}/{name}", size, mtime_ns)
         return None
 
     monkeypatch.setattr(layout_module, "block_name", lambda lo, hi, r, a, p: f"b{lo}_{hi}_r{r}_a{a}_p{p}.pq")

@@ -387,7 +387,15 @@ class RunWriter:
         self.manifest.calibration = {"tau_tail": float(tau_tail), "frozen_at_step": int(step), "attempt": self.attempt}
         if self.rank == 0:
             data = json_text(self.manifest.to_dict()).encode()      # the manifest as of now, off this thread
-            self.sink.submit_task(lambda: self.layout.store.write_bytes(MANIFEST, data), MANIFEST)
+
+            def write():
+                try:
+                    self.layout.store.write_bytes(MANIFEST, data)
+                except OSError as exc:           # said once, as every run.json write (save_manifest)
+                    self._warn_once("manifest", "triage-monitor could not write %s (%s); monitoring continues",
+                                    self.store.display(MANIFEST), exc)
+
+            self.sink.submit_task(write, MANIFEST)
 
     def declare_steps(self, schema: pa.Schema) -> None:
         """Declare the steps table's schema (:func:`steps_schema`) before the first row; a later declaration is
