@@ -100,7 +100,7 @@ def test_dashboard_print_command_quotes_paths(tmp_path, capsys):
     _write(run, range(2))
     assert main(["dashboard", str(run), "--print-command"]) == 0
     argv = shlex.split(capsys.readouterr().out)
-    assert argv[-1] == str(run.resolve()) and argv[argv.index("--") - 1] == "none"
+    assert argv[-2:] == [str(run.resolve()), f"--allow-root={run.resolve()}"] and argv[argv.index("--") - 1] == "none"
 
 
 def test_ctrl_c_stops_with_one_line_and_status_130(tmp_path):
