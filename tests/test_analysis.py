@@ -226,6 +226,28 @@ def test_the_state_cache_follows_a_resume_that_reuses_part_and_step_numbers(tmp_
     np.testing.assert_array_equal(after.states[[0, 1, 2, 4]], before.states[[0, 1, 2, 4]])
 
 
+def test_the_state_cache_reads_a_token_file_replaced_under_its_name_again(tmp_path):
+    """Two runs with the same file names (attempt 1, the same steps and parts) and other values: once run A's states
+    are cached, A's token file is replaced by B's under its own name (a run copied over another).  The cache is then
+    not read for it: the states equal a fresh recomputation of A's files as they now are, B's values."""
+    import shutil
+
+    cfg = MonitorConfig(window=2, tau_tail=-0.4, metrics={"segment_width": 8})
+    for name, offset in (("a", 0), ("b", 50)):
+        with MismatchMonitor(tmp_path / name, cfg, attempt=1) as mon:
+            for s in range(3):
+                mon.log_step(s, _batch(s + offset))
+    a = open_run(tmp_path / "a")
+    before = recompute_states(a, cache=True)
+    (fa,), (fb,) = a.token_files(1), open_run(tmp_path / "b").token_files(1)
+    assert os.path.basename(fa) == os.path.basename(fb)
+    shutil.copyfile(fb, fa)
+    a = open_run(tmp_path / "a")
+    after = recompute_states(a, cache=True)
+    _same_states(after, recompute_states(a))
+    assert not np.array_equal(after.states, before.states)
+
+
 def test_a_damaged_or_unwritable_cache_is_recomputed_without_error(run):
     r, _ = run
     fresh = recompute_states(r)
