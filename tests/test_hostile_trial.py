@@ -724,3 +724,20 @@ def test_a_killed_writers_temporary_block_and_spool_are_removed_by_the_next_writ
     assert not [x for x in spool_root.iterdir() if x.name in spools]
     assert open_run(d).steps()["step"].tolist() == [0, 1, 2]
     assert open_run(uri).steps()["step"].tolist() == [0, 1, 2]
+
+
+def test_analyze_of_a_run_on_a_frozen_store_is_an_io_error(s3):
+    """``analyze s3://...`` while the store does not answer (the proxy frozen): the client's timeouts end it with
+    one line naming the location and exit 3 (an I/O error), not 2 (a wrong path)."""
+    port, proxy, bucket = s3
+    uri = f"s3://{bucket('frozen-read')}/run?endpoint_override={proxy.endpoint}&scheme=http"
+    with MismatchMonitor(uri, MonitorConfig(window=2, calibration_steps=2)) as mon:
+        for s in range(3):
+            mon.log_step(s, _batch(s))
+    proxy.freeze()
+    try:
+        code, out = _cli("analyze", uri, timeout=280)
+    finally:
+        proxy.thaw()
+    assert code == 3, out
+    assert "s3://frozen-read/run: cannot be read" in out and "Traceback" not in out

@@ -46,6 +46,11 @@ class RunDirError(TriageMonitorError, ValueError):
     """The path is not a readable run directory (the message says why)."""
 
 
+class RunReadError(RunDirError, OSError):
+    """The run's location could not be read: the operating system or the store refused or timed out (a frozen
+    object store, a permission) — an I/O error (exit 3 in the commands), not a wrong path."""
+
+
 def run_signature(path) -> tuple:
     """``(manifest mtime_ns or None, number of steps files, newest steps file mtime_ns, their bytes)`` of the run
     directory ``path``: it changes whenever the run gains step records or its manifest is rewritten (the
@@ -450,13 +455,15 @@ def open_run(path) -> Run:
         if not store.is_file(MANIFEST):
             raise RunDirError(f"{p}: not a triage-monitor run directory (no {MANIFEST})")
     except OSError as exc:
-        raise RunDirError(f"{p}: cannot be read ({exc})") from exc
+        raise RunReadError(f"{p}: cannot be read ({exc})") from exc
     run = Run(store)
     try:
         run.manifest
     except ManifestError as exc:             # names the file and the field already
         raise RunDirError(str(exc)) from exc
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise RunReadError(f"{store.display(MANIFEST)}: unreadable manifest ({exc})") from exc
+    except ValueError as exc:
         raise RunDirError(f"{store.display(MANIFEST)}: unreadable manifest ({exc})") from exc
     return run
 

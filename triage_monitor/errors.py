@@ -8,6 +8,7 @@
     ├── UnsupportedLocationError     (also a ValueError) a location given as a URI whose scheme is not supported there
     ├── ForkedWriterError            (also a RuntimeError) a writer used in a process forked after it was built
     ├── analysis.RunDirError         (also a ValueError) the path is not a readable run directory
+    │   └── analysis.RunReadError    (also an OSError) its location could not be read (a store that timed out)
     ├── batch.InvalidTokenError      (also a ValueError) a valid token carries an impossible value
     └── exits.CommandError           a command stops with a message and an exit status
 

@@ -55,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
                                  "use a .csv or .parquet file name")
     try:
         run = open_run(args.run_dir)
-    except RunDirError as exc:
-        raise exits.CommandError(str(exc)) from None
+    except RunDirError as exc:           # a store that refused or timed out (RunReadError, an OSError): exit 3
+        raise exits.CommandError(str(exc), exits.OUTPUT_ERROR if isinstance(exc, OSError) else exits.INPUT_ERROR) \
+            from None
     n_steps = len(run.step_numbers())
     if not n_steps:
         raise exits.CommandError(f"{run.path}: the run has no recorded steps with token records yet, nothing to "
