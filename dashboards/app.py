@@ -258,7 +258,7 @@ with st.sidebar:
     st.header("View")
     view = st.radio("Values", ["per step", "trailing window"], index=1, horizontal=True, key="view")
     manifest, steps, alerts, _ = runs[primary]
-    run_config = MonitorConfig.from_dict(manifest.monitor_config)
+    run_config = MonitorConfig.from_dict(manifest.monitor_config, strict=False)   # a newer release's keys: ignored
     run_window = run_config.window
     window_steps = int(st.number_input("Trailing window (steps)", 1, 100000, run_window, key="window_steps",
                                        help="The run's window uses the live pooled values; another window is "
@@ -353,7 +353,7 @@ window = view == "trailing window"
 
 def metrics_of(path: str) -> pd.DataFrame:
     man, live, _, _ = runs[path]
-    if window and window_steps != MonitorConfig.from_dict(man.monitor_config).window:
+    if window and window_steps != MonitorConfig.from_dict(man.monitor_config, strict=False).window:
         with st.spinner(f"recomputing {labels[path]} with a {window_steps}-step window…"):
             rec = load_recomputed(path, window_steps, sigs[path], snapshot_steps(path))
         if rec.empty:

@@ -741,3 +741,24 @@ def test_analyze_of_a_run_on_a_frozen_store_is_an_io_error(s3):
         proxy.thaw()
     assert code == 3, out
     assert "s3://frozen-read/run: cannot be read" in out and "Traceback" not in out
+
+
+def test_readers_take_a_run_json_with_a_setting_of_a_newer_release(tmp_path, monkeypatch):
+    """A run.json whose ``monitor_config`` holds a key this release does not know (a newer writer's): ``analyze``
+    exits 0 and the dashboard page shows the run without an exception (readers ignore the key; only writers refuse
+    unknown settings)."""
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    from triage_monitor.dashboards.launch import app_path
+
+    d = tmp_path / "run"
+    _run(d, steps=4)
+    man = json.loads((d / "run.json").read_text())
+    man["monitor_config"]["future_key"] = 1
+    (d / "run.json").write_text(json.dumps(man))
+    code, out = _cli("analyze", d)
+    assert code == 0, out
+    monkeypatch.setenv("TRIAGE_MONITOR_RUNS", str(d))
+    at = AppTest.from_file(str(app_path()), default_timeout=180).run()
+    assert not at.exception and not at.error
