@@ -22,6 +22,7 @@ that already fail on the clean tree are deselected (the baseline pass, first).
     .venv/bin/python scripts/plant_audit.py 03 17            # some plants (by number prefix)
     .venv/bin/python scripts/plant_audit.py --list           # the plants and their tests, nothing run
     .venv/bin/python scripts/plant_audit.py --full           # the whole pytest selection per plant (slow)
+    .venv/bin/python scripts/plant_audit.py --tests-from 3b41c33   # what the suite of an earlier commit kills
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run (default 900)")
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "plant_audit.md"), help="the result table")
     ap.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
+    ap.add_argument("--tests-from", metavar="REV", help="run the tests/ of commit REV against HEAD's package (what "
+                    "the suite of an earlier commit kills; its tests that fail on the clean tree are deselected)")
     args = ap.parse_args()
 
     plants = sorted(p for p in PLANTS.glob("*.patch") if not args.only or p.name.split("-")[0] in args.only)
@@ -134,13 +137,19 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="plant-audit-"))
     wt = base / "wt"
     git("worktree", "add", "--detach", "-q", str(wt), "HEAD")
+    if args.tests_from:
+        git("rm", "-rq", "tests", cwd=wt)
+        git("checkout", args.tests_from, "--", "tests", cwd=wt)
+        git("commit", "-qm", f"tests of {args.tests_from}", cwd=wt)     # the clean tree the plants are restored to
+        print(f"plant_audit: the tests of {args.tests_from}", flush=True)
     rows = []
     try:
         # the package imported must be the worktree's, not the editable install's checkout
         where = subprocess.run([args.python, "-c", "import triage_monitor; print(triage_monitor.__file__)"], cwd=wt,
                                env={**os.environ, "PYTHONPATH": str(wt)}, capture_output=True, text=True).stdout
         assert where.startswith(str(wt)), f"triage_monitor imported from {where!r}, not the scratch worktree"
-        all_files = sorted({f for p in plants for f in info[p]["tests"]}) if not args.full else ["tests"]
+        all_files = (sorted({f for p in plants for f in info[p]["tests"] if (wt / f).exists()}) if not args.full
+                     else ["tests"])
         print(f"baseline: {len(all_files)} test file(s) on the clean tree ...", flush=True)
         failing, erroring, _, secs = pytest(wt, args.python, all_files, [], base / "base.xml", args.timeout * 4,
                                             stop_first=False)
@@ -154,7 +163,7 @@ def main() -> int:
                 rows.append((p.name, h, "does not apply", "", 0.0))
                 print(f"{p.name}: DOES NOT APPLY ({applied.stderr.strip()})", flush=True)
                 continue
-            files = ["tests"] if args.full else h["tests"]
+            files = ["tests"] if args.full else [f for f in h["tests"] if (wt / f).exists()]   # --tests-from: older
             failed, errored, rc, secs = pytest(wt, args.python, files, skip, base / "plant.xml", args.timeout,
                                                stop_first=True)
             # errors and no failure (a plant that breaks the import, a fixture that cannot set up): no verdict, the
