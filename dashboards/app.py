@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import os
 import sys
 from pathlib import Path
@@ -300,6 +301,11 @@ st.text(f"{ov['path']} · triage-monitor {ov.get('tool_version') or '?'} · crea
 if status == "running":
     st.info(f"This run is still being written (status `running`): showing the {ov['steps']} step(s) recorded so "
             "far. Rerun the page (R) to refresh.")
+from triage_monitor.analysis import record_gaps  # noqa: E402
+
+for _gap in record_gaps(open_run(primary), steps):       # what the records lack, beyond a run still being written
+    if not _gap.startswith("run.json says the run is 'running'"):
+        st.warning("Incomplete records: " + re.sub(r"([\\`*_{}\[\]()#+\-.!<>|~$:])", r"\\\1", _gap))  # plain text
 unreadable_slot = st.empty()      # filled once the page's reads have counted the files they could not read
 
 

@@ -762,3 +762,27 @@ def test_readers_take_a_run_json_with_a_setting_of_a_newer_release(tmp_path, mon
     monkeypatch.setenv("TRIAGE_MONITOR_RUNS", str(d))
     at = AppTest.from_file(str(app_path()), default_timeout=180).run()
     assert not at.exception and not at.error
+
+
+def test_alerts_report_and_the_dashboard_name_a_run_that_lost_records(tmp_path, monkeypatch):
+    """A run whose run.json records dropped rows (its close gave up): ``alerts`` and ``report`` print an
+    ``incomplete records:`` line naming them and exit 1, the dashboard shows a warning naming them."""
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    from triage_monitor.dashboards.launch import app_path
+
+    d = tmp_path / "run"
+    _run(d, steps=6)
+    man = json.loads((d / "run.json").read_text())
+    man["writer"] = {"written_rows": 10, "dropped_rows": 13, "close_timed_out": True}
+    (d / "run.json").write_text(json.dumps(man))
+    code, out = _cli("alerts", d)
+    assert code == 1 and "incomplete records: the writer dropped 13 record row(s)" in out
+    code, out = _cli("report", d, "-o", tmp_path / "r.html", "--draws", "9")
+    assert code == 1 and "incomplete records:" in out and "dropped 13 record row(s)" in out
+    assert (tmp_path / "r.html").stat().st_size > 10_000
+    monkeypatch.setenv("TRIAGE_MONITOR_RUNS", str(d))
+    at = AppTest.from_file(str(app_path()), default_timeout=180).run()
+    assert not at.exception
+    assert any("Incomplete records" in w.value and "13 record row" in w.value for w in at.warning)

@@ -131,7 +131,14 @@ def run(args: argparse.Namespace) -> int:
         for n, why in waiting:
             print(f"  {n}: {why}", file=out)
     print(verdict.text, file=out)
-    return exits.FINDING if rows else exits.OK
+    gaps = []
+    if run is not None:                    # what the records lack (analysis.record_gaps): said, never exit 0
+        from ..analysis import record_gaps
+
+        gaps = record_gaps(run, frame)
+        for line in gaps:
+            print(f"incomplete records: {line}", file=sys.stderr)
+    return exits.FINDING if rows or gaps else exits.OK
 
 
 def _evaluate(args: argparse.Namespace) -> int:
