@@ -43,3 +43,15 @@ def rows_of(run_dir, table: str, step: int, rank: int) -> int:
     layout = RunLayout(run_dir)
     (part,) = [p for p in layout.index(table).for_step(step) if p.rank == rank]
     return read_part(layout.store, part, ["step"], step).num_rows
+
+
+def shown(row) -> dict:
+    """What trackers and framework loggers show of a steps-table row (``{metric: float}``): the direction ratios
+    NaN at noise level (triage_monitor.trackers.tracker_metrics, the alert guard's rule), every other value as is."""
+    import math
+
+    from triage_monitor.trackers import NOISE_GUARDED, at_noise_level
+
+    vals = {k: float(v) for k, v in dict(row).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: (math.nan if k in NOISE_GUARDED and at_noise_level(vals, NOISE_GUARDED[k]) else v)
+            for k, v in vals.items()}

@@ -25,6 +25,7 @@ from triage_monitor.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
 from triage_monitor.analysis import open_run  # noqa: E402
 from triage_monitor.timings import cycle_summary  # noqa: E402
+from runfiles import shown  # noqa: E402
 
 pytestmark = pytest.mark.framework
 
@@ -812,8 +813,11 @@ def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path, keys):
     assert int(row["step"]) == 12
     assert row["time/generation"] == 1.0 and row["time/step"] == 2.0
     names = CURATED_KEYS if keys == "curated" else keys
-    want = {f"triage/{k}": float(row[k]) for k in names if k in row.index and np.isfinite(row[k])}
+    vals = shown(row)                                # the ratios at noise level left out, as on every tracker
+    want = {f"triage/{k}": vals[k] for k in names if k in vals and np.isfinite(vals[k])}
     want["triage/metrics_step"] = 12.0
+    if keys == "curated":                            # the noise flag beside them (docs/alerts.md#noise-guard)
+        want["triage/noise"] = 1.0 if row["window/delta_abs_mean"] < 1e-4 else 0.0
     assert {k: v for k, v in metrics.items() if k.startswith("triage/")} == pytest.approx(want)
     assert metrics["actor/pg_loss"] == 0.5
     if keys == "curated":

@@ -192,16 +192,18 @@ def tracker_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
 
 
 def framework_metrics(metrics: Optional[Mapping[str, Any]], keys: Keys = "curated", prefix: str = PREFIX) -> dict:
-    """The metrics a framework hook hands to the framework's own logger: :func:`select_metrics` under
-    ``prefix`` (``triage/``, so they never collide with a framework's names), NaN values left out (a
-    framework's reducer would spread them), plus ``triage/metrics_step``: the monitored step they belong to.
+    """The metrics a framework hook hands to the framework's own logger: :func:`tracker_metrics` under
+    ``prefix`` (``triage/``, so they never collide with a framework's names) — the direction ratios left out at
+    noise level, as every tracker shows them (docs/alerts.md#noise-guard), beside the ``triage/noise`` flag — NaN
+    values left out (a framework's reducer would spread them), plus ``triage/metrics_step``: the monitored step they
+    belong to.
 
     Args:
         metrics: the last logged step's metrics (None: nothing logged yet -> ``{}``).
     """
     if not metrics:
         return {}
-    out = {prefix + k: v for k, v in select_metrics(metrics, keys).items() if math.isfinite(v)}
+    out = {prefix + k: v for k, v in tracker_metrics(metrics, keys).items() if math.isfinite(v)}
     if "step" in metrics and out:
         out[prefix + "metrics_step"] = float(metrics["step"])
     return out
