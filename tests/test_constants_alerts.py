@@ -129,7 +129,7 @@ def test_bad_rule_fields_are_refused_with_the_rule_field_and_value():
     with _raises_exactly(ValueError, "alert rule 'r': metric='' must be a non-empty string"):
         Rule("r", "", "above", 1.0)
     with _raises_exactly(ValueError, "alert rule 'r': condition='sideways' must be one of "
-                                     "('above', 'below', 'rising', 'falling', 'excess', 'deficit')"):
+                                     "('above', 'below', 'rising', 'falling', 'excess', 'deficit', 'drawdown')"):
         Rule("r", "window/x", "sideways", 1.0)
     with _raises_exactly(ValueError, "alert rule 'r': level='PANIC' must be one of ('INFO', 'WARN', 'ERROR')"):
         Rule("r", "window/x", "above", 1.0, level="PANIC")

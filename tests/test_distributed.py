@@ -271,8 +271,8 @@ def test_an_alert_fires_once_per_job_not_once_per_rank(tmp_path):
     for p, o in zip(procs, outs):
         assert p.returncode == 0, o
     lines = [ln for o in outs for ln in o.splitlines() if ln.startswith("triage_monitor.alerts ")]
-    assert [ln.split(":")[0] for ln in lines] == ["triage_monitor.alerts ERROR triage ERROR",
-                                                  "triage_monitor.alerts WARNING triage WARN"]
+    assert [ln.split(":")[0] for ln in lines] == ["triage_monitor.alerts ERROR triage ERROR (mismatch)",
+                                                  "triage_monitor.alerts WARNING triage WARN (mismatch)"]
     assert "rho_asym_critical" in lines[0] and "at step 2" in lines[0] and "rho_asym_high" in lines[1]
     rows = pd.read_parquet(tmp_path / "run" / "alerts")
     assert sorted(zip(rows["step"], rows["rule"], rows["rank"])) == [(2, "rho_asym_critical", 0),

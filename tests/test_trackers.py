@@ -408,7 +408,7 @@ def test_monitor_default_rules_reach_tensorboard_and_mlflow(store, tmp_path):
     assert scalars["triage/delta_abs_mean"] == [(s, pytest.approx(0.1, rel=1e-5)) for s in range(6)]
     assert scalars["triage/alerts_active"] == [(0, 0.0), (1, 0.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0)]
     assert [(s, t.split("\n")[0]) for s, t in texts["triage/alerts"]] == [
-        (2, "**triage ERROR (collapse): rho_asym_critical** at step 2"), (4, "**triage WARN (collapse): rho_asym_high** at step 4")]
+        (2, "**triage ERROR (mismatch): rho_asym_critical** at step 2"), (4, "**triage WARN (mismatch): rho_asym_high** at step 4")]
     assert "is above 1.8 at step 2" in texts["triage/alerts"][0][1]
     assert json.loads(texts["triage/config"][0][1])["tool"] == "triage-monitor"      # the run's manifest
 

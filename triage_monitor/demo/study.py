@@ -103,8 +103,10 @@ BLOWUP_FACTOR = 10.0
 REF_STEPS = 10
 #: relative widths of the healthy bands of :func:`onsets` (at least; 3 MADs when wider)
 RHO_BAND, SMALL_GAP_BAND, K3_FACTOR = 0.15, 0.05, 2.0
-#: alert groups that count as early warnings (integrity rules catch bugs, not drift)
+#: alert groups reported with their own first step (``first_<group>_alert``)
 WARNING_GROUPS = ("direction", "localization", "magnitude", "controller")
+#: the tier whose alerts count as early warnings of a collapse (lead, false alerts; docs/alerts.md#tiers)
+WARNING_TIER = "collapse"
 #: the lead an early warning should have, as a fraction of the horizon
 LEAD_GOAL = 0.2
 #: seeds per arm below which the claim is not judged
@@ -244,8 +246,8 @@ def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[p
         window, noise-level steps left out); ``grad_norm_max``; ``follow`` (mean follow correlation);
         ``direction_onset_up`` (one-sided), ``direction_onset_2s`` (two-sided), ``small_gap_onset``,
         ``k3_onset``; ``first_alert``, ``first_alert_rule``, ``lead_steps``, ``lead_frac``,
-        ``n_alerts`` (early warnings, groups :data:`WARNING_GROUPS`), ``first_<group>_alert`` (first step
-        of each of those groups: ``first_direction_alert``, ...), ``alerts`` (list of
+        ``n_alerts`` (early warnings: alerts of the tier :data:`WARNING_TIER`), ``first_<group>_alert`` (first
+        alert of any tier of each of those groups: ``first_direction_alert``, ...), ``alerts`` (list of
         ``(step, rule)``), ``alerts_source`` (``live`` or ``replay``), ``live_equals_replay``
         (None without a live table) and ``noise_level_steps``.
     """
@@ -270,10 +272,12 @@ def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[p
     groups = {r.name: r.group for r in eng.rules}
     tiers = {r.name: r.tier for r in eng.rules}
     every = [(int(a.step), a.rule) for a in eng.fired]
-    replayed = [(int(a.step), a.rule) for a in eng.fired if groups.get(a.rule) in WARNING_GROUPS]
+    if live_alerts is not None and len(live_alerts):        # every tier's first alert from the live table too
+        every = sorted((int(s), str(r)) for s, r in zip(live_alerts["step"], live_alerts["rule"]))
+    warns = lambda rule: tiers.get(rule) == WARNING_TIER     # noqa: E731  (early warnings: the collapse tier)
+    replayed = [(int(a.step), a.rule) for a in eng.fired if warns(a.rule)]
     if live_alerts is not None and len(live_alerts):
-        live = sorted((int(s), str(r)) for s, r in zip(live_alerts["step"], live_alerts["rule"])
-                      if groups.get(str(r)) in WARNING_GROUPS)
+        live = sorted((int(s), str(r)) for s, r in zip(live_alerts["step"], live_alerts["rule"]) if warns(str(r)))
     else:
         live = [] if live_alerts is not None else None
     warn = live if live is not None else replayed
@@ -306,7 +310,7 @@ def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[p
         "small_gap_onset": on["small_gap"], "k3_onset": on["k3"],
         "first_alert": first[0] if first else None, "first_alert_rule": first[1] if first else None,
         "lead_steps": lead, "lead_frac": (lead / n) if lead is not None else None, "n_alerts": len(warn),
-        **{f"first_{g}_alert": next((st for st, r in warn if groups.get(r) == g), None) for g in WARNING_GROUPS},
+        **{f"first_{g}_alert": next((st for st, r in every if groups.get(r) == g), None) for g in WARNING_GROUPS},
         **{f"first_{t}_alert": next((st for st, r in every if tiers.get(r) == t), None) for t in TIERS},
         **{f"first_{t}_rule": next((r for st, r in every if tiers.get(r) == t), None) for t in TIERS},
         "collapse_lead_steps": (destab - next(st for st, r in every if tiers.get(r) == "collapse"))
@@ -959,7 +963,7 @@ Reward columns are trailing-{SMOOTH_STEPS} means (first = at step {SMOOTH_STEPS 
 window ρ_asym from the first full window, noise-level steps left out; follow is the mean sampler-follow
 correlation. Direction onset: first step above (one-sided, rising amplification: direction_onset_up) or outside
 (two-sided: direction_onset_2s) median ± max(3 MAD, {RHO_BAND:.0%}) of window ρ_asym over the {REF_STEPS} reference
-steps. First alert: the shipped default rules, live during the run (groups {', '.join(WARNING_GROUPS)});
+steps. First alert: the first {WARNING_TIER}-tier alert of the shipped default rules (docs/alerts.md#tiers);
 lead = destabilisation − first alert (lead_frac: of the horizon; goal ≥ {LEAD_GOAL:.0%}).</div>
 <div style="overflow-x:auto">{table(summary[cols])}</div>
 <h2>Over steps</h2><div class="note">One column per arm, one dash style per seed; dotted vertical lines:
