@@ -15,7 +15,7 @@ import os
 from typing import Optional
 
 from triage_monitor.alerts import check_alerts_setting, load_rules
-from triage_monitor.trackers import PREFIX, check_keys, select_metrics, specs_of
+from triage_monitor.trackers import PREFIX, check_keys, framework_values, specs_of
 
 #: Values of a string ``alerts`` option meaning the shipped default rules / no rules.
 ALERTS_DEFAULT = ("default", "on", "true")
@@ -173,7 +173,7 @@ def dp_framework_metrics(last: Optional[dict], keys, rank: int, dp_size: int, al
     """
     if not last:
         return {}
-    out = {PREFIX + k: v for k, v in select_metrics(last, keys).items()}
+    out = {PREFIX + k: v for k, v in framework_values(last, keys).items()}   # ratios at noise level left out
     state = PREFIX + ALERT_STATE
     if state in out:
         if not alerts_on:

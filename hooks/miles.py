@@ -51,7 +51,7 @@ import torch
 
 from triage_monitor.corrections import icepop_weights, tis_weights
 from triage_monitor.monitor import ALERT_STATE
-from triage_monitor.trackers import PREFIX, select_metrics
+from triage_monitor.trackers import PREFIX, framework_values
 
 from ._framework_options import reports
 from .slime import SlimeTriageLoss, _old_log_probs, attach_perf_timings, triage_log
@@ -283,7 +283,8 @@ def framework_log(rt, share: float, dp_size: int, device) -> dict:
     last = rt.last_metrics
     if not last:
         return {}
-    values = select_metrics(last, rt.settings.framework_keys)          # NaN kept: the keys must not depend on it
+    # NaN kept: the keys must not depend on a rank's own values; ratios at noise level (a global guard) left out
+    values = framework_values(last, rt.settings.framework_keys)
     values["metrics_step"] = float(last["step"])
     if dp_size > 1:
         values.pop(ALERT_STATE, None)

@@ -74,7 +74,7 @@ from triage_monitor.batch import TokenBatch
 from triage_monitor.controller import TriageConfig
 from triage_monitor.monitor import ALERT_STATE, MonitorConfig
 from triage_monitor.timings import FRAMEWORK_TIMERS
-from triage_monitor.trackers import PREFIX, select_metrics
+from triage_monitor.trackers import PREFIX, framework_values
 
 from ._framework_options import first_hand_over, hook_options, own_stats, reports
 from ._runtime import HookSettings, LossHook
@@ -440,7 +440,8 @@ def _framework_log(rt, args, batch: dict, device) -> dict:
     last = rt.last_metrics
     if not last:
         return {}
-    values = select_metrics(last, rt.settings.framework_keys)          # NaN kept: the keys must not depend on it
+    # NaN kept: the keys must not depend on a rank's own values; ratios at noise level (a global guard) left out
+    values = framework_values(last, rt.settings.framework_keys)
     values["metrics_step"] = float(last["step"])
     per_token = bool(getattr(args, "calculate_per_token_loss", False))
     rank0 = reports(rt)

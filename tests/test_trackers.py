@@ -467,3 +467,19 @@ def test_ratios_at_noise_level_reach_the_trackers_as_nan_beside_the_noise_flag(s
     hist = history(client, rid, "triage/window/rho_asym")
     assert [s for s, v in hist if not math.isnan(v)] == [0, 1, 2, 3, 4]
     assert [v for _, v in history(client, rid, "triage/noise")] == want_noise
+
+
+def test_framework_values_leave_out_the_ratios_at_noise_level_and_keep_other_nans():
+    """slime, Miles and SkyRL reduce a metrics dict key by key over their ranks: the ratios at noise level are left
+    out (the guard is global, alike on every rank), the flag says why, a rank's own NaN stays a key."""
+    from triage_monitor.trackers import framework_values
+
+    quiet = {"window/rho_asym": 2.885, "rho_asym": 3.1, "window/delta_abs_mean": 5e-5, "delta_abs_mean": 4e-5,
+             "window/k3_kl": 1e-9, "gate_downweighted_frac": float("nan")}
+    got = framework_values(quiet, ["window/rho_asym", "rho_asym", "window/k3_kl", "gate_downweighted_frac"])
+    assert "window/rho_asym" not in got and "rho_asym" not in got and got["window/k3_kl"] == 1e-9
+    assert math.isnan(got["gate_downweighted_frac"]) and "noise" not in got      # the flag only when asked for
+    loud = {**quiet, "window/delta_abs_mean": 0.05, "delta_abs_mean": 0.05}
+    got = framework_values(loud, "curated")
+    assert got["window/rho_asym"] == 2.885 and got["rho_asym"] == 3.1 and got["noise"] == 0.0
+    assert framework_values(quiet, "curated")["noise"] == 1.0

@@ -191,6 +191,24 @@ def tracker_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
     return out
 
 
+def framework_values(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
+    """What a hook hands to a framework that reduces a metrics dict over its data-parallel ranks key by key (slime,
+    Miles, SkyRL): :func:`tracker_metrics` with the direction ratios at noise level *left out* rather than NaN — the
+    noise guard is a globally reduced value (the window's mean |δ|), alike on every rank, so the keys stay the same on
+    every rank — and every other NaN kept (a rank's own NaN must not drop a key on that rank alone).
+
+    Returns:
+        ``{name: float}`` without the prefix, the :data:`NOISE_KEY` flag included when :func:`tracker_metrics` adds it.
+    """
+    out = select_metrics(metrics, keys)
+    for k in [k for k in out if k in NOISE_GUARDED and at_noise_level(metrics, NOISE_GUARDED[k])]:
+        del out[k]
+    flag = tracker_metrics(metrics, keys).get(NOISE_KEY)
+    if flag is not None:
+        out[NOISE_KEY] = flag
+    return out
+
+
 def framework_metrics(metrics: Optional[Mapping[str, Any]], keys: Keys = "curated", prefix: str = PREFIX) -> dict:
     """The metrics a framework hook hands to the framework's own logger: :func:`tracker_metrics` under
     ``prefix`` (``triage/``, so they never collide with a framework's names) — the direction ratios left out at
