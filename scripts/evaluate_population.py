@@ -78,6 +78,25 @@ def _onset(f: pd.DataFrame) -> np.ndarray:
     return out
 
 
+def _c_tok_null_excess(f: pd.DataFrame) -> np.ndarray:
+    """Window C_tok minus the median of its shuffle null (docs/metrics.md#stages; 99 draws), every 5th step from the
+    first full window (the stage table at those anchors), NaN elsewhere and where the null is degenerate."""
+    from triage_monitor.analysis import open_run
+    from triage_monitor.stages import stage_table
+
+    steps = f["step"].to_numpy()
+    out = np.full(len(f), np.nan)
+    anchors = [int(s) for s in steps[24::5]]
+    if not anchors:
+        return out
+    t = stage_table(open_run(f.attrs["path"]), anchors=anchors, draws=99)
+    ok = t["max_segments"] > 1
+    where = {int(s): float(v) for s, v, good in zip(t["step"], t["c_tok_excess"], ok) if good}
+    for i, s in enumerate(steps):
+        out[i] = where.get(int(s), np.nan)
+    return out
+
+
 #: step-level scores (higher = riskier by construction or flipped on the calibration half)
 SCORES = {
     "window ρ_asym": lambda f: _guarded(f, "window/rho_asym"),
@@ -88,6 +107,7 @@ SCORES = {
     "window |δ| q0.01": lambda f: f["window/delta_q01"].to_numpy(float),
     "window mean |δ|": lambda f: f["window/delta_abs_mean"].to_numpy(float),
     "C_tok excess over its first 50 steps": lambda f: _excess(f, "window/c_tok"),
+    "C_tok excess over its shuffle null (every 5th step)": _c_tok_null_excess,
     "Gate down-weighted share": lambda f: f["gate_downweighted_frac"].to_numpy(float)
     if "gate_downweighted_frac" in f else np.full(len(f), np.nan),
     "gradient norm": lambda f: f["grad_norm"].to_numpy(float),
@@ -127,6 +147,7 @@ def main(argv=None) -> int:
             continue
         r = load_run(d)
         r.info["split"] = split_of(int(r.info["seed"]))
+        r.frame.attrs["path"] = str(d)
         runs.append(r)
     cal = [r for r in runs if r.info["split"] == "calibration"]
     held = [r for r in runs if r.info["split"] == "heldout"]
