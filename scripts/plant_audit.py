@@ -144,10 +144,16 @@ def main() -> int:
         print(f"plant_audit: the tests of {args.tests_from}", flush=True)
     rows = []
     try:
-        # the package imported must be the worktree's, not the editable install's checkout
-        where = subprocess.run([args.python, "-c", "import triage_monitor; print(triage_monitor.__file__)"], cwd=wt,
-                               env={**os.environ, "PYTHONPATH": str(wt)}, capture_output=True, text=True).stdout
-        assert where.startswith(str(wt)), f"triage_monitor imported from {where!r}, not the scratch worktree"
+        # the package imported must be the worktree's, not the editable install's checkout: its subpackages that live
+        # outside triage_monitor/ (pyproject's package-dir) are linked into place, as the installed layout has them
+        for sub in ("hooks", "dashboards"):
+            (wt / "triage_monitor" / sub).symlink_to(wt / sub, target_is_directory=True)
+        probe = ("import triage_monitor, triage_monitor.hooks, triage_monitor.dashboards as d; "
+                 "print(triage_monitor.__file__, triage_monitor.hooks.__path__[0], d.__path__[0])")
+        where = subprocess.run([args.python, "-c", probe], cwd=wt, env={**os.environ, "PYTHONPATH": str(wt)},
+                               capture_output=True, text=True).stdout.split()
+        assert len(where) == 3 and all(w.startswith(str(wt)) for w in where), \
+            f"the package is imported from {where!r}, not the scratch worktree"
         all_files = (sorted({f for p in plants for f in info[p]["tests"] if (wt / f).exists()}) if not args.full
                      else ["tests"])
         print(f"baseline: {len(all_files)} test file(s) on the clean tree ...", flush=True)
@@ -173,7 +179,7 @@ def main() -> int:
             rows.append((p.name, h, verdict, by, secs))
             print(f"{p.name}: {verdict.upper()} {by} ({secs:.0f} s)", flush=True)
             git("checkout", "-q", "--", ".", cwd=wt)                 # restore the scratch worktree
-            git("clean", "-fdq", cwd=wt)
+            git("clean", "-fdq", "-e", "/triage_monitor/hooks", "-e", "/triage_monitor/dashboards", cwd=wt)
     finally:
         git("worktree", "remove", "--force", str(wt), check=False)
         shutil.rmtree(base, ignore_errors=True)
