@@ -521,8 +521,9 @@ class MismatchMonitor:
         Raises:
             ForkedWriterError: called in a process forked after the monitor was built."""
         self.sink.check_process()
-        if getattr(self, "_close_result", None) is not None:      # closed already: said once, returned as then
-            return self._close_result
+        said: Optional[bool] = getattr(self, "_close_result", None)
+        if said is not None:                                      # closed already: said once, returned as then
+            return said
         timeout = None if timeout is None else max(float(timeout), 0.0)
         start = time.monotonic()
         drained = self.sink.close(timeout)
@@ -532,8 +533,9 @@ class MismatchMonitor:
             if isinstance(obj, Closable):
                 self._guard(obj, "close")
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
-        self._close_result = self.writer.close(status, self.steps_logged, left) and drained
-        return self._close_result
+        result: bool = self.writer.close(status, self.steps_logged, left) and drained
+        self._close_result = result
+        return result
 
     def _alert_dropped_at_close(self, drained: bool, timeout: Optional[float]) -> None:
         """The ERROR line and the ``records_dropped`` alert of a close with rows dropped."""
