@@ -41,12 +41,26 @@ monitors (W&B, file, Prime; ``train.py`` L675-676; all at ``559b4477``): every v
 step: the step being trained is logged when it closes) and ``/std`` is 0 (up to float32 rounding).  ``filter_rl_trainer_tensor_stats_for_wandb`` (``trainer/utils.py`` L289-321) keeps every
 ``triage/`` key, and prime-rl has no key under ``triage/``.  A controller statistic whose name is in
 ``framework_keys`` (``gate_downweighted_frac`` in the curated set) is the monitor's value, not the sample's.
+
+The reward: prime-rl computes and logs it in the **orchestrator** process only (``orchestrator/orchestrator.py``
+L747: ``monitors.log(metrics, step=step)`` in ``finalize_train_batch``, ``metrics`` holding
+``train/agg/effective/<agent>/reward/mean``, L698-702 and ``orchestrator/metrics.py`` L244-253, L324-335), where
+the loss hook never runs.  The orchestrator builds its monitors from its config only (``monitors.setup``,
+``monitors/__init__.py`` L41-84, called at ``orchestrator.py`` L219-228), so no monitor can be configured there;
+:func:`orchestrator_main` is the ``orchestrator`` entry point (``entrypoints/orchestrator.py`` L19-24) with a
+:class:`RewardMonitor` appended to ``monitors.MONITORS`` once ``Orchestrator.setup`` has set prime-rl's up
+(:func:`with_reward_monitor`).  Under the ``rl`` launcher it cannot run: ``rl`` starts the orchestrator by the
+fixed command ``["orchestrator", "@", ...]`` (``entrypoints/rl.py`` L284); launch the components standalone
+(prime-rl's ``docs/training.md`` L39) and start the orchestrator with ``python -m triage_monitor.hooks.prime_rl``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import os
+import re
 import sys
 import threading
 import uuid
@@ -60,6 +74,7 @@ from triage_monitor.controller import TriageConfig
 from triage_monitor.corrections import dppo_kl_loss
 from triage_monitor.monitor import MonitorConfig
 from triage_monitor.timings import FRAMEWORK_TIMERS
+from triage_monitor.timings_writer import TimingsWriter, finite_or_none
 
 from ._framework_options import hook_options, own_stats, reports
 from ._options import check_normalization
@@ -270,6 +285,128 @@ def attach_timings_monitor(runtime) -> Optional[TimingsMonitor]:
     return m
 
 
+#: The step's reward in the orchestrator's metrics: ``train/agg/effective/<agent>/reward/mean``, the mean reward of
+#: the agent's traces in the shipped (effective) cohort (``orchestrator/metrics.py`` L177-192, L244-253, L324-335;
+#: ``orchestrator.py`` L698-702); with one agent the step line's ``Reward`` (``orchestrator.py`` L880).
+REWARD_KEY = re.compile(r"^train/agg/effective/([^/]+)/reward/mean$")
+
+#: The environment variable naming the run directory for :func:`orchestrator_main`.
+RUN_DIR_ENV = "TRIAGE_MONITOR_RUN_DIR"
+
+
+def orchestrator_reward(metrics) -> Optional[float]:
+    """The step's reward in a metrics dict of prime-rl's orchestrator (:data:`REWARD_KEY`): the one agent's mean;
+    None when the dict has no such key (an eval dict, the trainer's), more than one agent (their trace counts are
+    not logged, so no mean over them is recoverable) or a value that is not a finite number."""
+    if not isinstance(metrics, dict):
+        return None
+    found = [v for k, v in metrics.items() if isinstance(k, str) and REWARD_KEY.match(k)]
+    return finite_or_none(found[0]) if len(found) == 1 else None
+
+
+class RewardMonitor:
+    """A monitor in the orchestrator's ``prime_rl.monitors.MONITORS`` (interface of ``monitors/base.py`` L16-57) that
+    records the step's reward (:func:`orchestrator_reward`) in the run's timings table with a
+    :class:`~triage_monitor.timings_writer.TimingsWriter`; ``open_run(p).steps()`` fills the steps row's ``reward``.
+
+    Steps: the orchestrator's ``progress.step`` (1-indexed, ``orchestrator/types.py`` L27-30; ``progress.step`` + 1
+    on resume, ``orchestrator.py`` L321) names the batch it ships (``finalize_train_batch`` L625, the sender starting
+    at ``progress.step``, L329); the trainer trains batch s at its own ``progress.step`` s (``trainer/ckpt.py``
+    L29-31, its receiver starting there: ``trainer/rl/train.py`` L242-247), one optimizer step per batch, and the
+    loss hook's monitored steps count those optimizer steps from 0 in each attempt.  So orchestrator step s is
+    monitored step ``s - first_step``, ``first_step`` being the orchestrator's first step of this launch (1, or the
+    resumed step).  The orchestrator logs a step when it ships the batch, before the trainer trains it; the timings
+    row waits in the table until the step's row is read.  Only the reward is recorded (the orchestrator's
+    ``time/step`` is not the trainer's); every other dict and the episodes are ignored; it never raises.
+
+    Args:
+        run_dir: the run directory of the loss hook (its ``run_dir``).
+        first_step: the orchestrator's ``progress.step`` when its loop starts (1 for a fresh run).
+    """
+
+    def __init__(self, run_dir, first_step: int = 1):
+        self.writer = TimingsWriter(run_dir, framework="prime_rl")
+        self.first_step = int(first_step)
+
+    async def init(self, **kwargs) -> None:
+        return None
+
+    async def log(self, data, step=None, kind="train", subset="effective") -> None:
+        if isinstance(data, dict):
+            await self.log_metrics(data, step)
+
+    async def log_metrics(self, metrics: dict, step=None) -> None:
+        try:
+            reward = orchestrator_reward(metrics)
+            if reward is None or step is None or int(step) < self.first_step:
+                return
+            self.writer.record({}, step=int(step) - self.first_step, framework_step=int(step), reward=reward)
+        except Exception:  # noqa: BLE001 — record says a bad reading itself; never raised into prime-rl
+            pass
+
+    async def log_episodes(self, episodes, step=None, kind="train", subset="effective") -> None:
+        return None
+
+    async def finalize(self) -> None:
+        self.writer.close()
+
+
+def attach_reward_monitor(run_dir, first_step: int = 1) -> Optional[RewardMonitor]:
+    """Append a :class:`RewardMonitor` to ``prime_rl.monitors.MONITORS`` of this process (after prime-rl's
+    ``monitors.setup``, which refuses a non-empty list: ``monitors/__init__.py`` L58); None when prime-rl's monitors
+    module is not loaded."""
+    module = sys.modules.get("prime_rl.monitors")
+    registered = getattr(module, "MONITORS", None)
+    if not isinstance(registered, list):
+        return None
+    m = RewardMonitor(run_dir, first_step)
+    registered.append(m)
+    return m
+
+
+def with_reward_monitor(orchestrator_cls, run_dir):
+    """A subclass of prime-rl's ``Orchestrator`` whose ``setup`` (``orchestrator.py`` L195-456: monitors set up at
+    L219-228, ``progress.step`` resumed at L321) is followed by :func:`attach_reward_monitor` at the orchestrator's
+    first step; ``start`` (L458-461) calls ``setup`` first."""
+
+    class TriageOrchestrator(orchestrator_cls):
+        async def setup(self) -> None:
+            await super().setup()
+            attach_reward_monitor(run_dir, first_step=self.progress.step)
+
+    return TriageOrchestrator
+
+
+def orchestrator_main() -> None:
+    """prime-rl's ``orchestrator`` entry point (``entrypoints/orchestrator.py`` L19-24, ``run_orchestrator``
+    ``orchestrator.py`` L1048-1053) with the reward recorded in the run directory named by ``$TRIAGE_MONITOR_RUN_DIR``
+    (the loss hook's ``run_dir``): ``TRIAGE_MONITOR_RUN_DIR=<run_dir> python -m triage_monitor.hooks.prime_rl @
+    orch.toml`` in place of ``orchestrator @ orch.toml``.
+
+    Raises:
+        SystemExit: ``$TRIAGE_MONITOR_RUN_DIR`` is not set.
+    """
+    run_dir = os.environ.get(RUN_DIR_ENV, "").strip()
+    if not run_dir:
+        raise SystemExit(f"triage-monitor: set {RUN_DIR_ENV} to the run directory of the prime-rl loss hook")
+    from prime_rl.configs.orchestrator import OrchestratorConfig
+    from prime_rl.utils.config import cli
+    from prime_rl.utils.process import set_proc_title
+
+    set_proc_title("Orchestrator")
+    config = cli(OrchestratorConfig)
+    from prime_rl.orchestrator.orchestrator import Orchestrator
+    from prime_rl.utils.utils import clean_exit
+
+    orchestrator_cls = with_reward_monitor(Orchestrator, run_dir)
+
+    @clean_exit
+    async def run_orchestrator(config) -> None:
+        await orchestrator_cls(config).start()
+
+    asyncio.run(run_orchestrator(config))
+
+
 def triage_loss(inputs, **kwargs) -> LossOutputs:
     """The import-path target ``triage_monitor.hooks.prime_rl.triage_loss``, configured by ``[trainer.loss] kwargs``.
 
@@ -292,5 +429,10 @@ def triage_loss(inputs, **kwargs) -> LossOutputs:
 
 
 __all__ = ["PRIME_RL_COMMIT", "DEFAULT_LOSS_METRICS", "LossOutputs", "batch_from_prime_rl", "PrimeRLTriageLoss",
-           "TimingsMonitor", "attach_timings_monitor", "triage_loss"]
+           "TimingsMonitor", "attach_timings_monitor", "triage_loss", "REWARD_KEY", "RUN_DIR_ENV",
+           "orchestrator_reward", "RewardMonitor", "attach_reward_monitor", "with_reward_monitor", "orchestrator_main"]
 triage_loss_fn = triage_loss   # the import path named by earlier docs
+
+
+if __name__ == "__main__":
+    orchestrator_main()

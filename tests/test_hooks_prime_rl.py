@@ -18,6 +18,12 @@ flash-attn), so the calling code is reproduced here from its public repository a
 - ``src/prime_rl/trainer/utils.py`` L205-235 (``flexible_all_gather``), L238-280 (``Tensors.compute_stats``: every
   rank's values all-gathered into ``<key>/mean|median|std|min|max``), L283-321
   (``filter_rl_trainer_tensor_stats_for_wandb``).
+- the orchestrator process, for the reward: ``src/prime_rl/monitors/__init__.py`` L41-84 (``setup``: only the
+  configured W&B / Prime / file monitors, refused when ``MONITORS`` is not empty, L58);
+  ``src/prime_rl/orchestrator/orchestrator.py`` L195, L219-228, L314-321 (``setup``), L458-461 (``start``), L619-747
+  (``finalize_train_batch``: episodes logged at L684, ``progress.step += 1`` at L690, the metrics dict of L698-727
+  logged at L747); ``orchestrator/types.py`` L27-30 (``Progress.step = 1``); ``orchestrator/metrics.py`` L244-253,
+  L324-335 (the ``train/agg/<subset>/<agent>/reward/...`` keys).
 
 Only type annotations (jaxtyping) and the ce / ref_kl components (absent in RL training: their weight streams
 are None) are left out; ``"cuda"`` is the CPU here and the process group gloo.  The adapter itself is imported
@@ -706,6 +712,129 @@ def check_dist(tmp_path) -> None:
 
 def steps_table_nan(run, col, rank):
     return bool(recording_tracker.steps_table(run, rank=rank)[col].isna().all())
+
+
+# ------------------------------------------------- the orchestrator process: prime-rl's reward into the timings table
+async def orchestrator_monitors_setup(module) -> None:
+    """``monitors.setup`` (``src/prime_rl/monitors/__init__.py`` L41-84) with no monitor configured (wandb, prime and
+    file None: this test registers none of prime-rl's); its guard against a second setup (L58) and rank check kept."""
+    assert not module.MONITORS, "Monitors already set up. Call `setup` only once per process."
+    rank = int(os.environ.get("RANK", os.environ.get("DP_RANK", "0")))
+    if rank != 0:
+        return
+
+
+class Orchestrator:
+    """prime-rl's ``Orchestrator`` (``src/prime_rl/orchestrator/orchestrator.py`` @ 559b4477) as far as it reaches
+    its monitors: ``Progress`` (``orchestrator/types.py`` L27-30: ``step = 1``), ``setup`` (L195; monitors set up at
+    L219-228, ``progress.step = resume_step + 1`` on resume, L314-321), ``start`` (L458-461: ``setup`` first) and
+    ``finalize_train_batch`` (L619-747: the step's episodes logged at L684, ``progress.step += 1`` at L690, the
+    metrics dict of L698-727 logged at L747).  A batch is given as ``{agent: [trace rewards]}`` of its effective
+    cohort and of its whole arrival window; ``to_wandb`` (``orchestrator/metrics.py`` L324-335, L244-253, ``Stat``
+    L79-88) is reduced to the keys of the ``reward`` distribution and one ``rewards/<name>`` custom metric."""
+
+    def __init__(self, monitors, resume_step=None):
+        self.monitors = monitors
+        self.progress = SimpleNamespace(step=1)
+        self.resume_step = resume_step
+
+    async def setup(self) -> None:
+        await orchestrator_monitors_setup(self.monitors)                    # L219-228
+        if self.resume_step is not None:                                    # L314-321
+            self.progress.step = self.resume_step + 1
+
+    async def start(self) -> None:
+        await self.setup()                                                  # L461
+
+    async def finalize_train_batch(self, effective: dict, arrived: dict, env_name: str = "reverse-text") -> None:
+        step = self.progress.step                                           # L625
+        await self.monitors.log([], step, "train", "effective")             # L684 (the episodes)
+        self.progress.step += 1                                             # L690
+        metrics: dict = {}
+        for subset, pool in (("all", arrived), ("effective", effective)):   # L698-702
+            for prefix in ("train/agg", f"train/{env_name}"):
+                for agent, rewards in pool.items():
+                    base = f"{prefix}/{subset}/{agent}"
+                    metrics |= {f"{base}/reward/mean": sum(rewards) / len(rewards), f"{base}/reward/max": max(rewards),
+                                f"{base}/reward/min": min(rewards),
+                                f"{base}/rewards/correct/mean": 1.0 - sum(rewards) / len(rewards)}
+        metrics |= {"time/step": 7.0, "time/pack": 0.1, "time/save_ckpt": 2.0, "time/wait_for_policy": 0.5,
+                    "step": step}                                           # L713-727
+        await self.monitors.log(metrics, step=step)                         # L747
+
+
+def orchestrator_rewards(s: int) -> tuple:
+    """Orchestrator step s's batch: the shipped cohort's trace rewards (mean 0.1 · s, distinct per step) and the
+    arrival window's (with failed traces: another mean), one agent."""
+    effective = {"policy": [0.1 * s - 0.05, 0.1 * s + 0.05]}
+    arrived = {"policy": [*effective["policy"], 0.0, 0.0]}
+    return effective, arrived
+
+
+@pytest.mark.parametrize("resume_step", [None, 3])
+def test_the_orchestrators_reward_reaches_the_steps_rows(tmp_path, resume_step):
+    """The orchestrator started by ``orchestrator_main`` (:func:`prime_rl.with_reward_monitor` over prime-rl's
+    ``Orchestrator``, transcribed above) ships batch s and logs its metrics (``finalize_train_batch``) before the
+    trainer trains it — two batches ahead at the start (``TARGET_LAG = 1``, L104, L662-682); the trainer (its own
+    process: its own ``prime_rl.monitors``) trains batch s at its ``progress.step`` s through prime-rl's loss and
+    logging path.  Each step's reward — the effective cohort's ``train/agg/effective/policy/reward/mean``, not the
+    arrival window's, not the per-env or ``rewards/`` keys — is the reward of monitored step s − first step, read back
+    through ``open_run(run).steps()``; on a resumed launch (orchestrator and trainer at ``resume_step`` + 1, a new
+    attempt whose monitored steps start at 0) too."""
+    run = tmp_path / "run"
+    steps = 5
+    first = 1 if resume_step is None else resume_step + 1
+    orch_monitors = install_monitors_module()                               # the orchestrator process's module
+    orch = prime_rl.with_reward_monitor(Orchestrator, str(run))(orch_monitors, resume_step=resume_step)
+    asyncio.run(orch.start())
+    assert [type(m) for m in orch_monitors.MONITORS] == [prime_rl.RewardMonitor]
+    assert orch.progress.step == first
+
+    trainer_monitors = install_monitors_module()                            # the trainer process's module
+    fn = setup_rl_loss_fn(CustomLossConfig("triage_monitor.hooks.prime_rl.triage_loss",
+                                           {"run_dir": str(run), "monitor": {"window": 2}}))
+    w = torch.nn.Parameter(torch.zeros(()))
+    opt = torch.optim.AdamW([w], lr=1e-3)
+    shipped = first
+    for _ in range(2):                                                      # the orchestrator runs ahead
+        asyncio.run(orch.finalize_train_batch(*orchestrator_rewards(shipped)))
+        shipped += 1
+    for progress_step in range(first, first + steps):                       # the trainer's progress.step
+        train_step_losses([packed_micro_batch(progress_step)], fn, params=w)
+        opt.step()                                                          # train.py L566
+        opt.zero_grad()
+        asyncio.run(trainer_monitors.log({"time/step": 3.0, "time/forward_backward": 1.0, "step": progress_step},
+                                         step=progress_step))               # train.py L679-688
+        if shipped < first + steps:
+            asyncio.run(orch.finalize_train_batch(*orchestrator_rewards(shipped)))
+            shipped += 1
+    asyncio.run(orch_monitors.log({"eval/reverse-text/avg@1": 0.9, "step": 2.0}, step=2))   # an eval dict: no reward
+    close_all()
+    for m in orch_monitors.MONITORS:                                        # monitors.finalize (L506)
+        asyncio.run(m.finalize())
+    got = open_run(run).steps()
+    assert got["step"].tolist() == list(range(steps))                       # monitored steps from 0
+    assert got["reward"].tolist() == pytest.approx([0.1 * (first + k) for k in range(steps)])
+    late = open_run(run).timings()
+    assert late.loc[late["reward"].notna(), "framework_step"].tolist() == list(range(first, first + steps))
+    # the trainer's timers, none of the orchestrator's (its time/step, time/save_ckpt are no trainer phase)
+    assert (got["time/step"] == 3.0).all() and (got["time/update"] == 1.0).all() and got["time/other"].isna().all()
+
+
+def test_the_orchestrators_reward_key_and_entry_point():
+    """Only the effective cohort's one-agent ``train/agg/.../reward/mean`` is a reward; ``orchestrator_main`` asks for
+    the run directory before touching prime-rl."""
+    key = "train/agg/effective/policy/reward/mean"
+    assert prime_rl.orchestrator_reward({key: 0.25, "train/agg/all/policy/reward/mean": 0.1,
+                                         "train/agg/effective/policy/rewards/reward/mean": 0.7}) == 0.25
+    assert prime_rl.orchestrator_reward({key: 0.25, "train/agg/effective/judge/reward/mean": 0.5}) is None
+    assert prime_rl.orchestrator_reward({key: float("nan")}) is None
+    assert prime_rl.orchestrator_reward({"eval/reverse-text/avg@1": 0.9}) is None
+    env = {k: v for k, v in os.environ.items() if k != prime_rl.RUN_DIR_ENV}
+    out = subprocess.run([sys.executable, "-c", "from triage_monitor.hooks import prime_rl; prime_rl.orchestrator_main()"],
+                         env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and prime_rl.RUN_DIR_ENV in out.stderr
 
 
 if __name__ == "__main__":
