@@ -372,3 +372,18 @@ def test_analyze_alerts_and_the_report_print_the_same_verdict_and_analyze_stores
     legend = ref_page.replace("\\u002f", "/")                       # plotly's JSON writes "/" as \u002f
     assert "healthy ρ_asym 1.023–1.337, published (4B dense / 30B MoE)" in legend
     assert f"healthy ρ_asym {band.lo:.3g}–{band.hi:.3g}, reference reference" in legend
+
+
+def test_a_mismatch_tier_alert_or_threshold_raises_the_last_step_to_watch_only():
+    """The mismatch tier is informational (docs/alerts.md#tiers): an active mismatch-tier ERROR alert, or window ρ_asym
+    above a mismatch-tier rule's threshold, makes the last step WATCH; the same rules in the collapse tier make it
+    CRITICAL."""
+    from triage_monitor.verdict import health_verdict
+
+    frame = pd.DataFrame({"step": np.arange(6), "window/rho_asym": np.full(6, 2.0),
+                          "window/delta_abs_mean": np.full(6, 0.05), "window/delta_q05": np.full(6, -2.0)})
+    for tier, level in (("mismatch", "WATCH"), ("collapse", "CRITICAL")):
+        rules = [Rule("q05", "window/delta_q05", "below", -1.0, level="ERROR", tier=tier),
+                 Rule("rho", "window/rho_asym", "above", 1.8, level="ERROR", tier=tier)]
+        v = health_verdict(frame, replay_engine(rules, frame))
+        assert v.level == level, (tier, v.line)

@@ -583,8 +583,8 @@ def write_run(steps: Iterable[Tuple[int, TokenBatch]], run_dir, manifest: dict,
             mon.log_step(step, batch)
             n += 1
         mon.flush(timeout=None)
-    except BaseException:
-        mon.close("failed", timeout=None)
+    except BaseException as exc:          # Ctrl-C says interrupted, as MismatchMonitor's own ``with`` block does
+        mon.close("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", timeout=None)
         raise
     sink = mon.sink
     status = "failed" if sink.dropped_rows else "finished"

@@ -145,9 +145,11 @@ def health_verdict(frame, engine, reference: Optional[ReferenceBand] = None) -> 
             published band is still cited).
 
     Returns:
-        :class:`Verdict`.  Level: CRITICAL with an active ERROR alert or ρ_asym above the highest threshold;
-        WARNING with an active WARN alert or above the lowest; WATCH above the healthy band (the reference's when
-        given, else the published) or with alerts that fired and cleared; OK otherwise; NO SIGNAL when the learner
+        :class:`Verdict`.  Level: CRITICAL with an active collapse-tier ERROR alert or ρ_asym above the highest
+        threshold of a collapse-tier rule; WARNING with an active collapse-tier WARN alert or above the lowest such
+        threshold; WATCH above the healthy band (the reference's when given, else the published), above a
+        mismatch-tier rule's threshold, with a mismatch-tier alert active (informational, docs/alerts.md#tiers) or
+        with alerts that fired and cleared; OK otherwise; NO SIGNAL when the learner
         and sampler agree to rounding (mean |δ| below the noise floor, docs/alerts.md#noise-guard) or the direction
         metric has no value.
     """
@@ -158,6 +160,7 @@ def health_verdict(frame, engine, reference: Optional[ReferenceBand] = None) -> 
     _, gap = _last_finite(frame, GUARD)
     status = engine.status()
     levels = {r.name: r.level for r in engine.rules}
+    tiers = {r.name: getattr(r, "tier", "collapse") for r in engine.rules}
     active = [s.name for s in status if s.active]
     fired = sum(s.fired for s in status)
     last = int(frame["step"].max()) if len(frame) else None
@@ -177,7 +180,10 @@ def health_verdict(frame, engine, reference: Optional[ReferenceBand] = None) -> 
             (lo, hi, "the published healthy range")
         if above:
             v, lvl = above[-1]
-            head, rank = f"{where}, above the {lvl} threshold {v:g}", 4 if lvl == "ERROR" else 3
+            # a threshold of a mismatch-tier rule says how far off-policy the sampler is, not that the run is
+            # collapsing (docs/alerts.md#tiers): it raises the level to WATCH at most
+            head, rank = f"{where}, above the {lvl} threshold {v:g}", (4 if lvl == "ERROR" else 3) \
+                if any(t == v and tiers.get(n) == "collapse" for t, n, _ in thresholds) else 2
         elif rho > bhi:
             nxt = f", below the first alert threshold {thresholds[0][0]:g}" if thresholds else ""
             head, rank = f"{where}, above {name}{nxt}", 2
@@ -189,7 +195,8 @@ def health_verdict(frame, engine, reference: Optional[ReferenceBand] = None) -> 
         cited += [f"{PUBLISHED_LABEL} {lo:g}–{hi:g}", f"alert thresholds {thr_text}"]
         head += f" ({'; '.join(cited)})"
     if active:
-        rank = max(rank, 4 if any(levels[n] == "ERROR" for n in active) else 3)
+        loud = [n for n in active if tiers.get(n, "collapse") == "collapse"]     # mismatch tier: informational
+        rank = max(rank, (4 if any(levels[n] == "ERROR" for n in loud) else 3) if loud else 2)
         alerts = f"{len(active)} alert(s) active ({', '.join(active)})"
     elif fired:
         rank = max(rank, 2)
