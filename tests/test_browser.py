@@ -403,7 +403,8 @@ def test_dashboard_opens_on_the_verdict_the_destabilisation_and_the_informative_
     port = free_port()
     log = tmp_path / "streamlit.log"
     cmd = build_command([str(tmp_path / "failing")], "127.0.0.1", port, reference=str(tmp_path / "reference"))
-    assert cmd[-2:] == ["--reference", str(tmp_path / "reference")]
+    at = cmd.index("--reference")                  # the launcher's own options (--allow-root=...) may follow it
+    assert cmd[at:at + 2] == ["--reference", str(tmp_path / "reference")]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
