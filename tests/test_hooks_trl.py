@@ -696,7 +696,8 @@ def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path,
     uri = "file:" + str(tmp_path / "mlruns")
     run_dir, tb_dir = tmp_path / "run", tmp_path / "tb"
     settings = HookSettings(run_dir=str(run_dir), loggers=[
-        "wandb", {"kind": "tensorboard", "log_dir": str(tb_dir)},
+        # rho_asym_critical is a mismatch-tier rule (docs/alerts.md#tiers): W&B raises it when asked for both tiers
+        {"kind": "wandb", "alert_tiers": ["mismatch", "collapse"]}, {"kind": "tensorboard", "log_dir": str(tb_dir)},
         {"kind": "mlflow", "tracking_uri": uri, "experiment": "trl"}])
     trainer = make_trainer(tmp_path, settings, max_steps=3, cls=AmplifyingSamplerTrainer, reward=reward_first_word,
                            gradient_accumulation_steps=1, per_device_train_batch_size=8,
@@ -723,7 +724,7 @@ def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path,
     (log_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     recs = read_wandb_records(log_file)
     (alert,) = of_kind(recs, "alert")
-    assert (alert.title, alert.level) == ("triage ERROR (collapse): rho_asym_critical", "ERROR")
+    assert (alert.title, alert.level) == ("triage ERROR (mismatch): rho_asym_critical", "ERROR")
     assert "is above 1.8 at step 2" in alert.text
     hist = history_rows(recs)
     trl_rows = [h for h in hist if "train/triage/metrics_step" in h]
@@ -742,7 +743,7 @@ def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path,
     assert scalars["triage/window/rho_asym"] == [(s, pytest.approx(rho[s], rel=1e-6)) for s in range(3)]
     assert scalars["triage/alerts_active"] == [(0, 0.0), (1, 0.0), (2, 1.0)]
     ((step, text),) = texts["triage/alerts"]
-    assert step == 2 and text.startswith("**triage ERROR (collapse): rho_asym_critical** at step 2")
+    assert step == 2 and text.startswith("**triage ERROR (mismatch): rho_asym_critical** at step 2")
     (trl_tb,) = (tmp_path / "out" / "runs").iterdir()
     trl_scalars, _ = tb_read(trl_tb)
     assert trl_scalars["train/triage/window/rho_asym"] == [(s + 1, pytest.approx(rho[s], rel=1e-6)) for s in range(3)]
