@@ -710,7 +710,7 @@ def test_a_killed_writers_temporary_block_and_spool_are_removed_by_the_next_writ
     _killed_writer(d, env)
     left = [f.name for f in (d / "tokens").iterdir() if f.name.startswith(".tmp-rank-0000-attempt-")]
     assert left
-    uri = f"s3://{bucket('killed')}/run?endpoint_override=127.0.0.1:{port}&scheme=http"
+    uri = f"s3://{bucket('killed-hostile')}/run?endpoint_override=127.0.0.1:{port}&scheme=http"
     _killed_writer(uri, env)
     spools = [x.name for x in spool_root.iterdir() if x.name.startswith("triage-monitor-spool-")]
     assert len(spools) == 1
