@@ -32,7 +32,7 @@ from .blocks import read_part
 from .errors import TriageMonitorError
 from .layout import DENSE_TABLES, MANIFEST, TABLES, Part, RunLayout, TableIndex
 from .manifest import ManifestError, RunManifest, read_manifest
-from .storage import Store, open_store
+from .storage import Store, open_store, store_identity
 from .timings import TIME_COLUMNS
 
 log = logging.getLogger("triage_monitor.analysis")
@@ -101,9 +101,15 @@ class StepSource(NamedTuple):
         return f"{self.location}/{self.parts[0].name}" if self.parts else self.location
 
 
-@functools.lru_cache(maxsize=16)
 def _store(location: str) -> Store:
-    """One :class:`~triage_monitor.storage.Store` per location and process (an object store's client is reused)."""
+    """One :class:`~triage_monitor.storage.Store` per store and process (an object store's client is reused),
+    keyed by its :func:`~triage_monitor.storage.store_identity` (endpoint, region, credentials, bucket/prefix), not
+    by the URI alone: the same URI under another ``AWS_ENDPOINT_URL`` is another store."""
+    return _store_of(location, store_identity(location))
+
+
+@functools.lru_cache(maxsize=16)
+def _store_of(location: str, identity: tuple) -> Store:
     return open_store(location)
 
 

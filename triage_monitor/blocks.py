@@ -134,7 +134,7 @@ FOOTER_CACHE = 4096
 
 
 def _footer(store: Store, part: Part) -> pq.FileMetaData:
-    key = (store.location, part.name, part.size)
+    key = (store.identity, part.name, part.size, part.mtime_ns)
     with _FOOTERS_LOCK:
         md = _FOOTERS.get(key)
         if md is not None:

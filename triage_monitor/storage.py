@@ -99,10 +99,13 @@ class Store:
         fs: the ``pyarrow.fs.FileSystem``.
         root: the run's root in ``fs`` (a local absolute path, or ``bucket/prefix``).
         is_local: True on a local file system (renames, ``flock`` and ``O_EXCL`` exist there).
+        identity: what names the bytes this store reaches (:func:`store_identity`): the key of every
+            process-level cache of a store or of its files.
     """
 
-    def __init__(self, location: str, fs: pafs.FileSystem, root: str, is_local: bool):
+    def __init__(self, location: str, fs: pafs.FileSystem, root: str, is_local: bool, identity: tuple = ()):
         self.location, self.fs, self.root, self.is_local = location, fs, root.rstrip("/") or "/", is_local
+        self.identity = identity or ("file" if is_local else "?", self.root)
 
     def __repr__(self) -> str:
         return f"Store({self.location!r})"
@@ -268,7 +271,29 @@ class Store:
 def _open_local(text: str, location) -> Store:
     p = local_path(location)
     root = os.path.abspath(p)
-    return Store(str(location) if isinstance(location, str) else str(p), pafs.LocalFileSystem(), root, True)
+    return Store(str(location) if isinstance(location, str) else str(p), pafs.LocalFileSystem(), root, True,
+                 ("file", root))
+
+
+def store_identity(location) -> tuple:
+    """What names the bytes ``location`` reaches, in this process's environment, without a network call: a local
+    path's ``("file", absolute path)``; an ``s3://`` URI's ``("s3", endpoint, scheme, region, virtual addressing,
+    credentials' key id or profile, bucket/prefix)`` with the endpoint and region from the URI's query or the
+    AWS variables (:func:`open_store`'s rules).  Two locations with the same identity are the same store; the same
+    URI with another ``AWS_ENDPOINT_URL`` is another (a cache keyed by the URI alone would read one endpoint's
+    objects for another's).
+
+    Raises:
+        UnsupportedLocationError, ValueError: as :func:`open_store`."""
+    scheme, text = split_uri(location)
+    if scheme is None or scheme == "file":
+        return ("file", os.path.abspath(local_path(location)))
+    if scheme not in OBJECT_STORE_SCHEMES:
+        raise UnsupportedLocationError(text, scheme, "run directory")
+    root, opts = _s3_options(text)
+    key = os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE") or ""
+    return ("s3", opts.get("endpoint_override") or "", opts.get("scheme") or "https", opts.get("region") or "",
+            bool(opts.get("force_virtual_addressing")), key, root)
 
 
 def open_store(location) -> Store:
@@ -285,17 +310,18 @@ def open_store(location) -> Store:
         return _open_local(text, location)
     if scheme not in OBJECT_STORE_SCHEMES:
         raise UnsupportedLocationError(text, scheme, "run directory")
-    return Store(text, *_s3(text))
+    fs, root, is_local = _s3(text)
+    return Store(text, fs, root, is_local, store_identity(text))
 
 
 #: The options an ``s3://`` URI's query may set (``pyarrow.fs.S3FileSystem``'s arguments of these names).
 S3_URI_OPTIONS = ("region", "endpoint_override", "scheme", "force_virtual_addressing")
 
 
-def _s3(text: str) -> tuple:
-    """``(S3FileSystem, "bucket/prefix", False)`` of an ``s3://`` URI, built without a network call: the region
-    comes from the URI's query, else ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else the AWS SDK's own default; the
-    endpoint from the query, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``."""
+def _s3_options(text: str) -> tuple:
+    """``("bucket/prefix", {S3FileSystem argument: value})`` of an ``s3://`` URI: the region comes from the URI's
+    query, else ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else the AWS SDK's own default (None); the endpoint from
+    the query, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``."""
     from urllib.parse import parse_qsl
 
     rest = text.split("://", 1)[1]
@@ -315,6 +341,13 @@ def _s3(text: str) -> tuple:
         opts["endpoint_override"] = host.rstrip("/") if sep else endpoint
         if sep:
             opts.setdefault("scheme", scheme)
+    return root, opts
+
+
+def _s3(text: str) -> tuple:
+    """``(S3FileSystem, "bucket/prefix", False)`` of an ``s3://`` URI (:func:`_s3_options`), built without a
+    network call."""
+    root, opts = _s3_options(text)
     try:
         fs = pafs.S3FileSystem(**{k: v for k, v in opts.items() if v is not None})
     except (pa.ArrowException, ValueError, TypeError) as exc:
