@@ -1013,6 +1013,8 @@ def record_gaps(run: Run, live: Optional[pd.DataFrame] = None) -> list:
     * the writer dropped rows: run.json's ``writer.dropped_rows`` (and whether close timed out), or, for a run that
       never closed, the steps table's ``writer_dropped_rows``;
     * steps with token records but no steps row (rank 0's table), named;
+    * steps whose steps row counts tokens (``n_tokens`` > 0) but that have no token records at all (a run that
+      records tokens), named;
     * files a read of ``run`` found unreadable (:attr:`Run.unreadable`).
 
     Args:
@@ -1045,6 +1047,14 @@ def record_gaps(run: Run, live: Optional[pd.DataFrame] = None) -> list:
             more = " …" if len(no_row) > 8 else ""
             out.append(f"{len(no_row)} step(s) have token records but no steps row: "
                        f"{', '.join(map(str, no_row[:8]))}{more}")
+        cfg = man.monitor_config if isinstance(man.monitor_config, dict) else {}
+        if "n_tokens" in live.columns and cfg.get("record_tokens", True) is not False:
+            counted = live.loc[pd.to_numeric(live["n_tokens"], errors="coerce").fillna(0) > 0, "step"]
+            no_tok = sorted(set(int(s) for s in counted) - set(run.step_numbers()))
+            if no_tok:
+                more = " …" if len(no_tok) > 8 else ""
+                out.append(f"{len(no_tok)} step(s) have a steps row counting tokens but no token records (a token "
+                           f"file removed or never written): {', '.join(map(str, no_tok[:8]))}{more}")
     for path, reason in run.unreadable:
         out.append(f"unreadable file skipped: {path} ({reason})")
     return out
