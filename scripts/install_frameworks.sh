@@ -31,6 +31,33 @@ SKYRL_SITE=$(.venv-fw/skyrl-0.3.0/bin/python -c 'import sysconfig; print(sysconf
 echo "import sys, typing, typing_extensions; sys.version_info < (3, 12) and setattr(typing, 'TypedDict', typing_extensions.TypedDict)" \
   > "$SKYRL_SITE/zzz-skyrl-py311-typeddict.pth"
 .venv-fw/skyrl-0.3.0/bin/python -c 'import skyrl.backends.skyrl_train.workers.worker; print("skyrl 0.3.0 ok")'
+# SkyRL 0.4.0, the newest release, needs Python >= 3.12 and pins ray 2.57: a venv of its own on Python 3.12 (the
+# main venv's 3.11 compiled packages cannot be layered under it), holding the project (editable, no deps), the main
+# venv's versions of its runtime and test dependencies, and the modules SkyRL's workers and trainer import.
+# torch: the registry serves torch 2.13.0 for cp312 only as its CUDA 13 build (no +cpu wheel for cp312 here, and
+# download.pytorch.org is not reachable), with the nvidia-* libraries it loads at import (~3.5 GB downloaded,
+# ~4.7 GB installed, about a minute); it runs on the CPU.  No Python 3.12 on this machine: the env is left out
+# (tests/test_hooks_skyrl.py then skips it, or fails under CI=true).
+PY312=${PY312:-}
+if [ -z "$PY312" ]; then
+  for c in python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do
+    if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then PY312=$c; break; fi
+  done
+fi
+if [ -n "$PY312" ]; then
+  SK4=.venv-fw/skyrl-0.4.0
+  test -x "$SK4/bin/python" || "$PY312" -m venv "$SK4"
+  pins=$("$PY" -c 'from importlib.metadata import version as v
+print(" ".join(f"{n}=={v(n)}" for n in ("numpy", "pyarrow", "pandas", "numba", "rich", "torchao", "pytest", "cloudpickle")))')
+  # shellcheck disable=SC2086
+  "$SK4/bin/python" -m pip install -q --disable-pip-version-check -c "$constraints" "$TORCH_SPEC" $pins \
+    skyrl==0.4.0 ray==2.57.0 skyrl-gym==0.4.0 jaxtyping loguru omegaconf aiohttp orjson pybase64 torchdata==0.11.0
+  "$SK4/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
+  "$SK4/bin/python" -c 'import skyrl.backends.skyrl_train.workers.worker, skyrl.train.trainer, triage_monitor.hooks.skyrl, torch
+from importlib.metadata import version; print("skyrl", version("skyrl"), "ok: python 3.12, torch", torch.__version__)'
+else
+  echo "install_frameworks.sh: no Python 3.12 found (set PY312): SkyRL 0.4.0's side environment left out" >&2
+fi
 # --- end skyrl ---
 # --- openrlhf ---
 # OpenRLHF 0.11.2 pins transformers==5.15.0 (TRL 1.13 in the main venv needs 5.10.4) and imports deepspeed, peft and

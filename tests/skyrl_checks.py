@@ -1,5 +1,6 @@
-"""SkyRL 0.3.0 checks, run by tests/test_hooks_skyrl.py inside the side environment ``.venv-fw/skyrl-0.3.0``
-(SkyRL pins transformers ≤ 5.8 and ray 2.56, which clash with the main venv).  Not collected on its own.
+"""SkyRL checks, run by tests/test_hooks_skyrl.py inside the side environments ``.venv-fw/skyrl-0.3.0`` (Python 3.11;
+SkyRL 0.3.0 pins transformers ≤ 5.8 and ray 2.56, which clash with the main venv) and ``.venv-fw/skyrl-0.4.0``
+(Python 3.12, which SkyRL 0.4.0 requires; ray 2.57).  Not collected on its own.
 
 Everything SkyRL does here is SkyRL's own code: the batch layout (``convert_prompts_responses_to_batch_tensors``),
 the advantage pre-scaling of each loss reduction (``apply_loss_reduction_to_advantages_minibatch``), the policy
@@ -42,6 +43,20 @@ MICRO = 2                                         # micro_train_batch_size_per_g
 MAX_SEQ_LEN = 64
 
 
+def batch_tensors(prompts, responses, rewards, loss_masks, logprobs):
+    """SkyRL's own ``convert_prompts_responses_to_batch_tensors``, the six tensors every release returns
+    (sequences, attention_mask, action/response mask, rewards, loss_masks, logprobs).  0.3.0 takes the tokenizer
+    first (for its ``pad_token_id``) and returns 7 values (+ rollout_expert_indices); 0.4.0 takes ``pad_token_id``
+    itself and returns 8 (+ rollout_expert_indices, rollout_sample_support)."""
+    import inspect
+
+    first = next(iter(inspect.signature(convert_prompts_responses_to_batch_tensors).parameters))
+    pad = 0 if first == "pad_token_id" else SimpleNamespace(pad_token_id=0)
+    out = convert_prompts_responses_to_batch_tensors(pad, prompts, responses, rewards, loss_masks, logprobs=logprobs)
+    assert len(out) == {"tokenizer": 7, "pad_token_id": 8}[first], (first, len(out))
+    return out[:6]
+
+
 def rollout(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, amplify: float = 0.0):
     """One mini-batch laid out by SkyRL's own preprocessing: (sequences, loss_mask, rollout_logprobs, the
     per-response lists, raw advantages (B, T), learner / old log-probs (B, T)).  The learner is the generator
@@ -57,9 +72,8 @@ def rollout(seed: int = 0, lengths=LENGTHS, prompts=PROMPTS, amplify: float = 0.
         if L > 12:
             m[8:11] = [0, 0, 0]                   # tool output inside the response
         masks.append(m)
-    seqs, attn, action_mask, rewards, loss_mask, rollout_lp, _ = convert_prompts_responses_to_batch_tensors(
-        SimpleNamespace(pad_token_id=0), prm, resp, [[0.0] * L for L in lengths], masks,
-        logprobs=[x.tolist() for x in rl])
+    seqs, attn, action_mask, rewards, loss_mask, rollout_lp = batch_tensors(
+        prm, resp, [[0.0] * L for L in lengths], masks, logprobs=[x.tolist() for x in rl])
     B, T = loss_mask.shape
     score = torch.randn(B, generator=g)
     adv = score[:, None] * action_mask                           # GRPO: one advantage per response

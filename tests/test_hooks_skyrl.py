@@ -1,8 +1,9 @@
-"""SkyRL hook (skyrl 0.3.0 from PyPI).
+"""SkyRL hook (skyrl 0.3.0, the oldest release it claims, and 0.4.0, the newest, from PyPI).
 
-SkyRL pins transformers ≤ 5.8 and ray 2.56, so it lives in the side environment ``.venv-fw/skyrl-0.3.0``
-(scripts/install_frameworks.sh); ``tests/skyrl_checks.py`` holds the checks against SkyRL's own code and runs
-there in a subprocess: TRIAGE off = SkyRL's registered ``regular`` / ``dual_clip`` loss under all five loss
+SkyRL 0.3.0 pins transformers ≤ 5.8 and ray 2.56, so it lives in the side environment ``.venv-fw/skyrl-0.3.0``;
+0.4.0 needs Python ≥ 3.12 and ray 2.57: a Python 3.12 venv ``.venv-fw/skyrl-0.4.0`` (both made by
+scripts/install_frameworks.sh).  ``tests/skyrl_checks.py`` holds the checks against SkyRL's own code and runs
+in each in a subprocess: TRIAGE off = SkyRL's registered ``regular`` / ``dual_clip`` loss under all five loss
 reductions, left-padded positions, SkyRL's off-policy correction and metrics, construction errors, and the
 registry shipping the loss into two real ``PolicyWorkerBase`` workers of a local Ray cluster.  The checks here
 need no SkyRL.
@@ -28,8 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKS = 19          # tests in tests/skyrl_checks.py
 
 
-def test_skyrl_0_3_0_real_code_paths(side_env):
-    py = side_env("skyrl-0.3.0")
+@pytest.mark.parametrize("release, python", [("0.3.0", "3.11"), ("0.4.0", "3.12")])
+def test_skyrl_real_code_paths(side_env, release, python):
+    py = side_env(f"skyrl-{release}")
+    probe = "import sys; from importlib.metadata import version; print(version('skyrl'), '%d.%d' % sys.version_info[:2])"
+    assert subprocess.run([str(py), "-c", probe], capture_output=True, text=True, check=True).stdout.split() == \
+        [release, python]
     proc = subprocess.run([str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/skyrl_checks.py"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-6000:]
