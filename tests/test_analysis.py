@@ -600,34 +600,62 @@ def test_compare_live_reports_every_metric_both_sides_have(run):
     assert "window/n_samples" in got and "rho_asym" in got
 
 
-def test_the_steps_are_read_once_when_the_live_run_recorded_its_tau(run, monkeypatch):
-    """The frozen τ_tail of run.json, or the live rows' τ_tail per step (tau_mode="live"), is the right one here, so
-    each step's tokens are decoded once (one map over the steps); a wrong guess would cost a second map."""
+def _mapped_steps(monkeypatch) -> list:
+    """A spy on the map over the steps: each call's steps, in order, appended to the list returned."""
     import triage_monitor.engines as engines
-    r, live = run
     calls, real = [], engines.map_ordered
     monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(
-        (len(items), kw["progress"], kw["description"])) or real(fn, items, **kw))
+        [int(args[0].step) for args in items]) or real(fn, items, **kw))
+    return calls
+
+
+def test_the_steps_are_read_once_when_the_live_run_recorded_its_tau(run, monkeypatch, caplog):
+    """The frozen τ_tail of run.json, or the live rows' τ_tail per step (tau_mode="live"), is the right one here, so
+    each step's tokens are decoded once: the 2 reference steps, then the others (which the reference steps' τ_tail
+    is known for); nothing is logged."""
+    r, live = run
+    calls = _mapped_steps(monkeypatch)
     frozen = recompute_states(r)
-    assert calls == [(STEPS, False, "recomputing metrics")] and frozen.taus == [r.tau_tail] * STEPS
+    assert calls == [[0, 1], [2, 3, 4]] and frozen.taus == [r.tau_tail] * STEPS
     assert not (r.path / "analysis").exists()                   # no cache unless asked for
     calls.clear()
     replay = recompute_states(r, tau_mode="live")
-    assert calls == [(STEPS, False, "recomputing metrics")] and replay.taus == pytest.approx([row["tau_tail"] for row in live])
+    assert calls == [[0, 1], [2, 3, 4]] and replay.taus == pytest.approx([row["tau_tail"] for row in live])
+    assert "differs" not in caplog.text
+
+
+def test_a_wrong_recorded_tau_is_said_in_one_line_and_every_step_computed_once(run, monkeypatch, caplog):
+    """run.json's τ_tail differs from the one the reference steps' records give (here: rewritten): one WARNING line
+    says so and what is done; the 2 reference steps are mapped again, every other step once, with the recalibrated
+    τ_tail — the states of the run with its right τ_tail, bit for bit."""
+    import json
+    import logging
+
+    r, _ = run
+    right = recompute_states(r)
+    man = json.loads((r.path / "run.json").read_text())
+    man["calibration"]["tau_tail"] = r.tau_tail - 0.25
+    (r.path / "run.json").write_text(json.dumps(man))
+    wrong = open_run(r.path)
+    assert wrong.tau_tail == r.tau_tail - 0.25
+    calls = _mapped_steps(monkeypatch)
+    with caplog.at_level(logging.WARNING, "triage_monitor.analysis"):
+        got = recompute_states(wrong)
+    assert calls == [[0, 1], [0, 1], [2, 3, 4]]
+    said = [rec.getMessage() for rec in caplog.records if "differs" in rec.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0] and "run.json" in said[0] and "computed once" in said[0]
+    assert got.taus == right.taus and np.array_equal(got.states, right.states)
 
 
 def test_a_step_without_its_live_row_is_recomputed_with_the_right_tau(run, monkeypatch):
     """tau_mode="live" guesses each step's τ_tail from its live row; step 3's row is gone (its steps file deleted):
-    its guess is NaN, found wrong and the step mapped again with the calibrated τ_tail — the same state as in
-    the frozen mode (step 3 is after the 2 reference steps)."""
-    import triage_monitor.engines as engines
+    step 3 is after the 2 reference steps, mapped once with the τ_tail calibrated on them — the same state as in
+    the frozen mode."""
     r, _ = run
     file_of(r.path, "steps", 3).unlink()
-    what, real = [], engines.map_ordered
-    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: what.append(
-        (len(items), kw["description"])) or real(fn, items, **kw))
+    calls = _mapped_steps(monkeypatch)
     replay = recompute_states(r, tau_mode="live")
-    assert what == [(STEPS, "recomputing metrics"), (1, "recomputing with the calibrated tau_tail")]
+    assert calls == [[0, 1], [2, 3, 4]]
     frozen = recompute_states(r)
     i = replay.steps.index(3)
     assert replay.taus[i] == frozen.taus[i] == r.tau_tail
@@ -673,23 +701,19 @@ def test_a_run_stopped_while_calibrating_is_read_once_too(tmp_path, monkeypatch)
     step holds the τ_tail of the 3 steps pooled, which is the frozen one; so the steps are decoded once (without
     that row, the τ_tail is calibrated first: the same values).  Bad what-if arguments are refused before any
     work."""
-    import triage_monitor.engines as engines
-
     d = tmp_path / "run"
     _write(d, MonitorConfig(window=2, calibration_steps=10, metrics={"segment_width": 8}, roll_steps=1), steps=3)
     r = open_run(d)
     assert r.tau_tail is None
-    calls, real = [], engines.map_ordered
-    monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(
-        (len(items), kw["description"])) or real(fn, items, **kw))
+    calls = _mapped_steps(monkeypatch)
     states = recompute_states(r)
-    assert calls == [(3, "recomputing metrics")] and states.taus == [r.steps()["tau_tail"].iloc[-1]] * 3
+    assert calls == [[0, 1, 2]] and states.taus == [r.steps()["tau_tail"].iloc[-1]] * 3
     file_of(d, "steps", 2).unlink()                               # the last live row lost: no guess, same result
     calls.clear()
     assert recompute_states(r).taus == states.taus
-    assert calls == [(3, "calibrating tau_tail"), (3, "recomputing metrics")]
+    assert calls == [[0, 1, 2], [0, 1, 2]]                        # calibrating first, then with its τ_tail
     calls.clear()
-    assert recompute_states(r, tau_tail=-0.5).taus == [-0.5] * 3 and calls == [(3, "recomputing metrics")]
+    assert recompute_states(r, tau_tail=-0.5).taus == [-0.5] * 3 and calls == [[0, 1, 2]]
     with pytest.raises(ValueError, match="tau_tail"):
         recompute_states(r, tau_tail=float("nan"))
     with pytest.raises(ValueError, match="calibration"):
@@ -768,10 +792,12 @@ def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(r
     recompute(r, engine="ray", address="ray://head:10001")
     recompute_states(r, workers=2)
     recompute_states(r, engine="ray", address="auto")
-    assert seen == [{"engine": "local", "workers": 3, "address": None},
+    # each: the 2 reference steps first (local workers: in this process, the pool started once, for the others)
+    assert seen == [{"engine": "local", "workers": 1, "address": None}, {"engine": "local", "workers": 3, "address": None},
                     {"engine": "ray", "workers": 1, "address": "ray://head:10001"},
-                    {"engine": "local", "workers": 2, "address": None},
-                    {"engine": "ray", "workers": 1, "address": "auto"}]
+                    {"engine": "ray", "workers": 1, "address": "ray://head:10001"},
+                    {"engine": "local", "workers": 1, "address": None}, {"engine": "local", "workers": 2, "address": None},
+                    {"engine": "ray", "workers": 1, "address": "auto"}, {"engine": "ray", "workers": 1, "address": "auto"}]
 
 
 def test_workers_are_cut_to_what_the_token_records_pay_for(run, monkeypatch):
@@ -815,3 +841,106 @@ print(json.dumps({{"torch": "torch" in sys.modules, "c_tok": float(t["c_tok"].il
     frame = pd.read_csv(tmp_path / "m.csv")
     assert frame["window/rho_asym"].tolist() == pytest.approx([m["window/rho_asym"] for m in live], rel=1e-12,
                                                               nan_ok=True)
+
+
+def test_a_row_group_shared_by_small_steps_is_decoded_once_for_all_of_them(tmp_path, monkeypatch):
+    """A rank's small steps share a row group (the writer gathers them): reading the steps one by one decodes that
+    row group once, not once per step, and each step's rows are what a filter of the whole file gives (columns
+    asked for or all, in file order); a step read again, or read after its kept rows were dropped (a cache of 1
+    byte, forget_shared_groups), is decoded again with the same rows.  A row group whose steps are not in order
+    (another writer) is split by value; a file without step statistics is filtered as before."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    import triage_monitor.blocks as blocks
+    from triage_monitor.blocks import BlockWriter, forget_shared_groups, read_part
+    from triage_monitor.layout import RunLayout
+    from triage_monitor.storage import open_store
+
+    def step_rows(s, n):
+        return pa.table({"step": np.full(n, s, np.int64), "rank": np.zeros(n, np.int64),
+                         "x": np.arange(n, dtype=np.float32) * 0.5 + s, "y": np.arange(n, dtype=np.int64) - s})
+
+    store = open_store(tmp_path)
+    w = BlockWriter(store, "tokens", 0, 1, roll_steps=8)
+    for s in range(8):
+        w.write(s, step_rows(s, 5 + s))
+    w.close()
+    part = RunLayout(tmp_path).index("tokens").for_step(3)[0]
+    whole = pq.read_table(tmp_path / part.name)
+    assert pq.read_metadata(tmp_path / part.name).num_row_groups == 1
+    decoded = []
+    real = pq.ParquetFile.read_row_groups
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups",
+                        lambda self, groups, **kw: decoded.append(list(groups)) or real(self, groups, **kw))
+
+    def expect(s, cols=None):
+        t = whole.filter(pc.equal(whole.column("step"), s))
+        return t if cols is None else t.select(cols)
+
+    for s in range(8):
+        assert read_part(store, part, ["x", "y"], s).equals(expect(s, ["x", "y"]))
+    assert decoded == [[0]]                                          # one decode for the 8 steps
+    assert read_part(store, part, ["x", "y"], 2).equals(expect(2, ["x", "y"]))      # handed out once: again
+    assert len(decoded) == 2
+    forget_shared_groups()
+    for s in (5, 1):
+        assert read_part(store, part, None, s).equals(expect(s))     # every column
+    assert len(decoded) == 3
+    forget_shared_groups()
+    monkeypatch.setattr(blocks, "SHARED_GROUP_BYTES", 1)              # nothing kept beyond the newest group
+    for s in range(8):
+        assert read_part(store, part, ["y"], s).equals(expect(s, ["y"]))
+    forget_shared_groups()
+    # steps out of order in one row group (not this project's writer), and a file without step statistics
+    for name, stats in (("steps-00000000-00000002-rank-0001-attempt-1-part-0.parquet", ["step"]),
+                        ("steps-00000000-00000002-rank-0002-attempt-1-part-0.parquet", False)):
+        mixed = pa.table({"step": np.array([1, 0, 2, 1, 0, 2, 2], np.int64), "rank": np.ones(7, np.int64),
+                          "x": np.arange(7, dtype=np.float32), "y": np.arange(7, dtype=np.int64)})
+        pq.write_table(mixed, tmp_path / "tokens" / name, write_statistics=stats)
+        p = next(q for q in RunLayout(tmp_path).index("tokens").for_step(1) if q.name.endswith(name))
+        for s in (0, 1, 2):
+            assert read_part(store, p, ["x"], s).equals(mixed.filter(pc.equal(mixed.column("step"), s)).select(["x"]))
+    forget_shared_groups()
+
+
+def _many_rank_run(d):
+    """Four ranks of small steps, 9 steps in blocks of 6: their blocks' row groups each shared by several steps."""
+    from triage_monitor.records import RunWriter
+
+    cfg = MonitorConfig(tau_tail=-0.5, alignment_check_steps=0, roll_steps=6)
+    writers = [RunWriter(str(d), 1, k, 4, cfg.to_dict(), {"framework": "test"}, {"tool_version": "t"})
+               for k in range(4)]
+    for s in range(9):
+        for k, w in enumerate(writers):
+            w.record_step(s, _batch(10 * s + k), {"step": s}, {}, None, steps_row=False)
+    for w in writers:
+        w.close("finished", 9)
+    return open_run(d)
+
+
+def test_the_states_of_a_many_rank_run_are_those_of_its_steps_read_one_by_one(tmp_path):
+    """The recomputed states of a many-rank run (row groups shared by steps, each decoded once) equal step_state
+    of each step read alone, bit for bit."""
+    from triage_monitor.blocks import forget_shared_groups
+
+    r = _many_rank_run(tmp_path / "r")
+    one_by_one = []
+    for s in r.step_numbers():
+        forget_shared_groups()
+        one_by_one.append(step_state(r.token_source(s), -0.5, r.metric_config()))
+    assert np.array_equal(recompute_states(r).states, np.stack(one_by_one))
+
+
+@pytest.mark.multiprocess
+def test_worker_processes_map_contiguous_chunks_of_steps_to_the_same_states(tmp_path, monkeypatch, plain_main):
+    """2 worker processes, each given contiguous chunks of the steps (a shared row group read once in a chunk):
+    the states and τ_tail of one process, bit for bit."""
+    import triage_monitor.analysis as analysis
+
+    r = _many_rank_run(tmp_path / "r")
+    here = recompute_states(r)
+    monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)
+    two = recompute_states(open_run(tmp_path / "r"), workers=2)
+    assert np.array_equal(two.states, here.states) and two.taus == here.taus

@@ -130,3 +130,16 @@ def test_ray_engine_without_ray_says_how_to_install(monkeypatch, two_rank_run):
     with pytest.raises(ValueError, match="engine"):
         recompute(open_run(two_rank_run), engine="spark")
     assert not math.isnan(recompute(open_run(two_rank_run))["tau_tail"].iloc[0])
+
+
+def test_chunks_cut_the_items_into_contiguous_ranges_in_order():
+    """Worker processes and Ray tasks take contiguous chunks: every item once, in order, near-equal lengths."""
+    from triage_monitor.engines import chunks
+
+    assert chunks(10, 4) == [range(0, 2), range(2, 5), range(5, 7), range(7, 10)]
+    assert chunks(3, 8) == [range(0, 1), range(1, 2), range(2, 3)] and chunks(0, 4) == [] and chunks(5, 1) == [range(5)]
+    for n in range(0, 40):
+        for k in range(1, 12):
+            c = chunks(n, k)
+            assert [i for r in c for i in r] == list(range(n)) and len(c) == min(n, k)
+            assert not c or max(map(len, c)) - min(map(len, c)) <= 1

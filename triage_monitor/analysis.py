@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .alert_rules import default_rules
-from .blocks import read_part
+from .blocks import forget_shared_groups, read_part
 from .errors import TriageMonitorError
 from .layout import DENSE_TABLES, MANIFEST, TABLES, Part, RunLayout, TableIndex
 from .manifest import ManifestError, RunManifest, read_manifest
@@ -648,11 +648,13 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     τ_tail: explicit (argument, or the run's configured value) for every step; else calibrated from the
     merged δ sketches of the run's first ``calibration_steps`` steps with tokens.  ``tau_mode="frozen"``
     (the post-mortem) uses that one value for every step, the first ones included; ``"live"`` replays the
-    live monitor's provisional values on the reference steps.  The steps are mapped once with a candidate
-    τ_tail (the run's recorded calibration, or the live rows'), which is then checked against the sketches;
-    steps whose candidate was wrong are mapped again, so the result never depends on the candidate.
+    live monitor's provisional values on the reference steps.  The reference steps are mapped first with a
+    candidate τ_tail (the run's recorded calibration, or the live rows'), which is then checked against their
+    sketches; the other steps are mapped once with the τ_tail the sketches give.  When the candidate was wrong
+    one WARNING line says so (:func:`tau_mismatch_message`) and only the reference steps are mapped again, so
+    the result never depends on the candidate.
     """
-    from .engines import map_ordered
+    from .engines import map_ordered, progress_bar
     from .metrics import MetricTracker, MismatchStats
 
     if tau_mode not in TAU_MODES:
@@ -672,7 +674,7 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
     calib = all_steps[:n_calib]
     if engine == "local":
         workers = planned_workers([files[s] for s in todo], workers)
-    kw = dict(engine=engine, workers=workers, address=address, progress=progress)
+    kw = dict(engine=engine, workers=workers, address=address)
     path = None
     if cache:
         path = run.layout.states_cache(_cache_key(files, todo, cfg, explicit, n_calib, tau_mode))
@@ -681,29 +683,40 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
             return hit
 
     nulls: dict = {}
+    need = todo if explicit is not None else sorted(set(todo) | set(calib))
+    quiet = (lambda: None)
 
-    def run_map(which, taus, what):
+    def run_map(which, taus, advance, here=False):
+        if not which:
+            return {}
         results = map_ordered(_step_result, [(files[s], taus[s], cfg) for s in which], prefetch=_prefetch,
-                              description=what, **kw)
+                              finish=forget_shared_groups, advance=advance,
+                              **(dict(kw, workers=1) if here and engine == "local" else kw))
         nulls.update(zip(which, (r[1] for r in results)))
         return {s: r[0] for s, r in zip(which, results)}
 
-    if explicit is not None:
-        taus = {s: float(explicit) for s in todo}
-        states = run_map(todo, taus, "recomputing metrics")
-    else:
-        need = sorted(set(todo) | set(calib))
-        cand = _candidate_taus(run, tau_mode, need, calib)
-        if cand is None:            # nothing recorded to start from: read the reference steps' δ first
-            pre = run_map(calib, {s: math.nan for s in calib}, "calibrating tau_tail")
-            cand = _calibration_taus([_part(pre[s], cfg) for s in calib], need, cfg.tail_quantile, tau_mode,
+    # one progress bar over the maps (the steps of ``need``, each counted once)
+    with progress_bar(progress, len(need), "recomputing metrics") as advance:
+        if explicit is not None:
+            taus = {s: float(explicit) for s in todo}
+            states = run_map(todo, taus, advance)
+        else:
+            cand = _candidate_taus(run, tau_mode, need, calib)
+            if cand is None:            # nothing recorded to start from: read the reference steps' δ first
+                pre = run_map(calib, {s: math.nan for s in calib}, quiet, here=True)
+                cand = _calibration_taus([_part(pre[s], cfg) for s in calib], need, cfg.tail_quantile, tau_mode,
+                                         n_calib)
+            # the reference steps first (in this process: local workers are started once, for the others), with
+            # the candidate; their δ sketches give every step's τ_tail, and the other steps are mapped once with
+            # it.  Only reference steps whose candidate was wrong are mapped again (one line says so).
+            states = run_map(calib, cand, advance, here=True)
+            taus = _calibration_taus([_part(states[s], cfg) for s in calib], need, cfg.tail_quantile, tau_mode,
                                      n_calib)
-        states = run_map(need, cand, "recomputing metrics")
-        taus = _calibration_taus([_part(states[s], cfg) for s in calib], need, cfg.tail_quantile, tau_mode,
-                                 n_calib)
-        redo = [s for s in need if not _same(taus[s], cand[s])]
-        if redo:
-            states.update(run_map(redo, taus, "recomputing with the calibrated tau_tail"))
+            redo = [s for s in calib if not _same(taus[s], cand[s])]
+            if redo:
+                log.warning("triage-monitor: %s", tau_mismatch_message(cand, taus, redo, tau_mode))
+                states.update(run_map(redo, taus, quiet, here=True))
+            states.update(run_map([s for s in need if s not in states], taus, advance))
     size = MismatchStats(cfg).array.size
     mat = np.stack([states[s] for s in todo]) if todo else np.zeros((0, size))
     out = StepStates(todo, mat, [taus[s] for s in todo], cfg, win, tau_mode, [nulls[s] for s in todo])
@@ -790,6 +803,16 @@ def _save_states(store: Store, path: str, states: StepStates) -> None:
         store.write_bytes(path, buf.getvalue())
     except OSError:
         pass
+
+
+def tau_mismatch_message(cand: dict, taus: dict, redo: list, tau_mode: str) -> str:
+    """The one line :func:`recompute_states` logs when the τ_tail it started from (run.json's, or the live rows')
+    differs from the one the reference steps' δ sketches give."""
+    s = redo[0]
+    src = "the live rows'" if tau_mode == "live" else "run.json's"
+    return (f"tau_tail {cand[s]:.6g} ({src}) differs from {taus[s]:.6g} recalibrated from the reference steps' "
+            f"records; using the recalibrated value: {len(redo)} reference step(s) recomputed, the other steps "
+            f"computed once with it")
 
 
 def _part(state, cfg):

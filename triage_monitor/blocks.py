@@ -149,25 +149,6 @@ def _footer(store: Store, part: Part) -> pq.FileMetaData:
     return md
 
 
-def _row_groups_of(md: pq.FileMetaData, step: int) -> Optional[list]:
-    """The row groups of ``step`` by their ``step`` statistics; None when a non-empty row group has none."""
-    names = md.schema.names
-    if "step" not in names:
-        return None
-    col = names.index("step")
-    out = []
-    for i in range(md.num_row_groups):
-        rg = md.row_group(i)
-        if rg.num_rows == 0:
-            continue
-        c = rg.column(col)
-        if not c.is_stats_set or not c.statistics.has_min_max:
-            return None
-        if c.statistics.min <= step <= c.statistics.max:
-            out.append(i)
-    return out
-
-
 def read_part(store: Store, part: Part, columns: Optional[Sequence[str]] = None,
               step: Optional[int] = None) -> pa.Table:
     """The rows of ``part`` (a sealed block or a pending file), or only those of ``step``; ``columns``: only
@@ -217,23 +198,153 @@ def _read_part(store: Store, part: Part, columns, step) -> pa.Table:
         with store.open_input(part.name) as f:
             return pq.read_table(f, columns=cols)
     md = _footer(store, part)
-    groups = _row_groups_of(md, int(step))
-    with store.open_input(part.name) as f:
-        pf = pq.ParquetFile(f, metadata=md)
-        if groups is None:                   # no statistics: read the step column to select the rows
+    step = int(step)
+    index = _step_index(store, part, md)
+    if index is None:                        # no statistics: read the step column to select the rows
+        with store.open_input(part.name) as f:
+            pf = pq.ParquetFile(f, metadata=md)
             t = pf.read(columns=None if cols is None else list(dict.fromkeys(["step", *cols])))
-            t = t.filter(pc.equal(t.column("step"), int(step)))
-            return t if cols is None else t.select(cols)
-        if not groups:
-            return pf.schema_arrow.empty_table() if cols is None else pf.schema_arrow.empty_table().select(cols)
-        single = all(md.row_group(i).column(md.schema.names.index("step")).statistics.min ==
-                     md.row_group(i).column(md.schema.names.index("step")).statistics.max for i in groups)
-        if single:                           # row groups of this step alone
-            return pf.read_row_groups(groups, columns=cols)
-        need = None if cols is None else list(dict.fromkeys(["step", *cols]))
-        t = pf.read_row_groups(groups, columns=need)
-        t = t.filter(pc.equal(t.column("step"), int(step)))     # a row group of several small steps
+        t = t.filter(pc.equal(t.column("step"), step))
         return t if cols is None else t.select(cols)
+    lo, hi = index
+    groups = np.flatnonzero((lo <= step) & (step <= hi)).tolist()
+    if not groups:
+        schema = md.schema.to_arrow_schema()
+        return schema.empty_table() if cols is None else schema.empty_table().select(cols)
+    shared = {i for i in groups if lo[i] != hi[i]}
+    if not shared:                           # row groups of this step alone
+        with store.open_input(part.name) as f:
+            return pq.ParquetFile(f, metadata=md).read_row_groups(groups, columns=cols)
+    # a row group of several small steps: decoded once for all of them (_shared_group), this step's rows taken
+    key = (_file_key(store, part), None if cols is None else tuple(cols))
+    pieces = {i: _take_piece((key, i), step) for i in shared}
+    pf = None
+    try:
+        out = []
+        for i in groups:
+            if pieces.get(i) is not None:
+                out.append(pieces[i])
+                continue
+            if pf is None:
+                f = store.open_input(part.name)
+                pf = pq.ParquetFile(f, metadata=md)
+            if i in shared:
+                out.append(_shared_group(pf, (key, i), i, cols, step))
+            else:
+                out.append(pf.read_row_groups([i], columns=cols))
+    finally:
+        if pf is not None:
+            f.close()
+    return out[0] if len(out) == 1 else pa.concat_tables(out)
+
+
+#: Decoded rows of the row groups that several steps share (a rank's small steps, gathered by the writer into one row
+#: group of up to :data:`ROW_GROUP_BYTES`), split by step and kept until each step's rows are read once: a reader of
+#: the steps one by one decodes such a row group once, not once per step it holds (a 32-rank run of 36k-token
+#: rank-steps: a 17-step row group decoded 17 times, 9x the decode of a 1-rank run of the same tokens; issue 40,
+#: benchmarks/bench_ranks.py).  At most this many bytes are kept (the oldest row group's leftovers dropped first: they
+#: are decoded again if asked for); :func:`forget_shared_groups` drops them all.
+SHARED_GROUP_BYTES = 1 << 30
+_SHARED: "OrderedDict" = OrderedDict()       # ((file, columns), row group) -> {step: table}
+_SHARED_LOCK = threading.Lock()
+_shared_bytes = 0
+
+
+def _file_key(store: Store, part: Part) -> tuple:
+    """What names the bytes of ``part``: a file rewritten (another size or modification time) is another key."""
+    return (getattr(store, "identity", store.location), part.name, part.size, part.mtime_ns)
+
+
+_INDEXES: "OrderedDict" = OrderedDict()
+
+
+def _step_index(store: Store, part: Part, md: pq.FileMetaData) -> Optional[tuple]:
+    """``(min, max)`` step of each row group of ``part`` (int64 arrays; an empty row group holds none: min > max),
+    from its footer's statistics, kept per file (:data:`FOOTER_CACHE` of them); None when a non-empty row group
+    has no ``step`` statistics."""
+    key = _file_key(store, part)
+    with _FOOTERS_LOCK:
+        if key in _INDEXES:
+            _INDEXES.move_to_end(key)
+            return _INDEXES[key]
+    names = md.schema.names
+    out: Optional[tuple] = None
+    if "step" in names:
+        col = names.index("step")
+        lo = np.ones(md.num_row_groups, np.int64)
+        hi = np.zeros(md.num_row_groups, np.int64)
+        for i in range(md.num_row_groups):
+            rg = md.row_group(i)
+            if rg.num_rows == 0:
+                continue
+            c = rg.column(col)
+            if not c.is_stats_set or not c.statistics.has_min_max:
+                break
+            lo[i], hi[i] = c.statistics.min, c.statistics.max
+        else:
+            out = (lo, hi)
+    with _FOOTERS_LOCK:
+        _INDEXES[key] = out
+        while len(_INDEXES) > FOOTER_CACHE:
+            _INDEXES.popitem(last=False)
+    return out
+
+
+def _take_piece(key: tuple, step: int) -> Optional[pa.Table]:
+    """``step``'s rows of the shared row group ``key`` if kept (removed: each step's rows are handed out once)."""
+    global _shared_bytes
+    with _SHARED_LOCK:
+        pieces = _SHARED.get(key)
+        if pieces is None or step not in pieces:
+            return None
+        t, nbytes = pieces.pop(step)
+        _shared_bytes -= nbytes
+        if not pieces:
+            del _SHARED[key]
+        return t
+
+
+def _shared_group(pf: pq.ParquetFile, key: tuple, group: int, cols, step: int) -> pa.Table:
+    """``step``'s rows of the row group ``group`` that several steps share: the group is decoded whole (its ``step``
+    column too), split by step in file order, and the other steps' rows kept for their readers (:data:`_SHARED`)."""
+    global _shared_bytes
+    t = pf.read_row_groups([group], columns=None if cols is None else list(dict.fromkeys(["step", *cols])))
+    steps = t.column("step").to_numpy()
+    if cols is not None:
+        t = t.select(cols)
+    pieces: dict = {}
+    if steps.size and np.all(steps[1:] >= steps[:-1]):         # as written: each step's rows one run, in order
+        cut = np.flatnonzero(steps[1:] != steps[:-1]) + 1
+        for a, b in zip(np.concatenate([[0], cut]), np.concatenate([cut, [steps.size]])):
+            pieces[int(steps[a])] = t.slice(int(a), int(b - a))
+    else:
+        for s in np.unique(steps):
+            pieces[int(s)] = t.filter(pa.array(steps == s))
+    mine = pieces.pop(step, None)
+    if mine is None:
+        mine = t.slice(0, 0)
+    if pieces:
+        # each piece's bytes: its share of the group's (a slice's own nbytes costs more than the slicing)
+        per_row = t.nbytes / max(t.num_rows, 1)
+        kept = {s: (x, int(x.num_rows * per_row)) for s, x in pieces.items()}
+        with _SHARED_LOCK:
+            old = _SHARED.pop(key, None)
+            if old is not None:
+                _shared_bytes -= sum(n for _, n in old.values())
+            _SHARED[key] = kept
+            _shared_bytes += sum(n for _, n in kept.values())
+            while _shared_bytes > SHARED_GROUP_BYTES and len(_SHARED) > 1:
+                _, dropped = _SHARED.popitem(last=False)
+                _shared_bytes -= sum(n for _, n in dropped.values())
+    return mine
+
+
+def forget_shared_groups() -> None:
+    """Drop the kept rows of shared row groups (:data:`SHARED_GROUP_BYTES`): a reader done with its steps."""
+    global _shared_bytes
+    with _SHARED_LOCK:
+        _SHARED.clear()
+        _shared_bytes = 0
 
 
 # ------------------------------------------------------------------------------------------------ writing
