@@ -1,6 +1,6 @@
 """SkyRL hook: the TRIAGE loss (and the monitor) as a policy loss of SkyRL's ``PolicyLossRegistry``.
 
-Checked against skyrl 0.3.0 (PyPI), ``skyrl/backends/skyrl_train``:
+Checked against skyrl 0.3.0 and 0.4.0 (PyPI; the oldest and the newest release), ``skyrl/backends/skyrl_train``:
 
 * **Call site** (``workers/worker.py`` ``PolicyWorkerBase._forward_backward_micro``, and the Megatron
   wrapper's ``loss_func``): ``policy_loss, loss_metrics = fn(action_log_probs, old_action_log_probs,
@@ -67,8 +67,8 @@ from ._common import leading_positions
 from ._options import check_alerts, check_framework_keys, check_loggers, check_normalization, dp_framework_metrics
 from ._runtime import HookSettings, LossHook, in_ray_worker
 
-#: SkyRL 0.3.0's loss reductions (``train/utils/utils.py`` ``validate_cfg``); all are advantage pre-scalings
-#: followed by the masked sum this hook computes.
+#: SkyRL's loss reductions (``train/utils/utils.py`` ``validate_cfg``; the same in 0.3.0 and 0.4.0); all are
+#: advantage pre-scalings followed by the masked sum this hook computes.
 SKYRL_LOSS_REDUCTIONS = ("token_mean", "token_mean_legacy", "sequence_mean", "seq_mean_token_sum_norm",
                          "prompt_mean")
 #: SkyRL's PPO policy losses this hook reproduces (``ppo_utils.ppo_policy_loss``): plain clip, or dual clip
@@ -271,7 +271,7 @@ def check_algorithm_config(config, settings: HookSettings, base: str) -> None:
     red = getattr(config, "loss_reduction", None)
     if red not in SKYRL_LOSS_REDUCTIONS:
         raise ValueError(f"SkyRL trainer.algorithm.loss_reduction={red!r} is not supported by the TRIAGE loss: "
-                         f"it supports {SKYRL_LOSS_REDUCTIONS} (skyrl 0.3.0)")
+                         f"it supports {SKYRL_LOSS_REDUCTIONS} (skyrl 0.3.0-0.4.0)")
     opc = getattr(config, "off_policy_correction", None)
     if (settings.triage is not None and settings.triage.tis and opc is not None
             and getattr(opc, "tis_ratio_type", None) is not None):
