@@ -30,11 +30,11 @@ def _batch(step, B=3, T=16):
 
 def test_a_token_files_size_for_the_queue_bound_is_the_bytes_of_its_columns(tmp_path):
     """The token file of a step is queued before its columns exist (they are built on the writer thread), with a
-    size for the queue bound worked out from the token count: per token the one-byte indices of the three
-    constant columns (step, rank, attempt: 3 bytes), the int32 sample index shared by sample_id and group_id (4
+    size for the queue bound worked out from the token count: per token the one-byte index shared by the three
+    constant columns (step, rank, attempt: 1 byte), the int32 sample index shared by sample_id and group_id (4
     bytes) and four 4-byte columns (position int32, three float32 log-prob and advantage columns: 16 bytes), plus
-    4 bytes per float32 token extra.  By hand: 3 x 16 = 48 tokens with one extra give 48 x 27 = 1296 bytes;
-    independently, the columns built are that many bytes (the shared index counted once), the three one-value
+    4 bytes per float32 token extra.  By hand: 3 x 16 = 48 tokens with one extra give 48 x 25 = 1200 bytes;
+    independently, the columns built are that many bytes (each shared index counted once), the three one-value
     dictionaries (8 bytes each) and the two per-sample id dictionaries (3 samples x 8 bytes each)."""
     queued = {}
     with MismatchMonitor(tmp_path / "run", MonitorConfig(window=2)) as mon:
@@ -47,9 +47,9 @@ def test_a_token_files_size_for_the_queue_bound_is_the_bytes_of_its_columns(tmp_
         mon.sink.submit = spy
         mon.log_step(0, _batch(0), token_extras={"entropy": torch.zeros(3, 16)})
     tokens = queued["tokens"]
-    assert isinstance(tokens, DeferredColumns) and (tokens.nbytes, tokens.nrows) == (1296, 48)
+    assert isinstance(tokens, DeferredColumns) and (tokens.nbytes, tokens.nrows) == (1200, 48)
     built = tokens.build()
-    assert built.get_total_buffer_size() == 1296 + 3 * 8 + 2 * 3 * 8 and built.num_rows == 48
+    assert built.get_total_buffer_size() == 1200 + 3 * 8 + 2 * 3 * 8 and built.num_rows == 48
 
 
 # ------------------------------------------------------------------------------------------ the writer thread

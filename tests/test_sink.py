@@ -326,3 +326,26 @@ def test_a_pending_file_sealed_after_the_reader_listed_it_is_read_from_its_block
     assert run.step_numbers() == [0, 1, 2, 3] and not any(p.sealed for p in run.index("tokens").parts)
     mon.close()                                                  # sealed: the pending files are gone
     assert len(run.tokens(2)) == 16 and len(run.steps()) == 4
+
+
+def test_a_step_of_row_group_step_bytes_or_more_is_a_row_group_of_its_own_after_the_smaller_steps_before_it(tmp_path,
+                                                                                                          monkeypatch):
+    """A step whose columns reach ROW_GROUP_STEP_BYTES is written as its own row group at once (a reader of one step
+    decodes that step alone), after the smaller steps buffered before it (their own row group, in step order);
+    smaller steps after it gather again.  The block's rows are the steps' in order, and each step reads back alone."""
+    import triage_monitor.blocks as blocks_mod
+
+    monkeypatch.setattr(blocks_mod, "ROW_GROUP_STEP_BYTES", _step(0, n=40).nbytes)   # 40 rows or more: big
+    store = open_store(tmp_path)
+    w = BlockWriter(store, "tokens", 0, 9, roll_steps=8)
+    sizes = {0: 3, 1: 3, 2: 40, 3: 50, 4: 3, 5: 3, 6: 3, 7: 45}
+    for s, n in sizes.items():
+        w.write(s, _step(s, n=n))
+    block = tmp_path / "tokens" / "steps-00000000-00000007-rank-0000-attempt-9-part-0.parquet"
+    md = pq.read_metadata(block)
+    groups = [pq.ParquetFile(block).read_row_group(i).column("step").to_pylist() for i in range(md.num_row_groups)]
+    assert [sorted(set(g)) for g in groups] == [[0, 1], [2], [3], [4, 5, 6], [7]]
+    assert pq.read_table(block).column("step").to_pylist() == [s for s, n in sizes.items() for _ in range(n)]
+    for s, n in sizes.items():
+        part = RunLayout(tmp_path).index("tokens").for_step(s)[0]
+        assert read_part(store, part, ["x"], step=s).column("x").to_pylist() == [float(i + s) for i in range(n)]

@@ -54,11 +54,13 @@ ROLL_BYTES = 1 << 30
 #: pyarrow's default dictionary encoding.
 PLAIN_COLUMNS = frozenset({"learner_logp", "sampler_logp"})
 #: The pending files' IPC options, on the writer's own thread (no pool competing with training): LZ4 frames for a
-#: step of :data:`COMPRESS_BYTES` or more (5x faster to write than the page cache takes 56 bytes a token, and
-#: smaller: 8.4 bytes a token at 4M tokens), none for a smaller one (compressing its buffers costs more than it saves).
+#: step of :data:`COMPRESS_BYTES` or more (8.4 bytes a token instead of 31; with the file's removal at sealing
+#: counted, the page cache's work on the uncompressed bytes costs more than the compression: 8.9 against 11.5 ns a
+#: token at 34k tokens, 8.9 against 18.1 at 2.6M), none for a smaller one (a steps row, a few hundred tokens:
+#: compressing its buffers costs more than it saves).
 IPC_OPTIONS = ipc.IpcWriteOptions(compression="lz4", use_threads=False)
 IPC_PLAIN = ipc.IpcWriteOptions(compression=None, use_threads=False)
-COMPRESS_BYTES = 1 << 20
+COMPRESS_BYTES = 256 << 10
 
 
 def dictionary_columns(schema: pa.Schema) -> list:
@@ -83,12 +85,15 @@ def parquet_options(schema: pa.Schema) -> dict:
             "store_schema": False}
 
 
-def constant_column(value: int, n: int) -> pa.DictionaryArray:
+def constant_column(value: int, n: int, zeros: Optional[pa.Array] = None) -> pa.DictionaryArray:
     """``n`` copies of the int64 ``value`` (a step's ``step``, ``rank``, ``attempt``) as a dictionary column: one
     byte a row in memory instead of eight (2.6M tokens: 2.6 MB instead of 21 MB a column), written to Parquet as
     the int64 column it stands for (:func:`parquet_options`), read back from a pending file as one
-    (:func:`plain`)."""
-    return pa.DictionaryArray.from_arrays(pa.array(np.zeros(int(n), np.int8)), pa.array([int(value)], pa.int64()))
+    (:func:`plain`).  ``zeros``: ``n`` int8 zeros to use as its indices (the constant columns of a step share one
+    array); built when not given."""
+    index = pa.array(np.zeros(int(n), np.int8)) if zeros is None else zeros
+    # every index is 0, the dictionary's one entry: no bounds check (a pass over the indices)
+    return pa.DictionaryArray.from_arrays(index, pa.array([int(value)], pa.int64()), safe=False)
 
 
 def plain_schema(schema: pa.Schema) -> pa.Schema:
@@ -122,8 +127,15 @@ def write_pending(store: Store, rel: str, table: pa.Table) -> None:
         OSError, pyarrow.ArrowException: it cannot be written (nothing is left behind)."""
     options = IPC_OPTIONS if table.nbytes >= COMPRESS_BYTES else IPC_PLAIN
     with store.writing(rel, ".arrow") as out:
-        with ipc.new_stream(out, table.schema, options=options) as w:
-            w.write_table(table)
+        if store.is_local:
+            # the hidden temporary file the store renames into place, written through pyarrow's own file (a Python
+            # file costs a bytes object, a copy and the GIL for every buffer: 1.5-2.6x the CPU of the write at 36k
+            # tokens, benchmarks/bench_writer_encoding.py); the store's file stays open and empty meanwhile
+            with pa.OSFile(out.name, "wb") as native, ipc.new_stream(native, table.schema, options=options) as w:
+                w.write_table(table)
+        else:
+            with ipc.new_stream(out, table.schema, options=options) as w:
+                w.write_table(table)
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -366,10 +378,15 @@ class _OpenBlock:
         self.buffered = 0
 
 
-#: Steps smaller than this (bytes of their columns) are gathered into one row group: a row group a step would cost
-#: the writer a column chunk per column per step (the steps table has ~180 columns and one row a step), and readers
-#: as many chunks.  A step of this size or more is a row group of its own (more, over 2**20 rows: pyarrow's bound).
+#: Steps smaller than :data:`ROW_GROUP_STEP_BYTES` (bytes of their columns) are gathered into one row group of at
+#: most this many bytes: a row group a step would cost the writer a column chunk per column per step (the steps table
+#: has ~180 columns and one row a step), and readers as many chunks.
 ROW_GROUP_BYTES = 16 << 20
+#: A step of this size or more (bytes of its columns as written: ~9.5k token rows) is a row group of its own (more,
+#: over 2**20 rows: pyarrow's bound), written at once: a reader of one step decodes that step alone (a rank's 36k-token
+#: steps shared a 16 MiB row group before, which a reader decoded whole for each of its steps), and the writer holds no
+#: step in memory after its pending file.
+ROW_GROUP_STEP_BYTES = 256 << 10
 
 
 class BlockWriter:
@@ -381,8 +398,9 @@ class BlockWriter:
         roll_steps, roll_bytes: when a block is sealed.
         spool: a local directory for the blocks being written when the store is not local.
 
-    Small steps are kept in memory until they fill a row group of :data:`ROW_GROUP_BYTES` or the block is sealed
-    (they are on disk already, in their pending files).  :meth:`write` raises the I/O error of a step's pending
+    A step of :data:`ROW_GROUP_STEP_BYTES` or more is written as its own row group at once; smaller steps are kept in
+    memory until they fill a row group of :data:`ROW_GROUP_BYTES` or the block is sealed (they are on disk already,
+    in their pending files).  :meth:`write` raises the I/O error of a step's pending
     file (the caller counts its rows as dropped); an error of the block's Parquet file abandons the block (its
     pending files stay, sealed by :meth:`close`) and is kept in :attr:`error`.
     """
@@ -444,12 +462,16 @@ class BlockWriter:
         b.hi = step
         b.rows += table.num_rows
         b.bytes += table.nbytes
-        if table.num_rows:
-            b.buffer.append(table)
-            b.buffered += table.nbytes
         try:
-            if b.buffered >= ROW_GROUP_BYTES:
+            if table.num_rows and table.nbytes >= ROW_GROUP_STEP_BYTES:
+                self._flush(b)                   # the smaller steps before it, in order
+                b.buffer.append(table)           # then this step alone
                 self._flush(b)
+            elif table.num_rows:
+                b.buffer.append(table)
+                b.buffered += table.nbytes
+                if b.buffered >= ROW_GROUP_BYTES:
+                    self._flush(b)
             if (step + 1) % self.roll_steps == 0 or b.bytes >= self.roll_bytes:
                 self.seal()
         except Exception as exc:  # noqa: BLE001 — the step is safe in its pending file: only the block is lost

@@ -435,17 +435,19 @@ class RunWriter:
                 # (blocks.constant_column), sample_id and group_id the token's sample index into the per-sample ids
                 # (one int32 array for both); the others as the schema's types
                 index = pa.array(si.numpy().astype(np.int32))
-                cols = {"step": constant_column(step, n), "rank": constant_column(rank, n),
-                        "sample_id": pa.DictionaryArray.from_arrays(index, pa.array(sid.numpy())),
-                        "group_id": pa.DictionaryArray.from_arrays(index, pa.array(gid.numpy())),
+                sids, gids = pa.array(sid.numpy()), pa.array(gid.numpy())
+                zeros = pa.array(np.zeros(n, np.int8))          # the constant columns' one shared index array
+                cols = {"step": constant_column(step, n, zeros), "rank": constant_column(rank, n, zeros),
+                        "sample_id": pa.DictionaryArray.from_arrays(index, sids),
+                        "group_id": pa.DictionaryArray.from_arrays(index, gids),
                         "position": pos.numpy().astype(np.int32)}
                 cols.update((k, v.numpy()) for k, v in floats.items())
-                cols["attempt"] = constant_column(attempt, n)
+                cols["attempt"] = constant_column(attempt, n, zeros)
                 cols.update((k, v.numpy()) for k, v in extras.items())
                 return pa.table(cols, schema=pa.schema([pa.field(f.name, cols[f.name].type) if f.name in
                                                         DICTIONARY_TOKEN_COLUMNS else f for f in schema]))
 
-            nbytes = n * (3 + 4 + 4 * (4 + len(extras)))
+            nbytes = n * (1 + 4 + 4 * (4 + len(extras)))      # the shared one-byte and int32 indices, 4-byte columns
             self.sink.submit("tokens", step, self.rank, DeferredColumns(token_columns, nbytes, n))
         if batch.quarantine_rows is not None:
             qd = {k: v.numpy() for k, v in batch.quarantine_rows.items()}
