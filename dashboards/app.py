@@ -212,9 +212,10 @@ with st.sidebar:
     runs_text = st.text_area("Run directories (one per line)", "\n".join(_initial_runs()), key="runs_text",
                              height=110)
 paths = list(dict.fromkeys(line.strip() for line in runs_text.splitlines() if line.strip()))
-# what a visitor may open: the runs the command line gave, and runs under its --allow-root roots (launch.check_location)
+# what a visitor may open: the runs the command line gave, and runs under its --allow-root roots (launch.check_location);
+# without --allow-root (`streamlit run app.py -- RUN`, $TRIAGE_MONITOR_RUNS) the roots are the runs given
 _GIVEN = [*_initial_runs(), *([_initial_reference()] if _initial_reference() else [])]
-_ROOTS = [a[len(ROOT_ARG):] for a in _script_args() if a.startswith(ROOT_ARG)]
+_ROOTS = [a[len(ROOT_ARG):] for a in _script_args() if a.startswith(ROOT_ARG)] or list(_GIVEN)
 _refused = {p: why for p in paths if (why := check_location(p, _ROOTS, _GIVEN))}
 for _why in _refused.values():
     st.error(_why)

@@ -287,8 +287,8 @@ def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
     assert any("step 2" in w.value for w in at.warning)              # token records missing: said, not raised
     assert len(at.get("plotly_chart")) >= 6                          # the step-level charts are there
     mon.close()
-    # switching to a bad path from the sidebar
-    at.text_area(key="runs_text").input(str(plain)).run()
+    # switching to a bad path from the sidebar (one under the run given: the page's roots are the runs given)
+    at.text_area(key="runs_text").input(str(tmp_path / "empty" / "steps")).run()
     assert not at.exception and any("not a triage-monitor run" in e.value for e in at.error)
     # a run recorded without token rows: step-level charts, messages for the token-level parts
     with MismatchMonitor(tmp_path / "steps_only", MonitorConfig(record_tokens=False, window=2)) as m2:

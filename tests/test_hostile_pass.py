@@ -54,3 +54,35 @@ def test_a_removed_token_block_is_named_as_missing_token_records(tmp_path):
     _run(steps_only, steps=4, record_tokens=False)
     code, out = _cli("alerts", steps_only)
     assert "no token records" not in out, out
+
+
+def test_the_page_started_without_allow_root_serves_only_the_runs_given(tmp_path, monkeypatch):
+    """``streamlit run app.py -- RUN`` (no ``--allow-root``) and ``$TRIAGE_MONITOR_RUNS``, the two ways the docs
+    give to start the page without the launcher: a sibling run typed in the sidebar, the same through ``..`` and a
+    symbolic link planted inside the given run pointing out of it are refused as outside the run roots (before: all
+    three opened: any run directory on the server's disk); the given run is shown."""
+    import pytest
+
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+
+    from triage_monitor.dashboards.launch import app_path
+
+    given, other = tmp_path / "given", tmp_path / "other"
+    _run(given, steps=3)
+    _run(other, steps=3)
+    (given / "link").symlink_to(other, target_is_directory=True)
+    for how in ("argv", "env"):
+        if how == "argv":
+            monkeypatch.setattr(sys, "argv", [str(app_path()), str(given)])
+            monkeypatch.delenv("TRIAGE_MONITOR_RUNS", raising=False)
+        else:
+            monkeypatch.setattr(sys, "argv", ["pytest"])
+            monkeypatch.setenv("TRIAGE_MONITOR_RUNS", str(given))
+        for typed in (other, given / ".." / "other", given / "link"):
+            at = AppTest.from_file(str(app_path()), default_timeout=180).run()
+            at.text_area(key="runs_text").input(f"{given}\n{typed}").run()
+            assert not at.exception
+            errors = [e.value for e in at.error]
+            assert len(errors) == 1 and errors[0].startswith(f"{typed}: outside the run roots"), (how, typed, errors)
+            assert at.sidebar.selectbox[0].options == ["given"]
