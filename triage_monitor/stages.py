@@ -605,35 +605,49 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
         for v in range(W1):
             hist[v * W1] = by_valid[v]
         for r in range(R):
-            n = n_of[r]
             t = tails[r]
+            if t == 0:                              # no tail token: its segments stay at 0 tails
+                continue
+            n = n_of[r]
             s0 = starts[r]
             k = starts[r + 1] - s0
-            for j in range(n - t, n):
-                x ^= x >> np.uint64(12)
-                x ^= x << np.uint64(25)
-                x ^= x >> np.uint64(27)
-                u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
-                p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
-                if taken[p]:
-                    p = j
-                taken[p] = True
-                chosen[j - (n - t)] = p
-            if regular[r]:
-                if shift >= 0:
-                    for i in range(t):
-                        p = chosen[i]
-                        taken[p] = False
-                        cnt[p >> shift] += 1
-                else:
-                    for i in range(t):
-                        p = chosen[i]
-                        taken[p] = False
-                        cnt[p // width] += 1
+            # Floyd's draw of t distinct positions among n; each position is counted into its segment as it is
+            # drawn (the same positions, so the same counts, as counting them after the draw), the flags reset after
+            if regular[r] and shift >= 0:
+                for j in range(n - t, n):
+                    x ^= x >> np.uint64(12)
+                    x ^= x << np.uint64(25)
+                    x ^= x >> np.uint64(27)
+                    u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
+                    p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
+                    if taken[p]:
+                        p = j
+                    taken[p] = True
+                    chosen[j - (n - t)] = p
+                    cnt[p >> shift] += 1
+            elif regular[r]:
+                for j in range(n - t, n):
+                    x ^= x >> np.uint64(12)
+                    x ^= x << np.uint64(25)
+                    x ^= x >> np.uint64(27)
+                    u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
+                    p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
+                    if taken[p]:
+                        p = j
+                    taken[p] = True
+                    chosen[j - (n - t)] = p
+                    cnt[p // width] += 1
             else:
-                for i in range(t):
-                    p = chosen[i]
-                    taken[p] = False
+                for j in range(n - t, n):
+                    x ^= x >> np.uint64(12)
+                    x ^= x << np.uint64(25)
+                    x ^= x >> np.uint64(27)
+                    u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
+                    p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
+                    if taken[p]:
+                        p = j
+                    taken[p] = True
+                    chosen[j - (n - t)] = p
                     lo = 0
                     hi = k - 1
                     while lo < hi:                    # first segment whose cumulative end exceeds p
@@ -643,6 +657,8 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
                         else:
                             lo = mid + 1
                     cnt[lo] += 1
+            for i in range(t):
+                taken[chosen[i]] = False
             for j in range(k):
                 c = cnt[j]
                 if c:
