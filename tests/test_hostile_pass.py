@@ -1,5 +1,5 @@
-"""The fresh hostile pass of issue 39 (its "Not done until"): each break it found, fixed, with a test on real
-processes and real files.  The commands run as processes of their own (``python -m triage_monitor``)."""
+"""A fresh hostile pass over the reliability promises (docs/reliability.md): each break it found, fixed, with a
+test on real processes and real files.  The commands run as processes of their own (``python -m triage_monitor``)."""
 
 from __future__ import annotations
 
@@ -86,3 +86,20 @@ def test_the_page_started_without_allow_root_serves_only_the_runs_given(tmp_path
             errors = [e.value for e in at.error]
             assert len(errors) == 1 and errors[0].startswith(f"{typed}: outside the run roots"), (how, typed, errors)
             assert at.sidebar.selectbox[0].options == ["given"]
+
+
+def test_docs_hooks_name_the_alert_lines_level_as_the_process_prints_it(tmp_path):
+    """A real process whose sampler fires the ERROR rule ``rho_asym_critical`` prints it at ERROR on stderr;
+    docs/hooks.md says so wherever it describes the alert line (five framework sections had said "a WARNING
+    line")."""
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+            "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2)); "
+            "[m.log_step(s, _batch(s)) for s in range(10)]; m.close()")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), str(ROOT / "tests")], cwd=ROOT, text=True,
+                       capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    assert "triage ERROR (mismatch): rho_asym_critical" in p.stderr
+    text = (ROOT / "docs" / "hooks.md").read_text()
+    assert "a WARNING line" not in text
+    assert text.count("a WARNING or ERROR line (the rule's level)") >= 5

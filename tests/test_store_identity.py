@@ -6,7 +6,6 @@ share their buckets)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
