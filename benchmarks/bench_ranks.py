@@ -1,4 +1,4 @@
-"""The post-mortem at the shape of real jobs (issue 40): the same tokens written by 1, 8, 32, 128 ranks.
+"""The post-mortem at the shape of real jobs: the same tokens written by 1, 8, 32, 128 ranks.
 
 A data-parallel job is simulated with the project's own writer (``RunWriter.record_step``, one writer a rank, all in
 this process): every step is one set of responses of 1k-8k tokens (lengths uniform), split over the ranks in

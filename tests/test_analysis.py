@@ -782,6 +782,7 @@ def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(r
     r, _ = run
     seen, real = [], engines.map_ordered
     monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)            # workers are not cut down on this small run
+    monkeypatch.setattr(analysis, "WORKER_MIN_CORES", 1)            # nor on this machine
 
     def spy(fn, items, **kw):
         seen.append({k: kw[k] for k in ("engine", "workers", "address")})
@@ -802,7 +803,8 @@ def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(r
 
 def test_workers_are_cut_to_what_the_token_records_pay_for(run, monkeypatch):
     """``planned_workers``: one worker process per WORKER_MIN_BYTES of token records to map (a block's bytes shared
-    by its steps), at least 1, at most the number asked for: the bytes of the 5 one-step files worked out here."""
+    by its steps), at least 1, at most the number asked for: the bytes of the 5 one-step files worked out here; none
+    (1: this process) with fewer than WORKER_MIN_CORES usable cores."""
     from triage_monitor.analysis import planned_workers
 
     r, _ = run
@@ -812,7 +814,10 @@ def test_workers_are_cut_to_what_the_token_records_pay_for(run, monkeypatch):
     import triage_monitor.analysis as analysis
 
     monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", total // 3)
+    monkeypatch.setattr(analysis, "usable_cores", lambda: 8)
     assert planned_workers(sources, 8) == 3 and planned_workers(sources, 2) == 2
+    monkeypatch.setattr(analysis, "usable_cores", lambda: 2)       # one process already keeps two cores busy
+    assert planned_workers(sources, 8) == 1 and planned_workers(sources, 2) == 1
 
 
 def test_the_post_mortem_commands_never_import_torch(run, tmp_path):
@@ -889,9 +894,11 @@ def test_a_row_group_shared_by_small_steps_is_decoded_once_for_all_of_them(tmp_p
         assert read_part(store, part, None, s).equals(expect(s))     # every column
     assert len(decoded) == 3
     forget_shared_groups()
-    monkeypatch.setattr(blocks, "SHARED_GROUP_BYTES", 1)              # nothing kept beyond the newest group
+    monkeypatch.setattr(blocks, "SHARED_GROUP_BYTES", 1)              # nothing kept: decoded for each step
+    decoded.clear()
     for s in range(8):
         assert read_part(store, part, ["y"], s).equals(expect(s, ["y"]))
+    assert len(decoded) == 8
     forget_shared_groups()
     # steps out of order in one row group (not this project's writer), and a file without step statistics
     for name, stats in (("steps-00000000-00000002-rank-0001-attempt-1-part-0.parquet", ["step"]),
@@ -942,5 +949,6 @@ def test_worker_processes_map_contiguous_chunks_of_steps_to_the_same_states(tmp_
     r = _many_rank_run(tmp_path / "r")
     here = recompute_states(r)
     monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)
+    monkeypatch.setattr(analysis, "WORKER_MIN_CORES", 1)
     two = recompute_states(open_run(tmp_path / "r"), workers=2)
     assert np.array_equal(two.states, here.states) and two.taus == here.taus

@@ -73,6 +73,7 @@ def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank
 
     ray = pytest.importorskip("ray")
     monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)
+    monkeypatch.setattr(analysis, "WORKER_MIN_CORES", 1)
     run = open_run(two_rank_run)
     one = recompute_states(run)
     two = recompute_states(run, workers=2)
@@ -95,6 +96,11 @@ def test_one_tau_for_the_run_and_the_state_cache(one_rank_run, capsys, monkeypat
     import triage_monitor.analysis as analysis
 
     run = open_run(one_rank_run)
+    monkeypatch.setattr(analysis, "usable_cores", lambda: 2)
+    assert cli_main(["analyze", str(one_rank_run), "--workers", "2"]) == 0       # two cores: said
+    assert "--workers 2: 1 used — with 2 core(s) this process already keeps two busy (decode and update " \
+           "overlapped); worker processes pay from 3 cores" in capsys.readouterr().err.replace("\n", " ")
+    monkeypatch.setattr(analysis, "usable_cores", lambda: 4)
     assert cli_main(["analyze", str(one_rank_run), "--workers", "2"]) == 0       # too small for workers: said
     assert "--workers 2: 1 used — a worker process pays off its start-up only with 1 GiB of token records to map " \
            "(this process maps them)" in capsys.readouterr().err.replace("\n", " ")

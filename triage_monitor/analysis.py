@@ -732,13 +732,33 @@ def recompute_states(run: Run, *, tau_tail: Optional[float] = None, calibration_
 WORKER_MIN_BYTES = 1 << 30
 
 
+#: Cores the machine must give this process for local worker processes to pay: one process already keeps two
+#: busy (the next step decoded by pyarrow on a background thread while the compiled kernel updates this one), so on
+#: two cores N workers only add their start-up (``--workers 2`` 0.64x one process on a 100M-token run of 8 ranks,
+#: benchmarks/bench_ranks.py).
+WORKER_MIN_CORES = 3
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, else the machine's count)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def planned_workers(sources: Sequence, workers: int) -> int:
     """How many local worker processes the map over ``sources`` (:class:`StepSource` s) uses when ``workers`` are
     asked for: at most one per :data:`WORKER_MIN_BYTES` of their token records (a block's bytes shared by its
-    steps), at least 1 — so ``--workers N`` is never slower than one process on a run too small for it."""
+    steps), none (1: this process) with fewer than :data:`WORKER_MIN_CORES` usable cores, at least 1 — so
+    ``--workers N`` is never slower than one process on a run or a machine too small for it."""
     workers = int(workers)
     if workers <= 1:
         return max(workers, 1)
+    if usable_cores() < WORKER_MIN_CORES:
+        return 1
     nbytes = sum(p.size / (p.hi - p.lo + 1) for src in sources for p in src.parts)
     return max(1, min(workers, int(nbytes // WORKER_MIN_BYTES)))
 

@@ -253,9 +253,10 @@ def _read_part(store: Store, part: Part, columns, step) -> pa.Table:
 #: Decoded rows of the row groups that several steps share (a rank's small steps, gathered by the writer into one row
 #: group of up to :data:`ROW_GROUP_BYTES`), split by step and kept until each step's rows are read once: a reader of
 #: the steps one by one decodes such a row group once, not once per step it holds (a 32-rank run of 36k-token
-#: rank-steps: a 17-step row group decoded 17 times, 9x the decode of a 1-rank run of the same tokens; issue 40,
-#: benchmarks/bench_ranks.py).  At most this many bytes are kept (the oldest row group's leftovers dropped first: they
-#: are decoded again if asked for); :func:`forget_shared_groups` drops them all.
+#: rank-steps: a 17-step row group decoded 17 times, 9x the decode of a 1-rank run of the same tokens;
+#: benchmarks/bench_ranks.py).  At most this many bytes are kept: a row group whose leftovers do not fit is not kept
+#: (its steps are decoded from it again, each, as before; dropping older leftovers instead would make every rank's
+#: row group evict the next one's); :func:`forget_shared_groups` drops them all.
 SHARED_GROUP_BYTES = 1 << 30
 _SHARED: "OrderedDict" = OrderedDict()       # ((file, columns), row group) -> {step: table}
 _SHARED_LOCK = threading.Lock()
@@ -339,15 +340,14 @@ def _shared_group(pf: pq.ParquetFile, key: tuple, group: int, cols, step: int) -
         # each piece's bytes: its share of the group's (a slice's own nbytes costs more than the slicing)
         per_row = t.nbytes / max(t.num_rows, 1)
         kept = {s: (x, int(x.num_rows * per_row)) for s, x in pieces.items()}
+        size = sum(n for _, n in kept.values())
         with _SHARED_LOCK:
             old = _SHARED.pop(key, None)
             if old is not None:
                 _shared_bytes -= sum(n for _, n in old.values())
-            _SHARED[key] = kept
-            _shared_bytes += sum(n for _, n in kept.values())
-            while _shared_bytes > SHARED_GROUP_BYTES and len(_SHARED) > 1:
-                _, dropped = _SHARED.popitem(last=False)
-                _shared_bytes -= sum(n for _, n in dropped.values())
+            if _shared_bytes + size <= SHARED_GROUP_BYTES:
+                _SHARED[key] = kept
+                _shared_bytes += size
     return mine
 
 

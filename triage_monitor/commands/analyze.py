@@ -65,10 +65,14 @@ def run(args: argparse.Namespace) -> int:
     from .. import metrics  # noqa: F401  (imports numba now, so the throughput below times the recomputation only)
     exits.note("analyze", f"recomputing {n_steps} step(s) of {run.path} …")
     if args.engine == "local" and args.workers > 1:
-        from ..analysis import WORKER_MIN_BYTES, planned_workers
+        from ..analysis import WORKER_MIN_BYTES, WORKER_MIN_CORES, planned_workers, usable_cores
 
         used = planned_workers([run.token_source(s) for s in run.step_numbers()], args.workers)
-        if used < args.workers:
+        if used < args.workers and usable_cores() < WORKER_MIN_CORES:
+            exits.note("analyze", f"--workers {args.workers}: 1 used — with {usable_cores()} core(s) this process "
+                                  "already keeps two busy (decode and update overlapped); worker processes pay from "
+                                  f"{WORKER_MIN_CORES} cores")
+        elif used < args.workers:
             exits.note("analyze", f"--workers {args.workers}: {used} used — a worker process pays off its start-up "
                                   f"only with {WORKER_MIN_BYTES >> 30} GiB of token records to map"
                                   + (" (this process maps them)" if used == 1 else ""))
