@@ -103,3 +103,40 @@ def test_docs_hooks_name_the_alert_lines_level_as_the_process_prints_it(tmp_path
     text = (ROOT / "docs" / "hooks.md").read_text()
     assert "a WARNING line" not in text
     assert text.count("a WARNING or ERROR line (the rule's level)") >= 5
+
+
+def test_a_bare_tensorboard_tracker_of_an_object_store_run_names_where_it_writes(tmp_path):
+    """A run on S3 (a local S3 server in a child process) with ``loggers=["tensorboard"]``, in a process whose
+    working directory is an empty folder: the event files go under that folder's ``runs/`` (SummaryWriter's
+    default; the store takes no event files) and one WARNING names the folder (before: nothing said so)."""
+    import pytest
+
+    pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
+    pytest.importorskip("tensorboard")
+    import boto3
+    from test_store_identity import SERVER
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        port = int(server.stdout.readline())
+        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="testing",
+                     aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="tb-run")
+        work = tmp_path / "cwd"
+        work.mkdir()
+        code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
+                "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+                "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2), loggers=['tensorboard']); "
+                "[m.log_step(s, _batch(s)) for s in range(3)]; m.close()")
+        uri = f"s3://tb-run/run?endpoint_override=127.0.0.1:{port}&scheme=http"
+        p = subprocess.run([sys.executable, "-c", code, uri, str(ROOT / "tests")], cwd=work, text=True,
+                           capture_output=True, timeout=300, env=env)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("a bare 'tensorboard' tracker writes its event files on this machine, under "
+                          f"{work}/runs/<date>_<host>") == 1, p.stderr
+    assert any(f.name.startswith("events.out.tfevents") for f in (work / "runs").rglob("*"))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Optional, Sequence
 
@@ -605,17 +606,23 @@ def _in_run_dir(loggers: Sequence, layout: RunLayout) -> list:
     """``loggers`` with a TensorBoard tracker given without ``log_dir`` (``"tensorboard"``) writing into the run
     directory's ``tensorboard/`` folder (a local run), not SummaryWriter's ``./runs/<date>_<host>`` in whatever
     working directory the reporting process has (a Ray worker's is the driver's); an object-store run keeps the
-    default (SummaryWriter writes local files)."""
+    default (SummaryWriter writes local files) and one WARNING names that folder."""
     from .trackers import TrackerSpec
 
     out = []
     for item in loggers or ():
-        if layout.is_local and (item == "tensorboard" or (isinstance(item, TrackerSpec) and item.kind == "tensorboard"
-                                                          and "log_dir" not in item.options and "writer" not in item.options)
-                                or (isinstance(item, dict) and item.get("kind") == "tensorboard"
-                                    and "log_dir" not in item and "writer" not in item)):
-            spec = TrackerSpec.parse(item)
-            item = TrackerSpec(spec.kind, spec.keys, {**spec.options, "log_dir": str(layout.root / "tensorboard")})
+        if (item == "tensorboard" or (isinstance(item, TrackerSpec) and item.kind == "tensorboard"
+                                      and "log_dir" not in item.options and "writer" not in item.options)
+                or (isinstance(item, dict) and item.get("kind") == "tensorboard"
+                    and "log_dir" not in item and "writer" not in item)):
+            if layout.is_local:
+                spec = TrackerSpec.parse(item)
+                item = TrackerSpec(spec.kind, spec.keys, {**spec.options, "log_dir": str(layout.root / "tensorboard")})
+            else:
+                log.warning("triage-monitor: the run %s is on an object store, so a bare 'tensorboard' tracker writes "
+                            "its event files on this machine, under %s/<date>_<host> (SummaryWriter's default, in "
+                            "this process's working directory); give {'kind': 'tensorboard', 'log_dir': DIR} to "
+                            "choose the folder", layout.display, os.path.abspath("runs"))
         out.append(item)
     return out
 
