@@ -140,3 +140,20 @@ def test_a_bare_tensorboard_tracker_of_an_object_store_run_names_where_it_writes
     assert p.stderr.count("a bare 'tensorboard' tracker writes its event files on this machine, under "
                           f"{work}/runs/<date>_<host>") == 1, p.stderr
     assert any(f.name.startswith("events.out.tfevents") for f in (work / "runs").rglob("*"))
+
+
+def test_analyze_of_a_run_it_may_not_write_still_prints_the_check_and_the_verdict(tmp_path):
+    """``analyze RUN`` (no ``--out``) where the run's ``analysis/`` cannot be made (a file of that name here; a
+    read-only mount or another user's run in the trial): one line says the table could not be saved and how to save
+    it elsewhere, then the comparison and the verdict are printed, exit 0 (before: exit 3 after the whole
+    recomputation, nothing printed).  With ``--out`` to such a place it stays exit 3."""
+    d = tmp_path / "run"
+    _run(d, steps=8)
+    (d / "analysis").write_text("not a folder")
+    code, out = _cli("analyze", d)
+    assert code == 0, out
+    assert f"the table could not be saved to {d / 'analysis' / 'metrics.csv'}" in out
+    assert "give --out FILE to save the table elsewhere" in out
+    assert "the records are complete" in out and "verdict:" in out and "Traceback" not in out
+    code, out = _cli("analyze", d, "--out", d / "analysis" / "m.csv")
+    assert code == 3 and "cannot save the table" in out

@@ -104,8 +104,13 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     f.write(df.to_csv(index=False).encode())
     except OSError as exc:
-        raise exits.CommandError(f"cannot save the table to {out}: {exc.strerror or exc}", exits.OUTPUT_ERROR) \
-            from None
+        if args.out:
+            raise exits.CommandError(f"cannot save the table to {out}: {exc.strerror or exc}", exits.OUTPUT_ERROR) \
+                from None
+        # the default place, inside the run (a read-only mount, another user's run): the analysis goes on
+        exits.note("analyze", f"the table could not be saved to {out} ({exc.strerror or exc}); the comparison and "
+                              "the verdict follow; give --out FILE to save the table elsewhere")
+        out = "not saved (see above)"
 
     shown = df if args.rows == 0 else df.tail(args.rows)
     table = Table(title=f"{run.path}  ({len(df)} steps, {n_tokens:,} tokens)")
