@@ -157,3 +157,25 @@ def test_analyze_of_a_run_it_may_not_write_still_prints_the_check_and_the_verdic
     assert "the records are complete" in out and "verdict:" in out and "Traceback" not in out
     code, out = _cli("analyze", d, "--out", d / "analysis" / "m.csv")
     assert code == 3 and "cannot save the table" in out
+
+
+def test_a_run_being_written_is_not_said_to_lack_the_steps_rows_past_its_last_one(tmp_path):
+    """Readers of a live job list the steps table before the token table (or leave later steps out of their
+    snapshot): token records past the last steps row read were named as "N step(s) have token records but no steps
+    row" (45 steps named by ``analyze`` while a job wrote).  Here the last steps block (steps 8-11) is removed: with
+    run.json ``running`` only the status line is printed; once ``finished`` the four steps are named."""
+    import json
+
+    d = tmp_path / "run"
+    _run(d, steps=12)
+    (block,) = [f for f in (d / "steps").iterdir() if f.name.startswith("steps-00000008-00000011-")]
+    block.unlink()
+    man = json.loads((d / "run.json").read_text())
+    man["status"] = "running"
+    (d / "run.json").write_text(json.dumps(man))
+    code, out = _cli("alerts", d)
+    assert code == 1 and "run.json says the run is 'running'" in out and "no steps row" not in out, out
+    man["status"] = "finished"
+    (d / "run.json").write_text(json.dumps(man))
+    code, out = _cli("alerts", d)
+    assert code == 1 and "4 step(s) have token records but no steps row: 8, 9, 10, 11" in out, out
