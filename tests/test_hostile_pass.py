@@ -179,3 +179,22 @@ def test_a_run_being_written_is_not_said_to_lack_the_steps_rows_past_its_last_on
     (d / "run.json").write_text(json.dumps(man))
     code, out = _cli("alerts", d)
     assert code == 1 and "4 step(s) have token records but no steps row: 8, 9, 10, 11" in out, out
+
+
+def test_a_step_logged_after_a_later_one_is_warned_once(tmp_path):
+    """Steps 0, 1, 2, 5, 3, 4, 2 logged by a real process (a counter reset, an evaluation step logged with the
+    training monitor): one WARNING at the first step that goes back, naming both steps and what readers will show
+    (before: nothing said, and ``analyze`` later blamed 25 window metrics without a reason); the steps table holds
+    each step once."""
+    from triage_monitor.analysis import open_run
+
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+            "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2)); "
+            "[m.log_step(s, _batch(s)) for s in (0, 1, 2, 5, 3, 4, 2)]; m.close()")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), str(ROOT / "tests")], cwd=ROOT, text=True,
+                       capture_output=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("logged after step") == 1
+    assert "step 3 logged after step 5 by this process: steps should increase" in p.stderr
+    assert open_run(tmp_path / "run").steps()["step"].tolist() == [0, 1, 2, 3, 4, 5]

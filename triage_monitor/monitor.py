@@ -320,6 +320,12 @@ class MismatchMonitor:
             self._warn_once("repeat", "triage-monitor: step %d logged twice in a row by this process: the later call "
                             "replaces the earlier one's records and window entry (log once per optimizer step, "
                             "with its micro-batches merged)", step)
+        elif self._last_step is not None and step < self._last_step:
+            self._warn_once("backwards", "triage-monitor: step %d logged after step %d by this process: steps should "
+                            "increase. The live trailing windows pool steps in the order they are logged, readers "
+                            "(analyze, report) in step order, so their window values of the steps after this one "
+                            "will differ from the live ones; a step logged again replaces its earlier records", step,
+                            self._last_step)
         if self.sink.closed:
             self._warn_once("closed", "triage-monitor: log_step(step=%d) after close(): metrics are returned but "
                             "nothing is recorded any more (rows counted in writer_dropped_rows)", step)
