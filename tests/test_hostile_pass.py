@@ -198,3 +198,30 @@ def test_a_step_logged_after_a_later_one_is_warned_once(tmp_path):
     assert p.stderr.count("logged after step") == 1
     assert "step 3 logged after step 5 by this process: steps should increase" in p.stderr
     assert open_run(tmp_path / "run").steps()["step"].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_run_directory_removed_under_a_live_monitor_is_not_called_finished(tmp_path):
+    """``rm -rf`` of the run directory after step 4 of a real writer process, 20 more steps: training goes on and
+    close() ends at once (the writer makes the directory again for the later records); one ERROR line says the
+    directory was removed and the earlier records are gone, run.json says ``failed`` and ``analyze`` names it
+    (before: run.json ``finished``, ``analyze`` blamed 33 metrics without a reason)."""
+    import json
+    import shutil
+
+    d = tmp_path / "run"
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+            "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2, roll_steps=4)); "
+            "[m.log_step(s, _batch(s)) for s in range(5)]; assert m.flush(timeout=120); print('go', flush=True); "
+            "sys.stdin.readline(); [m.log_step(s, _batch(s)) for s in range(5, 25)]; print(m.close(timeout=60))")
+    p = subprocess.Popen([sys.executable, "-c", code, str(d), str(ROOT / "tests")], cwd=ROOT, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.stdout.readline().strip() == "go"
+    shutil.rmtree(d)
+    out, err = p.communicate("\n", timeout=300)
+    assert p.returncode == 0, err
+    assert err.count(f"the run directory {d} was removed or replaced while this monitor wrote it") == 1
+    assert json.loads((d / "run.json").read_text())["status"] == "failed"
+    code, text = _cli("analyze", d)
+    assert code == 1 and "run.json says the run is 'failed'" in text and "the records are complete" not in text

@@ -228,6 +228,8 @@ class MismatchMonitor:
         self.writer = RunWriter(layout.store, self.attempt, self.rank, self.world_size, self.config.to_dict(),
                                 dict(manifest or {}), {"tool_version": __version__, "torch": torch.__version__},
                                 self.config.max_queue_bytes, self.config.backpressure, resume=resume, force=force)
+        #: the local run directory's (device, inode) when built: close() tells a directory removed meanwhile
+        self._root_id = _dir_id(self.writer.store)
         if self.reports and self.rank != 0:
             log.warning("triage-monitor: this process reports for its process group (its rank 0) but writes the run's "
                         "files as rank %d; run.json is written by the process of rank 0 and readers default to rank "
@@ -540,6 +542,12 @@ class MismatchMonitor:
             if isinstance(obj, Closable):
                 self._guard(obj, "close")
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
+        if drained and status == "finished" and self._root_id is not None and _dir_id(self.writer.store) != self._root_id:
+            # the directory was removed (or replaced) under the job: the writer made a new one for the later records
+            log.error("triage-monitor: the run directory %s was removed or replaced while this monitor wrote it: the "
+                      "records written before that are gone, the directory holds only the later ones; run.json says "
+                      "'failed'", self.writer.store.display())
+            status = "failed"
         result: bool = self.writer.close(status, self.steps_logged, left) and drained
         self._close_result = result
         return result
@@ -606,6 +614,17 @@ def _shared_attempt_id(group=None) -> int:
     t = torch.tensor([new_attempt_id()], dtype=torch.int64, device=_collective_device(group))
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(t.item())
+
+
+def _dir_id(store) -> Optional[tuple]:
+    """``(st_dev, st_ino)`` of a local store's root, None on an object store or when it cannot be read."""
+    if not store.is_local:
+        return None
+    try:
+        st = os.stat(store.root)
+    except OSError:
+        return ("gone",)
+    return st.st_dev, st.st_ino
 
 
 def _in_run_dir(loggers: Sequence, layout: RunLayout) -> list:
