@@ -225,3 +225,32 @@ def test_a_run_directory_removed_under_a_live_monitor_is_not_called_finished(tmp
     assert json.loads((d / "run.json").read_text())["status"] == "failed"
     code, text = _cli("analyze", d)
     assert code == 1 and "run.json says the run is 'failed'" in text and "the records are complete" not in text
+
+
+def test_close_returns_false_when_rows_were_dropped_or_run_json_was_not_written(tmp_path):
+    """A real writer process whose ``tokens/`` becomes a file and whose run.json becomes a directory after step 2
+    (a bucket deleted under the job in the trial: every later write fails): training goes on, the rows are counted
+    dropped, and ``close()`` returns False, as its docstring promises (before: True with 972 rows dropped and
+    run.json not written)."""
+    import shutil
+
+    d = tmp_path / "run"
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+            "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2, roll_steps=2)); "
+            "[m.log_step(s, _batch(s)) for s in range(3)]; assert m.flush(timeout=120); print('go', flush=True); "
+            "sys.stdin.readline(); [m.log_step(s, _batch(s)) for s in range(3, 6)]; ok = m.close(timeout=60); "
+            "print(ok, m.sink.dropped_rows)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(d), str(ROOT / "tests")], cwd=ROOT, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.stdout.readline().strip() == "go"
+    shutil.rmtree(d / "tokens")
+    (d / "tokens").write_text("in the way")
+    (d / "run.json").unlink()
+    (d / "run.json").mkdir()
+    out, err = p.communicate("\n", timeout=300)
+    assert p.returncode == 0, err
+    ok, dropped = out.split()
+    assert ok == "False" and int(dropped) > 0, (out, err)
+    assert "record row(s) of this run were not written" in err and "could not write" in err

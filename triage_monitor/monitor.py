@@ -548,7 +548,7 @@ class MismatchMonitor:
                       "records written before that are gone, the directory holds only the later ones; run.json says "
                       "'failed'", self.writer.store.display())
             status = "failed"
-        result: bool = self.writer.close(status, self.steps_logged, left) and drained
+        result: bool = self.writer.close(status, self.steps_logged, left) and drained and not self.sink.dropped_rows
         self._close_result = result
         return result
 

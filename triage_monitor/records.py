@@ -370,15 +370,18 @@ class RunWriter:
         if any(a["attempt"] != self.attempt for a in self.manifest.attempts if a.get("attempt") is not None):
             self.sink.submit_recover(self.rank)   # a killed earlier attempt's open blocks: sealed before our steps
 
-    def save_manifest(self) -> None:
-        """Write run.json (rank 0 only); an OSError is reported once and monitoring continues."""
+    def save_manifest(self) -> bool:
+        """Write run.json (rank 0 only); an OSError is reported once and monitoring continues.  Returns False when
+        it could not be written."""
         if self.rank != 0:
-            return
+            return True
         try:
             self.manifest.write(self.layout)
         except OSError as exc:
             self._warn_once("manifest", "triage-monitor could not write %s (%s); monitoring continues",
                             self.store.display(MANIFEST), exc)
+            return False
+        return True
 
     def save_calibration(self, tau_tail: float, step: int) -> None:
         """Record the frozen τ_tail (nats) and the step it froze at, so a resumed job keeps it.  run.json is
@@ -522,6 +525,7 @@ class RunWriter:
         if not drained:
             self.manifest.writer.update(close_timed_out=True, unwritten_at_close=self.sink.abandoned_rows)
         lock, self._lock = self._lock, None
+        saved = [True]
 
         def finish():
             try:
@@ -530,7 +534,7 @@ class RunWriter:
                     self._warn_once("superseded", "triage-monitor: %s is not rewritten at close: %s",
                                     self.store.display(MANIFEST), newer)
                 else:
-                    self.save_manifest()
+                    saved[0] = self.save_manifest()
                 release_writer_lock(lock)
             except Exception as exc:  # noqa: BLE001 — e.g. the S3 client finalized at exit under a hung request
                 self._warn_once("close", "triage-monitor: closing %s failed (%s: %s)", self.run_dir,
@@ -542,7 +546,7 @@ class RunWriter:
             log.error("triage-monitor: %s could not be written within close()'s bound (a frozen or slow store?): "
                       "it still says the run is running; the run's records end where the writer stopped",
                       self.store.display(MANIFEST))
-        return drained and done
+        return drained and done and saved[0]
 
     def _newer_writer(self, lock) -> str:
         """Why run.json is no longer this writer's to rewrite ("" when it is): another writer took the rank over
