@@ -338,6 +338,17 @@ def _fill_up(monkeypatch, store, kind, room):
         return _Stream(f, room) if "x" in mode or "w" in mode else f
     monkeypatch.setattr(storage, "open", full_open, raising=False)
 
+    # the local pending files are written through pyarrow's own file (blocks.write_pending): that one fills up too
+    import pyarrow as pa
+
+    real_osfile = pa.OSFile
+
+    def full_native(path, mode="r", *a, **kw):
+        if "w" not in mode:
+            return real_osfile(path, mode, *a, **kw)
+        return pa.PythonFile(_Stream(open(path, "wb"), room), mode="w")
+    monkeypatch.setattr(pa, "OSFile", full_native)
+
 
 def _fail_rename(monkeypatch, store, kind):
     if kind == "s3":
