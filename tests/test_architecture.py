@@ -95,3 +95,17 @@ def test_errors_storage_and_layout_import_only_the_standard_library_and_pyarrow(
             elif isinstance(node, ast.Import):
                 for a in node.names:
                     assert a.name in stdlib or (name == "storage" and a.name.startswith("pyarrow")), (name, a.name)
+
+
+def test_every_package_of_the_source_tree_ships_in_the_wheel():
+    """Each folder of the package with an ``__init__.py`` is named in pyproject's ``packages`` (setuptools ships
+    only the listed ones: an editable install hides a missing one, a wheel drops it — ``triage_monitor.commands``
+    was missing, so an installed wheel had no command)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "triage_monitor").rglob("__init__.py")
+             if "__pycache__" not in p.parts}
+    found |= {"triage_monitor.hooks", "triage_monitor.dashboards"}        # mapped in by package-dir
+    assert found - listed == set(), f"packages missing from pyproject's [tool.setuptools] packages: {found - listed}"
