@@ -254,3 +254,22 @@ def test_close_returns_false_when_rows_were_dropped_or_run_json_was_not_written(
     ok, dropped = out.split()
     assert ok == "False" and int(dropped) > 0, (out, err)
     assert "record row(s) of this run were not written" in err and "could not write" in err
+
+
+def test_a_token_block_damaged_where_it_still_decodes_fails_analyze_and_report(tmp_path):
+    """64 bytes flipped in the middle of a token block after a cached ``analyze`` (uncompressed pages: the file
+    still decodes, into other log-probs): ``analyze`` and ``report`` both recompute (the cache key holds size and
+    mtime), find metrics that differ from the live values beyond what a resume explains, and exit 1 (before:
+    ``report`` exited 0 on it)."""
+    d = tmp_path / "run"
+    _run(d, steps=8)
+    assert _cli("analyze", d)[0] == 0
+    block = sorted((d / "tokens").glob("*part-0.parquet"))[0]
+    data = bytearray(block.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    block.write_bytes(bytes(data))
+    code, out = _cli("analyze", d)
+    assert code == 1 and "differ from the live values" in out and "the records are complete" not in out, out
+    code, out = _cli("report", d, "-o", tmp_path / "r.html", "--draws", "9")
+    assert code == 1 and "differ from the live values beyond what a resume explains" in out, out

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING, List, NamedTuple, Optional
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 #: Columns `analyze` prints (all columns are saved).
@@ -200,38 +204,64 @@ def _compare_with_live(console, run, df, live) -> int:
     return max(code, exits.FINDING)
 
 
-def _compare_values(console, run, df, live) -> int:
-    """The recomputed table ``df`` against the live steps; returns the exit code."""
-    from .. import exits
-    from ..analysis import compare_live, differing_steps, provisional_skips, record_gaps, resume_explanations
+class LiveComparison(NamedTuple):
+    """The recomputed table against the live steps (:func:`compare_with_live_values`)."""
+
+    table: "pd.DataFrame"            #: one row a metric: metric, equal, provisional, …
+    differing: "pd.DataFrame"        #: the rows of ``table`` whose metric differs somewhere
+    reasons: List[str]               #: what the run's attempts explain (one line each)
+    unexplained: List[str]           #: metrics that differ beyond what a resume or a provisional τ_tail explains
+
+
+def compare_with_live_values(run, df, live) -> Optional[LiveComparison]:
+    """The recomputation check of ``analyze`` and ``report``: the recomputed table ``df`` (:func:`~triage_monitor.
+    analysis.recompute`) against the live ``steps`` table ``live``; None when there is nothing live to compare.
+    A metric that differs and is not explained by the run's resumes or its provisional τ_tail steps is in
+    ``unexplained``: the token records no longer hold what the live monitor saw (a damaged or replaced block)."""
+    from ..analysis import compare_live, differing_steps, provisional_skips, resume_explanations
 
     if live is None or live.empty:
-        return exits.OK
+        return None
     cmp = compare_live(run, df, live=live)
+    bad = cmp[~cmp["equal"]]
+    if bad.empty:
+        return LiveComparison(cmp, bad, [], [])
+    explained, reasons = resume_explanations(run, live, df)
+    skipped = provisional_skips(live, df, int(df.attrs.get("window") or run.config.window))
+    unexplained = [m for m in bad["metric"]
+                   if differing_steps(live, df, m) - explained.get(m, set()) - skipped.get(m, set())]
+    return LiveComparison(cmp, bad, reasons, unexplained)
+
+
+def _compare_values(console, run, df, live) -> int:
+    """The recomputed table ``df`` against the live steps, printed; returns the exit code."""
+    from .. import exits
+    from ..analysis import record_gaps
+
+    result = compare_with_live_values(run, df, live)
+    if result is None:
+        return exits.OK
+    cmp = result.table
     prov = int(cmp["provisional"].max()) if len(cmp) else 0
     if prov:
         console.print(f"{int(cmp.loc[cmp['metric'] == 'tau_tail', 'provisional'].sum())} live step(s) used a "
                       "provisional tau_tail (tau_tail_frozen = 0) while it was calibrating; the recomputation "
                       "uses the frozen value for every step, so their localisation metrics (and the windows "
                       "holding them) are not compared (--tau-mode live replays the provisional values)")
-    bad = cmp[~cmp["equal"]]
-    if bad.empty:
+    if result.differing.empty:
         whole = "" if record_gaps(run, live) else ": the records are complete"
         console.print(f"[green]recomputation check: all {len(cmp)} metrics equal the live values (recomputed "
                       f"from tokens/{whole})[/green]")
         return exits.OK
-    explained, reasons = resume_explanations(run, live, df)
-    skipped = provisional_skips(live, df, int(df.attrs.get("window") or run.config.window))
-    unexplained = [m for m in bad["metric"]
-                   if differing_steps(live, df, m) - explained.get(m, set()) - skipped.get(m, set())]
-    console.print(f"[yellow]{len(bad)} metrics differ from the live values:[/yellow]")
-    console.print(bad.to_string(index=False))
-    for line in reasons:
+    console.print(f"[yellow]{len(result.differing)} metrics differ from the live values:[/yellow]")
+    console.print(result.differing.to_string(index=False))
+    for line in result.reasons:
         console.print(line)
-    if not unexplained:
+    if not result.unexplained:
         console.print(f"[green]every difference is the expected consequence of the run's {len(run.manifest.attempts)} "
                       "attempts (above); the other metrics equal the live values[/green]")
         return exits.OK
+    unexplained = result.unexplained
     exits.note("analyze", f"{len(unexplained)} metric(s) differ from the live values beyond what a resume "
                           f"explains: {', '.join(unexplained[:8])}{' …' if len(unexplained) > 8 else ''}")
     return exits.FINDING

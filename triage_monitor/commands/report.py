@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the report.  Exit status (docs/cli.md#exit-statuses): 0 written; 2 a bad run directory, an
+    """Write the report.  Exit status (docs/cli.md#exit-statuses): 0 written; 1 written, and the records are
+    incomplete or differ from the live values (named on stderr); 2 a bad run directory, an
     empty run, a bad option or plotly missing (the line names the ``dashboard`` extra); 3 the output path cannot
     be written (one line on stderr)."""
     from ..analysis import RunDirError, open_run
@@ -79,4 +80,28 @@ def run(args: argparse.Namespace) -> int:
     gaps = [f"{r.path}: {line}" for r in runs for line in record_gaps(r)]   # said, and never exit 0 on such a run
     for line in gaps:
         print(f"triage-monitor report: incomplete records: {line}", file=sys.stderr)
-    return exits.FINDING if gaps else exits.OK
+    damaged = [f"{r.path}: {line}" for r in runs for line in _differences_from_live(r)]
+    for line in damaged:
+        print(f"triage-monitor report: records that differ from the live run: {line}", file=sys.stderr)
+    return exits.FINDING if gaps or damaged else exits.OK
+
+
+def _differences_from_live(run) -> list:
+    """``analyze``'s recomputation check on ``run`` (its per-step states, cached by the report): one line when
+    metrics recomputed from the token records differ from the live values beyond what a resume explains (a token
+    block damaged or replaced after the run, whose pages still decode), else none."""
+    from ..analysis import recompute
+    from .analyze import compare_with_live_values
+
+    live = run.steps()
+    if live is None or live.empty:
+        return []
+    df = recompute(run, cache=True)
+    live = live[live["step"] <= df["step"].max()]            # steps recorded while the report was built: not yet
+    result = compare_with_live_values(run, df, live)
+    if result is None or not result.unexplained:
+        return []
+    names = result.unexplained
+    return [f"{len(names)} metric(s) recomputed from the token records differ from the live values beyond what a "
+            f"resume explains ({', '.join(names[:4])}{' …' if len(names) > 4 else ''}): a token block no longer "
+            f"holds what the monitor saw; `triage-monitor analyze {run.path}` shows the differences"]
