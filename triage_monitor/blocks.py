@@ -254,9 +254,11 @@ def _read_part(store: Store, part: Part, columns, step) -> pa.Table:
 #: group of up to :data:`ROW_GROUP_BYTES`), split by step and kept until each step's rows are read once: a reader of
 #: the steps one by one decodes such a row group once, not once per step it holds (a 32-rank run of 36k-token
 #: rank-steps: a 17-step row group decoded 17 times, 9x the decode of a 1-rank run of the same tokens;
-#: benchmarks/bench_ranks.py).  At most this many bytes are kept: a row group whose leftovers do not fit is not kept
-#: (its steps are decoded from it again, each, as before; dropping older leftovers instead would make every rank's
-#: row group evict the next one's); :func:`forget_shared_groups` drops them all.
+#: benchmarks/bench_ranks.py).  At most this many bytes are kept: of a row group whose leftovers do not all fit, the
+#: next steps' rows that fit (the others are decoded from it again when read, and kept as room is freed; dropping
+#: older leftovers instead would make every rank's row group evict the next one's); :func:`forget_shared_groups`
+#: drops them all.  A reader of R ranks keeps up to R row groups' leftovers: ~24 bytes a token of a rank's 16 MiB
+#: row group, so ~15 MB a rank; from ~70 ranks of such steps some steps are decoded more than once.
 SHARED_GROUP_BYTES = 1 << 30
 _SHARED: "OrderedDict" = OrderedDict()       # ((file, columns), row group) -> {step: table}
 _SHARED_LOCK = threading.Lock()
@@ -339,15 +341,19 @@ def _shared_group(pf: pq.ParquetFile, key: tuple, group: int, cols, step: int) -
     if pieces:
         # each piece's bytes: its share of the group's (a slice's own nbytes costs more than the slicing)
         per_row = t.nbytes / max(t.num_rows, 1)
-        kept = {s: (x, int(x.num_rows * per_row)) for s, x in pieces.items()}
-        size = sum(n for _, n in kept.values())
         with _SHARED_LOCK:
             old = _SHARED.pop(key, None)
             if old is not None:
                 _shared_bytes -= sum(n for _, n in old.values())
-            if _shared_bytes + size <= SHARED_GROUP_BYTES:
+            kept = {}
+            for s in sorted(pieces):             # the next steps first, as many as there is room for
+                n = int(pieces[s].num_rows * per_row)
+                if _shared_bytes + n > SHARED_GROUP_BYTES:
+                    break
+                kept[s] = (pieces[s], n)
+                _shared_bytes += n
+            if kept:
                 _SHARED[key] = kept
-                _shared_bytes += size
     return mine
 
 
