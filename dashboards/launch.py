@@ -21,8 +21,18 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
 #: The page's argument naming a run root it may open (``--allow-root=<root>``, after ``--``; repeated).
 ROOT_ARG = "--allow-root="
-#: Hosts that keep the page on this machine.
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, as given to ``--host``) is only reachable from this machine:
+    ``localhost`` or an address of the loopback range (127.0.0.0/8, ::1).  ``0.0.0.0``, ``::``, ``0`` and ``''``
+    (every interface) and any other name are not."""
+    import ipaddress
+
+    if str(host).strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(str(host).strip().strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def root_of(location: str) -> str:

@@ -508,6 +508,7 @@ def test_a_run_ending_at_step_two_to_the_63_minus_1_is_named_exactly(tmp_path):
     code, out = _cli("analyze", d)
     last = next(ln for ln in out.splitlines() if ln.strip().startswith("last step:"))
     assert "at step 9223372036854775807," in last and "does not log" not in out
+    assert "9223372036854775808" not in out and "not evaluable on this run" in out, out   # no step past int64
 
 
 def test_analyze_out_and_report_o_on_a_full_disk_leave_no_file_and_no_temporary(tmp_path):
@@ -575,7 +576,8 @@ def test_the_dashboard_page_opens_only_the_given_roots_and_takes_no_endpoint_fro
 
 def test_the_dashboard_warns_when_it_binds_beyond_loopback(tmp_path, capsys):
     """``dashboard RUN --host 0.0.0.0`` prints a warning naming the host and what it exposes, before the server
-    starts (the server is stubbed: a command that exits at once); 127.0.0.1 prints none."""
+    starts (the server is stubbed: a command that exits at once); a loopback address (127.0.0.0/8, ::1, localhost)
+    prints none."""
     import argparse
 
     from triage_monitor.commands import dashboard as dashboard_cmd
@@ -586,7 +588,8 @@ def test_the_dashboard_warns_when_it_binds_beyond_loopback(tmp_path, capsys):
     orig = dashboard_cmd.build_command
     try:
         dashboard_cmd.build_command = lambda *a, **k: [sys.executable, "-c", "pass"]
-        for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
+        for host, warned in (("0.0.0.0", True), ("::", True), ("127.0.0.1", False), ("127.0.0.2", False),
+                             ("localhost", False), ("::1", False)):
             assert dashboard_cmd.run(parser.parse_args([str(tmp_path / "a"), "--host", host])) == 0
             err = capsys.readouterr().err
             assert (f"warning: bound to {host}, the page is reachable from the network" in err) is warned

@@ -461,6 +461,8 @@ class AlertEngine:
                                                                         else ""))
             else:
                 need = f"a baseline over the first {r.baseline_steps} steps"
+            if start > 2 ** 63 - 1:              # steps are int64: no step of this run can get there
+                return f"not evaluable on this run (needs {need}: past the largest step number, 2**63 - 1)"
             return f"not evaluable before step {start} (needs {need})"
         noise = self.noise_steps.get(r.name, [])
         if noise:

@@ -206,8 +206,12 @@ def health_verdict(frame, engine, reference: Optional[ReferenceBand] = None) -> 
     parts = [head, alerts]
     if waiting:
         starts = sorted({s.evaluable_from for s in waiting})
-        when = f"{starts[0]}" if len(starts) == 1 else f"{starts[0]}–{starts[-1]}"
-        parts.append(f"{len(waiting)} rule(s) not evaluable before step {when}")
+        if starts[0] > 2 ** 63 - 1:                 # steps are int64: no step of this run can get there
+            parts.append(f"{len(waiting)} rule(s) not evaluable on this run (they start past the largest step "
+                         "number, 2**63 - 1)")
+        else:
+            when = f"{starts[0]}" if len(starts) == 1 else f"{starts[0]}–{min(starts[-1], 2 ** 63 - 1)}"
+            parts.append(f"{len(waiting)} rule(s) not evaluable before step {when}")
     level = LEVELS[rank]
     return Verdict(level, f"verdict: {level} — " + "; ".join(parts), step, rho,
                    tuple((s.name, s.reason) for s in status if not s.evaluated and s.reason))

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from ..analysis import RunDirError, open_run
-from ..dashboards.launch import DEFAULT_HOST, DEFAULT_PORT, LOOPBACK, build_command, validate_runs
+from ..dashboards.launch import DEFAULT_HOST, DEFAULT_PORT, build_command, is_loopback, validate_runs
 from ..exits import INPUT_ERROR, INTERRUPTED, error
 
 
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             print(f"triage-monitor dashboard: {p}: {len(bad)} unreadable file(s), skipped and listed in the page: "
                   + ", ".join(str(f) for f, _ in bad[:3]) + (" …" if len(bad) > 3 else ""), file=sys.stderr)
-    if str(args.host) not in LOOPBACK:
+    if not is_loopback(args.host):
         print(f"triage-monitor dashboard: warning: bound to {args.host}, the page is reachable from the network "
               "without authentication: anyone who reaches it reads the runs under "
               f"{', '.join(getattr(args, 'allow_root', []) or runs)} (docs/reliability.md#security)", file=sys.stderr)
