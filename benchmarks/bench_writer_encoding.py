@@ -11,7 +11,7 @@
    every ``roll_steps`` steps (``RunWriter.record_step`` → ``ParquetSink.flush``), in ns per token.  The issue's goal:
    ≤ 200 ns a token.
 
-3. The writer ÷ the Parquet floor (issue 40, item 5: ≤ 1.5x) at 36k, 400k and 2.6M valid tokens a rank-step
+3. The writer ÷ the Parquet floor (goal ≤ 1.5x) at 36k, 400k and 2.6M valid tokens a rank-step
    (B × 4,096 padded tokens, lengths uniform in [1,024, 4,096]): the process's CPU time for a whole block of
    ``--block`` steps — ``RunWriter.record_step`` and ``flush`` each step (the columns built from the batch, each
    step's pending file, its row group, the block sealed at its last step) — against ``pyarrow.parquet.write_table``
