@@ -20,7 +20,10 @@
    token.  With ``--old CHECKOUT`` (e.g. ``git worktree add /tmp/old <commit>``) the same figure runs in processes
    of that checkout's package alternated with this one's (the tables each writes are compared: equal).
 
-    python benchmarks/bench_writer_encoding.py [--rounds 5] [--steps 6] [--figures 1,2,3] [--old /tmp/old]
+4. The writer's shared row-group size (``blocks.ROW_GROUP_BYTES``: 4 MiB against 16 MiB) at ~31k-token steps, blocks of
+   16 steps, the two alternated round by round in this process: ns a token against the floor, bytes a token.
+
+    python benchmarks/bench_writer_encoding.py [--rounds 5] [--steps 6] [--figures 1,2,3,4] [--old /tmp/old]
 """
 
 from __future__ import annotations
@@ -211,6 +214,33 @@ def writer_floor(rounds: int, block: int, old: str = "") -> None:
         print(line, flush=True)
 
 
+def row_group_sizes(rounds: int, block: int, sizes=(4, 16), responses: int = 12) -> None:
+    """Figure 4: the writer's shared row-group size (``blocks.ROW_GROUP_BYTES``, MiB) at small rank-steps (``responses``
+    responses: ~31k tokens, the many-rank shape), the sizes alternated round by round in this process, each a block
+    of ``block`` steps against the Parquet floor (:func:`floor_rounds`); medians, ns a token and bytes a token."""
+    from triage_monitor import blocks
+
+    print(f"\nthe shared row-group size (blocks.ROW_GROUP_BYTES) at small steps: blocks of {block} steps, sizes "
+          f"alternated, medians of {rounds} rounds")
+    print(f"{'MiB':>5} {'tokens':>9} | {'writer ns/tok':>13} {'floor ns/tok':>12} {'ratio':>6} | {'bytes/tok':>9}")
+    keep = blocks.ROW_GROUP_BYTES
+    res: dict = {m: [] for m in sizes}
+    try:
+        for r in range(rounds):
+            for mib in (sizes if r % 2 == 0 else tuple(reversed(sizes))):
+                blocks.ROW_GROUP_BYTES = mib << 20
+                with tempfile.TemporaryDirectory() as d:
+                    got = floor_rounds(responses, 1, block, d)
+                n = got["tokens"] * block
+                res[mib].append((got["writer"][0] / n * 1e9, got["floor"][0] / n * 1e9, got["bytes"] / n, got["tokens"]))
+    finally:
+        blocks.ROW_GROUP_BYTES = keep
+    for mib, v in res.items():
+        w, f = statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)
+        print(f"{mib:>5} {v[0][3]:>9} | {w:>13.1f} {f:>12.1f} {w / f:>6.2f} | {statistics.median(x[2] for x in v):>9.2f}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -236,6 +266,8 @@ def main() -> None:
         whole_writer(args.steps)
     if 3 in figures:
         writer_floor(args.rounds, args.block, args.old)
+    if 4 in figures:
+        row_group_sizes(args.rounds, 16)
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

@@ -257,8 +257,8 @@ def _read_part(store: Store, part: Part, columns, step) -> pa.Table:
 #: benchmarks/bench_ranks.py).  At most this many bytes are kept: of a row group whose leftovers do not all fit, the
 #: next steps' rows that fit (the others are decoded from it again when read, and kept as room is freed; dropping
 #: older leftovers instead would make every rank's row group evict the next one's); :func:`forget_shared_groups`
-#: drops them all.  A reader of R ranks keeps up to R row groups' leftovers: ~24 bytes a token of a rank's 16 MiB
-#: row group, so ~15 MB a rank; from ~70 ranks of such steps some steps are decoded more than once.
+#: drops them all.  A reader of R ranks keeps up to R row groups' leftovers: ~24 bytes a token of a rank's 4 MiB
+#: row group, so ~4-6 MB a rank; from ~200 ranks of such steps some steps are decoded more than once (not measured).
 SHARED_GROUP_BYTES = 1 << 30
 _SHARED: "OrderedDict" = OrderedDict()       # ((file, columns), row group) -> {step: table}
 _SHARED_LOCK = threading.Lock()
@@ -386,8 +386,11 @@ class _OpenBlock:
 
 #: Steps smaller than :data:`ROW_GROUP_STEP_BYTES` (bytes of their columns) are gathered into one row group of at
 #: most this many bytes: a row group a step would cost the writer a column chunk per column per step (the steps table
-#: has ~180 columns and one row a step), and readers as many chunks.
-ROW_GROUP_BYTES = 16 << 20
+#: has ~180 columns and one row a step), and readers as many chunks.  No larger than a step of its own: a reader of
+#: many ranks keeps each rank's decoded shared group until its steps are read (:data:`SHARED_GROUP_BYTES`), so the
+#: group's size times the ranks is the reader's memory (16 MiB groups: 3.0 GB peak for 1 G tokens of 64 ranks,
+#: benchmarks/bench_ranks.py --big).
+ROW_GROUP_BYTES = 4 << 20
 #: A step of this size or more (bytes of its columns as written: ~155k token rows) is a row group of its own (more,
 #: over 2**20 rows: pyarrow's bound), written at once: a reader of one step decodes that step alone, and the writer
 #: holds no step in memory after its pending file.  Smaller steps share row groups (readers decode a shared group once
