@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTSIDE = re.compile(r"(?<!TORCH_)\bSPEC\b|SPEC\.md|DESIGN\.md|task brief|\bissue \d+\b")
+OUTSIDE = re.compile(r"(?<!TORCH_)\bSPEC\b|SPEC\.md|DESIGN\.md|task brief|\b[Ii]ssue \d+\b")
 
 
 def _tracked(*patterns):
