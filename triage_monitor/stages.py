@@ -562,6 +562,22 @@ def shuffle_null_from_state(null_input: NullInput, c_tok_table, width: int, draw
                        int(draws), int(seed))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _floyd_take(x, j, taken):                                # pragma: no cover - compiled
+    """One step of Floyd's draw: the xorshift64* state ``x`` advanced, an index in [0, j] (the high word of
+    (j + 1) times 32 random bits), ``j`` itself when that index is already ``taken``; marks it taken.  Returns
+    ``(x, position)``."""
+    x ^= x >> np.uint64(12)
+    x ^= x << np.uint64(25)
+    x ^= x >> np.uint64(27)
+    u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
+    p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
+    if taken[p]:
+        p = j
+    taken[p] = True
+    return x, p
+
+
 @njit(cache=True, nogil=True)
 def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, width, top, total, draws,
                 seed):                                       # pragma: no cover - compiled
@@ -615,38 +631,17 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
             # drawn (the same positions, so the same counts, as counting them after the draw), the flags reset after
             if regular[r] and shift >= 0:
                 for j in range(n - t, n):
-                    x ^= x >> np.uint64(12)
-                    x ^= x << np.uint64(25)
-                    x ^= x >> np.uint64(27)
-                    u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
-                    p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
-                    if taken[p]:
-                        p = j
-                    taken[p] = True
+                    x, p = _floyd_take(x, j, taken)
                     chosen[j - (n - t)] = p
                     cnt[p >> shift] += 1
             elif regular[r]:
                 for j in range(n - t, n):
-                    x ^= x >> np.uint64(12)
-                    x ^= x << np.uint64(25)
-                    x ^= x >> np.uint64(27)
-                    u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
-                    p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
-                    if taken[p]:
-                        p = j
-                    taken[p] = True
+                    x, p = _floyd_take(x, j, taken)
                     chosen[j - (n - t)] = p
                     cnt[p // width] += 1
             else:
                 for j in range(n - t, n):
-                    x ^= x >> np.uint64(12)
-                    x ^= x << np.uint64(25)
-                    x ^= x >> np.uint64(27)
-                    u = (x * np.uint64(2685821657736338717)) >> np.uint64(32)
-                    p = np.int64((u * np.uint64(j + 1)) >> np.uint64(32))
-                    if taken[p]:
-                        p = j
-                    taken[p] = True
+                    x, p = _floyd_take(x, j, taken)
                     chosen[j - (n - t)] = p
                     lo = 0
                     hi = k - 1
