@@ -8,32 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
-from triage_monitor.batch import TokenBatch
-from triage_monitor.monitor import MismatchMonitor, MonitorConfig
+from test_hostile_trial import _cli, _run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _batch(step, B=4, T=24):
-    g = torch.Generator().manual_seed(step)
-    s = -torch.rand(B, T, generator=g) * 3
-    lp = (s + torch.randn(B, T, generator=g) * 0.2).clamp(max=0)
-    return TokenBatch.from_padded(lp, s, torch.randn(B, generator=g), torch.ones(B, T, dtype=torch.bool),
-                                  sample_ids=torch.arange(B) + 10 * step)
-
-
-def _cli(*args, timeout=300):
-    p = subprocess.run([sys.executable, "-m", "triage_monitor", *map(str, args)], cwd=ROOT, text=True,
-                       capture_output=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return p.returncode, p.stdout + p.stderr
-
-
-def _run(d, steps=12, **cfg):
-    with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2, roll_steps=4, **cfg)) as mon:
-        for s in range(steps):
-            mon.log_step(s, _batch(s))
+def _writer_paused_after(d, roll_steps: int, first: int, last: int, finish: str) -> subprocess.Popen:
+    """A writer process on run directory ``d``: steps 0 .. first-1 logged and flushed, then (once the test has done
+    its damage and written a line to its stdin) steps first .. last-1 and the code ``finish`` (the monitor is ``m``);
+    returned once the first steps are on disk."""
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_trial import _batch; "
+            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
+            f"m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2, roll_steps={roll_steps})); "
+            f"[m.log_step(s, _batch(s)) for s in range({first})]; assert m.flush(timeout=120); print('go', flush=True); "
+            f"sys.stdin.readline(); [m.log_step(s, _batch(s)) for s in range({first}, {last})]; {finish}")
+    p = subprocess.Popen([sys.executable, "-c", code, str(d), str(ROOT / "tests")], cwd=ROOT, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.stdout.readline().strip() == "go"
+    return p
 
 
 def test_a_removed_token_block_is_named_as_missing_token_records(tmp_path):
@@ -42,7 +35,7 @@ def test_a_removed_token_block_is_named_as_missing_token_records(tmp_path):
     exit 1 (before: ``analyze`` blamed 24 metrics without saying why and ``report`` exited 0).  A run written with
     ``record_tokens=False`` is not named."""
     d = tmp_path / "run"
-    _run(d)
+    _run(d, steps=12)
     (block,) = [f for f in (d / "tokens").iterdir() if f.name.startswith("steps-00000004-00000007-")]
     block.unlink()
     want = "4 step(s) have a steps row counting tokens but no token records (a token file removed or never written): " \
@@ -92,7 +85,7 @@ def test_docs_hooks_name_the_alert_lines_level_as_the_process_prints_it(tmp_path
     """A real process whose sampler fires the ERROR rule ``rho_asym_critical`` prints it at ERROR on stderr;
     docs/hooks.md says so wherever it describes the alert line (five framework sections had said "a WARNING
     line")."""
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_trial import _batch; "
             "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
             "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2)); "
             "[m.log_step(s, _batch(s)) for s in range(10)]; m.close()")
@@ -126,7 +119,7 @@ def test_a_bare_tensorboard_tracker_of_an_object_store_run_names_where_it_writes
                      aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket="tb-run")
         work = tmp_path / "cwd"
         work.mkdir()
-        code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
+        code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_trial import _batch; "
                 "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
                 "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2), loggers=['tensorboard']); "
                 "[m.log_step(s, _batch(s)) for s in range(3)]; m.close()")
@@ -188,7 +181,7 @@ def test_a_step_logged_after_a_later_one_is_warned_once(tmp_path):
     each step once."""
     from triage_monitor.analysis import open_run
 
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_trial import _batch; "
             "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
             "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2)); "
             "[m.log_step(s, _batch(s)) for s in (0, 1, 2, 5, 3, 4, 2)]; m.close()")
@@ -209,15 +202,7 @@ def test_a_run_directory_removed_under_a_live_monitor_is_not_called_finished(tmp
     import shutil
 
     d = tmp_path / "run"
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
-            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
-            "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2, roll_steps=4)); "
-            "[m.log_step(s, _batch(s)) for s in range(5)]; assert m.flush(timeout=120); print('go', flush=True); "
-            "sys.stdin.readline(); [m.log_step(s, _batch(s)) for s in range(5, 25)]; print(m.close(timeout=60))")
-    p = subprocess.Popen([sys.executable, "-c", code, str(d), str(ROOT / "tests")], cwd=ROOT, text=True,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert p.stdout.readline().strip() == "go"
+    p = _writer_paused_after(d, 4, 5, 25, "print(m.close(timeout=60))")
     shutil.rmtree(d)
     out, err = p.communicate("\n", timeout=300)
     assert p.returncode == 0, err
@@ -235,16 +220,7 @@ def test_close_returns_false_when_rows_were_dropped_or_run_json_was_not_written(
     import shutil
 
     d = tmp_path / "run"
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_pass import _batch; "
-            "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "
-            "m = MismatchMonitor(sys.argv[1], MonitorConfig(window=2, calibration_steps=2, roll_steps=2)); "
-            "[m.log_step(s, _batch(s)) for s in range(3)]; assert m.flush(timeout=120); print('go', flush=True); "
-            "sys.stdin.readline(); [m.log_step(s, _batch(s)) for s in range(3, 6)]; ok = m.close(timeout=60); "
-            "print(ok, m.sink.dropped_rows)")
-    p = subprocess.Popen([sys.executable, "-c", code, str(d), str(ROOT / "tests")], cwd=ROOT, text=True,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert p.stdout.readline().strip() == "go"
+    p = _writer_paused_after(d, 2, 3, 6, "ok = m.close(timeout=60); print(ok, m.sink.dropped_rows)")
     shutil.rmtree(d / "tokens")
     (d / "tokens").write_text("in the way")
     (d / "run.json").unlink()
