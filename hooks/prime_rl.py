@@ -230,7 +230,29 @@ _HOOKS: dict = {}
 _HOOKS_LOCK = threading.Lock()
 
 
-class TimingsMonitor:
+class _MonitorInterface:
+    """The interface of prime-rl's ``Monitor`` base (``monitors/base.py`` L16-57 at ``559b4477``): ``init``,
+    ``log`` (a metrics dict goes to :meth:`log_metrics`), ``log_metrics``, ``log_episodes`` and ``finalize``, each a
+    coroutine; nothing by default.  The two monitors below override what they read."""
+
+    async def init(self, **kwargs) -> None:
+        return None
+
+    async def log(self, data, step=None, kind="train", subset="effective") -> None:
+        if isinstance(data, dict):
+            await self.log_metrics(data, step)
+
+    async def log_metrics(self, metrics: dict, step=None) -> None:
+        return None
+
+    async def log_episodes(self, episodes, step=None, kind="train", subset="effective") -> None:
+        return None
+
+    async def finalize(self) -> None:
+        return None
+
+
+class TimingsMonitor(_MonitorInterface):
     """A monitor in prime-rl's fan-out (``prime_rl.monitors.MONITORS``, the list ``monitors.log`` hands every
     metrics dict to: ``src/prime_rl/monitors/__init__.py`` L38, L101-113 at ``559b4477``), with the interface of
     its ``Monitor`` base (``monitors/base.py`` L16-57: ``log(data, step, kind, subset)``, ``log_metrics``,
@@ -246,13 +268,6 @@ class TimingsMonitor:
     def __init__(self, runtime):
         self.runtime = runtime
 
-    async def init(self, **kwargs) -> None:
-        return None
-
-    async def log(self, data, step=None, kind="train", subset="effective") -> None:
-        if isinstance(data, dict):
-            await self.log_metrics(data, step)
-
     async def log_metrics(self, metrics: dict, step=None) -> None:
         try:
             timers = {k: v for k, v in metrics.items() if k in FRAMEWORK_TIMERS["prime_rl"]}
@@ -261,12 +276,6 @@ class TimingsMonitor:
                 self.runtime.add_timings(int(last["step"]), timers, "prime_rl")
         except Exception:  # noqa: BLE001 — add_timings says a bad reading itself; never raised into prime-rl
             pass
-
-    async def log_episodes(self, episodes, step=None, kind="train", subset="effective") -> None:
-        return None
-
-    async def finalize(self) -> None:
-        return None
 
 
 def attach_timings_monitor(runtime) -> Optional[TimingsMonitor]:
@@ -304,7 +313,7 @@ def orchestrator_reward(metrics) -> Optional[float]:
     return finite_or_none(found[0]) if len(found) == 1 else None
 
 
-class RewardMonitor:
+class RewardMonitor(_MonitorInterface):
     """A monitor in the orchestrator's ``prime_rl.monitors.MONITORS`` (interface of ``monitors/base.py`` L16-57) that
     records the step's reward (:func:`orchestrator_reward`) in the run's timings table with a
     :class:`~triage_monitor.timings_writer.TimingsWriter`; ``open_run(p).steps()`` fills the steps row's ``reward``.
@@ -328,13 +337,6 @@ class RewardMonitor:
         self.writer = TimingsWriter(run_dir, framework="prime_rl")
         self.first_step = int(first_step)
 
-    async def init(self, **kwargs) -> None:
-        return None
-
-    async def log(self, data, step=None, kind="train", subset="effective") -> None:
-        if isinstance(data, dict):
-            await self.log_metrics(data, step)
-
     async def log_metrics(self, metrics: dict, step=None) -> None:
         try:
             reward = orchestrator_reward(metrics)
@@ -343,9 +345,6 @@ class RewardMonitor:
             self.writer.record({}, step=int(step) - self.first_step, framework_step=int(step), reward=reward)
         except Exception:  # noqa: BLE001 — record says a bad reading itself; never raised into prime-rl
             pass
-
-    async def log_episodes(self, episodes, step=None, kind="train", subset="effective") -> None:
-        return None
 
     async def finalize(self) -> None:
         self.writer.close()
