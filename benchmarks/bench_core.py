@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from triage_monitor.analysis import open_run, recompute
+from triage_monitor.offline.analysis import open_run, recompute
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig, TriageController
-from triage_monitor.loss import weighted_policy_loss
-from triage_monitor.corrections import ppo_clip_loss
-from triage_monitor.metrics import MetricConfig, MismatchStats
+from triage_monitor.triage.controller import TriageConfig, TriageController
+from triage_monitor.triage.loss import weighted_policy_loss
+from triage_monitor.triage.corrections import ppo_clip_loss
+from triage_monitor.metrics.stats import MetricConfig, MismatchStats
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
 

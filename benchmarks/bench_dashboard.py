@@ -226,7 +226,7 @@ def main() -> None:
     r = subprocess.run([sys.executable, "-c", FIRST_CHART, str(run)], capture_output=True, text=True, check=True)
     inproc = json.loads(r.stdout.strip().splitlines()[-1])
     du = subprocess.run(["du", "-sh", str(run)], capture_output=True, text=True).stdout.split()[0]
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     steps = open_run(run).steps()
     print(f"run: {run} ({du}), {len(steps)} steps, {int(steps['n_tokens'].sum()):,} tokens")
     print("in-process (fresh interpreter):", json.dumps(inproc))
@@ -234,7 +234,7 @@ def main() -> None:
                        capture_output=True, text=True, check=True)
     print("app script (AppTest, modules imported; time to the first time-series figure / whole script, "
           "stage table on request):", r.stdout.strip().splitlines()[-1])
-    from triage_monitor.stages import stage_table
+    from triage_monitor.offline.stages import stage_table
     t0 = time.perf_counter()
     stage_table(open_run(run))
     print(f"stage table (4 anchors x 25-step windows, 499 null draws): {time.perf_counter() - t0:.1f}s")

@@ -221,8 +221,8 @@ def main() -> int:
         return monitor_part(args, dev, torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
 
     from triage_monitor.batch import TokenBatch
-    from triage_monitor.controller import TriageConfig, TriageController
-    from triage_monitor.loss import triage_policy_loss
+    from triage_monitor.triage.controller import TriageConfig, TriageController
+    from triage_monitor.triage.loss import triage_policy_loss
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")

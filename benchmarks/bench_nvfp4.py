@@ -10,7 +10,7 @@ model (TinyGPT, 2 layers, d = 64, all linears quantized: 9 activation calls; ``-
         synchronisation, the straight-through wrapper ``x + (q - x).detach()``), copied below;
       - ``before, torchao``: torchao's ``NVFP4Tensor`` round trip plus the same wrapper (the
         ``nvfp4`` recipe's default backend);
-      - ``now, native``: :func:`triage_monitor.nvfp4.fake_quantize_ste` as the sampler calls it now
+      - ``now, native``: :func:`triage_monitor.demo.nvfp4.fake_quantize_ste` as the sampler calls it now
         (under ``torch.no_grad``: no wrapper; on the CPU one compiled pass);
       - ``now, torch ops``: the sync-free torch path that CUDA tensors take, timed on this device;
   * one whole decode step (KV cache) with the fp32 recipe and with NVFP4 before / now.
@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-import triage_monitor.nvfp4 as nv
+import triage_monitor.demo.nvfp4 as nv
 from triage_monitor.demo.grpo import QUANTIZE
 from triage_monitor.demo.model import GPTConfig, TinyGPT
 from triage_monitor.demo.task import VOCAB_SIZE
@@ -236,7 +236,7 @@ def regime_worker(spec: dict) -> None:
     from triage_monitor.batch import TokenBatch
     from triage_monitor.demo.grpo import (DemoConfig, generate, group_advantages, policy_loss, sft_warm_start,
                                           teacher_forced_logp)
-    from triage_monitor.metrics import MetricConfig
+    from triage_monitor.metrics.stats import MetricConfig
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
     cfg = DemoConfig(**spec["config"])

@@ -64,7 +64,7 @@ def main() -> None:
 
         shutil.rmtree(run, ignore_errors=True)
         build_run(run, args.steps, args.tokens_per_step)
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     tokens = int(open_run(run).steps()["n_tokens"].sum())
     cache = run / "analysis"

@@ -76,7 +76,7 @@ def build_run(path: Path, ranks: int, steps: int, tokens: int, tau: float = -0.5
     from triage_monitor.batch import TokenBatch
     from triage_monitor.config import MonitorConfig
     from triage_monitor.monitor import MismatchMonitor, steps_schema
-    from triage_monitor.records import RunWriter
+    from triage_monitor.rundir.records import RunWriter
 
     cfg = MonitorConfig(tau_tail=tau, alignment_check_steps=0)
     probe = step_tokens(0, 20_000)
@@ -125,7 +125,7 @@ def ensure_run(root: Path, ranks: int, steps: int, tokens: int) -> Path:
 
 
 def token_files(run_path: Path) -> list:
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     run = open_run(run_path)
     return list(dict.fromkeys(f for s in run.step_numbers() for f in run.token_files(s)))
@@ -133,7 +133,7 @@ def token_files(run_path: Path) -> list:
 
 def state_pass(run_path: Path) -> tuple:
     """(CPU s of this process, wall s) of ``recompute_states`` of the run, nothing cached."""
-    from triage_monitor.analysis import open_run, recompute_states
+    from triage_monitor.offline.analysis import open_run, recompute_states
 
     run = open_run(run_path)
     c, t = time.process_time(), time.perf_counter()
@@ -160,7 +160,7 @@ def bare_decode(files: list) -> tuple:
     """(CPU s, wall s) of decoding the analysed columns of every token file whole to numpy (pyarrow's threads)."""
     import pyarrow.parquet as pq
 
-    from triage_monitor.analysis import TOKEN_COLUMNS
+    from triage_monitor.offline.analysis import TOKEN_COLUMNS
 
     c, t = time.process_time(), time.perf_counter()
     for f in files:
@@ -170,7 +170,7 @@ def bare_decode(files: list) -> tuple:
 
 
 def _small_gap() -> float:
-    from triage_monitor.metrics import MetricConfig
+    from triage_monitor.metrics.stats import MetricConfig
 
     return float(MetricConfig().small_gap_threshold)
 
@@ -229,7 +229,7 @@ def main() -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
     args.root.mkdir(parents=True, exist_ok=True)
     runs = {r: ensure_run(args.root, r, args.steps, args.tokens_per_step) for r in ranks}
-    from triage_monitor.analysis import open_run, recompute_states
+    from triage_monitor.offline.analysis import open_run, recompute_states
 
     import pyarrow.parquet as pq
 

@@ -42,9 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import make_inputs  # noqa: E402
 
-from triage_monitor.analysis import TOKEN_COLUMNS, open_run, recompute_states  # noqa: E402
+from triage_monitor.offline.analysis import TOKEN_COLUMNS, open_run, recompute_states  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
-from triage_monitor.metrics import MetricConfig, MismatchStats  # noqa: E402
+from triage_monitor.metrics.stats import MetricConfig, MismatchStats  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
 
 TAU = -0.25
@@ -132,7 +132,7 @@ def sync_bytes(tokens_per_rank: int) -> tuple:
     (calibrating step, then a frozen step)."""
     import torch.distributed as dist
 
-    from triage_monitor.metrics import MetricTracker
+    from triage_monitor.metrics.stats import MetricTracker
 
     sent = []
     real = dist.all_reduce
@@ -186,8 +186,8 @@ def bare_decode(run) -> tuple:
 def stage_table_cost(tmp: Path, B: int, T: int, steps: int, old_draws: int) -> None:
     """7. Stage table of a run of ``steps`` steps (default ~50M tokens) from its cached per-step states, and
     the former path (the windows' token records re-read, the token-shuffle null) at ``old_draws`` draws."""
-    from triage_monitor.analysis import StepStates
-    from triage_monitor.stages import stage_table
+    from triage_monitor.offline.analysis import StepStates
+    from triage_monitor.offline.stages import stage_table
 
     path = tmp / "stages"
     t = time.perf_counter()

@@ -155,8 +155,8 @@ def measure(steps: int, sizes: list) -> dict:
     import torch
 
     from triage_monitor.batch import TokenBatch
-    from triage_monitor.controller import TriageConfig, TriageController
-    from triage_monitor.loss import triage_policy_loss
+    from triage_monitor.triage.controller import TriageConfig, TriageController
+    from triage_monitor.triage.loss import triage_policy_loss
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
     warnings.simplefilter("ignore")            # verl's compute_policy_loss warns that it is deprecated, every call

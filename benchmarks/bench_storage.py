@@ -56,7 +56,7 @@ def write_ranks(code: str, run: str, ranks: list, world: int, steps: int, attemp
     sys.path.insert(0, code)
     from triage_monitor.config import MonitorConfig
     from triage_monitor.monitor import MismatchMonitor, steps_schema
-    from triage_monitor.records import RunWriter
+    from triage_monitor.rundir.records import RunWriter
 
     cfg = MonitorConfig(tau_tail=-1.0, alignment_check_steps=0)
     with tempfile.TemporaryDirectory() as tmp:           # the metrics and extras of one real step
@@ -144,7 +144,7 @@ def s3_vs_disk(world: int, steps: int, jobs: int, root: Path) -> None:
         for name, where in (("local disk", str(root / "s3-vs-disk")), ("S3 (moto, 127.0.0.1)", "s3://bench/run")):
             w = run_job(str(ROOT), where, world, steps, jobs, responses=64, tokens=1024)
             sys.path.insert(0, str(ROOT))
-            from triage_monitor.analysis import open_run
+            from triage_monitor.offline.analysis import open_run
 
             run = open_run(where)
             t0 = time.perf_counter()

@@ -39,8 +39,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from triage_monitor.blocks import dictionary_columns, parquet_options
-from triage_monitor.records import TOKEN_SCHEMA
+from triage_monitor.rundir.blocks import dictionary_columns, parquet_options
+from triage_monitor.rundir.records import TOKEN_SCHEMA
 
 SIZES = (65536, 655360, 4194304)
 
@@ -88,7 +88,7 @@ def whole_writer(steps: int) -> None:
 
     from triage_monitor.batch import TokenBatch
     from triage_monitor.config import MonitorConfig
-    from triage_monitor.records import RunWriter
+    from triage_monitor.rundir.records import RunWriter
 
     torch.set_num_threads(1)
     print(f"\nthe writer's whole work per step (columns, pending file, Parquet, sealing; median of {steps} steps)")
@@ -145,7 +145,7 @@ def floor_rounds(b: int, rounds: int, block: int, out_dir: str) -> dict:
     import torch
 
     from triage_monitor.config import MonitorConfig
-    from triage_monitor.records import RunWriter
+    from triage_monitor.rundir.records import RunWriter
 
     torch.set_num_threads(1)
     batch = _floor_batch(b)
@@ -218,7 +218,7 @@ def row_group_sizes(rounds: int, block: int, sizes=(4, 16), responses: int = 12)
     """Figure 4: the writer's shared row-group size (``blocks.ROW_GROUP_BYTES``, MiB) at small rank-steps (``responses``
     responses: ~31k tokens, the many-rank shape), the sizes alternated round by round in this process, each a block
     of ``block`` steps against the Parquet floor (:func:`floor_rounds`); medians, ns a token and bytes a token."""
-    from triage_monitor import blocks
+    from triage_monitor.rundir import blocks
 
     print(f"\nthe shared row-group size (blocks.ROW_GROUP_BYTES) at small steps: blocks of {block} steps, sizes "
           f"alternated, medians of {rounds} rounds")

@@ -11,7 +11,7 @@ docs/metrics.md#step-time-and-the-full-cycle), one step's δ distribution and se
 heatmap, a response drill-down with Gate weights, the docs/metrics.md#stages stage table
 and overlays of several runs.
 
-Runs are read only through :mod:`triage_monitor.analysis`.  Step-level data
+Runs are read only through :mod:`triage_monitor.offline.analysis`.  Step-level data
 comes first; token data is loaded lazily for the chosen step only, and every
 load is cached (``st.cache_data``) under a signature of the run directory, so a
 run still being written refreshes on rerun.  A path that is not a run, an
@@ -31,9 +31,9 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from triage_monitor.analysis import RunDirError, open_run, recompute, run_signature
+from triage_monitor.offline.analysis import RunDirError, open_run, recompute, run_signature
 from triage_monitor.config import MonitorConfig
-from triage_monitor import views
+from triage_monitor.offline import views
 from triage_monitor.dashboards.launch import ROOT_ARG, check_location
 
 TOKEN_COLUMNS = ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"]
@@ -44,7 +44,7 @@ STAGE_AUTO_TOKENS = int(os.environ.get("TRIAGE_MONITOR_STAGE_AUTO_TOKENS", 5_000
 # ----------------------------------------------------------------------------- data (cached)
 def _signature(path: str) -> tuple:
     """Changes whenever the run gains step files or its manifest is rewritten (cache key;
-    :func:`triage_monitor.analysis.run_signature`)."""
+    :func:`triage_monitor.offline.analysis.run_signature`)."""
     return run_signature(path)
 
 
@@ -81,7 +81,7 @@ def load_recomputed(path: str, window: int, sig: tuple, snap: tuple) -> pd.DataF
 def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> tuple:
     """(frame, unreadable files): step and window metrics of the snapshot's steps with the run's one frozen
     tau_tail for every step (the cached per-step states; the live rows when the run has no token records)."""
-    from triage_monitor.analysis import postmortem_frame
+    from triage_monitor.offline.analysis import postmortem_frame
 
     run = open_run(path)
     frame = postmortem_frame(run, window, live=load_run(path, sig)[1], steps=snap)[0]
@@ -91,8 +91,8 @@ def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> tuple:
 @st.cache_data(show_spinner=False, max_entries=8)
 def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple, snap: tuple) -> pd.DataFrame:
     """The stage table of the snapshot's steps ``snap``."""
-    from triage_monitor.analysis import recompute_states
-    from triage_monitor.stages import stage_table
+    from triage_monitor.offline.analysis import recompute_states
+    from triage_monitor.offline.stages import stage_table
 
     run = open_run(path)
     todo = sorted(set(run.step_numbers()) & set(snap))
@@ -104,9 +104,9 @@ def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple, sn
 @st.cache_data(show_spinner=False, max_entries=8)
 def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tuple:
     """(δ array, tail layout, sample ids, gate weights, gate width, responses) of one step: ``responses`` is
-    :meth:`~triage_monitor.analysis.Run.responses` (each batch response's rank and recorded sample id: two ranks
+    :meth:`~triage_monitor.offline.analysis.Run.responses` (each batch response's rank and recorded sample id: two ranks
     that reuse a sample id are two responses)."""
-    from triage_monitor.stages import tail_layout
+    from triage_monitor.offline.stages import tail_layout
 
     run = open_run(path)
     batch = run.token_batch(step)
@@ -152,9 +152,9 @@ def _initial_reference() -> str:
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def load_verdict(path: str, sig: tuple, ref_path: str, ref_sig: tuple) -> dict:
-    """The run verdict of ``path`` (:func:`triage_monitor.verdict.verdict_of_steps` on its live steps, the shipped
+    """The run verdict of ``path`` (:func:`triage_monitor.offline.verdict.verdict_of_steps` on its live steps, the shipped
     rules replayed), against the reference run ``ref_path`` when given; as its JSON dict."""
-    from triage_monitor.verdict import reference_of_run, verdict_of_steps
+    from triage_monitor.offline.verdict import reference_of_run, verdict_of_steps
 
     band = reference_of_run(open_run(ref_path)) if ref_path else None
     v = verdict_of_steps(load_run(path, sig)[1], reference=band)
@@ -302,7 +302,7 @@ st.text(f"{ov['path']} · triage-monitor {ov.get('tool_version') or '?'} · crea
 if status == "running":
     st.info(f"This run is still being written (status `running`): showing the {ov['steps']} step(s) recorded so "
             "far. Rerun the page (R) to refresh.")
-from triage_monitor.analysis import record_gaps  # noqa: E402
+from triage_monitor.offline.analysis import record_gaps  # noqa: E402
 
 for _gap in record_gaps(open_run(primary), steps):       # what the records lack, beyond a run still being written
     if not _gap.startswith("run.json says the run is 'running'"):
@@ -384,7 +384,7 @@ if reference is not None and ref_label is None:
     frames[ref_label], alert_frames[ref_label] = reference[2], None
 band = None
 if verdict is not None and verdict.get("band"):
-    from triage_monitor.verdict import ReferenceBand
+    from triage_monitor.offline.verdict import ReferenceBand
 
     band = ReferenceBand(**verdict["band"])
 destabilised = verdict["outcome"]["step"] if verdict is not None else None
@@ -424,7 +424,7 @@ _show_unreadable(loc_unreadable)
 
 # ------------------------------------------------------------------ step time and the full cycle
 st.header("Step time and the full cycle")
-from triage_monitor.timings import compare_cycles, cycle_frame, cycle_summary, device_of, figures  # noqa: E402
+from triage_monitor.metrics.timings import compare_cycles, cycle_frame, cycle_summary, device_of, figures  # noqa: E402
 
 cycle = cycle_frame(steps, cycle_k)
 if cycle.empty:
@@ -546,7 +546,7 @@ if toks is not None:
 
 # ------------------------------------------------------------------ stages
 st.header("Stages (docs/metrics.md#stages)")
-from triage_monitor.stages import anchor_steps, degenerate_notice, format_stage_table  # noqa: E402
+from triage_monitor.offline.stages import anchor_steps, degenerate_notice, format_stage_table  # noqa: E402
 
 with st.sidebar:
     st.header("Stages")

@@ -4,7 +4,7 @@ This launcher and the app it starts, ``app.py``, are the package
 ``triage_monitor.dashboards`` (the repository's ``dashboards/`` folder); the
 app is found through the installed package, so the command works the same
 after an editable or a regular ``pip install .[dashboard]``.  Run paths are
-checked first (:func:`triage_monitor.analysis.open_run`), so a typo is
+checked first (:func:`triage_monitor.offline.analysis.open_run`), so a typo is
 reported at once instead of inside the page.
 """
 
@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional, Sequence
 
-from triage_monitor.analysis import RunDirError, open_run
+from triage_monitor.offline.analysis import RunDirError, open_run
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501

@@ -13,7 +13,7 @@ def __getattr__(name):
     """``from triage_monitor.hooks import HookSettings``: the hooks' settings, public here (imported on first use:
     importing the package stays light)."""
     if name == "HookSettings":
-        from ._runtime import HookSettings
+        from .worker_runtime import HookSettings
 
         return HookSettings
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

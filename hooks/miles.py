@@ -18,9 +18,9 @@ what Miles does differently (all at ``31f1ca96``):
   rank 0 records; the monitor syncs over ``intra_dp_cp`` (the group ``aggregate_train_losses`` reduces over).
 * **The loss**: slime's default policy loss, plus, under ``--use-tis`` or ``--get-mismatch-metrics``, Miles'
   truncated importance-sampling weights on the per-token loss (``losses.py`` L243-282): the hook reproduces them
-  with our corrections — ``vanilla_tis_function`` = :func:`~triage_monitor.corrections.tis_weights`, ``icepop_function``
+  with our corrections — ``vanilla_tis_function`` = :func:`~triage_monitor.triage.corrections.tis_weights`, ``icepop_function``
   (``--custom-tis-function-path miles.backends.training_utils.loss_hub.corrections.icepop_function``) =
-  :func:`~triage_monitor.corrections.icepop_weights` — on ``[--tis-clip-low, --tis-clip]``, so with Gate, TIS and
+  :func:`~triage_monitor.triage.corrections.icepop_weights` — on ``[--tis-clip-low, --tis-clip]``, so with Gate, TIS and
   Repair off the loss is Miles' ``policy_loss_function``'s in these cases too.
 * **Its metrics** (``losses.py`` L362-400): ``loss``, ``pg_loss``, ``entropy_loss``, ``pg_clipfrac``, ``ppo_kl``,
   ``ess_ratio``, ``train_rollout_logprob_abs_diff`` (old − rollout, the old being the rollout's own log-probs under
@@ -49,11 +49,11 @@ from typing import Optional
 
 import torch
 
-from triage_monitor.corrections import icepop_weights, tis_weights
+from triage_monitor.triage.corrections import icepop_weights, tis_weights
 from triage_monitor.monitor import ALERT_STATE
-from triage_monitor.trackers import PREFIX, framework_values
+from triage_monitor.alerting.trackers import PREFIX, framework_values
 
-from ._framework_options import reports
+from .loss_hook_options import reports
 from .slime import SlimeTriageLoss, _old_log_probs, attach_perf_timings, triage_log
 
 #: The commit the hook and its contract tests were checked against.
@@ -103,7 +103,7 @@ def check_miles_args(args, parallel_state=None, triage=None) -> None:
 
     Args:
         args: Miles' arguments; ``parallel_state``: Miles' ``ParallelState`` (None: not checked);
-        triage: the hook's :class:`~triage_monitor.controller.TriageConfig` (None: monitoring only).
+        triage: the hook's :class:`~triage_monitor.triage.controller.TriageConfig` (None: monitoring only).
 
     Raises:
         ValueError: naming the option, its value and why.

@@ -4,7 +4,7 @@ with TRIAGE (docs/hooks.md#ms-swift).
 Checked against ms-swift 4.6.0 (newest) and 4.4.0 (the first release whose ``GRPOTrainer._compute_loss_and_metrics``
 takes ``(model, model_inputs, grpo_batch)``; ``swift/rlhf_trainers/grpo_trainer.py``).  ms-swift's ``GRPOTrainer``
 subclasses TRL's (ms-swift pins ``trl<1.0``) but computes its loss itself, so the hook follows the TRL hook's
-approach (:mod:`triage_monitor.hooks._hf_trainer`) at ms-swift's own methods:
+approach (:mod:`triage_monitor.hooks.trainer_mixin`) at ms-swift's own methods:
 
 * ``_get_per_token_logps_and_entropies``: the live learner log-probs of the loss forward, ``(B, T)`` — in
   padding-free mode ms-swift has already padded them back (``pad_logps_back_to_batch``: each row's completion
@@ -13,7 +13,7 @@ approach (:mod:`triage_monitor.hooks._hf_trainer`) at ms-swift's own methods:
 * ``_compute_loss_and_metrics``: ms-swift's own runs first — its metrics (``clip_ratio/*``, ``entropy/*``,
   ``rollout_correction/*``: ``kl``, ``k3_kl``, ``training_ppl``, ``rollout_ppl``, ``log_ppl_diff``, ``ppl_ratio``,
   ``chi2_token``, ``chi2_seq``, ``is_weight_mean``, ``ess``, ``clipped_frac``) are ms-swift's values.  Without a
-  controller its loss is returned.  With one, :func:`~triage_monitor.loss.triage_policy_loss` on the same live
+  controller its loss is returned.  With one, :func:`~triage_monitor.triage.loss.triage_policy_loss` on the same live
   log-probs, with ms-swift's aggregation for its ``loss_type`` and, when ``rollout_importance_sampling_mode`` is set,
   ms-swift's rollout importance-sampling weights reproduced by our corrections (:data:`ROLLOUT_IS_CORRECTIONS`) as a
   per-token factor outside the normaliser, where ms-swift multiplies them.
@@ -35,22 +35,22 @@ from typing import Optional
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig
-from triage_monitor.corrections import (geometric_sequence_mask_weights, icepop_weights,
+from triage_monitor.triage.controller import TriageConfig
+from triage_monitor.triage.corrections import (geometric_sequence_mask_weights, icepop_weights,
                                         sequence_is_geometric_weights, tis_weights)
 from triage_monitor.exits import quiet_imports
 from triage_monitor.monitor import MonitorConfig
 
-from ._common import leading_positions
-from ._framework_options import hook_options
-from ._hf_trainer import TrainerHookMixin, last_stats
-from ._options import check_normalization
-from ._runtime import HookSettings
+from .micro_batches import leading_positions
+from .loss_hook_options import hook_options
+from .trainer_mixin import TrainerHookMixin, last_stats
+from .option_strings import check_normalization
+from .worker_runtime import HookSettings
 
 with quiet_imports():          # ms-swift loads transformers, which loads torchao (failed CUDA-extension loads on a CPU)
     from swift.rlhf_trainers import GRPOTrainer as SwiftGRPOTrainer
 
-#: ms-swift ``loss_type`` → :func:`~triage_monitor.loss.agg_loss` mode (denominators:
+#: ms-swift ``loss_type`` → :func:`~triage_monitor.triage.loss.agg_loss` mode (denominators:
 #: :meth:`TriageSwiftGRPOTrainer._triage_denominator`).  ``cispo``, ``sapo``, ``real``, ``fipo`` are not a PPO-clip
 #: surrogate and are refused with a controller.
 LOSS_TYPE_AGG = {
@@ -60,7 +60,7 @@ LOSS_TYPE_AGG = {
     "dapo": "token_mean",            # Σ ℓ / (num_items_in_batch / processes) [× GA since 4.6]
 }
 
-#: ms-swift ``rollout_importance_sampling_mode`` → the correction of :mod:`triage_monitor.corrections` that
+#: ms-swift ``rollout_importance_sampling_mode`` → the correction of :mod:`triage_monitor.triage.corrections` that
 #: reproduces its weights (``threshold`` = ``rollout_importance_sampling_threshold``; tests/swift_checks.py compares
 #: each with ms-swift's ``_apply_rollout_importance_sampling``).
 ROLLOUT_IS_CORRECTIONS = {
@@ -125,8 +125,8 @@ class TriageSwiftGRPOTrainer(TrainerHookMixin, SwiftGRPOTrainer):
     """ms-swift's ``GRPOTrainer`` with triage-monitor attached (docs/hooks.md#ms-swift).
 
     Args (besides ms-swift's):
-        triage: :class:`~triage_monitor.hooks._runtime.HookSettings` (``run_dir``, ``monitor``, ``triage`` — a
-            :class:`~triage_monitor.controller.TriageConfig`, None keeps ms-swift's loss —, ``alerts``, ``loggers``,
+        triage: :class:`~triage_monitor.hooks.worker_runtime.HookSettings` (``run_dir``, ``monitor``, ``triage`` — a
+            :class:`~triage_monitor.triage.controller.TriageConfig`, None keeps ms-swift's loss —, ``alerts``, ``loggers``,
             ``framework_keys``, ...); default: the settings given to :func:`register`; neither: a plain trainer.
         record_sampler_logps: without vLLM, ask ms-swift's ``TransformersEngine`` for the sampled tokens'
             log-probs (default True).

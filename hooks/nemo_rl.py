@@ -16,7 +16,7 @@ next_token_logprobs=)``) and ``loss_type`` (``LossType.TOKEN_LEVEL`` or ``SEQUEN
 worker sums the micro-batch losses (backward on each) and sums the metrics, so token-normalised metrics come
 back as global means.  ``policy.train(data, loss_fn)`` ships ``loss_fn`` to every Ray worker on **every** call
 (``common_kwargs``): this object carries configuration only, the controller's calibration and the monitor live
-in each worker process (:mod:`triage_monitor.hooks._runtime`).
+in each worker process (:mod:`triage_monitor.hooks.worker_runtime`).
 
 What this hook computes: NeMo's clipped PG loss (PPO-clip against ``prev_logprobs``, ``ratio_clip_min/max``,
 dual clip ``ratio_clip_c``, reference KL penalty ``reference_policy_kl_penalty`` of type k1/k2/k3 with NeMo's
@@ -60,14 +60,14 @@ from typing import Optional
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.corrections import reference_kl
-from triage_monitor.loss import agg_loss
+from triage_monitor.triage.corrections import reference_kl
+from triage_monitor.triage.loss import agg_loss
 from triage_monitor.monitor import MonitorConfig
 
-from ._common import leading_positions
-from ._framework_options import first_hand_over, framework_names, hook_options, own_stats, reports
-from ._options import check_normalization
-from ._runtime import HookSettings, LossHook
+from .micro_batches import leading_positions
+from .loss_hook_options import first_hand_over, framework_names, hook_options, own_stats, reports
+from .option_strings import check_normalization
+from .worker_runtime import HookSettings, LossHook
 
 #: The NeMo RL commit this hook's call-site contract was read from.
 NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
@@ -139,8 +139,8 @@ class NemoRLTriageLoss(LossHook):
     Args:
         loss_cfg: NeMo's ``master_config.loss_fn`` (``ClippedPGLossConfig`` or a dict); missing fields take
             NeMo's defaults (:data:`CLIPPED_PG_DEFAULTS`).
-        triage: :class:`~triage_monitor.controller.TriageConfig` (or dict); None = NeMo's loss, monitored only.
-        run_dir, monitor, manifest, on_invalid, step_source: :class:`~triage_monitor.hooks._runtime.HookSettings`.
+        triage: :class:`~triage_monitor.triage.controller.TriageConfig` (or dict); None = NeMo's loss, monitored only.
+        run_dir, monitor, manifest, on_invalid, step_source: :class:`~triage_monitor.hooks.worker_runtime.HookSettings`.
         use_fused_linear_logprobs: as ``ClippedPGLossFn`` (read by ``prepare_loss_input``).
         alerts: the rules rank 0's monitor evaluates: True (default, the shipped rules), False, a rule file path or
             a list of rules.
@@ -321,7 +321,7 @@ class TimingsBackend:
     total_steps + 1, prefix="timing/train", step_finished=True)`` (``algorithms/grpo.py`` L3657-3659,
     L3767-3772), after the workers wrote the step's rows at their optimizer steps (each on disk when
     ``policy.train`` returns).  This backend hands those readings, as ``timing/train/<label>``, to a
-    :class:`~triage_monitor.timings_writer.TimingsWriter` of ``run_dir`` at the run's newest monitored step (the
+    :class:`~triage_monitor.rundir.timings_writer.TimingsWriter` of ``run_dir`` at the run's newest monitored step (the
     last optimizer step of the GRPO step), keeping GRPO's step as ``framework_step``, together with the step's
     reward: the ``reward`` of GRPO's ``logger.log_metrics(metrics, total_steps + 1, prefix="train")`` just before
     (L3762; ``metrics["reward"]`` = ``np.mean`` of the batch's ``total_reward``, L3435 and L3480-3490; the async
@@ -332,7 +332,7 @@ class TimingsBackend:
     TRAIN_PREFIX = "train"
 
     def __init__(self, run_dir):
-        from triage_monitor.timings_writer import TimingsWriter
+        from triage_monitor.rundir.timings_writer import TimingsWriter
 
         self.writer = TimingsWriter(run_dir, framework="nemo_rl")
         self._reward = None            # (GRPO step, reward) of the last "train" log that held one
@@ -367,7 +367,7 @@ def record_timings(logger, run_dir) -> TimingsBackend:
     returns; once per logger and run directory) and return it: GRPO's step timers reach the run's steps table
     (docs/hooks.md#phase-timings).  :meth:`NemoRLTriageLoss.record_timings` does this with the hook's
     ``run_dir``."""
-    from triage_monitor.layout import RunLayout
+    from triage_monitor.rundir.layout import RunLayout
 
     where = RunLayout(run_dir).location
     for b in logger.loggers:

@@ -14,7 +14,7 @@ Usage and the exact command lines: docs/hooks.md#openrlhf.
 
 :func:`policy_actor_class` makes a ``PolicyModelActor`` subclass that, inside each Ray actor, replaces
 ``trainer.actor_loss_fn`` by an :class:`OpenRLHFTriageLoss` built there from the picklable
-:class:`~triage_monitor.hooks._runtime.HookSettings` (a class attribute, shipped with the class by Ray), and
+:class:`~triage_monitor.hooks.worker_runtime.HookSettings` (a class attribute, shipped with the class by Ray), and
 :func:`run_cli` / ``python -m triage_monitor.hooks.openrlhf`` run OpenRLHF's own CLI (its argument parser and
 ``train``) with that subclass in place of ``PolicyModelActor``.  No OpenRLHF file is changed.
 
@@ -25,7 +25,7 @@ each row's first action column (tool tokens inside the response keep counting). 
 only with ``--algo.advantage.is_correction_level token|seq`` (the CLI then asks vLLM for
 ``processed_logprobs``); otherwise they are None and the hook refuses to start.
 
-**Loss.**  :func:`~triage_monitor.loss.triage_policy_loss` with OpenRLHF's own conventions, read from the
+**Loss.**  :func:`~triage_monitor.triage.loss.triage_policy_loss` with OpenRLHF's own conventions, read from the
 trainer's ``PolicyLoss``: clip ``[1 − clip_eps_low, 1 + clip_eps_high]``, ``dual_clip``, ``aggregate_loss``
 (``--actor.loss_agg_mode token-mean`` → ``token_mean`` over ``batch_num_tokens``, ``seq-mean-token-mean`` →
 ``seq_mean_token_mean`` over ``global_batch_size``, both × ``dp_size``; plain masked means when those are None)
@@ -57,9 +57,9 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 
-from ._common import leading_positions
-from ._options import check_normalization
-from ._runtime import HookSettings, LossHook
+from .micro_batches import leading_positions
+from .option_strings import check_normalization
+from .worker_runtime import HookSettings, LossHook
 
 log = logging.getLogger("triage_monitor")
 
@@ -320,7 +320,7 @@ class TriageTimingsMixin:
     that holds the step's ``timing/*`` (``generation``, ``make_experience``, ``ppo_train``, ``broadcast``,
     ``step_total``; ``trainer/ppo_trainer.py`` ``train_step`` / ``fit``) and the step's reward
     (``rollout/reward_mean``, :data:`REWARD_KEY`) — first hands those timers and the reward to a
-    :class:`~triage_monitor.timings_writer.TimingsWriter` of the run, at the monitored step the status names
+    :class:`~triage_monitor.rundir.timings_writer.TimingsWriter` of the run, at the monitored step the status names
     (``triage/metrics_step``: the last optimizer step of the step's fit, whose row the actors wrote before the
     driver's timers closed), then calls OpenRLHF's own.  Never raises into the trainer."""
 
@@ -347,7 +347,7 @@ def record_status_timings(trainer, global_step: int, logs_dict) -> Optional[int]
             return None
         writer = getattr(trainer, "_triage_timings", None)
         if writer is None:
-            from triage_monitor.timings_writer import TimingsWriter
+            from triage_monitor.rundir.timings_writer import TimingsWriter
 
             writer = trainer._triage_timings = TimingsWriter(settings.run_dir, framework="openrlhf")
         step = logs_dict.get("triage/metrics_step")
@@ -454,7 +454,7 @@ def parse_triage_args(argv: Sequence[str]):
     Raises:
         SystemExit: (argparse) a missing ``--triage.run_dir`` or a bad value, the message naming the flag.
     """
-    from ._options import parse_alerts, parse_framework_keys, parse_loggers
+    from .option_strings import parse_alerts, parse_framework_keys, parse_loggers
 
     p = argparse.ArgumentParser(prog="python -m triage_monitor.hooks.openrlhf", add_help=False)
     p.add_argument("--triage.run_dir", dest="run_dir", required=True)
@@ -473,7 +473,7 @@ def parse_triage_args(argv: Sequence[str]):
         keys = parse_framework_keys(ns.framework_keys, "--triage.framework_keys")
     except ValueError as exc:
         p.error(str(exc))
-    from triage_monitor.controller import TriageConfig
+    from triage_monitor.triage.controller import TriageConfig
 
     triage = None if ns.monitor_only else TriageConfig(**(json.loads(open(ns.config).read()) if ns.config else {}))
     try:

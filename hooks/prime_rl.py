@@ -14,7 +14,7 @@ adds the samples and divides by ``rl_scale``, the global loss-token count) and w
 **tensors** (0-dim, stacked over samples).
 
 What this hook computes: prime-rl's default loss (DPPO-Binary-TV + squared-log-ratio KL, anchored on the
-inference log-probs; :func:`triage_monitor.corrections.dppo_kl_loss`) with the TRIAGE weights, aggregated as a
+inference log-probs; :func:`triage_monitor.triage.corrections.dppo_kl_loss`) with the TRIAGE weights, aggregated as a
 per-sample sum (``agg_mode="token_sum"``, the caller's ``rl_scale`` is the framework denominator, so the
 weights are renormalised per response).  With Gate, TIS and Repair off it is prime-rl's ``default_loss_fn``.
 TIS is the identity here: the anchor *is* the inference log-prob, the DPPO ratio already corrects the
@@ -70,15 +70,15 @@ from typing import Optional
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig
-from triage_monitor.corrections import dppo_kl_loss
+from triage_monitor.triage.controller import TriageConfig
+from triage_monitor.triage.corrections import dppo_kl_loss
 from triage_monitor.monitor import MonitorConfig
-from triage_monitor.timings import FRAMEWORK_TIMERS
-from triage_monitor.timings_writer import TimingsWriter, finite_or_none
+from triage_monitor.metrics.timings import FRAMEWORK_TIMERS
+from triage_monitor.rundir.timings_writer import TimingsWriter, finite_or_none
 
-from ._framework_options import hook_options, own_stats, reports
-from ._options import check_normalization
-from ._runtime import HookSettings, LossHook
+from .loss_hook_options import hook_options, own_stats, reports
+from .option_strings import check_normalization
+from .worker_runtime import HookSettings, LossHook
 
 #: The prime-rl commit this hook's call-site contract was read from.
 PRIME_RL_COMMIT = "559b44772e471d1538537b8805cc77f3824a5e64"
@@ -136,9 +136,9 @@ class PrimeRLTriageLoss(LossHook):
         monitor: :class:`MonitorConfig` (or dict).
         manifest: extra facts for ``run.json``.
         dppo_mask_low, dppo_mask_high, adv_tau, kl_tau: prime-rl's ``DefaultLossConfig`` fields (same defaults).
-        on_invalid, step_source: :class:`~triage_monitor.hooks._runtime.HookSettings`.
+        on_invalid, step_source: :class:`~triage_monitor.hooks.worker_runtime.HookSettings`.
         alerts: the rules rank 0's monitor evaluates: True (default, the shipped rules), False, a rule file path or
-            a list of rules / rule tables (:class:`~triage_monitor.hooks._runtime.HookSettings`).
+            a list of rules / rule tables (:class:`~triage_monitor.hooks.worker_runtime.HookSettings`).
         loggers: trackers rank 0's monitor feeds, as configuration: ``"tensorboard"``, ``{kind = "mlflow", ...}``
             (a single one may be given without the list).
         framework_keys: the monitor's metrics handed to prime-rl's metrics: ``"curated"`` (default), ``"all"`` or
@@ -316,7 +316,7 @@ def orchestrator_reward(metrics) -> Optional[float]:
 class RewardMonitor(_MonitorInterface):
     """A monitor in the orchestrator's ``prime_rl.monitors.MONITORS`` (interface of ``monitors/base.py`` L16-57) that
     records the step's reward (:func:`orchestrator_reward`) in the run's timings table with a
-    :class:`~triage_monitor.timings_writer.TimingsWriter`; ``open_run(p).steps()`` fills the steps row's ``reward``.
+    :class:`~triage_monitor.rundir.timings_writer.TimingsWriter`; ``open_run(p).steps()`` fills the steps row's ``reward``.
 
     Steps: the orchestrator's ``progress.step`` (1-indexed, ``orchestrator/types.py`` L27-30; ``progress.step`` + 1
     on resume, ``orchestrator.py`` L321) names the batch it ships (``finalize_train_batch`` L625, the sender starting

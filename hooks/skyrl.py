@@ -22,8 +22,8 @@ Checked against skyrl 0.3.0 and 0.4.0 (PyPI; the oldest and the newest release),
 * **Registry and workers**: ``PolicyLossRegistry.register`` keeps the object; ``sync_registries()`` (run by
   ``initialize_ray``) cloudpickles it into a named Ray actor, and each worker's ``PolicyLossRegistry.get``
   unpickles its own copy.  :class:`SkyRLTriageLoss` therefore carries configuration only
-  (:class:`~triage_monitor.hooks._runtime.HookSettings`); each worker process builds its own monitor and
-  controller (``hooks/_runtime.py``).
+  (:class:`~triage_monitor.hooks.worker_runtime.HookSettings`); each worker process builds its own monitor and
+  controller (``hooks/worker_runtime.py``).
 * **Step**: SkyRL's ``global_step``.  The loss call carries tensors only, but the batch the worker trains on
   carries SkyRL's metadata (``global_step``, written by the trainer; the mini-batch boundaries): the hook reads it
   from the worker's frame above the call (:func:`skyrl_call_site`, read-only).  Every loss call of one SkyRL step
@@ -32,7 +32,7 @@ Checked against skyrl 0.3.0 and 0.4.0 (PyPI; the oldest and the newest release),
   ``trainer=``), else when the next SkyRL step begins.  Without the metadata (or ``step_source="optimizer"``)
   the worker's optimizer steps are counted instead, as before.
 * **What reaches SkyRL's tracker**: besides SkyRL's own loss metrics, each loss call returns the monitor's values
-  of a completed step (:func:`~triage_monitor.hooks._options.dp_framework_metrics`: ``framework_keys``, default
+  of a completed step (:func:`~triage_monitor.hooks.option_strings.dp_framework_metrics`: ``framework_keys``, default
   the curated set, and ``triage/metrics_step``).  SkyRL averages loss metrics over the micro-batches of a
   mini-batch and over the DP ranks (``reduce_metrics`` / ``all_reduce_metrics``, one collective per key: every
   rank hands over the same keys), then over the mini-batches and epochs of its step.  So that this mean is one
@@ -63,9 +63,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage_monitor.batch import TokenBatch
 
-from ._common import leading_positions
-from ._options import check_alerts, check_framework_keys, check_loggers, check_normalization, dp_framework_metrics
-from ._runtime import HookSettings, LossHook, in_ray_worker
+from .micro_batches import leading_positions
+from .option_strings import check_alerts, check_framework_keys, check_loggers, check_normalization, dp_framework_metrics
+from .worker_runtime import HookSettings, LossHook, in_ray_worker
 
 #: SkyRL's loss reductions (``train/utils/utils.py`` ``validate_cfg``; the same in 0.3.0 and 0.4.0); all are
 #: advantage pre-scalings followed by the masked sum this hook computes.
@@ -458,7 +458,7 @@ def timings_callback(run_dir):
     ``all_timings``: ``generate``, ``fwd_logprobs_values_reward``, ``train_critic_and_policy``, ``sync_weights``,
     ``step``, ...) among its metrics — once the step timer closed, after the workers wrote the step's rows (the
     monitored step is SkyRL's ``global_step``, ``callback_input.global_step``).  The callback hands the payload
-    to a :class:`~triage_monitor.timings_writer.TimingsWriter` of ``run_dir`` at that step, with the payload's
+    to a :class:`~triage_monitor.rundir.timings_writer.TimingsWriter` of ``run_dir`` at that step, with the payload's
     ``reward/avg_raw_reward`` as the step's reward (other keys are skipped, the payload is not changed); it never
     raises into the trainer.  Add it with
     ``trainer.add_callback(...)`` or ``RayPPOTrainer(..., callbacks=[...])``, or use :func:`experiment_class`.
@@ -467,7 +467,7 @@ def timings_callback(run_dir):
         ImportError: SkyRL is not installed."""
     from skyrl.train.utils.callbacks import TrainingCallback
 
-    from triage_monitor.timings_writer import TimingsWriter
+    from triage_monitor.rundir.timings_writer import TimingsWriter
 
     class TriageTimingsCallback(TrainingCallback):
         def __init__(self):

@@ -11,7 +11,7 @@ pass), ``advantages`` (per token), ``loss_masks`` (0 for tool/observation tokens
 ``triage_loss = SlimeTriageLoss(...)`` is built at import of ``mymod`` in every Megatron rank.
 :class:`SlimeTriageLoss` computes the live log-probs with slime's own ``get_log_probs_and_entropy`` (tensor
 parallel vocab, rollout temperature, top-p replay), then the loss through
-:func:`~triage_monitor.loss.triage_policy_loss` with slime's aggregation: per sample Σ_t m ℓ / rollout_mask_sum
+:func:`~triage_monitor.triage.loss.triage_policy_loss` with slime's aggregation: per sample Σ_t m ℓ / rollout_mask_sum
 (``seq_mean_token_mean`` with ``response_denominator``), or a masked sum under
 ``--calculate-per-token-loss`` (``token_sum``); PPO clip ``eps_clip`` / ``eps_clip_high``, dual clip
 ``eps_clip_c``; minus ``entropy_coef`` × slime's entropy term.  slime then rescales it for Megatron as it does
@@ -24,12 +24,12 @@ parallelism, ``--use-tis`` (TRIAGE's TIS replaces it), a custom TIS or pg-loss r
 ``--use-kl-loss``.
 
 **Step and ranks.**  The loss receives no step; the monitored step counts Megatron optimizer steps (the
-global ``torch.optim`` step post-hook of :mod:`triage_monitor.hooks._runtime`).  Every rank that runs the loss
+global ``torch.optim`` step post-hook of :mod:`triage_monitor.hooks.worker_runtime`).  Every rank that runs the loss
 runs the controller; only tensor-parallel rank 0 records tokens (the other TP ranks see the same tokens), and only
 the last pipeline stage runs the loss.  The recording ranks are therefore one data-parallel group — Megatron's
 ``mpu.get_data_parallel_group(with_context_parallel=True)`` of TP rank 0 on the last stage, the group slime
 reduces its step metrics over (``model.py`` L693-700 at ``624b824a``) — and the hook hands that group to its
-runtime (:meth:`~triage_monitor.hooks._runtime.WorkerRuntime.set_group`): the monitor all-reduces over it only
+runtime (:meth:`~triage_monitor.hooks.worker_runtime.WorkerRuntime.set_group`): the monitor all-reduces over it only
 (the other ranks never call it), its attempt id is the group's rank 0's, and the files are numbered by the
 data-parallel rank, so the data-parallel rank 0 — the rank slime logs from (``model.py`` L874-877) — reports
 (alerts once per job, the trackers), writes ``run.json`` and is the rank readers default to.  Any tensor- and
@@ -58,7 +58,7 @@ divisor (``sum_of_sample_mean`` of ones: its rollouts' share; or its tokens), so
 rollout- (token-) weighted mean over the step.
 
 **Offline.**  ``triage-monitor import slime`` reads ``--save-debug-train-data`` dumps
-(:func:`triage_monitor.importers.slime_steps`).  slime is not on PyPI (the PyPI project ``slime`` is another
+(:func:`triage_monitor.offline.importers.slime_steps`).  slime is not on PyPI (the PyPI project ``slime`` is another
 package), so CI tests this module against slime's call site and formulas transcribed from commit 624b824a
 (tests/test_hooks_slime.py); docs/hooks.md#slime says what was run against slime's own code.
 """
@@ -71,13 +71,13 @@ from typing import Optional, Sequence
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig
+from triage_monitor.triage.controller import TriageConfig
 from triage_monitor.monitor import ALERT_STATE, MonitorConfig
-from triage_monitor.timings import FRAMEWORK_TIMERS
-from triage_monitor.trackers import PREFIX, framework_values
+from triage_monitor.metrics.timings import FRAMEWORK_TIMERS
+from triage_monitor.alerting.trackers import PREFIX, framework_values
 
-from ._framework_options import first_hand_over, hook_options, own_stats, reports
-from ._runtime import HookSettings, LossHook
+from .loss_hook_options import first_hand_over, hook_options, own_stats, reports
+from .worker_runtime import HookSettings, LossHook
 
 #: slime arguments the TRIAGE loss cannot honour: (attribute, value that is fine, why).
 _UNSUPPORTED = (
@@ -155,7 +155,7 @@ class SlimeTriageLoss(LossHook):
     """slime ``--custom-loss-function-path`` target: ``(args, batch, logits, sum_of_sample_mean) -> (loss, log)``.
 
     Holds only :class:`HookSettings` (picklable); each Megatron rank builds its own controller and monitor
-    on first use (module docstring of :mod:`triage_monitor.hooks._runtime`).
+    on first use (module docstring of :mod:`triage_monitor.hooks.worker_runtime`).
 
     Args:
         run_dir: shared run directory (every rank writes its files there); None = no monitoring.
@@ -211,10 +211,10 @@ class SlimeTriageLoss(LossHook):
             record: buffer the tokens for this process's monitor (False on tensor-parallel ranks other than 0,
                 which see the same tokens).
             token_scale: ``(N,)`` per-token factors the framework's own loss multiplies its per-token loss by, in
-                the batch's flat order (:func:`~triage_monitor.loss.triage_policy_loss`); None: none.
+                the batch's flat order (:func:`~triage_monitor.triage.loss.triage_policy_loss`); None: none.
 
         Returns:
-            :class:`~triage_monitor.loss.TriageLoss`; ``.policy_loss`` is slime's ``pg_loss`` when TRIAGE is off.
+            :class:`~triage_monitor.triage.loss.TriageLoss`; ``.policy_loss`` is slime's ``pg_loss`` when TRIAGE is off.
         """
         tb = batch_from_slime(batch, learner=log_probs, on_invalid=self.settings.on_invalid)
         old = _old_log_probs(args, batch, log_probs)
@@ -233,7 +233,7 @@ class SlimeTriageLoss(LossHook):
                   dual_clip=getattr(args, "eps_clip_c", None), token_scale=token_scale, **agg)
         if record:
             return self.compute_loss(tb, **kw)
-        from triage_monitor.loss import triage_policy_loss
+        from triage_monitor.triage.loss import triage_policy_loss
 
         rt = self.runtime        # the controller and the step count advance as on rank 0; nothing is written
         step = rt.step_for_call(None)

@@ -2,7 +2,7 @@
 
 Checked against TRL 1.16.0 and 1.13.0 (``trl/trainer/grpo_trainer.py``; the ``_compute_loss`` of both releases is
 the same code).  TRL runs the loss in the trainer process (one per Accelerate rank, no Ray), but the hook follows
-the same contract as the others (docs/hooks.md#trl): it holds plain :class:`~triage_monitor.hooks._runtime.HookSettings`;
+the same contract as the others (docs/hooks.md#trl): it holds plain :class:`~triage_monitor.hooks.worker_runtime.HookSettings`;
 monitor, controller and step accumulation live in this process's runtime; the step is TRL's own
 ``state.global_step``.  Callbacks never see tensors, so the hook overrides the narrowest methods the trainer has:
 
@@ -14,7 +14,7 @@ monitor, controller and step accumulation live in this process's runtime; the st
 * ``_get_per_token_logps_and_entropies``: keeps the live learner log-probs and entropies of the loss forward.
 * ``_compute_loss``: TRL's own ``_compute_loss`` always runs first — its metrics (``clip_ratio/*``, ``entropy``,
   ...) are TRL's own, computed by TRL's code on the same tensors.  Without a controller its loss is returned.  With
-  one, the loss returned is :func:`~triage_monitor.loss.triage_policy_loss` on the same live learner log-probs,
+  one, the loss returned is :func:`~triage_monitor.triage.loss.triage_policy_loss` on the same live learner log-probs,
   with TRL's aggregation for its ``loss_type`` (:data:`LOSS_TYPE_AGG`) and TRL's own per-token factors (entropy
   mask, off-policy mask, vLLM importance-sampling ratio) computed by TRL's own methods; TRL's graph is dropped.
   Our statistics go to TRL's logs under ``triage/``.
@@ -30,7 +30,7 @@ monitor, controller and step accumulation live in this process's runtime; the st
 * **Reward** (docs/hooks.md#rewards): TRL's own ``reward`` metric — the mean over the generation batch of the
   weighted sum of the reward functions, appended to ``_metrics["train"]["reward"]`` in
   ``_generate_and_score_completions`` — of the batch each training micro-batch comes from is the step's
-  ``reward`` column (:meth:`TrainerHookMixin._tm_record_reward <triage_monitor.hooks._hf_trainer.TrainerHookMixin._tm_record_reward>`).
+  ``reward`` column (:meth:`TrainerHookMixin._tm_record_reward <triage_monitor.hooks.trainer_mixin.TrainerHookMixin._tm_record_reward>`).
 * ``log``: TRL logs after the optimizer has stepped, so the monitored step that update closed is complete: it is
   logged now, and the hook's curated metrics (``hook.framework_metrics()``: ``triage/window/rho_asym``, ...,
   ``triage/alerts_active``, ``triage/metrics_step``) join TRL's log, which TRL's ``report_to`` callbacks forward
@@ -50,9 +50,9 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.exits import quiet_imports
 
-from ._hf_trainer import TrainerHookMixin, TrainerLossHook, last_stats
-from ._options import check_normalization
-from ._runtime import HookSettings
+from .trainer_mixin import TrainerHookMixin, TrainerLossHook, last_stats
+from .option_strings import check_normalization
+from .worker_runtime import HookSettings
 
 with quiet_imports():          # TRL loads transformers, which loads torchao: its failed CUDA-extension loads on a CPU
     from trl import GRPOTrainer
@@ -60,7 +60,7 @@ with quiet_imports():          # TRL loads transformers, which loads torchao: it
 #: What the sampler log-probs recorded on the transformers path are (say which one was logged).
 SAMPLER_LOGP_KIND = "transformers.generate KV-cache decoding: log_softmax(raw logits / temperature), no top-k/top-p"
 
-#: TRL ``loss_type`` → :func:`~triage_monitor.loss.agg_loss` mode; the denominators are TRL's own
+#: TRL ``loss_type`` → :func:`~triage_monitor.triage.loss.agg_loss` mode; the denominators are TRL's own
 #: (:meth:`TriageGRPOTrainer._triage_denominator`).  Other loss types (``sapo``, ``cispo``, ``vespo``) are not a
 #: PPO-clip surrogate and raise at construction.
 __all__ = ["HookSettings", "TriageGRPOTrainer", "TRLLossHook", "batch_from_trl", "last_stats", "LOSS_TYPE_AGG"]
@@ -155,8 +155,8 @@ class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
     """``GRPOTrainer`` with triage-monitor attached (docs/hooks.md#trl).
 
     Args (besides GRPOTrainer's):
-        triage: :class:`~triage_monitor.hooks._runtime.HookSettings`: ``run_dir`` (None = no records),
-            ``monitor``, ``triage`` (a :class:`~triage_monitor.controller.TriageConfig`; None keeps TRL's loss),
+        triage: :class:`~triage_monitor.hooks.worker_runtime.HookSettings`: ``run_dir`` (None = no records),
+            ``monitor``, ``triage`` (a :class:`~triage_monitor.triage.controller.TriageConfig`; None keeps TRL's loss),
             ``manifest``, ``on_invalid``, ``step_source``, ``alerts`` (default: the shipped rules, on rank 0),
             ``loggers`` (trackers fed by rank 0), ``framework_keys`` (what joins TRL's log, :meth:`log`).
             None: a plain GRPOTrainer.
@@ -369,7 +369,7 @@ class TriageGRPOTrainer(TrainerHookMixin, GRPOTrainer):
     # ------------------------------------------------------------ logging
     def log(self, logs: dict, *args, **kwargs) -> None:
         """TRL's ``log``, with the triage metrics of the step just completed added to ``logs`` (docs/hooks.md#trl;
-        :meth:`TrainerHookMixin.log <triage_monitor.hooks._hf_trainer.TrainerHookMixin.log>`).  For a name the
+        :meth:`TrainerHookMixin.log <triage_monitor.hooks.trainer_mixin.TrainerHookMixin.log>`).  For a name the
         controller's statistics also carry (``triage/gate_downweighted_frac``) TRL's own mean over the logging
         interval is kept (TRL merges its ``_metrics`` last)."""
         return super().log(logs, *args, **kwargs)

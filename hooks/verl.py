@@ -55,15 +55,15 @@ from typing import Any, Optional
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig
-from triage_monitor.layout import RunLayout
-from triage_monitor.storage import open_store
+from triage_monitor.triage.controller import TriageConfig
+from triage_monitor.rundir.layout import RunLayout
+from triage_monitor.rundir.storage import open_store
 from triage_monitor.monitor import MonitorConfig
-from triage_monitor.records import new_attempt_id
+from triage_monitor.rundir.records import new_attempt_id
 
-from ._common import group_ids_from_keys
-from ._options import check_normalization
-from ._runtime import HookAdapter, HookSettings, LossHook
+from .micro_batches import group_ids_from_keys
+from .option_strings import check_normalization
+from .worker_runtime import HookAdapter, HookSettings, LossHook
 
 log = logging.getLogger("triage_monitor")
 
@@ -86,7 +86,7 @@ REWARD_KEY = "critic/score/mean"
 #: verl's v1 trainer modes wrapped by :func:`register_trainers` (registered as ``triage_<mode>``).
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 
-#: verl ``loss_agg_mode`` → :func:`triage_monitor.loss.agg_loss` mode.
+#: verl ``loss_agg_mode`` → :func:`triage_monitor.triage.loss.agg_loss` mode.
 VERL_AGG = {"token-mean": "token_mean", "token-sum": "token_sum", "seq-mean-token-sum": "seq_mean_token_sum",
             "seq-mean-token-sum-norm": "seq_mean_token_sum", "seq-mean-token-mean": "seq_mean_token_mean"}
 
@@ -241,7 +241,7 @@ def settings_from_env(environ=None) -> HookSettings:
         ValueError: a variable that does not parse, naming it and its value (or a bad config field); a
             ``normalization`` the hook cannot honour in ``TRIAGE_MONITOR_TRIAGE`` (``"global_token"``).
     """
-    from ._options import parse_alerts, parse_framework_keys, parse_loggers
+    from .option_strings import parse_alerts, parse_framework_keys, parse_loggers
 
     env = os.environ if environ is None else environ
     on_invalid = (env.get(ENV_ON_INVALID) or "raise").strip()
@@ -313,8 +313,8 @@ def publish_timings(run_dir: str, step: int, timing_raw: dict, job: Optional[str
     step's reward (verl's ``critic/score/mean``, :data:`REWARD_KEY`; ``rewards/<step>.json``,
     :func:`read_reward`) when it is a finite number.  Called by the ``triage_*`` trainers in bypass mode, before
     they publish the next step.  Never raises."""
-    from triage_monitor.timings import phase_times
-    from triage_monitor.timings_writer import finite_or_none
+    from triage_monitor.metrics.timings import phase_times
+    from triage_monitor.rundir.timings_writer import finite_or_none
 
     jd = _job_dir(run_dir, job if job is not None else _ray_job_id())
     try:
@@ -436,7 +436,7 @@ def _cfg(config, name: str, default=None):
 
 
 def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor, config) -> dict:
-    """verl's ``agg_loss`` normaliser as :func:`~triage_monitor.loss.triage_policy_loss` arguments.
+    """verl's ``agg_loss`` normaliser as :func:`~triage_monitor.triage.loss.triage_policy_loss` arguments.
 
     ``loss = Σ ℓ·mask / D · dp_size`` with ``D``: ``token-mean`` ``batch_num_tokens``; ``token-sum`` 1;
     ``seq-mean-token-sum`` / ``seq-mean-token-mean`` ``global_batch_size``; ``seq-mean-token-sum-norm``

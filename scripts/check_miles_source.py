@@ -145,7 +145,7 @@ def _log_worker(rank, world, opts, port, out, results):
                                               "MultiPGUtil": MultiPGUtil, "miles": miles})
     from test_hooks_miles import GBS
     from test_hooks_slime import PARTITION, amplifying_step, slime_micro_batch
-    from triage_monitor.hooks._runtime import close_all
+    from triage_monitor.hooks.worker_runtime import close_all
 
     sys.path.insert(0, out)
     for mode in ("megatron", "fsdp", "per-token"):
@@ -182,7 +182,7 @@ def check_log(opts):
     out = str(Path(opts.out))
     mp.spawn(_log_worker, args=(2, opts, 29950 + os.getpid() % 40, out, None), nprocs=2, join=True)
     import recording_tracker
-    from triage_monitor.trackers import CURATED_KEYS
+    from triage_monitor.alerting.trackers import CURATED_KEYS
     for mode in ("megatron", "fsdp", "per-token"):
         logged = json.loads((Path(out) / f"logged_{mode}.json").read_text())
         steps = recording_tracker.steps_table(Path(out) / f"log_{mode}")
@@ -210,7 +210,7 @@ def check_dumps(opts):
     from miles.utils.train_dump_utils import save_debug_train_data_for_rank
 
     from test_hooks_miles import miles_shard, rollout, write_dumps
-    from triage_monitor.importers import cp_response_slices, miles_steps
+    from triage_monitor.offline.importers import cp_response_slices, miles_steps
 
     out = Path(opts.out)
     rollouts = {0: rollout(20), 1: rollout(21)}

@@ -104,7 +104,7 @@ def check_loss(opts):
     from slime.backends.megatron_utils.loss import get_log_probs_and_entropy, policy_loss_function
     from test_hooks_slime import micro_batch, rollout, slime_args
 
-    from triage_monitor.controller import TriageConfig
+    from triage_monitor.triage.controller import TriageConfig
     from triage_monitor.hooks.slime import SlimeTriageLoss
 
     has_dual = "eps_clip_c" in Path(opts.slime, "slime/backends/megatron_utils/loss.py").read_text()
@@ -150,7 +150,7 @@ def check_loss(opts):
         args_of(), mb, logits.clone().requires_grad_(True), ssm)
     vals = torch.tensor([0] + list(log.values()))          # what slime's loss_function does with the log
     print(f"TriageConfig(): loss {float(loss):.6g}, keys {sorted(log)}, all finite {bool(torch.isfinite(vals).all())}")
-    from triage_monitor.hooks._runtime import close_all
+    from triage_monitor.hooks.worker_runtime import close_all
     close_all()                  # before its group goes: a later optimizer step in this process must not log it
     dist.destroy_process_group()
 
@@ -192,7 +192,7 @@ def _framework_worker(rank, world, opts, out, per_token):
     import slime_contract
     from test_hooks_slime import GBS, PARTITION, amplifying_step, slime_args, slime_micro_batch
 
-    from triage_monitor.hooks._runtime import close_all
+    from triage_monitor.hooks.worker_runtime import close_all
     args = Namespace(**{**vars(slime_args(calculate_per_token_loss=per_token)), "loss_type": "custom_loss",
                         "custom_loss_function_path": "triage_slime_check.triage_loss",
                         "recompute_loss_function": False, "log_probs_chunk_size": -1, "global_batch_size": GBS})
@@ -245,7 +245,7 @@ def check_framework_log(opts):
     _paths(opts)
     import recording_tracker
 
-    from triage_monitor.trackers import CURATED_KEYS
+    from triage_monitor.alerting.trackers import CURATED_KEYS
     for per_token in (False, True):
         out = Path(tempfile.mkdtemp(dir=opts.out))
         Path(out, "triage_slime_check.py").write_text(FW_MODULE.format(run=str(out / "run"),
@@ -274,7 +274,7 @@ def check_framework_log(opts):
                 exact += 1
         alerts = recording_tracker.alerts_table(out / "run")
         rows = recording_tracker.read(out / "rec.jsonl")
-        from triage_monitor.analysis import open_run
+        from triage_monitor.offline.analysis import open_run
         timed = open_run(out / "run").steps()
         want = [10.0 + s for s in range(FW_STEPS)]
         print(f"phase timings through slime's log_perf_data: time/step {timed['time/step'].tolist()} (want {want}), "

@@ -6,7 +6,7 @@
 1. Reads every finished run of ``OUT/runs`` and its split (calibration seeds / held-out seeds, fixed in
    ``triage_monitor.demo.population`` before any threshold was chosen).
 2. On the calibration half only, chooses each collapse-tier rule's threshold
-   (:func:`triage_monitor.evaluation.calibrate_threshold`: the highest recall that warns on no held fp32 or
+   (:func:`triage_monitor.offline.evaluation.calibrate_threshold`: the highest recall that warns on no held fp32 or
    on-policy NVFP4 run) and the |δ|-level baseline's.
 3. On the held-out half, reports per rule (as shipped and as calibrated), per tier and per baseline: runs warned,
    precision, recall, lead, held runs warned by regime (``evaluate``).
@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from triage_monitor.alerts import NOISE_FLOOR_NATS, baseline_rules, default_rules
+from triage_monitor.alerting.alerts import NOISE_FLOOR_NATS, baseline_rules, default_rules
 from triage_monitor.demo.population import split_of
-from triage_monitor.evaluation import calibrate_threshold, default_horizon, evaluate, load_run, metric_auroc
+from triage_monitor.offline.evaluation import calibrate_threshold, default_horizon, evaluate, load_run, metric_auroc
 
 #: candidate thresholds per calibrated rule, least to most conservative
 GRIDS = {
@@ -81,8 +81,8 @@ def _onset(f: pd.DataFrame) -> np.ndarray:
 def _c_tok_null_excess(f: pd.DataFrame) -> np.ndarray:
     """Window C_tok minus the median of its shuffle null (docs/metrics.md#stages; 99 draws), every 5th step from the
     first full window (the stage table at those anchors), NaN elsewhere and where the null is degenerate."""
-    from triage_monitor.analysis import open_run
-    from triage_monitor.stages import stage_table
+    from triage_monitor.offline.analysis import open_run
+    from triage_monitor.offline.stages import stage_table
 
     steps = f["step"].to_numpy()
     out = np.full(len(f), np.nan)

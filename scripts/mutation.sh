@@ -5,7 +5,7 @@
 # to functions in a first "stats" pass over the test files of [tool.mutmut] in pyproject.toml).
 #
 #   scripts/mutation.sh                      # every module of [tool.mutmut].only_mutate
-#   scripts/mutation.sh segments controller  # some modules: triage_monitor.<name>, or hooks._runtime as _runtime
+#   scripts/mutation.sh segments controller  # some modules, by file name (segments) or dotted (metrics.segments)
 #   JOBS=2 NICE=10 MUTATION_DIR=/tmp/mut scripts/mutation.sh ...
 #   scripts/mutation.sh --report             # per-module scores of the last run, without running anything
 #   scripts/mutation.sh --continue           # go on with a stopped run, then re-run its survivors with HEAD's tests
@@ -87,8 +87,10 @@ cp -r hooks triage_monitor/hooks
 patterns=()
 for m in "$@"; do
   case "$m" in
-    _runtime|hooks._runtime) patterns+=("triage_monitor.hooks._runtime.*") ;;
-    *) patterns+=("triage_monitor.$m.*") ;;
+    *.*) patterns+=("triage_monitor.$m.*") ;;
+    *) found=$(cd triage_monitor && find . -name "$m.py" -not -path "*/__pycache__/*" | head -1)
+       [ -n "$found" ] || { echo "no module named $m.py under triage_monitor/" >&2; exit 2; }
+       dotted=${found#./}; dotted=${dotted%.py}; patterns+=("triage_monitor.${dotted//\//.}.*") ;;
   esac
 done
 echo "mutation run of $(git -C "$ROOT" rev-parse --short HEAD) in $WORK: ${patterns[*]:-all modules}"

@@ -86,7 +86,7 @@ MULTIPROCESS_SUBSTITUTE = ("multiprocess tests (spawned ranks, Ray, worker pools
 
 def coverage_lines(cfg: dict, mutated: set) -> list:
     """What a run covered, as lines: ``cfg`` is ``[tool.mutmut]`` of pyproject.toml, ``mutated`` the modules
-    (``triage_monitor.storage``) with at least one mutant in the run."""
+    (``triage_monitor.rundir.storage``) with at least one mutant in the run."""
     files = list(cfg.get("only_mutate", []))
     as_module = {f: f[:-3].replace("/", ".") for f in files}
     none = [f for f in files if as_module[f] not in mutated]

@@ -110,7 +110,7 @@ def _mutated_hooks_package():
     from pathlib import Path
 
     here = Path.cwd()
-    if here.name != "mutants" or not (here / "hooks" / "_runtime.py").exists():
+    if here.name != "mutants" or not (here / "hooks" / "worker_runtime.py").exists():
         return
     import triage_monitor
 
@@ -129,7 +129,7 @@ def held_file():
     size for the queue bound."""
     import numpy as np
 
-    from triage_monitor.sink import DeferredColumns
+    from triage_monitor.rundir.sink import DeferredColumns
 
     def make(release, rows: int = 2, nbytes: int = 100) -> DeferredColumns:
         return DeferredColumns(lambda: (release is None or release.wait(10)) and {"x": np.arange(rows)}, nbytes, rows)

@@ -17,7 +17,7 @@ import math
 import os
 from pathlib import Path
 
-from triage_monitor import trackers
+from triage_monitor.alerting import trackers
 
 KIND = "recorder"
 

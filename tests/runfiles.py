@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triage_monitor.layout import RunLayout
+from triage_monitor.rundir.layout import RunLayout
 
 
 def parts(run_dir, table: str) -> list:
-    """Every :class:`~triage_monitor.layout.Part` of ``table`` (sealed blocks and pending files), by name."""
+    """Every :class:`~triage_monitor.rundir.layout.Part` of ``table`` (sealed blocks and pending files), by name."""
     return sorted(RunLayout(run_dir).index(table).parts, key=lambda p: p.name)
 
 
@@ -38,7 +38,7 @@ def step_keys(run_dir, table: str) -> list:
 
 def rows_of(run_dir, table: str, step: int, rank: int) -> int:
     """The rows of ``step`` of ``rank`` in ``table`` (its latest file: block or pending)."""
-    from triage_monitor.blocks import read_part
+    from triage_monitor.rundir.blocks import read_part
 
     layout = RunLayout(run_dir)
     (part,) = [p for p in layout.index(table).for_step(step) if p.rank == rank]
@@ -50,7 +50,7 @@ def shown(row) -> dict:
     NaN at noise level (triage_monitor.trackers.tracker_metrics, the alert guard's rule), every other value as is."""
     import math
 
-    from triage_monitor.trackers import NOISE_GUARDED, at_noise_level
+    from triage_monitor.alerting.trackers import NOISE_GUARDED, at_noise_level
 
     vals = {k: float(v) for k, v in dict(row).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return {k: (math.nan if k in NOISE_GUARDED and at_noise_level(vals, NOISE_GUARDED[k]) else v)

@@ -31,8 +31,8 @@ from skyrl.train.config import AlgorithmConfig
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig
-from triage_monitor.hooks._runtime import HookSettings, close_all
+from triage_monitor.triage.controller import TriageConfig
+from triage_monitor.hooks.worker_runtime import HookSettings, close_all
 from triage_monitor.hooks.skyrl import SKYRL_LOSS_REDUCTIONS, SkyRLTriageLoss, batch_from_skyrl, register
 from triage_monitor.monitor import MonitorConfig
 
@@ -271,7 +271,7 @@ def test_register_takes_alerts_loggers_framework_keys_and_checks_them(tmp_path):
     """register(alerts=, loggers=, framework_keys=, trainer=) become the loss's settings (configuration only); a
     bad value fails on the driver, naming the argument and the value."""
     from skyrl.train.config import TrainerConfig
-    from triage_monitor.trackers import TrackerSpec
+    from triage_monitor.alerting.trackers import TrackerSpec
 
     rules = tmp_path / "rules.toml"
     rules.write_text('[[rules]]\nname = "r"\nmetric = "window/rho_asym"\ncondition = "above"\nthreshold = 1.5\n')
@@ -394,7 +394,7 @@ def run_worker(rank: int, world: int, loss_name: str, port: int):
     rt = hook.runtime
     mon = rt.monitor
     from triage_monitor.hooks.skyrl import _CLOCKS
-    from triage_monitor.layout import RunLayout
+    from triage_monitor.rundir.layout import RunLayout
 
     # written by the optimizer step that ended each SkyRL step, before anything closes the hook (Ray runs no atexit):
     # the steps of the open block are in their pending files
@@ -442,7 +442,7 @@ def test_registry_ships_the_loss_into_two_ray_workers(tmp_path):
 
     from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
     from skyrl.train.config import TrainerConfig
-    from triage_monitor.trackers import CURATED_KEYS
+    from triage_monitor.alerting.trackers import CURATED_KEYS
 
     run_dir = tmp_path / "run"
     trainer = TrainerConfig()
@@ -545,7 +545,7 @@ def test_the_trainers_timers_reach_the_steps_table_through_a_training_callback(t
     from skyrl.train.trainer import RayPPOTrainer
     from skyrl.train.utils.tracking import Tracking
 
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from triage_monitor.hooks.skyrl import TimingsExpMixin, experiment_class
     from triage_monitor.monitor import MismatchMonitor
 

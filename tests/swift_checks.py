@@ -38,14 +38,14 @@ _rollout_mixin.check_vllm_version_ge = lambda v: v == "0.10.2" or _vllm_version_
 
 import recording_tracker  # noqa: E402
 from runfiles import shown  # noqa: E402
-from triage_monitor.alert_rules import Rule  # noqa: E402
-from triage_monitor.controller import TriageConfig  # noqa: E402
+from triage_monitor.alerting.alert_rules import Rule  # noqa: E402
+from triage_monitor.triage.controller import TriageConfig  # noqa: E402
 from triage_monitor.hooks import ms_swift as hook_mod  # noqa: E402
-from triage_monitor.hooks._hf_trainer import TrainerLossHook  # noqa: E402
-from triage_monitor.hooks._runtime import HookSettings, close_all  # noqa: E402
+from triage_monitor.hooks.trainer_mixin import TrainerLossHook  # noqa: E402
+from triage_monitor.hooks.worker_runtime import HookSettings, close_all  # noqa: E402
 from triage_monitor.hooks.ms_swift import (LOSS_TYPE_AGG, ROLLOUT_IS_CORRECTIONS, TriageSwiftGRPOTrainer,  # noqa: E402
                                            batch_from_swift, rollout_is_weights)
-from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
+from triage_monitor.alerting.trackers import CURATED_KEYS  # noqa: E402
 
 WORDS = ["a", "b", "c", "d", "e", "f", "g", "h"]
 OFF = TriageConfig(gate=False, tis=False, repair=False)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from triage_monitor.alerts import AlertEngine, CallbackSink, LoggingSink, Rule, default_rules, load_rules, replay
+from triage_monitor.alerting.alerts import AlertEngine, CallbackSink, LoggingSink, Rule, default_rules, load_rules, replay
 from triage_monitor.commands.alerts import main as alerts_cli
 
 
@@ -357,9 +357,9 @@ def _write_steps(run_dir, df, attempt):
     """Steps rows as a run directory holds them (triage_monitor.layout, triage_monitor.blocks): run.json + a block
     of the steps of ``df`` for ranks 0 and 1 of ``attempt``."""
     import pyarrow as pa
-    from triage_monitor.blocks import write_parquet
-    from triage_monitor.layout import RunLayout
-    from triage_monitor.storage import open_store
+    from triage_monitor.rundir.blocks import write_parquet
+    from triage_monitor.rundir.layout import RunLayout
+    from triage_monitor.rundir.storage import open_store
     store = open_store(run_dir)
     store.write_bytes("run.json", b'{"schema_version": 4, "tool": "triage-monitor"}')
     steps = df["step"].astype(int)
@@ -418,7 +418,7 @@ def test_live_monitor_run_and_cli_replay_agree(tmp_path, capsys):
     with the same rules (CLI) gives the same alerts."""
     import torch
 
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from triage_monitor.batch import TokenBatch
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
@@ -468,8 +468,8 @@ def test_without_wandb_everything_works_and_says_so_once(monkeypatch, caplog):
     """Runs whether or not wandb is installed (test_wandb.py is skipped without it)."""
     import sys
 
-    from triage_monitor import wandb_logger
-    from triage_monitor.wandb_logger import WandbAlertSink, WandbLogger
+    from triage_monitor.alerting import wandb_logger
+    from triage_monitor.alerting.wandb_logger import WandbAlertSink, WandbLogger
 
     monkeypatch.setitem(sys.modules, "wandb", None)       # `import wandb` now raises ImportError
     monkeypatch.setattr(wandb_logger, "_missing_reported", False)
@@ -592,7 +592,7 @@ def test_callback_sink_refuses_a_non_callable():
 
 
 def test_replay_reads_the_named_step_column_and_defaults_to_step():
-    from triage_monitor.alerts import pd_numeric, replay_engine
+    from triage_monitor.alerting.alerts import pd_numeric, replay_engine
     r = Rule("r", "window/x", "above", 1.0)
     df = pd.DataFrame({"global_step": [10, 11, 12], "window/x": [0, 2, 3]})
     assert [a.step for a in replay([r], df, "global_step")] == [11]
@@ -723,7 +723,7 @@ def test_a_repeated_step_replaces_the_last_one_and_duplicate_rule_names_are_name
 def test_every_shipped_rule_has_a_tier_and_the_direction_rules_are_not_the_mismatch_detector():
     """Two tiers (docs/alerts.md#tiers): each shipped rule says whether it reports the mismatch itself (informational)
     or warns of a coming collapse; the staleness detector delta_q05_low is a mismatch-tier rule."""
-    from triage_monitor.alert_rules import TIERS
+    from triage_monitor.alerting.alert_rules import TIERS
     rules = {r.name: r for r in default_rules()}
     assert all(r.tier in TIERS for r in rules.values())
     assert rules["delta_q05_low"].tier == "mismatch" and rules["records_dropped"].tier == "mismatch"
@@ -736,7 +736,7 @@ def test_the_tier_reaches_the_alert_its_title_and_the_alerts_table(tmp_path):
     """A mismatch-tier and a collapse-tier rule firing at one step: each alert, its title and the run's alerts table
     carry their own tier (an engine that stamped one tier on every alert fails)."""
     from triage_monitor import MismatchMonitor, MonitorConfig, TokenBatch
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     rules = [Rule("gap", "n_tokens", "above", 0, tier="mismatch"), Rule("boom", "n_tokens", "above", 0)]
     (a, b) = AlertEngine(rules).observe(3, {"n_tokens": 5.0})
     assert (a.tier, a.title, b.tier, b.title) == ("mismatch", "triage WARN (mismatch): gap", "collapse",

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from runfiles import file_of
-from triage_monitor.analysis import compare_live, open_run, postmortem_frame, recompute, recompute_states, step_state
+from triage_monitor.offline.analysis import compare_live, open_run, postmortem_frame, recompute, recompute_states, step_state
 from triage_monitor.batch import TokenBatch
-from triage_monitor.metrics import METRIC_NAMES, MismatchStats
+from triage_monitor.metrics.stats import METRIC_NAMES, MismatchStats
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
 STEPS = 5
@@ -103,8 +103,8 @@ def test_refresh_reads_a_resumed_jobs_new_attempt(tmp_path):
     step 0, where the first attempt raised an alert and the new one raises none.  Before the refresh the run reads
     the first attempt; after it, the step's attempt is the new one and the old alert is gone (the same step and
     part numbers, only the attempt differs)."""
-    from triage_monitor.alert_rules import Rule
-    from triage_monitor.alerts import AlertEngine
+    from triage_monitor.alerting.alert_rules import Rule
+    from triage_monitor.alerting.alerts import AlertEngine
 
     def engine(threshold):
         return AlertEngine([Rule(name="many", metric="n_tokens", condition="above", threshold=threshold)])
@@ -398,7 +398,7 @@ def test_a_run_stopped_inside_its_reference_window_recomputes_with_its_last_live
     """calibration_steps=4, 3 steps logged: τ_tail never froze (run.json has none); the frozen post-mortem uses
     the value the live monitor reached at its last reference step, the 5 % quantile of the 3 steps' δ (checked
     against pandas within the sketch's error bound)."""
-    from triage_monitor.sketch import quantile_error_bound
+    from triage_monitor.metrics.sketch import quantile_error_bound
 
     d = tmp_path / "run"
     live = _write(d, MonitorConfig(window=2, calibration_steps=4), steps=3)
@@ -460,7 +460,7 @@ def test_postmortem_frame_keeps_token_steps_without_a_live_row(run):
 
 
 def test_side_tables_keep_their_columns_and_skip_only_the_unreadable_file(tmp_path):
-    from triage_monitor.records import ALERT_SCHEMA
+    from triage_monitor.rundir.records import ALERT_SCHEMA
 
     d = tmp_path / "run"
     with MismatchMonitor(d, MonitorConfig(window=2, tau_tail=-1.0, roll_steps=1), alerts=_EveryStep()) as mon:
@@ -571,7 +571,7 @@ def test_recompute_takes_its_window_tau_calibration_and_config_arguments(run, ca
     assert recompute(r, calibration_steps=3)["tau_tail"].iloc[0] != base["tau_tail"].iloc[0]
     wide = recompute(r, config=MetricConfig(segment_width=16))
     assert wide["h_seg"].tolist() != base["h_seg"].tolist()
-    import triage_monitor.engines as engines
+    import triage_monitor.offline.engines as engines
     shown, real = [], engines._progress
     monkeypatch.setattr(engines, "_progress", lambda show, *a: shown.append(show) or real(show, *a))
     recompute(r, progress=True, cache=True)
@@ -582,7 +582,7 @@ def test_recompute_takes_its_window_tau_calibration_and_config_arguments(run, ca
 
 def test_a_window_before_every_step_is_empty(run):
     """Also: no step asked for gives no state row (of the run's state size)."""
-    from triage_monitor.metrics import state_layout
+    from triage_monitor.metrics.stats import state_layout
     r, _ = run
     assert recompute_states(r, steps=[]).states.shape == (0, state_layout(8).size)
     states = recompute_states(r)
@@ -602,7 +602,7 @@ def test_compare_live_reports_every_metric_both_sides_have(run):
 
 def _mapped_steps(monkeypatch) -> list:
     """A spy on the map over the steps: each call's steps, in order, appended to the list returned."""
-    import triage_monitor.engines as engines
+    import triage_monitor.offline.engines as engines
     calls, real = [], engines.map_ordered
     monkeypatch.setattr(engines, "map_ordered", lambda fn, items, **kw: calls.append(
         [int(args[0].step) for args in items]) or real(fn, items, **kw))
@@ -666,8 +666,8 @@ def test_recorded_null_inputs_match_the_tail_layout_of_the_tokens(run):
     """The C_tok shuffle-null input each step's state update records (kernel) against the segments cut from the
     decoded tokens by stages.tail_layout_from_arrays (numpy): per A<0 response holding a tail token, its segments'
     valid counts, its segment count and its tail count."""
-    from triage_monitor.analysis import read_token_arrays
-    from triage_monitor.stages import tail_layout_from_arrays
+    from triage_monitor.offline.analysis import read_token_arrays
+    from triage_monitor.offline.stages import tail_layout_from_arrays
 
     r, _ = run
     states = recompute_states(r)
@@ -730,7 +730,7 @@ def test_step_state_merges_rank_files_sorts_unsorted_rows_and_skips_empty_files(
 
     import triage_monitor.monitor as monitor_mod
     from triage_monitor.config import MetricConfig
-    from triage_monitor.metrics import SUM_FIELDS
+    from triage_monitor.metrics.stats import SUM_FIELDS
 
     d = tmp_path / "run"
     monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: 7)
@@ -777,8 +777,8 @@ def test_an_empty_step_selection_gives_no_states_and_is_cached_like_any_other(ru
 def test_the_engine_workers_and_address_asked_for_reach_the_map_over_the_steps(run, monkeypatch):
     """``recompute`` and ``recompute_states`` hand ``engine``, ``workers`` and ``address`` to the map over the steps
     as given (the map is computed in this process here: the spy runs it with the local engine, one worker)."""
-    import triage_monitor.analysis as analysis
-    import triage_monitor.engines as engines
+    import triage_monitor.offline.analysis as analysis
+    import triage_monitor.offline.engines as engines
     r, _ = run
     seen, real = [], engines.map_ordered
     monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)            # workers are not cut down on this small run
@@ -805,13 +805,13 @@ def test_workers_are_cut_to_what_the_token_records_pay_for(run, monkeypatch):
     """``planned_workers``: one worker process per WORKER_MIN_BYTES of token records to map (a block's bytes shared
     by its steps), at least 1, at most the number asked for: the bytes of the 5 one-step files worked out here; none
     (1: this process) with fewer than WORKER_MIN_CORES usable cores."""
-    from triage_monitor.analysis import planned_workers
+    from triage_monitor.offline.analysis import planned_workers
 
     r, _ = run
     sources = [r.token_source(s) for s in r.step_numbers()]
     total = sum(p.size for src in sources for p in src.parts)
     assert planned_workers(sources, 4) == 1 and planned_workers(sources, 1) == 1 and planned_workers([], 3) == 1
-    import triage_monitor.analysis as analysis
+    import triage_monitor.offline.analysis as analysis
 
     monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", total // 3)
     monkeypatch.setattr(analysis, "usable_cores", lambda: 8)
@@ -858,10 +858,10 @@ def test_a_row_group_shared_by_small_steps_is_decoded_once_for_all_of_them(tmp_p
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    import triage_monitor.blocks as blocks
-    from triage_monitor.blocks import BlockWriter, forget_shared_groups, read_part
-    from triage_monitor.layout import RunLayout
-    from triage_monitor.storage import open_store
+    import triage_monitor.rundir.blocks as blocks
+    from triage_monitor.rundir.blocks import BlockWriter, forget_shared_groups, read_part
+    from triage_monitor.rundir.layout import RunLayout
+    from triage_monitor.rundir.storage import open_store
 
     def step_rows(s, n):
         return pa.table({"step": np.full(n, s, np.int64), "rank": np.zeros(n, np.int64),
@@ -914,7 +914,7 @@ def test_a_row_group_shared_by_small_steps_is_decoded_once_for_all_of_them(tmp_p
 
 def _many_rank_run(d):
     """Four ranks of small steps, 9 steps in blocks of 6: their blocks' row groups each shared by several steps."""
-    from triage_monitor.records import RunWriter
+    from triage_monitor.rundir.records import RunWriter
 
     cfg = MonitorConfig(tau_tail=-0.5, alignment_check_steps=0, roll_steps=6)
     writers = [RunWriter(str(d), 1, k, 4, cfg.to_dict(), {"framework": "test"}, {"tool_version": "t"})
@@ -930,7 +930,7 @@ def _many_rank_run(d):
 def test_the_states_of_a_many_rank_run_are_those_of_its_steps_read_one_by_one(tmp_path):
     """The recomputed states of a many-rank run (row groups shared by steps, each decoded once) equal step_state
     of each step read alone, bit for bit."""
-    from triage_monitor.blocks import forget_shared_groups
+    from triage_monitor.rundir.blocks import forget_shared_groups
 
     r = _many_rank_run(tmp_path / "r")
     one_by_one = []
@@ -944,7 +944,7 @@ def test_the_states_of_a_many_rank_run_are_those_of_its_steps_read_one_by_one(tm
 def test_worker_processes_map_contiguous_chunks_of_steps_to_the_same_states(tmp_path, monkeypatch, plain_main):
     """2 worker processes, each given contiguous chunks of the steps (a shared row group read once in a chunk):
     the states and τ_tail of one process, bit for bit."""
-    import triage_monitor.analysis as analysis
+    import triage_monitor.offline.analysis as analysis
 
     r = _many_rank_run(tmp_path / "r")
     here = recompute_states(r)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from runfiles import parts
-from triage_monitor import blocks
+from triage_monitor.rundir import blocks
 from triage_monitor.batch import TokenBatch
-from triage_monitor.layout import TEMP_PREFIX
-from triage_monitor.storage import open_store
+from triage_monitor.rundir.layout import TEMP_PREFIX
+from triage_monitor.rundir.storage import open_store
 
 DATA = bytes(range(256)) * 64
 

@@ -252,7 +252,7 @@ def test_dashboard_bad_path_message_in_browser(browser, tmp_path):
 @needs_chromium
 def test_report_renders_offline(demo_run_dir, tmp_path):
     pytest.importorskip("websocket", reason="websocket-client is not installed")
-    from triage_monitor.report import write_report
+    from triage_monitor.offline.report import write_report
 
     out = write_report([demo_run_dir], tmp_path / "report.html", draws=49)
     b = Chromium(offline=True)                   # no network at all: everything must be inline
@@ -388,9 +388,9 @@ def test_dashboard_opens_on_the_verdict_the_destabilisation_and_the_informative_
 
     from test_verdict import _batch, _failing_run
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-    from triage_monitor.verdict import reference_of_run, verdict_of_steps
-    from triage_monitor.analysis import open_run
-    from triage_monitor.views import INSPECTED_COLOR, REFERENCE_COLOR
+    from triage_monitor.offline.verdict import reference_of_run, verdict_of_steps
+    from triage_monitor.offline.analysis import open_run
+    from triage_monitor.offline.views import INSPECTED_COLOR, REFERENCE_COLOR
 
     failing = _failing_run(tmp_path / "failing")
     g = torch.Generator().manual_seed(5)

@@ -315,7 +315,7 @@ def test_analyze_of_a_run_being_written_is_one_snapshot(tmp_path, monkeypatch, c
     """A run still open (status running) gets three more steps while ``analyze`` recomputes (arranged: they are
     written from inside the recomputation, not raced): the table, the live check and the verdict all cover the
     five steps there when it started, and one line says the three later ones were left out.  Exit 0."""
-    from triage_monitor import analysis
+    from triage_monitor.offline import analysis
 
     d = tmp_path / "run"
     mon = MismatchMonitor(d, MonitorConfig(window=3, calibration_steps=2))

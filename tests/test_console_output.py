@@ -131,7 +131,7 @@ def test_a_second_study_into_the_same_folder_says_it_continues_or_starts_afresh(
     """``study`` into a folder whose runs exist: without options it says that each run continues as a new attempt;
     with ``--force`` (what ``make demo`` passes) the old runs are moved aside, one line each saying where, and the
     new runs start afresh (one attempt)."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     out = tmp_path / "study"
     argv = ["study", "--out", str(out), "--arms", "none", "--seeds", "0", "--steps", "3", "--sampler-lag", "1",

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from triage_monitor.alerts import AlertEngine, Rule, default_rules
-from triage_monitor.alert_rules import NOISE_FLOOR_NATS, load_rules
+from triage_monitor.alerting.alerts import AlertEngine, Rule, default_rules
+from triage_monitor.alerting.alert_rules import NOISE_FLOOR_NATS, load_rules
 
 
 def fired(rule, values, steps=None):

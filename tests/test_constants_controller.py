@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig, TriageController
+from triage_monitor.triage.controller import TriageConfig, TriageController
 
 SAMPLER = -8.0          # δ values below are multiples of 2⁻⁸ or exact binary fractions: learner − sampler is exact
 BETA2 = 0.0005
@@ -215,7 +215,7 @@ def test_repair_segment_count_for_accumulation_skips_all_equal_groups():
 def test_calibration_config_and_state_version_validation():
     """CalibrationConfig: window ≥ 1 (1 is accepted), 0 < severe < neg < 1 (equal quantiles are refused), 0 < bad < 1;
     a controller state of another version is refused with both versions in the message."""
-    from triage_monitor.controller import STATE_VERSION, CalibrationConfig
+    from triage_monitor.triage.controller import STATE_VERSION, CalibrationConfig
 
     assert CalibrationConfig(window=1).window == 1
     c = CalibrationConfig()
@@ -236,8 +236,8 @@ def test_repair_terms_return_types_and_state_dict_config():
     controller's state_dict records its config under "config"."""
     from dataclasses import asdict
 
-    from triage_monitor.controller import repair_terms
-    from triage_monitor.segments import segment_tokens
+    from triage_monitor.triage.controller import repair_terms
+    from triage_monitor.metrics.segments import segment_tokens
 
     batch, _ = _batch([_two_segment_response(), [-0.5] * 50], [1.0, 0.0])
     seg = segment_tokens(batch.sample_index, batch.position, 128)

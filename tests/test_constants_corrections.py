@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from triage_monitor.corrections import icepop_weights, mis_weights, tis_weights
+from triage_monitor.triage.corrections import icepop_weights, mis_weights, tis_weights
 
 
 def _exact(target, f=lambda x: torch.exp(torch.tensor(x, dtype=torch.float32)).item()):
@@ -102,7 +102,7 @@ def test_sequence_forms_default_caps():
     """Sequence mask (product form): kept with weight ρ_s = exp(Σ log r) up to 3.0, dropped above (float64 ρ of a
     float32 log-ratio: no ρ equals 3 exactly, so the neighbours on each side pin it); no lower bound.  Sequence IS,
     product and geometric forms: capped at 2.  Two-token sequences with log-ratios (a, a)."""
-    from triage_monitor.corrections import (sequence_is_geometric_weights, sequence_is_product_weights,
+    from triage_monitor.triage.corrections import (sequence_is_geometric_weights, sequence_is_product_weights,
                                             sequence_mask_weights)
 
     def rho(x):                                    # x = the float32 log-ratio of a one-token sequence

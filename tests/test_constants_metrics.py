@@ -16,7 +16,7 @@ import torch
 
 from triage_monitor.batch import TokenBatch
 from triage_monitor.config import MonitorConfig
-from triage_monitor.metrics import MetricConfig, MetricTracker, compute_step_metrics
+from triage_monitor.metrics.stats import MetricConfig, MetricTracker, compute_step_metrics
 
 from reference_metrics import reference_metrics
 
@@ -226,7 +226,7 @@ def test_tau_tail_is_the_five_percent_quantile_of_the_first_25_steps():
 def test_regions_leave_a_zero_and_delta_zero_out():
     """docs/metrics.md#regions: A = 0 or δ = 0 → no region; the four sign combinations → their region."""
     from triage_monitor.batch import TokenBatch
-    from triage_monitor.metrics import REGIONS, MismatchStats
+    from triage_monitor.metrics.stats import REGIONS, MismatchStats
     delta = torch.tensor([-1.0, 1.0, 1.0, -1.0, 0.0, 0.0, -1.0, 1.0])
     adv = torch.tensor([-1.0, 1.0, -1.0, 1.0, -1.0, 1.0, 0.0, 0.0])
     names = []

@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import (
+from triage_monitor.triage.controller import (
     CalibrationConfig, TriageConfig, TriageController, pseudo_huber,
 )
-from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss
+from triage_monitor.triage.loss import policy_loss_denominator, weighted_policy_loss
 
 GATE_ONLY = dict(repair=False, tis=False)
 BETA = math.sqrt(5e-4)
@@ -440,7 +440,7 @@ def test_calibration_quantiles_from_reference_window():
     ctrl(_step_batch(2), step=2)
     th = ctrl.thresholds
     # read from the reference window's quantile sketch: exact up to the sketch's stated bound
-    from triage_monitor.sketch import quantile_error_bound
+    from triage_monitor.metrics.sketch import quantile_error_bound
     sm, tk = np.sort(np.asarray(seg_means, dtype=np.float64)), np.sort(np.asarray(toks, dtype=np.float64))
     for got, vals, q in ((th["neg_threshold"], sm, 0.2), (th["severe_threshold"], sm, 0.05),
                          (th["delta_bad"], tk, 0.01)):

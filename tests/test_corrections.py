@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.corrections import (
+from triage_monitor.triage.corrections import (
     dppo_kl_loss, geometric_mean_ratio, geometric_sequence_mask_weights, sequence_mask_weights, get_surrogate, icepop_weights, list_surrogates, mis_weights, ppo_clip_loss,
     reference_kl,
     register_surrogate, sequence_is_geometric_weights, sequence_is_product_weights, sequence_log_ratio_sum,
@@ -136,10 +136,10 @@ def test_mis_band_bounds_sampler_over_learner_like_verl():
 def test_the_surrogate_registry_is_what_the_loss_dispatches_on(monkeypatch):
     """Both per-token policy losses are registered under one signature; triage_policy_loss(surrogate=name) runs the
     registered function (a test entry registered here is used by it), an unknown name is refused naming the known."""
-    from triage_monitor import corrections
+    from triage_monitor.triage import corrections
     from triage_monitor.batch import TokenBatch
-    from triage_monitor.controller import TriageConfig, TriageController
-    from triage_monitor.loss import triage_policy_loss
+    from triage_monitor.triage.controller import TriageConfig, TriageController
+    from triage_monitor.triage.loss import triage_policy_loss
 
     monkeypatch.setattr(corrections, "_SURROGATES", dict(corrections._SURROGATES))   # the test's entry goes away
     assert list_surrogates() == ["ppo_clip", "dppo_kl"]

@@ -93,7 +93,7 @@ def test_cycle_reads_a_frameworks_logged_timers(tmp_path, pair, capsys):
 
 def test_the_report_shows_the_cycle_and_the_comparison(pair):
     pytest.importorskip("plotly")
-    from triage_monitor.report import build_report
+    from triage_monitor.offline.report import build_report
 
     text = build_report(list(pair), draws=9)
     assert "Step time and the full cycle" in text and "generation share g = 0.571" in text

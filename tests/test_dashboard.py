@@ -17,11 +17,11 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from triage_monitor.dashboards import launch as dashboard  # noqa: E402
 from triage_monitor.commands import dashboard as dashboard_cmd  # noqa: E402
-from triage_monitor.analysis import open_run, recompute  # noqa: E402
+from triage_monitor.offline.analysis import open_run, recompute  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
-from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
+from triage_monitor.triage.controller import TriageConfig, TriageController  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
-from triage_monitor.stages import stage_table  # noqa: E402
+from triage_monitor.offline.stages import stage_table  # noqa: E402
 
 APP = str(dashboard.app_path())
 
@@ -206,7 +206,7 @@ def test_step_time_and_the_full_cycle(monkeypatch, tmp_path):
     seconds and g per step equal the steps table, g = 0.571 and 1.48× at the default k = 2.3, 1.75× at k = 4, the
     comparison table's measured speedups 2.4× (generation), 1× (update), 1.38× (the cycle) beside both runs'
     mismatch figures."""
-    from triage_monitor.timings import cycle_frame
+    from triage_monitor.metrics.timings import cycle_frame
 
     def write(path, times, gap):
         with MismatchMonitor(path, MonitorConfig(window=3, calibration_steps=2), manifest={"device": "cuda:0"}) as mon:
@@ -301,7 +301,7 @@ def test_clear_messages_for_bad_runs(monkeypatch, tmp_path):
     assert len(at.get("plotly_chart")) >= 6
     warnings = " ".join(w.value for w in at.warning)
     live = open_run(tmp_path / "steps_only").steps()
-    from triage_monitor.verdict import verdict_of_steps
+    from triage_monitor.offline.verdict import verdict_of_steps
 
     focus = verdict_of_steps(live).focus_step                         # the page opens its token views there
     assert f"Token records of step {focus} are not readable" in warnings
@@ -392,7 +392,7 @@ def test_app_ships_in_the_wheel(tmp_path):
 
 
 def test_alerts_drawn_as_markers(monkeypatch, tmp_path):
-    from triage_monitor.alerts import AlertEngine, Rule
+    from triage_monitor.alerting.alerts import AlertEngine, Rule
 
     rules = [Rule("k3_high", "k3_kl", "above", 0.02, cooldown=3), Rule("ctok_high", "window/c_tok", "above", 0.0)]
     g = torch.Generator().manual_seed(1)
@@ -442,7 +442,8 @@ def test_step_level_path_needs_no_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
-    from triage_monitor import metrics, views
+    from triage_monitor.metrics import stats as metrics
+    from triage_monitor.offline import views
     assert views.REGIONS == metrics.REGIONS
 
 
@@ -452,7 +453,7 @@ def test_chart_cosmetics_labels_stay_clear_of_data_and_titles():
     named in the legend, not written across the lines."""
     import pandas as pd
 
-    from triage_monitor import views
+    from triage_monitor.offline import views
 
     rng = np.random.default_rng(0)
     delta = np.r_[rng.normal(0, 0.01, 20000), rng.normal(-0.5, 0.2, 300)]
@@ -475,7 +476,7 @@ def test_chart_cosmetics_labels_stay_clear_of_data_and_titles():
 
 def test_drill_down_segments_use_the_monitor_width(monkeypatch, tmp_path):
     """The drill-down cuts responses with the monitor's W (as the heatmap does), not the Gate's width."""
-    from triage_monitor.metrics import MetricConfig
+    from triage_monitor.metrics.stats import MetricConfig
 
     g = torch.Generator().manual_seed(0)
     cfg = MonitorConfig(window=2, calibration_steps=1, metrics=MetricConfig(segment_width=8))

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from triage_monitor.batch import TokenBatch  # noqa: E402
-from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
-from triage_monitor.loss import triage_policy_loss  # noqa: E402
+from triage_monitor.triage.controller import TriageConfig, TriageController  # noqa: E402
+from triage_monitor.triage.loss import triage_policy_loss  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

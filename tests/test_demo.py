@@ -12,12 +12,12 @@ import torch
 
 pytest.importorskip("torchao")
 
-from triage_monitor.analysis import open_run  # noqa: E402
+from triage_monitor.offline.analysis import open_run  # noqa: E402
 from triage_monitor.demo import DemoConfig, add_arguments, config_from_args, run_demo  # noqa: E402
 from triage_monitor.demo.grpo import generate, group_advantages, teacher_forced_logp  # noqa: E402
 from triage_monitor.demo.model import GPTConfig, TinyGPT  # noqa: E402
 from triage_monitor.demo.task import EOS, VOCAB_SIZE, AdditionTask  # noqa: E402
-from triage_monitor.nvfp4 import get_recipe, use_recipe  # noqa: E402
+from triage_monitor.demo.nvfp4 import get_recipe, use_recipe  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from triage_monitor.batch import TokenBatch  # noqa: E402
-from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
-from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss  # noqa: E402
+from triage_monitor.triage.controller import TriageConfig, TriageController  # noqa: E402
+from triage_monitor.triage.loss import policy_loss_denominator, weighted_policy_loss  # noqa: E402
 from ranks import run_ranks  # noqa: E402
-from triage_monitor.metrics import METRIC_NAMES, MetricConfig, MetricTracker  # noqa: E402
+from triage_monitor.metrics.stats import METRIC_NAMES, MetricConfig, MetricTracker  # noqa: E402
 from runfiles import parts  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -116,7 +116,7 @@ def test_many_ranks_equal_single_process(world, tmp_path):
     """Agreement test: every rank's synced metrics vs one process on the concatenated batch (both
     ``MetricTracker``), and live vs offline; the single-process values are checked against the independent loop
     of tests/reference_metrics.py at the end."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     results = spawn(world, tmp_path)
 
@@ -176,7 +176,7 @@ def test_many_ranks_equal_single_process(world, tmp_path):
 
     # --- offline from the rank files: live = offline on every metric (live tau replay), and the
     # post-mortem's one frozen tau_tail equals the live frozen value
-    from triage_monitor.analysis import compare_live, recompute
+    from triage_monitor.offline.analysis import compare_live, recompute
     cmp = compare_live(run, recompute(run, tau_mode="live"), rtol=1e-12)
     assert len(cmp) > 50 and cmp["equal"].all(), cmp[~cmp["equal"]]
     frozen = recompute(run)
@@ -319,7 +319,7 @@ def test_per_rank_steps_rows_and_counters_summed_over_the_group(tmp_path):
     or 2)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     run_ranks(__file__, lambda r: ["perrank", r, 2, tmp_path], 2, env, "per-rank steps job")
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     steps = open_run(tmp_path / "run").steps(rank=None)
     assert sorted(zip(steps["step"], steps["rank"])) == [(s, r) for s in range(STEPS) for r in range(2)]
@@ -341,7 +341,7 @@ def subgroup_worker(rank, world, outdir):
 
     import torch.distributed as dist
 
-    from triage_monitor import manifest as manifest_mod
+    from triage_monitor.rundir import manifest as manifest_mod
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
@@ -448,7 +448,7 @@ def test_resume_with_fewer_ranks_drops_the_old_attempts_extra_shards(tmp_path, m
     id is pinned with monkeypatch so that four monitors act as the four ranks of one attempt.
     """
     import triage_monitor.monitor as monitor_mod
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     def log(attempt, world, step):
         monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: attempt)
@@ -469,8 +469,8 @@ def test_resume_with_more_ranks_reads_every_rank_of_the_new_attempt_only(tmp_pat
     of the new attempt only (not the old attempt's two as well), and the recomputed metrics of both steps equal one
     process on the whole batch."""
     import triage_monitor.monitor as monitor_mod
-    from triage_monitor.analysis import open_run, recompute
-    from triage_monitor.metrics import compute_step_metrics
+    from triage_monitor.offline.analysis import open_run, recompute
+    from triage_monitor.metrics.stats import compute_step_metrics
 
     def log(attempt, world, steps):
         monkeypatch.setattr(monitor_mod, "new_attempt_id", lambda: attempt)

@@ -131,9 +131,9 @@ def test_the_documented_columns_are_the_declared_schemas_of_every_table():
     order, and every documented column is declared (the steps table: the monitor's declaration without extras)."""
     import pyarrow as pa
 
-    from triage_monitor.layout import TABLES
+    from triage_monitor.rundir.layout import TABLES
     from triage_monitor.monitor import steps_schema
-    from triage_monitor.records import table_schemas
+    from triage_monitor.rundir.records import table_schemas
 
     types = {"int64": pa.int64(), "int32": pa.int32(), "float64": pa.float64(), "float32": pa.float32(),
              "string": pa.string()}

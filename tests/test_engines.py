@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from triage_monitor.analysis import compare_live, open_run, recompute, recompute_states
+from triage_monitor.offline.analysis import compare_live, open_run, recompute, recompute_states
 from triage_monitor.batch import TokenBatch
 from triage_monitor.cli import main as cli_main
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
@@ -69,7 +69,7 @@ def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank
     ``MismatchStats``; independent check: tests/test_monitor.py
     test_live_metrics_equal_an_independent_computation_from_the_records.  (The worker processes are used on this
     small run by lowering the bytes a worker must have, ``analysis.WORKER_MIN_BYTES``.)"""
-    import triage_monitor.analysis as analysis
+    import triage_monitor.offline.analysis as analysis
 
     ray = pytest.importorskip("ray")
     monkeypatch.setattr(analysis, "WORKER_MIN_BYTES", 1)
@@ -93,7 +93,7 @@ def test_workers_and_ray_are_bit_identical_to_one_process(two_rank_run, one_rank
 
 @pytest.mark.multiprocess
 def test_one_tau_for_the_run_and_the_state_cache(one_rank_run, capsys, monkeypatch):
-    import triage_monitor.analysis as analysis
+    import triage_monitor.offline.analysis as analysis
 
     run = open_run(one_rank_run)
     monkeypatch.setattr(analysis, "usable_cores", lambda: 2)
@@ -140,7 +140,7 @@ def test_ray_engine_without_ray_says_how_to_install(monkeypatch, two_rank_run):
 
 def test_chunks_cut_the_items_into_contiguous_ranges_in_order():
     """Worker processes and Ray tasks take contiguous chunks: every item once, in order, near-equal lengths."""
-    from triage_monitor.engines import chunks
+    from triage_monitor.offline.engines import chunks
 
     assert chunks(10, 4) == [range(0, 2), range(2, 5), range(5, 7), range(7, 10)]
     assert chunks(3, 8) == [range(0, 1), range(1, 2), range(2, 3)] and chunks(0, 4) == [] and chunks(5, 1) == [range(5)]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import triage_monitor
-from triage_monitor import TriageMonitorError, errors, exits, records
-from triage_monitor.analysis import RunDirError, open_run
+from triage_monitor import TriageMonitorError, errors, exits
+from triage_monitor.rundir import records
+from triage_monitor.offline.analysis import RunDirError, open_run
 from triage_monitor.batch import InvalidTokenError, TokenBatch
 
 

@@ -8,11 +8,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from triage_monitor.alerts import Rule
+from triage_monitor.alerting.alerts import Rule
 from triage_monitor.commands.alerts import main as alerts_cli
-from triage_monitor.evaluation import (EvalRun, auroc, calibrate_threshold, evaluate, load_run, metric_auroc,
+from triage_monitor.offline.evaluation import (EvalRun, auroc, calibrate_threshold, evaluate, load_run, metric_auroc,
                                        read_labels, score_detector)
-from triage_monitor.outcome import OutcomeDefinition, destabilisation_step
+from triage_monitor.alerting.outcome import OutcomeDefinition, destabilisation_step
 
 RULE = Rule("x_high", "x", "above", 1.0, cooldown=1000, tier="collapse", group="direction")
 

@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from runfiles import steps_of  # noqa: E402
-from triage_monitor.alerts import AlertEngine, CallbackSink, Rule  # noqa: E402
-from triage_monitor.analysis import open_run, recompute  # noqa: E402
+from triage_monitor.alerting.alerts import AlertEngine, CallbackSink, Rule  # noqa: E402
+from triage_monitor.offline.analysis import open_run, recompute  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
-from triage_monitor.records import UnwritableOutputError  # noqa: E402
+from triage_monitor.rundir.records import UnwritableOutputError  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
@@ -63,8 +63,8 @@ def assert_all_readable(d: Path, table: str = "tokens") -> int:
     """Every visible Parquet file reads completely with plain pyarrow, and every pending file with the run's
     reader; returns the rows of ``table`` (None: every table) they hold, each step of a rank once (a pending file
     whose block is sealed too is the same records)."""
-    from triage_monitor.blocks import read_part
-    from triage_monitor.layout import TABLES, RunLayout
+    from triage_monitor.rundir.blocks import read_part
+    from triage_monitor.rundir.layout import TABLES, RunLayout
 
     for p in visible_files(d):
         pq.read_table(p)
@@ -288,7 +288,7 @@ def child_noflock_start(d):
     """Without flock: start a writer of rank 0 of ``d``, log step 1; print "ok" or the error's type and text."""
     _no_flock()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from triage_monitor.records import RunLockedError
+    from triage_monitor.rundir.records import RunLockedError
 
     try:
         with MismatchMonitor(d, MonitorConfig(window=2, calibration_steps=2), alerts=False) as mon:
@@ -319,7 +319,7 @@ def test_without_flock_a_second_process_is_refused_and_a_killed_writers_lock_is_
         assert f"rank 0 (pid {holder.pid} on " in out["message"] and f"{excl} stands in for the lock" in out["message"]
         import fcntl
 
-        from triage_monitor.records import RunLockedError
+        from triage_monitor.rundir.records import RunLockedError
 
         monkeypatch.setattr(fcntl, "flock", fcntl.flock)
         _no_flock()
@@ -387,7 +387,7 @@ def test_a_disk_without_free_blocks_refuses_the_start_naming_the_lock_file_and_h
     an ``UnwritableOutputError`` naming the lock file and the OS reason (typed out), its ``path`` the run
     directory, and the lock is not kept: once the disk has room, a monitor of that rank in the same process
     starts without taking over an earlier writer."""
-    from triage_monitor import locks
+    from triage_monitor.rundir import locks
 
     d = tmp_path / "run"
     d.mkdir()
@@ -437,7 +437,7 @@ def files_of(d: Path) -> dict:
 
 def names_of_step(d: Path, table: str, step: int) -> list:
     """The names of the files of ``table`` that hold ``step`` (every attempt and part)."""
-    from triage_monitor.layout import RunLayout
+    from triage_monitor.rundir.layout import RunLayout
 
     return sorted(p.name.split("/")[1] for p in RunLayout(d).index(table).covering(step))
 
@@ -531,7 +531,7 @@ def hold_disk(monkeypatch=None):
     ``monkeypatch`` when given, so it is restored)."""
     import threading
 
-    import triage_monitor.blocks as blocks_mod
+    import triage_monitor.rundir.blocks as blocks_mod
 
     release, entered = threading.Event(), threading.Event()
     real = blocks_mod.write_pending
@@ -588,7 +588,7 @@ def test_a_repeated_steps_alerts_are_its_latest_attempts(tmp_path):
     another alert if one fired again, none if none fired; the earlier attempts' alert rows stay in their files.  A
     rule "n_tokens above 0" fires at the first step of each attempt (then stays active); raised above every count,
     it fires nowhere."""
-    from triage_monitor.alerts import AlertEngine
+    from triage_monitor.alerting.alerts import AlertEngine
 
     def engine(threshold):
         return AlertEngine([Rule(name="many", metric="n_tokens", condition="above", threshold=threshold)])
@@ -614,7 +614,7 @@ def test_a_repeated_steps_alerts_are_its_latest_attempts(tmp_path):
 # ============================================================================== backpressure
 def child_rss(d, mode, bound_mb, item_mb, n_items):
     """A producer that outruns the disk: n_items columns of item_mb MiB each into a bounded ParquetSink."""
-    from triage_monitor.sink import ParquetSink
+    from triage_monitor.rundir.sink import ParquetSink
 
     rng = np.random.default_rng(0)
     n = int(item_mb * (1 << 20)) // 8
@@ -669,7 +669,7 @@ def test_the_queue_bound_takes_a_file_alone_however_big_and_one_that_fills_it_ex
     could make room), and after them not 1 byte."""
     import threading
 
-    from triage_monitor.sink import ParquetSink
+    from triage_monitor.rundir.sink import ParquetSink
 
     def rows(n):
         return [{"x": float(i)} for i in range(n)]
@@ -705,7 +705,7 @@ def test_a_new_sink_blocks_on_256_mib_counts_nothing_and_writes_on_one_daemon_th
     backpressure is refused naming the value (message typed out here)."""
     import threading
 
-    from triage_monitor.sink import ParquetSink
+    from triage_monitor.rundir.sink import ParquetSink
 
     def writers():
         return [t for t in threading.enumerate() if t.name == "triage-monitor-writer"]
@@ -850,8 +850,8 @@ def test_analysis_uses_latest_attempt_per_step(tmp_path):
 
 def _tiny_training(steps, ckpt_at=None, state=None, load_controller=True):
     """A tiny policy trained with TRIAGE weights + Repair (calibrated Gate), SGD; returns (params, checkpoint)."""
-    from triage_monitor.controller import CalibrationConfig, TriageConfig, TriageController
-    from triage_monitor.loss import weighted_policy_loss
+    from triage_monitor.triage.controller import CalibrationConfig, TriageConfig, TriageController
+    from triage_monitor.triage.loss import weighted_policy_loss
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 16)

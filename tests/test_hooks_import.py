@@ -144,7 +144,7 @@ def test_import_table_csv_format_help_and_monitor_options(tmp_path, capsys):
     Parquet is named; --segment-width and --tau-tail reach the run's monitor config."""
     import argparse
 
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from triage_monitor.cli import build_parser
 
     df = pd.DataFrame({"step": [0] * 4 + [1] * 4, "sample_id": [0, 0, 1, 1] * 2,

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig, TriageController
-from triage_monitor.metrics import compute_step_metrics
+from triage_monitor.triage.controller import TriageConfig, TriageController
+from triage_monitor.metrics.stats import compute_step_metrics
 from triage_monitor.hooks import nemo_rl, openrlhf, prime_rl, skyrl, slime
 
 PAD_LEARNER = -1e10      # sentinel: must never be read
@@ -204,7 +204,7 @@ def test_leaked_padding_would_be_caught():
 
 def test_openrlhf_positions_start_at_first_action_column():
     mask = torch.tensor([[0, 0, 1, 1, 0, 1, 0], [0, 1, 1, 0, 0, 0, 0]])
-    from triage_monitor.hooks._common import leading_positions
+    from triage_monitor.hooks.micro_batches import leading_positions
     assert leading_positions(mask).tolist() == [[-2, -1, 0, 1, 2, 3, 4], [-1, 0, 1, 2, 3, 4, 5]]
 
 

@@ -20,12 +20,12 @@ import miles_contract
 import recording_tracker
 from miles_contract import aggregate_train_losses, loss_function, policy_loss_function, save_debug_train_data_for_rank
 from test_hooks_slime import GBS, PARTITION, amplifying_step, rollout, slime_micro_batch, valid_tokens
-from triage_monitor.alert_rules import Rule
+from triage_monitor.alerting.alert_rules import Rule
 from triage_monitor.cli import main
-from triage_monitor.controller import TriageConfig
-from triage_monitor.hooks._runtime import close_all
+from triage_monitor.triage.controller import TriageConfig
+from triage_monitor.hooks.worker_runtime import close_all
 from triage_monitor.hooks.miles import MILES_COMMIT, MilesTriageLoss, check_miles_args
-from triage_monitor.trackers import CURATED_KEYS
+from triage_monitor.alerting.trackers import CURATED_KEYS
 
 pytestmark = pytest.mark.framework
 
@@ -168,7 +168,7 @@ def test_the_actors_perf_timers_reach_the_rows_of_their_rollout(miles_modules, t
     timings table at that step, with slime's names and mapping; Miles' own log call still gets the dict."""
     import miles_contract
 
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     hook = MilesTriageLoss(str(tmp_path / "run"), triage=None, alerts=False)
     args = miles_args()
@@ -189,7 +189,7 @@ def test_the_rollouts_raw_reward_is_the_reward_of_its_rows(miles_modules, tmp_pa
     from the second rollout on (the first is logged before Miles loads the loss module)."""
     import miles_contract
 
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     hook = MilesTriageLoss(str(tmp_path / "run"), triage=None, alerts=False)
     args = miles_args()

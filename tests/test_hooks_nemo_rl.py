@@ -47,11 +47,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import recording_tracker  # noqa: E402
-from triage_monitor.controller import TriageConfig  # noqa: E402
+from triage_monitor.triage.controller import TriageConfig  # noqa: E402
 from triage_monitor.hooks import nemo_rl  # noqa: E402
-from triage_monitor.hooks._runtime import close_all, runtime_for  # noqa: E402
+from triage_monitor.hooks.worker_runtime import close_all, runtime_for  # noqa: E402
 from triage_monitor.monitor import MonitorConfig  # noqa: E402
-from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
+from triage_monitor.alerting.trackers import CURATED_KEYS  # noqa: E402
 from runfiles import shown  # noqa: E402
 
 pytestmark = pytest.mark.framework
@@ -645,7 +645,7 @@ def test_grpos_step_timers_reach_the_last_optimizer_step_of_each_grpo_step(nemo_
     Ray worker flushes at its optimizer step); then GRPO's last log of the step, its Timer sums under
     prefix="timing/train" at total_steps + 1 (grpo.py L3657-3659, L3767-3772): the phases land on each GRPO
     step's last optimizer step (1, 3, 5), the others stay untimed; NeMo's own backends get the call unchanged."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     loss_fn = nemo_rl.NemoRLTriageLoss({}, run_dir=str(tmp_path / "run"), alerts=False,
                                        monitor=MonitorConfig(window=4, calibration_steps=2))

@@ -23,9 +23,9 @@ import pandas as pd
 import pytest
 import torch
 
-from triage_monitor.controller import TriageConfig
+from triage_monitor.triage.controller import TriageConfig
 from triage_monitor.hooks import openrlhf as hook
-from triage_monitor.hooks._runtime import HookSettings, close_all
+from triage_monitor.hooks.worker_runtime import HookSettings, close_all
 from triage_monitor.monitor import MonitorConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -53,7 +53,7 @@ def test_cli_arguments_split(tmp_path):
 def test_cli_alerts_loggers_framework_keys(tmp_path, capsys):
     """--triage.alerts / --triage.loggers / --triage.framework_keys become HookSettings' options (shipped with the
     actor class into every actor); a bad value stops the launch with argparse's error naming the flag."""
-    from triage_monitor.trackers import TrackerSpec
+    from triage_monitor.alerting.trackers import TrackerSpec
 
     rules = tmp_path / "rules.toml"
     rules.write_text(rules_toml([1]))
@@ -363,7 +363,7 @@ def test_real_training_status_carries_the_monitors_values_of_the_fits_last_step(
     """The status PolicyModelActor.fit returns (what OpenRLHF logs as train/<key>) holds the curated keys of the
     fit's last optimizer step — the current step, no lag — with the values of the monitor's steps table (read back
     from the Parquet), and triage/metrics_step naming it; sampler != learner there."""
-    from triage_monitor.trackers import CURATED_KEYS
+    from triage_monitor.alerting.trackers import CURATED_KEYS
 
     r = runs[name]
     steps = pd.read_parquet(r["run"] / "steps").set_index("step")
@@ -437,7 +437,7 @@ def test_ray_actor_group_of_two_policy_actors(orl, tmp_path):
 
     import ray
     from openrlhf.trainer.ray.launcher import RayActorGroup
-    from triage_monitor.trackers import CURATED_KEYS
+    from triage_monitor.alerting.trackers import CURATED_KEYS
 
     model_dir = cpu.tiny_model_dir(tmp_path / "tiny")
     (tmp_path / "triage.json").write_text('{"tis": false, "gate_width": 4, "repair_width": 4}')
@@ -576,7 +576,7 @@ def test_the_drivers_timers_land_on_each_fits_last_step(runs, tmp_path):
 
     from openrlhf.trainer.ppo_utils.experience import Experience
 
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     r = runs["off"]
     classes, ppo_trainer, _ = _driver_classes(r["run"].parent)

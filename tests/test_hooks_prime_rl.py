@@ -53,11 +53,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import recording_tracker  # noqa: E402
-from triage_monitor.analysis import open_run  # noqa: E402
-from triage_monitor.controller import TriageConfig  # noqa: E402
+from triage_monitor.offline.analysis import open_run  # noqa: E402
+from triage_monitor.triage.controller import TriageConfig  # noqa: E402
 from triage_monitor.hooks import prime_rl  # noqa: E402
-from triage_monitor.hooks._runtime import close_all  # noqa: E402
-from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
+from triage_monitor.hooks.worker_runtime import close_all  # noqa: E402
+from triage_monitor.alerting.trackers import CURATED_KEYS  # noqa: E402
 
 pytestmark = pytest.mark.framework
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig
-from triage_monitor.hooks._runtime import HookSettings, LossHook, close_all, runtime_for
+from triage_monitor.triage.controller import TriageConfig
+from triage_monitor.hooks.worker_runtime import HookSettings, LossHook, close_all, runtime_for
 from triage_monitor.monitor import MonitorConfig
 
 STEPS, MICRO, B, T = 3, 4, 2, 5
@@ -162,7 +162,7 @@ def test_ray_workers_write_one_run(tmp_path):
 def test_resolve_rank_fixed_then_env_then_atomic_claims(tmp_path, monkeypatch):
     """A fixed rank wins, then ``$RANK`` (digits only), then the smallest free claim in ``.ranks/<attempt>/``: three
     processes of attempt 5 get 0, 1, 2 (each claim file holds the claimant's pid); attempt 6 starts at 0 again."""
-    from triage_monitor.hooks._runtime import resolve_rank
+    from triage_monitor.hooks.worker_runtime import resolve_rank
     monkeypatch.setenv("RANK", "7")
     assert resolve_rank(tmp_path, 5, fixed=3) == 3
     assert resolve_rank(tmp_path, 5) == 7
@@ -176,7 +176,7 @@ def test_resolve_rank_fixed_then_env_then_atomic_claims(tmp_path, monkeypatch):
 
 
 def _bare_runtime(**kw):
-    from triage_monitor.hooks._runtime import WorkerRuntime
+    from triage_monitor.hooks.worker_runtime import WorkerRuntime
     return WorkerRuntime(HookSettings(run_dir=None, **kw))
 
 
@@ -219,7 +219,7 @@ def test_set_step_counts_on_from_the_given_step():
 def test_warns_once_after_10000_calls_without_an_optimizer_step(caplog):
     """9,999 loss calls without an optimizer step: silent; the 10,000th: one warning naming the count and the step
     all of them are logged as (set_step(10) after one optimizer step → 10); more calls do not repeat it."""
-    from triage_monitor.hooks._runtime import CALLS_WITHOUT_OPTIMIZER_WARNING
+    from triage_monitor.hooks.worker_runtime import CALLS_WITHOUT_OPTIMIZER_WARNING
     assert CALLS_WITHOUT_OPTIMIZER_WARNING == 10_000
     w = torch.nn.Parameter(torch.zeros(()))
     opt = torch.optim.SGD([w], lr=0.1)
@@ -346,7 +346,7 @@ def test_hook_settings_validate_and_normalise():
 
 
 def test_in_ray_worker_is_false_in_a_plain_process():
-    from triage_monitor.hooks._runtime import in_ray_worker
+    from triage_monitor.hooks.worker_runtime import in_ray_worker
     assert in_ray_worker() is False
 
 
@@ -479,7 +479,7 @@ def test_a_hooks_timers_reach_the_row_of_their_step(tmp_path, caplog):
     whose row is written go to the timings table, and fill only the phases the row lacks."""
     import logging
 
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     rt = runtime_for(HookSettings(run_dir=str(tmp_path / "run"), monitor=MonitorConfig(), alerts=False))
     rt.timings_source = lambda step: {"update": 2.0, "generation": 99.0, "weight_sync": 0.5} if step == 1 else None

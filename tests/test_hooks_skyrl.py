@@ -19,8 +19,8 @@ import cloudpickle
 import pytest
 import torch
 
-from triage_monitor.controller import TriageConfig
-from triage_monitor.hooks._runtime import HookSettings
+from triage_monitor.triage.controller import TriageConfig
+from triage_monitor.hooks.worker_runtime import HookSettings
 from triage_monitor.hooks.skyrl import SkyRLTriageLoss, batch_from_skyrl
 
 pytestmark = pytest.mark.framework
@@ -74,7 +74,7 @@ def test_dp_metrics_have_the_same_keys_on_every_rank(tmp_path):
     keeps its key, the alert state (rank 0's only) is rank 0's count × the DP size there and 0 elsewhere (SkyRL's
     mean is then rank 0's count), left out on every rank without rules; names ending in _loss are not handed over
     (SkyRL sums those)."""
-    from triage_monitor.hooks._options import dp_framework_metrics
+    from triage_monitor.hooks.option_strings import dp_framework_metrics
 
     nan = float("nan")
     rank0 = {"step": 7, "window/rho_asym": 1.6, "rho_asym": 2.0, "gate_downweighted_frac": 0.25, "alerts_active": 2.0,

@@ -23,16 +23,16 @@ from ranks import run_ranks
 import slime_contract
 from slime_contract import (get_sum_of_sample_mean, save_debug_train_data_v031, save_debug_train_data_v2,
                             slime_pg_loss)
-from triage_monitor.alert_rules import Rule
+from triage_monitor.alerting.alert_rules import Rule
 from triage_monitor.cli import main
-from triage_monitor.controller import TriageConfig
+from triage_monitor.triage.controller import TriageConfig
 from triage_monitor.hooks import slime as slime_hook
-from triage_monitor.hooks._runtime import HookSettings, close_all
+from triage_monitor.hooks.worker_runtime import HookSettings, close_all
 from triage_monitor.hooks.slime import SlimeTriageLoss, check_slime_args
-from triage_monitor.importers import slime_steps
-from triage_monitor.metrics import METRIC_NAMES
+from triage_monitor.offline.importers import slime_steps
+from triage_monitor.metrics.stats import METRIC_NAMES
 from triage_monitor.monitor import MonitorConfig
-from triage_monitor.trackers import CURATED_KEYS
+from triage_monitor.alerting.trackers import CURATED_KEYS
 
 pytestmark = pytest.mark.framework
 
@@ -535,7 +535,7 @@ def test_the_actors_perf_timers_reach_the_rows_of_their_rollout(slime_modules, t
     reporting rank puts them in the run's timings table at that step (one optimizer step per rollout here:
     steps 0-2), mapped as docs/hooks.md#phase-timings says (perf/step_time = train_wait + train); slime's own
     log call still gets the dict; they are the job's timings, so rank 1's rows of those steps show them too."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     hooks = two_ranks(tmp_path, alerts=False, loggers=[])
     args = slime_args()
@@ -564,7 +564,7 @@ def test_the_rollouts_raw_reward_is_the_reward_of_its_rows(slime_modules, tmp_pa
     GRPO's normalisation) in log_rollout_data, before it trains on the rollout (transcribed at 624b824a): the
     reporting rank's hook makes it the reward of the rollout's rows, rank 1's too (the job's reward).  The first
     rollout's is logged before slime imports the loss module (its first loss call): its row has none."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     hooks = two_ranks(tmp_path, alerts=False, loggers=[])
     args = slime_args()
@@ -674,7 +674,7 @@ def _parallel_worker(tp: int, pp: int, rank: int, world: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from triage_monitor import manifest as manifest_mod
+    from triage_monitor.rundir import manifest as manifest_mod
 
     out_dir = Path(out)
     real = bool(os.environ.get("TRIAGE_SLIME_SOURCE"))

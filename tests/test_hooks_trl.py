@@ -35,12 +35,12 @@ else:
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
-from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
-from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
+from triage_monitor.triage.controller import TriageConfig, TriageController  # noqa: E402
+from triage_monitor.hooks.worker_runtime import HookSettings  # noqa: E402
 from triage_monitor.hooks.trl import LOSS_TYPE_AGG, TriageGRPOTrainer  # noqa: E402
-from triage_monitor.loss import triage_policy_loss  # noqa: E402
+from triage_monitor.triage.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MonitorConfig  # noqa: E402
-from triage_monitor.trackers import CURATED_KEYS  # noqa: E402
+from triage_monitor.alerting.trackers import CURATED_KEYS  # noqa: E402
 from runfiles import shown  # noqa: E402
 
 pytestmark = pytest.mark.framework
@@ -84,7 +84,7 @@ def make_trainer(tmp, triage: HookSettings | None, *, max_steps=3, n_prompts=16,
 
 def spy_inputs(trainer) -> list:
     """Keep every training micro-batch's inputs (what TRL hands ``_compute_loss``), the hook's loss result (the
-    :class:`~triage_monitor.loss.TriageLoss` its ``compute_loss`` returned: the trainer itself keeps detached
+    :class:`~triage_monitor.triage.loss.TriageLoss` its ``compute_loss`` returned: the trainer itself keeps detached
     statistics only) and the loss.  The spy on the hook is removed when ``train()`` returns."""
     captured, results = [], []
     orig = trainer._compute_loss
@@ -684,7 +684,7 @@ def test_amplifying_sampler_alert_reaches_wandb_tensorboard_and_mlflow(tmp_path,
         wandb = pytest.importorskip("wandb")
     from mlflow.tracking import MlflowClient
     from test_trackers import tb_read
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from test_wandb import history_rows, of_kind, read_wandb_records
 
     wandb.teardown()        # settings W&B took from an earlier test's environment (it reads them once per process)
@@ -767,7 +767,7 @@ sys.path.insert(0, {tests!r})
 if {configured}:
     logging.basicConfig()                     # the user's own console handler on the root logger
 import test_hooks_trl as t
-from triage_monitor.hooks._runtime import HookSettings
+from triage_monitor.hooks.worker_runtime import HookSettings
 tmp = Path({tmp!r})
 trainer = t.make_trainer(tmp, HookSettings(run_dir=str(tmp / "run")), max_steps=4, cls=t.AmplifyingSamplerTrainer,
                          reward=t.reward_first_word, gradient_accumulation_steps=1, per_device_train_batch_size=8,
@@ -891,7 +891,7 @@ def test_two_accelerate_ranks_write_one_run(tmp_path):
     assert set(tokens["attempt"].astype(int)) == {int(ranks[0][2])}
     # alerts and trackers are rank 0's (the accelerator's main process): one alert for the job, one event file
     from test_trackers import tb_read
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     alerts = open_run(run).alerts()
     assert list(zip(alerts["step"], alerts["rule"])) == [(0, "gap_seen")]

@@ -18,13 +18,13 @@ core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 pd = pytest.importorskip("pandas")
 
 from triage_monitor.batch import TokenBatch  # noqa: E402
-from triage_monitor.controller import TriageConfig, TriageController  # noqa: E402
+from triage_monitor.triage.controller import TriageConfig, TriageController  # noqa: E402
 from triage_monitor.hooks import verl as hook  # noqa: E402
-from triage_monitor.hooks._runtime import HookSettings  # noqa: E402
-from triage_monitor.loss import triage_policy_loss  # noqa: E402
+from triage_monitor.hooks.worker_runtime import HookSettings  # noqa: E402
+from triage_monitor.triage.loss import triage_policy_loss  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
-from triage_monitor.analysis import open_run  # noqa: E402
-from triage_monitor.timings import cycle_summary  # noqa: E402
+from triage_monitor.offline.analysis import open_run  # noqa: E402
+from triage_monitor.metrics.timings import cycle_summary  # noqa: E402
 from runfiles import shown  # noqa: E402
 
 pytestmark = pytest.mark.framework
@@ -335,7 +335,7 @@ def test_settings_from_env_alerts_loggers_framework_keys(tmp_path):
     """TRIAGE_MONITOR_ALERTS / _LOGGERS / _FRAMEWORK_KEYS become HookSettings' alerts / loggers / framework_keys;
     a bad value fails when the settings are read (the plugin's import in a worker, the trainer's construction),
     naming the variable and the value."""
-    from triage_monitor.trackers import TrackerSpec
+    from triage_monitor.alerting.trackers import TrackerSpec
 
     rules = tmp_path / "rules.toml"
     rules.write_text(RULES_TOML)
@@ -554,7 +554,7 @@ def test_ray_workers_load_the_loss_via_external_lib_and_log_global_steps(ray_clu
     import json
 
     import ray
-    from triage_monitor.trackers import CURATED_KEYS
+    from triage_monitor.alerting.trackers import CURATED_KEYS
 
     run = ray_cluster
 
@@ -768,7 +768,7 @@ def test_trainer_step_publishes_global_steps_and_logs_metrics(tmp_path, keys):
     framework_keys selection of its metrics (the curated set by default) in verl's metrics dict as
     triage/<name> with triage/metrics_step = this step (no lag), equal to the steps table; nothing else of ours."""
     from triage_monitor.hooks.verl import TriageTrainerMixin, VerlBatchMonitor
-    from triage_monitor.trackers import CURATED_KEYS
+    from triage_monitor.alerting.trackers import CURATED_KEYS
 
     run = str(tmp_path / "run")
     live, rollout, adv, mask = make_actor_batch()

@@ -179,7 +179,7 @@ def test_a_step_logged_after_a_later_one_is_warned_once(tmp_path):
     training monitor): one WARNING at the first step that goes back, naming both steps and what readers will show
     (before: nothing said, and ``analyze`` later blamed 25 window metrics without a reason); the steps table holds
     each step once."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     code = ("import sys; sys.path.insert(0, sys.argv[2]); from test_hostile_trial import _batch; "
             "from triage_monitor.monitor import MismatchMonitor, MonitorConfig; "

@@ -126,7 +126,7 @@ def test_a_frozen_store_never_holds_the_training_thread_and_close_ends_on_its_bo
     assert res["abandoned"] > 0 and res["dropped"] >= res["abandoned"]
     assert "could not be written within close()'s bound" in err and "record row(s) of this run were not written" in err
     assert res["worst"] < 5.0, res       # a write through the frozen proxy takes the client's timeouts (>= 3 s) or more
-    from triage_monitor.storage import open_store
+    from triage_monitor.rundir.storage import open_store
 
     store = open_store(f"s3://frozen/run?endpoint_override=127.0.0.1:{port}&scheme=http")
     manifest = json.loads(store.read_bytes("run.json"))
@@ -140,7 +140,7 @@ def test_close_at_its_bound_counts_the_queued_rows_in_run_json_and_alerts(tmp_pa
     ``unwritten_at_close``; one ERROR line and a ``records_dropped`` alert to an alert-taking tracker say so."""
     import threading
 
-    from triage_monitor.sink import DeferredColumns
+    from triage_monitor.rundir.sink import DeferredColumns
 
     class Tracker:
         alerts: list = []
@@ -179,7 +179,7 @@ def test_a_full_queue_on_a_held_writer_drops_after_its_bound_instead_of_stalling
     next steps are dropped at once until the writer moves again (no second wait)."""
     import threading
 
-    from triage_monitor.sink import DeferredColumns, ParquetSink
+    from triage_monitor.rundir.sink import DeferredColumns, ParquetSink
 
     release = threading.Event()
     sink = ParquetSink(tmp_path, attempt=1, max_queue_bytes=16, block_timeout=0.5)
@@ -230,7 +230,7 @@ def test_a_monitor_used_in_a_forked_child_raises_and_the_parent_keeps_writing(tm
     """After ``os.fork()`` the child's ``log_step``, ``flush()`` and ``close()`` each raise ForkedWriterError naming
     both processes and what to do (no silent loss, no endless flush); the parent's monitor goes on and its run holds
     both of its steps."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     d = tmp_path / "run"
     p = subprocess.run([sys.executable, "-c", FORK_CHILD, str(d), str(ROOT / "tests")], cwd=ROOT, text=True,
@@ -247,8 +247,8 @@ def test_a_second_rank_without_a_process_group_or_attempt_is_refused_before_writ
     """``MismatchMonitor(d, rank=1)`` in a process without torch.distributed would draw its own attempt id and hide
     (or be hidden by) rank 0's records: refused naming ``attempt=``, nothing written; with the shared ``attempt``
     two processes' ranks both read back."""
-    from triage_monitor.analysis import open_run
-    from triage_monitor.records import new_attempt_id
+    from triage_monitor.offline.analysis import open_run
+    from triage_monitor.rundir.records import new_attempt_id
 
     d = tmp_path / "run"
     with pytest.raises(ValueError, match="rank=1 without a torch.distributed process group needs attempt="):
@@ -310,7 +310,7 @@ def test_monitor_config_refuses_unknown_keys_and_bad_values_at_construction(tmp_
 def test_hook_settings_check_the_writers_options_on_the_driver_naming_them(tmp_path, kwargs, error, message):
     """The options a worker's monitor would refuse (or, before, accept and lose records with) are refused where
     ``HookSettings`` is built, on the driver, naming the option."""
-    from triage_monitor.hooks._runtime import HookSettings
+    from triage_monitor.hooks.worker_runtime import HookSettings
 
     with pytest.raises(error) as err:
         HookSettings(run_dir=str(tmp_path / "run"), **kwargs)
@@ -337,7 +337,7 @@ def test_analyze_never_calls_a_run_that_lost_records_complete(tmp_path):
     own, never says "the records are complete", and exits 1; the intact run exits 0 and says it."""
     import threading
 
-    from triage_monitor.sink import DeferredColumns
+    from triage_monitor.rundir.sink import DeferredColumns
 
     whole = tmp_path / "whole"
     _run(whole)
@@ -438,8 +438,8 @@ def test_a_writer_taken_over_stops_writing_and_leaves_run_json_to_the_new_one(s3
     later steps are counted dropped (not written), and A's close leaves B's run.json (B's attempt, finished)."""
     import time as _time
 
-    from triage_monitor.analysis import open_run
-    from triage_monitor.storage import open_store
+    from triage_monitor.offline.analysis import open_run
+    from triage_monitor.rundir.storage import open_store
 
     port, _, bucket = s3
     uri = f"s3://{bucket('takeover')}/run?endpoint_override=127.0.0.1:{port}&scheme=http"
@@ -471,7 +471,7 @@ def test_a_writer_taken_over_stops_writing_and_leaves_run_json_to_the_new_one(s3
 def test_a_live_rule_on_a_metric_the_monitor_does_not_log_is_warned_at_the_first_step(tmp_path, caplog):
     """A rule on ``rho_asymm`` (misspelt) or on an extra never passed is named in one WARNING at the first step
     (not an INFO line at close); a rule on a logged extra (``reward``) is not."""
-    from triage_monitor.alert_rules import Rule
+    from triage_monitor.alerting.alert_rules import Rule
 
     rules = [Rule(name="typo", metric="rho_asymm", condition="above", threshold=1.0),
              Rule(name="mine", metric="reward", condition="below", threshold=-1.0)]
@@ -703,7 +703,7 @@ def test_a_killed_writers_temporary_block_and_spool_are_removed_by_the_next_writ
     """A writer SIGKILLed with open blocks leaves hidden ``.tmp-rank-R-attempt-A-*.parquet`` files (local) or its
     spool directory in ``$TMPDIR`` (S3); the next writer of the rank removes them (the temporaries when it seals
     the killed attempt's pending files, the spool when it makes its own), and the steps read back."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     port, _, bucket = s3
     spool_root = tmp_path / "tmpdir"

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from triage_monitor import layout as layout_module
-from triage_monitor.analysis import open_run
+from triage_monitor.rundir import layout as layout_module
+from triage_monitor.offline.analysis import open_run
 from triage_monitor.batch import TokenBatch
-from triage_monitor.layout import (MANIFEST, TABLES, Part, RunLayout, TableIndex, block_name, parse_part,
+from triage_monitor.rundir.layout import (MANIFEST, TABLES, Part, RunLayout, TableIndex, block_name, parse_part,
                                    pending_name)
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
@@ -156,7 +156,7 @@ def test_changing_the_naming_is_this_module_alone(tmp_path, monkeypatch):
 
 
 def test_the_hooks_side_folders_come_from_the_layout(tmp_path, monkeypatch):
-    """The rank claims of hooks/_runtime.py and verl's job folder are RunLayout's names (moved there, they follow)."""
+    """The rank claims of hooks/worker_runtime.py and verl's job folder are RunLayout's names (moved there, they follow)."""
     from triage_monitor.hooks import _runtime
     from triage_monitor.hooks import verl as verl_hook
 

@@ -10,12 +10,12 @@ import pandas as pd
 import pytest
 import torch
 
-from triage_monitor.alert_rules import Rule
-from triage_monitor.alerts import AlertEngine, CallbackSink, build_engine, replay_engine
+from triage_monitor.alerting.alert_rules import Rule
+from triage_monitor.alerting.alerts import AlertEngine, CallbackSink, build_engine, replay_engine
 from triage_monitor.batch import TokenBatch
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-from triage_monitor.trackers import CURATED_KEYS, TrackerSpec, framework_metrics, select_metrics, specs_of
-from triage_monitor.verdict import health_verdict
+from triage_monitor.alerting.trackers import CURATED_KEYS, TrackerSpec, framework_metrics, select_metrics, specs_of
+from triage_monitor.offline.verdict import health_verdict
 
 
 def biased(step, B=16, T=64, shift=-0.3):
@@ -209,7 +209,7 @@ def test_tracker_specs_travel_as_configuration():
 
 
 def test_hook_settings_carry_alerts_loggers_and_framework_keys_as_configuration(tmp_path):
-    from triage_monitor.hooks._runtime import HookSettings, WorkerRuntime
+    from triage_monitor.hooks.worker_runtime import HookSettings, WorkerRuntime
 
     hs = HookSettings(run_dir=str(tmp_path / "run"), alerts=[{"name": "low", "metric": "window/rho_asym",
                                                               "condition": "above", "threshold": 1.0}],
@@ -265,7 +265,7 @@ def test_alerts_and_analyze_commands_end_with_the_verdict_and_name_the_waiting_r
 def test_a_tracker_that_cannot_start_is_left_out_and_an_unknown_option_is_refused(tmp_path, caplog, monkeypatch):
     """A tracker whose constructor fails warns once and the monitor goes on; a misspelt option is an error naming it
     when the spec is made (on the driver for a hook), not a failure inside a worker."""
-    from triage_monitor import tensorboard_logger
+    from triage_monitor.alerting import tensorboard_logger
 
     def broken(*a, **k):
         raise OSError("read-only file system")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.controller import TriageConfig, TriageController
-from triage_monitor.loss import AGG_MODES, agg_loss, renormalize_per_response, triage_policy_loss
+from triage_monitor.triage.controller import TriageConfig, TriageController
+from triage_monitor.triage.loss import AGG_MODES, agg_loss, renormalize_per_response, triage_policy_loss
 
 
 def _batch():
@@ -167,7 +167,7 @@ def test_token_scale_scales_the_per_token_loss_and_is_not_renormalised():
 def test_dppo_kl_surrogate_token_sum():
     """surrogate="dppo_kl" with the controller off and token_sum: the plain sum of dppo_kl_loss (prime-rl's
     per-sample loss), anchored on old_logp; an unknown surrogate is refused."""
-    from triage_monitor.corrections import dppo_kl_loss
+    from triage_monitor.triage.corrections import dppo_kl_loss
 
     b = _batch()
     anchor = b.learner_logp.detach() - torch.tensor([0.3, -0.2, 0.1, 0.05])
@@ -184,7 +184,7 @@ def test_dppo_kl_surrogate_token_sum():
 def test_defaults_token_mean_and_per_response_denominator():
     """agg_loss's default mode is token_mean (Σ wℓ / Σ w = 6 / 2.5); policy_loss_denominator's default
     normalization is per_response: responses with ≥ 1 valid token — 2 here, one of them with a single token."""
-    from triage_monitor.loss import policy_loss_denominator
+    from triage_monitor.triage.loss import policy_loss_denominator
     b = _batch()
     assert agg_loss(LOSS, W, b).item() == pytest.approx(6.0 / 2.5)
     assert policy_loss_denominator(W, b).item() == 2.0
@@ -300,7 +300,7 @@ def test_repair_loss_is_added_and_uses_the_given_segment_count():
 
 def test_dppo_kl_surrogate_options_are_passed_through():
     """Non-default DPPO options (kl_tau 0.5, adv_tau 2) reach dppo_kl_loss."""
-    from triage_monitor.corrections import dppo_kl_loss
+    from triage_monitor.triage.corrections import dppo_kl_loss
 
     b = _batch()
     anchor = b.learner_logp.detach() - torch.tensor([0.3, -0.2, 0.1, 0.05])
@@ -368,7 +368,7 @@ def test_agg_loss_over_two_ranks_is_the_global_loss(mode, kw, expected):
 
 
 def test_policy_loss_denominator_and_weighted_loss_over_two_ranks():
-    from triage_monitor.loss import policy_loss_denominator, weighted_policy_loss
+    from triage_monitor.triage.loss import policy_loss_denominator, weighted_policy_loss
 
     def fn(rank, pg):
         b = _batch()
@@ -523,8 +523,8 @@ def test_the_compiled_cpu_passes_give_the_torch_operations_loss_and_gradient_bit
     log-probs are bit-identical, for both Gate scopes, the three Repair scopes, widths that divide and that do not,
     a calibrating controller (thresholds set at its third step), per-sample and per-token advantages and several
     aggregation modes."""
-    from triage_monitor import segments
-    from triage_monitor.controller import CalibrationConfig
+    from triage_monitor.metrics import segments
+    from triage_monitor.triage.controller import CalibrationConfig
 
     def bits(t):
         t = t.detach().reshape(-1)

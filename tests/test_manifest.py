@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from triage_monitor.manifest import RunManifest, config_differences, json_text, read_manifest
+from triage_monitor.rundir.manifest import RunManifest, config_differences, json_text, read_manifest
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
 
@@ -155,8 +155,8 @@ def test_a_crafted_run_json_is_refused_on_read_naming_the_field(good_run, tmp_pa
     """Each field this version uses is checked once, when run.json is read: the wrong type or range is a
     ``ManifestError`` (a ValueError) whose message names the file and the field (typed out here), with ``.field``
     and ``.path``; ``open_run`` turns it into a ``RunDirError`` with the same text."""
-    from triage_monitor.analysis import RunDirError, open_run
-    from triage_monitor.manifest import ManifestError
+    from triage_monitor.offline.analysis import RunDirError, open_run
+    from triage_monitor.rundir.manifest import ManifestError
 
     d = _crafted(good_run, tmp_path, change)
     with pytest.raises(ManifestError) as err:
@@ -174,7 +174,7 @@ def test_a_crafted_run_json_is_refused_on_read_naming_the_field(good_run, tmp_pa
 def test_the_manifest_a_monitor_writes_reads_back_and_integral_numbers_are_integers(good_run, tmp_path):
     """What a monitor writes passes the checks; a window written as 4.0 (JSON has one number type) reads as 4,
     a null τ_tail and a null calibration are accepted."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     assert read_manifest(good_run).monitor_config["window"] == 2
     d = _crafted(good_run, tmp_path, lambda d: (d["monitor_config"].update(window=4.0, tau_tail=None),
@@ -217,7 +217,7 @@ def test_writers_into_a_crafted_run_raise_run_conflict_error_naming_the_field(go
     (an ``OutputError``) naming the field, before anything is written; ``import --out`` exits 2 with that line.
     The run directory is left as it was."""
     from triage_monitor.cli import main
-    from triage_monitor.records import RunConflictError
+    from triage_monitor.rundir.records import RunConflictError
 
     d = _crafted(good_run, tmp_path, change)
     before = sorted(p.relative_to(d) for p in d.rglob("*"))
@@ -263,7 +263,7 @@ def test_a_monitor_refuses_a_configuration_its_run_json_could_not_be_read_back_w
     """The writer checks its own configuration the way a reader will (so what it writes reads back): a window of
     2.5 steps or above int64, a ``record_tokens`` that is not a boolean are a ``ManifestError`` at construction naming the
     ``MonitorConfig`` field (typed out here), before anything is written."""
-    from triage_monitor.manifest import ManifestError
+    from triage_monitor.rundir.manifest import ManifestError
 
     for cfg, message in ((MonitorConfig(window=2.5), "MonitorConfig.window must be an integer from 1 to "
                           "9223372036854775807, got 2.5"),

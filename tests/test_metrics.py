@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.metrics import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments, c_tok_from_table,
+from triage_monitor.metrics.stats import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments, c_tok_from_table,
                                     compute_step_metrics)
-from triage_monitor.sketch import quantile_error_bound
+from triage_monitor.metrics.sketch import quantile_error_bound
 
 SAMPLER = -1.0
 
@@ -448,7 +448,7 @@ def test_hand_worked_batches_hold_when_the_update_is_cut_into_pieces(quadrant_ba
     """quadrant_batch and seg_batch (values worked out in their fixtures) when the state update cuts every batch
     into pieces of at most 4 tokens at response boundaries (``PIECE_TOKENS`` is 65,536 in use; no hand-worked batch
     is that long)."""
-    from triage_monitor import state_kernel
+    from triage_monitor.metrics import state_kernel
     monkeypatch.setattr(state_kernel, "PIECE_TOKENS", 4)
     v = compute_step_metrics(quadrant_batch).values
     assert (v["mass_amp_neg"], v["mass_amp_pos"], v["mass_con_neg"], v["mass_con_pos"]) == (5, 2, 3, 1)
@@ -462,7 +462,7 @@ def test_hand_worked_batches_hold_when_the_update_is_cut_into_pieces(quadrant_ba
 
 def _tail_layout(delta, adv, sample, pos, tau, width):
     """stages.tail_layout of flat tensors: (response, number, valid, tail) of the kept segments, as lists."""
-    from triage_monitor.stages import _layout
+    from triage_monitor.offline.stages import _layout
     n = int(sample.max()) + 1 if sample.numel() else 0
     lay = _layout(sample, pos, adv, delta, n, tau, width)
     return [lay.response.tolist(), lay.number.tolist(), lay.valid.tolist(), lay.tail.tolist()]
@@ -549,7 +549,7 @@ def test_small_gap_is_strictly_below_the_threshold():
 def test_chi2_clamps_the_log_ratio_at_both_ends():
     """chi2_token's r is clamped to [−20, 20] before exp (verl's SAFETY_BOUND): its state sum Σ exp(r)² over δ = +25
     and −50 is e^40 + e^−40, not e^50 + e^−100."""
-    from triage_monitor.metrics import SUM_FIELDS
+    from triage_monitor.metrics.stats import SUM_FIELDS
     st = MismatchStats().update(_list_batch([[25.0, -50.0]], [1.], sampler=-60.0))
     assert st.sums[SUM_FIELDS.index("exp_r_sq_sum")].item() == pytest.approx(math.exp(40) + math.exp(-40), rel=1e-12)
     lo = MismatchStats().update(_list_batch([[-50.0]], [1.], sampler=-60.0))
@@ -608,7 +608,7 @@ def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path, plain_mai
     as it is (the min is negated for the MAX all-reduce and back)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
-    from triage_monitor.metrics import SUM_FIELDS
+    from triage_monitor.metrics.stats import SUM_FIELDS
 
     cfg = MetricConfig(segment_width=4)
     one = MismatchStats(cfg).update(_sync_part(0), -1.0)
@@ -638,7 +638,7 @@ def test_sync_all_reduces_sums_and_extremes_across_two_ranks(tmp_path, plain_mai
 def _sync_calibration_rank(rank, world, init_file, out):
     import torch.distributed as dist
 
-    from triage_monitor import calibration
+    from triage_monitor.metrics import calibration
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         values = [torch.tensor([-2., .5, 3.]), torch.tensor([-4., .1])][rank]
@@ -655,7 +655,7 @@ def test_calibration_parts_sync_to_the_part_of_both_ranks_values(tmp_path, plain
     0 and 1 quantiles are −4 and 3 and the part equals the merge of the two parts in one process."""
     import torch.multiprocessing as mp
 
-    from triage_monitor import calibration
+    from triage_monitor.metrics import calibration
 
     mp.spawn(_sync_calibration_rank, args=(2, str(tmp_path / "rdv"), str(tmp_path / "part")), nprocs=2, join=True)
     whole = calibration.merge_parts([calibration.part_of(torch.tensor([-2., .5, 3.])),
@@ -670,7 +670,7 @@ def test_calibration_parts_sync_to_the_part_of_both_ranks_values(tmp_path, plain
 def test_length_normalised_masses_are_the_documented_sums(quadrant_batch):
     """The state's length-normalised masses, not only their ratio (states are merged across
     ranks and steps): quadrant_batch's Σ |A|/n over amp_neg = 2·(2/3) + 1·(1/2) = 11/6 and over amp_pos = 2·(1/4)."""
-    from triage_monitor.metrics import SUM_FIELDS
+    from triage_monitor.metrics.stats import SUM_FIELDS
     st = MismatchStats().update(quadrant_batch)
     assert st.sums[SUM_FIELDS.index("lennorm_amp_neg")].item() == pytest.approx(11 / 6, rel=1e-12)
     assert st.sums[SUM_FIELDS.index("lennorm_amp_pos")].item() == pytest.approx(1 / 2, rel=1e-12)
@@ -703,7 +703,7 @@ def test_state_layout_groups_fields_by_reduction_by_hand():
     """Fields declared max(2), sum(3), min(1), sum(1) are laid out sums first (in declaration order), then min, then
     max: a 0:3, c 3:4, m 4:5, b 5:7; one range per reduction; the empty state is 0 for sums, +inf for min, −inf for
     max.  ``reduce`` of nothing is that empty state; of two states, sums add and extremes take the min / max."""
-    from triage_monitor.metrics import StateField, StateLayout
+    from triage_monitor.metrics.stats import StateField, StateLayout
     lay = StateLayout([StateField("b", 2, "max"), StateField("a", 3, "sum"), StateField("m", 1, "min"),
                        StateField("c", 1, "sum")])
     assert [f.name for f in lay.fields] == ["a", "c", "m", "b"]
@@ -723,7 +723,7 @@ def test_merge_all_into_spans_merges_each_state_in_turn_over_the_spans_only_by_h
     the left fold ((out + s1) + s2) + ... of Python floats, not a pairwise sum."""
     import functools
 
-    from triage_monitor.metrics import StateField, StateLayout
+    from triage_monitor.metrics.stats import StateField, StateLayout
     lay = StateLayout([StateField("a", 3, "sum"), StateField("c", 1, "sum"), StateField("m", 2, "min"),
                        StateField("b", 2, "max")])
     f64 = functools.partial(torch.tensor, dtype=torch.float64)
@@ -771,7 +771,7 @@ def test_localisation_added_apart_holds_the_hand_worked_values(seg_batch):
     assert (v["r_amp"], v["h_seg"], v["c_tok"]) == (pytest.approx(5 / 25), pytest.approx(4 / 7), pytest.approx(2 / 5))
     assert v["p_adj"] == pytest.approx((1 / 2) / (2 / 3)) and v["dilution"] == pytest.approx(1 / 3)
     # the sums themselves (the ratios hide a sign or a lost update): 25 valid, 5 tail, 7 segments, 4 heavy; twice
-    from triage_monitor.metrics import SUM_FIELDS
+    from triage_monitor.metrics.stats import SUM_FIELDS
     pick = (lambda s: [s.sums[SUM_FIELDS.index(k)].item()
                        for k in ("neg_valid_tokens", "tail_tokens", "segments", "heavy_segments")])
     assert pick(st) == [25, 5, 7, 4]
@@ -814,7 +814,7 @@ def test_c_tok_from_the_segment_table_by_hand_with_its_default_top_5_percent(seg
 def test_an_update_without_tau_tail_adds_no_localisation(seg_batch):
     """With τ_tail NaN (not calibrated yet) the localisation part of the state stays empty:
     no segment sums, an empty C_tok table (seg_batch has 3 responses with A < 0 cut into 7 segments at τ = −1)."""
-    from triage_monitor.metrics import SUM_FIELDS
+    from triage_monitor.metrics.stats import SUM_FIELDS
 
     loc = ("neg_valid_tokens", "tail_tokens", "segments", "heavy_segments", "pairs", "pairs_heavy",
            "pairs_prev_heavy", "pairs_both_heavy", "responses_with_heavy", "responses_diluted")

@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from triage_monitor.analysis import RunDirError, compare_live, open_run, recompute
+from triage_monitor.offline.analysis import RunDirError, compare_live, open_run, recompute
 from triage_monitor.batch import TokenBatch
 from triage_monitor.cli import main as cli_main
-from triage_monitor.metrics import METRIC_NAMES
+from triage_monitor.metrics.stats import METRIC_NAMES
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-from triage_monitor.sketch import quantile_error_bound
+from triage_monitor.metrics.sketch import quantile_error_bound
 
 from reference_metrics import reference_metrics, responses_from_tokens
 
@@ -105,7 +105,7 @@ def test_run_directory_readable_with_plain_pyarrow_and_pandas(run_dir):
     assert manifest["status"] == "finished" and manifest["info"]["framework"] == "unit-test"
     assert manifest["monitor_config"]["metrics"]["segment_width"] == 64 and manifest["monitor_config"]["window"] == 4
     assert "segment_width" not in manifest and "tau_tail_calibrated" not in manifest     # one home per setting
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     assert open_run(d).config.window == 4 and open_run(d).config.metrics.segment_width == 64
     # quarantined NaN token: counted in the metrics and visible in the records
     assert live[2]["nonfinite_count"] == 1 and live[2]["quarantined_count"] == 1
@@ -382,7 +382,7 @@ def test_manifest_status_interrupted_when_the_loop_is_stopped_by_ctrl_c(tmp_path
             mon.log_step(0, _batch(0))
             raise KeyboardInterrupt
     assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "interrupted"
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     assert open_run(tmp_path / "r").step_numbers() == [0]
 
 
@@ -415,9 +415,9 @@ def _subgroup_rank(rank, world, init_file, out):
 
     import torch.distributed as dist
 
-    from triage_monitor.controller import CalibrationConfig, TriageConfig, TriageController
-    from triage_monitor.hooks._runtime import _worker_attempt
-    from triage_monitor.metrics import MetricTracker
+    from triage_monitor.triage.controller import CalibrationConfig, TriageConfig, TriageController
+    from triage_monitor.hooks.worker_runtime import _worker_attempt
+    from triage_monitor.metrics.stats import MetricTracker
     from triage_monitor.monitor import _shared_attempt_id
 
     # a collective that never completes (a broadcast from a rank outside the group) fails after a minute, not hangs
@@ -590,7 +590,7 @@ def test_loggers_and_alerts_get_every_step_and_a_failing_one_is_skipped_once(tmp
     assert alerts.seen == [0, 1, 2, "closed"]
     rows = open_run(d).alerts()
     assert rows["step"].tolist() == [2] and rows["value"].tolist() == [2.0] and rows["rule"].tolist() == ["r"]
-    from triage_monitor.records import ALERT_SCHEMA               # one schema for plain readers of alerts/
+    from triage_monitor.rundir.records import ALERT_SCHEMA               # one schema for plain readers of alerts/
 
     (f,) = (d / "alerts").iterdir()
     assert pq.read_schema(f).remove_metadata() == ALERT_SCHEMA

@@ -9,7 +9,7 @@ from torch import nn
 
 pytest.importorskip("torchao")
 
-from triage_monitor.nvfp4 import (RECIPES, NVFP4Linear, NVFP4Recipe, fake_quantize_ste, get_recipe,  # noqa: E402
+from triage_monitor.demo.nvfp4 import (RECIPES, NVFP4Linear, NVFP4Recipe, fake_quantize_ste, get_recipe,  # noqa: E402
                                   nvfp4_fake_quantize, prepare_quantized_weights, quantize_linears_, use_recipe)
 
 GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # E2M1 magnitudes; list index = 3-bit code, even code = even mantissa
@@ -273,7 +273,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 @pytest.mark.parametrize("two_level", [True, False])
 @pytest.mark.parametrize("rows", [1, 16])
 def test_cpu_kernel_and_torch_ops_agree_bit_for_bit(name, two_level, rows):
-    from triage_monitor.nvfp4 import _native_torch
+    from triage_monitor.demo.nvfp4 import _native_torch
 
     x = _inputs()[name]
     want = hand_quantize(x.numpy(), two_level, rows)
@@ -286,7 +286,7 @@ def test_cpu_kernel_and_torch_ops_agree_bit_for_bit(name, two_level, rows):
 
 
 def test_torch_ops_round_ties_and_special_inputs_without_a_sync():
-    from triage_monitor.nvfp4 import _native_torch, _round_e2m1
+    from triage_monitor.demo.nvfp4 import _native_torch, _round_e2m1
 
     v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 0.7499999, 0.7500001, 5.9, -6.0, 0.0])
     assert _round_e2m1(v).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -0.0, -2.0, 0.5, 1.0, 6.0, -6.0, 0.0]
@@ -323,7 +323,7 @@ def test_ste_without_a_gradient_returns_the_grid_values():
 
 
 def test_device_quantizer_uses_a_compiled_function_only_when_it_is_bit_exact(monkeypatch, caplog):
-    import triage_monitor.nvfp4 as nv
+    import triage_monitor.demo.nvfp4 as nv
 
     monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
     x = torch.randn(4, 1, 64)
@@ -356,7 +356,7 @@ def test_device_quantizer_uses_a_compiled_function_only_when_it_is_bit_exact(mon
 
 
 def test_compiled_quantizer_within_the_tolerance_is_kept_and_says_how_far(monkeypatch, caplog):
-    import triage_monitor.nvfp4 as nv
+    import triage_monitor.demo.nvfp4 as nv
 
     monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
     monkeypatch.setattr(nv, "_QUANTIZER_STATUS", {})
@@ -384,7 +384,7 @@ def test_compiled_quantizer_within_the_tolerance_is_kept_and_says_how_far(monkey
 
 
 def test_compiled_quantizer_checks_each_new_key_at_its_first_use(monkeypatch):
-    import triage_monitor.nvfp4 as nv
+    import triage_monitor.demo.nvfp4 as nv
 
     monkeypatch.setattr(nv, "_DEVICE_QUANTIZERS", {})
     monkeypatch.setattr(nv, "_QUANTIZER_STATUS", {})
@@ -401,7 +401,7 @@ def test_compiled_quantizer_checks_each_new_key_at_its_first_use(monkeypatch):
 
 
 def test_device_path_flattens_to_two_dimensions_without_changing_a_bit():
-    import triage_monitor.nvfp4 as nv
+    import triage_monitor.demo.nvfp4 as nv
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 32, 64, generator=g) * torch.rand(3, 32, 64, generator=g) ** 4
@@ -415,7 +415,7 @@ def test_device_path_flattens_to_two_dimensions_without_changing_a_bit():
 def test_compilation_uses_one_inductor_worker_unless_the_environment_says(monkeypatch):
     import torch._inductor.config as inductor_config
 
-    import triage_monitor.nvfp4 as nv
+    import triage_monitor.demo.nvfp4 as nv
 
     monkeypatch.setattr(inductor_config, "compile_threads", 8)
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")

@@ -17,11 +17,11 @@ import torch
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
 
-from triage_monitor.analysis import compare_live, open_run, recompute  # noqa: E402
+from triage_monitor.offline.analysis import compare_live, open_run, recompute  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.cli import main  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
-from triage_monitor.storage import open_store  # noqa: E402
+from triage_monitor.rundir.storage import open_store  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_a_second_writer_of_a_rank_is_refused_while_the_lease_is_renewed(s3, mon
     import logging
     import time
 
-    from triage_monitor import locks
+    from triage_monitor.rundir import locks
     from triage_monitor.errors import RunLockedError, UnwritableOutputError
 
     _, bucket = s3
@@ -237,9 +237,9 @@ def test_a_hook_writes_its_run_to_s3_and_refuses_to_claim_a_rank_there(s3, monke
     """A loss hook's ``run_dir`` may be an s3:// URI: its worker runtime builds the monitor there (rank from
     ``RANK``); a process with no rank at all is refused naming the ways to give one (ranks are claimed with an
     exclusive create, which a store lacks).  verl's job files (attempt, published step) live in the store too."""
-    from triage_monitor.controller import TriageConfig
+    from triage_monitor.triage.controller import TriageConfig
     from triage_monitor.hooks import verl as verl_hook
-    from triage_monitor.hooks._runtime import HookSettings, WorkerRuntime
+    from triage_monitor.hooks.worker_runtime import HookSettings, WorkerRuntime
 
     _, bucket = s3
     uri = f"s3://{bucket('hooks')}/run"
@@ -331,7 +331,7 @@ def _fill_up(monkeypatch, store, kind, room):
     if kind == "s3":
         monkeypatch.setattr(store, "fs", _FailingFS(store.fs, room=room))
         return
-    from triage_monitor import storage
+    from triage_monitor.rundir import storage
 
     def full_open(path, mode="r", *a, **kw):
         f = open(path, mode, *a, **kw)

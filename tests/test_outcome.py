@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from triage_monitor.outcome import OutcomeDefinition, destabilisation_step, trailing_mean
+from triage_monitor.alerting.outcome import OutcomeDefinition, destabilisation_step, trailing_mean
 
 
 def test_the_trailing_mean_is_defined_from_row_n_minus_1():

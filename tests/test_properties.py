@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from triage_monitor.batch import InvalidTokenError, TokenBatch
-from triage_monitor.metrics import METRIC_NAMES, MetricConfig, MismatchStats
-from triage_monitor.sketch import quantile_error_bound
+from triage_monitor.metrics.stats import METRIC_NAMES, MetricConfig, MismatchStats
+from triage_monitor.metrics.sketch import quantile_error_bound
 
 # CI (CI=true) replays a fixed set of examples, so a landing is never decided by a lucky draw; local runs explore.
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
@@ -192,7 +192,7 @@ def test_quarantine_accounts_for_every_masked_in_token(p, poison, on_sampler):
 def test_one_position_shift_is_detected_with_its_direction(p, direction):
     from hypothesis import assume
 
-    from triage_monitor.alignment import MIN_ALIGNED_ABS_DELTA, check_alignment
+    from triage_monitor.metrics.alignment import MIN_ALIGNED_ABS_DELTA, check_alignment
 
     lp, s, a, m, ids = p
     m = torch.ones_like(m)

@@ -65,7 +65,7 @@ def two_rank_run(tmp_path_factory):
 
 
 def test_token_batch_keeps_ranks_that_reuse_sample_ids_apart(two_rank_run):
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
 
     run = open_run(two_rank_run)
     seen = []
@@ -100,7 +100,7 @@ def test_token_batch_keeps_ranks_that_reuse_sample_ids_apart(two_rank_run):
 
 def test_token_batch_keeps_recorded_ids_that_are_unique_over_the_ranks(tmp_path):
     """Hooks that pass global ids (rank r holds ids r, r + 2, …): the batch keeps the recorded ids."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
     for r in range(WORLD):
@@ -118,7 +118,7 @@ def test_dashboard_drill_down_shows_every_step_of_the_two_rank_run(monkeypatch, 
     pytest.importorskip("streamlit")
     from streamlit.testing.v1 import AppTest
 
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from triage_monitor.dashboards import launch
 
     run = open_run(two_rank_run)

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from runfiles import file_of, files, parts
-from triage_monitor.analysis import open_run
+from triage_monitor.offline.analysis import open_run
 from triage_monitor.batch import TokenBatch
-from triage_monitor.manifest import RunManifest
+from triage_monitor.rundir.manifest import RunManifest
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-from triage_monitor.records import OutputError, RunConflictError, UnwritableOutputError
-from triage_monitor.sink import DeferredColumns
+from triage_monitor.rundir.records import OutputError, RunConflictError, UnwritableOutputError
+from triage_monitor.rundir.sink import DeferredColumns
 
 
 def _batch(step, B=3, T=16):
@@ -185,7 +185,7 @@ def test_force_names_the_old_run_by_utc_time_and_numbers_repeats(tmp_path, monke
 
 
 def test_force_moves_a_manifest_alone_or_table_directories_alone(tmp_path):
-    from triage_monitor.records import check_run_dir
+    from triage_monitor.rundir.records import check_run_dir
 
     only_manifest, only_tables, other = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     MismatchMonitor(only_manifest, MonitorConfig(window=2)).close()
@@ -202,7 +202,7 @@ def test_check_run_dir_by_default_neither_resumes_another_identity_nor_moves_the
     """``check_run_dir(dir, config, info)`` without keywords: a run of another model is refused (no resume), with
     the run left where it is (no force); an unreadable run.json is refused naming the directory.  With
     ``force=True`` the move is warned naming both directories."""
-    from triage_monitor.records import RunConflictError, check_run_dir
+    from triage_monitor.rundir.records import RunConflictError, check_run_dir
 
     d = tmp_path / "run"
     cfg = MonitorConfig(window=2)
@@ -224,7 +224,7 @@ def test_check_run_dir_by_default_neither_resumes_another_identity_nor_moves_the
 
 
 def test_force_is_refused_while_another_writer_holds_the_run(tmp_path):
-    from triage_monitor.records import RunLockedError
+    from triage_monitor.rundir.records import RunLockedError
 
     d = tmp_path / "run"
     MismatchMonitor(d, MonitorConfig(window=2), attempt=5).close()
@@ -238,7 +238,7 @@ def test_force_is_refused_while_another_writer_holds_the_run(tmp_path):
 
 
 def test_token_files_hold_the_documented_columns_and_types(tmp_path):
-    from triage_monitor.records import TOKEN_SCHEMA
+    from triage_monitor.rundir.records import TOKEN_SCHEMA
 
     d = tmp_path / "run"
     b = TokenBatch.from_list([torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])],
@@ -281,7 +281,7 @@ def test_alignment_columns_are_in_every_steps_file(tmp_path):
 
 
 def test_force_numbers_the_old_run_when_its_name_is_taken(tmp_path, monkeypatch):
-    import triage_monitor.records as records
+    import triage_monitor.rundir.records as records
 
     monkeypatch.setattr(records.time, "gmtime", lambda *a: time.struct_time((2026, 1, 2, 3, 4, 5, 4, 2, 0)))
     d = tmp_path / "run"
@@ -328,7 +328,7 @@ def test_the_steps_table_has_the_schema_declared_from_the_metrics_the_counters_a
     the alignment check, tau_tail_frozen, the window metrics, the extras, alerts_active (float64, in the order of
     log_step's keys), then int64 attempt, float64 wall_time and the string nan_reasons; a key first seen late comes
     after them, in the later files only."""
-    from triage_monitor.metrics import METRIC_NAMES
+    from triage_monitor.metrics.stats import METRIC_NAMES
     from triage_monitor.monitor import INTEGRITY_METRICS, steps_schema
 
     d = tmp_path / "run"
@@ -353,7 +353,7 @@ def test_the_steps_table_has_the_schema_declared_from_the_metrics_the_counters_a
 
 def test_a_steps_schema_refuses_bookkeeping_names_and_repeats():
     from triage_monitor.monitor import steps_schema as monitor_steps_schema
-    from triage_monitor.records import steps_schema
+    from triage_monitor.rundir.records import steps_schema
 
     assert steps_schema(["a", "b"]).names == ["step", "rank", "a", "b", "attempt", "wall_time", "nan_reasons"]
     for bad, named in ((["a", "rank"], "['rank']"), (["a", "b", "a"], "['a']"), (["wall_time"], "['wall_time']")):
@@ -367,7 +367,7 @@ def test_a_steps_schema_refuses_bookkeeping_names_and_repeats():
 def test_a_writer_without_a_declared_steps_schema_takes_the_first_rows_keys(tmp_path):
     """``RunWriter`` used without the monitor: the steps schema is the first row's keys (float64; the writer's own
     ``writer_dropped_rows`` included), later rows are NaN where they lack one."""
-    from triage_monitor.records import RunWriter
+    from triage_monitor.rundir.records import RunWriter
 
     w = RunWriter(tmp_path / "run", 5, 0, 1, MonitorConfig(window=2).to_dict(), {}, {"tool_version": "t"})
     b = _batch(0)
@@ -382,7 +382,7 @@ def test_a_writer_without_a_declared_steps_schema_takes_the_first_rows_keys(tmp_
 
 def test_every_tables_declared_schema_is_the_schema_its_files_have(tmp_path):
     """The tokens, quarantine and alerts files have their declared schemas exactly (what docs/metrics.md names)."""
-    from triage_monitor.records import ALERT_SCHEMA, QUARANTINE_SCHEMA, TOKEN_SCHEMA
+    from triage_monitor.rundir.records import ALERT_SCHEMA, QUARANTINE_SCHEMA, TOKEN_SCHEMA
 
     d = tmp_path / "run"
     lp = torch.tensor([[-1.0, float("nan"), -0.5]])

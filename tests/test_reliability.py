@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from triage_monitor.alerts import AlertEngine, CallbackSink, Rule, default_rules
-from triage_monitor.alignment import check_alignment, padding_diagnostics
-from triage_monitor.analysis import open_run
+from triage_monitor.alerting.alerts import AlertEngine, CallbackSink, Rule, default_rules
+from triage_monitor.metrics.alignment import check_alignment, padding_diagnostics
+from triage_monitor.offline.analysis import open_run
 from triage_monitor.batch import InvalidTokenError, TokenBatch
-from triage_monitor.metrics import compute_step_metrics
+from triage_monitor.metrics.stats import compute_step_metrics
 from triage_monitor.monitor import INTEGRITY_METRICS, MismatchMonitor, MonitorConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def test_padding_diagnostics_cpu_pass_equals_the_torch_form():
     """Agreement test: the compiled CPU pass and the torch form (run on accelerators) of padding_diagnostics, on
     random batches with planted zeros and trailing runs of both kinds and lengths around PADDING_MIN_RUN; the
     hand-worked cases around this test check the values themselves."""
-    from triage_monitor.alignment import PADDING_MIN_RUN, ZERO_LOGP_GAP, _padding_diagnostics_torch
+    from triage_monitor.metrics.alignment import PADDING_MIN_RUN, ZERO_LOGP_GAP, _padding_diagnostics_torch
 
     g = torch.Generator().manual_seed(7)
     for trial in range(20):

@@ -9,11 +9,11 @@ import pytest
 
 pytest.importorskip("plotly")
 
-from triage_monitor import report  # noqa: E402
+from triage_monitor.offline import report  # noqa: E402
 from triage_monitor.commands import report as report_cmd  # noqa: E402
-from triage_monitor.analysis import open_run  # noqa: E402
+from triage_monitor.offline.analysis import open_run  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor  # noqa: E402
-from triage_monitor.stages import stage_table  # noqa: E402
+from triage_monitor.offline.stages import stage_table  # noqa: E402
 
 
 def _parse(argv):
@@ -79,7 +79,7 @@ def _short_responses_run(path, width: int):
     import torch
 
     from triage_monitor.batch import TokenBatch
-    from triage_monitor.metrics import MetricConfig
+    from triage_monitor.metrics.stats import MetricConfig
     from triage_monitor.monitor import MonitorConfig
 
     g = torch.Generator().manual_seed(3)
@@ -94,7 +94,7 @@ def _short_responses_run(path, width: int):
 def test_degenerate_shuffle_null_is_explained_not_shown_as_a_result(tmp_path):
     """Responses shorter than one segment: every A<0 response is one segment, so the shuffle null equals
     C_tok (excess exactly 0) and P_adj is NaN; the stage table says why, in the report too."""
-    from triage_monitor.stages import degenerate_notice
+    from triage_monitor.offline.stages import degenerate_notice
 
     _short_responses_run(tmp_path / "short", width=64)          # 40 tokens < W = 64
     table = stage_table(open_run(tmp_path / "short"), draws=49)

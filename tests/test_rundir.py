@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runfiles import file_of
-from triage_monitor.analysis import open_run
+from triage_monitor.offline.analysis import open_run
 from triage_monitor.batch import TokenBatch
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
@@ -55,8 +55,8 @@ def test_truncated_parquet_files_are_counted_named_and_logged(tmp_path, caplog):
 def _run_with_every_table(d):
     """Two ranks, steps 0-11 (step 2 quarantines a NaN token, an alert fires at steps >= 9), then a resumed
     attempt that redoes steps 10-11 on rank 0 alone."""
-    from triage_monitor.alerts import AlertEngine
-    from triage_monitor.alert_rules import Rule
+    from triage_monitor.alerting.alerts import AlertEngine
+    from triage_monitor.alerting.alert_rules import Rule
 
     def batch(step, rank):
         b = _batch(10 * step + rank)
@@ -153,7 +153,7 @@ def _holder(d, rank=0):
 def test_a_second_process_writing_the_same_rank_is_refused_at_start(tmp_path):
     import signal
 
-    from triage_monitor.records import RunLockedError
+    from triage_monitor.rundir.records import RunLockedError
 
     d = tmp_path / "run"
     p = _holder(d, rank=0)
@@ -213,7 +213,7 @@ def test_a_lock_held_by_another_process_is_refused_quoting_its_text(tmp_path, te
     import subprocess
     import sys
 
-    from triage_monitor.records import RunLockedError
+    from triage_monitor.rundir.records import RunLockedError
 
     d = tmp_path / "run"
     d.mkdir()
@@ -283,7 +283,7 @@ def test_force_locks_the_new_run_and_a_refused_start_leaves_no_lock(tmp_path, ca
     configuration releases the lock it took: the next writer starts without a take-over warning."""
     import os
 
-    from triage_monitor.records import RunConflictError
+    from triage_monitor.rundir.records import RunConflictError
 
     d = tmp_path / "run"
     cfg = MonitorConfig(window=2, calibration_steps=2)
@@ -316,7 +316,7 @@ def test_force_on_a_rank_other_than_0_neither_checks_nor_moves_the_run(tmp_path)
 def test_a_run_writer_by_default_blocks_and_neither_resumes_nor_forces(tmp_path):
     """``RunWriter`` built with its defaults: a queue of 256 MiB that blocks when full, and an existing run of
     another model is refused (no resume), left where it is (no force)."""
-    from triage_monitor.records import RunConflictError, RunWriter
+    from triage_monitor.rundir.records import RunConflictError, RunWriter
 
     d = tmp_path / "run"
     cfg, versions = MonitorConfig(window=2).to_dict(), {"tool_version": "0", "torch": "0"}
@@ -369,9 +369,9 @@ def test_the_atomic_writers_create_parents_and_leave_only_their_file(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from triage_monitor.blocks import write_parquet
-    from triage_monitor.manifest import json_text
-    from triage_monitor.storage import open_store
+    from triage_monitor.rundir.blocks import write_parquet
+    from triage_monitor.rundir.manifest import json_text
+    from triage_monitor.rundir.storage import open_store
 
     path = tmp_path / "a" / "b" / "c.json"
     open_store(tmp_path).write_bytes("a/b/c.json", json_text({"x": float("nan"), "y": (1.5, float("inf"))}).encode())
@@ -386,7 +386,7 @@ def test_the_atomic_writers_create_parents_and_leave_only_their_file(tmp_path):
 
 # ============================================================================ one run per directory
 def test_another_configuration_is_refused_naming_the_keys_and_the_way_out(tmp_path):
-    from triage_monitor.records import RunConflictError
+    from triage_monitor.rundir.records import RunConflictError
 
     d = tmp_path / "run"
     _write(d, steps=3, manifest={"correction": "triage", "seed": 1})
@@ -440,7 +440,7 @@ def test_unwritable_output_names_the_path_and_reason(tmp_path):
     where /sys is mounted read-only too).  Messages typed out here."""
     import re
 
-    from triage_monitor.records import OutputError, UnwritableOutputError, probe_writable
+    from triage_monitor.rundir.records import OutputError, UnwritableOutputError, probe_writable
 
     nested = tmp_path / "runs" / "exp" / "seed0"
     assert probe_writable(str(nested)).local() == nested and nested.is_dir() and list(nested.iterdir()) == []
@@ -526,8 +526,8 @@ def test_demo_into_a_run_of_another_correction_is_refused_before_training(tmp_pa
 
 
 def test_a_hook_into_a_run_of_another_framework_is_refused_when_its_monitor_starts(tmp_path):
-    from triage_monitor.hooks._runtime import HookSettings, WorkerRuntime
-    from triage_monitor.records import RunConflictError
+    from triage_monitor.hooks.worker_runtime import HookSettings, WorkerRuntime
+    from triage_monitor.rundir.records import RunConflictError
 
     d = tmp_path / "run"
     _write(d, steps=2, manifest={"framework": "trl"})
@@ -551,10 +551,10 @@ def test_a_run_directory_given_as_an_unsupported_uri_is_refused_naming_the_schem
     scheme; nothing is created."""
     from pathlib import Path
 
-    from hooks._runtime import HookSettings
-    from triage_monitor.analysis import RunDirError
+    from hooks.worker_runtime import HookSettings
+    from triage_monitor.offline.analysis import RunDirError
     from triage_monitor.errors import UnsupportedLocationError
-    from triage_monitor.layout import RunLayout
+    from triage_monitor.rundir.layout import RunLayout
 
     monkeypatch.chdir(tmp_path)
     for make in (lambda: MismatchMonitor(location), lambda: HookSettings(run_dir=location),
@@ -575,7 +575,7 @@ def test_file_uris_and_plain_paths_are_local(tmp_path):
     path is unchanged, a Windows-style drive letter (one letter and a colon) is not a scheme."""
     from pathlib import Path
 
-    from triage_monitor.layout import run_path
+    from triage_monitor.rundir.layout import run_path
 
     assert run_path(f"file://{tmp_path}/run") == tmp_path / "run"
     assert run_path(Path(f"file://{tmp_path}/run")) == tmp_path / "run"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from triage_monitor.segments import segment_tokens
+from triage_monitor.metrics.segments import segment_tokens
 
 
 def test_segments_by_position_with_masked_gaps_and_predecessors():
@@ -105,7 +105,7 @@ def test_coarsened_segments_equal_the_segments_cut_at_the_wider_width(narrow, wi
     """``coarsen(segment_tokens(..., W), m·W)`` equals ``segment_tokens(..., m·W)`` field by field (token index,
     response, segment number, count) on responses with masked gaps, empty responses and a lone token; a width that
     is not a multiple is refused."""
-    from triage_monitor.segments import coarsen
+    from triage_monitor.metrics.segments import coarsen
 
     g = torch.Generator().manual_seed(narrow * wide)
     for responses, max_len in ((30, 700), (3, 2), (1, 1), (0, 1)):
@@ -125,7 +125,7 @@ def test_the_compiled_gate_pass_equals_the_torch_operations_bit_for_bit(dtype):
     ``Segments.sum`` bit for bit (values over 24 orders of magnitude, signed zeros); ``broadcast_where_negative``
     equals ``torch.where(values < 0, seg.broadcast(w), fill)`` with NaN, −0.0 and exact zeros among the values;
     an empty batch and a width below 1 behave like the torch operations."""
-    from triage_monitor.segments import broadcast_where_negative, segment_sums
+    from triage_monitor.metrics.segments import broadcast_where_negative, segment_sums
 
     g = torch.Generator().manual_seed(3)
     bits = (lambda t: t.view(torch.int64 if t.dtype == torch.float64 else torch.int32))

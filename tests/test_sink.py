@@ -13,10 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from runfiles import files, parts
-from triage_monitor.blocks import BlockWriter, read_part, seal_pending, write_pending
-from triage_monitor.layout import RunLayout
-from triage_monitor.sink import ROW_BYTES, DeferredColumns, ParquetSink, Recover, Write
-from triage_monitor.storage import open_store
+from triage_monitor.rundir.blocks import BlockWriter, read_part, seal_pending, write_pending
+from triage_monitor.rundir.layout import RunLayout
+from triage_monitor.rundir.sink import ROW_BYTES, DeferredColumns, ParquetSink, Recover, Write
+from triage_monitor.rundir.storage import open_store
 
 
 def _names(d, table):
@@ -220,7 +220,7 @@ def test_a_block_holds_roll_steps_aligned_steps_and_each_step_is_pending_until_i
     part = RunLayout(tmp_path).index("tokens").for_step(6)[0]
     assert read_part(store, part, ["x"], step=6).column("x").to_pylist() == [6.0, 7.0, 8.0]
     assert list(tmp_path.joinpath("tokens").glob(".tmp-*")) == []        # no temporary file left
-    import triage_monitor.blocks as blocks_mod
+    import triage_monitor.rundir.blocks as blocks_mod
 
     monkeypatch.setattr(blocks_mod, "ROW_GROUP_BYTES", 1)               # every step is big: a row group each
     big = BlockWriter(store, "steps", 0, 9, roll_steps=4)
@@ -299,7 +299,7 @@ def test_a_pending_file_sealed_after_the_reader_listed_it_is_read_from_its_block
     """A reader lists a run being written (a dashboard, analyze): the writer then seals the block and removes its
     pending files.  Reading a step through the listing made before gets the step's rows from the block (the race
     a live dashboard met), for one step and for a whole pending file; a Run opened before the seal reads on."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
     store = open_store(tmp_path)
@@ -333,7 +333,7 @@ def test_a_step_of_row_group_step_bytes_or_more_is_a_row_group_of_its_own_after_
     """A step whose columns reach ROW_GROUP_STEP_BYTES is written as its own row group at once (a reader of one step
     decodes that step alone), after the smaller steps buffered before it (their own row group, in step order);
     smaller steps after it gather again.  The block's rows are the steps' in order, and each step reads back alone."""
-    import triage_monitor.blocks as blocks_mod
+    import triage_monitor.rundir.blocks as blocks_mod
 
     monkeypatch.setattr(blocks_mod, "ROW_GROUP_STEP_BYTES", _step(0, n=40).nbytes)   # 40 rows or more: big
     store = open_store(tmp_path)

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from triage_monitor import sketch
+from triage_monitor.metrics import sketch
 from triage_monitor.batch import TokenBatch
-from triage_monitor.metrics import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments,
+from triage_monitor.metrics.stats import (MetricConfig, MetricTracker, MismatchStats, c_tok_from_segments,
                                     c_tok_from_table, state_layout)
-from triage_monitor.stages import tail_layout
-from triage_monitor.sketch import quantile_error_bound, sketch_counts, sketch_quantiles
+from triage_monitor.offline.stages import tail_layout
+from triage_monitor.metrics.sketch import quantile_error_bound, sketch_counts, sketch_quantiles
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                     derandomize=bool(os.environ.get("CI")))
@@ -135,7 +135,7 @@ def test_window_is_the_merge_of_its_step_states():
 
 
 def test_cpu_update_in_response_aligned_pieces_equals_one_piece(monkeypatch):
-    import triage_monitor.state_kernel as K
+    import triage_monitor.metrics.state_kernel as K
 
     cfg = MetricConfig(segment_width=16)
     b = _random_batch(3, B=60, T=300)
@@ -163,9 +163,9 @@ def test_tau_tail_counts_the_exact_zeros_of_every_reference_step(tmp_path):
     estimate and −2 the exact minimum).  A merge that dropped the zero bucket of the steps after the first would
     hold 3 + 9 values and give −2.  Checked on the merge itself, the reference window the live monitor and the
     controller use, the live tracker and monitor, and the offline recomputation."""
-    from triage_monitor import calibration
-    from triage_monitor.analysis import open_run, recompute
-    from triage_monitor.metrics import tau_from_calibration
+    from triage_monitor.metrics import calibration
+    from triage_monitor.offline.analysis import open_run, recompute
+    from triage_monitor.metrics.stats import tau_from_calibration
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
     parts = [calibration.part_of(_zero_step(z)) for z in ZERO_STEPS]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from triage_monitor.analysis import open_run
+from triage_monitor.offline.analysis import open_run
 from triage_monitor.batch import TokenBatch
-from triage_monitor.metrics import MetricConfig, MismatchStats, c_tok_from_segments
-from triage_monitor.stages import (TailLayout, anchor_steps, format_stage_table, null_segment_counts,
+from triage_monitor.metrics.stats import MetricConfig, MismatchStats, c_tok_from_segments
+from triage_monitor.offline.stages import (TailLayout, anchor_steps, format_stage_table, null_segment_counts,
                                    shuffle_null_c_tok, stage_table, tail_layout)
 
 
@@ -118,7 +118,7 @@ def test_stage_table_on_demo_run(demo_run_dir):
     assert list(t["stage"]) == ["25%", "50%", "75%", "100%"]
     assert list(t["step"]) == anchor_steps(run.step_numbers())
     window = run.config.window
-    from triage_monitor.analysis import recompute
+    from triage_monitor.offline.analysis import recompute
     frozen = recompute(run).set_index("step")                   # one tau_tail for every step
     assert frozen["tau_tail"].nunique() == 1 and t["tau_frozen"].all()
     prov = set(live.index[live["tau_tail_frozen"] == 0])
@@ -140,7 +140,7 @@ def test_stage_table_on_demo_run(demo_run_dir):
     # user anchors and another window (recomputed)
     t2 = stage_table(run, anchors=[4, 20], window=3, draws=19)
     assert list(t2["stage"]) == ["step 4", "step 20"] and list(t2["first_step"]) == [2, 18]
-    from triage_monitor.analysis import recompute
+    from triage_monitor.offline.analysis import recompute
     rec = recompute(run, window=3).set_index("step")
     assert t2["c_tok"].tolist() == pytest.approx(rec.loc[[4, 20], "window/c_tok"].tolist(), rel=1e-12)
     assert t2["rho_asym"].tolist() == pytest.approx(rec.loc[[4, 20], "window/rho_asym"].tolist(), rel=1e-12)
@@ -173,7 +173,7 @@ def test_null_ranking_equals_c_tok_from_segments_per_draw():
 def test_tail_layout_from_tokens_equals_batch_path(demo_run_dir):
     """Agreement test: token-table path vs TokenBatch path of ``tail_layout``; independent check:
     test_tail_layout_matches_metrics_segments and the hand-worked null tests above."""
-    from triage_monitor.stages import tail_layout_from_tokens
+    from triage_monitor.offline.stages import tail_layout_from_tokens
 
     run = open_run(demo_run_dir)
     for step in (0, 12, 29):
@@ -190,7 +190,7 @@ def test_null_from_state_hand_worked_distribution():
     tails whatever r1 does (C_tok = 1).  Otherwise r0 gives two (2,1) cells (fraction 1/2): with r1's tail in its
     1-token segment (fraction 1) the top two are (1,1) and one (2,1), else the two (2,1): C_tok = 2/3.
     So P(C_tok = 1) = 1/3, P(2/3) = 2/3 -- for the new sampler and the token-shuffle one alike (4 σ)."""
-    from triage_monitor.stages import NullInput, shuffle_null_from_state
+    from triage_monitor.offline.stages import NullInput, shuffle_null_from_state
 
     resp, valid, tail = np.array([0, 0, 1, 1, 2]), np.array([2, 2, 4, 1, 3]), np.array([2, 0, 1, 0, 0])
     table = np.zeros(25)
@@ -214,7 +214,7 @@ def test_null_from_state_width_not_a_power_of_two():
     = 1 segment.  Of the C(4,2) = 6 placements, 3 put both tails in the first segment (cell (3,2), fraction 2/3:
     the top segment holds both tails, C_tok = 1) and 3 put one in each (the top segment is (1,1), fraction 1:
     C_tok = 1/2).  So P(C_tok = 1) = 1/2 (4 σ), for the sampler and the token shuffle alike."""
-    from triage_monitor.stages import NullInput, shuffle_null_from_state
+    from triage_monitor.offline.stages import NullInput, shuffle_null_from_state
 
     table = np.zeros(16)
     np.add.at(table, np.array([3, 1]) * 4 + np.array([2, 0]), 1)
@@ -232,8 +232,8 @@ def test_null_from_states_equals_token_shuffle_in_distribution(demo_run_dir):
     """On a real run, the stage window's null drawn from the recorded states equals the token-shuffle null of
     the window's token records in distribution: two-sample Kolmogorov-Smirnov statistic below its 0.1 %
     critical value (1.95 · sqrt(2/n)), and their medians within 3 Monte-Carlo standard errors."""
-    from triage_monitor.analysis import read_token_arrays, recompute_states
-    from triage_monitor.stages import NullInput, shuffle_null_from_state, tail_layout_from_arrays
+    from triage_monitor.offline.analysis import read_token_arrays, recompute_states
+    from triage_monitor.offline.stages import NullInput, shuffle_null_from_state, tail_layout_from_arrays
 
     run = open_run(demo_run_dir)
     states = recompute_states(run)
@@ -283,8 +283,8 @@ def test_a_windows_null_is_drawn_once_and_kept_in_the_run(demo_run_dir, tmp_path
 
     import numpy as np
 
-    from triage_monitor.analysis import open_run
-    from triage_monitor.stages import stage_table
+    from triage_monitor.offline.analysis import open_run
+    from triage_monitor.offline.stages import stage_table
 
     d = shutil.copytree(demo_run_dir, tmp_path / "run")
     for f in (d / "analysis").glob("null-*.npy"):                    # nulls other tests' reads of the shared run kept

@@ -2,7 +2,7 @@
 
 The kernel is the only code that writes the state from tokens.  Here it is checked against plain numpy
 written from docs/metrics.md (every count exact, the float64 sums to rounding, rel 1e-12), its segments against
-:mod:`triage_monitor.segments` (the segments the controller and the stage table cut: the C_tok table of
+:mod:`triage_monitor.metrics.segments` (the segments the controller and the stage table cut: the C_tok table of
 (valid, tail) counts per segment must be equal cell for cell), and its declaration: a declared field it does not
 write fails the first update.
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from triage_monitor.batch import TokenBatch
-from triage_monitor.metrics import SUM_FIELDS, MetricConfig, MismatchStats, MetricTracker
-from triage_monitor.segments import segment_tokens
+from triage_monitor.metrics.stats import SUM_FIELDS, MetricConfig, MismatchStats, MetricTracker
+from triage_monitor.metrics.segments import segment_tokens
 
 ROUNDED = {"delta_sum", "delta_abs_sum", "k3_sum", "exp_r_sq_sum", "log_ppl_diff_sum", "abs_adv_sum",
            "mass_amp_neg", "mass_amp_pos", "mass_con_neg", "mass_con_pos", "lennorm_amp_neg", "lennorm_amp_pos"}
@@ -126,7 +126,7 @@ def test_the_kernels_segments_are_the_segments_module_s(width):
 
 
 def test_a_declared_field_the_kernel_does_not_write_fails_the_first_update(monkeypatch):
-    from triage_monitor import state_kernel as K
+    from triage_monitor.metrics import state_kernel as K
 
     fields = (*K.SUM_FIELD_PASSES, ("new_sum", K.MAGNITUDE))
     monkeypatch.setattr(K, "SUM_FIELD_PASSES", fields)
@@ -155,7 +155,7 @@ def test_tracker_split_update_equals_one_pass():
 def test_unsorted_rows_are_refused():
     """Rows out of (sample, position) order are refused by the kernel (nothing added), and by update_flat with a
     clear error."""
-    from triage_monitor import state_kernel as K
+    from triage_monitor.metrics import state_kernel as K
 
     st = MismatchStats(MetricConfig(segment_width=16))
     before = st.state.numpy().copy()
@@ -170,7 +170,7 @@ def test_unsorted_rows_are_refused():
 def test_pieces_do_not_change_the_counts(monkeypatch):
     """A batch is cut into response-aligned pieces whose sums are added in piece order: the counts equal the
     one-piece state's, the float sums agree to rounding."""
-    from triage_monitor import state_kernel as K
+    from triage_monitor.metrics import state_kernel as K
 
     cfg = MetricConfig(segment_width=16)
     b = _batch(5, B=80, T=300)
@@ -186,7 +186,7 @@ def test_pieces_do_not_change_the_counts(monkeypatch):
 def test_tracker_window_equals_the_ordered_merge_bit_for_bit():
     """The tracker keeps the window's integer count fields as a running sum (added on entry, subtracted on
     expiry or replacement): its window state equals the in-order merge of the window's step states exactly."""
-    from triage_monitor.metrics import state_layout
+    from triage_monitor.metrics.stats import state_layout
 
     cfg = MetricConfig(segment_width=16)
     tr = MetricTracker(cfg, window=3, tau_tail=-0.2)
@@ -207,7 +207,7 @@ def test_vectorised_exp_within_one_ulp_of_the_library_exp():
     at δ = 0 (so k3 = 0 there), and the library's own value for inf, -inf, NaN, overflow and underflow."""
     import math
 
-    from triage_monitor.state_kernel import _exp_into
+    from triage_monitor.metrics.state_kernel import _exp_into
 
     rng = np.random.default_rng(7)
     special = [0.0, -0.0, 1e-30, -1e-30, 700.0, -700.0, 709.7, 709.8, -745.0, -746.0, 88.7, -103.9,
@@ -238,7 +238,7 @@ def test_trailing_window_is_the_step_order_merge_bit_for_bit():
     import torch
 
     from triage_monitor.batch import TokenBatch
-    from triage_monitor.metrics import MetricConfig, MetricTracker, MismatchStats
+    from triage_monitor.metrics.stats import MetricConfig, MetricTracker, MismatchStats
 
     cfg = MetricConfig(segment_width=16)
     tr = MetricTracker(cfg, window=3, tau_tail=-0.5)

@@ -15,10 +15,10 @@ import torch
 
 pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
 
-from triage_monitor.analysis import open_run, read_token_arrays, recompute  # noqa: E402
+from triage_monitor.offline.analysis import open_run, read_token_arrays, recompute  # noqa: E402
 from triage_monitor.batch import TokenBatch  # noqa: E402
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig  # noqa: E402
-from triage_monitor.storage import store_identity  # noqa: E402
+from triage_monitor.rundir.storage import store_identity  # noqa: E402
 
 SERVER = r"""
 import sys

@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("torchao")
 
-from triage_monitor.analysis import open_run  # noqa: E402
-from triage_monitor.alerts import NOISE_FLOOR_NATS, Rule, AlertEngine, default_rules, replay_engine  # noqa: E402
+from triage_monitor.offline.analysis import open_run  # noqa: E402
+from triage_monitor.alerting.alerts import NOISE_FLOOR_NATS, Rule, AlertEngine, default_rules, replay_engine  # noqa: E402
 from triage_monitor.cli import main  # noqa: E402
 from triage_monitor.demo import DemoConfig, run_demo  # noqa: E402
-from triage_monitor.nvfp4 import use_recipe  # noqa: E402
+from triage_monitor.demo.nvfp4 import use_recipe  # noqa: E402
 from triage_monitor.demo.grpo import follow_correlation, teacher_forced_logp  # noqa: E402
 from triage_monitor.demo.study import (ARMS, DEFAULT_ARMS, GPU_PRESET, blowup_step, destabilisation_step,  # noqa: E402
                                        judge_run, onsets, pick_pair, study_config)
@@ -218,7 +218,7 @@ def test_follow_correlation_by_hand():
     import torch
 
     from triage_monitor.demo.model import GPTConfig, TinyGPT
-    from triage_monitor.nvfp4 import get_recipe
+    from triage_monitor.demo.nvfp4 import get_recipe
 
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab_size=VOCAB_SIZE, block_size=22, quantized=("blocks.*.mlp.*",)))

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from triage_monitor import timings as tm
-from triage_monitor.analysis import open_run
+from triage_monitor.metrics import timings as tm
+from triage_monitor.offline.analysis import open_run
 from triage_monitor.batch import TokenBatch
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig, step_columns
 
@@ -221,7 +221,7 @@ def test_a_drivers_timers_fill_the_rows_written_before_them(tmp_path, caplog):
     skipped; no new step is said once and nothing is written."""
     import logging
 
-    from triage_monitor.timings_writer import TimingsWriter
+    from triage_monitor.rundir.timings_writer import TimingsWriter
 
     run = tmp_path / "run"
     with MismatchMonitor(run, MonitorConfig(), alerts=False) as mon:
@@ -256,7 +256,7 @@ def test_the_timings_table_rolls_keeps_a_killed_drivers_steps_and_takes_the_newe
     """120 steps timed by a driver with roll_steps 50: 3 sealed blocks, no pending file; a driver killed before
     close leaves its steps in pending files, which steps() reads; a later driver's reading of a phase wins, the
     phases it did not time keep the earlier row's."""
-    from triage_monitor.timings_writer import TimingsWriter
+    from triage_monitor.rundir.timings_writer import TimingsWriter
 
     run = tmp_path / "run"
     _monitored_run(run, range(120))
@@ -283,7 +283,7 @@ def test_a_bad_reading_or_an_unwritable_run_never_raises(tmp_path, caplog):
     import logging
 
     from triage_monitor.errors import UnsupportedLocationError
-    from triage_monitor.timings_writer import TimingsWriter
+    from triage_monitor.rundir.timings_writer import TimingsWriter
 
     run = tmp_path / "run"
     _monitored_run(run, range(2))
@@ -319,7 +319,7 @@ def test_a_reward_that_comes_after_the_row_fills_the_reward_column_and_a_row_kee
     """A framework's reward recorded after its step's row (a driver's TimingsWriter, MismatchMonitor.add_timings):
     steps() fills the reward column where the row has none and keeps a row's own; a NaN reading (every sample
     aborted) is no reading; a timings table without a reward adds no reward column."""
-    from triage_monitor.timings_writer import TimingsWriter
+    from triage_monitor.rundir.timings_writer import TimingsWriter
 
     run = tmp_path / "run"
     with MismatchMonitor(run, MonitorConfig(), alerts=False) as mon:
@@ -346,7 +346,7 @@ def test_a_resumed_job_takes_its_own_timings_and_the_newest_step_of_its_own_atte
     """Attempt 1 times steps 0-9 (step=None: the newest step on disk); attempt 2 resumes from step 5 with a new
     driver: its readings land on its own steps 5-7 (not on attempt 1's step 9), a step it re-logged without timers
     is untimed (not attempt 1's reading), and steps it did not redo keep attempt 1's."""
-    from triage_monitor.timings_writer import TimingsWriter
+    from triage_monitor.rundir.timings_writer import TimingsWriter
 
     run = tmp_path / "run"
     with MismatchMonitor(run, MonitorConfig(), alerts=False) as mon:
@@ -392,7 +392,7 @@ def test_the_driver_writer_never_raises_and_reads_only_the_frameworks_timer_name
     None and a warning, never an exception; verl's bare metric keys (step, reward, values) are not its timers;
     an unknown framework or an empty run_dir is an error at construction; framework_step survives a later row
     that does not give it."""
-    from triage_monitor.timings_writer import TimingsWriter
+    from triage_monitor.rundir.timings_writer import TimingsWriter
 
     run = tmp_path / "run"
     _monitored_run(run, range(3))

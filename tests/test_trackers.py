@@ -29,11 +29,11 @@ else:
 from mlflow.tracking import MlflowClient  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from triage_monitor import mlflow_logger, tensorboard_logger  # noqa: E402
-from triage_monitor.alerts import Alert  # noqa: E402
-from triage_monitor.mlflow_logger import MLflowLogger  # noqa: E402
-from triage_monitor.tensorboard_logger import TensorBoardLogger  # noqa: E402
-from triage_monitor.trackers import CURATED_KEYS, TrackerSpec, build_trackers  # noqa: E402
+from triage_monitor.alerting import mlflow_logger, tensorboard_logger  # noqa: E402
+from triage_monitor.alerting.alerts import Alert  # noqa: E402
+from triage_monitor.alerting.mlflow_logger import MLflowLogger  # noqa: E402
+from triage_monitor.alerting.tensorboard_logger import TensorBoardLogger  # noqa: E402
+from triage_monitor.alerting.trackers import CURATED_KEYS, TrackerSpec, build_trackers  # noqa: E402
 
 NAN = float("nan")
 #: one step's metrics as the monitor returns them: the curated keys, two more numbers, a string, NaN
@@ -386,7 +386,7 @@ def test_monitor_default_rules_reach_tensorboard_and_mlflow(store, tmp_path):
     """The real MismatchMonitor with the shipped default rules and both trackers as configuration: the amplifying
     sampler (ρ_asym = 4.0 by hand) fires rho_asym_critical (hold 3: step 2) and rho_asym_high (hold 5: step 4);
     each tracker holds the curated series and both alerts."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from triage_monitor.monitor import MismatchMonitor
 
     uri, client = store
@@ -432,8 +432,8 @@ def test_ratios_at_noise_level_reach_the_trackers_as_nan_beside_the_noise_flag(s
     reach TensorBoard and MLflow as NaN, the step's ρ_asym from step 4, and ``triage/noise`` reads 1."""
     from triage_monitor.batch import TokenBatch
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-    from triage_monitor.trackers import NOISE_GUARDED, tracker_metrics
-    from triage_monitor.alert_rules import NOISE_FLOOR_NATS, default_rules
+    from triage_monitor.alerting.trackers import NOISE_GUARDED, tracker_metrics
+    from triage_monitor.alerting.alert_rules import NOISE_FLOOR_NATS, default_rules
 
     # the same rule as the alert guard: every guarded shipped rule on a ratio is masked by its own guard and floor
     for r in default_rules():
@@ -472,7 +472,7 @@ def test_ratios_at_noise_level_reach_the_trackers_as_nan_beside_the_noise_flag(s
 def test_framework_values_leave_out_the_ratios_at_noise_level_and_keep_other_nans():
     """slime, Miles and SkyRL reduce a metrics dict key by key over their ranks: the ratios at noise level are left
     out (the guard is global, alike on every rank), the flag says why, a rank's own NaN stays a key."""
-    from triage_monitor.trackers import framework_values
+    from triage_monitor.alerting.trackers import framework_values
 
     quiet = {"window/rho_asym": 2.885, "rho_asym": 3.1, "window/delta_abs_mean": 5e-5, "delta_abs_mean": 4e-5,
              "window/k3_kl": 1e-9, "gate_downweighted_frac": float("nan")}

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from triage_monitor import TokenBatch
-from triage_monitor.alert_rules import default_rules
-from triage_monitor.alerts import AlertEngine, Rule, replay_engine, runbook_ref
-from triage_monitor.analysis import open_run
+from triage_monitor.alerting.alert_rules import default_rules
+from triage_monitor.alerting.alerts import AlertEngine, Rule, replay_engine, runbook_ref
+from triage_monitor.offline.analysis import open_run
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
-from triage_monitor.outcome import destabilisation_step
-from triage_monitor.verdict import reference_band, run_verdict
+from triage_monitor.alerting.outcome import destabilisation_step
+from triage_monitor.offline.verdict import reference_band, run_verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,8 +260,8 @@ def test_the_degenerate_localisation_notice_names_the_true_cause(tmp_path):
     ones a learner within 0.01 nats of the sampler (no token below τ_tail).  The late window's notice must say "no
     amplifying-tail token" and keep the segment width — not "shorter than one segment", the advice the issue met —
     while responses shorter than a segment still get that advice."""
-    from triage_monitor.metrics import MetricConfig
-    from triage_monitor.stages import degenerate_causes, degenerate_notice, stage_table
+    from triage_monitor.metrics.stats import MetricConfig
+    from triage_monitor.offline.stages import degenerate_causes, degenerate_notice, stage_table
 
     g = torch.Generator().manual_seed(4)
     cfg = MonitorConfig(window=4, calibration_steps=3, metrics=MetricConfig(segment_width=16))
@@ -295,7 +295,7 @@ def test_one_colour_convention_for_the_report_the_dashboard_and_the_study():
     """The inspected (failing) run is red and the reference grey in the report and the dashboard (views.run_roles),
     the same red and grey as the study's failing arm (no correction) and its control."""
     from triage_monitor.demo.study import ARM_COLORS
-    from triage_monitor.views import INSPECTED_COLOR, REFERENCE_COLOR, run_roles
+    from triage_monitor.offline.views import INSPECTED_COLOR, REFERENCE_COLOR, run_roles
 
     assert ARM_COLORS["none"] == INSPECTED_COLOR and ARM_COLORS["fp32"] == REFERENCE_COLOR
     roles = run_roles(["failing", "other", "control"], reference="control")
@@ -335,7 +335,7 @@ def test_analyze_alerts_and_the_report_print_the_same_verdict_and_analyze_stores
     import html as html_mod
 
     from triage_monitor.cli import main
-    from triage_monitor.report import build_report
+    from triage_monitor.offline.report import build_report
 
     failing = _failing_run(tmp_path / "failing")
     g = torch.Generator().manual_seed(5)
@@ -378,7 +378,7 @@ def test_a_mismatch_tier_alert_or_threshold_raises_the_last_step_to_watch_only()
     """The mismatch tier is informational (docs/alerts.md#tiers): an active mismatch-tier ERROR alert, or window ρ_asym
     above a mismatch-tier rule's threshold, makes the last step WATCH; the same rules in the collapse tier make it
     CRITICAL."""
-    from triage_monitor.verdict import health_verdict
+    from triage_monitor.offline.verdict import health_verdict
 
     frame = pd.DataFrame({"step": np.arange(6), "window/rho_asym": np.full(6, 2.0),
                           "window/delta_abs_mean": np.full(6, 0.05), "window/delta_q05": np.full(6, -2.0)})

@@ -21,8 +21,8 @@ import torch
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2 as pb  # noqa: E402
 
-from triage_monitor.alerts import AlertEngine, CallbackSink, LoggingSink, Rule  # noqa: E402
-from triage_monitor.wandb_logger import WandbAlertSink, WandbLogger  # noqa: E402
+from triage_monitor.alerting.alerts import AlertEngine, CallbackSink, LoggingSink, Rule  # noqa: E402
+from triage_monitor.alerting.wandb_logger import WandbAlertSink, WandbLogger  # noqa: E402
 
 BLOCK, HEADER = 32768, 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
@@ -137,7 +137,7 @@ def test_the_curated_set_by_default_everything_with_keys_all(offline):
 
 def test_emit_sends_a_wandb_alert_record(offline):
     """WandbLogger is an alert sink itself: emit(alert) = a W&B alert record on its run (wait_s in ms)."""
-    from triage_monitor.alerts import Alert
+    from triage_monitor.alerting.alerts import Alert
 
     run = init(offline)
     lg = WandbLogger(run)
@@ -210,7 +210,7 @@ def test_logger_starts_and_finishes_its_own_run(offline):
 def test_monitor_feeds_wandb_and_alerts_table(offline):
     """End to end with the real MismatchMonitor: per-step metrics in W&B equal the returned ones,
     the alerts/ table holds Alert.to_row(), and the CLI replay of the run directory agrees."""
-    from triage_monitor.analysis import open_run
+    from triage_monitor.offline.analysis import open_run
     from triage_monitor.batch import TokenBatch
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 

@@ -112,7 +112,8 @@ def run_command(command: str, fn, args) -> int:
     """Run one command's ``run(args)`` under the exit-status convention of :mod:`triage_monitor.exits`:
     :class:`~triage_monitor.exits.CommandError` → its code, an OS error → 3, Ctrl-C → 130, each as one
     line on stderr (``triage-monitor <command>: ...``), never a traceback."""
-    from . import exits, records
+    from . import exits
+    from .rundir import records
     from .errors import UnsupportedLocationError
 
     reported = _install_sigint_watchdog(command)

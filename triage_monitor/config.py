@@ -55,7 +55,7 @@ class MonitorConfig:
         record_tokens: write the token rows (False keeps only step metrics).
         max_queue_bytes: bound of the writer's queue.
         backpressure: "block" (wait for the disk) or "drop" (drop and count rows) when the queue is full.
-        alignment_check_steps: run :func:`~triage_monitor.alignment.check_alignment` on this many
+        alignment_check_steps: run :func:`~triage_monitor.metrics.alignment.check_alignment` on this many
             first steps of each process start (0 disables); a suspected shift logs a warning.
         per_rank_steps: in a job whose metrics are all-reduced over a process group, every rank writes its steps
             row too (default False: rank 0 of the group writes the step's one row, the metrics being the same on

@@ -55,7 +55,7 @@ class RunConflictError(OutputError):
 
 class RunLockedError(OutputError):
     """Another live process is writing the same rank of the run (it holds the rank's writer lock file,
-    :meth:`~triage_monitor.layout.RunLayout.lock_file`)."""
+    :meth:`~triage_monitor.rundir.layout.RunLayout.lock_file`)."""
 
 
 class UnsupportedLocationError(TriageMonitorError, ValueError):

@@ -70,7 +70,7 @@ def report_unreadable(command: str, run) -> list:
 def add_existing_run_arguments(parser) -> None:
     """``--resume`` / ``--force`` (mutually exclusive) of the commands that write a run directory (``demo``,
     ``study``, ``import``): what to do with a run already in ``--out``
-    (:func:`triage_monitor.records.check_run_dir`)."""
+    (:func:`triage_monitor.rundir.records.check_run_dir`)."""
     g = parser.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true",
                    help="continue the run already in --out as a new attempt even if its model / task / correction / "

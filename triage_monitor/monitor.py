@@ -10,7 +10,7 @@ Per step it computes the docs/metrics.md#steps-and-windows metrics (per step and
 window, keys ``name`` and ``window/name``), evaluates the alert rules (the shipped defaults unless told
 otherwise: docs/alerts.md), queues the valid tokens and the metric row for the background Parquet writer (the
 caller only pays for a host copy), and feeds the optional trackers (W&B, TensorBoard, MLflow:
-:mod:`triage_monitor.trackers`).
+:mod:`triage_monitor.alerting.trackers`).
 
 Alerts and trackers are the reporting rank's: in a multi-rank job every rank writes its own records, but only
 rank 0 of the monitor's process group (``group``; the world group by default) — whose metrics are the ones
@@ -46,19 +46,19 @@ import numpy as np
 import torch
 
 from . import __version__
-from .alerts import Alert, AlertSink, Closable, build_engine
-from .alignment import check_alignment, padding_diagnostics
+from .alerting.alerts import Alert, AlertSink, Closable, build_engine
+from .metrics.alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
-from .layout import RunLayout
-from .manifest import check_monitor_config
-from .metrics import METRIC_NAMES, MetricTracker
-from .records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, check_writer_options, new_attempt_id
-from .sink import WAIT_TIMEOUT_S
-from .records import steps_schema as records_steps_schema
-from .timings import (COLUMNS as TIME_PHASES, PREFIX as TIME_PREFIX, TIME_COLUMNS, columns_of, integer, phase_of,
+from .rundir.layout import RunLayout
+from .rundir.manifest import check_monitor_config
+from .metrics.stats import METRIC_NAMES, MetricTracker
+from .rundir.records import BOOKKEEPING_COLUMNS, TOKEN_SCHEMA, RunWriter, check_writer_options, new_attempt_id
+from .rundir.sink import WAIT_TIMEOUT_S
+from .rundir.records import steps_schema as records_steps_schema
+from .metrics.timings import (COLUMNS as TIME_PHASES, PREFIX as TIME_PREFIX, TIME_COLUMNS, columns_of, integer, phase_of,
                       phase_times)
-from .trackers import ConfigRecorder, build_trackers
+from .alerting.trackers import ConfigRecorder, build_trackers
 
 log = logging.getLogger("triage_monitor")
 
@@ -72,10 +72,10 @@ QUARANTINE_METRICS = {
 
 #: Input-integrity and writer-health metrics every step carries besides docs/metrics.md#steps-and-windows (all counts, alertable;
 #: docs/reliability.md): the quarantine counters above, ``quarantined_count``, the padding-leak counters of
-#: :func:`~triage_monitor.alignment.padding_diagnostics`, ``empty_response_count`` (responses with no valid
+#: :func:`~triage_monitor.metrics.alignment.padding_diagnostics`, ``empty_response_count`` (responses with no valid
 #: token) and ``writer_dropped_rows`` (rows the background writer dropped so far: full/read-only disk or
 #: backpressure="drop").  The first ``alignment_check_steps`` steps also carry ``alignment_suspect``,
-#: ``alignment_shift`` and ``alignment_ratio`` (:func:`~triage_monitor.alignment.check_alignment`).
+#: ``alignment_shift`` and ``alignment_ratio`` (:func:`~triage_monitor.metrics.alignment.check_alignment`).
 INTEGRITY_METRICS = (*QUARANTINE_METRICS, "quarantined_count", "zero_logp_count", "padding_run_count",
                      "padding_run_tokens", "offset_response_count", "empty_response_count", "writer_dropped_rows")
 #: The input-alignment check of the first ``alignment_check_steps`` steps (NaN on the later ones).
@@ -95,7 +95,7 @@ def step_columns(extras: Sequence[str] = ()) -> tuple:
     """The float64 metric columns of the steps table, in file order: the step metrics (:data:`METRIC_NAMES`),
     the integrity counters (:data:`INTEGRITY_METRICS`, the alignment check before ``writer_dropped_rows``),
     ``tau_tail_frozen``, the ``window/<name>`` metrics, the phase timings ``time/<phase>`` and ``time/step``
-    (seconds, NaN where not timed: :data:`triage_monitor.timings.TIME_COLUMNS`), the ``extras`` given at the first
+    (seconds, NaN where not timed: :data:`triage_monitor.metrics.timings.TIME_COLUMNS`), the ``extras`` given at the first
     step (their order; names of the writer's bookkeeping columns and of the timing columns left out) and
     ``alerts_active`` — the order of :meth:`MismatchMonitor.log_step`'s keys."""
     counters = [k for k in INTEGRITY_METRICS if k != "writer_dropped_rows"]
@@ -107,7 +107,7 @@ def step_columns(extras: Sequence[str] = ()) -> tuple:
 def steps_schema(extras: Sequence[str] = ()):
     """The declared schema of a monitor's steps table whose first step passed ``extras`` (their names): int64
     ``step`` / ``rank``, the float64 :func:`step_columns`, int64 ``attempt``, float64 ``wall_time`` and the
-    string ``nan_reasons`` (:func:`triage_monitor.records.steps_schema`; docs/metrics.md#run-directory-tables)."""
+    string ``nan_reasons`` (:func:`triage_monitor.rundir.records.steps_schema`; docs/metrics.md#run-directory-tables)."""
     return records_steps_schema(step_columns(extras))
 
 
@@ -124,11 +124,11 @@ class MismatchMonitor:
         manifest: free-form facts stored in ``run.json`` (model, recipes,
             correction, framework, user config ...).  Must be JSON-serialisable.
         loggers: trackers: objects with ``log_metrics(step, metrics)`` and ``close()`` (e.g.
-            :class:`~triage_monitor.wandb_logger.WandbLogger`), or tracker configuration
-            (``"tensorboard"``, ``{"kind": "mlflow", ...}``, :class:`~triage_monitor.trackers.TrackerSpec`),
+            :class:`~triage_monitor.alerting.wandb_logger.WandbLogger`), or tracker configuration
+            (``"tensorboard"``, ``{"kind": "mlflow", ...}``, :class:`~triage_monitor.alerting.trackers.TrackerSpec`),
             built here.  Called on the reporting rank only (rank 0 of ``group``); a tracker with
             ``emit(alert)`` also receives the alerts of an engine built here.
-        alerts: the alert rules evaluated live (:func:`~triage_monitor.alerts.build_engine`): None (default)
+        alerts: the alert rules evaluated live (:func:`~triage_monitor.alerting.alerts.build_engine`): None (default)
             or True — the shipped default rules, each alert logged once as a warning line, written to the run's
             ``alerts/`` table and sent to the trackers; False — none; a rule file path or a list of rules;
             or your own engine (anything with ``observe(step, metrics) -> list`` of alerts with ``to_row()``,
@@ -137,7 +137,7 @@ class MismatchMonitor:
             The process of rank 0 writes ``run.json``.  When only the processes of ``group`` write the run (the
             other ranks hold replicas or run no loss), pass ``rank=torch.distributed.get_rank(group)``: its
             reporting rank is then the files' rank 0, which writes ``run.json`` and is the rank readers default to
-            (:meth:`triage_monitor.analysis.RunView.steps`), as the framework hooks do.
+            (:meth:`triage_monitor.offline.analysis.RunView.steps`), as the framework hooks do.
         group: torch.distributed process group the metric state is all-reduced over (default: the world group
             when torch.distributed is initialised).  Only its members take part in the monitor's collectives (the
             attempt broadcast, the per-step all-reduce), so a process outside it never has to call ``log_step``;
@@ -145,7 +145,7 @@ class MismatchMonitor:
         attempt: attempt id shared by every process of this job start (default: the id of rank 0 of ``group``,
             broadcast over it, or a new one).  Framework hooks pass the id drawn on the driver so that Ray
             workers without a process group still write one attempt.
-        resume: continue an existing run even though its :data:`~triage_monitor.manifest.IDENTITY_KEYS`
+        resume: continue an existing run even though its :data:`~triage_monitor.rundir.manifest.IDENTITY_KEYS`
             (model, task, correction, seed, ...) differ; the new attempt records the changes.
         force: start a new run; an existing one is moved to ``<run_dir>.replaced-<UTC time>`` (rank 0).
 
@@ -248,12 +248,12 @@ class MismatchMonitor:
 
     @property
     def sink(self):
-        """The background Parquet writer (:class:`~triage_monitor.sink.ParquetSink`)."""
+        """The background Parquet writer (:class:`~triage_monitor.rundir.sink.ParquetSink`)."""
         return self.writer.sink
 
     @property
     def manifest(self) -> dict:
-        """The run's manifest as the JSON object of ``run.json`` (:class:`~triage_monitor.manifest.RunManifest`)."""
+        """The run's manifest as the JSON object of ``run.json`` (:class:`~triage_monitor.rundir.manifest.RunManifest`)."""
         return self.writer.manifest.to_dict()
 
     # ---------------------------------------------------------------- per step
@@ -408,7 +408,7 @@ class MismatchMonitor:
         Args:
             step: the monitored step they belong to.
             timings: ``{name: seconds}``: our phase names or ``framework``'s timer names
-                (:func:`triage_monitor.timings.phase_times`); may be empty when only ``reward`` is given.
+                (:func:`triage_monitor.metrics.timings.phase_times`); may be empty when only ``reward`` is given.
             framework: whose timer names ``timings`` uses (a key of ``timings.FRAMEWORK_TIMERS``), or None.
             framework_step: the framework's own step number, kept in the row (None: not said).
             reward: the framework's reward of the step (a finite number), or None.
@@ -497,7 +497,7 @@ class MismatchMonitor:
     # ----------------------------------------------------------------- closing
     def flush(self, timeout: Optional[float] = WAIT_TIMEOUT_S) -> bool:
         """Wait until every queued record is written, at most ``timeout`` seconds (default
-        :data:`~triage_monitor.sink.WAIT_TIMEOUT_S`, 60 s; None: no bound).
+        :data:`~triage_monitor.rundir.sink.WAIT_TIMEOUT_S`, 60 s; None: no bound).
 
         Returns:
             True when the queue is empty; False when the bound passed first (one warning; the writer goes on and
@@ -515,8 +515,8 @@ class MismatchMonitor:
     def close(self, status: str = "finished", timeout: Optional[float] = WAIT_TIMEOUT_S) -> bool:
         """Drain the writer, close loggers and alerts, mark the manifest ``status``
         ("finished"; "failed" when the ``with`` block raised, "interrupted" when it was stopped by Ctrl-C), all
-        within about ``timeout`` seconds (default :data:`~triage_monitor.sink.WAIT_TIMEOUT_S`, 60 s; None: no bound;
-        run.json gets at least :data:`~triage_monitor.records.CLOSE_GRACE_S` more when the writer used it up).
+        within about ``timeout`` seconds (default :data:`~triage_monitor.rundir.sink.WAIT_TIMEOUT_S`, 60 s; None: no bound;
+        run.json gets at least :data:`~triage_monitor.rundir.records.CLOSE_GRACE_S` more when the writer used it up).
 
         At the bound (a frozen or slow store, a hung mount) the rows still queued are counted as dropped, run.json's
         ``writer`` records them (``dropped_rows``, ``unwritten_at_close``, ``close_timed_out``) when it can still be
@@ -632,7 +632,7 @@ def _in_run_dir(loggers: Sequence, layout: RunLayout) -> list:
     directory's ``tensorboard/`` folder (a local run), not SummaryWriter's ``./runs/<date>_<host>`` in whatever
     working directory the reporting process has (a Ray worker's is the driver's); an object-store run keeps the
     default (SummaryWriter writes local files) and one WARNING names that folder."""
-    from .trackers import TrackerSpec
+    from .alerting.trackers import TrackerSpec
 
     out = []
     for item in loggers or ():
@@ -666,7 +666,7 @@ def _check_token_extras(token_extras: Optional[dict], n: int) -> None:
 
 def _step_timings(timings: Optional[dict], extra: dict) -> dict:
     """The step's ``{"time/<phase>": seconds}`` (every timing column, NaN where not timed) from ``timings`` (our
-    phase names or a framework's timer names, :func:`triage_monitor.timings.phase_times`), the ``time/<phase>`` keys of ``extra`` (removed from it) and the
+    phase names or a framework's timer names, :func:`triage_monitor.metrics.timings.phase_times`), the ``time/<phase>`` keys of ``extra`` (removed from it) and the
     framework timer names among the other ``extra`` keys (kept there), in that order of precedence.
 
     Raises:

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     import pandas as pd
 
-    from ..alerts import Alert, default_rules, load_rules, normalize_columns, replay_engine
+    from ..alerting.alerts import Alert, default_rules, load_rules, normalize_columns, replay_engine
 
     from .. import exits
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             if frame.empty:
                 raise ValueError(f"{args.from_csv}: the CSV has no rows, nothing to replay")
         elif args.run_dir:
-            from ..analysis import open_run  # lazy: analysis imports torch
+            from ..offline.analysis import open_run  # lazy: analysis imports torch
             run = open_run(args.run_dir)
             frame, step_col = run.steps(), "step"
             if frame.empty:
@@ -112,11 +112,11 @@ def run(args: argparse.Namespace) -> int:
               f"noise) held back " + ", ".join(f"{n} on {len(s)} step(s)" for n, s in noise.items()), file=sys.stderr)
     if absent:
         print(f"note: metric(s) absent from the history, their rules never evaluated: {absent}", file=sys.stderr)
-    from ..verdict import reference_of_run, run_verdict
+    from ..offline.verdict import reference_of_run, run_verdict
 
     reference = None
     if args.reference:
-        from ..analysis import RunDirError, open_run
+        from ..offline.analysis import RunDirError, open_run
         try:
             reference = reference_of_run(open_run(args.reference))
         except (RunDirError, OSError, ValueError) as e:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     print(verdict.text, file=out)
     gaps = []
     if run is not None:                    # what the records lack (analysis.record_gaps): said, never exit 0
-        from ..analysis import record_gaps
+        from ..offline.analysis import record_gaps
 
         gaps = record_gaps(run, frame)
         for line in gaps:
@@ -147,9 +147,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     import json
 
     from .. import exits
-    from ..alerts import baseline_rules, default_rules, load_rules
-    from ..evaluation import evaluate, load_run, read_labels
-    from ..outcome import OutcomeDefinition
+    from ..alerting.alerts import baseline_rules, default_rules, load_rules
+    from ..offline.evaluation import evaluate, load_run, read_labels
+    from ..alerting.outcome import OutcomeDefinition
 
     paths = list(args.run_dir) + ([args.from_csv] if args.from_csv else [])
     try:

@@ -46,12 +46,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .. import exits
-    from ..analysis import RunDirError, open_run, recompute
+    from ..offline.analysis import RunDirError, open_run, recompute
 
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
-    from ..layout import run_path
+    from ..rundir.layout import run_path
 
     out = run_path(args.out, "--out") if args.out else None      # s3://...: refused, never a local folder 's3:'
     if out is not None and out.suffix.lower() not in (".csv", ".parquet"):
@@ -66,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
     if not n_steps:
         raise exits.CommandError(f"{run.path}: the run has no recorded steps with token records yet, nothing to "
                                  "analyze")
-    from .. import metrics  # noqa: F401  (imports numba now, so the throughput below times the recomputation only)
+    from ..metrics import stats  # noqa: F401  (imports numba now, so the throughput below times the recomputation only)
     exits.note("analyze", f"recomputing {n_steps} step(s) of {run.path} …")
     if args.engine == "local" and args.workers > 1:
-        from ..analysis import WORKER_MIN_BYTES, WORKER_MIN_CORES, planned_workers, usable_cores
+        from ..offline.analysis import WORKER_MIN_BYTES, WORKER_MIN_CORES, planned_workers, usable_cores
 
         used = planned_workers([run.token_source(s) for s in run.step_numbers()], args.workers)
         if used < args.workers and usable_cores() < WORKER_MIN_CORES:
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             run.store.write_bytes(rel, df.to_csv(index=False).encode())
             out = run.store.display(rel)
         else:
-            from ..storage import open_store
+            from ..rundir.storage import open_store
 
             out = out or run.layout.root / run.layout.analysis_dir / "metrics.csv"
             # whole or not at all: a hidden temporary file renamed over out (a full disk leaves neither)
@@ -155,9 +155,9 @@ _VERDICT_STYLE = {"NO SIGNAL": "dim", "OK": "green", "WATCH": "yellow", "WARNING
 
 
 def _verdict(frame, rules=None):
-    """The run's verdict (:func:`triage_monitor.verdict.run_verdict`, docs/alerts.md#the-run-verdict) after
+    """The run's verdict (:func:`triage_monitor.offline.verdict.run_verdict`, docs/alerts.md#the-run-verdict) after
     replaying ``rules`` (default: the shipped ones) over ``frame``."""
-    from ..verdict import verdict_of_steps
+    from ..offline.verdict import verdict_of_steps
 
     return verdict_of_steps(frame, rules)
 
@@ -188,10 +188,10 @@ def _save_verdict(run, verdict, table_out) -> str:
 
 def _compare_with_live(console, run, df, live) -> int:
     """The recomputation check: the recomputed table ``df`` against the live steps, then what the records lack
-    (:func:`~triage_monitor.analysis.record_gaps`: never "complete", never exit 0 on such a run); returns the exit
+    (:func:`~triage_monitor.offline.analysis.record_gaps`: never "complete", never exit 0 on such a run); returns the exit
     code."""
     from .. import exits
-    from ..analysis import record_gaps
+    from ..offline.analysis import record_gaps
 
     code = _compare_values(console, run, df, live)
     gaps = record_gaps(run, live)
@@ -218,7 +218,7 @@ def compare_with_live_values(run, df, live) -> Optional[LiveComparison]:
     analysis.recompute`) against the live ``steps`` table ``live``; None when there is nothing live to compare.
     A metric that differs and is not explained by the run's resumes or its provisional τ_tail steps is in
     ``unexplained``: the token records no longer hold what the live monitor saw (a damaged or replaced block)."""
-    from ..analysis import compare_live, differing_steps, provisional_skips, resume_explanations
+    from ..offline.analysis import compare_live, differing_steps, provisional_skips, resume_explanations
 
     if live is None or live.empty:
         return None
@@ -236,7 +236,7 @@ def compare_with_live_values(run, df, live) -> Optional[LiveComparison]:
 def _compare_values(console, run, df, live) -> int:
     """The recomputed table ``df`` against the live steps, printed; returns the exit code."""
     from .. import exits
-    from ..analysis import record_gaps
+    from ..offline.analysis import record_gaps
 
     result = compare_with_live_values(run, df, live)
     if result is None:

@@ -9,7 +9,7 @@ import math
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``triage-monitor cycle``."""
-    from ..timings import DEFAULT_K, FRAMEWORK_TIMERS
+    from ..metrics.timings import DEFAULT_K, FRAMEWORK_TIMERS
 
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (with --compare: the baseline, e.g. BF16)")
     parser.add_argument("--k", type=float, default=DEFAULT_K,
@@ -60,8 +60,8 @@ def _read_table(path: str):
 def _steps_and_timings(path: str, timings_file, framework, step_column, command_option: str):
     """(Run, steps table, the table whose time/ columns are used, its source in words)."""
     from .. import exits
-    from ..analysis import RunDirError, open_run
-    from ..timings import table_timings
+    from ..offline.analysis import RunDirError, open_run
+    from ..metrics.timings import table_timings
 
     try:
         run = open_run(path)
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .. import exits
-    from ..timings import PHASES, SHORT, check_k, compare_cycles, cycle_frame, cycle_summary, device_of, figures
+    from ..metrics.timings import PHASES, SHORT, check_k, compare_cycles, cycle_frame, cycle_summary, device_of, figures
 
     try:
         k = check_k(args.k, "--k")

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from ..analysis import RunDirError, open_run
+from ..offline.analysis import RunDirError, open_run
 from ..dashboards.launch import DEFAULT_HOST, DEFAULT_PORT, build_command, is_loopback, validate_runs
 from ..exits import INPUT_ERROR, INTERRUPTED, error
 

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the built-in GRPO job into ``args.out``."""
     from .. import exits
     from ..demo import config_from_args, run_demo
-    from ..layout import run_path
+    from ..rundir.layout import run_path
 
     args.out = str(run_path(args.out, "--out"))   # the demo writes a local run: s3://... refused before any work
     try:

@@ -1,5 +1,5 @@
 """``triage-monitor import``: turn a framework's dumped rollouts or a per-token table into a run directory
-(:mod:`triage_monitor.importers`)."""
+(:mod:`triage_monitor.offline.importers`)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     import); 3 the OS refused a read or the run directory cannot be written."""
     from .. import exits
     from ..config import MetricConfig, MonitorConfig
-    from ..importers import miles_steps, parse_mapping, read_table, slime_steps, table_steps, write_run
-    from ..records import OutputError, UnwritableOutputError, probe_writable
+    from ..offline.importers import miles_steps, parse_mapping, read_table, slime_steps, table_steps, write_run
+    from ..rundir.records import OutputError, UnwritableOutputError, probe_writable
 
     try:
         cfg = MonitorConfig(window=args.window, calibration_steps=args.calibration_steps, tau_tail=args.tau_tail,
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         exits.error("import", exc)
         return exits.INPUT_ERROR
-    from ..storage import is_remote
+    from ..rundir.storage import is_remote
 
     created = not is_remote(args.out) and not Path(args.out).exists()
     try:

@@ -1,5 +1,5 @@
 """``triage-monitor report RUN_DIR -o report.html``: write the self-contained HTML post-mortem
-(:mod:`triage_monitor.report`).  Its options are declared without importing the report's plotting stack, so
+(:mod:`triage_monitor.offline.report`).  Its options are declared without importing the report's plotting stack, so
 ``report --help`` works, and a missing ``dashboard`` extra (plotly) is one line naming it, exit 2."""
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
     incomplete or differ from the live values (named on stderr); 2 a bad run directory, an
     empty run, a bad option or plotly missing (the line names the ``dashboard`` extra); 3 the output path cannot
     be written (one line on stderr)."""
-    from ..analysis import RunDirError, open_run
+    from ..offline.analysis import RunDirError, open_run
 
     try:
-        from ..report import build_report
+        from ..offline.report import build_report
     except ImportError as exc:        # plotly (the dashboard extra) missing; any other import error is a bug
         missing = (exc.name or "").split(".")[0]
         if missing != "plotly":
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         exits.error("report", f"the HTML report needs plotly, which is not installed: {EXTRA_HINT}")
         return exits.INPUT_ERROR
 
-    from ..layout import run_path
+    from ..rundir.layout import run_path
 
     out = run_path(args.output, "--output")    # s3://...: refused before any work, never a local folder 's3:'
     t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         exits.error("report", exc)
         return exits.INPUT_ERROR
     try:
-        from ..storage import open_store
+        from ..rundir.storage import open_store
 
         open_store(str(out.parent)).write_bytes(out.name, text.encode("utf-8"))  # whole or nothing, no temp left
     except OSError as exc:
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         exits.report_unreadable("report", r)
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, self-contained: opens offline) "
           f"in {time.perf_counter() - t0:.1f} s")
-    from ..analysis import record_gaps
+    from ..offline.analysis import record_gaps
 
     gaps = [f"{r.path}: {line}" for r in runs for line in record_gaps(r)]   # said, and never exit 0 on such a run
     for line in gaps:
@@ -90,7 +90,7 @@ def _differences_from_live(run) -> list:
     """``analyze``'s recomputation check on ``run`` (its per-step states, cached by the report): one line when
     metrics recomputed from the token records differ from the live values beyond what a resume explains (a token
     block damaged or replaced after the run, whose pages still decode), else none."""
-    from ..analysis import recompute
+    from ..offline.analysis import recompute
     from .analyze import compare_with_live_values
 
     live = run.steps()

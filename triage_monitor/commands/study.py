@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from ..demo import DemoConfig
     from ..demo.study import rejudge, run_study, study_config
     from ..exits import CommandError
-    from ..layout import run_path
+    from ..rundir.layout import run_path
 
     args.out = str(run_path(args.out, "--out"))   # a local folder of runs: s3://... refused before anything is made
     try:

@@ -6,7 +6,7 @@ entropy; the default, the mismatch study's job) or multi-digit addition with an
 exact reward, sampling with NVFP4 W4A4 linears (by default 8 updates stale:
 asynchronous rollout) and learning in fp32, every step recorded through the public API
 (:class:`~triage_monitor.TokenBatch`,
-:class:`~triage_monitor.controller.TriageController`,
+:class:`~triage_monitor.triage.controller.TriageController`,
 :class:`~triage_monitor.monitor.MismatchMonitor`, the default alert rules).
 See :mod:`.grpo` and, for the comparison of corrections, :mod:`.study`
 (docs/study.md).
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude=(), defaults=None,
         suppress: do not set attributes for options not given (``argparse.SUPPRESS``), so a caller can
             tell an explicit option from a default (``study --preset``); the help still shows the default.
     """
-    from ..nvfp4 import RECIPES
+    from .nvfp4 import RECIPES
 
     from .grpo import GATE_THRESHOLDS, QUANTIZE
     from .task import TASKS

@@ -15,10 +15,10 @@ One step (docs/metrics.md#terms, docs/metrics.md#published-reference setup scale
    weights' copy, reward and advantages, the learner's recompute, the update, the demo's diagnostics as other;
    measured on the run's device):
    :meth:`TokenBatch.from_padded` → correction (``none``: plain PPO;
-   ``tis``: :func:`~triage_monitor.corrections.tis_weights`; ``triage``:
-   :class:`~triage_monitor.controller.TriageController`) →
-   :func:`~triage_monitor.corrections.ppo_clip_loss` reduced by
-   :func:`~triage_monitor.loss.weighted_policy_loss` (+ Repair loss) →
+   ``tis``: :func:`~triage_monitor.triage.corrections.tis_weights`; ``triage``:
+   :class:`~triage_monitor.triage.controller.TriageController`) →
+   :func:`~triage_monitor.triage.corrections.ppo_clip_loss` reduced by
+   :func:`~triage_monitor.triage.loss.weighted_policy_loss` (+ Repair loss) →
    one Adam update per rollout → :meth:`MismatchMonitor.log_step`.
 
 With one update per rollout the PPO ratio is 1 at the update
@@ -43,15 +43,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..alerts import AlertEngine, CallbackSink, default_rules
+from ..alerting.alerts import AlertEngine, CallbackSink, default_rules
 from ..batch import TokenBatch
-from ..controller import CalibrationConfig, TriageConfig, TriageController
-from ..loss import weighted_policy_loss
-from ..corrections import ppo_clip_loss, tis_weights
-from ..metrics import MetricConfig
+from ..triage.controller import CalibrationConfig, TriageConfig, TriageController
+from ..triage.loss import weighted_policy_loss
+from ..triage.corrections import ppo_clip_loss, tis_weights
+from ..metrics.stats import MetricConfig
 from ..monitor import MismatchMonitor, MonitorConfig
-from ..records import check_run_dir
-from ..nvfp4 import get_recipe, prepare_quantized_weights, use_recipe
+from ..rundir.records import check_run_dir
+from .nvfp4 import get_recipe, prepare_quantized_weights, use_recipe
 from .model import GPTConfig, TinyGPT
 from .task import EOS, TASKS, AdditionTask, WalkTask
 
@@ -91,7 +91,7 @@ class DemoConfig:
     ``group_size`` responses at ``temperature``, Adam ``lr``, PPO clip
     ``[1 − clip_low, 1 + clip_high]``, gradient-norm clip ``max_grad_norm``.
     Numerics: ``sampler_recipe`` / ``learner_recipe`` (keys of
-    :data:`triage_monitor.nvfp4.RECIPES`) on the linears ``quantize`` names
+    :data:`triage_monitor.demo.nvfp4.RECIPES`) on the linears ``quantize`` names
     (``mlp`` as in the published NVFP4 runs, ``mlp+attn``, ``all`` = + LM
     head), ``nvfp4_backend``.  Mismatch mechanism: ``sampler_lag`` (the
     sampler generates with the weights of ``sampler_lag`` updates ago; 0 =
@@ -380,7 +380,7 @@ def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, st
     """The step's loss, as a user's training job would write it with this package.
 
     ``per-token PPO loss × token weights``, normalised by
-    :func:`~triage_monitor.loss.weighted_policy_loss` (``cfg.normalization``),
+    :func:`~triage_monitor.triage.loss.weighted_policy_loss` (``cfg.normalization``),
     plus the Repair loss for ``triage``.  Weights: ``none`` → 1, ``tis`` →
     ``clamp(exp(old_logp − sampler_logp), *cfg.tis_clip)``, ``triage`` → the
     controller's Gate × TIS weights (docs/metrics.md#controller).  ``old_logp`` is the
@@ -689,7 +689,7 @@ def _summary(console, cfg: DemoConfig, df: pd.DataFrame, out_dir: Path) -> None:
         if key in df:
             table.add_row(label, *(_fmt(float(p[key].mean()), spec) for p in parts.values()))
     console.print(table)
-    from ..timings import cycle_summary
+    from ..metrics.timings import cycle_summary
 
     for line in cycle_summary(df).lines(cfg.device):      # the step's own phase timings (docs/metrics.md)
         console.print(line, highlight=False)

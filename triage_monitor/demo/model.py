@@ -2,9 +2,9 @@
 
 Pre-norm blocks of multi-head causal self-attention and a GELU MLP
 (``mlp.fc``: d → 4d, ``mlp.proj``: 4d → d).  The MLP projections are
-:class:`~triage_monitor.nvfp4.NVFP4Linear` layers, so a numeric recipe can be
+:class:`~triage_monitor.demo.nvfp4.NVFP4Linear` layers, so a numeric recipe can be
 switched per computation path (sampler vs learner) with
-:func:`~triage_monitor.nvfp4.use_recipe`; attention, norms, embeddings and
+:func:`~triage_monitor.demo.nvfp4.use_recipe`; attention, norms, embeddings and
 the LM head stay in full precision, as in the published native-NVFP4 runs
 (docs/metrics.md#nvfp4).
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..nvfp4 import quantize_linears_
+from .nvfp4 import quantize_linears_
 
 Tensor = torch.Tensor
 KVCache = list  # per layer: (k, v), each (B, heads, T_cached, head_dim)

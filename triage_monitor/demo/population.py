@@ -2,7 +2,7 @@
 
 The study (:mod:`.study`) asks whether a mismatch breaks the job; the population asks whether a warning
 *means* something: it mixes runs that hold and runs that fail, on purpose, so that an alert rule can be
-scored like a classifier (docs/alerts.md#evaluating-the-alerts, :mod:`triage_monitor.evaluation`).
+scored like a classifier (docs/alerts.md#evaluating-the-alerts, :mod:`triage_monitor.offline.evaluation`).
 
 Conditions (:data:`CONDITIONS`, every one the demo job of :class:`~.grpo.DemoConfig` with overrides):
 
@@ -31,8 +31,8 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from ..layout import MANIFEST
-from ..outcome import destabilisation_step
+from ..rundir.layout import MANIFEST
+from ..alerting.outcome import destabilisation_step
 from .grpo import DemoConfig
 
 #: Adam learning rates of the population (the study's, half of it, twice it).
@@ -136,13 +136,13 @@ def run_population(base: DemoConfig, out, jobs: int = 2, seeds: Optional[Sequenc
     """Run every (condition, seed) not finished yet, then write ``out/population.csv`` and return it.
 
     One row per run: ``run`` (directory name), ``condition``, ``regime``, ``sampler_lag``, ``correction``, ``lr``,
-    ``seed``, ``split``, ``steps``, ``destabilised_at`` (:func:`~triage_monitor.outcome.destabilisation_step`
+    ``seed``, ``split``, ``steps``, ``destabilised_at`` (:func:`~triage_monitor.alerting.outcome.destabilisation_step`
     of the recorded reward, or None) and ``path``.
 
     Raises:
         ValueError: ``jobs < 1``, an unknown condition or seed.
     """
-    from ..analysis import open_run
+    from ..offline.analysis import open_run
     from .study import _ArmProgress, _console, _run_parallel
 
     if jobs < 1:

@@ -50,11 +50,11 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from ..alerts import NOISE_FLOOR_NATS, TIERS, default_rules, replay_engine
+from ..alerting.alerts import NOISE_FLOOR_NATS, TIERS, default_rules, replay_engine
 from ..exits import command_line
-from ..layout import MANIFEST
-from ..outcome import COLLAPSE_FRACTION, MIN_STAY, SMOOTH_STEPS, destabilisation_step, trailing_mean  # noqa: F401
-from ..timings import DEFAULT_K, LABELS, PHASES, compare_cycles, cycle_summary, figures
+from ..rundir.layout import MANIFEST
+from ..alerting.outcome import COLLAPSE_FRACTION, MIN_STAY, SMOOTH_STEPS, destabilisation_step, trailing_mean  # noqa: F401
+from ..metrics.timings import DEFAULT_K, LABELS, PHASES, compare_cycles, cycle_summary, figures
 from .grpo import DemoConfig
 
 #: Arms: overrides of the base configuration (the base's ``sampler_lag`` is the study's staleness).
@@ -147,7 +147,7 @@ def blowup_step(steps: Sequence[int], values: Sequence[float], ref_start: int = 
     per-step k3 KL); the reference is ``m`` at row ``ref_start + SMOOTH_STEPS − 1`` (the mean over
     the rows ``[ref_start, ref_start + SMOOTH_STEPS)``: for a lagged sampler the first steps at full
     staleness).  Returns the first later step with ``m(t) > factor · reference``; rows whose trailing
-    mean of ``guard`` (the per-step mean |δ|) is below :data:`~triage_monitor.alerts.NOISE_FLOOR_NATS`
+    mean of ``guard`` (the per-step mean |δ|) is below :data:`~triage_monitor.alerting.alerts.NOISE_FLOOR_NATS`
     are at noise level and never count.  None if the run is too short for the reference.
 
     Raises:
@@ -182,7 +182,7 @@ def onsets(df: pd.DataFrame, ref_start: int = 0) -> dict:
     Reference: the :data:`REF_STEPS` rows from ``ref_start`` (the first step at full staleness).
     Bands: ``window/rho_asym`` median ± max(3 MAD, 15 % of the median); ``window/small_gap_share``
     below median − max(3 MAD, 0.05); ``window/k3_kl`` above :data:`K3_FACTOR` × its median.  A row
-    whose ``window/delta_abs_mean`` is below :data:`~triage_monitor.alerts.NOISE_FLOOR_NATS` is at
+    whose ``window/delta_abs_mean`` is below :data:`~triage_monitor.alerting.alerts.NOISE_FLOOR_NATS` is at
     noise level: it neither defines nor leaves a band.
 
     Returns:
@@ -475,7 +475,7 @@ def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callab
     import queue as queue_mod
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    from ..engines import ignore_sigint, stop_pool
+    from ..offline.engines import ignore_sigint, stop_pool
 
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager, ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
@@ -502,7 +502,7 @@ def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callab
 
 def _live_alerts(run_dir: Path) -> Optional[pd.DataFrame]:
     """The run directory's live alerts table (``step``, ``rule``), or None when the run has no directory."""
-    from ..analysis import open_run
+    from ..offline.analysis import open_run
 
     if not (Path(run_dir) / "run.json").exists():
         return None
@@ -518,14 +518,14 @@ def rejudge(base: DemoConfig, out, console=None) -> pd.DataFrame:
     For new definitions without re-running: each ``<arm>-s<seed>`` directory's per-step table is read
     back (``open_run(run_dir).steps()``); when ``base.window`` differs from the run's monitor window,
     the metrics are recomputed from the token records with ``base.window``
-    (:func:`triage_monitor.analysis.recompute`) and the training-loop columns (reward, controller
+    (:func:`triage_monitor.offline.analysis.recompute`) and the training-loop columns (reward, controller
     stats, gradient norm) are kept; alerts are then replayed (the live table belongs to the old window).
     ``base`` also supplies the mechanism text.
 
     Raises:
         ValueError: ``out/runs`` holds no ``<arm>-s<seed>`` run directory.
     """
-    from ..analysis import open_run, recompute
+    from ..offline.analysis import open_run, recompute
 
     console = console or _console()
     out = Path(out)
@@ -835,7 +835,7 @@ def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: 
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    from ..views import add_rho_asym_guides
+    from ..offline.views import add_rho_asym_guides
 
     panels = [("reward", f"reward (trailing {SMOOTH_STEPS})", True),
               ("window/rho_asym", "window ρ_asym (direction)", False),
@@ -904,7 +904,7 @@ def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: 
             "first_alert", "first_alert_rule", "lead_steps", "lead_frac", "first_direction_alert",
             "first_localization_alert", "first_magnitude_alert", "n_alerts", "alerts_source",
             "noise_level_steps", "seconds"]
-    from ..views import cycle_bars_figure
+    from ..offline.views import cycle_bars_figure
 
     by_arm = cycle_by_arm(frames)
     bars = cycle_bars_figure({a: v for a, v in by_arm.items()}, "Mean step time by phase, per arm", base.device)
