@@ -41,7 +41,7 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypedDict, cast, runtime_checkable
 
 import numpy as np
 
@@ -53,6 +53,28 @@ log = logging.getLogger("triage_monitor.alerts")
 
 
 # ---------------------------------------------------------------------------------------- alerts
+class AlertRow(TypedDict):
+    """One row of a run's ``alerts/`` table (:meth:`Alert.to_row`): the alert's fields but ``wait_s``, in order."""
+
+    step: int
+    rule: str
+    metric: str
+    value: float
+    threshold: float
+    window: int
+    level: str
+    title: str
+    text: str
+    tier: str
+
+
+class EngineState(TypedDict):
+    """:meth:`AlertEngine.state_dict`: the observed steps and, per metric the rules use, its value at each."""
+
+    steps: list[int]
+    metrics: dict[str, list[float]]
+
+
 @dataclass
 class Alert:
     """One fired rule.  ``value`` is the tested statistic (the level for above/below, the
@@ -72,11 +94,11 @@ class Alert:
     wait_s: float = 600.0
     tier: str = "collapse"
 
-    def to_row(self) -> dict:
+    def to_row(self) -> AlertRow:
         """The row the monitor writes to the run's ``alerts/`` table (wait_s is not part of it)."""
         d = asdict(self)
         d.pop("wait_s")
-        return d
+        return cast(AlertRow, d)     # asdict's keys are the fields: AlertRow's, once wait_s is gone
 
 
 @dataclass(frozen=True)
@@ -126,7 +148,7 @@ class AlertObserver(Protocol):
     """What the monitor runs the step's metrics through: :class:`AlertEngine`, or an engine of your own
     (``observe`` returns the alerts fired at the step; a ``close()`` is optional)."""
 
-    def observe(self, step: int, metrics: Mapping[str, Any]) -> list: ...
+    def observe(self, step: int, metrics: Mapping[str, Any]) -> list[Alert]: ...
 
 
 @runtime_checkable
@@ -241,7 +263,7 @@ class AlertEngine:
         """Names of the rules that fired and have not cleared."""
         return [n for n, s in self._state.items() if s.active]
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> EngineState:
         """JSON-able history (steps + the metrics the rules use); the engine state is a
         function of it, so ``load_state_dict`` on a fresh engine continues identically."""
         return {"steps": list(self._steps), "metrics": {m: list(v) for m, v in self._cols.items()}}
@@ -268,7 +290,7 @@ class AlertEngine:
         cut = bisect.bisect_left(self._steps, step)
         log.info("alerts: step %d repeats (last seen %d): replacing history from step %d on",
                  step, self._steps[-1], step)
-        kept = {"steps": self._steps[:cut], "metrics": {m: v[:cut] for m, v in self._cols.items()}}
+        kept: EngineState = {"steps": self._steps[:cut], "metrics": {m: v[:cut] for m, v in self._cols.items()}}
         self.load_state_dict(kept)
 
     def _advance(self, step: int, metrics: Mapping[str, Any], emit: bool) -> list[Alert]:
@@ -305,7 +327,8 @@ class AlertEngine:
         xs = np.asarray(col[lo:], dtype=float)
         if not np.isfinite(xs).any():
             return math.nan
-        return float(xs[np.isfinite(xs)][-1]) if r.agg == "last" else float(AGGS[r.agg](xs))
+        agg = AGGS[r.agg]                        # None for "last"
+        return float(xs[np.isfinite(xs)][-1]) if agg is None else float(agg(xs))
 
     def _lookback(self, r: Rule, i: int) -> float:
         """Tested value at the latest step <= t - i*window (NaN if before the first step, or, with
@@ -406,6 +429,7 @@ class AlertEngine:
         unit = " (relative)" if r.relative else ""
         if c in ("excess", "deficit"):
             b = st.baseline
+            assert b is not None                 # set above for excess/deficit (median of the first steps, or NaN)
             if not math.isfinite(b):
                 return None, math.nan, ""
             score = (v - b) if c == "excess" else (b - v)
@@ -455,6 +479,7 @@ class AlertEngine:
         if not any(math.isfinite(x) for x in self._cols[r.metric]):
             return f"metric {r.metric} never had a finite value"
         start, last = self.evaluable_from(r), self._steps[-1]
+        assert start is not None                 # None only before any step, returned above
         if start > last:
             if r.condition in ("rising", "falling"):
                 need = (f"{r.k} look-back(s) of {r.window} steps" + (" after the first full window" if r.full_window
@@ -470,12 +495,12 @@ class AlertEngine:
                     f"and sampler agree to rounding)")
         return f"{r.metric} had no finite value at the steps from {start} on"
 
-    def status(self) -> list:
+    def status(self) -> list[RuleStatus]:
         """One :class:`RuleStatus` per rule, in rule order: which rules evaluated, which could not yet and why."""
-        fired: dict = {}
+        fired: dict[str, int] = {}
         for a in self.fired:
             fired[a.rule] = fired.get(a.rule, 0) + 1
-        cleared: dict = {}
+        cleared: dict[str, Clear] = {}
         for c in self.cleared:
             cleared[c.rule] = c
         out = []
@@ -634,5 +659,5 @@ def normalize_columns(frame):
     return frame.rename(columns=ren) if ren else frame
 
 
-__all__ = ["Rule", "Alert", "Clear", "runbook_ref", "RuleStatus", "AlertSink", "AlertObserver", "Closable", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
+__all__ = ["Rule", "Alert", "AlertRow", "EngineState", "Clear", "runbook_ref", "RuleStatus", "AlertSink", "AlertObserver", "Closable", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
            "replay", "replay_engine", "normalize_columns", "build_engine", "check_alerts_setting", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS", "TIERS"]

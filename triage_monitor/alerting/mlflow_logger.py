@@ -102,7 +102,8 @@ class MLflowLogger:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")      # asked for by name (see tracking_uri)
         self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "triage-monitor"
         self.run_name, self.tags = run_name, dict(tags or {})
-        self._run_id, self._client, self._owned = run_id, None, False
+        self._run_id, self._owned = run_id, False
+        self._client: Any = None           # an mlflow.tracking.MlflowClient once resolved (mlflow is imported lazily)
         self._resolved, self._closed = False, False
         self._config: dict = dict(config or {})
         self._config_written = False

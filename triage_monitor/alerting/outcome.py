@@ -64,7 +64,7 @@ def trailing_mean(values, n: int = SMOOTH_STEPS) -> np.ndarray:
         pd.Series(np.arange(len(values))) >= n - 1).to_numpy()
 
 
-def destabilisation_step(steps: Sequence[int], reward: Sequence[float],
+def destabilisation_step(steps: Sequence[int] | np.ndarray, reward: Sequence[float] | np.ndarray,
                          definition: OutcomeDefinition = DEFAULT_OUTCOME) -> Optional[int]:
     """The step at which a run destabilised, or None.
 
@@ -80,17 +80,18 @@ def destabilisation_step(steps: Sequence[int], reward: Sequence[float],
     Raises:
         ValueError: different lengths.
     """
-    steps, reward = np.asarray(steps), np.asarray(reward, dtype=float)
-    if steps.shape != reward.shape:
-        raise ValueError(f"destabilisation_step: steps {steps.shape} and reward {reward.shape} differ in length")
-    m = trailing_mean(reward, definition.smooth)
+    step_arr, reward_arr = np.asarray(steps), np.asarray(reward, dtype=float)
+    if step_arr.shape != reward_arr.shape:
+        raise ValueError(f"destabilisation_step: steps {step_arr.shape} and reward {reward_arr.shape} differ in "
+                         f"length")
+    m = trailing_mean(reward_arr, definition.smooth)
     peak = np.fmax.accumulate(np.where(np.isnan(m), -np.inf, m))
     below = ~np.isnan(m) & (m < definition.fraction * peak)
     run = 0
     for i, b in enumerate(below):
         run = run + 1 if b else 0
         if run == definition.stay:
-            return int(steps[i - definition.stay + 1])
+            return int(step_arr[i - definition.stay + 1])
     return None
 
 

@@ -5,10 +5,12 @@ pre-terminal / terminal (docs/metrics.md#rho_asym, #small_gap_share, #c_tok).  T
 study) draw :data:`RHO_ASYM_HEALTHY` as a band and the shipped alert thresholds (read from the rules, not
 copied here) as lines; the health verdict (:mod:`triage_monitor.offline.verdict`) compares a run with them.
 
-Imports nothing: torch-free and cheap.
+Imports only :mod:`typing`: torch-free and cheap.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 #: Stages of a published run's post-mortem, in order.
 STAGES = ("healthy", "drift", "pre-terminal", "terminal")
@@ -28,7 +30,15 @@ C_TOK = {"dense 4B": {"healthy": 0.2156, "pre-terminal": 0.2568},
          "MoE 30B": {"healthy": 0.2010, "pre-terminal": 0.2501}}
 
 
-def rho_asym_thresholds(rules=None) -> list:
+class RhoThreshold(NamedTuple):
+    """One ``above`` threshold of an alert rule on window ρ_asym (:func:`rho_asym_thresholds`)."""
+
+    threshold: float
+    rule: str
+    level: str
+
+
+def rho_asym_thresholds(rules=None) -> list[RhoThreshold]:
     """The ``above`` thresholds of the alert rules on window ρ_asym, lowest first.
 
     Args:
@@ -36,16 +46,16 @@ def rho_asym_thresholds(rules=None) -> list:
             ``threshold``, ``name``, ``level``); None reads the shipped defaults.
 
     Returns:
-        ``[(threshold, rule name, level), ...]`` of the rules with ``metric == "window/rho_asym"`` and
+        ``[RhoThreshold(threshold, rule name, level), ...]`` (tuples) of the rules with ``metric == "window/rho_asym"`` and
         ``condition == "above"`` (shipped: 1.45 WARN, 1.8 ERROR).
     """
     if rules is None:
         from .alert_rules import default_rules
 
         rules = default_rules()
-    out = [(float(r.threshold), r.name, r.level) for r in rules
+    out = [RhoThreshold(float(r.threshold), r.name, r.level) for r in rules
            if r.metric == "window/rho_asym" and r.condition == "above"]
     return sorted(out)
 
 
-__all__ = ["STAGES", "RHO_ASYM", "RHO_ASYM_HEALTHY", "SMALL_GAP_SHARE_FLOOR", "C_TOK", "rho_asym_thresholds"]
+__all__ = ["STAGES", "RHO_ASYM", "RHO_ASYM_HEALTHY", "SMALL_GAP_SHARE_FLOOR", "C_TOK", "RhoThreshold", "rho_asym_thresholds"]

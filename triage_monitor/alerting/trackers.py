@@ -113,7 +113,7 @@ def check_keys(keys: Keys, where: str = "keys") -> Keys:
     return names
 
 
-def select_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
+def select_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict[str, float]:
     """The metrics a tracker logs: ``keys`` of ``metrics`` (``"curated"``: :data:`CURATED_KEYS`; ``"all"``:
     every key but ``step``), as floats; keys that are absent or not numbers are left out, NaN is kept.
 
@@ -127,7 +127,7 @@ def select_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
     keys = check_keys(keys)
     names = CURATED_KEYS if keys == "curated" else sorted(k for k in metrics if k != "step") if keys == "all" \
         else keys
-    out = {}
+    out: dict[str, float] = {}
     for k in names:
         v = metrics.get(k)
         if v is None or isinstance(v, bool):
@@ -146,11 +146,13 @@ def at_noise_level(metrics: Mapping[str, Any], guard: str = "window/delta_abs_me
     from .alert_rules import NOISE_FLOOR_NATS
 
     v = metrics.get(guard)
+    if v is None:
+        return False
     try:
-        v = float(v)
+        x = float(v)
     except (TypeError, ValueError):
         return False
-    return math.isfinite(v) and v < NOISE_FLOOR_NATS
+    return math.isfinite(x) and x < NOISE_FLOOR_NATS
 
 
 def noise_flags(frame, window: bool = True):
@@ -167,7 +169,7 @@ def noise_flags(frame, window: bool = True):
     return np.isfinite(g) & (g < NOISE_FLOOR_NATS)
 
 
-def tracker_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
+def tracker_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict[str, float]:
     """What a tracker (W&B, TensorBoard, MLflow) logs: :func:`select_metrics` with every ratio of
     :data:`NOISE_GUARDED` set to NaN where its guard is below the noise floor (:func:`at_noise_level`, the alert
     guard's rule: a ratio of rounding noise is no value to chart), and the flag :data:`NOISE_KEY` (1.0 / 0.0, from
@@ -191,7 +193,7 @@ def tracker_metrics(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
     return out
 
 
-def framework_values(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict:
+def framework_values(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict[str, float]:
     """What a hook hands to a framework that reduces a metrics dict over its data-parallel ranks key by key (slime,
     Miles, SkyRL): :func:`tracker_metrics` with the direction ratios at noise level *left out* rather than NaN — the
     noise guard is a globally reduced value (the window's mean |δ|), alike on every rank, so the keys stay the same on
@@ -209,7 +211,8 @@ def framework_values(metrics: Mapping[str, Any], keys: Keys = "curated") -> dict
     return out
 
 
-def framework_metrics(metrics: Optional[Mapping[str, Any]], keys: Keys = "curated", prefix: str = PREFIX) -> dict:
+def framework_metrics(metrics: Optional[Mapping[str, Any]], keys: Keys = "curated",
+                      prefix: str = PREFIX) -> dict[str, float]:
     """The metrics a framework hook hands to the framework's own logger: :func:`tracker_metrics` under
     ``prefix`` (``triage/``, so they never collide with a framework's names) — the direction ratios left out at
     noise level, as every tracker shows them (docs/alerts.md#noise-guard), beside the ``triage/noise`` flag — NaN
@@ -289,7 +292,7 @@ class TrackerSpec:
         return self.tracker_class()(keys=self.keys, **self.options)
 
 
-def build_trackers(items: Iterable) -> list:
+def build_trackers(items: Iterable) -> list[MetricLogger]:
     """Live trackers from a mix of live objects (anything with ``log_metrics``, kept as it is) and
     :class:`TrackerSpec` plain forms (built now).  A tracker whose construction fails (its directory cannot be
     made, ...) is reported once as a warning and left out: monitoring never stops training.
@@ -312,7 +315,7 @@ def build_trackers(items: Iterable) -> list:
     return out
 
 
-def specs_of(items: Iterable) -> list:
+def specs_of(items: Iterable) -> list[TrackerSpec]:
     """Validate tracker configuration without building anything (hook settings on the driver): the
     :class:`TrackerSpec` of each item.
 

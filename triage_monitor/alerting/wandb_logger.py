@@ -45,7 +45,7 @@ def import_wandb():
     return wandb
 
 
-def check_tiers(tiers: Sequence[str], where: str) -> tuple:
+def check_tiers(tiers: Sequence[str], where: str) -> tuple[str, ...]:
     """``tiers`` as a tuple of known alert tiers (:data:`~triage_monitor.alerting.alert_rules.TIERS`).
 
     Raises:
@@ -140,7 +140,7 @@ class WandbLogger:
             return
         if not self._defined:
             self._setup(run)
-        row = {self.prefix + "step": int(step)}
+        row: dict[str, float] = {self.prefix + "step": int(step)}
         row.update((self.prefix + k, v) for k, v in tracker_metrics(metrics, self.keys).items())
         self._guard("run.log", run.log, row)
 
@@ -150,7 +150,7 @@ class WandbLogger:
             self._sink = WandbAlertSink(self, tiers=self.alert_tiers)
         self._sink.emit(alert)
 
-    _sink = None
+    _sink: Optional["WandbAlertSink"] = None
 
     def close(self) -> None:
         """Finish the run if this logger started it."""
