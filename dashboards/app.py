@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from triage_monitor.offline.analysis import RunDirError, open_run, recompute, run_signature
+from triage_monitor.offline.analysis import Run, RunDirError, open_run, recompute, run_signature
 from triage_monitor.config import MonitorConfig
 from triage_monitor.offline import views
 from triage_monitor.dashboards.launch import ROOT_ARG, check_location
@@ -48,12 +48,19 @@ def _signature(path: str) -> tuple:
     return run_signature(path)
 
 
+@st.cache_resource(show_spinner=False, max_entries=8)
+def run_of(path: str, sig: tuple) -> Run:
+    """The run at ``path`` as listed at signature ``sig``, opened once and shared by every read of the page (a new
+    signature — new step files, a rewritten manifest — opens it again); raises RunDirError for a non-run."""
+    return open_run(path)
+
+
 @st.cache_data(show_spinner=False, max_entries=32)
 def load_run(path: str, sig: tuple) -> tuple:
     """(RunManifest, live step metrics, alerts, unreadable files) of a run; raises RunDirError for a non-run
     directory.  The live rows' steps are the page's snapshot of the run: every later read is limited to them,
     so a run being written is drawn from one listing (the overview, the charts and the stage table agree)."""
-    run = open_run(path)
+    run = run_of(path, sig)
     steps, alerts = run.steps(), run.alerts()
     return run.manifest, steps, alerts, list(getattr(run, "unreadable", []) or [])
 
@@ -66,13 +73,13 @@ def snapshot_steps(path: str) -> tuple:
 @st.cache_data(show_spinner=False, max_entries=16)
 def load_tokens(path: str, step: int, sig: tuple) -> pd.DataFrame:
     """Token rows of one step (the only token-level read of a page view)."""
-    return open_run(path).tokens(step, TOKEN_COLUMNS)
+    return run_of(path, sig).tokens(step, TOKEN_COLUMNS)
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def load_recomputed(path: str, window: int, sig: tuple, snap: tuple) -> pd.DataFrame:
     """Metrics of the snapshot's steps ``snap`` recomputed from the token files with another trailing window."""
-    run = open_run(path)
+    run = run_of(path, sig)
     todo = sorted(set(run.step_numbers()) & set(snap))
     return recompute(run, window=window, steps=todo) if todo else pd.DataFrame()
 
@@ -83,22 +90,18 @@ def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> tuple:
     tau_tail for every step (the cached per-step states; the live rows when the run has no token records)."""
     from triage_monitor.offline.analysis import postmortem_frame
 
-    run = open_run(path)
+    run = run_of(path, sig)
     frame = postmortem_frame(run, window, live=load_run(path, sig)[1], steps=snap)[0]
     return frame, list(getattr(run, "unreadable", []) or [])
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
 def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple, snap: tuple) -> pd.DataFrame:
-    """The stage table of the snapshot's steps ``snap``."""
-    from triage_monitor.offline.analysis import recompute_states
+    """The stage table of the snapshot's steps ``snap`` (:func:`triage_monitor.offline.stages.stage_table`)."""
     from triage_monitor.offline.stages import stage_table
 
-    run = open_run(path)
-    todo = sorted(set(run.step_numbers()) & set(snap))
-    states = recompute_states(run, cache=True, steps=todo) if todo else None
-    return stage_table(run, list(anchors) if anchors else None, window=window, draws=draws, seed=0,
-                       states=states, metrics=load_run(path, sig)[1])
+    return stage_table(run_of(path, sig), list(anchors) if anchors else None, window=window, draws=draws, seed=0,
+                       steps=snap, metrics=load_run(path, sig)[1])
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -108,7 +111,7 @@ def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tup
     that reuse a sample id are two responses)."""
     from triage_monitor.offline.stages import tail_layout
 
-    run = open_run(path)
+    run = run_of(path, sig)
     batch = run.token_batch(step)
     delta = batch.delta.double().numpy()
     layout = tail_layout(batch, tau, width) if math.isfinite(tau) else None
@@ -156,7 +159,7 @@ def load_verdict(path: str, sig: tuple, ref_path: str, ref_sig: tuple) -> dict:
     rules replayed), against the reference run ``ref_path`` when given; as its JSON dict."""
     from triage_monitor.offline.verdict import reference_of_run, verdict_of_steps
 
-    band = reference_of_run(open_run(ref_path)) if ref_path else None
+    band = reference_of_run(run_of(ref_path, ref_sig)) if ref_path else None
     v = verdict_of_steps(load_run(path, sig)[1], reference=band)
     out = v.to_dict()
     out["band"] = None if band is None else {"label": band.label, "lo": band.lo, "hi": band.hi, "windows": band.windows,
@@ -272,7 +275,7 @@ with st.sidebar:
 
 sig = sigs[primary]
 snap = snapshot_steps(primary)
-ov = views.run_overview(open_run(primary), steps, alerts)
+ov = views.run_overview(run_of(primary, sig), steps, alerts)
 status = ov["status"]
 reference = None                  # (path, label, live steps) of the reference run
 if reference_path:
@@ -304,7 +307,7 @@ if status == "running":
             "far. Rerun the page (R) to refresh.")
 from triage_monitor.offline.analysis import record_gaps  # noqa: E402
 
-for _gap in record_gaps(open_run(primary), steps):       # what the records lack, beyond a run still being written
+for _gap in record_gaps(run_of(primary, sig), steps):       # what the records lack, beyond a run still being written
     if not _gap.startswith("run.json says the run is 'running'"):
         st.warning("Incomplete records: " + re.sub(r"([\\`*_{}\[\]()#+\-.!<>|~$:])", r"\\\1", _gap))  # plain text
 unreadable_slot = st.empty()      # filled once the page's reads have counted the files they could not read

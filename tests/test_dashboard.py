@@ -566,3 +566,30 @@ def test_ctrl_c_stops_the_dashboard_server_with_one_line_and_status_130(tmp_path
         "triage-monitor dashboard: interrupted (Ctrl-C); server stopped"], err
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the server still listens"
+
+
+def test_a_page_opens_each_run_once_and_builds_the_stage_table_in_one_call(monkeypatch, demo_run_dir):
+    """One page render (overview, charts, localisation, stage table, verdict) opens the run directory once, and the
+    stage table is :func:`~triage_monitor.offline.stages.stage_table` over the page's snapshot — the same table the
+    offline call gives."""
+    import streamlit as st
+
+    import triage_monitor.offline.analysis as analysis
+
+    opened = []
+    real = analysis.open_run
+
+    def counting(path, *a, **k):
+        opened.append(str(path))
+        return real(path, *a, **k)
+
+    st.cache_resource.clear()
+    st.cache_data.clear()
+    monkeypatch.setattr(analysis, "open_run", counting)
+    at = app(monkeypatch, demo_run_dir)
+    assert_ok(at)
+    assert opened == [str(demo_run_dir)]
+    shown = [df for df in at.dataframe if "C_tok %" in df.value.columns]
+    assert len(shown) == 1
+    expected = stage_table(open_run(demo_run_dir), window=None, seed=0)
+    assert shown[0].value["step"].tolist() == expected["step"].tolist()

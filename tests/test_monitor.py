@@ -654,3 +654,33 @@ def test_padding_and_offset_warnings_read_in_full(tmp_path, caplog):
     assert ("triage-monitor step 0: 1 response(s) whose first valid token is not at position 0: left padding or a "
             "prompt in the tensor without positions=? Segments are cut by position (metric "
             "offset_response_count)") in msgs
+
+
+def test_one_host_copy_of_a_step_serves_the_metrics_the_input_checks_and_the_writer(tmp_path, monkeypatch):
+    """A step's token columns are copied off their device (here: a bfloat16 learner, converted to float32) once:
+    :meth:`TokenBatch.host` builds one :class:`~triage_monitor.batch.HostTokens` a step, read by the metrics, the
+    padding diagnostics and the record writer alike."""
+    import triage_monitor.batch as batch_mod
+    import triage_monitor.metrics.alignment as alignment
+
+    built, scanned = [], []
+    real, real_scan = batch_mod.HostTokens, alignment._padding_scan
+
+    def counting(*cols):
+        built.append(cols[0])
+        return real(*cols)
+
+    def scan(learner, *rest):
+        scanned.append(learner)
+        return real_scan(learner, *rest)
+
+    monkeypatch.setattr(batch_mod, "HostTokens", counting)
+    monkeypatch.setattr(alignment, "_padding_scan", scan)
+    with MismatchMonitor(tmp_path / "run", MonitorConfig(window=2, calibration_steps=2)) as mon:
+        for step in range(3):
+            b = _batch(step)
+            b.learner_logp = b.learner_logp.to(torch.bfloat16)
+            mon.log_step(step, b)
+    assert [c.dtype for c in built] == [torch.float32] * 3
+    assert len(scanned) == 3 and all(np.shares_memory(a, c.numpy()) for a, c in zip(scanned, built))
+    assert open_run(tmp_path / "run").tokens(2)["learner_logp"].dtype == np.float32

@@ -40,13 +40,13 @@ import logging
 import math
 import os
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from . import __version__
-from .alerting.alerts import Alert, AlertSink, Closable, build_engine
+from .alerting.alerts import Alert, AlertObserver, AlertSink, Closable, build_engine
 from .metrics.alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
@@ -58,8 +58,9 @@ from .rundir.sink import WAIT_TIMEOUT_S
 from .rundir.records import steps_schema as records_steps_schema
 from .metrics.timings import (COLUMNS as TIME_PHASES, PREFIX as TIME_PREFIX, TIME_COLUMNS, columns_of, integer, phase_of,
                       phase_times)
-from .alerting.trackers import ConfigRecorder, build_trackers
+from .alerting.trackers import ConfigRecorder, MetricLogger, build_trackers
 
+_R = TypeVar("_R")
 log = logging.getLogger("triage_monitor")
 
 #: Step-level counters taken from TokenBatch.quarantine_counts (docs/reliability.md), always present in the metrics.
@@ -213,10 +214,11 @@ class MismatchMonitor:
         #: whether this process writes the step's steps row: rank 0 of a synchronised group (every rank's row would
         #: repeat it), every process that is not synchronised, or every rank with ``per_rank_steps``
         self.writes_steps = self.reports or not self.synchronised or self.config.per_rank_steps
-        self.loggers = build_trackers(_in_run_dir(loggers, layout)) if self.reports else []
-        self.alerts = (build_engine(alerts, sinks=[lg for lg in self.loggers if isinstance(lg, AlertSink)])
-                       if self.reports else None)
-        self._failed_sinks: set = set()
+        self.loggers: list[MetricLogger] = build_trackers(_in_run_dir(loggers, layout)) if self.reports else []
+        self.alerts: Optional[AlertObserver] = (
+            build_engine(alerts, sinks=[lg for lg in self.loggers if isinstance(lg, AlertSink)])
+            if self.reports else None)
+        self._failed_sinks: set[tuple[int, str]] = set()
         # rules the user gave (a file, a list, an engine): their metrics are checked at the first step; the shipped
         # defaults include rules on metrics only a controller logs (gate_downweighted_frac)
         self._own_rules = alerts is not None and not isinstance(alerts, bool)
@@ -244,7 +246,7 @@ class MismatchMonitor:
                      self.writer.store.display("run.json"))
         for lg in self.loggers:            # record the run's config (manifest) with each logger that takes one
             if isinstance(lg, ConfigRecorder):
-                self._guard(lg, "log_config", self.manifest)
+                self._guard(lg.log_config, self.manifest)
 
     @property
     def sink(self):
@@ -366,7 +368,7 @@ class MismatchMonitor:
         self.writer.record_step(step, batch, metrics, reasons, token_extras, self.config.record_tokens,
                                 steps_row=self.writes_steps, alerts=alert_rows)
         for lg in self.loggers:
-            self._guard(lg, "log_metrics", step, metrics)
+            self._guard(lg.log_metrics, step, metrics)
         self.steps_logged += 1
         self._last_step = step
         return metrics
@@ -465,7 +467,7 @@ class MismatchMonitor:
             return []
         if self.steps_logged == 0 and self._own_rules:
             self._check_rule_metrics(metrics)
-        fired = self._guard(self.alerts, "observe", step, metrics) or []
+        fired = self._guard(self.alerts.observe, step, metrics) or []
         active = getattr(self.alerts, "active", None)
         metrics[ALERT_STATE] = float(len(active)) if active is not None else float("nan")
         return fired
@@ -482,16 +484,23 @@ class MismatchMonitor:
                         ", ".join(f"{n} ({m!r})" for n, m in missing),
                         sorted(k for k in metrics if k not in RESERVED_KEYS and k != ALERT_STATE) or "none")
 
-    def _guard(self, obj, method: str, *args):
-        key = (id(obj), method)
+    def _guard(self, call: Callable[..., _R], *args: Any) -> Optional[_R]:
+        """``call(*args)`` — a bound method of a tracker, sink or alert engine, reached through its Protocol
+        (:class:`~triage_monitor.alerting.trackers.MetricLogger`, ``ConfigRecorder``,
+        :class:`~triage_monitor.alerting.alerts.AlertObserver`, ``AlertSink``, ``Closable``) — or None: a method
+        that raised is reported once (one WARNING naming the object's class and the method) and skipped from then
+        on, so a failing tracker never stops the training job."""
+        owner = getattr(call, "__self__", None)
+        name = getattr(call, "__name__", repr(call))
+        key = (id(owner), name)
         if key in self._failed_sinks:
             return None
         try:
-            return getattr(obj, method)(*args)
+            return call(*args)
         except Exception as exc:  # a failing sink is reported once and skipped
             self._failed_sinks.add(key)
             log.warning("triage-monitor: %s.%s failed (%s: %s); it is skipped from now on",
-                        type(obj).__name__, method, type(exc).__name__, exc)
+                        type(owner).__name__, name, type(exc).__name__, exc)
             return None
 
     # ----------------------------------------------------------------- closing
@@ -540,7 +549,7 @@ class MismatchMonitor:
             self._alert_dropped_at_close(drained, timeout)
         for obj in [*self.loggers, self.alerts]:
             if isinstance(obj, Closable):
-                self._guard(obj, "close")
+                self._guard(obj.close)
         left = None if timeout is None else max(timeout - (time.monotonic() - start), 0.0)
         if drained and status == "finished" and self._root_id is not None and _dir_id(self.writer.store) != self._root_id:
             # the directory was removed (or replaced) under the job: the writer made a new one for the later records
@@ -567,7 +576,7 @@ class MismatchMonitor:
                           level="ERROR", title="triage-monitor: records dropped", text=text, tier="mismatch")
             for lg in self.loggers:
                 if isinstance(lg, AlertSink):
-                    self._guard(lg, "emit", alert)
+                    self._guard(lg.emit, alert)
 
     def __enter__(self) -> "MismatchMonitor":
         return self

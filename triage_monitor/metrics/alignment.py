@@ -204,9 +204,10 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
     """
     if batch.learner_logp.device.type != "cpu":
         return _padding_diagnostics_torch(batch, zero_gap, min_run, run_gap)
-    # on the CPU one compiled pass (tests/test_reliability.py checks it against the torch form)
-    zero, runs, run_tokens = _padding_scan(batch.learner_logp.detach().float().numpy(),
-                                           batch.sampler_logp.detach().float().numpy(), batch.num_valid.numpy(),
+    # on the CPU one compiled pass (tests/test_reliability.py checks it against the torch form) over the batch's
+    # one host copy (TokenBatch.host: shared with the metrics and the record writer)
+    host = batch.host()
+    zero, runs, run_tokens = _padding_scan(host.learner_logp.numpy(), host.sampler_logp.numpy(), batch.num_valid.numpy(),
                                            np.float32(zero_gap), int(min_run), float(run_gap))
     return {"zero_logp_count": float(zero), "padding_run_count": float(runs), "padding_run_tokens": float(run_tokens),
             "offset_response_count": float(batch.offset_responses)}

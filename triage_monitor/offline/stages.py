@@ -206,7 +206,7 @@ def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRAC
 
 def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Optional[int] = None,
                 draws: int = 499, seed: int = 0, metrics: Optional[pd.DataFrame] = None,
-                states=None) -> pd.DataFrame:
+                states=None, steps: Optional[Sequence[int]] = None) -> pd.DataFrame:
     """The stage table of a run (docs/metrics.md#stages): one row per anchor.
 
     Every value uses one τ_tail for the whole run (the frozen calibration, the first steps included):
@@ -226,6 +226,8 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             frame (``step`` and ``window/<name>`` columns; default the live rows), whose values before the
             live τ_tail froze are provisional (``tau_frozen`` False in the table).
         states: the run's :class:`~triage_monitor.offline.analysis.StepStates` if already computed.
+        steps: limit the table to these steps (a snapshot of a run still being written: the dashboard passes the
+            steps of its one listing); None = every recorded step.
 
     Returns:
         DataFrame with ``stage`` (label), ``step``, ``first_step`` (window start), ``steps`` (steps in the
@@ -252,7 +254,8 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
     token_steps = run.step_numbers()
     frame = None
     if states is None and token_steps:
-        states = recompute_states(run, cache=True)
+        todo = sorted(set(token_steps) & set(steps)) if steps is not None else []
+        states = recompute_states(run, cache=True, steps=todo or None)
     if states is not None:
         steps = list(states.steps)
     else:
