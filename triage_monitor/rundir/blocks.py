@@ -30,7 +30,7 @@ import tempfile
 import threading
 import uuid
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, TypedDict, Union
 
 import numpy as np
 import pyarrow as pa
@@ -40,7 +40,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from .layout import DENSE_TABLES, TEMP_PREFIX, Part, RunLayout
-from .storage import Store
+from .storage import Store, StoreIdentity
 
 log = logging.getLogger("triage_monitor.records")
 
@@ -63,7 +63,7 @@ IPC_PLAIN = ipc.IpcWriteOptions(compression=None, use_threads=False)
 COMPRESS_BYTES = 256 << 10
 
 
-def dictionary_columns(schema: pa.Schema) -> list:
+def dictionary_columns(schema: pa.Schema) -> list[str]:
     """The columns of ``schema`` written with a dictionary: all but :data:`PLAIN_COLUMNS`."""
     return [f.name for f in schema if f.name not in PLAIN_COLUMNS]
 
@@ -73,7 +73,16 @@ def dictionary_columns(schema: pa.Schema) -> list:
 STATISTICS_COLUMNS = ("step", "rank", "attempt")
 
 
-def parquet_options(schema: pa.Schema) -> dict:
+class ParquetOptions(TypedDict):
+    """The ``pq.write_table`` / ``pq.ParquetWriter`` keywords of :func:`parquet_options`."""
+
+    use_dictionary: list[str]
+    compression: str
+    write_statistics: Union[list[str], bool]
+    store_schema: bool
+
+
+def parquet_options(schema: pa.Schema) -> ParquetOptions:
     """The writer options of every Parquet file of a run (``pq.write_table`` / ``pq.ParquetWriter`` keywords):
     a dictionary for every column but :data:`PLAIN_COLUMNS`, statistics of :data:`STATISTICS_COLUMNS`, no
     compression (the data after dictionary and plain encoding does not shrink under Snappy: the files are the
@@ -265,15 +274,31 @@ _SHARED_LOCK = threading.Lock()
 _shared_bytes = 0
 
 
-def _file_key(store: Store, part: Part) -> tuple:
+class FileKey(NamedTuple):
+    """What names the bytes of a part (:func:`_file_key`): its store, name, size and modification time."""
+
+    store: Union[StoreIdentity, str]
+    name: str
+    size: int
+    mtime_ns: int
+
+
+def _file_key(store: Store, part: Part) -> FileKey:
     """What names the bytes of ``part``: a file rewritten (another size or modification time) is another key."""
-    return (getattr(store, "identity", store.location), part.name, part.size, part.mtime_ns)
+    return FileKey(getattr(store, "identity", store.location), part.name, part.size, part.mtime_ns)
 
 
 _INDEXES: "OrderedDict" = OrderedDict()
 
 
-def _step_index(store: Store, part: Part, md: pq.FileMetaData) -> Optional[tuple]:
+class StepIndex(NamedTuple):
+    """The ``(min, max)`` step of each row group of a block (:func:`_step_index`): two int64 arrays."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+
+
+def _step_index(store: Store, part: Part, md: pq.FileMetaData) -> Optional[StepIndex]:
     """``(min, max)`` step of each row group of ``part`` (int64 arrays; an empty row group holds none: min > max),
     from its footer's statistics, kept per file (:data:`FOOTER_CACHE` of them); None when a non-empty row group
     has no ``step`` statistics."""
@@ -283,7 +308,7 @@ def _step_index(store: Store, part: Part, md: pq.FileMetaData) -> Optional[tuple
             _INDEXES.move_to_end(key)
             return _INDEXES[key]
     names = md.schema.names
-    out: Optional[tuple] = None
+    out: Optional[StepIndex] = None
     if "step" in names:
         col = names.index("step")
         lo = np.ones(md.num_row_groups, np.int64)
@@ -297,7 +322,7 @@ def _step_index(store: Store, part: Part, md: pq.FileMetaData) -> Optional[tuple
                 break
             lo[i], hi[i] = c.statistics.min, c.statistics.max
         else:
-            out = (lo, hi)
+            out = StepIndex(lo, hi)
     with _FOOTERS_LOCK:
         _INDEXES[key] = out
         while len(_INDEXES) > FOOTER_CACHE:
@@ -496,14 +521,17 @@ class BlockWriter:
             return step == b.hi + 1
         return step > b.hi and step // self.roll_steps == b.lo // self.roll_steps
 
-    def _flush(self, b: _OpenBlock) -> None:
-        """Write the buffered steps as one row group (more when over pyarrow's bound of rows)."""
+    def _flush(self, b: _OpenBlock) -> pq.ParquetWriter:
+        """Write the buffered steps as one row group (more when over pyarrow's bound of rows); returns the block's
+        Parquet writer (opened on the first call)."""
         if b.writer is None:
             b.writer = pq.ParquetWriter(b.tmp, b.schema, **parquet_options(b.schema))
+        writer = b.writer
         if b.buffer:
             t = b.buffer[0] if len(b.buffer) == 1 else pa.concat_tables(b.buffer)
-            b.writer.write_table(t, row_group_size=max(t.num_rows, 1))
+            writer.write_table(t, row_group_size=max(t.num_rows, 1))
         b.buffer, b.buffered = [], 0
+        return writer
 
     def _abandon(self) -> None:
         b, self.open = self.open, None
@@ -528,8 +556,7 @@ class BlockWriter:
         if b is None:
             return
         try:
-            self._flush(b)
-            b.writer.close()
+            self._flush(b).close()
             b.writer = None
             if b.rows or self.dense:
                 _publish(self.store, b.tmp, RunLayout.block(self.table, b.lo, b.hi, self.rank, self.attempt, b.part))
@@ -563,14 +590,14 @@ def temp_prefix(rank: int, attempt: int) -> str:
     return f"{TEMP_PREFIX}rank-{int(rank):04d}-attempt-{int(attempt)}-"
 
 
-def remove_stale_temps(store: Store, table: str, rank: int, attempt: int) -> list:
+def remove_stale_temps(store: Store, table: str, rank: int, attempt: int) -> list[str]:
     """Remove the open-block temporary files that other attempts of ``rank`` left in ``table``'s directory (a local
     run; a killed writer's: the caller holds the rank's writer lock, so no other writer of the rank is alive).
     Returns the names removed; an OSError leaves a file where it is."""
     if not store.is_local:
         return []
     mine, prefix = temp_prefix(rank, attempt), f"{TEMP_PREFIX}rank-{int(rank):04d}-attempt-"
-    gone = []
+    gone: list[str] = []
     try:
         entries = store.listdir(table)
     except OSError:
@@ -600,7 +627,7 @@ def _remove_local(path: str) -> None:
         pass
 
 
-def seal_pending(store: Store, parts: Sequence[Part], spool: Optional[str] = None) -> list:
+def seal_pending(store: Store, parts: Sequence[Part], spool: Optional[str] = None) -> list[str]:
     """Seal pending files (those a killed writer left, or a block abandoned after an error) into blocks: per
     (table, rank, attempt, part), their steps in order into one Parquet block (a gap in a table every step has
     records in starts another block; the other tables keep one block, a missing step being a step without rows),

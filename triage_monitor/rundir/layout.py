@@ -63,6 +63,14 @@ _ONE_STEP_RE = re.compile(r"^step-(-?\d+)-rank-(\d+)-attempt-(\d+)\.parquet$")  
 _LOCK_RE = re.compile(r"^\.writer-rank-(\d+)\.lock$")
 
 
+class PartOrder(NamedTuple):
+    """How new a part's records are (:attr:`Part.order`): compared as ``(attempt, part, sealed)``."""
+
+    attempt: int
+    part: int
+    sealed: bool
+
+
 class Part(NamedTuple):
     """One file of a table: the steps ``lo..hi`` of ``rank`` written by ``attempt`` as its block ``part``;
     ``sealed`` for a Parquet block, False for a pending Arrow file of one step (``lo == hi``).  ``name`` is the
@@ -81,9 +89,9 @@ class Part(NamedTuple):
     mtime_ns: int = 0
 
     @property
-    def order(self) -> tuple:
+    def order(self) -> PartOrder:
         """How new the records are, among files of one step and rank: attempt, then part, then sealed."""
-        return (self.attempt, self.part, self.sealed)
+        return PartOrder(self.attempt, self.part, self.sealed)
 
 
 def block_name(lo: int, hi: int, rank: int, attempt: int, part: int) -> str:
@@ -127,30 +135,30 @@ class TableIndex:
     def __init__(self, table: str, parts):
         self.table = table
         self.parts = list(parts)
-        by_range: dict = defaultdict(list)
+        by_range: defaultdict[tuple[int, int], list[Part]] = defaultdict(list)
         for p in self.parts:
             by_range[(p.lo, p.hi)].append(p)
         #: the parts grouped by the steps they cover (ranks of one job roll together: few distinct ranges)
         self._ranges = sorted(by_range.items())
-        self._steps: Optional[list] = None
+        self._steps: Optional[list[int]] = None
 
     def __len__(self) -> int:
         return len(self.parts)
 
-    def steps(self) -> list:
+    def steps(self) -> list[int]:
         """The sorted steps some file of the table holds."""
         if self._steps is None:
             self._steps = sorted({s for (lo, hi), _ in self._ranges for s in range(lo, hi + 1)})
         return self._steps
 
-    def covering(self, step: int) -> list:
+    def covering(self, step: int) -> list[Part]:
         """Every part that holds ``step`` (all ranks, attempts and parts)."""
         s = int(step)
         return [p for (lo, hi), ps in self._ranges if lo <= s <= hi for p in ps]
 
-    def attempts(self) -> dict:
+    def attempts(self) -> dict[int, int]:
         """``{step: the latest attempt that holds it}``."""
-        out: dict = {}
+        out: dict[int, int] = {}
         for (lo, hi), ps in self._ranges:
             a = max(p.attempt for p in ps)
             for s in range(lo, hi + 1):
@@ -158,20 +166,20 @@ class TableIndex:
                     out[s] = a
         return out
 
-    def for_step(self, step: int, attempt: Optional[int] = None) -> list:
+    def for_step(self, step: int, attempt: Optional[int] = None) -> list[Part]:
         """The parts to read for ``step``, one per rank, sorted by rank: those of ``attempt`` (None: the latest
         attempt holding the step), and per rank the newest (:attr:`Part.order`).  Empty when none holds it."""
         cands = self.covering(step)
         if not cands:
             return []
         a = max(p.attempt for p in cands) if attempt is None else int(attempt)
-        best: dict = {}
+        best: dict[int, Part] = {}
         for p in cands:
             if p.attempt == a and (p.rank not in best or p.order > best[p.rank].order):
                 best[p.rank] = p
         return [best[r] for r in sorted(best)]
 
-    def ranks(self) -> list:
+    def ranks(self) -> list[int]:
         """The sorted ranks with a file in the table."""
         return sorted({p.rank for p in self.parts})
 
@@ -185,7 +193,7 @@ class RunLayout:
     :meth:`lock_files` and :meth:`holds_run` look at the storage (listing, never reading a file).
     """
 
-    def __init__(self, location):
+    def __init__(self, location) -> None:
         self.store: Store = location if isinstance(location, Store) else open_store(location)
         #: the run directory as a user names it in messages (a local path, or the URI)
         self.display = self.store.display()
@@ -238,12 +246,12 @@ class RunLayout:
         parts = (parse_part(table, e.name, e.size, e.mtime_ns) for e in self.store.listdir(table))
         return TableIndex(table, (p for p in parts if p is not None))
 
-    def step_attempts(self, indexes=None) -> dict:
+    def step_attempts(self, indexes=None) -> dict[int, int]:
         """``{step: attempt}``: the latest attempt of each step, over the tables every logged step has records in
         (:data:`DENSE_TABLES`; ``indexes``: ``{table: TableIndex}`` already listed, the others are listed).  The
         rows of a step from an earlier attempt (a resumed job redid the step) are not read."""
         indexes = dict(indexes or {})
-        out: dict = {}
+        out: dict[int, int] = {}
         for t in DENSE_TABLES:
             idx = indexes.get(t) or self.index(t)
             for s, a in idx.attempts().items():
@@ -276,7 +284,7 @@ class RunLayout:
         stale :meth:`exclusive_lock_file`, so that two starting writers cannot both take it over."""
         return self.root / f".writer-rank-{int(rank)}.lock.excl.takeover"
 
-    def lock_files(self) -> list:
+    def lock_files(self) -> list[str]:
         """The names of the writer lock files (lease objects) present in the directory, sorted."""
         return sorted(e.name for e in self.store.listdir("") if _LOCK_RE.match(e.name))
 

@@ -129,7 +129,10 @@ def _flock(path: Path) -> int:
 
 
 def _exclusive_path(lock: Path) -> Path:
-    return RunLayout(lock.parent).exclusive_lock_file(RunLayout.lock_rank(lock))
+    """The exclusive lock file of the writer lock ``lock`` (a :meth:`RunLayout.lock_file`, so its rank is known)."""
+    rank = RunLayout.lock_rank(lock)
+    assert rank is not None, f"{lock} is not a writer lock file"    # callers pass lock_file / lock_files names
+    return RunLayout(lock.parent).exclusive_lock_file(rank)
 
 
 def _check_exclusive(lock: Path) -> None:

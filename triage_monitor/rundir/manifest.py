@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Optional, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -303,7 +303,7 @@ class RunManifest:
         known = {k: d.pop(k) for k in list(d) if k in names}
         return cls(**known, extra=d)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """The JSON object written to ``run.json`` (``extra``'s keys at the top level)."""
         d = {k: v for k, v in asdict(self).items() if k != "extra"}
         d.update(self.extra)
@@ -320,8 +320,9 @@ class RunManifest:
 
 
 # ----------------------------------------------------------------------------------- configuration differences
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``d`` with its nested dicts flattened into dotted keys (``{"a": {"b": 1}}`` → ``{"a.b": 1}``)."""
+    out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}."))
@@ -339,9 +340,9 @@ class ConfigDifferences(NamedTuple):
     """How a new writer's configuration differs from a run's: two ``{key: (old, new)}`` dicts."""
 
     #: ``monitor_config.<key>`` of the metric configuration (:data:`IO_CONFIG_KEYS` ignored)
-    metric: dict
+    metric: dict[str, tuple[Any, Any]]
     #: the :data:`IDENTITY_KEYS` of the manifest (what was trained)
-    identity: dict
+    identity: dict[str, tuple[Any, Any]]
 
 
 def config_differences(old: RunManifest, monitor_config: dict, info: dict) -> ConfigDifferences:
@@ -352,7 +353,7 @@ def config_differences(old: RunManifest, monitor_config: dict, info: dict) -> Co
     metric = {f"monitor_config.{k}": (old_mc.get(k), new_mc.get(k)) for k in sorted(set(new_mc) | set(old_mc))
               if old_mc.get(k) != new_mc.get(k)}
     new_info = _normalised({k: info[k] for k in IDENTITY_KEYS if k in info})
-    identity = {}
+    identity: dict[str, tuple[Any, Any]] = {}
     for k in IDENTITY_KEYS:
         if k in new_info or k in old.info:
             a, b = old.info.get(k), new_info.get(k)

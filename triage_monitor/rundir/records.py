@@ -32,7 +32,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -102,7 +102,7 @@ def steps_schema(metric_columns: Sequence[str]) -> pa.Schema:
     return pa.schema([*STEPS_HEAD, *((n, pa.float64()) for n in names), *STEPS_TAIL])
 
 
-def table_schemas(steps: pa.Schema) -> dict:
+def table_schemas(steps: pa.Schema) -> dict[str, pa.Schema]:
     """``{table: schema}`` of the five tables (:data:`~triage_monitor.rundir.layout.TABLES`), with ``steps`` as given
     (:func:`triage_monitor.monitor.steps_schema`); token extras are not included."""
     return {"tokens": TOKEN_SCHEMA, "steps": steps, "quarantine": QUARANTINE_SCHEMA, "alerts": ALERT_SCHEMA,
@@ -110,7 +110,7 @@ def table_schemas(steps: pa.Schema) -> dict:
 
 
 def timings_row(step: int, rank: int, attempt: int, times: dict, framework: Optional[str] = None,
-                framework_step: Optional[int] = None, reward: Optional[float] = None) -> dict:
+                framework_step: Optional[int] = None, reward: Optional[float] = None) -> dict[str, Any]:
     """One row of the timings table (:data:`TIMINGS_SCHEMA`): ``times`` (``{phase or "step": seconds}``) in the
     ``time/<phase>`` columns, NaN where absent; ``reward`` the framework's reward of the step (NaN when not given);
     ``framework`` the timers' framework ("" when not said), ``framework_step`` the framework's own step number (-1
@@ -118,7 +118,7 @@ def timings_row(step: int, rank: int, attempt: int, times: dict, framework: Opti
 
     Raises:
         KeyError: a key of ``times`` that is not a phase (nor ``"step"``)."""
-    row: dict = {"step": int(step), "rank": int(rank)}
+    row: dict[str, Any] = {"step": int(step), "rank": int(rank)}
     row.update((c, math.nan) for c in TIME_COLUMNS)
     for phase, v in times.items():
         row[TIME_COLUMN[phase]] = float(v)
@@ -126,6 +126,23 @@ def timings_row(step: int, rank: int, attempt: int, times: dict, framework: Opti
     row.update(framework=framework or "", framework_step=-1 if framework_step is None else int(framework_step),
                attempt=int(attempt), wall_time=time.time())
     return row
+
+
+class _AttemptStart(TypedDict):
+    """The keys every attempt entry of run.json has (:class:`AttemptEntry`)."""
+
+    attempt: int
+    started: str
+    host: str
+    pid: int
+    world_size: int
+
+
+class AttemptEntry(_AttemptStart, total=False):
+    """One entry of run.json's ``attempts``, written by :class:`RunWriter` at a writer's start (``changed``: the
+    configuration keys a resumed attempt changed, ``{key: [old, new]}``)."""
+
+    changed: dict[str, list[Any]]
 
 
 def check_writer_options(where: str, *, rank=None, attempt=None, resume=False, force=False) -> None:
@@ -344,8 +361,8 @@ class RunWriter:
         except BaseException:
             release_writer_lock(self._lock)
             raise
-        entry = {"attempt": self.attempt, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                 "host": socket.gethostname(), "pid": os.getpid(), "world_size": int(world_size)}
+        entry: AttemptEntry = {"attempt": self.attempt, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                               "host": socket.gethostname(), "pid": os.getpid(), "world_size": int(world_size)}
         #: τ_tail an earlier attempt froze (None for a new run or a given τ_tail): the resumed job keeps it
         self.resumed_tau_tail: Optional[float] = (
             old.calibration.get("tau_tail") if old is not None and old.calibration and
@@ -461,7 +478,7 @@ class RunWriter:
             self.sink.submit("quarantine", step, self.rank, {f.name: qd[f.name] for f in QUARANTINE_SCHEMA},
                              QUARANTINE_SCHEMA)
         if steps_row:
-            row = {"step": step, "rank": self.rank}
+            row: dict[str, Any] = {"step": step, "rank": self.rank}
             row.update((k, float(v)) for k, v in metrics.items() if k != "step")
             row["attempt"] = self.attempt
             row["wall_time"] = time.time()
@@ -485,7 +502,7 @@ class RunWriter:
         row = timings_row(step, self.rank, self.attempt, times, framework, framework_step, reward)
         self.sink.submit("timings", step, self.rank, [row], TIMINGS_SCHEMA)
 
-    def _step_row(self, step: int, row: dict) -> dict:
+    def _step_row(self, step: int, row: dict[str, Any]) -> dict[str, Any]:
         """``row`` with every column of the steps schema (NaN where absent), so that the steps table has one
         schema: the alignment checks of the first steps are NaN later.  Undeclared, the schema is the first row's
         keys; a key first seen late is warned and added to the schema (later blocks carry it)."""

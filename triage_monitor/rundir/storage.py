@@ -28,7 +28,7 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Optional, Union
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -47,19 +47,26 @@ _URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _COLLAPSED_URI_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):$")
 
 
-def split_uri(location) -> tuple:
+class UriParts(NamedTuple):
+    """A location split by :func:`split_uri`: its lower-case URI scheme (None for a plain path) and its text."""
+
+    scheme: Optional[str]
+    text: str
+
+
+def split_uri(location) -> UriParts:
     """``(scheme or None, text)`` of a location: the lower-case URI scheme and the location as a URI string, or
     ``(None, str(location))`` for a plain path.  A ``Path`` that collapsed ``s3://b/r`` into ``s3:/b/r`` is
     read as the URI it was."""
     text = str(location)
     m = _URI_RE.match(text)
     if m:
-        return m.group(1).lower(), text
+        return UriParts(m.group(1).lower(), text)
     parts = Path(text).parts
     c = _COLLAPSED_URI_RE.match(parts[0]) if parts else None
     if c:
-        return c.group(1).lower(), f"{c.group(1)}://{text[len(c.group(1)) + 2:]}"
-    return None, text
+        return UriParts(c.group(1).lower(), f"{c.group(1)}://{text[len(c.group(1)) + 2:]}")
+    return UriParts(None, text)
 
 
 def local_path(location, what: str = "run directory") -> Path:
@@ -89,6 +96,30 @@ class Entry(NamedTuple):
     mtime_ns: int
 
 
+class FileIdentity(NamedTuple):
+    """A store's identity by a path (:func:`store_identity`): ``("file", absolute path)``."""
+
+    kind: str
+    path: str
+
+
+class S3Identity(NamedTuple):
+    """An ``s3://`` store's identity (:func:`store_identity`): ``("s3", endpoint, scheme, region, virtual addressing,
+    key id or profile, bucket/prefix)``."""
+
+    kind: str
+    endpoint: str
+    scheme: str
+    region: str
+    virtual_addressing: bool
+    key: str
+    root: str
+
+
+#: What names the bytes a store reaches (:func:`store_identity`); hashed and compared like the plain tuple.
+StoreIdentity = Union[FileIdentity, S3Identity]
+
+
 class Store:
     """A run directory's root in a file system: every path argument is relative to it (``"run.json"``,
     ``"tokens/..."``; ``""`` the root itself), with ``/`` separators.
@@ -103,9 +134,10 @@ class Store:
             process-level cache of a store or of its files.
     """
 
-    def __init__(self, location: str, fs: pafs.FileSystem, root: str, is_local: bool, identity: tuple = ()):
+    def __init__(self, location: str, fs: pafs.FileSystem, root: str, is_local: bool,
+                 identity: Optional[StoreIdentity] = None):
         self.location, self.fs, self.root, self.is_local = location, fs, root.rstrip("/") or "/", is_local
-        self.identity = identity or ("file" if is_local else "?", self.root)
+        self.identity: StoreIdentity = identity or FileIdentity("file" if is_local else "?", self.root)
 
     def __repr__(self) -> str:
         return f"Store({self.location!r})"
@@ -132,8 +164,9 @@ class Store:
         Raises:
             UnsupportedLocationError: the store is not local (the caller needs a local file: a lock, a link)."""
         if not self.is_local:
-            raise UnsupportedLocationError(self.location, split_uri(self.location)[0], "this operation",
-                                           supported="a local path")
+            scheme = split_uri(self.location).scheme
+            assert scheme is not None       # a store that is not local is opened from a URI (open_store)
+            raise UnsupportedLocationError(self.location, scheme, "this operation", supported="a local path")
         return Path(self.full(rel))
 
     # ------------------------------------------------------------------------------------------ looking
@@ -150,7 +183,7 @@ class Store:
     def is_dir(self, rel: str = "") -> bool:
         return self.info(rel).type == pafs.FileType.Directory
 
-    def listdir(self, rel: str = "") -> list:
+    def listdir(self, rel: str = "") -> list[Entry]:
         """The files directly in directory ``rel`` (:class:`Entry`, unsorted); empty when it does not exist.
         Directories are left out.  One listing call (on an object store: one request per 1,000 names)."""
         sel = pafs.FileSelector(self.full(rel), allow_not_found=True, recursive=False)
@@ -161,7 +194,7 @@ class Store:
                 out.append(Entry(fi.base_name, int(fi.size or 0), int(mt)))
         return out
 
-    def dirs(self, rel: str = "") -> list:
+    def dirs(self, rel: str = "") -> list[str]:
         """The names of the directories directly in ``rel`` (empty when it does not exist)."""
         sel = pafs.FileSelector(self.full(rel), allow_not_found=True, recursive=False)
         return [fi.base_name for fi in self.fs.get_file_info(sel) if fi.type == pafs.FileType.Directory]
@@ -272,10 +305,10 @@ def _open_local(text: str, location) -> Store:
     p = local_path(location)
     root = os.path.abspath(p)
     return Store(str(location) if isinstance(location, str) else str(p), pafs.LocalFileSystem(), root, True,
-                 ("file", root))
+                 FileIdentity("file", root))
 
 
-def store_identity(location) -> tuple:
+def store_identity(location) -> StoreIdentity:
     """What names the bytes ``location`` reaches, in this process's environment, without a network call: a local
     path's ``("file", absolute path)``; an ``s3://`` URI's ``("s3", endpoint, scheme, region, virtual addressing,
     credentials' key id or profile, bucket/prefix)`` with the endpoint and region from the URI's query or the
@@ -287,13 +320,13 @@ def store_identity(location) -> tuple:
         UnsupportedLocationError, ValueError: as :func:`open_store`."""
     scheme, text = split_uri(location)
     if scheme is None or scheme == "file":
-        return ("file", os.path.abspath(local_path(location)))
+        return FileIdentity("file", os.path.abspath(local_path(location)))
     if scheme not in OBJECT_STORE_SCHEMES:
         raise UnsupportedLocationError(text, scheme, "run directory")
     root, opts = _s3_options(text)
     key = os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_PROFILE") or ""
-    return ("s3", opts.get("endpoint_override") or "", opts.get("scheme") or "https", opts.get("region") or "",
-            bool(opts.get("force_virtual_addressing")), key, root)
+    return S3Identity("s3", opts.get("endpoint_override") or "", opts.get("scheme") or "https",
+                      opts.get("region") or "", bool(opts.get("force_virtual_addressing")), key, root)
 
 
 def open_store(location) -> Store:
@@ -318,7 +351,14 @@ def open_store(location) -> Store:
 S3_URI_OPTIONS = ("region", "endpoint_override", "scheme", "force_virtual_addressing")
 
 
-def _s3_options(text: str) -> tuple:
+class S3Options(NamedTuple):
+    """An ``s3://`` URI read by :func:`_s3_options`: ``"bucket/prefix"`` and the ``S3FileSystem`` arguments."""
+
+    root: str
+    options: dict[str, Any]
+
+
+def _s3_options(text: str) -> S3Options:
     """``("bucket/prefix", {S3FileSystem argument: value})`` of an ``s3://`` URI: the region comes from the URI's
     query, else ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else the AWS SDK's own default (None); the endpoint from
     the query, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``."""
@@ -329,7 +369,7 @@ def _s3_options(text: str) -> tuple:
     root = path.strip("/")
     if not root:
         raise ValueError(f"{text}: name a bucket (s3://bucket/prefix)")
-    opts: dict = {}
+    opts: dict[str, Any] = {}
     for k, v in parse_qsl(query, keep_blank_values=True):
         if k not in S3_URI_OPTIONS:
             raise ValueError(f"{text}: unknown option {k!r} in the URI's query (known: {', '.join(S3_URI_OPTIONS)})")
@@ -341,10 +381,18 @@ def _s3_options(text: str) -> tuple:
         opts["endpoint_override"] = host.rstrip("/") if sep else endpoint
         if sep:
             opts.setdefault("scheme", scheme)
-    return root, opts
+    return S3Options(root, opts)
 
 
-def _s3(text: str) -> tuple:
+class S3Location(NamedTuple):
+    """An ``s3://`` URI opened by :func:`_s3`: the file system, ``"bucket/prefix"`` in it, and False (not local)."""
+
+    fs: pafs.S3FileSystem
+    root: str
+    is_local: bool
+
+
+def _s3(text: str) -> S3Location:
     """``(S3FileSystem, "bucket/prefix", False)`` of an ``s3://`` URI (:func:`_s3_options`), built without a
     network call."""
     root, opts = _s3_options(text)
@@ -352,4 +400,4 @@ def _s3(text: str) -> tuple:
         fs = pafs.S3FileSystem(**{k: v for k, v in opts.items() if v is not None})
     except (pa.ArrowException, ValueError, TypeError) as exc:
         raise ValueError(f"{text}: not a usable s3:// location ({exc})") from None
-    return fs, root, False
+    return S3Location(fs, root, False)
