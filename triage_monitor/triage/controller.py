@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Tuple, Union
+from typing import Any, NamedTuple, Optional, Tuple, TypedDict, Union, cast
 
 import torch
 
@@ -51,6 +51,33 @@ GATE_SCOPES = ("q3", "whole")
 REPAIR_SCOPES = ("adv_positive", "q2", "whole")
 NORMALIZATIONS = ("per_response", "global_token")
 STATE_VERSION = 2
+
+
+class Thresholds(TypedDict):
+    """The Gate's thresholds in nats (:meth:`TriageController.effective_thresholds`), calibrated or fixed."""
+
+    neg_threshold: float
+    severe_threshold: float
+    delta_bad: float
+
+
+class ControllerState(TypedDict):
+    """:meth:`TriageController.state_dict`: calibration and counters (plain values and CPU tensors)."""
+
+    version: int
+    config: dict[str, Any]
+    calls: int
+    last_step: Optional[int]
+    thresholds: Optional[Thresholds]
+    reference: dict
+
+
+class RepairSegments(NamedTuple):
+    """:meth:`TriageController._repair_segments`: the repair segments and which have a mean advantage > 0
+    (``(K,)`` bool; None for the ``whole`` scope)."""
+
+    segments: Segments
+    positive: Optional[Tensor]
 
 
 # ------------------------------------------------------------------ config
@@ -283,15 +310,15 @@ class TriageController:
         self.group = group
         self.calls = 0
         self.last_step: Optional[int] = None
-        self.thresholds: Optional[dict] = None     # calibrated {neg_threshold, severe_threshold, delta_bad}
+        self.thresholds: Optional[Thresholds] = None     # calibrated {neg_threshold, severe_threshold, delta_bad}
         window = self.config.calibration.window if self.config.calibration is not None else 1
         self.reference = ReferenceWindow(window, streams=2, repeated="accumulate")   # segment-mean δ, token δ
 
     # ------------------------------------------------------------ thresholds
-    def effective_thresholds(self) -> dict:
-        """``{neg_threshold, severe_threshold, delta_bad}`` in use now (calibrated or fixed), nats."""
+    def effective_thresholds(self) -> Thresholds:
+        """``{neg_threshold, severe_threshold, delta_bad}`` in use now (calibrated or fixed), nats (a new dict)."""
         c = self.config
-        return dict(self.thresholds) if self.thresholds else dict(
+        return self.thresholds.copy() if self.thresholds else Thresholds(
             neg_threshold=c.neg_threshold, severe_threshold=c.severe_threshold, delta_bad=c.delta_bad)
 
     def _calibrate(self, step: int, delta: Tensor, seg: Segments) -> None:
@@ -301,10 +328,10 @@ class TriageController:
         if self.reference.add(step, [part_of(seg.mean(delta)), part_of(delta)]):   # first step after the window
             neg, sev = self.reference.quantiles(0, [cal.neg_quantile, cal.severe_quantile], self.group)
             bad = self.reference.quantiles(1, [cal.bad_quantile], self.group)[0]
-            self.thresholds = dict(neg_threshold=neg, severe_threshold=min(sev, neg), delta_bad=bad)
+            self.thresholds = Thresholds(neg_threshold=neg, severe_threshold=min(sev, neg), delta_bad=bad)
 
     # ------------------------------------------------------------------ call
-    def _repair_segments(self, batch: TokenBatch, gate_segments: Optional[Segments]) -> tuple:
+    def _repair_segments(self, batch: TokenBatch, gate_segments: Optional[Segments]) -> RepairSegments:
         """The repair segments of ``batch`` and, for the scopes that need it, which have a mean advantage > 0 (None
         for ``whole``): on the CPU one compiled pass (:func:`segment_sums`), elsewhere the unions of the gate
         segments when W_rep is a multiple of W_gate (:func:`coarsen`: the same segments) or a cut of their own."""
@@ -312,11 +339,11 @@ class TriageController:
         adv = batch.advantage.detach().float()
         if (batch.device.type != "cpu" and gate_segments is not None and c.repair_width % gate_segments.width == 0):
             rseg = coarsen(gate_segments, c.repair_width)
-            return rseg, None if c.repair_scope == "whole" else rseg.mean(adv) > 0
+            return RepairSegments(rseg, None if c.repair_scope == "whole" else rseg.mean(adv) > 0)
         if c.repair_scope == "whole":
-            return segment_tokens(batch.sample_index, batch.position, c.repair_width), None
+            return RepairSegments(segment_tokens(batch.sample_index, batch.position, c.repair_width), None)
         rseg, s_adv, _, _ = segment_sums(batch.sample_index, batch.position, c.repair_width, adv)
-        return rseg, s_adv / rseg.count.to(s_adv.dtype) > 0
+        return RepairSegments(rseg, s_adv / rseg.count.to(s_adv.dtype) > 0)
 
     def repair_segment_count(self, batch: TokenBatch) -> Tensor:
         """Number of valid repair segments of ``batch`` (0-dim float32, summed over the group).
@@ -366,6 +393,7 @@ class TriageController:
                 th = self.effective_thresholds()
                 seg, s_adv, s_delta, k = segment_sums(batch.sample_index, batch.position, c.gate_width, adv, delta,
                                                       delta < th["delta_bad"])
+                assert s_delta is not None and k is not None      # b and flag given: both are summed
             else:                                    # calibrating: the thresholds may change with this step
                 seg = segment_tokens(batch.sample_index, batch.position, c.gate_width)
                 self._calibrate(int(step), delta, seg)
@@ -421,14 +449,14 @@ class TriageController:
                             repair_loss=repair, stats=stats)
 
     # ----------------------------------------------------------------- state
-    def state_dict(self) -> dict:
+    def state_dict(self) -> ControllerState:
         """Calibration and counters (plain Python values and CPU tensors; ``torch.save``-able)."""
         return {
             "version": STATE_VERSION,
             "config": asdict(self.config),
             "calls": self.calls,
             "last_step": self.last_step,
-            "thresholds": dict(self.thresholds) if self.thresholds else None,
+            "thresholds": self.thresholds.copy() if self.thresholds else None,
             "reference": self.reference.state_dict(),
         }
 
@@ -442,7 +470,7 @@ class TriageController:
             raise ValueError(f"TriageController state version {state.get('version')!r} is not {STATE_VERSION}")
         self.calls = int(state["calls"])
         self.last_step = state["last_step"]
-        self.thresholds = dict(state["thresholds"]) if state["thresholds"] else None
+        self.thresholds = cast(Thresholds, dict(state["thresholds"])) if state["thresholds"] else None
         self.reference.load_state_dict(state["reference"])
 
 

@@ -56,7 +56,8 @@ class Surrogate(Protocol):
     def __call__(self, learner_logp: Tensor, old_logp: Tensor, advantage: Tensor, **options) -> Tensor: ...
 
 
-_SURROGATES: Dict[str, Surrogate] = {}
+#: the registered functions (:func:`register_surrogate` decorates functions: each has a ``__qualname__``)
+_SURROGATES: Dict[str, Callable[..., Tensor]] = {}
 
 
 def register_surrogate(name: str) -> Callable[[Callable], Callable]:
