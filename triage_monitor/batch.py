@@ -35,7 +35,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -60,7 +60,9 @@ SENTINEL_LOGP_BELOW = -1e8
 SENTINEL_LOGP_VALUES = (-9999.0, -65504.0)
 
 
-def _rounded_sentinels() -> tuple:
+def _rounded_sentinels() -> tuple[float, ...]:
+    """:data:`SENTINEL_LOGP_VALUES` and their roundings to each float dtype above :data:`SENTINEL_LOGP_BELOW`,
+    sorted."""
     out = set()
     for v in SENTINEL_LOGP_VALUES:
         for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
@@ -112,7 +114,7 @@ class SourceLayout:
 
     kind: str
     size: int = 0
-    shape: Optional[tuple] = None
+    shape: Optional[tuple[int, ...]] = None
 
 
 class HostTokens(NamedTuple):
@@ -138,7 +140,7 @@ def _pack(cols: Sequence[Tensor]) -> Tensor:
     return torch.cat([c.contiguous().reshape(-1).view(torch.uint8) for c in cols])
 
 
-def _unpack(buf: Tensor, like: Sequence[Tensor]) -> list:
+def _unpack(buf: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     """Split a :func:`_pack` buffer (now on the host) back into tensors of the dtypes and lengths of ``like``."""
     out, at = [], 0
     for c in like:
@@ -240,14 +242,27 @@ class TokenBatch:
 
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "TokenBatch":
         """Move every tensor (not the scatter map's meaning) to ``device``."""
-        kw = {}
+        kw: dict[str, Any] = {}
         for k in self.__dataclass_fields__:
             v = getattr(self, k)
             kw[k] = v.to(device, non_blocking=non_blocking) if isinstance(v, Tensor) else v
         return TokenBatch(**kw)
 
     # ---------------------------------------------------------------- scatter
-    def scatter(self, values: Tensor, fill: float = 0.0) -> Union[Tensor, list]:
+    def _source_map(self) -> Tensor:
+        """``(N,)`` int64: where each valid token sits in the caller's flattened layout (set by every layout
+        constructor but :meth:`from_flat`; read for the other layouts only)."""
+        index = self._source_index
+        assert index is not None, f"a {self._layout.kind!r} batch without its source index"
+        return index
+
+    def _layout_shape(self) -> tuple[int, ...]:
+        """The caller's ``(B, T)`` (padded) or per-sample lengths (list): :attr:`SourceLayout.shape`, set for both."""
+        shape = self._layout.shape
+        assert shape is not None, f"a {self._layout.kind!r} batch without its source shape"
+        return shape
+
+    def scatter(self, values: Tensor, fill: float = 0.0) -> Union[Tensor, list[Tensor]]:
         """Scatter per-token ``values`` ``(N,)`` back to the caller's layout.
 
         Returns a ``(B, T)`` tensor for :meth:`from_padded`, an ``(N_total,)``
@@ -264,12 +279,12 @@ class TokenBatch:
         if kind == "flat":
             return values
         out = torch.full((self._layout.size,), fill, dtype=values.dtype, device=values.device)
-        out = out.index_put((self._source_index.to(values.device),), values)
+        out = out.index_put((self._source_map().to(values.device),), values)
         if kind == "padded":
-            return out.view(self._layout.shape)
+            return out.view(self._layout_shape())
         if kind == "packed":
             return out
-        return list(torch.split(out, list(self._layout.shape)))
+        return list(torch.split(out, list(self._layout_shape())))
 
     def gather(self, values: Union[Tensor, Sequence[Tensor]]) -> Tensor:
         """Read a tensor laid out like the caller's input at the batch's valid tokens: ``(N,)``.
@@ -292,7 +307,7 @@ class TokenBatch:
         flat = values.reshape(-1)
         if flat.numel() != self._layout.size:
             raise ValueError(f"gather: values has {flat.numel()} elements, the batch was built from {self._layout.size}")
-        return torch.index_select(flat, 0, self._source_index.to(values.device))     # 1-D: ~4x faster than flat[i]
+        return torch.index_select(flat, 0, self._source_map().to(values.device))     # 1-D: ~4x faster than flat[i]
 
     # ----------------------------------------------------------- constructors
     @classmethod
@@ -390,7 +405,7 @@ class TokenBatch:
         source = torch.nonzero(mask.reshape(-1), as_tuple=False).squeeze(1)
         if T:
             rows = torch.div(source, T, rounding_mode="floor")
-            pos = source % T if default_positions else positions.reshape(-1)[source].long()
+            pos = source % T if positions is None else positions.reshape(-1)[source].long()
             counts = torch.diff(torch.searchsorted(source, torch.arange(0, (B + 1) * T, T, device=dev)))  # per row
         else:                                                               # no column, no token
             rows = pos = source
@@ -602,9 +617,9 @@ class TokenBatch:
         ld = learner.detach()
         counts = {}
         quarantined = None
+        # None: every token valid (the usual case, no full check)
         codes = invalid_codes(ld, sampler, adv) if not _all_valid(ld, sampler, adv) else None
-        bad = None if codes is None else codes >= 0      # None: every token valid (the usual case, no full check)
-        if bad is not None and bool(bad.any()):
+        if codes is not None and bool((bad := codes >= 0).any()):
             for c, name in enumerate(INVALID_REASONS):
                 n = int((codes == c).sum())
                 if n:
@@ -761,11 +776,18 @@ def _all_valid_tensors(ext: list) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _bounds(dtype: torch.dtype) -> tuple:
+class Bounds(NamedTuple):
+    """:func:`_bounds`: the positive log-prob tolerance and the largest exact sentinel, rounded to a dtype."""
+
+    tolerance: float
+    sentinel: float
+
+
+def _bounds(dtype: torch.dtype) -> Bounds:
     """(tolerance, largest exact sentinel) rounded to ``dtype``, as a comparison of a ``dtype`` tensor with them
     rounds them."""
-    return (float(torch.tensor(POSITIVE_LOGP_TOLERANCE, dtype=dtype)),
-            float(torch.tensor(_SENTINEL_CANDIDATE, dtype=dtype)))
+    return Bounds(float(torch.tensor(POSITIVE_LOGP_TOLERANCE, dtype=dtype)),
+                  float(torch.tensor(_SENTINEL_CANDIDATE, dtype=dtype)))
 
 
 def is_sentinel(logp: Tensor) -> Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import threading
+from typing import Callable
 
 from .commands import COMMANDS
 
@@ -49,7 +51,16 @@ def build_parser(command=None) -> argparse.ArgumentParser:
 FORCE_EXIT_AFTER_S = 10.0
 
 
-def _install_sigint_watchdog(command: str):
+class _InterruptReport(threading.Event):
+    """What :func:`_install_sigint_watchdog` returns: an event set once the interrupt line is printed, and
+    ``restore()``, which puts the previous Ctrl-C handling back (a no-op until the watchdog is installed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.restore: Callable[[], None] = lambda: None
+
+
+def _install_sigint_watchdog(command: str) -> _InterruptReport:
     """Ctrl-C raises KeyboardInterrupt as usual and also arms a timer that ends the process (status 130, the
     one "interrupted" line) if unwinding has not finished after :data:`FORCE_EXIT_AFTER_S`: an interrupt that
     lands inside a lazy import can leave CPython's import lock held, and the clean-up would then wait forever.
@@ -59,12 +70,10 @@ def _install_sigint_watchdog(command: str):
     handler back).  Only in the main thread."""
     import os
     import signal
-    import threading
 
     from . import exits
 
-    reported = threading.Event()
-    reported.restore = lambda: None
+    reported = _InterruptReport()
     if threading.current_thread() is not threading.main_thread():
         return reported
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,9 @@ class MonitorConfig:
         # window, calibration_steps, tau_tail, record_tokens, ...: checked with the readers' own rules by every writer
         # before it writes anything (manifest.check_monitor_config: MismatchMonitor, HookSettings)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as plain values, ``{field: value}`` (``metrics`` a dict of :class:`MetricConfig` fields): what
+        run.json's ``monitor_config`` holds and :meth:`from_dict` reads."""
         return asdict(self)
 
     @classmethod

@@ -57,7 +57,7 @@ def note(command: str, message) -> None:
     print(f"triage-monitor {command}: {message}", file=sys.stderr, flush=True)
 
 
-def report_unreadable(command: str, run) -> list:
+def report_unreadable(command: str, run) -> list[tuple[str, str]]:
     """Print the count and names of a run's unreadable files (``Run.unreadable``: ``(path, reason)`` pairs,
     counted by the reader as it met them) as one warning line on stderr; returns them."""
     bad = list(getattr(run, "unreadable", []) or [])
@@ -137,7 +137,9 @@ def _tqdm_bar_active() -> bool:
     cls = getattr(tqdm_mod, "tqdm", None) if tqdm_mod is not None else None
     bars = getattr(cls, "_instances", None) if cls is not None else None
     try:
-        return bool(bars) and any(not getattr(b, "disable", False) for b in list(bars))
+        if not bars:
+            return False
+        return any(not getattr(b, "disable", False) for b in list(bars))
     except Exception:  # noqa: BLE001 — a bar set changing under us: write plainly
         return False
 

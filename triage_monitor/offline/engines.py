@@ -26,7 +26,10 @@ import concurrent.futures as cf
 import contextlib
 import multiprocessing as mp
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+#: what the mapped function returns
+T = TypeVar("T")
 
 ENGINES = ("local", "ray")
 
@@ -52,10 +55,10 @@ def _call_single_threaded(fn: Callable, args: tuple):
         return fn(*args)
 
 
-def map_ordered(fn: Callable, items: Sequence[tuple], *, engine: str = "local", workers: int = 1,
+def map_ordered(fn: Callable[..., T], items: Sequence[tuple], *, engine: str = "local", workers: int = 1,
                 address: Optional[str] = None, progress: bool = False, description: str = "working",
                 prefetch: Optional[Callable] = None, finish: Optional[Callable] = None,
-                advance: Optional[Callable] = None) -> list:
+                advance: Optional[Callable] = None) -> list[T]:
     """``[fn(*args) for args in items]``, computed by ``engine``, in input order.
 
     Args:
@@ -103,14 +106,14 @@ def map_ordered(fn: Callable, items: Sequence[tuple], *, engine: str = "local", 
 CHUNKS_PER_WORKER = 4
 
 
-def chunks(n: int, parts: int) -> list:
+def chunks(n: int, parts: int) -> list[range]:
     """``range(n)`` cut into at most ``parts`` contiguous ranges of near-equal length, in order."""
     parts = max(1, min(int(parts), n))
     bounds = [n * k // parts for k in range(parts + 1)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def _call_chunk(fn, prefetch, finish, chunk: list) -> list:
+def _call_chunk(fn: Callable, prefetch, finish, chunk: list) -> list[Any]:
     """``fn`` of each item of ``chunk`` in order (in a worker), one torch thread, then ``finish``."""
     try:
         with single_threaded():
@@ -120,8 +123,10 @@ def _call_chunk(fn, prefetch, finish, chunk: list) -> list:
             finish()
 
 
-def _map_here(fn, items, advance, prefetch) -> list:
-    out = []
+def _map_here(fn: Callable[..., T], items, advance, prefetch) -> list[T]:
+    """``fn`` of each item in this process, in order; with ``prefetch``, the next item's arguments made on a
+    background thread while this one computes."""
+    out: list[T] = []
     if prefetch is None:
         for args in items:
             out.append(_call_single_threaded(fn, args))
@@ -130,6 +135,7 @@ def _map_here(fn, items, advance, prefetch) -> list:
     with cf.ThreadPoolExecutor(1, thread_name_prefix="triage-monitor-prefetch") as pool:
         nxt = pool.submit(prefetch, *items[0]) if items else None
         for i in range(len(items)):
+            assert nxt is not None      # item i's prefetch: submitted before the loop or in the turn before
             ready = nxt.result()
             nxt = pool.submit(prefetch, *items[i + 1]) if i + 1 < len(items) else None
             out.append(_call_single_threaded(fn, ready))
@@ -163,7 +169,8 @@ def stop_pool(pool: cf.ProcessPoolExecutor):
         raise
 
 
-def _map_processes(fn, items, workers, advance, prefetch, finish) -> list:
+def _map_processes(fn: Callable[..., T], items, workers, advance, prefetch, finish) -> list[T]:
+    """``fn`` of each item in ``workers`` spawned processes, a chunk of items a task (:func:`chunks`), in order."""
     out: list = [None] * len(items)
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=ignore_sigint) as pool, \
             stop_pool(pool):
@@ -176,7 +183,8 @@ def _map_processes(fn, items, workers, advance, prefetch, finish) -> list:
     return out
 
 
-def _map_ray(fn, items, address, advance, prefetch, finish) -> list:
+def _map_ray(fn: Callable[..., T], items, address, advance, prefetch, finish) -> list[T]:
+    """``fn`` of each item in Ray tasks (one CPU each), a chunk of items a task (:func:`chunks`), in order."""
     try:
         import ray
     except ImportError as exc:
@@ -185,7 +193,8 @@ def _map_ray(fn, items, address, advance, prefetch, finish) -> list:
         import os
 
         local = address is None and not os.environ.get("RAY_ADDRESS")     # start a new local cluster
-        ray.init(address=address, log_to_driver=False, **({"include_dashboard": False} if local else {}))
+        options: dict[str, Any] = {"include_dashboard": False} if local else {}
+        ray.init(address=address, log_to_driver=False, **options)
     task = ray.remote(num_cpus=1)(_call_chunk)
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     index = {task.remote(fn, prefetch, finish, [items[i] for i in c]): c
