@@ -84,3 +84,71 @@ def reference_metrics(responses, tau, width=W, heavy=HEAVY, top=TOP, dilution=DI
         "segments": K,
     })
     return out
+
+# ------------------------------------------------------------------ the C_tok shuffle null, drawn exactly
+# The exact law of docs/metrics.md#shuffle_null as a chain of hypergeometric draws over a
+# triage_monitor.offline.stages.TailLayout: the reference the product's one sampler
+# (stages.shuffle_null_from_state) is checked against (it lived in stages.py before the product kept one path).
+from triage_monitor.offline.stages import TailLayout  # noqa: E402
+
+
+def null_segment_counts(layout: TailLayout, draws: int = 499, seed: int = 0) -> np.ndarray:
+    """Tail counts per segment under the shuffle null: ``(draws, K)`` int64.
+
+    Each response keeps its valid positions and its number of tail tokens
+    ``t_i``; the labels are placed uniformly at random among its ``n_i``
+    valid positions (docs/metrics.md#shuffle_null).  Only the per-segment counts matter for
+    C_tok, and those follow a multivariate hypergeometric law, drawn exactly
+    as a chain of univariate hypergeometric draws: segment j of a response
+    gets ``Hypergeom(tails left, tokens left - tails left, n_ij)``.  The loop
+    runs over the segment ordinal j (at most max segments per response),
+    vectorised over every response and draw; a fixed ``seed`` makes it
+    reproducible.
+    """
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    rng = np.random.Generator(np.random.PCG64(int(seed)))
+    K = layout.num_segments
+    counts = np.zeros((draws, K), dtype=np.int64)
+    if K == 0:
+        return counts
+    _, resp = np.unique(layout.response, return_inverse=True)
+    first = np.r_[0, np.flatnonzero(np.diff(resp)) + 1]                  # first segment of each response
+    ordinal = np.arange(K) - first[resp]                                  # j: segment number inside the response
+    tails_left = np.tile(np.bincount(resp, weights=layout.tail).astype(np.int64), (draws, 1))
+    tokens_left = np.bincount(resp, weights=layout.valid).astype(np.int64)
+    for j in range(int(ordinal.max()) + 1):
+        seg = np.flatnonzero(ordinal == j)
+        r = resp[seg]
+        good = tails_left[:, r]
+        x = rng.hypergeometric(good, tokens_left[r] - good, np.broadcast_to(layout.valid[seg], good.shape))
+        counts[:, seg] = x
+        tails_left[:, r] -= x
+        tokens_left[r] -= layout.valid[seg]
+    return counts
+
+
+def shuffle_null_c_tok(layout: TailLayout, draws: int = 499, seed: int = 0, top_fraction: float = 0.05
+                       ) -> np.ndarray:
+    """C_tok under the shuffle null (docs/metrics.md#shuffle_null): ``(draws,)`` float64 in [0, 1].
+
+    Tail counts per segment come from :func:`null_segment_counts`; each draw
+    is ranked like :func:`~triage_monitor.metrics.stats.c_tok_from_segments`
+    (tail fraction descending, ties by count) and the top
+    ``ceil(top_fraction · K)`` segments' share of the tail tokens is kept.
+    Returns NaN values when the layout has no tail token.
+    """
+    total = int(layout.tail.sum())
+    K = layout.num_segments
+    if total == 0 or K == 0:
+        return np.full(draws, math.nan)
+    keep = np.flatnonzero(np.bincount(layout.response, weights=layout.tail)[layout.response] > 0)
+    sub = TailLayout(layout.response[keep], layout.valid[keep], layout.tail[keep])   # only these can hold tails
+    counts = null_segment_counts(sub, draws, seed)
+    # rank by tail fraction, ties by count (as c_tok_from_segments), in O(K) per draw: distinct
+    # fractions a/b differ by >= 1/max_valid², so a count term < 0.5/max_valid² only breaks ties
+    frac = counts / sub.valid
+    key = frac + counts * (0.5 / (float(sub.valid.max()) ** 2 * (float(counts.max()) + 1.0)))
+    top = min(math.ceil(top_fraction * K), sub.num_segments)
+    best = np.argpartition(-key, top - 1, axis=1)[:, :top]
+    return np.take_along_axis(counts, best, 1).sum(1) / total

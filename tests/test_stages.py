@@ -11,8 +11,8 @@ import torch
 from triage_monitor.offline.analysis import open_run
 from triage_monitor.batch import TokenBatch
 from triage_monitor.metrics.stats import MetricConfig, MismatchStats, c_tok_from_segments
-from triage_monitor.offline.stages import (TailLayout, anchor_steps, format_stage_table, null_segment_counts,
-                                   shuffle_null_c_tok, stage_table, tail_layout)
+from reference_metrics import null_segment_counts, shuffle_null_c_tok
+from triage_monitor.offline.stages import TailLayout, anchor_steps, format_stage_table, stage_table, tail_layout
 
 
 def _layout_batch(n_resp: int, length: int, tails_per_resp: int, packed: bool, seed: int = 0) -> TokenBatch:

@@ -21,7 +21,11 @@ import numpy as np
 import torch
 from numba import njit
 
+from .definitions import segment_number, segment_shift
+
 Tensor = torch.Tensor
+_segment_number = njit(inline="always")(segment_number)       # docs/metrics.md#localisation, compiled inline
+_segment_shift = njit(inline="always")(segment_shift)
 
 #: Whether CPU tensors take the compiled passes (:func:`segment_sums`, :func:`broadcast_where_negative`,
 #: :meth:`Segments.broadcast`); False: the torch operations everywhere (the tests compare both, bit for bit).
@@ -130,7 +134,7 @@ def segment_tokens(sample_index: Tensor, position: Tensor, width: int) -> Segmen
     if n == 0:
         e = torch.zeros(0, dtype=torch.long, device=dev)
         return Segments(e, e, e, e, int(width))
-    number = torch.div(position, width, rounding_mode="floor")
+    number = segment_number(position, int(width), segment_shift(int(width)))
     stride = int(number.max()) + 1
     key = sample_index.long() * stride + number
     uniq, inverse, counts = torch.unique_consecutive(key, return_inverse=True, return_counts=True)
@@ -141,7 +145,7 @@ def segment_tokens(sample_index: Tensor, position: Tensor, width: int) -> Segmen
 @njit(nogil=True, cache=True)
 def _cut_and_sum(sample, position, width, a, b, flag):               # pragma: no cover - compiled
     """One pass over tokens in (sample, position) order: each token's segment (a new one wherever the sample or
-    ``position // width`` changes), each segment's sample, number and token count, and per segment the sums of
+    the segment number (:func:`~triage_monitor.metrics.definitions.segment_number`) changes), each segment's sample, number and token count, and per segment the sums of
     ``a`` and of ``b`` (added in token order from 0, in their dtype) and the number of ``flag`` tokens (``b`` and
     ``flag`` of length 0: not summed)."""
     n = sample.shape[0]
@@ -157,8 +161,9 @@ def _cut_and_sum(sample, position, width, a, b, flag):               # pragma: n
     cur_s, cur_n, c = -1, -1, 0
     za, zb = a[:0].sum(), b[:0].sum()                   # 0 in each dtype
     ta, tb, tf = za, zb, 0
+    shift = _segment_shift(width)
     for i in range(n):
-        num = position[i] // width
+        num = _segment_number(position[i], width, shift)
         if k < 0 or sample[i] != cur_s or num != cur_n:
             if k >= 0:                                  # close the previous segment
                 count[k], sum_a[k], sum_b[k], flagged[k] = c, ta, tb, tf

@@ -28,6 +28,7 @@ import numpy as np
 from numba import njit
 
 from . import sketch
+from .definitions import is_negative_response, is_tail, segment_number, segment_shift
 
 #: Modes of :func:`update_state`: the τ-independent part, the τ-dependent part, or both.
 MAGNITUDE, LOCALISATION, BOTH = 1, 2, 3
@@ -141,16 +142,19 @@ def _put(sums, written, field, value):                       # pragma: no cover 
     written[field] = True
 
 
+# the definitions of docs/metrics.md (triage_monitor.metrics.definitions), compiled into the passes below
+_segment_shift = njit(inline="always")(segment_shift)
+_segment_number = njit(inline="always")(segment_number)
+_tail = njit(inline="always")(is_tail)
+_negative_response = njit(inline="always")(is_negative_response)
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
 def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_frac, dil_thr,
             sums, written, sk, table, ext, rec_seg, rec_resp, rec_n):    # pragma: no cover - compiled
     N = delta.shape[0]
     bits = delta.view(np.int32)
-    shift = -1
-    if width & (width - 1) == 0:
-        shift = 0
-        while (1 << shift) < width:
-            shift += 1
+    shift = _segment_shift(width)
     W1 = width + 1
     do_mag = mode & 1
     do_loc = mode & 2
@@ -273,7 +277,7 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
                 j += 1
             nv = j - i
         nonempty += 1
-        if do_loc and r_pos - r_neg < 0.0:          # an A < 0 response: its segments
+        if do_loc and _negative_response(r_pos, r_neg):          # an A < 0 response: its segments
             cur = np.int64(-1)
             num = cur
             prev = np.int64(-2)
@@ -286,7 +290,7 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
             for t in range(i, j + 1):
                 if t < j:
                     p = pos[t]
-                    num = p >> shift if shift >= 0 else p // width
+                    num = _segment_number(p, width, shift)
                 if t == j or num != cur:
                     if valid > 0:                   # close segment `cur`
                         heavy = tail > heavy_frac * valid
@@ -318,7 +322,7 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
                     valid = 0
                     tail = 0
                 valid += 1
-                tail += (adv[t] < 0) & (delta[t] < tau)
+                tail += _tail(adv[t], delta[t], tau)
             if record:
                 if r_tail > 0:                      # a response the shuffle null can move tails in
                     rec_resp[n_rec_resp, 0] = n_rec_seg - seg0

@@ -8,7 +8,7 @@ dilution fraction -- the table a paper would print::
 
     run = open_run("runs/demo")
     table = stage_table(run)                       # one row per anchor
-    null = shuffle_null_c_tok(tail_layout(batch, tau, 64))
+    layout = tail_layout(batch, tau, 64)           # one step's A<0 segments and their tail counts (drill-down)
 
 Pure analysis on top of :mod:`triage_monitor.offline.analysis` and
 :mod:`triage_monitor.metrics`; used by the dashboard and the static report.
@@ -29,6 +29,7 @@ from numba import njit
 
 from ..rundir.layout import RunLayout
 from .analysis import Run
+from ..metrics.definitions import is_negative_response, is_tail, segment_number, segment_shift
 from ..metrics.stats import c_tok_from_segments
 from ..metrics.state_kernel import NullInput
 
@@ -109,81 +110,20 @@ def tail_layout_from_tokens(tokens: pd.DataFrame, tau_tail: float, width: int) -
 
 def _layout(sample_index: Tensor, position: Tensor, advantage: Tensor, delta: Tensor, num_samples: int,
             tau_tail: float, width: int) -> TailLayout:
-    # segments as everywhere (triage_monitor.segments); a response's advantage is the mean over its valid tokens;
-    # a tail token has A < 0 and δ < τ_tail (compared in float32, as the state update does)
+    # the definitions the state update uses (triage_monitor.metrics.definitions): segments, a tail token (δ compared
+    # in float32), a response with A < 0 (its |A| masses by sign, float64)
     import torch
 
     from ..metrics.segments import segment_tokens
 
-    nv = torch.bincount(sample_index, minlength=num_samples).clamp(min=1).double()
-    resp_adv = torch.zeros(num_samples, dtype=torch.float64).index_add(0, sample_index, advantage.double()) / nv
+    adv = advantage.double()
+    mass = (lambda a: torch.zeros(num_samples, dtype=torch.float64).index_add(0, sample_index, a.clamp(min=0)))
+    negative = is_negative_response(mass(adv), mass(-adv))
     seg = segment_tokens(sample_index, position, width)
-    tail = seg.sum(((advantage < 0) & (delta.detach() < tau_tail)).long())
-    keep = resp_adv[seg.sample] < 0
+    tail = seg.sum(is_tail(advantage, delta.detach(), tau_tail).long())
+    keep = negative[seg.sample]
     as_np = (lambda t: t[keep].numpy().astype(np.int64))
     return TailLayout(as_np(seg.sample), as_np(seg.count), as_np(tail), as_np(seg.number))
-
-
-def null_segment_counts(layout: TailLayout, draws: int = 499, seed: int = 0) -> np.ndarray:
-    """Tail counts per segment under the shuffle null: ``(draws, K)`` int64.
-
-    Each response keeps its valid positions and its number of tail tokens
-    ``t_i``; the labels are placed uniformly at random among its ``n_i``
-    valid positions (docs/metrics.md#shuffle_null).  Only the per-segment counts matter for
-    C_tok, and those follow a multivariate hypergeometric law, drawn exactly
-    as a chain of univariate hypergeometric draws: segment j of a response
-    gets ``Hypergeom(tails left, tokens left - tails left, n_ij)``.  The loop
-    runs over the segment ordinal j (at most max segments per response),
-    vectorised over every response and draw; a fixed ``seed`` makes it
-    reproducible.
-    """
-    if draws < 1:
-        raise ValueError(f"draws must be >= 1, got {draws}")
-    rng = np.random.Generator(np.random.PCG64(int(seed)))
-    K = layout.num_segments
-    counts = np.zeros((draws, K), dtype=np.int64)
-    if K == 0:
-        return counts
-    _, resp = np.unique(layout.response, return_inverse=True)
-    first = np.r_[0, np.flatnonzero(np.diff(resp)) + 1]                  # first segment of each response
-    ordinal = np.arange(K) - first[resp]                                  # j: segment number inside the response
-    tails_left = np.tile(np.bincount(resp, weights=layout.tail).astype(np.int64), (draws, 1))
-    tokens_left = np.bincount(resp, weights=layout.valid).astype(np.int64)
-    for j in range(int(ordinal.max()) + 1):
-        seg = np.flatnonzero(ordinal == j)
-        r = resp[seg]
-        good = tails_left[:, r]
-        x = rng.hypergeometric(good, tokens_left[r] - good, np.broadcast_to(layout.valid[seg], good.shape))
-        counts[:, seg] = x
-        tails_left[:, r] -= x
-        tokens_left[r] -= layout.valid[seg]
-    return counts
-
-
-def shuffle_null_c_tok(layout: TailLayout, draws: int = 499, seed: int = 0, top_fraction: float = 0.05
-                       ) -> np.ndarray:
-    """C_tok under the shuffle null (docs/metrics.md#shuffle_null): ``(draws,)`` float64 in [0, 1].
-
-    Tail counts per segment come from :func:`null_segment_counts`; each draw
-    is ranked like :func:`~triage_monitor.metrics.c_tok_from_segments`
-    (tail fraction descending, ties by count) and the top
-    ``ceil(top_fraction · K)`` segments' share of the tail tokens is kept.
-    Returns NaN values when the layout has no tail token.
-    """
-    total = int(layout.tail.sum())
-    K = layout.num_segments
-    if total == 0 or K == 0:
-        return np.full(draws, math.nan)
-    keep = np.flatnonzero(np.bincount(layout.response, weights=layout.tail)[layout.response] > 0)
-    sub = TailLayout(layout.response[keep], layout.valid[keep], layout.tail[keep])   # only these can hold tails
-    counts = null_segment_counts(sub, draws, seed)
-    # rank by tail fraction, ties by count (as c_tok_from_segments), in O(K) per draw: distinct
-    # fractions a/b differ by >= 1/max_valid², so a count term < 0.5/max_valid² only breaks ties
-    frac = counts / sub.valid
-    key = frac + counts * (0.5 / (float(sub.valid.max()) ** 2 * (float(counts.max()) + 1.0)))
-    top = min(math.ceil(top_fraction * K), sub.num_segments)
-    best = np.argpartition(-key, top - 1, axis=1)[:, :top]
-    return np.take_along_axis(counts, best, 1).sum(1) / total
 
 
 def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS) -> list:
@@ -274,7 +214,7 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             raise ValueError(f"anchor step(s) {missing} not recorded in {run.path} "
                              f"(recorded: {steps[0] if steps else '-'}..{steps[-1] if steps else '-'})")
         labels = [f"step {a}" for a in anchors]
-    layouts: dict = {}
+    recomputed: dict = {}             # step -> (state, null input) recomputed with another τ_tail
     rows: list = []
     nulls: list = []
     costs: list = []                  # a window's null costs O(its tail tokens) per draw
@@ -297,7 +237,7 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
             tau = values["tau_tail"]
             if not math.isnan(tau):
                 nulls[-1], row["max_segments"] = _window_null(run, states, win, stats, tau, cfg, draws, seed,
-                                                              layouts)
+                                                              recomputed)
                 nulls[-1] = _cached_null(run, states, win, tau, draws, seed, nulls[-1])
         else:
             for name in STAGE_METRICS:
@@ -354,16 +294,6 @@ def _cached_null(run: Run, states, win: list, tau: float, draws: int, seed: int,
             pass
         return out
     return cached
-
-
-def max_segments_per_response(layout: TailLayout) -> int:
-    """The largest number of segments of one response holding tail tokens in ``layout`` (0 when none does):
-    the responses whose tails the shuffle null moves, as :class:`NullInput` records them."""
-    holding = np.unique(layout.response[layout.tail > 0])
-    if holding.size == 0:
-        return 0
-    _, counts = np.unique(layout.response[np.isin(layout.response, holding)], return_counts=True)
-    return int(counts.max())
 
 
 def degenerate_causes(table: pd.DataFrame) -> list:
@@ -448,28 +378,28 @@ def degenerate_notice(table: pd.DataFrame, width: int) -> Optional[str]:
 
 
 def _window_null(run: Run, states, win: list, window_stats, tau: float, cfg, draws: int, seed: int,
-                 layouts: dict) -> tuple:
+                 recomputed: dict) -> tuple:
     """The C_tok shuffle null of one stage window, as a function returning its ``(draws,)`` values, and the
     most segments of one A<0 response holding tail tokens (the responses whose tails the null moves;
-    ``max_segments <= 1`` is the degenerate case of :func:`degenerate_notice`): from the steps' states (their merge
-    ``window_stats`` holds the window's C_tok table) and
-    recorded null inputs when every step of the window was computed with the window's τ_tail
-    (:func:`shuffle_null_from_state`), else from the window's token records (:func:`shuffle_null_c_tok`, the
-    tokens read now)."""
-    from .analysis import read_token_arrays
+    ``max_segments <= 1`` is the degenerate case of :func:`degenerate_notice`).  One path,
+    :func:`shuffle_null_from_state`, on the window's C_tok table and shuffle-null inputs: those recorded with the
+    steps' states when every step of the window was computed with the window's τ_tail, else the steps' recomputed
+    now from their token records with that τ_tail (kept in ``recomputed`` for the other windows)."""
+    from .analysis import _step_result, read_token_arrays
 
     idx = [states.steps.index(s) for s in win]
     if states.null_inputs is not None and all(states.taus[i] == tau for i in idx):
         null_input = NullInput.concat([NullInput(*states.null_inputs[i]) for i in idx])
         table = window_stats.array[window_stats.layout.slices["c_tok_table"]]
-        most = int(null_input.response_segments.max()) if len(null_input.response_segments) else 0
-        return (lambda: shuffle_null_from_state(null_input, table, cfg.segment_width, draws, seed, cfg.top_fraction),
-                most)
-    for s in win:
-        if s not in layouts:
-            layouts[s] = tail_layout_from_arrays(read_token_arrays(run.token_source(s)), tau, cfg.segment_width)
-    layout = TailLayout.concat([layouts[s] for s in win])
-    return lambda: shuffle_null_c_tok(layout, draws, seed, cfg.top_fraction), max_segments_per_response(layout)
+    else:
+        for s in win:
+            if s not in recomputed:
+                recomputed[s] = _step_result(read_token_arrays(run.token_source(s)), tau, cfg, str(run.path))
+        null_input = NullInput.concat([recomputed[s][1] for s in win])
+        table = sum(recomputed[s][0][window_stats.layout.slices["c_tok_table"]] for s in win)
+    most = int(null_input.response_segments.max()) if len(null_input.response_segments) else 0
+    return (lambda: shuffle_null_from_state(null_input, table, cfg.segment_width, draws, seed, cfg.top_fraction),
+            most)
 
 
 def tail_layout_from_arrays(parts: list, tau_tail: float, width: int = 64) -> TailLayout:
@@ -521,8 +451,10 @@ def shuffle_null_from_state(null_input: NullInput, c_tok_table, width: int, draw
                             top_fraction: float = 0.05) -> np.ndarray:
     """C_tok under the shuffle null (docs/metrics.md#shuffle_null) from a window's state: ``(draws,)`` float64.
 
-    The same law as :func:`shuffle_null_c_tok` (each A<0 response keeps its valid positions and its number of
-    tail tokens ``t_i``, placed uniformly at random among its ``n_i`` valid positions), drawn differently:
+    The law of docs/metrics.md#shuffle_null (each A<0 response keeps its valid positions and its number of
+    tail tokens ``t_i``, placed uniformly at random among its ``n_i`` valid positions: the per-segment counts
+    follow a multivariate hypergeometric law, which tests/reference_metrics.py draws exactly as a chain of
+    univariate hypergeometric draws to check this sampler against), drawn as follows:
     per draw and response, ``t_i`` distinct positions are drawn (Floyd's algorithm, from a seeded
     xorshift64* generator; an index in [0, m) is the high word of m times 32 random bits,
     uniform to within m / 2³², under 10⁻⁵ for responses under 40k tokens) and counted into the response's
@@ -563,6 +495,10 @@ def shuffle_null_from_state(null_input: NullInput, c_tok_table, width: int, draw
     return _null_draws(seg_valid, cum, starts, tails, by_valid, order.astype(np.int64),
                        order_tails.astype(np.int64), int(width), math.ceil(top_fraction * K), float(total),
                        int(draws), int(seed))
+
+
+_segment_number = njit(inline="always")(segment_number)       # docs/metrics.md#localisation, compiled inline
+_segment_shift = njit(inline="always")(segment_shift)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -606,10 +542,7 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
         longest_n = max(longest_n, n_of[r])
         most_seg = max(most_seg, s1 - s0)
         longest_t = max(longest_t, tails[r])
-    shift = -1
-    for b in range(63):
-        if (1 << b) == width:
-            shift = b
+    shift = _segment_shift(width)
     taken = np.zeros(longest_n, np.bool_)       # one response's positions: stays in L1 across responses
     cnt = np.zeros(most_seg, np.int64)
     chosen = np.empty(longest_t, np.int64)
@@ -632,16 +565,11 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
             k = starts[r + 1] - s0
             # Floyd's draw of t distinct positions among n; each position is counted into its segment as it is
             # drawn (the same positions, so the same counts, as counting them after the draw), the flags reset after
-            if regular[r] and shift >= 0:
+            if regular[r]:                          # the segment of the p-th valid position is its number
                 for j in range(n - t, n):
                     x, p = _floyd_take(x, j, taken)
                     chosen[j - (n - t)] = p
-                    cnt[p >> shift] += 1
-            elif regular[r]:
-                for j in range(n - t, n):
-                    x, p = _floyd_take(x, j, taken)
-                    chosen[j - (n - t)] = p
-                    cnt[p // width] += 1
+                    cnt[_segment_number(p, width, shift)] += 1
             else:
                 for j in range(n - t, n):
                     x, p = _floyd_take(x, j, taken)

@@ -21,6 +21,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..metrics.definitions import is_tail
+
 #: The four regions of docs/metrics.md#terms, as in :data:`triage_monitor.metrics.REGIONS` (repeated here so the
 #: dashboard's first charts need no import of the metric code; tests/test_dashboard.py checks they agree).
 REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
@@ -428,7 +430,7 @@ def response_figure(tokens: pd.DataFrame, gate_weight: Optional[np.ndarray], wid
     short = pos.size <= 200                   # bars read well up to ~200 tokens; beyond, coloured points
     fig.add_trace(go.Bar(marker=color, **common) if short else
                   go.Scatter(mode="markers", marker=dict(size=5, **color), **common), row=1, col=1)
-    tail = (delta < tau_tail) & (adv < 0) if math.isfinite(tau_tail) else np.zeros(delta.size, bool)
+    tail = is_tail(adv, delta, tau_tail) if math.isfinite(tau_tail) else np.zeros(delta.size, bool)
     if tail.any() and short:
         fig.add_trace(go.Scatter(x=pos[tail].tolist(), y=delta[tail].tolist(), mode="markers", name="tail token",
                                  marker=dict(symbol="x", size=7, color="#111827"), meta={"column": "tail"}),
