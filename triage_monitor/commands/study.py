@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the study into ``args.out``; exit 2 on a bad option (docs/cli.md#exit-statuses)."""
     from dataclasses import fields
+    from typing import Sequence
 
     from ..demo import DemoConfig
     from ..demo.study import rejudge, run_study, study_config
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     args.out = str(run_path(args.out, "--out"))   # a local folder of runs: s3://... refused before anything is made
     try:
         given = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if hasattr(args, f.name)}
+        arms: Sequence[str]
+        seeds: Sequence[int]
         cfg, arms, seeds = study_config(args.preset, args.quick, **given)
         if args.arms:
             arms = [a.strip() for a in args.arms.split(",") if a.strip()]

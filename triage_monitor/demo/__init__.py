@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from typing import Any
 
 from .grpo import CORRECTIONS, DemoConfig, run_demo
 
@@ -100,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, exclude=(), defaults=None,
         flag = "--" + f.name.replace("_", "-")
         default = shown[f.name]
         help_ = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})"
-        kw = dict(default=argparse.SUPPRESS if suppress else default, help=help_)
+        kw: dict[str, Any] = dict(default=argparse.SUPPRESS if suppress else default, help=help_)
         if f.name == "tis_clip":
             parser.add_argument(flag, type=float, nargs=2, metavar=("LO", "HI"), **kw)
         else:

@@ -21,7 +21,8 @@ from torch import nn
 from .nvfp4 import quantize_linears_
 
 Tensor = torch.Tensor
-KVCache = list  # per layer: (k, v), each (B, heads, T_cached, head_dim)
+LayerKV = tuple[Tensor, Tensor]  # one layer's (k, v), each (B, heads, T_cached, head_dim)
+KVCache = list[LayerKV]  # per layer: (k, v)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: Tensor, cache: Optional[tuple]) -> tuple[Tensor, tuple]:
+    def forward(self, x: Tensor, cache: Optional[LayerKV]) -> tuple[Tensor, LayerKV]:
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         if cache is not None:
@@ -74,7 +75,7 @@ class Block(nn.Module):
         self.ln1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
         self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
 
-    def forward(self, x: Tensor, cache: Optional[tuple]) -> tuple[Tensor, tuple]:
+    def forward(self, x: Tensor, cache: Optional[LayerKV]) -> tuple[Tensor, LayerKV]:
         a, cache = self.attn(self.ln1(x), cache)
         x = x + a
         return x + self.mlp(self.ln2(x)), cache

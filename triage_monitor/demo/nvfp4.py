@@ -43,7 +43,7 @@ import fnmatch
 import logging
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -298,7 +298,7 @@ COMPILED_MAX_DIFF_FRACTION = 1e-3
 COMPILED_MAX_DIFF_OF_BLOCK_AMAX = 0.4
 
 
-def _check_inputs(device, rows: int) -> list:
+def _check_inputs(device, rows: int) -> list[Tensor]:
     """The fixed random inputs ``(R, K)`` float32 of the compiled quantizer's check (heavy-tailed: many block
     scales, some clamped at the E4M3 floor; one all-zero block row)."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -552,7 +552,8 @@ class NVFP4Linear(nn.Linear):
                  recipe: Optional[NVFP4Recipe] = None, **factory):
         super().__init__(in_features, out_features, bias=bias, **factory)
         self.recipe = recipe
-        self._wcache: Optional[tuple] = None
+        #: (weight version, data pointer, recipe) and the quantized weight of that key
+        self._wcache: Optional[tuple[tuple[int, int, NVFP4Recipe], Tensor]] = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Optional[NVFP4Recipe] = None) -> "NVFP4Linear":
@@ -564,9 +565,9 @@ class NVFP4Linear(nn.Linear):
         new.recipe, new._wcache = recipe, None
         return new
 
-    def _quantized_weight(self) -> Tensor:
-        r = self.recipe
-        kw = dict(block_shape=r.weight_block, two_level=r.weight_two_level, backend=r.backend)
+    def _quantized_weight(self, r: NVFP4Recipe) -> Tensor:
+        """The weight quantized under ``r`` (this layer's :attr:`recipe`), cached under ``torch.no_grad``."""
+        kw: dict[str, Any] = dict(block_shape=r.weight_block, two_level=r.weight_two_level, backend=r.backend)
         if torch.is_grad_enabled():
             return fake_quantize_ste(self.weight, **kw)
         key = (self.weight._version, self.weight.data_ptr(), r)
@@ -579,7 +580,7 @@ class NVFP4Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self.recipe.quantize_activations:
             x = fake_quantize_ste(x, two_level=self.recipe.act_two_level, backend=self.recipe.backend)
-        return F.linear(x, self._quantized_weight(), self.bias)
+        return F.linear(x, self._quantized_weight(self.recipe), self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name if self.recipe else 'fp32'}"
@@ -598,7 +599,7 @@ def prepare_quantized_weights(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, NVFP4Linear) and m.recipe is not None:
-            m._quantized_weight()
+            m._quantized_weight(m.recipe)
             n += 1
     return n
 

@@ -27,7 +27,7 @@ import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import pandas as pd
 
@@ -51,7 +51,7 @@ def _lr_tag(lr: float) -> str:
     return f"lr{lr:g}".replace("-0", "-")
 
 
-def conditions() -> dict:
+def conditions() -> dict[str, dict[str, Any]]:
     """``{condition name: DemoConfig overrides}`` of the population, in a fixed order (24 conditions).
 
     Names: ``fp32-<lr>``, ``nvfp4-<lr>``, ``nvfp4-lag<L>-<correction>-<lr>`` (``<lr>`` as ``lr0.001``).  Not a full
@@ -67,7 +67,7 @@ def conditions() -> dict:
              ("nvfp4", 2, "none", hi), ("nvfp4", 2, "tis", hi), ("nvfp4", 2, "none", lo),
              ("fp32", 0, "none", top), ("nvfp4", 0, "none", top),
              *[("nvfp4", 8, c, top) for c in CORRECTIONS], *[("nvfp4", 4, c, top) for c in CORRECTIONS]]
-    out: dict = {}
+    out: dict[str, dict[str, Any]] = {}
     for recipe, lag, corr, lr in picks:
         name = f"{recipe}-{_lr_tag(lr)}" if not lag else f"{recipe}-lag{lag}-{corr}-{_lr_tag(lr)}"
         out[name] = dict(sampler_recipe=recipe, correction=corr, sampler_lag=lag, lr=lr)
@@ -100,7 +100,7 @@ def regime(overrides: dict) -> str:
 
 
 def plan_population(base: DemoConfig, out, seeds: Optional[Sequence[int]] = None,
-                    names: Optional[Sequence[str]] = None) -> dict:
+                    names: Optional[Sequence[str]] = None) -> dict[tuple[str, int], tuple[DemoConfig, Path]]:
     """``{(condition, seed): (DemoConfig, run directory)}`` for the population.
 
     Args:

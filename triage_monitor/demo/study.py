@@ -45,7 +45,7 @@ import math
 import time
 from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, TypedDict
 
 import numpy as np
 import pandas as pd
@@ -54,7 +54,8 @@ from ..alerting.alerts import NOISE_FLOOR_NATS, TIERS, default_rules, replay_eng
 from ..exits import command_line
 from ..rundir.layout import MANIFEST
 from ..alerting.outcome import COLLAPSE_FRACTION, MIN_STAY, SMOOTH_STEPS, destabilisation_step, trailing_mean  # noqa: F401
-from ..metrics.timings import DEFAULT_K, LABELS, PHASES, compare_cycles, cycle_summary, figures
+from ..metrics.timings import (DEFAULT_K, LABELS, PHASES, CycleComparison, CycleSummary, compare_cycles, cycle_summary,
+                               figures)
 from .grpo import DemoConfig
 
 #: Arms: overrides of the base configuration (the base's ``sampler_lag`` is the study's staleness).
@@ -83,8 +84,17 @@ ARM_COLORS = {"none": "#dc2626", "none-half-lr": "#f87171", "tis": "#d97706", "t
 #: The study's fields that arms set (not options of ``study``: they would overlap ``--arms`` / ``--seeds``).
 PER_ARM_FIELDS = ("seed", "correction", "sampler_recipe")
 
+
+
+class RunSet(TypedDict):
+    """Arms and seeds of a study (:data:`QUICK`)."""
+
+    arms: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
 #: ``--quick`` (``make demo``): the failing arm and the on-policy control, one seed, side by side.
-QUICK = dict(arms=("none", "fp32"), seeds=(0,))
+QUICK: RunSet = dict(arms=("none", "fp32"), seeds=(0,))
 #: ``--preset gpu`` (scripts/gpu_study.sh, docs/study.md#the-nvfp4-regime-on-a-gpu): the NVFP4 regime itself, no staleness.  A
 #: wider and deeper model, a 1024-token vocabulary with a never-valid tail, 256-token responses with
 #: 64-token segments (4 per response), 16 × 16 responses a step and an Adam learning rate small enough
@@ -96,7 +106,7 @@ GPU_PRESET = dict(
                 sampler_lag=0, sft_steps=300, sft_batch=64, eval_size=16, eval_every=25, follow_every=25,
                 device="cuda"),
     arms=("none", "tis", "triage", "fp32", "none-mlp"), seeds=(0,))
-PRESETS: dict = {"gpu": GPU_PRESET}
+PRESETS: dict[str, dict[str, Any]] = {"gpu": GPU_PRESET}
 
 BLOWUP_FACTOR = 10.0
 #: steps of the reference of :func:`blowup_step` and :func:`onsets`, from the first step at full staleness
@@ -139,8 +149,8 @@ def arm_label(arm: str, base: DemoConfig) -> str:
 _trailing = trailing_mean
 
 
-def blowup_step(steps: Sequence[int], values: Sequence[float], ref_start: int = 0,
-                guard: Optional[Sequence[float]] = None, factor: float = BLOWUP_FACTOR) -> Optional[int]:
+def blowup_step(steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray, ref_start: int = 0,
+                guard: Optional[Sequence[float] | np.ndarray] = None, factor: float = BLOWUP_FACTOR) -> Optional[int]:
     """The first step at which a mismatch magnitude has grown ``factor``-fold, or None.
 
     ``m(t)`` = trailing :data:`SMOOTH_STEPS`-row mean of ``values`` (per-step mean |δ| in nats, or
@@ -153,8 +163,8 @@ def blowup_step(steps: Sequence[int], values: Sequence[float], ref_start: int = 
     Raises:
         ValueError: lengths differ, or ``ref_start < 0``.
     """
-    steps, v = np.asarray(steps), np.asarray(values, dtype=float)
-    if steps.shape != v.shape or (guard is not None and np.shape(guard) != v.shape):
+    step_arr, v = np.asarray(steps), np.asarray(values, dtype=float)
+    if step_arr.shape != v.shape or (guard is not None and np.shape(guard) != v.shape):
         raise ValueError("blowup_step: steps, values and guard must have one row each")
     if ref_start < 0:
         raise ValueError(f"blowup_step: ref_start must be >= 0, got {ref_start}")
@@ -164,7 +174,7 @@ def blowup_step(steps: Sequence[int], values: Sequence[float], ref_start: int = 
         return None
     ok = np.ones(len(v), bool) if guard is None else ~(_trailing(guard) < NOISE_FLOOR_NATS)
     hit = np.flatnonzero((np.arange(len(v)) > r) & (m > factor * m[r]) & ok)
-    return int(steps[hit[0]]) if hit.size else None
+    return int(step_arr[hit[0]]) if hit.size else None
 
 
 def _band(ref: np.ndarray, rel: float) -> tuple[float, float]:
@@ -176,7 +186,18 @@ def _band(ref: np.ndarray, rel: float) -> tuple[float, float]:
     return med - half, med + half
 
 
-def onsets(df: pd.DataFrame, ref_start: int = 0) -> dict:
+class Onsets(TypedDict):
+    """:func:`onsets`: the first steps (None: never) and the ρ_asym band, in this key order."""
+
+    noise_steps: int
+    rho_band: tuple[float, float]
+    direction_up: Optional[int]
+    direction_2s: Optional[int]
+    small_gap: Optional[int]
+    k3: Optional[int]
+
+
+def onsets(df: pd.DataFrame, ref_start: int = 0) -> Onsets:
     """When the direction and magnitude metrics leave the band of the run's own reference steps.
 
     Reference: the :data:`REF_STEPS` rows from ``ref_start`` (the first step at full staleness).
@@ -196,25 +217,23 @@ def onsets(df: pd.DataFrame, ref_start: int = 0) -> dict:
     ref = slice(ref_start, ref_start + REF_STEPS)
     after = np.arange(len(d)) >= ref_start + REF_STEPS
 
-    def first(mask):
+    def first(mask) -> Optional[int]:
         idx = np.flatnonzero(mask & after & ~noise)
         return int(steps[idx[0]]) if idx.size else None
 
-    out = {"noise_steps": int(noise.sum())}
     rho = d["window/rho_asym"].to_numpy(float)
     lo, hi = _band(np.where(noise, np.nan, rho)[ref], RHO_BAND)
-    out["rho_band"] = (lo, hi)
     ok = math.isfinite(lo)
-    out["direction_up"] = first(rho > hi) if ok else None
-    out["direction_2s"] = first((rho < lo) | (rho > hi)) if ok else None
     sg = np.where(noise, np.nan, d["window/small_gap_share"].to_numpy(float))
     lo_sg, _ = _band(sg[ref], 0.0)
     med_sg = float(np.nanmedian(sg[ref])) if np.isfinite(sg[ref]).any() else math.nan
-    out["small_gap"] = first(sg < min(lo_sg, med_sg - SMALL_GAP_BAND)) if math.isfinite(med_sg) else None
     k3 = np.where(noise, np.nan, d["window/k3_kl"].to_numpy(float))
     med_k3 = float(np.nanmedian(k3[ref])) if np.isfinite(k3[ref]).any() else math.nan
-    out["k3"] = first(k3 > K3_FACTOR * med_k3) if math.isfinite(med_k3) else None
-    return out
+    return {"noise_steps": int(noise.sum()), "rho_band": (lo, hi),
+            "direction_up": first(rho > hi) if ok else None,
+            "direction_2s": first((rho < lo) | (rho > hi)) if ok else None,
+            "small_gap": first(sg < min(lo_sg, med_sg - SMALL_GAP_BAND)) if math.isfinite(med_sg) else None,
+            "k3": first(k3 > K3_FACTOR * med_k3) if math.isfinite(med_k3) else None}
 
 
 def _ref_start(d: pd.DataFrame, lag: Optional[int]) -> int:
@@ -227,7 +246,7 @@ def _ref_start(d: pd.DataFrame, lag: Optional[int]) -> int:
 
 
 def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[pd.DataFrame] = None,
-              lag: Optional[int] = None) -> dict:
+              lag: Optional[int] = None) -> dict[str, Any]:
     """Destabilisation, blow-up, onsets, alerts and diagnostics of one run's per-step metrics ``df``.
 
     Args:
@@ -249,7 +268,9 @@ def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[p
         ``n_alerts`` (early warnings: alerts of the tier :data:`WARNING_TIER`), ``first_<group>_alert`` (first
         alert of any tier of each of those groups: ``first_direction_alert``, ...), ``alerts`` (list of
         ``(step, rule)``), ``alerts_source`` (``live`` or ``replay``), ``live_equals_replay``
-        (None without a live table) and ``noise_level_steps``.
+        (None without a live table) and ``noise_level_steps``.  A plain dict (a summary row, in this column order):
+        its ``first_<group>_alert`` / ``first_<tier>_...`` keys follow :data:`WARNING_GROUPS` and
+        :data:`~triage_monitor.alerting.alert_rules.TIERS`.
     """
     d = df.sort_values("step").reset_index(drop=True)
     steps = d["step"].to_numpy()
@@ -276,6 +297,7 @@ def judge_run(df: pd.DataFrame, window: int, rules=None, live_alerts: Optional[p
         every = sorted((int(s), str(r)) for s, r in zip(live_alerts["step"], live_alerts["rule"]))
     warns = lambda rule: tiers.get(rule) == WARNING_TIER     # noqa: E731  (early warnings: the collapse tier)
     replayed = [(int(a.step), a.rule) for a in eng.fired if warns(a.rule)]
+    live: Optional[list[tuple[int, str]]]
     if live_alerts is not None and len(live_alerts):
         live = sorted((int(s), str(r)) for s, r in zip(live_alerts["step"], live_alerts["rule"]) if warns(str(r)))
     else:
@@ -330,13 +352,31 @@ def _console():
     return console if console.is_terminal else Console(width=200)   # a log file gets the whole table
 
 
-def _progress_payload(m: dict) -> dict:
+class ProgressPayload(TypedDict):
+    """One step of a run as the progress display gets it (:func:`_progress_payload`)."""
+
+    step: int
+    reward: float
+    delta: float
+
+
+class RunResult(NamedTuple):
+    """One finished (arm, seed) run (:func:`_run_one`): its key, per-step frame and the frame's attrs."""
+
+    key: tuple[str, int]
+    frame: pd.DataFrame
+    attrs: dict[str, Any]
+
+
+def _progress_payload(m: dict) -> ProgressPayload:
     return {"step": int(m["step"]), "reward": float(m.get("reward", math.nan)),
             "delta": float(m.get("delta_abs_mean", math.nan))}
 
 
-def _run_one(job: tuple) -> tuple:
-    """Worker: run one (arm, seed) and return (key, per-step frame, attrs)."""
+def _run_one(job: tuple[tuple[str, int], dict[str, Any], str, Any, dict[str, bool]]) -> RunResult:
+    """Worker: run one (arm, seed) and return (key, per-step frame, attrs).
+
+    ``job``: ``(key, DemoConfig fields, run directory, progress queue or None, resume/force options)``."""
     key, cfg_dict, out_dir, queue, existing = job
     import torch
 
@@ -346,7 +386,7 @@ def _run_one(job: tuple) -> tuple:
     cfg = DemoConfig(**cfg_dict)
     cb = (lambda m: queue.put((key, _progress_payload(m)))) if queue is not None else None
     df = run_demo(cfg, out_dir, quiet=True, on_step=cb, **existing)
-    return key, df, dict(df.attrs)
+    return RunResult(key, df, dict(df.attrs))
 
 
 class _ArmProgress:
@@ -376,7 +416,7 @@ class _ArmProgress:
         if self.bar is not None:
             self.bar.__exit__(*exc)
 
-    def update(self, key, p: dict) -> None:
+    def update(self, key, p: ProgressPayload) -> None:
         if not self.enabled:
             return
         r = self.rewards[key]
@@ -391,7 +431,8 @@ class _ArmProgress:
                                f"{time.perf_counter() - self.t0:.0f} s", highlight=False, soft_wrap=True)
 
 
-def plan_study(base: DemoConfig, out, arms: Sequence[str], seeds: Sequence[int]) -> dict:
+def plan_study(base: DemoConfig, out, arms: Sequence[str],
+               seeds: Sequence[int]) -> dict[tuple[str, int], tuple[DemoConfig, Path]]:
     """``{(arm, seed): (DemoConfig, run directory)}`` of a study (arms' overrides applied to ``base``).
 
     Raises:
@@ -463,11 +504,11 @@ def run_study(base: DemoConfig, out, arms: Sequence[str] = DEFAULT_ARMS, seeds: 
     return summary
 
 
-def _run_inline(key, cfg: DemoConfig, path: Path, tick: Callable, existing: dict):
+def _run_inline(key, cfg: DemoConfig, path: Path, tick: Callable, existing: dict) -> RunResult:
     from .grpo import run_demo
 
     df = run_demo(cfg, path, quiet=True, on_step=lambda m: tick(key, _progress_payload(m)), **existing)
-    return key, df, dict(df.attrs)
+    return RunResult(key, df, dict(df.attrs))
 
 
 def _run_parallel(plan: dict, jobs: int, frames: dict, attrs: dict, tick: Callable, existing: dict) -> None:
@@ -581,7 +622,7 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> float:
     return min(1.0, sum(p for p in (prob(x) for x in range(lo, hi + 1)) if p <= p0 * (1 + 1e-7)))
 
 
-def holm(pvalues: Sequence[float]) -> list:
+def holm(pvalues: Sequence[float]) -> list[float]:
     """Holm–Bonferroni adjusted p-values (same order as given)."""
     order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
     out, running = [0.0] * len(pvalues), 0.0
@@ -591,17 +632,25 @@ def holm(pvalues: Sequence[float]) -> list:
     return out
 
 
-def bootstrap_ci(values, stat: Callable = np.median, n: int = 2000, seed: int = 0) -> tuple:
-    """``(statistic, low, high)``: ``stat`` of ``values`` (``(k,)`` floats, NaN dropped) with a 95 % percentile
+class Estimate(NamedTuple):
+    """A statistic with its 95 % bootstrap interval (:func:`bootstrap_ci`)."""
+
+    value: float
+    low: float
+    high: float
+
+
+def bootstrap_ci(values, stat: Callable = np.median, n: int = 2000, seed: int = 0) -> Estimate:
+    """``Estimate(statistic, low, high)`` (a tuple): ``stat`` of ``values`` (``(k,)`` floats, NaN dropped) with a 95 % percentile
     bootstrap interval over ``n`` resamples (NaN for fewer than 2 values)."""
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
     if v.size < 2:
-        return (float(stat(v)) if v.size else math.nan), math.nan, math.nan
+        return Estimate(float(stat(v)) if v.size else math.nan, math.nan, math.nan)
     rng = np.random.default_rng(seed)
     boots = [stat(v[rng.integers(0, v.size, v.size)]) for _ in range(n)]
     lo, hi = np.percentile(boots, [2.5, 97.5])
-    return float(stat(v)), float(lo), float(hi)
+    return Estimate(float(stat(v)), float(lo), float(hi))
 
 
 def comparisons(summary: pd.DataFrame) -> pd.DataFrame:
@@ -752,8 +801,15 @@ def verdict(summary: pd.DataFrame, base: Optional[DemoConfig] = None) -> list[st
     return lines
 
 
-def pick_pair(summary: pd.DataFrame) -> tuple:
-    """``((arm, seed) of a failing run or None, (arm, seed) of a held run or None)`` for the side-by-side
+class RunPair(NamedTuple):
+    """The (arm, seed) of a failing run and of a held run (:func:`pick_pair`); None where there is none."""
+
+    failing: Optional[tuple[str, int]]
+    held: Optional[tuple[str, int]]
+
+
+def pick_pair(summary: pd.DataFrame) -> RunPair:
+    """``RunPair((arm, seed) of a failing run or None, (arm, seed) of a held run or None)`` (a tuple) for the side-by-side
     view: the first destabilised run of the failing arm (else of any arm) and the control of the same seed
     (else the first run that held)."""
     bad = summary[summary["destabilised_at"].notna()]
@@ -768,26 +824,26 @@ def pick_pair(summary: pd.DataFrame) -> tuple:
             ctl = same if len(same) else ctl
         held = ctl.iloc[0] if len(ctl) else good.iloc[0]
     key = lambda r: None if r is None else (r["arm"], int(r["seed"]))
-    return key(fail), key(held)
+    return RunPair(key(fail), key(held))
 
 
 #: The study's baseline for the step-time comparison: the full-precision on-policy sampler.
 CYCLE_BASELINE = "fp32"
 
 
-def _arm_frames(frames: dict) -> dict:
+def _arm_frames(frames: dict) -> dict[str, pd.DataFrame]:
     """``{arm: every seed's step rows, concatenated}`` in :data:`ARMS` order."""
     arms = list(dict.fromkeys(a for a in ARMS if any(k[0] == a for k in frames)))
     return {a: pd.concat([df for (arm, _), df in sorted(frames.items()) if arm == a], ignore_index=True) for a in arms}
 
 
-def cycle_by_arm(frames: dict, k: float = DEFAULT_K) -> dict:
+def cycle_by_arm(frames: dict, k: float = DEFAULT_K) -> dict[str, CycleSummary]:
     """``{arm: CycleSummary}`` of the study's own phase timings, every seed of the arm pooled
     (docs/metrics.md#step-time-and-the-full-cycle)."""
     return {a: cycle_summary(df, k) for a, df in _arm_frames(frames).items()}
 
 
-def cycle_comparisons(frames: dict, k: float = DEFAULT_K) -> dict:
+def cycle_comparisons(frames: dict, k: float = DEFAULT_K) -> dict[str, CycleComparison]:
     """``{arm: CycleComparison}`` of every arm against :data:`CYCLE_BASELINE` (when both are in the study and
     timed)."""
     arms = _arm_frames(frames)
@@ -798,7 +854,7 @@ def cycle_comparisons(frames: dict, k: float = DEFAULT_K) -> dict:
             and cycle_summary(df, k).steps}
 
 
-def cycle_lines(base: DemoConfig, frames: dict, k: float = DEFAULT_K) -> list:
+def cycle_lines(base: DemoConfig, frames: dict, k: float = DEFAULT_K) -> list[str]:
     """The study's step time in words: per arm the generation share and the projection, then each arm against the
     fp32 baseline (measured per-phase speedup), labelled with the device the figures were measured on."""
     out = []
@@ -920,8 +976,8 @@ def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: 
                            f"projected at k = {DEFAULT_K:g}": cs.projected})
     cycle_table = table(pd.DataFrame(cycle_rows)) if cycle_rows else ""
     compare_rows = []
-    for arm, c in cycle_comparisons(frames).items():
-        for _, r in c.table.iterrows():
+    for arm, cmp in cycle_comparisons(frames).items():
+        for _, r in cmp.table.iterrows():
             compare_rows.append({"arm": arm, "phase": r["label"], f"{CYCLE_BASELINE} (ms)": 1000 * r["base_s"],
                                  f"{arm} (ms)": 1000 * r["other_s"], "measured speedup": r["speedup"]})
     compare_table = table(pd.DataFrame(compare_rows)) if compare_rows else ""
@@ -1057,12 +1113,20 @@ def print_summary(console, summary: pd.DataFrame, out: Path, seconds: float, bas
                       highlight=False, soft_wrap=True, markup=False)
 
 
-def study_config(preset: Optional[str] = None, quick: bool = False, **given) -> tuple:
+class StudyConfig(NamedTuple):
+    """What a study runs (:func:`study_config`): the base configuration, the arms and the seeds."""
+
+    config: DemoConfig
+    arms: tuple[str, ...]
+    seeds: tuple[int, ...]
+
+
+def study_config(preset: Optional[str] = None, quick: bool = False, **given) -> StudyConfig:
     """The base :class:`DemoConfig`, arms and seeds of a study: ``DemoConfig`` defaults, then the preset
     (:data:`PRESETS`), then ``given`` (explicit options win).
 
     Returns:
-        ``(DemoConfig, arms, seeds)``.
+        ``StudyConfig(DemoConfig, arms, seeds)`` (a tuple).
 
     Raises:
         ValueError: an unknown preset, a field in ``given`` that arms set per run (:data:`PER_ARM_FIELDS`),
@@ -1074,8 +1138,8 @@ def study_config(preset: Optional[str] = None, quick: bool = False, **given) -> 
     if bad:
         raise ValueError(f"study: {', '.join(bad)} are set per arm and seed (--arms, --seeds)")
     names = {f.name for f in fields(DemoConfig)}
-    p = PRESETS.get(preset, {})
+    p = PRESETS[preset] if preset is not None else {}
     cfg = DemoConfig(**{**p.get("config", {}), **{k: v for k, v in given.items() if k in names}})
     arms = tuple(QUICK["arms"] if quick else p.get("arms", DEFAULT_ARMS))
     seeds = tuple(QUICK["seeds"] if quick else p.get("seeds", DEFAULT_SEEDS))
-    return cfg, arms, seeds
+    return StudyConfig(cfg, arms, seeds)

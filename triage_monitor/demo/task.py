@@ -17,6 +17,8 @@ itself).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 Tensor = torch.Tensor
@@ -54,7 +56,7 @@ class AdditionTask:
         prompts = torch.cat([col(BOS), digs[:, 0], col(PLUS), digs[:, 1], col(EQUALS)], dim=1)
         return ops, prompts
 
-    def answers(self, ops: Tensor, generator: torch.Generator = None) -> tuple[Tensor, Tensor]:
+    def answers(self, ops: Tensor, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
         """Reference answers for operands ``(n, 2)`` (``generator`` is unused: the answer is unique).
 
         Returns tokens ``(n, max_answer_len)`` int64 (sum digits least
@@ -143,7 +145,7 @@ class WalkTask:
         r = responses[:, :self.length]
         return self.valid(r, allowed).float().sum(1) / self.length
 
-    def answers(self, allowed: Tensor, generator: torch.Generator = None) -> tuple[Tensor, Tensor]:
+    def answers(self, allowed: Tensor, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
         """Reference walks for the warm start: uniform over the allowed digits, never repeating one.
 
         Returns tokens ``(n, length)`` int64 and lengths ``(n,)`` (all ``length``).
