@@ -29,7 +29,7 @@ import logging
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -69,7 +69,7 @@ class EvalRun:
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _demo_group(path: Path) -> tuple[str, dict]:
+def _demo_group(path: Path) -> tuple[str, dict[str, Any]]:
     """The demo job's regime (``fp32`` / ``nvfp4`` on-policy, ``stale``) and config facts from run.json, if any."""
     try:
         info = json.loads((path / "run.json").read_text()).get("info", {})
@@ -83,8 +83,15 @@ def _demo_group(path: Path) -> tuple[str, dict]:
     return group, {k: cfg.get(k) for k in ("sampler_recipe", "sampler_lag", "correction", "lr", "seed")}
 
 
-def read_labels(path) -> dict:
-    """A label file: ``{run name: (failed_at step or None, group or None)}``.
+class Label(NamedTuple):
+    """One run's label (:func:`read_labels`): the step it failed at (None: held) and its group (None: not given)."""
+
+    failed_at: Optional[int]
+    group: Optional[str]
+
+
+def read_labels(path) -> dict[str, Label]:
+    """A label file: ``{run name: Label(failed_at step or None, group or None)}`` (the labels are tuples).
 
     CSV with columns ``run`` and ``failed_at`` (a step; empty = held) and optionally ``group``; or JSON
     ``{"run": {"failed_at": step or null, "group": "..."}}``.  The run name is the run directory's name (or the
@@ -106,7 +113,7 @@ def read_labels(path) -> dict:
         if col not in table.columns:
             raise EvaluationError(f"{path}: label file needs columns run, failed_at (and optionally group); "
                                   f"missing {col!r}")
-    out = {}
+    out: dict[str, Label] = {}
     for i, r in table.iterrows():
         v = r["failed_at"]
         if v is None or (isinstance(v, float) and math.isnan(v)) or v == "":
@@ -120,7 +127,7 @@ def read_labels(path) -> dict:
                 raise EvaluationError(f"{path}: row {i}: failed_at = {v!r} is not an integer step (empty = held)")
             step = int(f)
         g = r.get("group") if "group" in table.columns else None
-        out[str(r["run"])] = (step, None if g is None or (isinstance(g, float) and math.isnan(g)) else str(g))
+        out[str(r["run"])] = Label(step, None if g is None or (isinstance(g, float) and math.isnan(g)) else str(g))
     return out
 
 
@@ -168,7 +175,7 @@ def load_run(path, labels: Optional[dict] = None, definition: OutcomeDefinition 
 
 
 # ------------------------------------------------------------------------------------------------ scoring
-def warning_steps(run: EvalRun, rules: Sequence[Rule]) -> dict:
+def warning_steps(run: EvalRun, rules: Sequence[Rule]) -> dict[str, list[int]]:
     """``{rule name: [steps it fired at]}`` of ``rules`` replayed over ``run``'s metrics (the live engine)."""
     quiet = logging.getLogger("triage_monitor.alerts")
     level = quiet.level
@@ -177,7 +184,7 @@ def warning_steps(run: EvalRun, rules: Sequence[Rule]) -> dict:
         eng = replay_engine(list(rules), run.frame)
     finally:
         quiet.setLevel(level)
-    out: dict = {r.name: [] for r in rules}
+    out: dict[str, list[int]] = {r.name: [] for r in rules}
     for a in eng.fired:
         out[a.rule].append(int(a.step))
     return out
@@ -265,18 +272,18 @@ def evaluate(runs: Sequence[EvalRun], rules: Sequence[Rule], baselines: Sequence
     allrules = list(rules) + list(baselines)
     fires = [warning_steps(r, allrules) for r in runs]
     groups = sorted({r.group for r in scored})
-    detectors: list[tuple[str, str, str, Callable[[dict], list]]] = []
+    detectors: list[tuple[str, str, str, Callable[[dict[str, list[int]]], list[int]]]] = []
     for r in rules:
-        detectors.append(("rule", r.name, r.tier, lambda f, n=r.name: f[n]))
+        detectors.append(("rule", r.name, r.tier, _fired_one(r.name)))
     for tier in dict.fromkeys(r.tier for r in rules):
         names = [r.name for r in rules if r.tier == tier]
-        detectors.append(("tier", tier, tier, lambda f, ns=names: [w for n in ns for w in f[n]]))
+        detectors.append(("tier", tier, tier, _fired_any(names)))
     for grp in dict.fromkeys(r.group for r in rules):
         names = [r.name for r in rules if r.group == grp]
         tiers = "/".join(dict.fromkeys(r.tier for r in rules if r.group == grp))
-        detectors.append(("group", grp or "(none)", tiers, lambda f, ns=names: [w for n in ns for w in f[n]]))
+        detectors.append(("group", grp or "(none)", tiers, _fired_any(names)))
     for r in baselines:
-        detectors.append(("baseline", r.name, r.tier, lambda f, n=r.name: f[n]))
+        detectors.append(("baseline", r.name, r.tier, _fired_one(r.name)))
     rows = []
     for kind, name, tier, pick in detectors:
         ws = [pick(f) for f in fires]
@@ -289,6 +296,17 @@ def evaluate(runs: Sequence[EvalRun], rules: Sequence[Rule], baselines: Sequence
     out = pd.DataFrame(rows)
     out.attrs["horizon"] = horizon
     return out
+
+
+def _fired_one(name: str) -> Callable[[dict[str, list[int]]], list[int]]:
+    """A detector of one rule: its steps out of a :func:`warning_steps` dict."""
+    return lambda fired: fired[name]
+
+
+def _fired_any(names: Sequence[str]) -> Callable[[dict[str, list[int]]], list[int]]:
+    """A detector of several rules (a tier's, a group's): their steps, rule by rule, out of a :func:`warning_steps`
+    dict."""
+    return lambda fired: [w for n in names for w in fired[n]]
 
 
 # ------------------------------------------------------------------------------------------------ AUROC
@@ -357,17 +375,29 @@ def metric_auroc(runs: Sequence[EvalRun], score: Callable[[pd.DataFrame], np.nda
 
 
 # ------------------------------------------------------------------------------------------------ calibration
+class Calibration(NamedTuple):
+    """:func:`calibrate_threshold`'s choice: the rule at the chosen threshold (None: none qualifies) and the table of
+    every candidate's :class:`Score`."""
+
+    rule: Optional[Rule]
+    table: pd.DataFrame
+
+
 def calibrate_threshold(runs: Sequence[EvalRun], rule: Rule, candidates: Sequence[float], horizon: int,
-                        quiet_groups: Sequence[str] = ("fp32", "nvfp4"), min_precision: float = 0.0) -> tuple:
+                        quiet_groups: Sequence[str] = ("fp32", "nvfp4"),
+                        min_precision: float = 0.0) -> Calibration:
     """Choose ``rule``'s threshold on ``runs`` (the calibration half): the candidate with the highest recall among
     those that warn on no held run of ``quiet_groups`` and reach ``min_precision``; ties go to the higher precision,
     then the longer median lead, then the more conservative threshold (the later candidate in ``candidates``
     order: give them from least to most conservative).
 
     Returns:
-        ``(rule with the chosen threshold or None when no candidate qualifies, table of every candidate's Score)``.
+        ``Calibration(rule with the chosen threshold or None when no candidate qualifies, table of every candidate's
+        Score)`` (a tuple).
     """
-    rows, best, best_key = [], None, None
+    rows: list[dict[str, Any]] = []
+    best: Optional[Rule] = None
+    best_key: Optional[tuple[float, float, float, int]] = None
     for i, thr in enumerate(candidates):
         r = replace(rule, threshold=float(thr))
         fires = [warning_steps(run, [r])[r.name] for run in runs]
@@ -381,9 +411,9 @@ def calibrate_threshold(runs: Sequence[EvalRun], rule: Rule, candidates: Sequenc
         key = (sc.recall, prec, 0.0 if math.isnan(sc.lead_median) else sc.lead_median, i)
         if best_key is None or key >= best_key:
             best, best_key = r, key
-    return best, pd.DataFrame(rows)
+    return Calibration(best, pd.DataFrame(rows))
 
 
-__all__ = ["HORIZON_FRACTION", "EvaluationError", "EvalRun", "Score", "read_labels", "load_run", "warning_steps",
+__all__ = ["HORIZON_FRACTION", "EvaluationError", "EvalRun", "Score", "read_labels", "load_run", "warning_steps", "Label", "Calibration",
            "score_detector", "default_horizon", "evaluate", "auroc", "step_labels", "metric_auroc",
            "calibrate_threshold"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional, TypedDict
 
 import numpy as np
 
@@ -44,6 +44,49 @@ PUBLISHED_LABEL = "published (4B dense / 30B MoE)"
 DIRECTION, GUARD = "window/rho_asym", "window/delta_abs_mean"
 #: Central quantiles of a reference run's window ρ_asym that make its band (docs/alerts.md#a-reference-run).
 REFERENCE_QUANTILES = (0.05, 0.95)
+
+
+class Outcome(TypedDict):
+    """:attr:`RunVerdict.outcome`: what the reward did (values None where they do not apply), in this key order."""
+
+    status: str
+    step: Optional[int]
+    definition: str
+    peak: Optional[float]
+    peak_step: Optional[int]
+    at: Optional[float]
+    minimum: Optional[float]
+    minimum_step: Optional[int]
+    last: Optional[float]
+    last_step: Optional[int]
+    recent_fall: bool
+
+
+class WorstPoint(TypedDict):
+    """One entry of :attr:`RunVerdict.worst`: the worst window's step, its value and the value's unit."""
+
+    step: int
+    value: float
+    unit: str
+
+
+class VerdictDict(TypedDict):
+    """:meth:`RunVerdict.to_dict` (``analysis/verdict.json``): every field as JSON values, in this key order."""
+
+    level: str
+    text: str
+    lines: list[str]
+    outcome: Outcome
+    first_alerts: dict[str, dict[str, Any]]
+    worst: dict[str, WorstPoint]
+    active: list[dict[str, Any]]
+    cleared: list[dict[str, Any]]
+    actions: list[str]
+    focus_step: Optional[int]
+    focus_why: str
+    status: dict[str, Any]
+    reference: Optional[dict[str, Any]]
+    steps: list[Optional[int]]
 
 
 @dataclass(frozen=True)
@@ -252,13 +295,13 @@ class RunVerdict:
     """
 
     level: str
-    lines: tuple
-    outcome: dict
+    lines: tuple[str, ...]
+    outcome: Outcome
     first_alerts: dict
-    worst: dict
+    worst: dict[str, WorstPoint]
     active: list
     cleared: list
-    actions: list
+    actions: list[str]
     focus_step: Optional[int]
     focus_why: str
     status: Verdict
@@ -275,7 +318,7 @@ class RunVerdict:
         """The first line (``"verdict: <LEVEL> — ..."``)."""
         return self.lines[0]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> VerdictDict:
         """A JSON-able dict of every field (``analysis/verdict.json``; NaN written as null); ``text`` holds the
         paragraph."""
         d = {"level": self.level, "text": self.text, "lines": list(self.lines), "outcome": self.outcome,
@@ -309,8 +352,8 @@ def _g(x, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
-def _outcome(frame, definition: OutcomeDefinition) -> dict:
-    out: dict = {"status": "no reward recorded", "step": None, "definition": definition.describe(), "peak": None,
+def _outcome(frame, definition: OutcomeDefinition) -> Outcome:
+    out: Outcome = {"status": "no reward recorded", "step": None, "definition": definition.describe(), "peak": None,
            "peak_step": None, "at": None, "minimum": None, "minimum_step": None, "last": None, "last_step": None,
            "recent_fall": False}
     if "reward" not in frame.columns:
@@ -331,13 +374,15 @@ def _outcome(frame, definition: OutcomeDefinition) -> dict:
     ipk = int(np.nanargmax(m))
     imin = int(np.nanargmin(m))
     ilast = int(np.flatnonzero(fin)[-1])
-    out.update(peak=float(m[ipk]), peak_step=int(steps[ipk]), minimum=float(m[imin]), minimum_step=int(steps[imin]),
-               last=float(m[ilast]), last_step=int(steps[ilast]))
+    # the keys exist already: setting them keeps the key order
+    out["peak"], out["peak_step"] = float(m[ipk]), int(steps[ipk])
+    out["minimum"], out["minimum_step"] = float(m[imin]), int(steps[imin])
+    out["last"], out["last_step"] = float(m[ilast]), int(steps[ilast])
     if s is not None:
         i = int(np.flatnonzero(steps == s)[0])
         ipk_before = int(np.nanargmax(np.where(fin[:i + 1], m[:i + 1], -np.inf)))
-        out.update(status="destabilised", step=int(s), at=float(m[i]), peak=float(m[ipk_before]),
-                   peak_step=int(steps[ipk_before]))
+        out["status"], out["step"], out["at"] = "destabilised", int(s), float(m[i])
+        out["peak"], out["peak_step"] = float(m[ipk_before]), int(steps[ipk_before])
     else:
         out["status"] = "held"
         peak_now = np.fmax.accumulate(np.where(fin, m, -np.inf))
@@ -345,8 +390,8 @@ def _outcome(frame, definition: OutcomeDefinition) -> dict:
     return out
 
 
-def _worst(frame) -> dict:
-    out: dict = {}
+def _worst(frame) -> dict[str, WorstPoint]:
+    out: dict[str, WorstPoint] = {}
     noise = _noise_mask(frame)
     if len(frame) and noise.all():           # learner = sampler to rounding: no window is worse than another
         return out
@@ -522,8 +567,8 @@ def run_verdict(frame, engine, *, reference: Optional[ReferenceBand] = None,
                       None if reference is None else asdict(reference), (first_step, last_step))
 
 
-def _actions(out, first, active, status, focus, focus_why, ref_of, reference) -> list:
-    acts: list = []
+def _actions(out, first, active, status, focus, focus_why, ref_of, reference) -> list[str]:
+    acts: list[str] = []
     seen: set = set()
 
     def add(text, rule=None):
@@ -583,5 +628,5 @@ def verdict_of_steps(frame, rules=None, reference: Optional[ReferenceBand] = Non
     return run_verdict(frame, replay_engine(rules, frame), reference=reference, definition=definition)
 
 
-__all__ = ["LEVELS", "PUBLISHED_LABEL", "REFERENCE_QUANTILES", "Verdict", "ReferenceBand", "RunVerdict",
-           "reference_band", "reference_of_run", "health_verdict", "run_verdict", "verdict_of_steps"]
+__all__ = ["LEVELS", "PUBLISHED_LABEL", "REFERENCE_QUANTILES", "Verdict", "ReferenceBand", "RunVerdict", "Outcome",
+           "WorstPoint", "VerdictDict", "reference_band", "reference_of_run", "health_verdict", "run_verdict", "verdict_of_steps"]
