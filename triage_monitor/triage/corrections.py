@@ -36,7 +36,7 @@ Framework defaults (as documented by the frameworks; each option is configurable
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Protocol, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple, Union
 
 import torch
 
@@ -105,7 +105,27 @@ def _check_band(name: str, low: float, high: float) -> None:
         raise ValueError(f"{name}: need 0 <= low < high, got low={low}, high={high}")
 
 
-def _seq_index(seq: SeqSpec, n: int, device: torch.device) -> Tuple[Tensor, int]:
+class SequenceIndex(NamedTuple):
+    """:func:`_seq_index`: each token's sequence ``(N,)`` int64 and the number of sequences S."""
+
+    sample_index: Tensor
+    num_samples: int
+
+
+class SequenceSums(NamedTuple):
+    """:func:`sequence_log_ratio_sum`: per sequence, the summed log-ratio ``(S,)`` and the valid tokens ``(S,)``
+    int64."""
+
+    log_ratio_sum: Tensor
+    valid_tokens: Tensor
+
+
+def _seq_index(seq: SeqSpec, n: int, device: torch.device) -> SequenceIndex:
+    """Each of the ``n`` tokens' sequence, on ``device``, and the sequence count, from a :class:`TokenBatch` or an
+    ``(sample_index, S)`` pair.
+
+    Raises:
+        ValueError: the sample index is not of shape ``(n,)``."""
     if isinstance(seq, TokenBatch):
         idx, s = seq.sample_index, seq.num_samples
     else:
@@ -113,16 +133,16 @@ def _seq_index(seq: SeqSpec, n: int, device: torch.device) -> Tuple[Tensor, int]
         idx = torch.as_tensor(idx)
     if idx.shape != (n,):
         raise ValueError(f"sample_index has shape {tuple(idx.shape)}, expected ({n},)")
-    return idx.to(device).long(), int(s)
+    return SequenceIndex(idx.to(device).long(), int(s))
 
 
-def sequence_log_ratio_sum(log_ratio: Tensor, seq: SeqSpec) -> Tuple[Tensor, Tensor]:
+def sequence_log_ratio_sum(log_ratio: Tensor, seq: SeqSpec) -> SequenceSums:
     """Per-sequence ``(sum_t log_ratio_t, n_valid)``, both ``(S,)`` (float32, int64)."""
     idx, s = _seq_index(seq, log_ratio.shape[0], log_ratio.device)
     total = torch.zeros(s, dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, idx, log_ratio)
     count = torch.bincount(idx, minlength=s) if idx.numel() else torch.zeros(s, dtype=torch.long,
                                                                              device=log_ratio.device)
-    return total, count
+    return SequenceSums(total, count)
 
 
 # --------------------------------------------------------------- per token
