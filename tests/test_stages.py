@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -300,3 +301,22 @@ def test_a_windows_null_is_drawn_once_and_kept_in_the_run(demo_run_dir, tmp_path
     assert (planted["c_tok_null_median"] == 0.5).all()
     stage_table(open_run(d), draws=49, seed=1)
     assert len(list((d / "analysis").glob("null-*.npy"))) == 2 * len(first)
+
+
+def test_a_window_without_recorded_null_inputs_draws_the_same_null_from_its_tokens(demo_run_dir, tmp_path):
+    """The stage table's one null path: states computed without shuffle-null inputs (``null_inputs`` None) make
+    each window recompute them from its token records with the window's τ_tail, which are the inputs the states
+    would have recorded — so the table (the null's median and interval included) equals the recorded path's."""
+    import shutil
+
+    from triage_monitor.offline.analysis import recompute_states
+
+    d = shutil.copytree(demo_run_dir, tmp_path / "run")
+    run = open_run(d)
+    states = recompute_states(run)
+    recorded = stage_table(run, window=10, draws=199, seed=3, states=states)
+    states.null_inputs = None
+    shutil.rmtree(d / "analysis", ignore_errors=True)           # no cached null: draw it again
+    from_tokens = stage_table(open_run(d), window=10, draws=199, seed=3, states=states)
+    assert recorded["c_tok_null_median"].notna().any()
+    pd.testing.assert_frame_equal(recorded, from_tokens, check_exact=True)
