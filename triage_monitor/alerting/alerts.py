@@ -396,7 +396,7 @@ class AlertEngine:
         span = f"step {step} only" if n == 1 else f"steps {first}–{step}"
         return f"{how} {span} ({n} of a {r.window}-step window); "
 
-    def _evaluate(self, r: Rule, st: _State, step: int, v: float):
+    def _evaluate(self, r: Rule, st: _State, step: int, v: float) -> tuple[Optional[bool], float, str]:
         """-> (holds or None when not evaluable, score, human-readable detail)."""
         c, thr, m = r.condition, r.threshold, r.metric
         if c in ("excess", "deficit") and st.baseline is None:

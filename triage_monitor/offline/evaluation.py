@@ -333,8 +333,18 @@ def step_labels(run: EvalRun, horizon: int) -> tuple[np.ndarray, np.ndarray]:
     return keep, (s - steps <= horizon)[keep]
 
 
+class MetricAUROC(NamedTuple):
+    """:func:`metric_auroc`: the step-level AUROC, its 95 % bootstrap interval and the steps of each label."""
+
+    auroc: float
+    low: float
+    high: float
+    positives: int
+    negatives: int
+
+
 def metric_auroc(runs: Sequence[EvalRun], score: Callable[[pd.DataFrame], np.ndarray], horizon: int,
-                 n_boot: int = 1000, seed: int = 0) -> tuple[float, float, float, int, int]:
+                 n_boot: int = 1000, seed: int = 0) -> MetricAUROC:
     """Step-level AUROC of ``score`` for "destabilises within ``horizon`` steps", with a 95 % bootstrap interval.
 
     Args:
@@ -345,7 +355,7 @@ def metric_auroc(runs: Sequence[EvalRun], score: Callable[[pd.DataFrame], np.nda
         seed: the bootstrap's random seed.
 
     Returns:
-        ``(auroc, low, high, positive steps, negative steps)``.
+        ``MetricAUROC(auroc, low, high, positive steps, negative steps)`` (a tuple).
     """
     per = []
     for r in runs:
@@ -356,7 +366,7 @@ def metric_auroc(runs: Sequence[EvalRun], score: Callable[[pd.DataFrame], np.nda
         ok = np.isfinite(sc)
         per.append((lab[ok], sc[ok]))
     if not per:
-        return math.nan, math.nan, math.nan, 0, 0
+        return MetricAUROC(math.nan, math.nan, math.nan, 0, 0)
     lab = np.concatenate([p[0] for p in per])
     sc = np.concatenate([p[1] for p in per])
     point = auroc(lab, sc)
@@ -371,7 +381,7 @@ def metric_auroc(runs: Sequence[EvalRun], score: Callable[[pd.DataFrame], np.nda
         if math.isfinite(b):
             boots.append(b)
     lo, hi = (np.percentile(boots, [2.5, 97.5]) if boots else (math.nan, math.nan))
-    return point, float(lo), float(hi), int(lab.sum()), int((~lab).sum())
+    return MetricAUROC(point, float(lo), float(hi), int(lab.sum()), int((~lab).sum()))
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -414,6 +424,6 @@ def calibrate_threshold(runs: Sequence[EvalRun], rule: Rule, candidates: Sequenc
     return Calibration(best, pd.DataFrame(rows))
 
 
-__all__ = ["HORIZON_FRACTION", "EvaluationError", "EvalRun", "Score", "read_labels", "load_run", "warning_steps", "Label", "Calibration",
+__all__ = ["HORIZON_FRACTION", "EvaluationError", "EvalRun", "Score", "read_labels", "load_run", "warning_steps", "Label", "Calibration", "MetricAUROC",
            "score_detector", "default_horizon", "evaluate", "auroc", "step_labels", "metric_auroc",
            "calibrate_threshold"]
