@@ -73,9 +73,9 @@ from triage_monitor.batch import TokenBatch
 from triage_monitor.triage.controller import TriageConfig
 from triage_monitor.triage.corrections import dppo_kl_loss
 from triage_monitor.monitor import MonitorConfig
-from triage_monitor.metrics.timings import FRAMEWORK_TIMERS
 from triage_monitor.rundir.timings_writer import TimingsWriter, finite_or_none
 
+from .frameworks import FRAMEWORKS
 from .loss_hook_options import hook_options, own_stats, reports
 from .option_strings import check_normalization
 from .worker_runtime import HookSettings, LossHook
@@ -270,7 +270,7 @@ class TimingsMonitor(_MonitorInterface):
 
     async def log_metrics(self, metrics: dict, step=None) -> None:
         try:
-            timers = {k: v for k, v in metrics.items() if k in FRAMEWORK_TIMERS["prime_rl"]}
+            timers = {k: v for k, v in metrics.items() if k in FRAMEWORKS["prime_rl"].timers}
             last = self.runtime.last_metrics
             if timers and last is not None:
                 self.runtime.add_timings(int(last["step"]), timers, "prime_rl")

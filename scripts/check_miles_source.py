@@ -210,7 +210,7 @@ def check_dumps(opts):
     from miles.utils.train_dump_utils import save_debug_train_data_for_rank
 
     from test_hooks_miles import miles_shard, rollout, write_dumps
-    from triage_monitor.offline.importers import cp_response_slices, miles_steps
+    from triage_monitor.hooks.slime_dumps import cp_response_slices, miles_steps
 
     out = Path(opts.out)
     rollouts = {0: rollout(20), 1: rollout(21)}

@@ -24,7 +24,8 @@ LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 #: inside a package, a module imports only the modules before it
 WITHIN = {
     "rundir": ("storage", "layout", "manifest", "locks", "blocks", "sink", "records", "timings_writer"),
-    "metrics": ("names", "segments", "sketch", "timings", "state_kernel", "calibration", "alignment", "stats"),
+    "metrics": ("names", "definitions", "segments", "sketch", "timings", "state_kernel", "calibration", "alignment",
+                "stats"),
     "triage": ("corrections", "controller", "loss"),
     "alerting": ("alert_rules", "outcome", "references", "alerts", "trackers", "wandb_logger",
                  "tensorboard_logger", "mlflow_logger"),
@@ -101,11 +102,18 @@ def test_modules_import_only_earlier_layers():
 
 
 def test_hooks_use_the_core_only():
-    """Hooks use the core; no core module imports them (only ``_compat`` names their old paths)."""
+    """Hooks use the core; no core module imports them (only ``_compat`` names their old paths, and the one lazy
+    seam names the hooks' torch-free ``frameworks`` module and nothing else of the hooks: the core reads the
+    frameworks' timers there by name on first use, ``metrics/timings.py``; the top layer's ``import`` command reads
+    its dump readers there)."""
+    seam = ("triage_monitor/metrics/timings.py", "triage_monitor/commands/import_.py")
     for path, mod, _ in files():
         if mod.startswith("triage_monitor.hooks") or path.name in ("__init__.py", "_compat.py"):
             continue
-        assert "triage_monitor.hooks" not in path.read_text(), path
+        text = path.read_text()
+        if path.relative_to(ROOT).as_posix() in seam:
+            text = text.replace("triage_monitor.hooks.frameworks", "")
+        assert "triage_monitor.hooks" not in text, path
 
 
 def test_every_module_is_in_the_architecture_doc():

@@ -29,7 +29,7 @@ from triage_monitor.triage.controller import TriageConfig
 from triage_monitor.hooks import slime as slime_hook
 from triage_monitor.hooks.worker_runtime import HookSettings, close_all
 from triage_monitor.hooks.slime import SlimeTriageLoss, check_slime_args
-from triage_monitor.offline.importers import slime_steps
+from triage_monitor.hooks.slime_dumps import slime_steps
 from triage_monitor.metrics.stats import METRIC_NAMES
 from triage_monitor.monitor import MonitorConfig
 from triage_monitor.alerting.trackers import CURATED_KEYS

@@ -9,7 +9,7 @@ import math
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``triage-monitor cycle``."""
-    from ..metrics.timings import DEFAULT_K, FRAMEWORK_TIMERS
+    from ..metrics.timings import DEFAULT_K, frameworks
 
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory (with --compare: the baseline, e.g. BF16)")
     parser.add_argument("--k", type=float, default=DEFAULT_K,
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the framework's timer columns, e.g. an export of its logged metrics) instead of the "
                              "steps table")
     parser.add_argument("--other-timings", metavar="FILE", help="the same for the --compare run")
-    parser.add_argument("--framework", choices=sorted(FRAMEWORK_TIMERS),
+    parser.add_argument("--framework", choices=sorted(frameworks()),
                         help="whose timer names the --timings tables use (default: any framework's unambiguous names)")
     parser.add_argument("--step-column", default="step", help="the step column of the --timings tables "
                                                                "(default: %(default)s)")

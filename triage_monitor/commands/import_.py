@@ -1,25 +1,56 @@
 """``triage-monitor import``: turn a framework's dumped rollouts or a per-token table into a run directory
-(:mod:`triage_monitor.offline.importers`)."""
+(:mod:`triage_monitor.offline.importers`).  The frameworks' sources and their readers are declared beside the hooks
+(``hooks/frameworks.py``'s ``DUMP_READERS``): one sub-command each, the reader imported when it runs."""
 
 from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 from pathlib import Path
-from typing import Iterator, Tuple
+from typing import TYPE_CHECKING, Iterator, Mapping, Tuple
 
 from ..config import TABLE_OPTIONAL_FIELDS as OPTIONAL, TABLE_REQUIRED_FIELDS as REQUIRED
 from ..exits import add_existing_run_arguments
 
+if TYPE_CHECKING:
+    from ..hooks.frameworks import DumpReader
+    from ..offline.importers import StepReader
+
+
+def dump_readers() -> Mapping[str, "DumpReader"]:
+    """``{source: DumpReader}`` of the frameworks whose dumps ``import`` reads (``hooks/frameworks.py``, the hooks'
+    torch-free declarations); empty where the hooks are not installed — as
+    :func:`~triage_monitor.metrics.timings.frameworks` finds them (the GPU kit runs the package tree without them:
+    ``import table`` only)."""
+    from ..metrics.timings import frameworks
+
+    if not frameworks():
+        return {}
+    from ..hooks.frameworks import DUMP_READERS
+
+    return DUMP_READERS
+
+
+def step_reader(target: str) -> "StepReader":
+    """The reader a :class:`~triage_monitor.hooks.frameworks.DumpReader` names, ``"module:function"`` (imported now).
+
+    Raises:
+        ImportError: its module cannot be imported; AttributeError: it has no such function.
+    """
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``triage-monitor import``: ``slime FILES...``, ``miles FILES...`` or ``table PATH --map
-    field=column``."""
+    """Options of ``triage-monitor import``: ``<source> FILES...`` of each :func:`dump_readers` source (``slime``,
+    ``miles``) or ``table PATH --map field=column``."""
     sub = parser.add_subparsers(dest="source", required=True)
-    s = sub.add_parser("slime", help="slime --save-debug-train-data files (.pt, globs allowed)")
-    s.add_argument("paths", nargs="+", help="train-data files or globs, e.g. 'dump/train_*_*.pt'")
-    m = sub.add_parser("miles", help="Miles --save-debug-train-data per-rank files (.pt, globs allowed)")
-    m.add_argument("paths", nargs="+", help="train-data files or globs, e.g. 'dump/train_data/*_*.pt'")
+    parsers = []
+    for source, reader in dump_readers().items():
+        d = sub.add_parser(source, help=reader.help)
+        d.add_argument("paths", nargs="+", help=reader.paths_help)
+        parsers.append(d)
     t = sub.add_parser("table", help="Parquet/JSONL of per-token (or per-response list) log-probs")
     t.add_argument("path", help="Parquet file or directory, or JSONL file")
     t.add_argument("--format", default="auto", choices=("auto", "parquet", "jsonl"),
@@ -27,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto: jsonl for .jsonl/.json/.jsonl.gz, parquet otherwise (default: %(default)s)")
     t.add_argument("--map", action="append", default=[], metavar="FIELD=COLUMN",
                    help=f"column of each field; fields: {', '.join(REQUIRED + OPTIONAL)} (default: same name)")
-    for p in (s, m, t):
+    for p in (*parsers, t):
         p.add_argument("--out", required=True, help="run directory to write")
         add_existing_run_arguments(p)
         p.add_argument("--on-invalid", default="quarantine", choices=("quarantine", "raise"),
@@ -47,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     import); 3 the OS refused a read or the run directory cannot be written."""
     from .. import exits
     from ..config import MetricConfig, MonitorConfig
-    from ..offline.importers import miles_steps, parse_mapping, read_table, slime_steps, table_steps, write_run
+    from ..offline.importers import parse_mapping, read_table, table_steps, write_run
     from ..rundir.records import OutputError, UnwritableOutputError, probe_writable
 
     try:
@@ -61,14 +92,15 @@ def run(args: argparse.Namespace) -> int:
     created = not is_remote(args.out) and not Path(args.out).exists()
     try:
         probe_writable(args.out)                 # an unwritable --out fails before the input is read
-        if args.source in ("slime", "miles"):
+        readers = dump_readers()
+        if args.source in readers:
             files = sorted({f for p in args.paths for f in (glob.glob(p) or [p])})
             missing = [f for f in files if not Path(f).exists()]
             if missing:
                 raise ValueError(f"no such file: {missing[0]}")
             exits.note("import", f"reading {len(files)} {args.source} dump file(s) …")
             info: dict = {}
-            reader = slime_steps if args.source == "slime" else miles_steps
+            reader = step_reader(readers[args.source].target)
             steps = list(reader(files, args.on_invalid, info=info))   # read first: run.json records how
             manifest = {"framework": args.source, "imported_from": files[:50],
                         "import_source": "save_debug_train_data", **info}

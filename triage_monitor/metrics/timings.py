@@ -8,9 +8,10 @@ The published NVFP4 runs made generation 2.08–2.35× faster and the whole RL c
 
 * :data:`PHASES` — the phases of a step, stored in the steps table as ``time/<phase>`` seconds (float64, NaN where
   the phase was not timed; :data:`TIME_COLUMNS`), with ``time/step`` the whole step;
-* :data:`FRAMEWORK_TIMERS` — the frameworks' own timer names (verl's ``timing_s/gen``, OpenRLHF's
-  ``timing/generation``, ...) → phase (docs/hooks.md#phase-timings); :func:`phase_times` maps a framework's
-  timer dict onto the phases;
+* :func:`frameworks` — the frameworks' own timer names (verl's ``timing_s/gen``, OpenRLHF's
+  ``timing/generation``, ...) → phase (docs/hooks.md#phase-timings), one :class:`FrameworkTimers` per framework,
+  declared beside the hooks (``hooks/frameworks.py``, imported by name on first use; :data:`FRAMEWORK_TIMERS` its
+  tables); :func:`phase_times` maps a framework's timer dict onto the phases;
 * the generation share g of a step, the projected full-cycle speedup ``1 / ((1 − g) + g / k)`` for a generator
   k times faster (:func:`projected_speedup`), a run's breakdown (:func:`cycle_frame`, :func:`cycle_summary`) and
   the comparison of two runs of the same job (:func:`compare_cycles`).
@@ -20,10 +21,11 @@ Torch-free; pandas is imported by the frame functions only.
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional
+from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional
 
 #: The phases of one step, in the order they are stacked (docs/metrics.md#step-time-and-the-full-cycle).
 PHASES = ("generation", "logprob", "reference", "reward", "update", "weight_sync", "quantize", "other")
@@ -49,87 +51,80 @@ DEFAULT_K = 2.3
 #: Timed phases adding up to more than the step by this fraction: the timers overlap (an asynchronous pipeline).
 OVERLAP_TOLERANCE = 0.01
 
-# A framework's timer name → phase; None: recognised but not a phase of its own (a span that contains other
-# timers, or one outside the step).  Names as the framework logs them (docs/hooks.md#phase-timings).
-_VERL = {f"timing_s/{k}": v for k, v in {  # verl 0.9.1 (trainer/ppo/v1, ray_trainer, experimental async trainers):
-    # timing_raw[<key>], logged by compute_timing_metrics as timing_s/<key>
-    "gen": "generation", "generate_async": "generation", "switch_wait": "generation",
-    "wait_for_enough_samples": "generation", "reward": "reward", "old_log_prob": "logprob", "ref": "reference",
-    "values": "other", "adv": "reward", "update_critic": "update", "update_actor": "update",
-    "update_weights": "weight_sync", "param_sync": "weight_sync", "sync_rollout_weights": "weight_sync",
-    "switch_to_trainer": "other", "switch_to_rollout": "other", "save_checkpoint": "other",
-    "start_profile": "other", "stop_profile": "other", "step": "step",
-    "testing": None, "dump_rollout_generations": None,
-}.items()}
-_TRL = {  # TRL 1.13 / 1.16: profiling_context spans (logged as "profiling/Time taken: <Trainer>.<span>"), step_time
-    "transformers.generate": "generation", "vLLM.generate": "generation", "transformers.generate_batch": "generation",
-    "sync_weights": "weight_sync", "_calculate_rewards": "reward", "step_time": "step",
-    "_prepare_inputs": None, "_get_per_token_logps_and_entropies": None, "compute_loss": None,
-}
-_OPENRLHF = {  # OpenRLHF 0.11.2 (trainer/ppo_trainer.py, ppo_trainer_async.py): status["timing/<name>"]
-    "timing/generation": "generation", "timing/make_experience": "logprob", "timing/ppo_train": "update",
-    "timing/broadcast": "weight_sync", "timing/step_total": "step",
-}
-_SKYRL = {  # SkyRL 0.3.0 (train/trainer.py, fully_async_trainer.py): all_timings logged as timing/<name>
-    "timing/generate": "generation", "timing/wait_for_generation_buffer": "generation",
-    "timing/postprocess_generator_output": "reward", "timing/convert_to_training_input": "other",
-    "timing/fwd_logprobs_values_reward": "logprob", "timing/apply_reward_kl_penalty": "reward",
-    "timing/compute_advantages_and_returns": "reward", "timing/train_critic_and_policy": "update",
-    "timing/sync_weights": "weight_sync", "timing/save_checkpoints": "other", "timing/save_hf_model": "other",
-    "timing/update_ref_with_policy": "other", "timing/step": "step",
-    "timing/policy_train": None, "timing/critic_train": None, "timing/run_training": None, "timing/eval": None,
-    "timing/cleanup_old_checkpoints": None,
-}
-_NEMO_RL = {  # NeMo RL 7ea279ab (algorithms/grpo.py): Timer → timing/train/<name>
-    "timing/train/generation": "generation", "timing/train/exposed_generation": "generation",
-    "timing/train/idle/buffer_starvation": "generation", "timing/train/prepare_for_generation/total": "weight_sync",
-    "timing/train/weight_sync": "weight_sync", "timing/train/offload_before_refit": "weight_sync",
-    "timing/train/reward_calculation": "reward", "timing/train/advantage_calculation": "reward",
-    "timing/train/logprob_inference_prep": "logprob", "timing/train/policy_and_reference_logprobs": "logprob",
-    "timing/train/training_prep": "update", "timing/train/policy_training": "update",
-    "timing/train/recompute_kv_scales": "quantize", "timing/train/data_processing": "other",
-    "timing/train/dynamic_sampling": "other", "timing/train/checkpointing": "other",
-    "timing/train/total_step_time": "step",
-    "timing/train/prepare_for_generation/transfer_and_update_weights": None, "timing/train/idle/refit_bubble": None,
-    "timing/train/overlong_filter": None, "timing/train/mask_sample_filter": None, "timing/train/idle/validation": None,
-}
-_PRIME_RL = {  # prime-rl 559b4477 (src/prime_rl/trainer/rl/train.py): the trainer's time/<name>
-    "time/wait_for_batch": "generation", "time/load_data": "other", "time/forward_backward": "update",
-    "time/broadcast_weights": "weight_sync", "time/save_ckpt": "other", "time/step": "step",
-}
-_SLIME = {  # slime 624b824a: the training actor's Timer (observability/train_metric_utils.py log_perf_data) and
-    # the rollout manager's rollout_time (observability/rollout_metrics.py), logged as perf/<name>
-    "perf/rollout_time": "generation", "perf/log_probs_time": "logprob", "perf/ref_log_probs_time": "reference",
-    "perf/data_preprocess_time": "other", "perf/actor_train_time": "update", "perf/update_weights_time": "weight_sync",
-    "perf/ref_model_update_time": "other", "perf/wake_up_time": "other", "perf/sleep_time": "other",
-    "perf/save_model_time": "other", "perf/step_time": "step",
-    "perf/train_time": None, "perf/train_wait_time": None, "perf/teacher_log_probs_time": "other",
-}
-#: ``{framework: {timer name as logged: phase or None}}``; None: recognised, not a phase of its own (it contains
-#: other timers, or lies outside the step).  TRL's names are its ``profiling_context`` span names (logged as
-#: ``profiling/Time taken: <Trainer>.<span>``, :func:`timer_key`) and its ``step_time``.
-FRAMEWORK_TIMERS = {"verl": _VERL, "trl": _TRL, "openrlhf": _OPENRLHF, "skyrl": _SKYRL, "nemo_rl": _NEMO_RL,
-                    "prime_rl": _PRIME_RL, "slime": _SLIME}
+#: The module holding each framework's timers (:func:`frameworks`): beside the hooks, imported by name on first use.
+_FRAMEWORKS_MODULE = "triage_monitor.hooks.frameworks"
 
-_TRL_PREFIX = "profiling/Time taken: "
+
+def _as_given(name: str) -> str:
+    return name
+
+
+class FrameworkTimers(NamedTuple):
+    """One framework's timers, as the core reads them (:func:`frameworks`; declared per framework in
+    ``hooks/frameworks.py``).
+
+    Fields:
+        name: the framework's key (``"verl"``, ``"trl"``, ...: ``framework=`` of :func:`phase_times`).
+        timers: ``{timer name: phase or None}``, the names as the framework logs them; a phase is one of
+            :data:`PHASES` or ``"step"``; None: recognised, not a phase of its own (a span that contains other
+            timers, or one outside the step).
+        key: a name the framework hands over → its key in ``timers`` (TRL's ``profiling/Time taken:
+            <Trainer>.<span>`` → ``<span>``; verl's bare ``gen`` → ``timing_s/gen``); by default the name as given.
+        needs_framework: ``key`` turns bare names (not as logged) into timer names: applied only where the framework
+            is named (``phase_of("gen", "verl")``), never to a name of any framework (``framework=None``) nor to a
+            logged metrics dict (:class:`~triage_monitor.rundir.timings_writer.TimingsWriter`).
+    """
+    name: str
+    timers: Mapping[str, Optional[str]]
+    key: Callable[[str], str] = _as_given
+    needs_framework: bool = False
+
+
+_frameworks: Optional[Mapping[str, FrameworkTimers]] = None
+
+
+def frameworks() -> Mapping[str, FrameworkTimers]:
+    """``{framework: FrameworkTimers}`` of every framework the hooks declare (``hooks/frameworks.py``, imported by
+    name on the first call, so any framework's names are recognised without its hook imported).
+
+    Returns:
+        The mapping; empty where the hooks are not installed (the GPU kit runs the package tree without them), so
+        only our own phase names are timers there.
+
+    Raises:
+        ModuleNotFoundError: a module other than the hooks package or its ``frameworks`` module is missing.
+    """
+    global _frameworks
+    if _frameworks is None:
+        try:
+            _frameworks = importlib.import_module(_FRAMEWORKS_MODULE).FRAMEWORKS
+        except ModuleNotFoundError as exc:
+            if exc.name not in (_FRAMEWORKS_MODULE, _FRAMEWORKS_MODULE.rpartition(".")[0]):
+                raise
+            _frameworks = {}
+    return _frameworks
+
+
+def __getattr__(name: str) -> Dict[str, Mapping[str, Optional[str]]]:
+    """``FRAMEWORK_TIMERS``: ``{framework: {timer name as logged: phase or None}}``, each framework's
+    :attr:`FrameworkTimers.timers` (:func:`frameworks`; PEP 562, built on use)."""
+    if name == "FRAMEWORK_TIMERS":
+        return {f: fw.timers for f, fw in frameworks().items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def timer_key(framework: str, name: str) -> str:
-    """A framework's timer name as :data:`FRAMEWORK_TIMERS` keys it: TRL's
+    """A framework's timer name as its table keys it (:attr:`FrameworkTimers.key`): TRL's
     ``profiling/Time taken: GRPOTrainer.vLLM.generate`` → ``vLLM.generate`` (the trainer's class name dropped);
     verl's in-process ``timing_raw`` key ``gen`` (``framework="verl"`` only) → ``timing_s/gen``, its logged name;
-    every other name as given."""
-    if framework == "verl" and not name.startswith("timing_s/") and f"timing_s/{name}" in FRAMEWORK_TIMERS["verl"]:
-        return f"timing_s/{name}"
-    if framework == "trl" and name.startswith(_TRL_PREFIX):
-        span = name[len(_TRL_PREFIX):]
-        return span.split(".", 1)[1] if "." in span else span
-    return name
+    every other name (and any name of a framework not in :func:`frameworks`) as given."""
+    fw = frameworks().get(framework)
+    return name if fw is None else fw.key(name)
 
 
 def phase_of(name: str, framework: Optional[str] = None) -> Optional[str]:
     """The phase (or ``"step"``) a timer name stands for: one of :data:`PHASES`, ``"step"``, ``time/<phase>``
-    (our own names), or a name of ``framework``'s timers (:data:`FRAMEWORK_TIMERS`; any framework's when
+    (our own names), or a name of ``framework``'s timers (:func:`frameworks`; any framework's when
     ``framework`` is None and the name is unambiguous).
 
     Returns:
@@ -138,28 +133,31 @@ def phase_of(name: str, framework: Optional[str] = None) -> Optional[str]:
     bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
     if bare in COLUMNS:
         return bare
-    found = {FRAMEWORK_TIMERS[f][key] for f, key in _keys(name, framework)}
+    known = frameworks()
+    found = {known[f].timers[key] for f, key in _keys(name, framework)}
     found.discard(None)
     return found.pop() if len(found) == 1 else None
 
 
 def _keys(name: str, framework: Optional[str]) -> list:
-    """``[(framework, key)]`` of the tables holding ``name``; verl's bare ``timing_raw`` keys only when
-    ``framework="verl"`` is said (``gen`` alone is too common a word)."""
-    tables = [framework] if framework is not None else list(FRAMEWORK_TIMERS)
+    """``[(framework, key)]`` of the tables holding ``name``; a framework's bare names (verl's ``timing_raw`` keys,
+    :attr:`FrameworkTimers.needs_framework`) only when that framework is said (``gen`` alone is too common a word)."""
+    known = frameworks()
+    tables = [framework] if framework is not None else list(known)
     out = []
     for f in tables:
-        if f not in FRAMEWORK_TIMERS:
+        fw = known.get(f)
+        if fw is None:
             continue
-        key = timer_key(f, name) if framework is not None or f != "verl" else name
-        if key in FRAMEWORK_TIMERS[f]:
+        key = fw.key(name) if framework is not None or not fw.needs_framework else name
+        if key in fw.timers:
             out.append((f, key))
     return out
 
 
 def is_timer_name(name: str, framework: Optional[str] = None) -> bool:
     """True when ``name`` is one of our phase names (``generation``, ``time/generation``, ``step``, ...) or a
-    timer name of ``framework`` (any framework when None) in :data:`FRAMEWORK_TIMERS`, mapped or not."""
+    timer name of ``framework`` (any framework when None) in :func:`frameworks`, mapped or not."""
     bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
     return bare in COLUMNS or bool(_keys(name, framework))
 
@@ -169,12 +167,12 @@ def phase_times(raw: Mapping[str, object], framework: Optional[str] = None, *, s
     """Map timer readings onto the phases: ``{name: seconds}`` → ``{phase: seconds}`` (``"step"`` included).
 
     Several timers of one phase are added (verl's ``reward`` and ``adv`` make ``reward``); a timer recognised
-    but of no phase of its own (:data:`FRAMEWORK_TIMERS` maps it to None) is left out; our own names
+    but of no phase of its own (its table in :func:`frameworks` maps it to None) is left out; our own names
     (``generation`` or ``time/generation``) are taken as they are.  NaN readings are left out (not timed).
 
     Args:
         raw: timer readings in seconds (numbers, or 0-dim tensors / numpy scalars: anything ``float()`` takes).
-        framework: a key of :data:`FRAMEWORK_TIMERS` (``"verl"``, ``"trl"``, ...) whose names ``raw`` uses, or None
+        framework: a key of :func:`frameworks` (``"verl"``, ``"trl"``, ...) whose names ``raw`` uses, or None
             for our names and any framework's unambiguous names.
         strict: raise on a name that is not a timer name (else it is skipped and appended to ``unmapped``).
         unmapped: a list that receives the names skipped (not timers, or timers of no phase of their own).
@@ -599,7 +597,9 @@ def compare_cycles(base_steps, other_steps, k: float = DEFAULT_K) -> CycleCompar
 
 
 __all__ = ["PHASES", "STEP", "PREFIX", "COLUMNS", "TIME_COLUMNS", "LABELS", "SHORT", "SPEEDS_UP", "DEFAULT_K",
-           "FRAMEWORK_TIMERS", "timer_key", "phase_of", "is_timer_name", "phase_times", "device_of", "figures",
+           "FrameworkTimers", "frameworks",
+           "FRAMEWORK_TIMERS",  # noqa: F822 — a lazy module attribute (__getattr__)
+           "timer_key", "phase_of", "is_timer_name", "phase_times", "device_of", "figures",
            "table_timings",
            "columns_of",
            "generation_share", "projected_speedup", "check_k", "speedup", "cycle_frame", "CycleSummary",

@@ -27,7 +27,7 @@ import pyarrow as pa
 from .blocks import ROLL_STEPS, BlockWriter
 from .layout import RunLayout
 from .records import TIMINGS_SCHEMA, new_attempt_id, timings_row
-from ..metrics.timings import FRAMEWORK_TIMERS, integer, is_timer_name, phase_times, timer_key
+from ..metrics.timings import frameworks, integer, is_timer_name, phase_times
 
 log = logging.getLogger("triage_monitor.records")
 
@@ -47,21 +47,21 @@ class TimingsWriter:
 
     Args:
         run_dir: the run directory the monitors write (a local path, ``file://`` or ``s3://`` URI).
-        framework: whose timer names :meth:`record` gets (a key of ``timings.FRAMEWORK_TIMERS``: ``"openrlhf"``,
+        framework: whose timer names :meth:`record` gets (a key of ``timings.frameworks()``: ``"openrlhf"``,
             ``"skyrl"``, ...), or None for our phase names.
         roll_steps: steps per sealed block (as ``MonitorConfig.roll_steps``).
 
     Raises:
         UnsupportedLocationError: ``run_dir`` is of a URI scheme that is not supported (naming it).
-        ValueError: an empty ``run_dir``, or a ``framework`` that is not a key of ``timings.FRAMEWORK_TIMERS``
+        ValueError: an empty ``run_dir``, or a ``framework`` that is not a key of ``timings.frameworks()``
             (naming the accepted ones).
     """
 
     def __init__(self, run_dir, framework: Optional[str] = None, roll_steps: int = ROLL_STEPS):
         if run_dir is None or not str(run_dir).strip():
             raise ValueError(f"TimingsWriter: run_dir must name the run directory, got {run_dir!r}")
-        if framework is not None and framework not in FRAMEWORK_TIMERS:
-            raise ValueError(f"TimingsWriter: framework {framework!r} is not one of {sorted(FRAMEWORK_TIMERS)} "
+        if framework is not None and framework not in frameworks():
+            raise ValueError(f"TimingsWriter: framework {framework!r} is not one of {sorted(frameworks())} "
                              "(or None for our phase names)")
         self.layout = RunLayout(run_dir)
         self.framework = framework
@@ -92,7 +92,7 @@ class TimingsWriter:
 
         Args:
             timers: ``{name: seconds}``: the framework's metrics dict as it logs it; only the framework's own
-                timer names are read (``timings.FRAMEWORK_TIMERS``, as the framework logs them; a ``reward`` or
+                timer names are read (``timings.frameworks()``, as the framework logs them; a ``reward`` or
                 ``step`` key of its metrics is no duration), our phase names when no framework was said; timers of
                 no phase of their own are left out (:func:`triage_monitor.metrics.timings.phase_times`).
             step: the monitored step they belong to (an int); None: the newest step the run's newest attempt
@@ -158,14 +158,16 @@ class TimingsWriter:
         return step
 
     def _is_timer(self, name) -> bool:
-        """A timer of the framework (its own names only: a status's ``reward`` or ``step`` is no duration), or
-        one of our phase names when no framework was said."""
+        """A timer of the framework as it logs it (its own names only, through its ``key`` — TRL's profiling
+        prefix — but no bare name its key would complete: verl's ``step`` or ``reward`` metric is no duration,
+        :attr:`~triage_monitor.metrics.timings.FrameworkTimers.needs_framework`), or one of our phase names when no
+        framework was said."""
         if not isinstance(name, str):
             return False
         if self.framework is None:
             return is_timer_name(name)
-        table = FRAMEWORK_TIMERS[self.framework]
-        return name in table or (self.framework == "trl" and timer_key("trl", name) in table)
+        fw = frameworks()[self.framework]
+        return name in fw.timers or (not fw.needs_framework and fw.key(name) in fw.timers)
 
     def close(self) -> None:
         """Seal the open block (idempotent; never raises)."""
