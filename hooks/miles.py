@@ -54,7 +54,7 @@ from triage_monitor.monitor import ALERT_STATE
 from triage_monitor.alerting.trackers import PREFIX, framework_values
 
 from .loss_hook_options import reports
-from .slime import SlimeTriageLoss, _old_log_probs, attach_perf_timings, triage_log
+from .slime import SlimeTriageLoss, attach_perf_timings, old_log_probs, triage_log
 
 #: The commit the hook and its contract tests were checked against.
 MILES_COMMIT = "31f1ca961a94cb860cec3b2dea34ec332bfa8f76"
@@ -210,7 +210,7 @@ class MilesTriageLoss(SlimeTriageLoss):
         res = self.triage_loss(args, batch, log_probs, record=record, token_scale=token_scale)
 
         # Miles' own metrics, with Miles' functions, as policy_loss_function computes them (losses.py L186-400)
-        old = torch.cat(_old_log_probs(args, batch, log_probs), dim=0)
+        old = torch.cat(old_log_probs(args, batch, log_probs), dim=0)
         lp = torch.cat(log_probs, dim=0)
         active = torch.cat([torch.as_tensor(m) for m in masks], dim=0).to(lp.device).bool()
         zero = lp.new_zeros(())

@@ -58,7 +58,7 @@ divisor (``sum_of_sample_mean`` of ones: its rollouts' share; or its tokens), so
 rollout- (token-) weighted mean over the step.
 
 **Offline.**  ``triage-monitor import slime`` reads ``--save-debug-train-data`` dumps
-(:func:`triage_monitor.offline.importers.slime_steps`).  slime is not on PyPI (the PyPI project ``slime`` is another
+(:func:`triage_monitor.hooks.slime_dumps.slime_steps`).  slime is not on PyPI (the PyPI project ``slime`` is another
 package), so CI tests this module against slime's call site and formulas transcribed from commit 624b824a
 (tests/test_hooks_slime.py); docs/hooks.md#slime says what was run against slime's own code.
 """
@@ -73,9 +73,9 @@ import torch
 from triage_monitor.batch import TokenBatch
 from triage_monitor.triage.controller import TriageConfig
 from triage_monitor.monitor import ALERT_STATE, MonitorConfig
-from triage_monitor.metrics.timings import FRAMEWORK_TIMERS
 from triage_monitor.alerting.trackers import PREFIX, framework_values
 
+from .frameworks import FRAMEWORKS
 from .loss_hook_options import first_hand_over, hook_options, own_stats, reports
 from .worker_runtime import HookSettings, LossHook
 
@@ -217,7 +217,7 @@ class SlimeTriageLoss(LossHook):
             :class:`~triage_monitor.triage.loss.TriageLoss`; ``.policy_loss`` is slime's ``pg_loss`` when TRIAGE is off.
         """
         tb = batch_from_slime(batch, learner=log_probs, on_invalid=self.settings.on_invalid)
-        old = _old_log_probs(args, batch, log_probs)
+        old = old_log_probs(args, batch, log_probs)
         if getattr(args, "calculate_per_token_loss", False):
             agg = dict(agg_mode="token_sum", denominator=1.0)
         else:
@@ -280,7 +280,7 @@ class SlimeTriageLoss(LossHook):
         res = self.triage_loss(args, batch, log_probs, record=record)
 
         # slime's own metrics, with slime's functions and reducer (policy_loss_function, commit 624b824a)
-        old = torch.cat(_old_log_probs(args, batch, log_probs), dim=0)
+        old = torch.cat(old_log_probs(args, batch, log_probs), dim=0)
         lp = torch.cat(log_probs, dim=0)
         advantages = torch.cat(batch["advantages"], dim=0)
         with torch.no_grad():
@@ -352,7 +352,7 @@ def attach_perf_timings(runtime, module_name: str = SLIME_LOG_MODULE) -> bool:
     def log(args, metrics, step_key, *rest, **kw):
         try:
             logged = dict(metrics)
-            timers = {k: v for k, v in logged.items() if k in FRAMEWORK_TIMERS["slime"]}
+            timers = {k: v for k, v in logged.items() if k in FRAMEWORKS["slime"].timers}
             rt = log.triage_runtime
             if timers and rt.last_metrics is not None:
                 rt.add_timings(int(rt.last_metrics["step"]), timers, "slime")
@@ -400,9 +400,20 @@ def _tensor_parallel_rank() -> int:
         return 0
 
 
-def _old_log_probs(args, batch: dict, log_probs: Sequence[torch.Tensor]):
-    """slime's PPO anchor: rollout log-probs under ``--use-rollout-logprobs``, else the recomputed ``log_probs``,
-    else (no recompute pass) the live log-probs detached."""
+def old_log_probs(args, batch: dict, log_probs: Sequence[torch.Tensor]) -> list:
+    """The PPO anchor of slime's loss (and Miles', which shares it: :mod:`triage_monitor.hooks.miles`).
+
+    Args:
+        args: slime's (Miles') parsed arguments; ``use_rollout_logprobs`` is read.
+        batch: the micro-batch dict: ``rollout_log_probs`` (the sampler's, nats) and, when slime ran its
+            recompute pass, ``log_probs`` (the learner's before the update), lists of 1-D per-sample tensors.
+        log_probs: the live log-probs, one 1-D tensor per sample.
+
+    Returns:
+        One 1-D tensor per sample: the sampler-side ``rollout_log_probs`` as float32 under
+        ``--use-rollout-logprobs``, else the recomputed ``log_probs`` detached, else (no recompute pass) the live
+        log-probs detached.
+    """
     if getattr(args, "use_rollout_logprobs", False):
         return [t.float() for t in batch["rollout_log_probs"]]
     old = batch.get("log_probs")
