@@ -33,6 +33,7 @@ import streamlit as st
 
 from triage_monitor.offline.analysis import Run, RunDirError, open_run, recompute, run_signature
 from triage_monitor.config import MonitorConfig
+from triage_monitor.metrics.names import label
 from triage_monitor.offline import views
 from triage_monitor.dashboards.launch import ROOT_ARG, check_location
 
@@ -345,7 +346,7 @@ c[2].metric("Alerts", f"{ov['alerts']}")
 c[3].metric("Correction", ov.get("correction", "-"))
 c[4].metric("Window", f"{run_window} steps")
 tau = ov.get("tau_tail")
-c[5].metric("τ_tail", "-" if tau is None or not math.isfinite(float(tau)) else f"{float(tau):.4g}")
+c[5].metric(label("tau_tail"), "-" if tau is None or not math.isfinite(float(tau)) else f"{float(tau):.4g}")
 facts = {k: ov[k] for k in ("model", "task", "sampler_recipe", "learner_recipe", "correction", "framework",
                             "sampler_logp") if k in ov}
 if facts:

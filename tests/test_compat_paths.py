@@ -1,6 +1,6 @@
-"""Release 0.1's flat module paths keep working after the move into sub-packages (docs/architecture.md#the-tree-in-
-import-order): an old path is the moved module itself, and the hooks and dashboards import from a source checkout
-with nothing installed."""
+"""Release 0.1's flat module paths keep working after the move into sub-packages
+(docs/architecture.md#the-tree-in-import-order): an old path is the moved module itself, and the hooks and
+dashboards import from a source checkout with nothing installed."""
 
 from __future__ import annotations
 

@@ -28,6 +28,9 @@ NOT_MUTATED = {
     "rundir/locks.py": "writer locks (tests/test_faults.py, real processes)",
     "alerting/references.py": "published constants, each pinned by tests/test_constants_metrics.py",
     "offline/report.py": "HTML assembly of views.py's figures",
+    "metrics/definitions.py": "the segment number, tail token and A<0 response, compiled inline into the numba passes "
+                              "(a mutmut trampoline cannot compile there, as for state_kernel); every caller's test checks "
+                              "them bit for bit (tests/test_segments.py, test_state_kernel.py, test_stages.py)",
     "metrics/state_kernel.py": "compiled by numba (@njit): mutmut replaces each function by a Python trampoline that picks "
                        "the mutant at run time, which numba cannot compile, so no mutant of it could run; "
                        "tests/test_state_kernel.py checks it bit for bit against the torch path",
@@ -70,13 +73,15 @@ def test_the_modules_that_store_and_report_numbers_are_mutated_with_their_tests(
 
 
 def test_the_hooks_runtime_is_named_where_the_export_puts_it():
-    """``only_mutate`` names ``triage_monitor/hooks/worker_runtime.py``: the path in the export, where scripts/mutation.sh
+    """``only_mutate`` names ``triage_monitor/hooks/worker_runtime.py`` and ``frameworks.py`` (the frameworks' timer
+    tables): the path in the export, where scripts/mutation.sh
     copies the repository's ``hooks/`` (the installed layout); the repository's file is ``hooks/worker_runtime.py``.  Both
     must hold, or the path is stale and the hooks' runtime silently gets no mutant."""
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
     hooks = [p for p in cfg["only_mutate"] if p.startswith("triage_monitor/hooks/")]
-    assert hooks == ["triage_monitor/hooks/worker_runtime.py"]
-    assert (ROOT / "hooks" / "worker_runtime.py").exists()
+    assert hooks == ["triage_monitor/hooks/worker_runtime.py", "triage_monitor/hooks/frameworks.py"]
+    for p in hooks:
+        assert (ROOT / "hooks" / p.removeprefix("triage_monitor/hooks/")).exists(), p
     assert not (ROOT / "triage_monitor" / "hooks").exists()       # only the export has it
     assert "cp -r hooks triage_monitor/hooks" in (ROOT / "scripts" / "mutation.sh").read_text()
 

@@ -1,4 +1,5 @@
-"""Import paths that moved (issue 42) and the mount of the repository's ``hooks/`` and ``dashboards/``.
+"""Import paths that moved into the layers' sub-packages, and the mount of the repository's ``hooks/`` and
+``dashboards/``.
 
 * :data:`MOVED`: every module path of release 0.1 that moved into a layer's sub-package.  ``import
   triage_monitor.analysis`` gives the module object of ``triage_monitor.offline.analysis`` itself (not a copy),

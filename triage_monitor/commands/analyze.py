@@ -11,10 +11,10 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
-#: Columns `analyze` prints (all columns are saved).
-SUMMARY_COLUMNS = {"step": "step", "n_tokens": "tokens", "small_gap_share": "small|δ|", "delta_q05": "q05 δ",
-                   "k3_kl": "k3", "rho_asym": "ρ_asym", "rho_asym_lennorm": "ρ_len", "window/rho_asym": "ρ_win",
-                   "c_tok": "C_tok", "r_amp": "r_amp", "h_seg": "H_seg", "tau_tail": "τ_tail"}
+#: Columns `analyze` prints (all columns are saved), headed by their declared short names
+#: (:func:`triage_monitor.metrics.names.short`).
+SUMMARY_COLUMNS = ("step", "n_tokens", "small_gap_share", "delta_q05", "k3_kl", "rho_asym", "rho_asym_lennorm",
+                   "window/rho_asym", "c_tok", "r_amp", "h_seg", "tau_tail")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .. import exits
+    from ..metrics.names import short
     from ..offline.analysis import RunDirError, open_run, recompute
 
     console = Console()
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     shown = df if args.rows == 0 else df.tail(args.rows)
     table = Table(title=f"{run.path}  ({len(df)} steps, {n_tokens:,} tokens)")
     for c in SUMMARY_COLUMNS:
-        table.add_column(SUMMARY_COLUMNS[c], justify="right", no_wrap=True)
+        table.add_column(c if c == "step" else short(c), justify="right", no_wrap=True)
     for _, r in shown.iterrows():
         table.add_row(*[_fmt(r[c]) for c in SUMMARY_COLUMNS])
     console.print(table)

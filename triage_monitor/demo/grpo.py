@@ -48,6 +48,7 @@ from ..batch import TokenBatch
 from ..triage.controller import CalibrationConfig, TriageConfig, TriageController
 from ..triage.loss import weighted_policy_loss
 from ..triage.corrections import ppo_clip_loss, tis_weights
+from ..metrics import names
 from ..metrics.stats import MetricConfig
 from ..monitor import MismatchMonitor, MonitorConfig
 from ..rundir.records import check_run_dir
@@ -410,14 +411,15 @@ def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, st
 
 # ------------------------------------------------------------------ run
 #: per-step terminal columns: (metric key, header, format)
-DISPLAY = [("reward", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("delta_abs_mean", "|δ|", "{:.4f}"),
-           ("rho_asym", "ρ_asym", "{:.3f}"), ("small_gap_share", "small", "{:.3f}"), ("c_tok", "C_tok", "{:.3f}"),
+DISPLAY = [("reward", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"),
+           *((m, names.short(m), spec) for m, spec in (("delta_abs_mean", "{:.4f}"), ("rho_asym", "{:.3f}"),
+                                                       ("small_gap_share", "{:.3f}"), ("c_tok", "{:.3f}"))),
            ("gate_weight_mean", "gate w", "{:.3f}"), ("repair_loss", "repair", "{:.1e}")]
-#: extra rows of the final summary table
-SUMMARY_EXTRA = [("window/rho_asym", "ρ_asym (window)", "{:.3f}"), ("delta_q05", "δ q0.05", "{:.4f}"),
-                 ("k3_kl", "k3 KL", "{:.1e}"), ("tis_clip_frac", "TIS clip frac", "{:.4f}"),
-                 ("gate_downweighted_frac", "gate down frac", "{:.4f}"), ("mixed_groups", "mixed groups", "{:.3f}"),
-                 ("seconds", "s / step", "{:.2f}")]
+#: extra rows of the final summary table (metrics under their declared labels, then the job's own figures)
+SUMMARY_EXTRA = [*((m, names.label(m), spec) for m, spec in (("window/rho_asym", "{:.3f}"), ("delta_q05", "{:.4f}"),
+                                                             ("k3_kl", "{:.1e}"))),
+                 ("tis_clip_frac", "TIS clip frac", "{:.4f}"), ("gate_downweighted_frac", "gate down frac", "{:.4f}"),
+                 ("mixed_groups", "mixed groups", "{:.3f}"), ("seconds", "s / step", "{:.2f}")]
 
 
 def _fmt(v, spec) -> str:

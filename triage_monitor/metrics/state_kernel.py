@@ -29,14 +29,13 @@ from numba import njit
 
 from . import sketch
 from .definitions import is_negative_response, is_tail, segment_number, segment_shift
+from .names import REGIONS  # the region names of docs/metrics.md#regions, in the order of the mass_* / count_* fields
 
 #: Modes of :func:`update_state`: the τ-independent part, the τ-dependent part, or both.
 MAGNITUDE, LOCALISATION, BOTH = 1, 2, 3
 #: :func:`update_state` status codes.
 OK, UNSORTED = 0, 1
 
-#: The region names of docs/metrics.md#regions, in the order of the ``mass_*`` / ``count_*`` fields.
-REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
 #: The additive state of :class:`~triage_monitor.metrics.MismatchStats`, one float64 each (reduced with SUM
 #: across steps and ranks), declared once: (name, the pass of :func:`update_state` that writes it).

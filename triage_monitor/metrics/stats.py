@@ -29,29 +29,20 @@ import numpy as np
 
 from . import calibration, sketch, state_kernel
 from ..config import MetricConfig
+from .names import DELTA_QUANTILES, LOCALISATION, METRIC_NAMES, REGIONS  # noqa: F401  (public here since 0.1)
 
 if TYPE_CHECKING:                  # torch is imported where a tensor is handled, so that the offline path (analyze,
     from torch import Tensor       # report, the dashboard: numpy states) never imports it
 
     from ..batch import TokenBatch
 
-#: Quantiles of δ reported per step / window (docs/metrics.md#delta_quantiles), name → q.
-DELTA_QUANTILES = {"delta_q01": 0.01, "delta_q05": 0.05, "delta_q50": 0.50}
 #: r = learner − sampler is clamped to ±R before exp() in chi2_token, as verl does (its SAFETY_BOUND;
 #: docs/metrics.md#chi2_token); the kernel holds the same bound.  k3_kl is not clamped (verl does not clamp it);
 #: float64 keeps it finite for r ≤ 709 nats.
 LOG_RATIO_CLAMP = 20.0
-REGIONS = state_kernel.REGIONS
 SUM_FIELDS = state_kernel.SUM_FIELDS
-
-#: Every metric name :meth:`MismatchStats.compute` returns, in display order.
-METRIC_NAMES = (
-    "n_tokens", "n_samples", "small_gap_share", "delta_mean", "delta_abs_mean",
-    *DELTA_QUANTILES, "delta_min", "k3_kl", "log_ppl_diff", "chi2_token",
-    *(f"mass_{r}" for r in REGIONS), *(f"count_{r}" for r in REGIONS),
-    "rho_asym", "rho_asym_lennorm", "amp_share",
-    "r_amp", "h_seg", "c_tok", "p_adj", "dilution", "tau_tail",
-)
+# DELTA_QUANTILES, METRIC_NAMES (every metric compute() returns, in display order), REGIONS: declared once in
+# triage_monitor.metrics.names (with labels, units and τ-dependence), read here
 
 
 @dataclass
@@ -536,7 +527,7 @@ class MismatchStats:
               "length-normalised mass_amp_pos = 0: no token with A > 0 and delta > 0")
         ratio("amp_share", s["mass_amp_neg"] + s["mass_amp_pos"], s["abs_adv_sum"], "total |A| mass is 0")
         if math.isnan(self.tau_tail):
-            for name in ("r_amp", "h_seg", "c_tok", "p_adj", "dilution"):
+            for name in LOCALISATION:
                 v[name], why[name] = math.nan, "tau_tail not set (no calibration data yet)"
         else:
             ratio("r_amp", s["tail_tokens"], s["neg_valid_tokens"], "no valid token in an A<0 response")

@@ -25,7 +25,12 @@ import importlib
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Mapping, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Mapping, NamedTuple, Optional
+
+from . import names as metric_names
+
+if TYPE_CHECKING:                  # pandas only in the frame functions (imported there): the live path stays light
+    import pandas as pd
 
 #: The phases of one step, in the order they are stacked (docs/metrics.md#step-time-and-the-full-cycle).
 PHASES = ("generation", "logprob", "reference", "reward", "update", "weight_sync", "quantize", "other")
@@ -486,10 +491,11 @@ def cycle_summary(steps, k: float = DEFAULT_K) -> CycleSummary:
                         sources.pop() if len(sources) == 1 else "mixed")
 
 
-#: The mismatch figures shown beside a comparison: (column, label, how it is reduced over the run's steps).
-MISMATCH_FIGURES = (("delta_abs_mean", "mean |δ| (nats)", "mean"), ("k3_kl", "k3 KL (nats)", "mean"),
-                    ("small_gap_share", "small-gap share", "mean"), ("delta_q05", "q0.05 δ (nats)", "mean"),
-                    ("window/rho_asym", "window ρ_asym, last", "last"), ("window/rho_asym", "window ρ_asym, max", "max"))
+#: The mismatch figures shown beside a comparison: (column, label, how it is reduced over the run's steps), each
+#: labelled as the metric is declared (:func:`triage_monitor.metrics.names.label`, with its unit).
+MISMATCH_FIGURES = (*((c, metric_names.label(c, unit=True), "mean") for c in ("delta_abs_mean", "k3_kl", "small_gap_share",
+                                                                   "delta_q05")),
+                    *(("window/rho_asym", f"{metric_names.label('window/rho_asym')}, {how}", how) for how in ("last", "max")))
 
 
 def mismatch_figures(steps) -> dict:
@@ -526,14 +532,14 @@ class CycleComparison:
         base, other: the two :class:`CycleSummary`.
     """
 
-    table: object
+    table: pd.DataFrame
     cycle: float
     generation: float
     g_base: float
     projected_measured: float
     k: float
     projected_k: float
-    mismatch: object
+    mismatch: pd.DataFrame
     base: CycleSummary
     other: CycleSummary
 

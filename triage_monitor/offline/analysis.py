@@ -33,6 +33,7 @@ from ..errors import TriageMonitorError
 from ..rundir.layout import DENSE_TABLES, MANIFEST, TABLES, Part, RunLayout, TableIndex
 from ..rundir.manifest import ManifestError, RunManifest, read_manifest
 from ..rundir.storage import Store, open_store, store_identity
+from ..metrics import names
 from ..metrics.timings import TIME_COLUMNS
 
 log = logging.getLogger("triage_monitor.analysis")
@@ -477,7 +478,7 @@ def open_run(path) -> Run:
 #: Columns the metrics read from the token files.
 TOKEN_COLUMNS = ("sample_id", "position", "learner_logp", "sampler_logp", "advantage")
 #: Metrics that depend on τ_tail (docs/metrics.md#tau_tail): provisional on a live step with tau_tail_frozen = 0.
-TAU_DEPENDENT = ("r_amp", "h_seg", "c_tok", "p_adj", "dilution", "tau_tail")
+TAU_DEPENDENT = names.TAU_DEPENDENT       # (declared with the metrics: Metric.needs_tau)
 TAU_MODES = ("frozen", "live")
 
 

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
+from ..metrics import names as metric_names
 from .analysis import Run, RunDirError, open_run, postmortem_frame
 from .verdict import reference_of_run, verdict_of_steps
 from .stages import degenerate_notice, format_stage_table, stage_table
@@ -222,7 +223,7 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
 
     cards = [("Steps", f"{ov['steps']:,}"), ("Tokens", f"{ov['tokens']:,}"), ("Alerts", str(ov["alerts"])),
              ("Correction", ov.get("correction", "-")), ("Window", f"{win} steps"),
-             ("τ_tail", _fmt(float(ov["tau_tail"])) if ov.get("tau_tail") is not None else "-")]
+             (metric_names.label("tau_tail"), _fmt(float(ov["tau_tail"])) if ov.get("tau_tail") is not None else "-")]
     card_html = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{html.escape(v)}</div></div>'
                         for k, v in cards)
     fact_keys = ("path", "status", "model", "task", "framework", "sampler_recipe", "learner_recipe", "correction",

@@ -29,6 +29,7 @@ from numba import njit
 
 from ..rundir.layout import RunLayout
 from .analysis import Run
+from ..metrics import names
 from ..metrics.definitions import is_negative_response, is_tail, segment_number, segment_shift
 from ..metrics.stats import c_tok_from_segments
 from ..metrics.state_kernel import NullInput
@@ -420,30 +421,28 @@ def tail_layout_from_arrays(parts: list, tau_tail: float, width: int = 64) -> Ta
     return TailLayout.concat(out)
 
 
-#: Columns shown as percentages by :func:`format_stage_table`.
-PERCENT_COLUMNS = ("small_gap_share", "amp_share", "r_amp", "h_seg", "c_tok", "c_tok_null_median", "c_tok_excess",
-                   "dilution")
+#: The null's columns shown as percentages by :func:`format_stage_table` (besides the metrics declared ``percent``).
+NULL_PERCENT_COLUMNS = ("c_tok_null_median", "c_tok_excess")
+#: Headers of the null's columns in :func:`format_stage_table` (the metrics' come from their declarations).
+NULL_HEADERS = {"c_tok_null_median": "null median %", "c_tok_null_95": "null 95% interval (%)",
+                "c_tok_excess": "excess (pts)"}
 
 
 def format_stage_table(table: pd.DataFrame) -> pd.DataFrame:
     """A display copy of :func:`stage_table`: ratios in %, the null as ``median [lo, hi]``, short headers."""
     t = table.copy()
-    for c in PERCENT_COLUMNS:
+    for c in (*(m for m in STAGE_METRICS if names.BY_NAME[m].percent), *NULL_PERCENT_COLUMNS):
         if c in t.columns:
             t[c] = t[c] * 100.0
     t["c_tok_null_95"] = [f"[{lo * 100:.2f}, {hi * 100:.2f}]" if not (math.isnan(lo) or math.isnan(hi)) else "-"
                           for lo, hi in zip(t["c_tok_null_lo"], t["c_tok_null_hi"])]
     t["window"] = [f"{a}-{b}" for a, b in zip(t["first_step"], t["step"])]
-    cols = ["stage", "step", "window", "n_tokens", "small_gap_share", "delta_q05", "k3_kl", "rho_asym",
-            "rho_asym_lennorm", "amp_share", "r_amp", "h_seg", "c_tok", "c_tok_null_median", "c_tok_null_95",
-            "c_tok_excess", "p_adj", "dilution", "tau_tail"]
-    names = {"small_gap_share": "small gap %", "delta_q05": "δ q0.05", "k3_kl": "k3 KL", "rho_asym": "ρ_asym",
-             "rho_asym_lennorm": "ρ_asym lennorm", "amp_share": "amp share %", "r_amp": "r_amp %",
-             "h_seg": "H_seg %", "c_tok": "C_tok %", "c_tok_null_median": "null median %",
-             "c_tok_null_95": "null 95% interval (%)", "c_tok_excess": "excess (pts)", "p_adj": "P_adj",
-             "dilution": "dilution %", "tau_tail": "τ_tail", "n_tokens": "tokens"}
+    null_after = STAGE_METRICS.index("c_tok") + 1          # the null's columns follow C_tok
+    cols = ["stage", "step", "window", *STAGE_METRICS[:null_after], *NULL_HEADERS, *STAGE_METRICS[null_after:]]
+    headers = {**{m: names.label(m) + (" %" if names.BY_NAME[m].percent else "") for m in STAGE_METRICS},
+               **NULL_HEADERS}
     t["n_tokens"] = t["n_tokens"].map(lambda v: "-" if math.isnan(v) else f"{int(v):,}")
-    return t[cols].rename(columns=names)
+    return t[cols].rename(columns=headers)
 
 
 # --------------------------------------------------------------------------- shuffle null from the states

@@ -22,10 +22,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..metrics.definitions import is_tail
+from ..metrics import names as metric_names  # declarations only (the standard library): no metric code imported
+from ..metrics.names import REGIONS  # noqa: F401  (the four regions of docs/metrics.md#terms, read here since 0.1)
 
-#: The four regions of docs/metrics.md#terms, as in :data:`triage_monitor.metrics.REGIONS` (repeated here so the
-#: dashboard's first charts need no import of the metric code; tests/test_dashboard.py checks they agree).
-REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 
 PALETTE = ("#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563")
 #: One colour convention for the report, the dashboard and the study: the inspected (failing) run in red, the
@@ -45,11 +44,12 @@ EXTRAS = ("reward", "accuracy", "gate_weight_mean", "repair_loss")
 #: Time-series panels: key -> (title, [(column, label, scale)], y-axis title, reference line or None).
 PANELS = {
     "direction": ("Direction: ρ_asym = mass(A⁻) / mass(A⁺)",
-                  [("rho_asym", "ρ_asym (raw |A|)", 1.0), ("rho_asym_lennorm", "ρ_asym (length-normalised)", 1.0)],
+                  [(c, metric_names.label(c), 1.0) for c in ("rho_asym", "rho_asym_lennorm")],
                   "ratio", 1.0),
-    "small_gap": ("Small-gap share |δ| < 0.05", [("small_gap_share", "small_gap_share", 100.0)], "%", None),
-    "delta_q05": ("q0.05 of δ", [("delta_q05", "δ q0.05", 1.0)], "nats", None),
-    "k3_kl": ("k3 KL estimator", [("k3_kl", "k3_kl", 1.0)], "nats", None),
+    "small_gap": ("Small-gap share |δ| < 0.05", [("small_gap_share", metric_names.label("small_gap_share"), 100.0)],
+                  "%", None),
+    "delta_q05": ("q0.05 of δ", [("delta_q05", metric_names.label("delta_q05"), 1.0)], "nats", None),
+    "k3_kl": ("k3 KL estimator", [("k3_kl", metric_names.label("k3_kl"), 1.0)], "nats", None),
     "reward": ("Reward and accuracy", [("reward", "reward", 1.0), ("accuracy", "accuracy", 1.0)], "", None),
     "controller": ("TRIAGE controller", [("gate_weight_mean", "Gate weight mean", 1.0),
                                          ("repair_loss", "repair loss", 1.0)], "", None),
@@ -314,7 +314,7 @@ def localisation_figure(df: pd.DataFrame, window: bool = False, label: str = "",
     """c_tok, r_amp and h_seg (%) per step, with the uniform-placement reference of c_tok (5 %); steps at noise level
     greyed (:func:`add_noise_shading`), ``destabilised`` marked (:func:`add_destabilisation_marker`)."""
     fig = go.Figure()
-    for i, (col, name) in enumerate((("c_tok", "C_tok"), ("r_amp", "r_amp"), ("h_seg", "H_seg"))):
+    for i, (col, name) in enumerate((c, metric_names.label(c)) for c in ("c_tok", "r_amp", "h_seg")):
         s = series(df, col, window)
         if s is None:
             continue
