@@ -435,14 +435,35 @@ class MismatchStats:
         return self._kernel(delta, advantage, sample_index, position, num_samples, state_kernel.LOCALISATION,
                             tau_tail)
 
-    def _kernel(self, delta, advantage, sample_index, position, num_samples, mode, tau_tail=math.nan):
+    def update_arrays(self, delta: np.ndarray, advantage: np.ndarray, sample_index: np.ndarray,
+                      position: np.ndarray, num_samples: int, mode: int, tau_tail: float = math.nan,
+                      null_input: Optional[list] = None) -> int:
+        """Add one batch given as host numpy arrays: the one call of the compiled state update
+        (:func:`~triage_monitor.metrics.state_kernel.update_state`) with this accumulator's :class:`MetricConfig`
+        (segment width, small-gap threshold, heavy fraction, dilution threshold), shared by the live monitor and the
+        offline recomputation (:func:`triage_monitor.offline.analysis.state_of_arrays`).
+
+        Args:
+            delta: ``(N,)`` float32 δ (nats); advantage: ``(N,)`` float32.
+            sample_index: ``(N,)`` int64, the response of each token (an index, or the recorded sample id with
+                ``num_samples`` = -1); position: ``(N,)`` int64.
+            mode: ``state_kernel.MAGNITUDE``, ``LOCALISATION`` or ``BOTH``; tau_tail: τ_tail (nats) or NaN.
+            null_input: a list to which the batch's C_tok shuffle-null input is appended, or None.
+
+        Returns:
+            ``state_kernel.OK``, or the status of rows out of (sample, position) order (the state is then
+            unchanged: the caller sorts and retries, or refuses).
+        """
         cfg = self.config
+        return state_kernel.update_state(
+            self.array, self.layout.slices, delta, advantage, sample_index, position, int(num_samples), mode=mode,
+            tau_tail=tau_tail, width=cfg.segment_width, small_gap_threshold=cfg.small_gap_threshold,
+            heavy_fraction=cfg.heavy_fraction, dilution_threshold=cfg.dilution_threshold, null_input=null_input)
+
+    def _kernel(self, delta, advantage, sample_index, position, num_samples, mode, tau_tail=math.nan):
         pos = _host(position, np.int64) if position is not None else np.zeros(len(delta), np.int64)
-        status = state_kernel.update_state(
-            self.array, self.layout.slices, _host(delta, np.float32), _host(advantage, np.float32),
-            _host(sample_index, np.int64), pos, int(num_samples), mode=mode, tau_tail=tau_tail,
-            width=cfg.segment_width, small_gap_threshold=cfg.small_gap_threshold, heavy_fraction=cfg.heavy_fraction,
-            dilution_threshold=cfg.dilution_threshold)
+        status = self.update_arrays(_host(delta, np.float32), _host(advantage, np.float32),
+                                    _host(sample_index, np.int64), pos, num_samples, mode, tau_tail)
         if status != state_kernel.OK:
             raise ValueError("MismatchStats: the tokens are not ordered by (sample, position) with unique pairs "
                              "(build them with TokenBatch, which sorts them)")

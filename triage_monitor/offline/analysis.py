@@ -523,24 +523,21 @@ def state_of_arrays(parts: list, tau_tail: float, config, path_hint: str = "",
         ValueError: a (sample_id, position) pair occurs twice in a file (named by ``path_hint``).
     """
     from ..metrics.stats import MismatchStats
-    from ..metrics.state_kernel import BOTH, MAGNITUDE, OK, update_state
+    from ..metrics.state_kernel import BOTH, MAGNITUDE, OK
 
     stats = MismatchStats(config)
-    state = stats.array
-    kw = dict(mode=MAGNITUDE if math.isnan(tau_tail) else BOTH, tau_tail=tau_tail, width=config.segment_width,
-              small_gap_threshold=config.small_gap_threshold, heavy_fraction=config.heavy_fraction,
-              dilution_threshold=config.dilution_threshold, null_input=null_input)
+    mode = MAGNITUDE if math.isnan(tau_tail) else BOTH
     for sid, pos, lp, sp, adv in parts:
         if sid.size == 0:
             continue
         # δ in float32 exactly as TokenBatch.delta; a response is a run of equal sample ids (the kernel checks
         # the (sample_id, position) order and refuses other orders, which are sorted here first)
         delta = np.subtract(lp, sp, dtype=np.float32)
-        if update_state(state, stats.layout.slices, delta, adv, sid, pos, -1, **kw) == OK:
+        if stats.update_arrays(delta, adv, sid, pos, -1, mode, tau_tail, null_input) == OK:
             continue
         order = np.lexsort((pos, sid))
         sid, pos, delta, adv = sid[order], pos[order], delta[order], adv[order]
-        if update_state(state, stats.layout.slices, delta, adv, sid, pos, -1, **kw) != OK:
+        if stats.update_arrays(delta, adv, sid, pos, -1, mode, tau_tail, null_input) != OK:
             raise ValueError(f"{path_hint}: a (sample_id, position) pair occurs twice in the token records")
     return stats.array
 
