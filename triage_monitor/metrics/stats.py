@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -35,6 +35,10 @@ if TYPE_CHECKING:                  # torch is imported where a tensor is handled
     from torch import Tensor       # report, the dashboard: numpy states) never imports it
 
     from ..batch import TokenBatch
+
+#: A state vector or a part of one: a float64 numpy array (offline) or a CPU tensor (live); the layout's operations
+#: take either.
+Array = Union["Tensor", np.ndarray]
 
 #: r = learner − sampler is clamped to ±R before exp() in chi2_token, as verl does (its SAFETY_BOUND;
 #: docs/metrics.md#chi2_token); the kernel holds the same bound.  k3_kl is not clamped (verl does not clamp it);
@@ -52,6 +56,13 @@ class MetricResult:
 
     values: dict
     nan_reasons: dict = field(default_factory=dict)
+
+
+class StepMetrics(NamedTuple):
+    """A step's metrics and its trailing window's (:meth:`MetricTracker.step`)."""
+
+    step: MetricResult
+    window: MetricResult
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -81,7 +92,7 @@ def c_tok_from_segments(seg_tail: Tensor, seg_valid: Tensor, top_fraction: float
     return float(seg_tail[order[:top]].sum()) / total
 
 
-def c_tok_from_table(table: Tensor, width: int, top_fraction: float = 0.05) -> float:
+def c_tok_from_table(table: Array, width: int, top_fraction: float = 0.05) -> float:
     """C_tok (docs/metrics.md#localisation) from segment counts by (valid tokens, tail tokens).
 
     Exact: equals :func:`c_tok_from_segments` of the segments counted in ``table``.  Segments with the
@@ -136,8 +147,15 @@ def _on_host(x) -> bool:
     return isinstance(x, np.ndarray) or x.device.type == "cpu"
 
 
+class CellOrder(NamedTuple):
+    """The C_tok table's cells in ranking order (:func:`_cell_order`) and the tail count of each."""
+
+    cells: np.ndarray      # int64 cell index valid·(W+1) + tail
+    tails: np.ndarray      # float64
+
+
 @functools.lru_cache(maxsize=8)
-def _cell_order(width: int) -> tuple:
+def _cell_order(width: int) -> CellOrder:
     """Cells ``valid·(W+1) + tail`` (valid in 1..W, tail in 0..valid) by tail fraction then tail count,
     both descending; and the tail count of each.  Equal fractions are equal floats (IEEE division is
     correctly rounded), so the order is exact."""
@@ -145,7 +163,7 @@ def _cell_order(width: int) -> tuple:
     ok = tail <= valid
     valid, tail = valid[ok], tail[ok]
     order = np.lexsort((-tail, -(tail / valid)))
-    return (valid[order] * (width + 1) + tail[order]), tail[order].astype(np.float64)
+    return CellOrder(valid[order] * (width + 1) + tail[order], tail[order].astype(np.float64))
 
 
 # --------------------------------------------------------------------------- declared state
@@ -193,12 +211,12 @@ class StateLayout:
 
         return torch.from_numpy(self._identity.copy()).to(device if device is not None else "cpu")
 
-    def merge_into(self, out: Tensor, other: Tensor) -> Tensor:
+    def merge_into(self, out: Array, other: Array) -> Array:
         """``out`` ⊕= ``other`` (in place) by each field's reduction; returns ``out``.  Both numpy arrays or
         both tensors (a CPU tensor and an array mix)."""
         return self.merge_into_range(out, other, 0, self.size)
 
-    def merge_into_range(self, out: Tensor, other: Tensor, lo: int, hi: int) -> Tensor:
+    def merge_into_range(self, out: Array, other: Array, lo: int, hi: int) -> Array:
         """:meth:`merge_into` restricted to the entries ``[lo, hi)`` of the state vector."""
         if _on_host(out) and _on_host(other):                          # numpy views: a fraction of torch's
             o, t = sketch.host_array(out), sketch.host_array(other)    # per-call cost (same IEEE results)
@@ -209,6 +227,7 @@ class StateLayout:
             return out
         import torch
 
+        assert isinstance(out, torch.Tensor) and isinstance(other, torch.Tensor)    # not both on the host: tensors
         for red, (a, b) in self.ranges.items():
             a, b = max(a, lo), min(b, hi)
             if a >= b:
@@ -342,7 +361,7 @@ class MismatchStats:
         ValueError: a given ``state`` of the wrong shape for the segment width.
     """
 
-    def __init__(self, config: Optional[MetricConfig] = None, state: Optional[Tensor] = None,
+    def __init__(self, config: Optional[MetricConfig] = None, state: Optional[Array] = None,
                  tau_tail: float = math.nan):
         self.config = config or MetricConfig()
         self.layout = state_layout(self.config.segment_width)
@@ -617,8 +636,8 @@ class MetricTracker:
         self.tau_frozen = self.tau_given
         self.reference = calibration.ReferenceWindow(self.calibration_steps, 1, repeated="replace")
         self._history: list = []        # [(step, MismatchStats)] of the trailing window
-        self._running = None            # Σ of the window's integer count fields (sketch, C_tok table)
-        self._rows = None               # the other fields of each state (SpanColumns rows): row 0 empty, then _history
+        self._running: Optional[np.ndarray] = None   # Σ of the window's integer count fields (sketch, C_tok table)
+        self._rows: Optional[np.ndarray] = None      # the other fields of each state (SpanColumns rows): row 0 empty, then _history
 
     def _calibrate(self, step: int, part) -> None:
         if self.tau_frozen:
@@ -626,10 +645,11 @@ class MetricTracker:
         if self.reference.add(step, [part]):                     # first step after the reference window
             self.tau_frozen = True
             return
-        if self.reference.parts:
-            self.tau_tail = calibration.part_quantiles(self.reference.merged(0), [self.config.tail_quantile])[0]
+        merged = self.reference.merged(0) if self.reference.parts else None
+        if merged is not None:
+            self.tau_tail = calibration.part_quantiles(merged, [self.config.tail_quantile])[0]
 
-    def step(self, step: int, batch: TokenBatch, group=None) -> tuple:
+    def step(self, step: int, batch: TokenBatch, group=None) -> "StepMetrics":
         """Add one step; returns ``(step_result, window_result)`` (:class:`MetricResult` each).
 
         With ``group`` (torch.distributed), the step's fixed-size state is all-reduced, so every rank
@@ -658,7 +678,7 @@ class MetricTracker:
             stats.sync(group)
         return self.push(step, stats)
 
-    def push(self, step: int, stats: MismatchStats) -> tuple:
+    def push(self, step: int, stats: MismatchStats) -> "StepMetrics":
         """Append a step's finished (synced) state to the trailing window; returns ``(step_result,
         window_result)``.  A repeated step replaces the earlier one."""
         layout = stats.layout
@@ -692,9 +712,9 @@ class MetricTracker:
         cols.fold(self._rows, state)
         state[counts] = self._running
         window = MismatchStats(self.config, state=state, tau_tail=stats.tau_tail)
-        return stats.compute(), window.compute()
+        return StepMetrics(stats.compute(), window.compute())
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Calibration state for resuming: τ_tail, whether it is frozen and, while the reference window is
         still filling, the calibration part of each step so far (``calib``: one ``(sketch.SIZE + 2,)``
         float64 CPU tensor per step, at most ``calibration_steps``), so a resumed job calibrates the same τ_tail."""

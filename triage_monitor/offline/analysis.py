@@ -20,7 +20,7 @@ import logging
 import math
 from functools import cached_property
 from pathlib import PurePosixPath
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -35,6 +35,9 @@ from ..rundir.manifest import ManifestError, RunManifest, read_manifest
 from ..rundir.storage import Store, open_store, store_identity
 from ..metrics import names
 from ..metrics.timings import TIME_COLUMNS
+
+if TYPE_CHECKING:              # numba-compiled module: imported where the metrics are computed
+    from ..metrics.state_kernel import NullInput
 
 log = logging.getLogger("triage_monitor.analysis")
 
@@ -52,14 +55,23 @@ class RunReadError(RunDirError, OSError):
     object store, a permission) — an I/O error (exit 3 in the commands), not a wrong path."""
 
 
-def run_signature(path) -> tuple:
+class RunSignature(NamedTuple):
+    """What :func:`run_signature` reads of a run directory (a cache key: compares and hashes as the plain tuple)."""
+
+    manifest_mtime_ns: Optional[int]
+    steps_files: int
+    newest_steps_mtime_ns: int
+    steps_bytes: int
+
+
+def run_signature(path) -> RunSignature:
     """``(manifest mtime_ns or None, number of steps files, newest steps file mtime_ns, their bytes)`` of the run
     directory ``path``: it changes whenever the run gains step records or its manifest is rewritten (the
     dashboard's cache key).  Never raises: what cannot be read counts as absent."""
     try:
         store = open_store(path)
     except (ValueError, OSError):
-        return None, 0, 0, 0
+        return RunSignature(None, 0, 0, 0)
     try:
         info = store.info(MANIFEST)
         man = info.mtime_ns if info.type.name == "File" else None
@@ -69,7 +81,8 @@ def run_signature(path) -> tuple:
         entries = store.listdir("steps")
     except OSError:
         entries = []
-    return man, len(entries), max((e.mtime_ns for e in entries), default=0), sum(e.size for e in entries)
+    return RunSignature(man, len(entries), max((e.mtime_ns for e in entries), default=0),
+                        sum(e.size for e in entries))
 
 
 class RunLocation(str):
@@ -168,7 +181,7 @@ class Run:
             self._indexes[table] = self.layout.index(table)
         return self._indexes[table]
 
-    def step_attempts(self) -> dict:
+    def step_attempts(self) -> dict[int, int]:
         """``{step: attempt}``: each step's latest attempt over the tokens and steps tables
         (:meth:`~triage_monitor.rundir.layout.RunLayout.step_attempts`): the attempt whose alert and quarantine rows a
         reader takes.  The tokens and the steps rows of a step are each their own table's latest attempt (a
@@ -199,7 +212,7 @@ class Run:
         """The :class:`~triage_monitor.metrics.MetricConfig` the live monitor used (``self.config.metrics``)."""
         return self.config.metrics
 
-    def step_numbers(self) -> list:
+    def step_numbers(self) -> list[int]:
         """Sorted steps that have token records (a step logged without valid tokens included)."""
         return self.index("tokens").steps()
 
@@ -239,7 +252,7 @@ class Run:
         sort = [c for c in ("sample_id", "rank", "position") if c in df.columns]
         return df.sort_values(sort, kind="stable").reset_index(drop=True)
 
-    def token_files(self, step: int) -> list:
+    def token_files(self, step: int) -> list[str]:
         """The step's token files of its latest attempt (their locations, str), one per rank, by rank; a block
         file holds the step among others."""
         return [self.store.display(f.name) for f in self.token_source(step).parts]
@@ -395,7 +408,7 @@ class Run:
         """Quarantined tokens (docs/reliability.md), with a ``step`` column (empty when none)."""
         return self._table("quarantine")
 
-    def file_count(self) -> dict:
+    def file_count(self) -> dict[str, int]:
         """``{table: files}`` of the run's tables (sealed blocks and pending files), from their listings."""
         return {t: len(self.index(t)) for t in TABLES}
 
@@ -426,7 +439,14 @@ def _fill_late_timings(steps: pd.DataFrame, late: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _response_ids(df: pd.DataFrame) -> tuple:
+class ResponseIds(NamedTuple):
+    """The responses of a step's token rows (:func:`_response_ids`): ``first`` row of each, ``ids`` of every row."""
+
+    first: np.ndarray
+    ids: np.ndarray
+
+
+def _response_ids(df: pd.DataFrame) -> ResponseIds:
     """(first row of each response, the batch's sample id of every row) of token rows sorted by (sample_id, rank,
     position) (:meth:`Run.tokens`): a response is one (rank, sample_id); its id is the recorded one while no two
     ranks share a sample id, else its number 0 … S−1 in that order."""
@@ -435,8 +455,8 @@ def _response_ids(df: pd.DataFrame) -> tuple:
     new[1:] = (sid[1:] != sid[:-1]) | (rk[1:] != rk[:-1])
     first = np.flatnonzero(new)
     if np.unique(sid[first]).size == first.size:
-        return first, sid
-    return first, np.cumsum(new) - 1
+        return ResponseIds(first, sid)
+    return ResponseIds(first, np.cumsum(new) - 1)
 
 
 def open_run(path) -> Run:
@@ -482,7 +502,17 @@ TAU_DEPENDENT = names.TAU_DEPENDENT       # (declared with the metrics: Metric.n
 TAU_MODES = ("frozen", "live")
 
 
-def read_token_arrays(source) -> list:
+class TokenArrays(NamedTuple):
+    """One token file's decoded columns (:func:`read_token_arrays`), each ``(n,)`` in file order."""
+
+    sample_id: np.ndarray       # int64
+    position: np.ndarray        # int64
+    learner_logp: np.ndarray    # float32, nats
+    sampler_logp: np.ndarray    # float32, nats
+    advantage: np.ndarray       # float32
+
+
+def read_token_arrays(source) -> list[TokenArrays]:
     """Decode a step's token records into numpy columns: a list of ``(sample_id int64, position int64,
     learner_logp float32, sampler_logp float32, advantage float32)``, one per file, each ``(n,)`` in file order.
     Nothing else (no pandas, no sort): the decode the offline metrics pay.
@@ -497,7 +527,7 @@ def read_token_arrays(source) -> list:
     else:
         store = _store(source.location)
         tables = [read_part(store, f, TOKEN_COLUMNS, source.step) for f in source.parts]
-    return [tuple(t.column(c).to_numpy() for c in TOKEN_COLUMNS) for t in tables]
+    return [TokenArrays(*(t.column(c).to_numpy() for c in TOKEN_COLUMNS)) for t in tables]
 
 
 def _hint(source) -> str:
@@ -548,7 +578,14 @@ def step_state(source, tau_tail: float, config) -> "np.ndarray":
     return state_of_arrays(read_token_arrays(source), tau_tail, config, _hint(source))
 
 
-def _step_result(parts: list, tau_tail: float, config, path_hint: str = "") -> tuple:
+class StepResult(NamedTuple):
+    """One step's metric state and its C_tok shuffle-null input (:func:`_step_result`)."""
+
+    state: np.ndarray
+    null_input: "NullInput"
+
+
+def _step_result(parts: list, tau_tail: float, config, path_hint: str = "") -> StepResult:
     """``(state, null_input)`` of one step: :func:`state_of_arrays` and the step's C_tok shuffle-null input
     (a :class:`~triage_monitor.metrics.state_kernel.NullInput`, the ranks' concatenated; empty without τ_tail).  What
     the engines map."""
@@ -556,7 +593,7 @@ def _step_result(parts: list, tau_tail: float, config, path_hint: str = "") -> t
 
     nulls: list = []
     state = state_of_arrays(parts, tau_tail, config, path_hint, nulls)
-    return state, NullInput.concat(nulls)
+    return StepResult(state, NullInput.concat(nulls))
 
 
 def _prefetch(source, tau_tail, config):
@@ -615,7 +652,7 @@ class StepStates:
         return df
 
 
-def _calibration_taus(parts: list, steps: list, q: float, mode: str, n_calib: int) -> dict:
+def _calibration_taus(parts: list, steps: list, q: float, mode: str, n_calib: int) -> dict[int, float]:
     """τ_tail of each of ``steps`` from the calibration parts of the run's first steps (``parts``, in order)."""
     from ..metrics.stats import tau_from_calibration
 
@@ -783,7 +820,7 @@ def _cache_key(files: dict, todo: list, cfg, explicit, n_calib: int, tau_mode: s
 _CACHE_FORMAT = 4
 
 
-def state_kernel_fields() -> tuple:
+def state_kernel_fields() -> tuple[str, ...]:
     """The names of the state's additive sums, in state order (part of the state cache's key)."""
     from ..metrics.state_kernel import SUM_FIELDS
 
@@ -891,8 +928,16 @@ def recompute(run: Run, *, window: Optional[int] = None, tau_tail: Optional[floa
                             address=address, progress=progress, cache=cache).frame()
 
 
+class Postmortem(NamedTuple):
+    """What :func:`postmortem_frame` returns: the per-step metric ``frame`` and the ``states`` behind it (None for a
+    run without token records)."""
+
+    frame: pd.DataFrame
+    states: Optional["StepStates"]
+
+
 def postmortem_frame(run: Run, window: Optional[int] = None, live: Optional[pd.DataFrame] = None,
-                     steps: Optional[Sequence[int]] = None) -> tuple:
+                     steps: Optional[Sequence[int]] = None) -> Postmortem:
     """The per-step metric frame a post-mortem shows, and the states behind it: ``(frame, states)``.
 
     With token records: every metric and ``window/<name>`` from the run's cached per-step states with one
@@ -906,13 +951,13 @@ def postmortem_frame(run: Run, window: Optional[int] = None, live: Optional[pd.D
     if steps is not None:
         token_steps = sorted(set(token_steps) & {int(s) for s in steps})
     if not token_steps:
-        return live, None
+        return Postmortem(live, None)
     states = recompute_states(run, cache=True, steps=None if steps is None else token_steps)
     rec = states.frame(window)
     extra = live[["step", *[c for c in live.columns if c not in rec.columns]]] if "step" in live.columns else None
     frame = rec.merge(extra, on="step", how="left") if extra is not None and len(extra.columns) > 1 else rec
     frame.attrs.update(rec.attrs)
-    return frame, states
+    return Postmortem(frame, states)
 
 
 def compare_live(run: Run, recomputed: pd.DataFrame, rtol: float = 1e-9,
@@ -969,7 +1014,7 @@ def differing_steps(live, rec, metric: str, rtol: float = 1e-9) -> set:
     return set(m["step"].to_numpy()[~same].tolist())
 
 
-def provisional_skips(live, rec, window: int) -> dict:
+def provisional_skips(live, rec, window: int) -> dict[str, set[int]]:
     """{metric: steps} that :func:`~triage_monitor.offline.analysis.compare_live` leaves out: the τ-dependent metrics
     of live steps with a provisional τ_tail, and of the windows holding one (frozen τ mode only)."""
 
@@ -981,7 +1026,14 @@ def provisional_skips(live, rec, window: int) -> dict:
     return {**{m: prov for m in TAU_DEPENDENT}, **{f"window/{m}": win for m in TAU_DEPENDENT}}
 
 
-def resume_explanations(run, live, rec) -> tuple:
+class ResumeExplanations(NamedTuple):
+    """What :func:`resume_explanations` returns: the differences a resumed run explains, and why."""
+
+    explained: dict[str, set[int]]       # metric -> steps
+    reasons: list[str]                   # one sentence each
+
+
+def resume_explanations(run, live, rec) -> "ResumeExplanations":
     """Which live/recomputed differences a resumed (multi-attempt) run explains, and why.
 
     Two effects of a later attempt (a resumed job, or a re-run into the same directory) on what the live
@@ -1002,7 +1054,7 @@ def resume_explanations(run, live, rec) -> tuple:
     """
 
     if "attempt" not in live.columns or live["attempt"].nunique() < 2 and len(run.manifest.attempts) < 2:
-        return {}, []
+        return ResumeExplanations({}, [])
     att = dict(zip(live["step"].astype(int), live["attempt"]))
     steps = sorted(att)
     window = int(rec.attrs.get("window") or run.config.window)
@@ -1042,10 +1094,10 @@ def resume_explanations(run, live, rec) -> tuple:
         near = {s for s in steps if any(s - window < t <= s for t in tau_steps)}
         for m in TAU_DEPENDENT:
             explained.setdefault(f"window/{m}", set()).update(near)
-    return explained, reasons
+    return ResumeExplanations(explained, reasons)
 
 
-def record_gaps(run: Run, live: Optional[pd.DataFrame] = None) -> list:
+def record_gaps(run: Run, live: Optional[pd.DataFrame] = None) -> list[str]:
     """What the run's records lack, one plain sentence each (``[]``: nothing known to be missing).  What readers
     say before they call a run's records complete (``analyze``, docs/reliability.md#a-frozen-or-slow-store):
 

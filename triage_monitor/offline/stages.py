@@ -21,7 +21,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -127,7 +127,7 @@ def _layout(sample_index: Tensor, position: Tensor, advantage: Tensor, delta: Te
     return TailLayout(as_np(seg.sample), as_np(seg.count), as_np(tail), as_np(seg.number))
 
 
-def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS) -> list:
+def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRACTIONS) -> list[int]:
     """Anchor steps at ``fractions`` of the run's horizon (docs/metrics.md#stages).
 
     With the ``n`` recorded steps sorted, the anchor of fraction ``f`` is the
@@ -241,6 +241,7 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
                                                               recomputed)
                 nulls[-1] = _cached_null(run, states, win, tau, draws, seed, nulls[-1])
         else:
+            assert frame is not None                  # no states: the live rows' frame was read above
             for name in STAGE_METRICS:
                 col = f"window/{name}"
                 row[name] = float(frame.at[a, col]) if col in frame.columns else math.nan
@@ -297,7 +298,15 @@ def _cached_null(run: Run, states, win: list, tau: float, draws: int, seed: int,
     return cached
 
 
-def degenerate_causes(table: pd.DataFrame) -> list:
+class DegenerateCause(NamedTuple):
+    """One degenerate anchor window of a stage table (:func:`degenerate_causes`)."""
+
+    stage: str
+    cause: str             # "no_negative", "no_tail", "short" or "short_tails"
+    row: pd.Series
+
+
+def degenerate_causes(table: pd.DataFrame) -> list[DegenerateCause]:
     """Why each degenerate anchor window of a :func:`stage_table` has no localisation evidence: ``[(stage, cause,
     row), ...]`` for the rows whose ``max_segments`` is 0 or 1, cause one of
 
@@ -324,7 +333,7 @@ def degenerate_causes(table: pd.DataFrame) -> list:
             cause = "short"
         else:
             cause = "short_tails"
-        out.append((str(row["stage"]), cause, row))
+        out.append(DegenerateCause(str(row["stage"]), cause, row))
     return out
 
 
@@ -378,8 +387,16 @@ def degenerate_notice(table: pd.DataFrame, width: int) -> Optional[str]:
     return " ".join(parts)
 
 
+class WindowNull(NamedTuple):
+    """A stage window's C_tok shuffle null (:func:`_window_null`): ``draw()`` returns its ``(draws,)`` values;
+    ``max_segments``, the most segments of one A<0 response holding tail tokens."""
+
+    draw: Callable[[], np.ndarray]
+    max_segments: int
+
+
 def _window_null(run: Run, states, win: list, window_stats, tau: float, cfg, draws: int, seed: int,
-                 recomputed: dict) -> tuple:
+                 recomputed: dict) -> WindowNull:
     """The C_tok shuffle null of one stage window, as a function returning its ``(draws,)`` values, and the
     most segments of one A<0 response holding tail tokens (the responses whose tails the null moves;
     ``max_segments <= 1`` is the degenerate case of :func:`degenerate_notice`).  One path,
@@ -399,8 +416,8 @@ def _window_null(run: Run, states, win: list, window_stats, tau: float, cfg, dra
         null_input = NullInput.concat([recomputed[s][1] for s in win])
         table = sum(recomputed[s][0][window_stats.layout.slices["c_tok_table"]] for s in win)
     most = int(null_input.response_segments.max()) if len(null_input.response_segments) else 0
-    return (lambda: shuffle_null_from_state(null_input, table, cfg.segment_width, draws, seed, cfg.top_fraction),
-            most)
+    return WindowNull(lambda: shuffle_null_from_state(null_input, table, cfg.segment_width, draws, seed,
+                                                       cfg.top_fraction), most)
 
 
 def tail_layout_from_arrays(parts: list, tau_tail: float, width: int = 64) -> TailLayout:
