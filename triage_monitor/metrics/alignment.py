@@ -129,7 +129,10 @@ def check_alignment(batch_or_learner: Union[TokenBatch, Tensor], sampler_logp: O
             mask = mask.unsqueeze(0) if isinstance(mask, Tensor) else mask
         if mask is None and isinstance(lp, Tensor):
             mask = torch.ones(lp.shape, dtype=torch.bool, device=lp.device)
-        adv = torch.zeros(lp.shape[0], device=lp.device) if isinstance(lp, Tensor) and lp.dim() == 2 else None
+        # no advantages in this form: zeros per row (from_padded rejects a learner that is not a (B, T) float
+        # tensor before it reads them)
+        rows = lp.shape[0] if isinstance(lp, Tensor) and lp.dim() == 2 else 0
+        adv = torch.zeros(rows, device=lp.device if isinstance(lp, Tensor) else None)
         batch = TokenBatch.from_padded(lp, sp, adv, mask, on_invalid="quarantine")
 
     lp = batch.learner_logp.detach().float()

@@ -11,7 +11,7 @@ step after them arrives; quantiles are read from the merged sketch with its stat
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union, overload
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from . import sketch
 
 if TYPE_CHECKING:                  # parts are tensors live and numpy arrays offline (no torch import there)
     from torch import Tensor
+
+    #: a part: a tensor live, a numpy array offline
+    Part = Union[Tensor, np.ndarray]
 
 #: Length of a part: the sketch counts, then min and max.
 PART_SIZE = sketch.SIZE + 2
@@ -40,13 +43,19 @@ def part_of(values: Tensor) -> Tensor:
     return torch.cat([counts, ext])
 
 
-def merge_parts(parts: Sequence[Tensor]) -> Tensor:
+@overload
+def merge_parts(parts: Sequence[Tensor]) -> Tensor: ...
+@overload
+def merge_parts(parts: Sequence[np.ndarray]) -> np.ndarray: ...
+@overload
+def merge_parts(parts: Sequence[Part]) -> Part: ...
+def merge_parts(parts: Sequence[Part]) -> Part:
     """One part holding the values of all ``parts`` (counts summed, min of mins, max of maxes): a new float64
     numpy array when ``parts[0]`` is one, else a new float64 CPU tensor."""
     out = np.array(sketch.host_array(parts[0]), dtype=np.float64)
     k = sketch.SIZE
-    for p in parts[1:]:
-        p = sketch.host_array(p).astype(np.float64, copy=False)
+    for part in parts[1:]:
+        p = sketch.host_array(part).astype(np.float64, copy=False)
         out[:k] += p[:k]
         out[k] = min(float(out[k]), float(p[k]))
         out[k + 1] = max(float(out[k + 1]), float(p[k + 1]))
@@ -74,13 +83,13 @@ def sync_part(part: Tensor, group=None) -> Tensor:
     return torch.cat([counts, -ext[:1], ext[1:]]).to(home)
 
 
-def part_quantiles(part: Tensor, qs: Sequence[float]) -> list:
+def part_quantiles(part: Part, qs: Sequence[float]) -> list[float]:
     """Quantiles ``qs`` (nats) of the values in ``part``, within the sketch's bound; NaN when it holds none."""
     k = sketch.SIZE
     return sketch.sketch_quantiles(part[:k], list(qs), float(part[k]), float(part[k + 1]))
 
 
-def part_count(part: Tensor) -> float:
+def part_count(part: Part) -> float:
     """Number of values in ``part``."""
     return float(part[:sketch.SIZE].sum())
 
@@ -106,8 +115,8 @@ class ReferenceWindow:
             raise ValueError(f"ReferenceWindow: repeated must be 'replace' or 'accumulate', got {repeated!r}")
         self.size, self.streams, self.repeated = int(steps), int(streams), repeated
         self.frozen = False
-        self.step_numbers: list = []
-        self.parts: list = []          # per step: list of `streams` parts
+        self.step_numbers: list[int] = []
+        self.parts: list[list[Tensor]] = []          # per step: list of `streams` parts
 
     def add(self, step: int, parts: Sequence[Tensor]) -> bool:
         """Add one step's parts (one per stream); returns True when this call froze the window (``step`` is the
@@ -135,14 +144,14 @@ class ReferenceWindow:
         """The merged part of one stream over the steps so far (None before any step)."""
         return merge_parts([p[stream] for p in self.parts]) if self.parts else None
 
-    def quantiles(self, stream: int, qs: Sequence[float], group=None) -> list:
+    def quantiles(self, stream: int, qs: Sequence[float], group=None) -> list[float]:
         """Quantiles (nats) of one stream over the steps so far, summed over ``group`` first when given."""
         m = self.merged(stream)
         if m is None:
             return [math.nan] * len(qs)
         return part_quantiles(sync_part(m, group) if group is not None else m, qs)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Plain values and CPU tensors (``torch.save``-able)."""
         return {"size": self.size, "streams": self.streams, "repeated": self.repeated, "frozen": self.frozen,
                 "steps": list(self.step_numbers), "parts": [[p.clone() for p in ps] for ps in self.parts]}

@@ -90,7 +90,8 @@ def _representatives() -> np.ndarray:
 REPRESENTATIVES = _representatives()
 
 
-def sketch_quantiles(counts, qs: Sequence[float], lo: Optional[float] = None, hi: Optional[float] = None) -> list:
+def sketch_quantiles(counts, qs: Sequence[float], lo: Optional[float] = None,
+                     hi: Optional[float] = None) -> list[float]:
     """Quantiles of the values counted in ``counts``, linear interpolation between order statistics.
 
     Args:
@@ -116,7 +117,7 @@ def sketch_quantiles(counts, qs: Sequence[float], lo: Optional[float] = None, hi
             v = min(v, hi)
         return v
 
-    out = []
+    out: list[float] = []
     for q in qs:
         pos = q * (n - 1)
         k, f = int(math.floor(pos)), pos - math.floor(pos)

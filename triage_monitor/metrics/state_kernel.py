@@ -485,6 +485,7 @@ def update_state(state: np.ndarray, slices: dict, delta: np.ndarray, advantage: 
     state[slices["delta_min"]] = ext[:, 0].min()
     state[slices["delta_max"]] = ext[:, 1].max()
     if record:
+        assert null_input is not None         # record implies it
         segs = [rec_seg[cuts[p]:cuts[p] + rec_n[p, 0]] for p in range(pieces)]
         resp = [rec_resp[cuts[p]:cuts[p] + rec_n[p, 1]] for p in range(pieces)]
         null_input.append(NullInput(np.concatenate(segs) if segs else np.zeros(0, np.int32),
