@@ -347,11 +347,11 @@ class MismatchMonitor:
         step_res, win_res = self.tracker.step(step, batch, group=group)
         if self.tracker.tau_frozen and not was_frozen and not self.tracker.tau_given:
             self._save_calibration(step)
-        metrics = {"step": step}
+        metrics: dict[str, float] = {"step": step}
         metrics.update(step_res.values)
         q = batch.quarantine_counts
-        for name, reasons in QUARANTINE_METRICS.items():
-            metrics[name] = float(sum(q.get(r, 0) for r in reasons))
+        for name, causes in QUARANTINE_METRICS.items():
+            metrics[name] = float(sum(q.get(r, 0) for r in causes))
         metrics["quarantined_count"] = float(sum(q.values()))
         metrics.update(self._diagnose(step, batch))
         if self.synchronised and _dist_initialized():     # the counters of the group's one steps row

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import TYPE_CHECKING, List, NamedTuple, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, List, NamedTuple, Optional, Union
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -93,29 +94,32 @@ def run(args: argparse.Namespace) -> int:
                                  "analyze")
     n_tokens = int(df["n_tokens"].sum())
     exits.note("analyze", f"recomputed {n_tokens:,} tokens of {len(df)} step(s) in {elapsed:.2f} s")
+    dest = out          # the local file written: --out, else the run's analysis/metrics.csv (None: an object store)
+    table_at: Union[Path, str]      # what the lines below name: that file, the store's name of it, or "not saved"
     try:
-        if out is None and not run.layout.is_local:      # an object store's run: the table goes next to its states
+        if dest is None and not run.layout.is_local:      # an object store's run: the table goes next to its states
             rel = f"{run.layout.analysis_dir}/metrics.csv"
             run.store.write_bytes(rel, df.to_csv(index=False).encode())
-            out = run.store.display(rel)
+            table_at = run.store.display(rel)
         else:
             from ..rundir.storage import open_store
 
-            out = out or run.layout.root / run.layout.analysis_dir / "metrics.csv"
-            # whole or not at all: a hidden temporary file renamed over out (a full disk leaves neither)
-            with open_store(str(out.parent)).writing(out.name, ".tmp") as f:
-                if out.suffix.lower() == ".parquet":
+            dest = dest or run.layout.root / run.layout.analysis_dir / "metrics.csv"
+            # whole or not at all: a hidden temporary file renamed over dest (a full disk leaves neither)
+            with open_store(str(dest.parent)).writing(dest.name, ".tmp") as f:
+                if dest.suffix.lower() == ".parquet":
                     df.to_parquet(f, index=False)
                 else:
                     f.write(df.to_csv(index=False).encode())
+            table_at = dest
     except OSError as exc:
         if args.out:
-            raise exits.CommandError(f"cannot save the table to {out}: {exc.strerror or exc}", exits.OUTPUT_ERROR) \
+            raise exits.CommandError(f"cannot save the table to {dest}: {exc.strerror or exc}", exits.OUTPUT_ERROR) \
                 from None
         # the default place, inside the run (a read-only mount, another user's run): the analysis goes on
-        exits.note("analyze", f"the table could not be saved to {out} ({exc.strerror or exc}); the comparison and "
+        exits.note("analyze", f"the table could not be saved to {dest} ({exc.strerror or exc}); the comparison and "
                               "the verdict follow; give --out FILE to save the table elsewhere")
-        out = "not saved (see above)"
+        table_at = "not saved (see above)"
 
     shown = df if args.rows == 0 else df.tail(args.rows)
     table = Table(title=f"{run.path}  ({len(df)} steps, {n_tokens:,} tokens)")
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*[_fmt(r[c]) for c in SUMMARY_COLUMNS])
     console.print(table)
     console.print(f"recomputed {n_tokens:,} tokens in {elapsed:.2f} s "
-                  f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {out}")
+                  f"({n_tokens / max(elapsed, 1e-9):,.0f} tokens/s); full table: {table_at}")
     run.refresh()                   # the steps recorded meanwhile too: they are named, then left out below
     live = run.steps() if args.window is None and args.tau_tail is None else None
     if live is not None and not live.empty:
@@ -138,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             live = live[~later]
     exits.report_unreadable("analyze", run)
     verdict = _verdict(live if live is not None and not live.empty else df)
-    saved = _save_verdict(run, verdict, out)
+    saved = _save_verdict(run, verdict, table_at)
     try:
         return _compare_with_live(console, run, df, live)
     finally:
@@ -163,18 +167,17 @@ def _verdict(frame, rules=None):
     return verdict_of_steps(frame, rules)
 
 
-def _save_verdict(run, verdict, table_out) -> str:
+def _save_verdict(run, verdict, table_out: Union[Path, str]) -> str:
     """Store the verdict as JSON beside the table (``analysis/verdict.json`` for the default table, else
-    ``<table>.verdict.json``); returns where, or "" (with a note) when it cannot be written."""
+    ``<table>.verdict.json``); returns where, or "" (with a note) when it cannot be written.  ``table_out``: the
+    table's local file, or a text (an object store's name of it, or "not saved"), which means the default place."""
     import json
-    from pathlib import Path
 
     from .. import exits
 
     data = json.dumps(verdict.to_dict(), indent=1, ensure_ascii=False).encode()
-    default = not isinstance(table_out, Path) or table_out == run.layout.root / run.layout.analysis_dir / "metrics.csv"
     try:
-        if default:
+        if not isinstance(table_out, Path) or table_out == run.layout.root / run.layout.analysis_dir / "metrics.csv":
             rel = f"{run.layout.analysis_dir}/verdict.json"
             run.store.makedirs(run.layout.analysis_dir)
             run.store.write_bytes(rel, data)

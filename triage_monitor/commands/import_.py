@@ -8,12 +8,13 @@ import argparse
 import glob
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Mapping, Tuple
+from typing import TYPE_CHECKING, Iterator, List, Mapping, Tuple
 
 from ..config import TABLE_OPTIONAL_FIELDS as OPTIONAL, TABLE_REQUIRED_FIELDS as REQUIRED
 from ..exits import add_existing_run_arguments
 
 if TYPE_CHECKING:
+    from ..batch import TokenBatch
     from ..hooks.frameworks import DumpReader
     from ..offline.importers import StepReader
 
@@ -135,7 +136,7 @@ def _remove_if_left_empty(out, created: bool) -> None:
         pass
 
 
-def _with_progress(steps: list) -> Iterator[Tuple[int, object]]:
+def _with_progress(steps: List[Tuple[int, TokenBatch]]) -> Iterator[Tuple[int, TokenBatch]]:
     """``steps`` with a progress bar on stderr (rich; nothing when stderr is not a terminal)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

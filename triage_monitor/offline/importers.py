@@ -240,11 +240,11 @@ def table_steps(df: pd.DataFrame, mapping: Dict[str, str],
     if "mask" in df.columns:
         df = df[_mask_values(df, cols["mask"], where)]
     for step, g in df.groupby("step", sort=True):
-        t = lambda c: torch.from_numpy(g[c].to_numpy(dtype=np.int64, copy=True))  # noqa: E731
-        f = lambda c: _float_values(g, c, cols[c], where)  # noqa: E731
+        ints = lambda c: torch.from_numpy(g[c].to_numpy(dtype=np.int64, copy=True))  # noqa: E731
+        floats = lambda c: _float_values(g, c, cols[c], where)  # noqa: E731
         yield int(step), TokenBatch.from_flat(
-            f("learner_logp"), f("sampler_logp"), f("advantage"), t("sample_id"), t("position"),
-            group_id=t("group_id") if "group_id" in g.columns else None, on_invalid=on_invalid)
+            floats("learner_logp"), floats("sampler_logp"), floats("advantage"), ints("sample_id"), ints("position"),
+            group_id=ints("group_id") if "group_id" in g.columns else None, on_invalid=on_invalid)
 
 
 # ------------------------------------------------------------------- write

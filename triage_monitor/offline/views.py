@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import numpy as np
 import pandas as pd
@@ -24,6 +24,9 @@ from plotly.subplots import make_subplots
 from ..metrics.definitions import is_tail
 from ..metrics import names as metric_names  # declarations only (the standard library): no metric code imported
 from ..metrics.names import REGIONS  # noqa: F401  (the four regions of docs/metrics.md#terms, read here since 0.1)
+
+if TYPE_CHECKING:
+    from ..metrics.timings import CycleSummary
 
 
 PALETTE = ("#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563")
@@ -562,7 +565,7 @@ def cycle_figure(steps: pd.DataFrame, k: float = 2.3, label: str = "", device: O
     return fig
 
 
-def cycle_bars_figure(summaries: Mapping[str, object], title: str = "Mean step time by phase",
+def cycle_bars_figure(summaries: Mapping[str, CycleSummary], title: str = "Mean step time by phase",
                       device: Optional[str] = None) -> Optional[go.Figure]:
     """One horizontal bar per run (label → :class:`~triage_monitor.metrics.timings.CycleSummary`): its mean seconds per step,
     stacked by phase (the untimed rest last), each bar's g and projection in its hover text.  Trace ``meta``:

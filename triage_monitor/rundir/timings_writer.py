@@ -150,9 +150,9 @@ class TimingsWriter:
             self._writer = BlockWriter(self.layout.store, "timings", 0, self.attempt, self.roll_steps)
         self._writer.write(step, pa.Table.from_pylist([row], schema=TIMINGS_SCHEMA))
         if self._writer.error is not None:
-            exc, self._writer.error = self._writer.error, None
+            err, self._writer.error = self._writer.error, None
             self._warn_once("block", "triage-monitor: a block of the timings table in %s could not be written "
-                            "(%s); its steps stay in pending files", self.layout.display, exc)
+                            "(%s); its steps stay in pending files", self.layout.display, err)
         self.last_step = step if self.last_step is None else max(self.last_step, step)
         self.rows += 1
         return step
