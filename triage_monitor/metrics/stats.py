@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
+from numba import njit
 
 from . import calibration, sketch, state_kernel
 from ..config import MetricConfig
@@ -71,25 +72,21 @@ def c_tok_from_segments(seg_tail: Tensor, seg_valid: Tensor, top_fraction: float
 
     Segments are ranked by tail fraction ``seg_tail / seg_valid`` (descending),
     ties broken by tail count (descending), so the result does not depend on
-    the order of the segments; the top ``ceil(top_fraction · K)`` are kept.
+    the order of the segments; the top ``ceil(top_fraction · K)`` are kept.  The segments are counted into
+    their (valid, tail) cells and read by :func:`c_tok_from_table` (the one ranking; exact, see there).
 
     Args:
-        seg_tail, seg_valid: ``(K,)`` int64 per-segment tail and valid counts.
+        seg_tail, seg_valid: ``(K,)`` int64 per-segment tail and valid counts (tensors or numpy arrays).
 
     Returns:
         float in [0, 1]; NaN when there is no tail token.
     """
-    total = float(seg_tail.sum())
-    K = seg_tail.numel()
-    if K == 0 or total == 0:
+    tail, valid = _host(seg_tail, np.int64), _host(seg_valid, np.int64)
+    if tail.size == 0 or not tail.any():
         return math.nan
-    import torch
-
-    top = math.ceil(top_fraction * K)
-    frac = seg_tail.double() / seg_valid.double()
-    by_count = torch.argsort(-seg_tail, stable=True)
-    order = by_count[torch.argsort(-frac[by_count], stable=True)]
-    return float(seg_tail[order[:top]].sum()) / total
+    width = int(valid.max())
+    table = np.bincount(valid * (width + 1) + tail, minlength=(width + 1) ** 2).astype(np.float64)
+    return c_tok_from_table(table, width, top_fraction)
 
 
 def c_tok_from_table(table: Array, width: int, top_fraction: float = 0.05) -> float:
@@ -114,11 +111,28 @@ def c_tok_from_table(table: Array, width: int, top_fraction: float = 0.05) -> fl
     total = float((counts * tails).sum())
     if K == 0 or total == 0:
         return math.nan
-    top = math.ceil(top_fraction * K)
-    cum = np.cumsum(counts)
-    i = int(np.searchsorted(cum, top))                    # first cell whose cumulative count reaches top
-    taken = float((counts[:i] * tails[:i]).sum()) + (top - (float(cum[i - 1]) if i else 0.0)) * float(tails[i])
-    return taken / total
+    return top_tail_tokens(sketch.host_array(table), order, tails, math.ceil(top_fraction * K)) / total
+
+
+@njit(cache=True, nogil=True)
+def top_tail_tokens(cells, order, order_tails, top):         # pragma: no cover - compiled
+    """The amplifying-tail tokens of the ``top`` highest-ranked segments (docs/metrics.md#c_tok): ``cells`` holds
+    the number of segments of each (valid, tail) cell (``valid · (W+1) + tail``; int64 or integer-valued float64),
+    ``order`` / ``order_tails`` the cells in ranking order and their tail counts (:func:`_cell_order`); the cells
+    are taken in that order, the last one partly.  Exact (integer arithmetic in float64).  The one read of the
+    ranking: :func:`c_tok_from_table` and the C_tok shuffle null
+    (:func:`triage_monitor.offline.stages.shuffle_null_from_state`) both call it."""
+    left = top
+    got = 0.0
+    for i in range(order.shape[0]):
+        c = cells[order[i]]
+        if c:
+            take = min(c, left)
+            got += take * order_tails[i]
+            left -= take
+            if left == 0:
+                break
+    return got
 
 
 def _host(t, dtype) -> np.ndarray:

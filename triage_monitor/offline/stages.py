@@ -31,7 +31,7 @@ from ..rundir.layout import RunLayout
 from .analysis import Run
 from ..metrics import names
 from ..metrics.definitions import is_negative_response, is_tail, segment_number, segment_shift
-from ..metrics.stats import c_tok_from_segments
+from ..metrics.stats import c_tok_from_segments, top_tail_tokens
 from ..metrics.state_kernel import NullInput
 
 if TYPE_CHECKING:      # torch only for the token-level paths: the stage table from the states needs numpy alone
@@ -608,15 +608,5 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
                     hist[v * W1] -= 1
                     hist[v * W1 + c] += 1
                     cnt[j] = 0
-        left = top
-        got = 0.0
-        for i in range(order.shape[0]):
-            c = hist[order[i]]
-            if c:
-                take = min(c, left)
-                got += take * order_tails[i]
-                left -= take
-                if left == 0:
-                    break
-        out[d] = got / total
+        out[d] = top_tail_tokens(hist, order, order_tails, top) / total
     return out
