@@ -891,12 +891,12 @@ def report_html(base: DemoConfig, frames: dict, summary: pd.DataFrame, seconds: 
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    from ..metrics import names
     from ..offline.views import add_rho_asym_guides
 
     panels = [("reward", f"reward (trailing {SMOOTH_STEPS})", True),
-              ("window/rho_asym", "window ρ_asym (direction)", False),
-              ("window/delta_abs_mean", "window mean |δ| (nats)", False), ("window/k3_kl", "window k3 KL", False),
-              ("window/small_gap_share", "window small-gap share", False),
+              *((c, names.label(c, unit=True), False)          # the metrics under their declared labels
+                for c in ("window/rho_asym", "window/delta_abs_mean", "window/k3_kl", "window/small_gap_share")),
               ("gate_downweighted_frac", "Gate down-weighted fraction", False), ("grad_norm", "gradient norm", False),
               ("follow_corr", "sampler-follow correlation", False)]
     arms = list(dict.fromkeys(a for a in ARMS if any(k[0] == a for k in frames)))
