@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -75,12 +75,13 @@ class AlignmentReport:
     suspect: bool
     message: str
 
-    def to_metrics(self) -> dict:
+    def to_metrics(self) -> dict[str, float]:
         """``{alignment_suspect, alignment_shift, alignment_ratio}`` as floats (monitor metric names)."""
         return {"alignment_suspect": float(self.suspect), "alignment_shift": float(self.shift),
                 "alignment_ratio": float(self.ratio)}
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The report's fields by name (:func:`dataclasses.asdict`)."""
         return asdict(self)
 
 
@@ -173,7 +174,7 @@ def check_alignment(batch_or_learner: Union[TokenBatch, Tensor], sampler_logp: O
 
 
 def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
-                        min_run: int = PADDING_MIN_RUN, run_gap: float = 0.05) -> dict:
+                        min_run: int = PADDING_MIN_RUN, run_gap: float = 0.05) -> dict[str, float]:
     """Padding values that leak into the valid region without being sentinels (docs/reliability.md).
 
     * ``zero_logp_count``: valid tokens whose log-prob is exactly 0.0 (probability 1,
@@ -216,7 +217,7 @@ def padding_diagnostics(batch: TokenBatch, *, zero_gap: float = ZERO_LOGP_GAP,
             "offset_response_count": float(batch.offset_responses)}
 
 
-def _padding_diagnostics_torch(batch: TokenBatch, zero_gap: float, min_run: int, run_gap: float) -> dict:
+def _padding_diagnostics_torch(batch: TokenBatch, zero_gap: float, min_run: int, run_gap: float) -> dict[str, float]:
     """:func:`padding_diagnostics` as torch operations, for tensors on an accelerator."""
     lp = batch.learner_logp.detach().float()
     sp = batch.sampler_logp.detach().float()

@@ -144,12 +144,12 @@ def phase_of(name: str, framework: Optional[str] = None) -> Optional[str]:
     return found.pop() if len(found) == 1 else None
 
 
-def _keys(name: str, framework: Optional[str]) -> list:
+def _keys(name: str, framework: Optional[str]) -> list[tuple[str, str]]:
     """``[(framework, key)]`` of the tables holding ``name``; a framework's bare names (verl's ``timing_raw`` keys,
     :attr:`FrameworkTimers.needs_framework`) only when that framework is said (``gen`` alone is too common a word)."""
     known = frameworks()
     tables = [framework] if framework is not None else list(known)
-    out = []
+    out: list[tuple[str, str]] = []
     for f in tables:
         fw = known.get(f)
         if fw is None:
@@ -168,7 +168,7 @@ def is_timer_name(name: str, framework: Optional[str] = None) -> bool:
 
 
 def phase_times(raw: Mapping[str, object], framework: Optional[str] = None, *, strict: bool = False,
-                unmapped: Optional[list] = None) -> dict:
+                unmapped: Optional[list[str]] = None) -> dict[str, float]:
     """Map timer readings onto the phases: ``{name: seconds}`` → ``{phase: seconds}`` (``"step"`` included).
 
     Several timers of one phase are added (verl's ``reward`` and ``adv`` make ``reward``); a timer recognised
@@ -189,7 +189,7 @@ def phase_times(raw: Mapping[str, object], framework: Optional[str] = None, *, s
         ValueError: a reading that is not a number, negative or infinite (naming the timer and the value);
             with ``strict``, a name that is not a timer name (naming it and the accepted names).
     """
-    out: dict = {}
+    out: dict[str, float] = {}
     for name, value in raw.items():
         if not isinstance(name, str):
             raise ValueError(f"timer name {name!r} ({type(name).__name__}) must be a string")
@@ -294,7 +294,7 @@ def table_timings(table, framework: Optional[str] = None, step_column: str = "st
     return out
 
 
-def columns_of(times: Mapping[str, float]) -> dict:
+def columns_of(times: Mapping[str, float]) -> dict[str, float]:
     """``{phase: seconds}`` (:func:`phase_times`) as steps-table columns ``{"time/<phase>": seconds}``."""
     return {COLUMNS[p]: float(v) for p, v in times.items()}
 
@@ -418,17 +418,17 @@ class CycleSummary:
 
     steps: int
     generation_steps: int
-    mean: dict
-    share: dict
+    mean: dict[str, float]
+    share: dict[str, float]
     g: float
     g_median: float
     k: float
     projected: float
-    not_sped_up: list = field(default_factory=list)
+    not_sped_up: list[tuple[str, float]] = field(default_factory=list)
     overlapping_steps: int = 0
     total_from: str = "step timer"
 
-    def lines(self, device: Optional[str] = None) -> list:
+    def lines(self, device: Optional[str] = None) -> list[str]:
         """The breakdown in words, one line each (the CLI's and the report's)."""
         if not self.steps:
             return ["no step of this run has phase timings (time/<phase> columns): nothing to break down"]
@@ -498,9 +498,9 @@ MISMATCH_FIGURES = (*((c, metric_names.label(c, unit=True), "mean") for c in ("d
                     *(("window/rho_asym", f"{metric_names.label('window/rho_asym')}, {how}", how) for how in ("last", "max")))
 
 
-def mismatch_figures(steps) -> dict:
+def mismatch_figures(steps) -> dict[str, float]:
     """``{label: value}`` of :data:`MISMATCH_FIGURES` over a run's steps table (NaN where the column is absent)."""
-    out = {}
+    out: dict[str, float] = {}
     for col, label, how in MISMATCH_FIGURES:
         s = steps[col].astype(float).dropna() if col in steps.columns else None
         if s is None or s.empty:
@@ -543,7 +543,7 @@ class CycleComparison:
     base: CycleSummary
     other: CycleSummary
 
-    def lines(self, names: Iterable[str] = ("base", "other")) -> list:
+    def lines(self, names: Iterable[str] = ("base", "other")) -> list[str]:
         """The comparison's headline in words."""
         a, b = list(names)
         out = [f"measured whole-cycle speedup {b} vs {a}: {_x(self.cycle)}; generation {_x(self.generation)}"]
