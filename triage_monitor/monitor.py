@@ -40,7 +40,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, Sequence, TypedDict, TypeVar, Union
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ RESERVED_KEYS = frozenset({"step", "tau_tail_frozen", *ALIGNMENT_METRICS, *TIME_
                            ALERT_STATE, *INTEGRITY_METRICS, *METRIC_NAMES, *(f"window/{k}" for k in METRIC_NAMES)})
 
 
-def step_columns(extras: Sequence[str] = ()) -> tuple:
+def step_columns(extras: Sequence[str] = ()) -> tuple[str, ...]:
     """The float64 metric columns of the steps table, in file order: the step metrics (:data:`METRIC_NAMES`),
     the integrity counters (:data:`INTEGRITY_METRICS`, the alignment check before ``writer_dropped_rows``),
     ``tau_tail_frozen``, the ``window/<name>`` metrics, the phase timings ``time/<phase>`` and ``time/step``
@@ -110,6 +110,13 @@ def steps_schema(extras: Sequence[str] = ()):
     ``step`` / ``rank``, the float64 :func:`step_columns`, int64 ``attempt``, float64 ``wall_time`` and the
     string ``nan_reasons`` (:func:`triage_monitor.rundir.records.steps_schema`; docs/metrics.md#run-directory-tables)."""
     return records_steps_schema(step_columns(extras))
+
+
+class MonitorState(TypedDict):
+    """:meth:`MismatchMonitor.state_dict`: the state's version and the metric tracker's calibration state."""
+
+    version: int
+    tracker: dict[str, Any]
 
 
 class MismatchMonitor:
@@ -254,13 +261,13 @@ class MismatchMonitor:
         return self.writer.sink
 
     @property
-    def manifest(self) -> dict:
+    def manifest(self) -> dict[str, Any]:
         """The run's manifest as the JSON object of ``run.json`` (:class:`~triage_monitor.rundir.manifest.RunManifest`)."""
         return self.writer.manifest.to_dict()
 
     # ---------------------------------------------------------------- per step
     def log_step(self, step: int, batch: TokenBatch, extra: Optional[dict] = None,
-                 token_extras: Optional[dict] = None, timings: Optional[dict] = None) -> dict:
+                 token_extras: Optional[dict] = None, timings: Optional[dict] = None) -> dict[str, float]:
         """Compute, record and report one step.
 
         Args:
@@ -373,7 +380,7 @@ class MismatchMonitor:
         self._last_step = step
         return metrics
 
-    def _diagnose(self, step: int, batch: TokenBatch) -> dict:
+    def _diagnose(self, step: int, batch: TokenBatch) -> dict[str, float]:
         """docs/reliability.md input diagnostics and writer health for one step (see :data:`INTEGRITY_METRICS`)."""
         out = padding_diagnostics(batch)
         out["empty_response_count"] = float((batch.num_valid == 0).sum())
@@ -442,7 +449,7 @@ class MismatchMonitor:
         self.writer.save_calibration(self.tracker.tau_tail, step)
 
     # -------------------------------------------------------------- resuming
-    def state_dict(self) -> dict:
+    def state_dict(self) -> MonitorState:
         """Calibration state for a checkpoint: τ_tail, frozen or with the reference steps' δ sketches so far.
 
         Plain Python values and CPU tensors (``torch.save(..., weights_only=True)``-loadable).
@@ -459,7 +466,7 @@ class MismatchMonitor:
             raise ValueError(f"MismatchMonitor state version {state.get('version')!r} is not {STATE_VERSION}")
         self.tracker.load_state_dict(state["tracker"])
 
-    def _evaluate_alerts(self, step: int, metrics: dict) -> list:
+    def _evaluate_alerts(self, step: int, metrics: dict) -> list[Alert]:
         """Run the rules on the step's metrics (the reporting rank) and add :data:`ALERT_STATE` to ``metrics``;
         returns the alerts fired at this step."""
         if self.alerts is None:
@@ -625,8 +632,8 @@ def _shared_attempt_id(group=None) -> int:
     return int(t.item())
 
 
-def _dir_id(store) -> Optional[tuple]:
-    """``(st_dev, st_ino)`` of a local store's root, None on an object store or when it cannot be read."""
+def _dir_id(store) -> Union[tuple[int, int], tuple[str], None]:
+    """``(st_dev, st_ino)`` of a local store's root, ``("gone",)`` when it cannot be read, None on an object store."""
     if not store.is_local:
         return None
     try:
@@ -636,14 +643,14 @@ def _dir_id(store) -> Optional[tuple]:
     return st.st_dev, st.st_ino
 
 
-def _in_run_dir(loggers: Sequence, layout: RunLayout) -> list:
+def _in_run_dir(loggers: Sequence, layout: RunLayout) -> list[object]:
     """``loggers`` with a TensorBoard tracker given without ``log_dir`` (``"tensorboard"``) writing into the run
     directory's ``tensorboard/`` folder (a local run), not SummaryWriter's ``./runs/<date>_<host>`` in whatever
     working directory the reporting process has (a Ray worker's is the driver's); an object-store run keeps the
     default (SummaryWriter writes local files) and one WARNING names that folder."""
     from .alerting.trackers import TrackerSpec
 
-    out = []
+    out: list[object] = []
     for item in loggers or ():
         if (item == "tensorboard" or (isinstance(item, TrackerSpec) and item.kind == "tensorboard"
                                       and "log_dir" not in item.options and "writer" not in item.options)
@@ -673,7 +680,7 @@ def _check_token_extras(token_extras: Optional[dict], n: int) -> None:
             raise ValueError(f"token_extras[{k!r}] has {size} values, batch has {n}")
 
 
-def _step_timings(timings: Optional[dict], extra: dict) -> dict:
+def _step_timings(timings: Optional[dict], extra: dict) -> dict[str, float]:
     """The step's ``{"time/<phase>": seconds}`` (every timing column, NaN where not timed) from ``timings`` (our
     phase names or a framework's timer names, :func:`triage_monitor.metrics.timings.phase_times`), the ``time/<phase>`` keys of ``extra`` (removed from it) and the
     framework timer names among the other ``extra`` keys (kept there), in that order of precedence.

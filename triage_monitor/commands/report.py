@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     return exits.FINDING if gaps or damaged else exits.OK
 
 
-def _differences_from_live(run) -> list:
+def _differences_from_live(run) -> list[str]:
     """``analyze``'s recomputation check on ``run`` (its per-step states, cached by the report): one line when
     metrics recomputed from the token records differ from the live values beyond what a resume explains (a token
     block damaged or replaced after the run, whose pages still decode), else none."""

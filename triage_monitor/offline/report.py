@@ -18,7 +18,7 @@ import html
 import math
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional, Sequence
 
 import pandas as pd
 
@@ -29,6 +29,9 @@ from .stages import degenerate_notice, format_stage_table, stage_table
 from ..metrics.timings import DEFAULT_K
 from .. import exits
 from . import views
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 REPORT_PANELS = ("direction", "small_gap", "delta_q05", "k3_kl", "reward", "controller")
 
@@ -99,17 +102,25 @@ def _stage_html(table: pd.DataFrame) -> str:
             f'<tbody>{"".join(rows)}</tbody></table></div>')
 
 
+class CycleSection(NamedTuple):
+    """The report's step-time section: its HTML and its figures (in page order)."""
+
+    section: str
+    figures: list[go.Figure]
+
+
 def _cycle_html(runs: Sequence[Run], names: Sequence[str], subject_steps: pd.DataFrame, k: float,
-                destabilised: Optional[int] = None) -> tuple:
+                destabilised: Optional[int] = None) -> CycleSection:
     """(section HTML, figures) of the step time and the full cycle: the subject run's breakdown; with a second run,
     the comparison (the first run the baseline).  Empty when the subject has no phase timing."""
     from ..metrics.timings import compare_cycles, cycle_frame, cycle_summary, device_of, figures
 
     frame = cycle_frame(subject_steps, k)
     if frame.empty:
-        return ("<h2>Step time and the full cycle</h2><div class=\"note\">No step of this run has phase timings "
-                "(<code>time/&lt;phase&gt;</code> columns): a hook records them where it sees the framework's timers, "
-                "a loop of your own passes <code>log_step(timings=...)</code> (docs/hooks.md#phase-timings).</div>", [])
+        return CycleSection("<h2>Step time and the full cycle</h2><div class=\"note\">No step of this run has phase "
+                            "timings (<code>time/&lt;phase&gt;</code> columns): a hook records them where it sees the "
+                            "framework's timers, a loop of your own passes <code>log_step(timings=...)</code> "
+                            "(docs/hooks.md#phase-timings).</div>", [])
     info = runs[0].manifest.info if isinstance(runs[0].manifest.info, dict) else {}
     device = device_of(info)
     summary = cycle_summary(frame, k)
@@ -146,7 +157,7 @@ def _cycle_html(runs: Sequence[Run], names: Sequence[str], subject_steps: pd.Dat
                     f"<tbody>{mrows}</tbody></table></div></div>")
             figs.append(views.cycle_bars_figure({pair[0]: cmp.base, pair[1]: cmp.other},
                                                 "Mean step time by phase, the two runs", device))
-    return out, [f for f in figs if f is not None]
+    return CycleSection(out, [f for f in figs if f is not None])
 
 
 def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None, window: Optional[int] = None,
@@ -209,9 +220,9 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
     with cf.ThreadPoolExecutor(1) as pool:
         staged = pool.submit(stage_table, run, anchors, window=win, draws=draws, seed=seed, metrics=frames[subject],
                              states=subject_states)
-        figs = [views.timeseries_figure(frames, p, True, win, alert_frames, reference=ref_label, band=band,
-                                        destabilised=destabilised) for p in REPORT_PANELS]
-        figs = [f for f in figs if f is not None]
+        panels = [views.timeseries_figure(frames, p, True, win, alert_frames, reference=ref_label, band=band,
+                                          destabilised=destabilised) for p in REPORT_PANELS]
+        figs = [f for f in panels if f is not None]
         figs += [views.quadrant_figure(frames[subject], True, subject, destabilised=destabilised),
                  views.localisation_figure(frames[subject], True, subject, destabilised=destabilised)]
         cycle_html, cycle_figs = _cycle_html(runs, list(frames), steps, k, destabilised)
@@ -221,15 +232,17 @@ def build_report(run_dirs: Sequence, *, anchors: Optional[Sequence[int]] = None,
     cycle_divs = "".join(f'<div class="chart">{d}</div>' for d in divs[len(figs):])
     divs = divs[:len(figs)]
 
+    tau = ov["tau_tail"]
     cards = [("Steps", f"{ov['steps']:,}"), ("Tokens", f"{ov['tokens']:,}"), ("Alerts", str(ov["alerts"])),
              ("Correction", ov.get("correction", "-")), ("Window", f"{win} steps"),
-             (metric_names.label("tau_tail"), _fmt(float(ov["tau_tail"])) if ov.get("tau_tail") is not None else "-")]
+             (metric_names.label("tau_tail"), _fmt(float(tau)) if tau is not None else "-")]
     card_html = "".join(f'<div class="card"><div class="k">{k}</div><div class="v">{html.escape(v)}</div></div>'
                         for k, v in cards)
     fact_keys = ("path", "status", "model", "task", "framework", "sampler_recipe", "learner_recipe", "correction",
                  "sampler_logp", "segment_width", "created", "tool_version")
-    facts = "".join(f"<tr><td>{k.replace('_', ' ')}</td><td>{_fmt(ov[k])}</td></tr>" for k in fact_keys
-                    if ov.get(k) is not None)
+    by_name: Mapping[str, object] = ov        # the facts table reads the overview's keys by name
+    facts = "".join(f"<tr><td>{k.replace('_', ' ')}</td><td>{_fmt(by_name[k])}</td></tr>" for k in fact_keys
+                    if by_name.get(k) is not None)
     alert_html = ""
     if ov["alerts"]:
         cols = [c for c in ("step", "level", "rule", "metric", "value", "threshold", "title") if c in alerts]

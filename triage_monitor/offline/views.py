@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import TYPE_CHECKING, Mapping, Optional
+from typing import TYPE_CHECKING, Literal, Mapping, Optional, TypedDict, get_args
 
 import numpy as np
 import pandas as pd
@@ -99,14 +99,15 @@ def series(df: pd.DataFrame, column: str, window: bool, window_steps: int = 25) 
     return s
 
 
-def _values(s: pd.Series, scale: float) -> list:
+def _values(s: pd.Series, scale: float) -> list[Optional[float]]:
     return [None if not math.isfinite(v) else v * scale for v in s.to_numpy(dtype=float)]
 
 
-def run_roles(labels, reference: Optional[str] = None) -> dict:
+def run_roles(labels, reference: Optional[str] = None) -> dict[str, tuple[str, str]]:
     """label -> ``(role, colour)`` of every run of a chart: the first label is the inspected run (red), ``reference``
     the reference (grey), the others ``"compared"`` in :data:`OTHER_COLORS` order."""
-    out, k = {}, 0
+    out: dict[str, tuple[str, str]] = {}
+    k = 0
     for i, label in enumerate(labels):
         if label == reference:
             out[label] = ("reference", REFERENCE_COLOR)
@@ -128,7 +129,7 @@ def noise_steps(df: pd.DataFrame, window: bool = True) -> np.ndarray:
     return df["step"].to_numpy()[flags].astype(np.int64)
 
 
-def _spans(steps: np.ndarray) -> list:
+def _spans(steps: np.ndarray) -> list[tuple[int, int]]:
     """Contiguous runs of sorted integer ``steps`` as ``[(first, last), ...]``."""
     if steps.size == 0:
         return []
@@ -485,20 +486,56 @@ def gate_weights(batch, manifest):
     return TriageController(cfg)(batch, step=0).gate_weights.numpy(), cfg
 
 
-def run_overview(run, steps: pd.DataFrame, alerts: Optional[pd.DataFrame] = None) -> dict:
+#: The manifest ``info`` entries :func:`run_overview` shows (as strings, where the run has them), in its order.
+RunFact = Literal["model", "task", "framework", "sampler_recipe", "learner_recipe", "correction", "sampler_logp"]
+RUN_FACTS: tuple[RunFact, ...] = get_args(RunFact)
+
+
+class _RunHeadline(TypedDict):
+    """The keys every :func:`run_overview` has."""
+
+    run: str
+    path: str
+    status: str
+    steps: int
+    first_step: Optional[int]
+    last_step: Optional[int]
+    tokens: int
+    alerts: int
+    window: int
+    segment_width: int
+    tau_tail: Optional[float]
+    created: str
+    tool_version: str
+
+
+class RunOverview(_RunHeadline, total=False):
+    """:func:`run_overview`: the headline keys, then the :data:`RUN_FACTS` the manifest's ``info`` holds."""
+
+    model: str
+    task: str
+    framework: str
+    sampler_recipe: str
+    learner_recipe: str
+    correction: str
+    sampler_logp: str
+
+
+def run_overview(run, steps: pd.DataFrame, alerts: Optional[pd.DataFrame] = None) -> RunOverview:
     """Headline facts of a run: name, status, steps, tokens, alerts, and the manifest's model /
     recipe / correction / config entries (strings)."""
     m = run.manifest
     info = m.info if isinstance(m.info, dict) else {}
     n_steps = int(len(steps))
     tokens = int(np.nansum(steps["n_tokens"].to_numpy(dtype=float))) if "n_tokens" in steps.columns else 0
-    out = {"run": run.path.name, "path": str(run.path), "status": str(m.status or "unknown"),
-           "steps": n_steps, "first_step": int(steps["step"].min()) if n_steps else None,
-           "last_step": int(steps["step"].max()) if n_steps else None, "tokens": tokens,
-           "alerts": int(len(alerts)) if alerts is not None and "rule" in alerts.columns else 0,
-           "window": run.config.window, "segment_width": run.config.metrics.segment_width,
-           "tau_tail": run.tau_tail, "created": m.created, "tool_version": m.tool_version}
-    for k in ("model", "task", "framework", "sampler_recipe", "learner_recipe", "correction", "sampler_logp"):
+    out: RunOverview = {
+        "run": run.path.name, "path": str(run.path), "status": str(m.status or "unknown"),
+        "steps": n_steps, "first_step": int(steps["step"].min()) if n_steps else None,
+        "last_step": int(steps["step"].max()) if n_steps else None, "tokens": tokens,
+        "alerts": int(len(alerts)) if alerts is not None and "rule" in alerts.columns else 0,
+        "window": run.config.window, "segment_width": run.config.metrics.segment_width,
+        "tau_tail": run.tau_tail, "created": m.created, "tool_version": m.tool_version}
+    for k in RUN_FACTS:
         if k in info:
             out[k] = str(info[k])
     return out
