@@ -39,6 +39,9 @@ REGIONS = ("amp_neg", "amp_pos", "con_neg", "con_pos")
 #: Quantiles of δ reported per step / window (docs/metrics.md#delta_quantiles), name → q.
 DELTA_QUANTILES = {"delta_q01": 0.01, "delta_q05": 0.05, "delta_q50": 0.50}
 _REGION_LABEL = {"amp_neg": "A⁻", "amp_pos": "A⁺", "con_neg": "C⁻", "con_pos": "C⁺"}
+#: What each region holds, for legends (docs/metrics.md#terms).
+REGION_LABELS = {"amp_neg": "A⁻ amplifying (A<0, δ<0)", "amp_pos": "A⁺ amplifying (A>0, δ>0)",
+                 "con_neg": "contracting (A<0, δ>0)", "con_pos": "contracting (A>0, δ<0)"}
 
 #: Every metric :meth:`~triage_monitor.metrics.stats.MismatchStats.compute` returns, in display order.
 METRICS: tuple[Metric, ...] = (

@@ -21,7 +21,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..metrics.definitions import is_tail
+from ..config import MetricConfig
+from ..metrics.definitions import is_negative_response, is_tail, segment_number
 from ..metrics import names as metric_names  # declarations only (the standard library): no metric code imported
 from ..metrics.names import REGIONS  # noqa: F401  (the four regions of docs/metrics.md#terms, read here since 0.1)
 
@@ -37,9 +38,8 @@ INSPECTED_COLOR, REFERENCE_COLOR = "#dc2626", "#6b7280"
 OTHER_COLORS = ("#2563eb", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777")
 #: The destabilisation step's marker on every time series (docs/alerts.md#the-run-verdict).
 MARKER_COLOR = "#111827"
-REGION_COLORS = {"amp_neg": "#dc2626", "amp_pos": "#f97316", "con_neg": "#3b82f6", "con_pos": "#10b981"}
-REGION_LABELS = {"amp_neg": "A⁻ amplifying (A<0, δ<0)", "amp_pos": "A⁺ amplifying (A>0, δ>0)",
-                 "con_neg": "contracting (A<0, δ>0)", "con_pos": "contracting (A>0, δ<0)"}
+REGION_COLORS = dict(zip(REGIONS, ("#dc2626", "#f97316", "#3b82f6", "#10b981")))
+REGION_LABELS = metric_names.REGION_LABELS
 #: Per-step extras written by the training loop: they have no pooled window
 #: column, so the window view shows their trailing mean.
 EXTRAS = ("reward", "accuracy", "gate_weight_mean", "repair_loss")
@@ -49,7 +49,8 @@ PANELS = {
     "direction": ("Direction: ρ_asym = mass(A⁻) / mass(A⁺)",
                   [(c, metric_names.label(c), 1.0) for c in ("rho_asym", "rho_asym_lennorm")],
                   "ratio", 1.0),
-    "small_gap": ("Small-gap share |δ| < 0.05", [("small_gap_share", metric_names.label("small_gap_share"), 100.0)],
+    "small_gap": (f"Small-gap share |δ| < {MetricConfig().small_gap_threshold:g}",
+                  [("small_gap_share", metric_names.label("small_gap_share"), 100.0)],
                   "%", None),
     "delta_q05": ("q0.05 of δ", [("delta_q05", metric_names.label("delta_q05"), 1.0)], "nats", None),
     "k3_kl": ("k3 KL estimator", [("k3_kl", metric_names.label("k3_kl"), 1.0)], "nats", None),
@@ -421,7 +422,9 @@ def response_figure(tokens: pd.DataFrame, gate_weight: Optional[np.ndarray], wid
     t = tokens.sort_values("position")
     pos = t["position"].to_numpy()
     delta = (t["learner_logp"].astype(np.float64) - t["sampler_logp"].astype(np.float64)).to_numpy()
-    adv = float(t["advantage"].astype(np.float64).mean()) if len(t) else math.nan
+    token_adv = t["advantage"].to_numpy(np.float64)
+    adv = float(token_adv.mean()) if len(t) else math.nan       # shown; the sign is the definition's
+    negative = bool(is_negative_response(token_adv.clip(min=0).sum(), (-token_adv).clip(min=0).sum()))
     rows = 2 if gate_weight is not None else 1
     fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         row_heights=[0.68, 0.32][:rows] if rows == 2 else None,
@@ -434,7 +437,11 @@ def response_figure(tokens: pd.DataFrame, gate_weight: Optional[np.ndarray], wid
     short = pos.size <= 200                   # bars read well up to ~200 tokens; beyond, coloured points
     fig.add_trace(go.Bar(marker=color, **common) if short else
                   go.Scatter(mode="markers", marker=dict(size=5, **color), **common), row=1, col=1)
-    tail = is_tail(adv, delta, tau_tail) if math.isfinite(tau_tail) else np.zeros(delta.size, bool)
+    # the tail tokens the localisation metrics count: those of a response with A < 0, each token's A and δ in
+    # float32 as recorded
+    delta32 = t["learner_logp"].to_numpy(np.float32) - t["sampler_logp"].to_numpy(np.float32)
+    tail = (is_tail(t["advantage"].to_numpy(np.float32), delta32, tau_tail) & negative if math.isfinite(tau_tail)
+            else np.zeros(delta.size, bool))
     if tail.any() and short:
         fig.add_trace(go.Scatter(x=pos[tail].tolist(), y=delta[tail].tolist(), mode="markers", name="tail token",
                                  marker=dict(symbol="x", size=7, color="#111827"), meta={"column": "tail"}),
@@ -446,7 +453,8 @@ def response_figure(tokens: pd.DataFrame, gate_weight: Optional[np.ndarray], wid
                                  line=dict(shape="hv", color="#7c3aed", width=2), name="Gate weight",
                                  meta={"sample_id": int(sample_id), "column": "gate_weight"}), row=2, col=1)
         fig.update_yaxes(range=[0, 1.05], row=2, col=1)
-    bounds = range((int(pos.min()) // width + 1) * width, int(pos.max()) + 1, width) if pos.size else range(0)
+    bounds = (range((segment_number(int(pos.min()), width) + 1) * width, int(pos.max()) + 1, width) if pos.size
+              else range(0))                          # the first position of each segment after the first
     if len(bounds):
         # the first boundary through add_vline (its shapes in each non-empty subplot), the others as copies of those
         # shapes set at once: the same layout, where an add_vline per boundary revalidated every shape so far
@@ -456,7 +464,7 @@ def response_figure(tokens: pd.DataFrame, gate_weight: Optional[np.ndarray], wid
         shapes = [sh.to_plotly_json() for sh in fig.layout.shapes]
         one = shapes[before:]
         fig.layout.shapes = shapes + [{**sh, "x0": b - 0.5, "x1": b - 0.5} for b in bounds[1:] for sh in one]
-    sign = "A < 0 (negative)" if adv < 0 else "A > 0 (positive)" if adv > 0 else "A = 0"
+    sign = "A < 0 (negative)" if negative else "A > 0 (positive)" if adv > 0 else "A = 0"
     _layout(fig, f"Response {sample_id} · {sign}, A = {adv:+.3f} · {len(t)} tokens · segments of {width}",
             height=420 if rows == 2 else 300, hovermode="closest", showlegend=False)
     fig.update_xaxes(title_text="position", row=rows, col=1)
