@@ -103,7 +103,9 @@ def coarsen(seg: Segments, width: int) -> Segments:
     m = int(width) // seg.width
     if m == 1 or not seg.num_segments:
         return Segments(seg.index, seg.sample, seg.number, seg.count, int(width))
-    number = torch.div(seg.number, m, rounding_mode="floor")
+    # segment_number(position, width) = segment_number(position, seg.width) // m for width = m · seg.width: the same
+    # cut as segment_tokens at ``width``, without the positions
+    number = segment_number(seg.number, m)
     stride = int(number.max()) + 1
     uniq, inverse = torch.unique_consecutive(seg.sample * stride + number, return_inverse=True)
     count = torch.zeros(uniq.numel(), dtype=seg.count.dtype, device=seg.count.device).index_add(0, inverse, seg.count)

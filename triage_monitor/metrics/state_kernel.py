@@ -442,7 +442,7 @@ def update_state(state: np.ndarray, slices: dict, delta: np.ndarray, advantage: 
         null_input: a list to which the batch's shuffle-null input is appended (with
             :data:`LOCALISATION`): a :class:`NullInput` of int32 arrays --
             the valid tokens of each segment of every A < 0 response holding a tail token, in order, and per
-            such response its number of segments and of tail tokens (:func:`shuffle_null_c_tok`).
+            such response its number of segments and of tail tokens (:func:`triage_monitor.offline.stages.shuffle_null_from_state`).
 
     Returns:
         :data:`OK`, or :data:`UNSORTED` (nothing added) when the rows are not in (sample, position) order
