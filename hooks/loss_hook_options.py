@@ -7,20 +7,30 @@ what these hooks hand to the framework's own metrics
 from __future__ import annotations
 
 import weakref
-from typing import Mapping
+from typing import Any, Mapping, NamedTuple
 
 from triage_monitor.alerting.alerts import check_alerts_setting
-from triage_monitor.alerting.trackers import CURATED_KEYS, check_keys, specs_of
+from triage_monitor.alerting.trackers import CURATED_KEYS, Keys, TrackerSpec, check_keys, specs_of
 
 from .worker_runtime import HookSettings, WorkerRuntime
 
 
-def hook_options(where: str, alerts, loggers, framework_keys) -> tuple:
+class HookOptions(NamedTuple):
+    """:func:`hook_options`' checked ``(alerts, loggers, framework_keys)``, in :class:`HookSettings`' terms."""
+
+    alerts: object
+    loggers: list[TrackerSpec]
+    framework_keys: Keys
+
+
+def hook_options(where: str, alerts, loggers, framework_keys) -> HookOptions:
     """Validate ``alerts`` / ``loggers`` / ``framework_keys`` as configuration (what :class:`HookSettings` takes);
     one tracker may be given without a list.
 
     Returns:
-        ``(alerts, loggers, framework_keys)`` for :class:`HookSettings`.
+        :class:`HookOptions` ``(alerts, loggers, framework_keys)`` for :class:`HookSettings`: the alerts setting
+        with rule mappings made rules, the loggers as :class:`~triage_monitor.alerting.trackers.TrackerSpec`
+        list, the framework keys checked.
 
     Raises:
         ValueError: naming ``where`` and the option (a live engine or tracker included: a hook carries
@@ -33,7 +43,7 @@ def hook_options(where: str, alerts, loggers, framework_keys) -> tuple:
         loggers = specs_of(loggers)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: loggers: {exc}") from None
-    return alerts, loggers, check_keys(framework_keys, f"{where}: framework_keys")
+    return HookOptions(alerts, loggers, check_keys(framework_keys, f"{where}: framework_keys"))
 
 
 def framework_names(settings: HookSettings):
@@ -45,7 +55,7 @@ def framework_names(settings: HookSettings):
     return None if keys == "all" else frozenset(CURATED_KEYS if keys == "curated" else keys)
 
 
-def own_stats(stats: dict, settings: HookSettings) -> dict:
+def own_stats(stats: Mapping[str, Any], settings: HookSettings) -> dict[str, Any]:
     """The controller's per-call statistics that keep their ``triage/<name>``: those whose name
     ``framework_keys`` does not claim (under a claimed name the framework logs the monitor's step value)."""
     names = framework_names(settings)
@@ -73,4 +83,4 @@ def first_hand_over(rt: WorkerRuntime) -> bool:
     return True
 
 
-__all__ = ["hook_options", "framework_names", "own_stats", "reports", "first_hand_over"]
+__all__ = ["HookOptions", "hook_options", "framework_names", "own_stats", "reports", "first_hand_over"]

@@ -15,7 +15,7 @@ import os
 from typing import Optional
 
 from triage_monitor.alerting.alerts import check_alerts_setting, load_rules
-from triage_monitor.alerting.trackers import PREFIX, check_keys, framework_values, specs_of
+from triage_monitor.alerting.trackers import PREFIX, TrackerSpec, check_keys, framework_values, specs_of
 
 #: Values of a string ``alerts`` option meaning the shipped default rules / no rules.
 ALERTS_DEFAULT = ("default", "on", "true")
@@ -61,7 +61,7 @@ def parse_alerts(raw: Optional[str], where: str):
         raise ValueError(f"{exc} (use 'default', 'off' or the path of a rule file)") from None
 
 
-def check_loggers(value, where: str, shown=None) -> list:
+def check_loggers(value, where: str, shown=None) -> list[TrackerSpec]:
     """A Python ``loggers`` setting checked now: a list of tracker specs (kind names, mappings with ``kind``,
     :class:`~triage_monitor.alerting.trackers.TrackerSpec`); a single spec is taken as a list of one.
 
@@ -76,7 +76,7 @@ def check_loggers(value, where: str, shown=None) -> list:
         raise ValueError(f"{where}={value if shown is None else shown!r}: {exc}") from None
 
 
-def parse_loggers(raw: Optional[str], where: str) -> list:
+def parse_loggers(raw: Optional[str], where: str) -> list[TrackerSpec]:
     """``loggers`` from a string: a JSON list of tracker specs (``'["tensorboard", {"kind": "mlflow",
     "tracking_uri": "file:/shared/mlruns"}]'``), a JSON object (one spec) or comma-separated kind names
     (``tensorboard,mlflow``); empty: none.
@@ -153,7 +153,7 @@ def check_normalization(triage, where: str, normaliser: str) -> None:
                          "normalization='per_response' (the default)")
 
 
-def dp_framework_metrics(last: Optional[dict], keys, rank: int, dp_size: int, alerts_on: bool) -> dict:
+def dp_framework_metrics(last: Optional[dict], keys, rank: int, dp_size: int, alerts_on: bool) -> dict[str, float]:
     """The framework metrics for a framework that averages a metrics dict over its data-parallel ranks **key by
     key** (one collective per key, so every rank must hand over the same keys in the same order: SkyRL).
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Optional
+from typing import Optional, TypedDict
 
 import torch
 
@@ -23,7 +23,20 @@ from .worker_runtime import HookSettings, LossHook
 STATE_FILE = "triage_monitor_state_rank{rank}.pt"
 
 
-def last_stats(res) -> dict:
+class LastStats(TypedDict):
+    """:func:`last_stats`: one loss call's plain-number statistics, in this key order."""
+
+    loss: float
+    policy_loss: float
+    agg_mode: str
+    n_tokens: int
+    n_responses: int
+    stats: dict[str, float]
+    gate_weight_min: float
+    token_weight_max: float
+
+
+def last_stats(res) -> LastStats:
     """Plain-number statistics of one :class:`~triage_monitor.triage.loss.TriageLoss`: ``loss``, ``policy_loss``,
     ``agg_mode``, ``n_tokens``, ``n_responses``, the controller's ``stats`` and ``gate_weight_min`` /
     ``token_weight_max`` (NaN without tokens); nothing that references the micro-batch's tensors."""
@@ -56,7 +69,7 @@ class TrainerHookMixin:
     """
 
     triage_hook: Optional[TrainerLossHook] = None
-    triage_last: Optional[dict] = None
+    triage_last: Optional[LastStats] = None
     _tm_live = None
     _tm_capture = False
     _tm_logged_step = None
@@ -195,7 +208,7 @@ class TrainerHookMixin:
             logs.update(self._triage_log_metrics())
         return super().log(logs, *args, **kwargs)
 
-    def _triage_log_metrics(self) -> dict:
+    def _triage_log_metrics(self) -> dict[str, float]:
         rt = self.triage_hook.runtime
         try:
             rt.flush()
@@ -239,4 +252,4 @@ class TrainerHookMixin:
                 self.triage_hook.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
-__all__ = ["STATE_FILE", "TrainerHookMixin", "TrainerLossHook", "last_stats"]
+__all__ = ["STATE_FILE", "TrainerHookMixin", "TrainerLossHook", "last_stats", "LastStats"]

@@ -44,13 +44,13 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Mapping, Optional, TypedDict
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from triage_monitor.alerting.alerts import check_alerts_setting
-from triage_monitor.triage.controller import TriageConfig, TriageController
+from triage_monitor.triage.controller import ControllerState, TriageConfig, TriageController
 from triage_monitor.rundir.layout import RunLayout
 from triage_monitor.rundir.storage import open_store
 from triage_monitor.monitor import MismatchMonitor, MonitorConfig
@@ -70,6 +70,16 @@ CALLS_WITHOUT_OPTIMIZER_WARNING = 10_000
 #: Controller used by loss hooks without a TriageConfig: Gate, TIS and Repair off, so the loss is the
 #: framework's own PPO loss and the hook only monitors.
 PLAIN_PPO = TriageConfig(gate=False, tis=False, repair=False)
+
+
+class RuntimeState(TypedDict):
+    """:meth:`WorkerRuntime.state_dict`: a process's checkpoint state (``torch.save``-able), in this key order."""
+
+    controller: Optional[ControllerState]
+    optimizer_steps: int
+    step_offset: int
+    calls: int
+    monitor: Optional[Mapping[str, Any]]
 
 
 @dataclass
@@ -469,7 +479,7 @@ class WorkerRuntime:
         self._late_reward(step, r)
         return None
 
-    def framework_metrics(self) -> dict:
+    def framework_metrics(self) -> dict[str, float]:
         """The metrics to hand to the framework's own logger: ``settings.framework_keys`` of the last step this
         process logged, as ``triage/<name>`` floats, with ``triage/metrics_step`` (the step they belong to);
         ``{}`` before the first step.  In a loss hook the step being trained is logged when it closes, so a loss
@@ -490,7 +500,7 @@ class WorkerRuntime:
                 self._monitor.close()
 
     # --------------------------------------------------------------- state
-    def state_dict(self) -> dict:
+    def state_dict(self) -> RuntimeState:
         """Controller calibration, step counters and monitor calibration (``torch.save``-able)."""
         return {"controller": self.controller.state_dict() if self.controller is not None else None,
                 "optimizer_steps": self.optimizer_steps, "step_offset": self.step_offset, "calls": self.calls,
@@ -605,7 +615,7 @@ class HookAdapter:
         """Log the step being accumulated now."""
         return self.runtime.flush()
 
-    def framework_metrics(self) -> dict:
+    def framework_metrics(self) -> dict[str, float]:
         """The last logged step's metrics for the framework's own logger (:meth:`WorkerRuntime.framework_metrics`)."""
         return self.runtime.framework_metrics()
 
@@ -613,7 +623,7 @@ class HookAdapter:
         """Log the last step and close this process's monitor."""
         self.runtime.close()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> RuntimeState:
         """This process's controller calibration, step counters and monitor calibration."""
         return self.runtime.state_dict()
 
