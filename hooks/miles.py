@@ -276,7 +276,7 @@ def step_share(args, batch: dict, sum_of_sample_mean, device) -> float:
     return float(sum_of_sample_mean(torch.ones(n, device=device)))
 
 
-def framework_log(rt, share: float, dp_size: int, device) -> dict:
+def framework_log(rt, share: float, dp_size: int, device) -> dict[str, torch.Tensor]:
     """``framework_keys`` of the last step this process logged, each × ``share`` (:func:`step_share`), so that Miles'
     step reduction returns the monitor's value (module docstring); ``triage/alerts_active`` only with one
     data-parallel rank (it is the reporting rank's alone).  Nothing before the first logged step."""

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -125,7 +125,7 @@ def batch_from_nemo_rl(data, learner_key: str = "prev_logprobs", on_invalid: str
                                   positions=leading_positions(mask), on_invalid=on_invalid)
 
 
-def _cfg_dict(cfg) -> dict:
+def _cfg_dict(cfg) -> dict[str, Any]:
     if cfg is None:
         return {}
     if hasattr(cfg, "model_dump"):
@@ -203,7 +203,7 @@ class NemoRLTriageLoss(LossHook):
         return lt.TOKEN_LEVEL if self.token_level_loss else lt.SEQUENCE_LEVEL
 
     @property
-    def metric_normalizations(self) -> dict:
+    def metric_normalizations(self) -> dict[str, Any]:
         """Per metric, the global denominator it was divided by (NeMo's ``MetricNormalizer``; {} without NeMo)."""
         mn = _nemo_interfaces()[2]
         if mn is None:
@@ -219,7 +219,7 @@ class NemoRLTriageLoss(LossHook):
         out.update({f"triage/{k}": mn.NONE for k in self._framework_names()})
         return out
 
-    def _framework_names(self) -> list:
+    def _framework_names(self) -> list[str]:
         """Every name the monitor may hand over (``framework_keys``; ``"all"``: the monitor's computed metrics, the
         controller's statistics and the last step's other keys), with ``metrics_step``."""
         names = framework_names(self.settings)
@@ -280,7 +280,7 @@ class NemoRLTriageLoss(LossHook):
             return None
         return record_timings(logger, self.settings.run_dir)
 
-    def _nemo_metrics(self, batch, prev, gen, res, loss, kl, toks, data) -> dict:
+    def _nemo_metrics(self, batch, prev, gen, res, loss, kl, toks, data) -> dict[str, float]:
         """``ClippedPGLossFn``'s metrics (same names, same values and normalisation) on this micro-batch."""
         with torch.no_grad():
             den = toks + 1e-8

@@ -51,7 +51,7 @@ import json
 import logging
 import math
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, TypedDict
 
 import torch
 
@@ -222,12 +222,12 @@ class OpenRLHFTriageLoss(LossHook):
                                   if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.numel() == 1)})
         return res.loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
 
-    def _stats(self) -> list:
+    def _stats(self) -> list[dict[str, float]]:
         if not hasattr(self, "_live_stats"):
-            self._live_stats = []
+            self._live_stats: list[dict[str, float]] = []
         return self._live_stats
 
-    def pop_stats(self) -> dict:
+    def pop_stats(self) -> dict[str, float]:
         """Mean of the controller's statistics over the loss calls since the last call (``{}`` when none)."""
         calls, self._live_stats = self._stats(), []
         keys = sorted({k for c in calls for k in c})
@@ -288,7 +288,7 @@ class TriagePolicyActorMixin:
         status.update(self.triage_framework_metrics(dist_on))
         return status
 
-    def triage_framework_metrics(self, dist_on: bool) -> dict:
+    def triage_framework_metrics(self, dist_on: bool) -> dict[str, float]:
         """The monitor's values of the fit's last optimizer step (the current step: the fit has just closed it),
         the ``framework_keys`` selection as ``triage/<name>`` with ``triage/metrics_step``, taken from rank 0 —
         whose monitor judged the all-reduced metrics and holds the alert state — and handed to every rank, so the
@@ -367,7 +367,14 @@ def _timed(base, settings: HookSettings, name: str):
                                                               "timings (docs/hooks.md#phase-timings)."})
 
 
-def trainer_classes(settings: HookSettings) -> dict:
+class TrainerClasses(TypedDict):
+    """:func:`trainer_classes`: the Ray actor classes :func:`run_cli` puts in place of OpenRLHF's two trainers."""
+
+    PPOTrainer: Any
+    PPOTrainerAsync: Any
+
+
+def trainer_classes(settings: HookSettings) -> TrainerClasses:
     """Ray actor classes for the two places :func:`run_cli` puts them: ``{"PPOTrainer": ..., "PPOTrainerAsync":
     ...}`` — OpenRLHF's synchronous trainer with :class:`TriageTimingsMixin`, and its asynchronous trainer, whose
     ``__init__`` (in its own process) makes its ``TrainingActor`` the same (that class is looked up there)."""
@@ -388,7 +395,7 @@ def trainer_classes(settings: HookSettings) -> dict:
         async_base.__init__(self, *args, **kwargs)
 
     asynchronous = type("TriagePPOTrainerAsync", (async_base,), {"__init__": __init__, "__module__": __name__})
-    return {"PPOTrainer": ray.remote(sync), "PPOTrainerAsync": ray.remote(asynchronous)}
+    return TrainerClasses(PPOTrainer=ray.remote(sync), PPOTrainerAsync=ray.remote(asynchronous))
 
 
 def policy_actor_class(settings: HookSettings, num_gpus: float = 1):
@@ -501,5 +508,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["batch_from_openrlhf", "is_correction_coef", "OpenRLHFTriageLoss", "install", "TriagePolicyActorMixin",
-           "TriageTimingsMixin", "record_status_timings", "trainer_classes", "policy_actor_class", "run_cli", "parse_triage_args", "main", "TESTED_VERSIONS",
+           "TriageTimingsMixin", "record_status_timings", "trainer_classes", "TrainerClasses", "policy_actor_class", "run_cli", "parse_triage_args", "main", "TESTED_VERSIONS",
            "IDENTITY_CORRECTION_FLAGS"]

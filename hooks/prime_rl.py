@@ -212,7 +212,7 @@ class PrimeRLTriageLoss(LossHook):
                             for k, v in rt.framework_metrics().items()})
         return LossOutputs(loss=res.loss, metrics=metrics)
 
-    def _default_loss_metrics(self, t_logp, i_logp, adv, mask) -> dict:
+    def _default_loss_metrics(self, t_logp, i_logp, adv, mask) -> dict[str, torch.Tensor]:
         """prime-rl ``default_loss_fn``'s metrics for one sample (0-dim tensors, prime-rl's definitions)."""
         _, (masked, low, high) = dppo_kl_loss(t_logp, i_logp, adv, return_masks=True, **self.surrogate_kwargs)
         log_ratio = t_logp.float() - i_logp.float()

@@ -56,7 +56,7 @@ import copy
 import sys
 import threading
 import weakref
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -134,9 +134,16 @@ CALL_SITE_DEPTH = 32
 CALL_SITE_NAMES = ("experience", "data")
 
 
-def skyrl_call_site(frame=None, depth: int = CALL_SITE_DEPTH) -> tuple:
-    """``(global_step, optimizer steps of that SkyRL step)`` of the SkyRL batch the calling worker is training on;
-    ``(None, None)`` when none is found.
+class CallSite(NamedTuple):
+    """:func:`skyrl_call_site`: SkyRL's ``global_step`` and the optimizer steps of that step (None: not found)."""
+
+    step: Optional[int]
+    optimizer_steps: Optional[int]
+
+
+def skyrl_call_site(frame=None, depth: int = CALL_SITE_DEPTH) -> CallSite:
+    """:class:`CallSite` ``(global_step, optimizer steps of that SkyRL step)`` of the SkyRL batch the calling worker
+    is training on; ``(None, None)`` when none is found.
 
     SkyRL's trainer writes ``data.metadata["global_step"]`` (``RayPPOTrainer.train_critic_and_policy``) and
     ``["policy_mini_batch_boundaries"]`` (``convert_to_training_input``) on the step's batch; ``TensorBatch``'s
@@ -161,9 +168,9 @@ def skyrl_call_site(frame=None, depth: int = CALL_SITE_DEPTH) -> tuple:
             epochs = getattr(getattr(loc.get("self"), "cfg", None), "update_epochs_per_batch", None)
             n = (len(bounds) * epochs if isinstance(bounds, (list, tuple)) and bounds and isinstance(epochs, int)
                  and not isinstance(epochs, bool) and epochs > 0 else None)
-            return int(step), n
+            return CallSite(int(step), n)
         f = f.f_back
-    return None, None
+    return CallSite(None, None)
 
 
 class _StepClock:
@@ -321,7 +328,8 @@ class SkyRLTriageLoss(LossHook):
         if algorithm is not None:
             check_algorithm_config(algorithm, self.settings, base)
 
-    def skyrl_metrics(self, log_probs, old_log_probs, advantages, config, loss_mask, rollout_logprobs) -> dict:
+    def skyrl_metrics(self, log_probs, old_log_probs, advantages, config, loss_mask,
+                      rollout_logprobs) -> dict[str, Any]:
         """SkyRL's own loss metrics for these tensors, computed by SkyRL's ``ppo_policy_loss`` (no grad)."""
         from skyrl.backends.skyrl_train.utils.ppo_utils import ppo_policy_loss
 
@@ -379,7 +387,7 @@ class SkyRLTriageLoss(LossHook):
             _clock_for(rt).call(step, expected)
         return step
 
-    def framework_report(self) -> dict:
+    def framework_report(self) -> dict[str, float]:
         """What this call hands to SkyRL's loss metrics from the monitor: the metrics of the last step this worker
         logged before the current SkyRL step began (with optimizer steps counted: before the current block of
         ``steps_per_report`` optimizer steps, one SkyRL step when ``trainer=`` was given), the same keys on every
@@ -521,5 +529,5 @@ def entrypoint(num_cpus: float = 1):
 
 
 __all__ = ["SKYRL_LOSS_REDUCTIONS", "SKYRL_BASE_LOSSES", "batch_from_skyrl", "check_algorithm_config",
-           "optimizer_steps_per_step", "skyrl_call_site", "SkyRLTriageLoss", "register", "timings_callback", "REWARD_KEY",
+           "optimizer_steps_per_step", "skyrl_call_site", "CallSite", "SkyRLTriageLoss", "register", "timings_callback", "REWARD_KEY",
            "TimingsExpMixin", "experiment_class", "run_experiment", "entrypoint"]

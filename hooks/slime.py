@@ -66,7 +66,7 @@ package), so CI tests this module against slime's call site and formulas transcr
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -146,7 +146,7 @@ def batch_from_slime(batch: dict, learner_key: str = "log_probs", sampler_key: s
                                 group_ids=group_ids, on_invalid=on_invalid)
 
 
-def log_slime_batch(monitor, step: int, batch: dict, extra=None, **kw) -> dict:
+def log_slime_batch(monitor, step: int, batch: dict, extra=None, **kw) -> dict[str, Any]:
     """``monitor.log_step(step, batch_from_slime(batch, **kw), extra)``; returns the metrics."""
     return monitor.log_step(step, batch_from_slime(batch, **kw), extra=extra)
 
@@ -219,7 +219,7 @@ class SlimeTriageLoss(LossHook):
         tb = batch_from_slime(batch, learner=log_probs, on_invalid=self.settings.on_invalid)
         old = old_log_probs(args, batch, log_probs)
         if getattr(args, "calculate_per_token_loss", False):
-            agg = dict(agg_mode="token_sum", denominator=1.0)
+            agg: dict[str, Any] = dict(agg_mode="token_sum", denominator=1.0)
         else:
             masks = batch.get("loss_masks")
             sums = batch.get("rollout_mask_sums")
@@ -228,7 +228,7 @@ class SlimeTriageLoss(LossHook):
                         zip(masks if masks is not None else log_probs, log_probs)]
             rd = torch.as_tensor([float(x) for x in sums], dtype=torch.float32)
             agg = dict(agg_mode="seq_mean_token_mean", denominator=1.0, response_denominator=rd)
-        kw = dict(old_logp=tb.gather([o.to(tb.learner_logp.dtype) for o in old]).detach(),
+        kw: dict[str, Any] = dict(old_logp=tb.gather([o.to(tb.learner_logp.dtype) for o in old]).detach(),
                   clip_low=float(args.eps_clip), clip_high=float(args.eps_clip_high),
                   dual_clip=getattr(args, "eps_clip_c", None), token_scale=token_scale, **agg)
         if record:
@@ -400,7 +400,7 @@ def _tensor_parallel_rank() -> int:
         return 0
 
 
-def old_log_probs(args, batch: dict, log_probs: Sequence[torch.Tensor]) -> list:
+def old_log_probs(args, batch: dict, log_probs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The PPO anchor of slime's loss (and Miles', which shares it: :mod:`triage_monitor.hooks.miles`).
 
     Args:
@@ -431,19 +431,19 @@ def _divisor_share(args, batch: dict, sum_of_sample_mean, device) -> float:
     return float(sum_of_sample_mean(torch.ones(n, device=device)))
 
 
-def triage_log(res, weight: float, device, settings: HookSettings) -> dict:
+def triage_log(res, weight: float, device, settings: HookSettings) -> dict[str, torch.Tensor]:
     """The controller's statistics as ``triage/<name>`` (those ``framework_keys`` does not claim), each × ``weight``,
     this micro-batch's share of the step divisor: slime's step reduction (sum over micro-batches and ranks ÷ the
     step's rollout count, or ÷ its token count under ``--calculate-per-token-loss``) then yields their rollout-
     (token-) weighted mean."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, value in own_stats(res.output.stats, settings).items():
         v = 0.0 if value != value else float(value)      # NaN (no tokens) adds nothing
         out[f"triage/{name}"] = torch.tensor(v * weight, device=device)
     return out
 
 
-def _framework_log(rt, args, batch: dict, device) -> dict:
+def _framework_log(rt, args, batch: dict, device) -> dict[str, torch.Tensor]:
     """``framework_keys`` of the last step this process logged, as log entries that slime's reduction turns back
     into the monitor's values (module docstring).  The keys depend only on this process's last metrics, which every
     rank of the data-parallel group has alike; a process that records nothing (tensor-parallel rank > 0) has none,

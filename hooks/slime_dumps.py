@@ -14,7 +14,7 @@ Files are read with ``torch.load(weights_only=True)``: tensors, lists, dicts and
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -30,7 +30,7 @@ def _cpu_list(values) -> List[torch.Tensor]:
     return [torch.as_tensor(v).detach().to("cpu", torch.float32).reshape(-1) for v in values]
 
 
-def _load_slime_dump(path: str) -> dict:
+def _load_slime_dump(path: str) -> dict[str, Any]:
     try:   # tensors, lists, dicts and numbers only: a dump is never unpickled as arbitrary code
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError / RuntimeError for disallowed types
@@ -41,7 +41,21 @@ def _load_slime_dump(path: str) -> dict:
     return obj
 
 
-def _slime_part_v2(path: str, obj: dict) -> Tuple[int, List[dict]]:
+class RolloutSamples(NamedTuple):
+    """:func:`_slime_part_v2`: a ``format_version 2`` file's rollout id and its samples (dicts, with ``_where``)."""
+
+    rollout_id: int
+    samples: List[dict]
+
+
+class DumpParts(NamedTuple):
+    """One rollout's samples from its per-rank files, each once, in sample order; ``{"replica_files_dropped": n}``."""
+
+    samples: List[dict]
+    extra: Dict[str, int]
+
+
+def _slime_part_v2(path: str, obj: dict) -> RolloutSamples:
     """Samples of one ``format_version 2`` file: one file per rollout, every DP shard, CP restored."""
     samples = obj.get("samples")
     if not isinstance(samples, (list, tuple)) or "rollout_id" not in obj:
@@ -54,26 +68,35 @@ def _slime_part_v2(path: str, obj: dict) -> Tuple[int, List[dict]]:
             raise ValueError(f"{path}: samples[{i}] has no {missing} (keys: {sorted(smp)}); "
                              + _NO_LOG_PROBS_HINT * ("log_probs" in missing))
         out.append(dict(smp, _where=f"{path}: samples[{i}]"))
-    return int(obj["rollout_id"]), out
+    return RolloutSamples(int(obj["rollout_id"]), out)
 
 
 _NO_LOG_PROBS_HINT = ("slime skips the learner log-prob pass in some configurations (one micro-batch, "
                       "--use-rollout-logprobs); dumps written since format_version 2 capture it during training")
 
 
-def _sample_key(data: dict, i: int, probe: Optional[str] = "rollout_log_probs") -> tuple:
+class SampleKey(NamedTuple):
+    """:func:`_sample_key`: a dump sample's identity (the token ids and log-probs as float64 bytes; None: absent)."""
+
+    sample_index: Optional[int]
+    response_length: int
+    tokens: Optional[bytes]
+    sampler_logp: Optional[bytes]
+
+
+def _sample_key(data: dict, i: int, probe: Optional[str] = "rollout_log_probs") -> SampleKey:
     """Identity of the i-th sample of a per-rank dump: index, response length, token ids, sampler log-probs
     (the last two come from the rollout, equal on every replica of a data-parallel shard; ``probe=None`` leaves the
     sampler log-probs out, which Miles slices per context-parallel rank)."""
-    def values(key):
+    def values(key: Optional[str]) -> Optional[bytes]:
         col = data.get(key) if key else None
         return None if col is None else torch.as_tensor(col[i]).reshape(-1).double().numpy().tobytes()
     idx = data.get("sample_indices")
     index = None if idx is None or idx[i] is None else int(idx[i])
-    return (index, int(data["response_lengths"][i]), values("tokens"), values(probe))
+    return SampleKey(index, int(data["response_lengths"][i]), values("tokens"), values(probe))
 
 
-def _slime_parts_v031(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
+def _slime_parts_v031(files: List[Tuple[str, dict]]) -> DumpParts:
     """Samples of the per-rank files of one rollout, each sample once.
 
     The v0.3.1 writer saves ``rollout_data`` on **every** rank: tensor-parallel ranks (and pipeline stages)
@@ -82,7 +105,7 @@ def _slime_parts_v031(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
     pipeline stage computes them; earlier stages hold none).  A context-parallel shard holds only a slice of
     each response and is refused.
     """
-    groups: Dict[tuple, List[Tuple[int, str, dict]]] = {}
+    groups: Dict[Tuple[SampleKey, ...], List[Tuple[int, str, dict]]] = {}
     for path, obj in files:
         data = obj["rollout_data"]
         if not isinstance(data, dict) or "response_lengths" not in data:
@@ -113,10 +136,10 @@ def _slime_parts_v031(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
                                  "restores full responses")
             samples.append(_dump_sample({k: data[k][i] for k in (*SLIME_REQUIRED, "loss_masks") if k in data},
                                         data, i, path, rank))
-    return _in_sample_order(samples), {"replica_files_dropped": dropped}
+    return DumpParts(_in_sample_order(samples), {"replica_files_dropped": dropped})
 
 
-def _dump_sample(smp: dict, data: dict, i: int, path: str, rank: int) -> dict:
+def _dump_sample(smp: dict, data: dict, i: int, path: str, rank: int) -> dict[str, Any]:
     """A per-rank dump's i-th sample with its identity: ``sample_index``, where it came from, its order."""
     idx = data.get("sample_indices")
     return dict(smp, sample_index=None if idx is None else idx[i], _where=f"{path}: sample {i}", _order=(rank, i))
@@ -254,7 +277,7 @@ def cp_response_slices(total_length: int, response_length: int, cp_rank: int, cp
     return out
 
 
-def _miles_parts(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
+def _miles_parts(files: List[Tuple[str, dict]]) -> DumpParts:
     """Samples of one rollout's per-rank Miles files, each sample once, context-parallel slices put back together.
 
     Replicas (tensor-parallel ranks, pipeline stages without learner log-probs) are dropped as for slime v0.3.1
@@ -316,7 +339,7 @@ def _miles_parts(files: List[Tuple[str, dict]]) -> Tuple[List[dict], dict]:
                 raise ValueError(f"{path}: rollout_data log_probs[{i}] has {got} values for a response of {length} "
                                  "tokens (a context-parallel slice without cp_rank / cp_size in the file?)")
             samples.append(_dump_sample(smp, data, i, path, rank))
-    return _in_sample_order(samples), {"replica_files_dropped": dropped}
+    return DumpParts(_in_sample_order(samples), {"replica_files_dropped": dropped})
 
 
 def miles_steps(paths: Iterable[str], on_invalid: str = "quarantine",

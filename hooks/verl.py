@@ -50,7 +50,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import torch
 
@@ -123,7 +123,7 @@ def _require(keys, learner_key: str = "old_log_probs", sampler_key: str = "rollo
             raise KeyError(f"verl batch has no {key!r} ({hint}); it has {sorted(keys)}")
 
 
-def log_dataproto(monitor, step: int, data, extra: Optional[dict] = None, **kw) -> dict:
+def log_dataproto(monitor, step: int, data, extra: Optional[dict] = None, **kw) -> dict[str, Any]:
     """``monitor.log_step(step, batch_from_dataproto(data, **kw), extra)``; returns the metrics."""
     return monitor.log_step(step, batch_from_dataproto(data, **kw), extra=extra)
 
@@ -435,7 +435,15 @@ def _cfg(config, name: str, default=None):
     return default if v is None else v
 
 
-def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor, config) -> dict:
+class VerlAggregation(TypedDict):
+    """:func:`verl_aggregation`: verl's normaliser as keywords of :func:`~triage_monitor.triage.loss.triage_policy_loss`."""
+
+    agg_mode: str
+    denominator: float
+    loss_scale: float
+
+
+def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor, config) -> VerlAggregation:
     """verl's ``agg_loss`` normaliser as :func:`~triage_monitor.triage.loss.triage_policy_loss` arguments.
 
     ``loss = Σ ℓ·mask / D · dp_size`` with ``D``: ``token-mean`` ``batch_num_tokens``; ``token-sum`` 1;
@@ -450,7 +458,7 @@ def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor, config) ->
         config: verl's ``ActorConfig`` (``global_batch_info``, ``loss_scale_factor``).
 
     Returns:
-        ``{"agg_mode", "denominator", "loss_scale"}``.
+        :class:`VerlAggregation` ``{"agg_mode", "denominator", "loss_scale"}``.
 
     Raises:
         ValueError: unknown ``loss_agg_mode``, or ``dp_size > 1`` without the global count (verl's own error).
@@ -481,7 +489,15 @@ def verl_aggregation(loss_agg_mode: str, response_mask: torch.Tensor, config) ->
     return {"agg_mode": VERL_AGG[loss_agg_mode], "denominator": den, "loss_scale": float(dp)}
 
 
-def _rollout_corr_settings(config) -> dict:
+class RolloutCorrSettings(TypedDict):
+    """:func:`_rollout_corr_settings`: verl's rollout-correction options (keywords of its correction helper)."""
+
+    rollout_is: Any
+    rollout_is_threshold: Any
+    rollout_is_batch_normalize: Any
+
+
+def _rollout_corr_settings(config) -> RolloutCorrSettings:
     pl = _cfg(config, "policy_loss")
     rc = _cfg(pl, "rollout_correction") if pl is not None else None
     get = (lambda k, d=None: _cfg(rc, k, d)) if rc is not None else (lambda k, d=None: d)
@@ -581,7 +597,8 @@ class VerlTriageLoss(LossHook):
         return step
 
 
-def verl_metrics(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_corr: dict) -> dict:
+def verl_metrics(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                 rollout_corr: RolloutCorrSettings) -> dict[str, Any]:
     """verl's own metrics of a PPO loss call in bypass mode, computed by verl's functions on detached tensors.
 
     ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` from ``compute_policy_loss_vanilla``
@@ -747,7 +764,7 @@ def check_config(config) -> None:
                     "is monitored; use loss_mode=triage (TRIAGE_MONITOR_TRIAGE=off for verl's own PPO loss)", loss_mode)
 
 
-def register_trainers() -> list:
+def register_trainers() -> list[str]:
     """Register ``triage_sync``, ``triage_colocate_async``, ``triage_separate_async`` with verl's
     ``register_trainer``: verl's own v1 trainers with :class:`TriageTrainerMixin`.  Returns the names.
 
@@ -756,7 +773,7 @@ def register_trainers() -> list:
     """
     from verl.trainer.ppo.v1 import trainer_base as tb
 
-    names = []
+    names: list[str] = []
     for mode in TRAINER_MODES:
         name = f"triage_{mode}"
         if name not in tb.TRAINER_REGISTRY:
@@ -769,5 +786,5 @@ def register_trainers() -> list:
 
 
 __all__ = ["batch_from_dataproto", "log_dataproto", "batch_from_transfer_queue", "settings_from_env",
-           "shared_attempt", "publish_step", "read_step", "publish_timings", "read_timings", "read_reward", "REWARD_KEY", "watch_published_steps", "finish_workers", "verl_aggregation", "verl_metrics", "VerlTriageLoss",
+           "shared_attempt", "publish_step", "read_step", "publish_timings", "read_timings", "read_reward", "REWARD_KEY", "watch_published_steps", "finish_workers", "verl_aggregation", "VerlAggregation", "verl_metrics", "VerlTriageLoss",
            "register", "VerlBatchMonitor", "TriageTrainerMixin", "check_config", "register_trainers"]
