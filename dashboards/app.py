@@ -26,24 +26,43 @@ import re
 import os
 import sys
 from pathlib import Path
+from typing import Optional, TypedDict
 
 import numpy as np
 import pandas as pd
 import streamlit as st
 
-from triage_monitor.offline.analysis import Run, RunDirError, open_run, recompute, run_signature
+from triage_monitor.offline.analysis import Run, RunDirError, RunSignature, open_run, recompute, run_signature
 from triage_monitor.config import MonitorConfig
 from triage_monitor.metrics.names import label
 from triage_monitor.offline import views
-from triage_monitor.dashboards.launch import ROOT_ARG, check_location
+from triage_monitor.offline.verdict import VerdictDict
+from triage_monitor.dashboards.launch import ROOT_ARG, LoadedRun, PostmortemView, StepDetail, check_location
 
 TOKEN_COLUMNS = ["sample_id", "group_id", "position", "learner_logp", "sampler_logp", "advantage"]
 #: Above this many tokens in the anchor windows the stage table waits for a click (it reads them all).
 STAGE_AUTO_TOKENS = int(os.environ.get("TRIAGE_MONITOR_STAGE_AUTO_TOKENS", 5_000_000))
 
 
+class BandFields(TypedDict):
+    """The reference band in :func:`load_verdict`: :class:`~triage_monitor.offline.verdict.ReferenceBand`'s fields."""
+
+    label: str
+    lo: float
+    hi: float
+    windows: int
+    noise: int
+    note: str
+
+
+class PageVerdict(VerdictDict):
+    """:func:`load_verdict`: the run verdict's JSON dict and the reference band it was judged against (or None)."""
+
+    band: Optional[BandFields]
+
+
 # ----------------------------------------------------------------------------- data (cached)
-def _signature(path: str) -> tuple:
+def _signature(path: str) -> RunSignature:
     """Changes whenever the run gains step files or its manifest is rewritten (cache key;
     :func:`triage_monitor.offline.analysis.run_signature`)."""
     return run_signature(path)
@@ -57,16 +76,17 @@ def run_of(path: str, sig: tuple) -> Run:
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
-def load_run(path: str, sig: tuple) -> tuple:
-    """(RunManifest, live step metrics, alerts, unreadable files) of a run; raises RunDirError for a non-run
-    directory.  The live rows' steps are the page's snapshot of the run: every later read is limited to them,
-    so a run being written is drawn from one listing (the overview, the charts and the stage table agree)."""
+def load_run(path: str, sig: tuple) -> LoadedRun:
+    """:class:`LoadedRun` (RunManifest, live step metrics, alerts, unreadable files) of a run; raises RunDirError
+    for a non-run directory.  The live rows' steps are the page's snapshot of the run: every later read is limited
+    to them, so a run being written is drawn from one listing (the overview, the charts and the stage table
+    agree)."""
     run = run_of(path, sig)
     steps, alerts = run.steps(), run.alerts()
-    return run.manifest, steps, alerts, list(getattr(run, "unreadable", []) or [])
+    return LoadedRun(run.manifest, steps, alerts, list(getattr(run, "unreadable", []) or []))
 
 
-def snapshot_steps(path: str) -> tuple:
+def snapshot_steps(path: str) -> tuple[int, ...]:
     """The steps of the page's one snapshot of ``path`` (the live rows :func:`load_run` read)."""
     return tuple(int(x) for x in runs[path][1]["step"])
 
@@ -86,14 +106,15 @@ def load_recomputed(path: str, window: int, sig: tuple, snap: tuple) -> pd.DataF
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> tuple:
-    """(frame, unreadable files): step and window metrics of the snapshot's steps with the run's one frozen
-    tau_tail for every step (the cached per-step states; the live rows when the run has no token records)."""
+def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> PostmortemView:
+    """:class:`PostmortemView` (frame, unreadable files): step and window metrics of the snapshot's steps with the
+    run's one frozen tau_tail for every step (the cached per-step states; the live rows when the run has no token
+    records)."""
     from triage_monitor.offline.analysis import postmortem_frame
 
     run = run_of(path, sig)
     frame = postmortem_frame(run, window, live=load_run(path, sig)[1], steps=snap)[0]
-    return frame, list(getattr(run, "unreadable", []) or [])
+    return PostmortemView(frame, list(getattr(run, "unreadable", []) or []))
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -106,10 +127,10 @@ def load_stage_table(path: str, anchors, window: int, draws: int, sig: tuple, sn
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tuple:
-    """(δ array, tail layout, sample ids, gate weights, gate width, responses) of one step: ``responses`` is
-    :meth:`~triage_monitor.offline.analysis.Run.responses` (each batch response's rank and recorded sample id: two ranks
-    that reuse a sample id are two responses)."""
+def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> StepDetail:
+    """:class:`StepDetail` (δ array, tail layout, sample ids, gate weights, gate width, responses) of one step:
+    ``responses`` is :meth:`~triage_monitor.offline.analysis.Run.responses` (each batch response's rank and recorded
+    sample id: two ranks that reuse a sample id are two responses)."""
     from triage_monitor.offline.stages import tail_layout
 
     run = run_of(path, sig)
@@ -117,19 +138,20 @@ def step_detail(path: str, step: int, tau: float, width: int, sig: tuple) -> tup
     delta = batch.delta.double().numpy()
     layout = tail_layout(batch, tau, width) if math.isfinite(tau) else None
     gw, cfg = views.gate_weights(batch, run.manifest)
-    return delta, layout, batch.sample_id.numpy(), gw, cfg.gate_width, run.responses(step)
+    return StepDetail(delta, layout, batch.sample_id.numpy(), gw, cfg.gate_width, run.responses(step))
 
 
 # ----------------------------------------------------------------------------- helpers
-def _script_args() -> list:
+def _script_args() -> list[str]:
     """The arguments after ``--`` of ``streamlit run app.py`` (sys.argv), or [] when the page runs otherwise."""
     return list(sys.argv[1:]) if Path(sys.argv[0]).name == "app.py" else []
 
 
-def _initial_runs() -> list:
+def _initial_runs() -> list[str]:
     """Run paths given after ``--`` to ``streamlit run app.py`` (sys.argv; the value of ``--reference`` is not one),
     else ``$TRIAGE_MONITOR_RUNS``."""
-    argv, args, skip = _script_args(), [], False
+    argv, skip = _script_args(), False
+    args: list[str] = []
     for a in argv:
         if skip:
             skip = False
@@ -155,22 +177,23 @@ def _initial_reference() -> str:
 
 
 @st.cache_data(show_spinner=False, max_entries=16)
-def load_verdict(path: str, sig: tuple, ref_path: str, ref_sig: tuple) -> dict:
+def load_verdict(path: str, sig: tuple, ref_path: str, ref_sig: tuple) -> PageVerdict:
     """The run verdict of ``path`` (:func:`triage_monitor.offline.verdict.verdict_of_steps` on its live steps, the shipped
-    rules replayed), against the reference run ``ref_path`` when given; as its JSON dict."""
+    rules replayed), against the reference run ``ref_path`` when given; as its JSON dict with ``band`` (the reference
+    band's fields, or None)."""
     from triage_monitor.offline.verdict import reference_of_run, verdict_of_steps
 
     band = reference_of_run(run_of(ref_path, ref_sig)) if ref_path else None
-    v = verdict_of_steps(load_run(path, sig)[1], reference=band)
-    out = v.to_dict()
-    out["band"] = None if band is None else {"label": band.label, "lo": band.lo, "hi": band.hi, "windows": band.windows,
-                                             "noise": band.noise, "note": band.note}
-    return out
+    out: VerdictDict = verdict_of_steps(load_run(path, sig)[1], reference=band).to_dict()
+    fields: Optional[BandFields] = None if band is None else {
+        "label": band.label, "lo": band.lo, "hi": band.hi, "windows": band.windows, "noise": band.noise,
+        "note": band.note}
+    return {**out, "band": fields}
 
 
-def _split_runs(text: str) -> list:
+def _split_runs(text: str) -> list[str]:
     """The run locations of an os.pathsep-separated list; an ``s3://...`` URI's colon does not separate."""
-    out: list = []
+    out: list[str] = []
     for piece in text.split(os.pathsep):
         if out and piece.startswith("//") and out[-1].isalnum():      # "s3" + "//bucket/run": one URI
             out[-1] = f"{out[-1]}:{piece}"
@@ -179,7 +202,7 @@ def _split_runs(text: str) -> list:
     return out
 
 
-def _labels(paths: list) -> dict:
+def _labels(paths: list[str]) -> dict[str, str]:
     """path -> short unique label (directory name, with its parent when names repeat)."""
     names = [Path(p).name or p for p in paths]
     return {p: (f"{Path(p).parent.name}/{n}" if names.count(n) > 1 else n) for p, n in zip(paths, names)}

@@ -5,7 +5,9 @@ This launcher and the app it starts, ``app.py``, are the package
 app is found through the installed package, so the command works the same
 after an editable or a regular ``pip install .[dashboard]``.  Run paths are
 checked first (:func:`triage_monitor.offline.analysis.open_run`), so a typo is
-reported at once instead of inside the page.
+reported at once instead of inside the page.  The records the page's cached reads return (:class:`LoadedRun`,
+:class:`PostmortemView`, :class:`StepDetail`) are declared here, in an importable module: ``app.py`` runs as
+Streamlit's ``__main__``, re-executed on every rerun, and ``st.cache_data`` pickles what it returns.
 """
 
 from __future__ import annotations
@@ -13,14 +15,49 @@ from __future__ import annotations
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
 from triage_monitor.offline.analysis import RunDirError, open_run
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+    from triage_monitor.offline.stages import TailLayout
+    from triage_monitor.rundir.manifest import RunManifest
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
 #: The page's argument naming a run root it may open (``--allow-root=<root>``, after ``--``; repeated).
 ROOT_ARG = "--allow-root="
+
+
+# ------------------------------------------------------------------ what the page's cached reads return
+class LoadedRun(NamedTuple):
+    """A run as the page reads it (``app.load_run``): manifest, live step rows, alerts, ``(path, reason)`` skipped."""
+
+    manifest: RunManifest
+    steps: pd.DataFrame
+    alerts: pd.DataFrame
+    unreadable: list[tuple[str, str]]
+
+
+class PostmortemView(NamedTuple):
+    """``app.load_postmortem``: the snapshot's step and window metrics, and the ``(path, reason)`` files skipped."""
+
+    frame: pd.DataFrame
+    unreadable: list[tuple[str, str]]
+
+
+class StepDetail(NamedTuple):
+    """``app.step_detail``: one step's δ (float64, nats), tail layout (None without τ_tail), sample ids, Gate."""
+
+    delta: np.ndarray
+    layout: Optional[TailLayout]
+    sample_ids: np.ndarray
+    gate_weights: np.ndarray
+    gate_width: int
+    responses: pd.DataFrame
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (a name or an address, as given to ``--host``) is only reachable from this machine:
     ``localhost`` or an address of the loopback range (127.0.0.0/8, ::1).  ``0.0.0.0``, ``::``, ``0`` and ``''``
@@ -82,12 +119,12 @@ def app_path() -> Path:
     return Path(str(resources.files("triage_monitor.dashboards") / "app.py"))
 
 
-def validate_runs(run_dirs: Sequence[str]) -> list:
+def validate_runs(run_dirs: Sequence[str]) -> list[str]:
     """Absolute paths of ``run_dirs`` (an ``s3://`` URI as given); raises RunDirError naming the first location
     that is not a run directory."""
     if not run_dirs:
         raise RunDirError("give at least one run directory")
-    out = []
+    out: list[str] = []
     for p in run_dirs:
         run = open_run(p)
         out.append(str(run.path.resolve()) if run.layout.is_local else run.layout.location)
@@ -96,7 +133,7 @@ def validate_runs(run_dirs: Sequence[str]) -> list:
 
 def build_command(run_dirs: Sequence[str], host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                   headless: bool = True, python: Optional[str] = None, reference: Optional[str] = None,
-                  roots: Optional[Sequence[str]] = None) -> list:
+                  roots: Optional[Sequence[str]] = None) -> list[str]:
     """The ``python -m streamlit run <app.py> ... -- RUN_DIR ... [--reference RUN] --allow-root=ROOT ...``
     argument list (nothing is started).
 
