@@ -142,13 +142,13 @@ class Run:
     gains steps that a new :func:`open_run` sees.
     """
 
-    def __init__(self, path):
+    def __init__(self, path) -> None:
         #: the run directory's names (:class:`~triage_monitor.rundir.layout.RunLayout`)
         self.layout = RunLayout(path)
         self.path = self.layout.root if self.layout.is_local else RunLocation(self.layout.display)
-        self.unreadable: list = []
-        self._indexes: dict = {}
-        self._attempts: Optional[dict] = None
+        self.unreadable: list[tuple[str, str]] = []
+        self._indexes: dict[str, TableIndex] = {}
+        self._attempts: Optional[dict[int, int]] = None
 
     @property
     def store(self) -> Store:
