@@ -41,7 +41,8 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypedDict, cast, runtime_checkable
+from typing import (Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence, TypedDict, cast,
+                    runtime_checkable)
 
 import numpy as np
 
@@ -214,6 +215,16 @@ class _State:
     last_fire: Optional[int] = None
     baseline: Optional[float] = None
     peak: float = -math.inf
+
+
+class RuleEvaluation(NamedTuple):
+    """One rule on one step: whether it holds (None: not evaluable), its score, and the human-readable detail."""
+    holds: Optional[bool]
+    score: float
+    detail: str
+
+
+_NOT_EVALUABLE = RuleEvaluation(None, math.nan, "")
 
 
 def _fmt(x: float) -> str:
@@ -396,13 +407,13 @@ class AlertEngine:
         span = f"step {step} only" if n == 1 else f"steps {first}–{step}"
         return f"{how} {span} ({n} of a {r.window}-step window); "
 
-    def _evaluate(self, r: Rule, st: _State, step: int, v: float) -> tuple[Optional[bool], float, str]:
-        """-> (holds or None when not evaluable, score, human-readable detail)."""
+    def _evaluate(self, r: Rule, st: _State, step: int, v: float) -> RuleEvaluation:
+        """-> RuleEvaluation(holds or None when not evaluable, score, human-readable detail)."""
         c, thr, m = r.condition, r.threshold, r.metric
         if c in ("excess", "deficit") and st.baseline is None:
             first = self._steps[0]
             if step < first + r.baseline_steps:
-                return None, math.nan, ""
+                return _NOT_EVALUABLE
             lo = bisect.bisect_left(self._steps, first)
             hi = bisect.bisect_left(self._steps, first + r.baseline_steps)
             xs = np.asarray(self._vals[r.name][lo:hi], dtype=float)
@@ -412,50 +423,51 @@ class AlertEngine:
                 log.warning("alerts: rule %s: no finite %s in the first %d steps; it will not evaluate",
                             r.name, m, r.baseline_steps)
         if not math.isfinite(v):
-            return None, math.nan, ""
+            return _NOT_EVALUABLE
         if c == "drawdown":
             if step < self._steps[0] + r.window - 1:      # a partial first window is no peak
-                return None, math.nan, ""
+                return _NOT_EVALUABLE
             st.peak = max(st.peak, v)
             if st.peak == 0:
-                return None, math.nan, ""
+                return _NOT_EVALUABLE
             score = (st.peak - v) / abs(st.peak)
-            return score > thr, score, (f"{m} = {_fmt(v)} is {_fmt(score)} below its running peak {_fmt(st.peak)} "
-                                        f"(relative; threshold {_fmt(thr)})")
+            return RuleEvaluation(score > thr, score, f"{m} = {_fmt(v)} is {_fmt(score)} below its running peak "
+                                                      f"{_fmt(st.peak)} (relative; threshold {_fmt(thr)})")
         if c == "above":
-            return v > thr, v, f"{m} = {_fmt(v)} is above {_fmt(thr)}"
+            return RuleEvaluation(v > thr, v, f"{m} = {_fmt(v)} is above {_fmt(thr)}")
         if c == "below":
-            return v < thr, v, f"{m} = {_fmt(v)} is below {_fmt(thr)}"
+            return RuleEvaluation(v < thr, v, f"{m} = {_fmt(v)} is below {_fmt(thr)}")
         unit = " (relative)" if r.relative else ""
         if c in ("excess", "deficit"):
             b = st.baseline
             assert b is not None                 # set above for excess/deficit (median of the first steps, or NaN)
             if not math.isfinite(b):
-                return None, math.nan, ""
+                return _NOT_EVALUABLE
             score = (v - b) if c == "excess" else (b - v)
             if r.relative:
                 score = score / abs(b) if b != 0 else math.nan
                 if not math.isfinite(score):
-                    return None, math.nan, ""
+                    return _NOT_EVALUABLE
             word = "above" if c == "excess" else "below"
-            return score > thr, score, (f"{m} = {_fmt(v)} is {_fmt(score)}{unit} {word} its baseline "
-                                        f"{_fmt(b)} (first {r.baseline_steps} steps; threshold {_fmt(thr)})")
+            return RuleEvaluation(score > thr, score, (
+                f"{m} = {_fmt(v)} is {_fmt(score)}{unit} {word} its baseline {_fmt(b)} "
+                f"(first {r.baseline_steps} steps; threshold {_fmt(thr)})"))
         chain = [v] + [self._lookback(r, i) for i in range(1, r.k + 1)]   # newest first
         if not all(math.isfinite(x) for x in chain):
-            return None, math.nan, ""
+            return _NOT_EVALUABLE
         sign = 1.0 if c == "rising" else -1.0
         monotone = all(sign * (a - b) > 0 for a, b in zip(chain[:-1], chain[1:]))
         ref = chain[-1]
         score = sign * (v - ref)
         if r.relative:
             if ref == 0:
-                return None, math.nan, ""
+                return _NOT_EVALUABLE
             score /= abs(ref)
         path = " -> ".join(_fmt(x) for x in reversed(chain))
         word = "rose" if c == "rising" else "fell"
-        return monotone and score > thr, score, (
+        return RuleEvaluation(monotone and score > thr, score, (
             f"{m} {word} {path} over {r.k} window(s) of {r.window} steps "
-            f"(change {_fmt(score)}{unit}, threshold {_fmt(thr)})")
+            f"(change {_fmt(score)}{unit}, threshold {_fmt(thr)})"))
 
     # ---- which rules could evaluate
     def evaluable_from(self, r: Rule) -> Optional[int]:
