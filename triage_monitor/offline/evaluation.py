@@ -69,18 +69,25 @@ class EvalRun:
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _demo_group(path: Path) -> tuple[str, dict[str, Any]]:
+class DemoGroup(NamedTuple):
+    """:func:`_demo_group`: the demo job's regime (``"all"`` when not a demo run) and its config facts."""
+
+    group: str
+    facts: dict[str, Any]
+
+
+def _demo_group(path: Path) -> DemoGroup:
     """The demo job's regime (``fp32`` / ``nvfp4`` on-policy, ``stale``) and config facts from run.json, if any."""
     try:
         info = json.loads((path / "run.json").read_text()).get("info", {})
     except (OSError, ValueError):
-        return "all", {}
+        return DemoGroup("all", {})
     cfg = info.get("demo_config") if isinstance(info, dict) else None
     if not isinstance(cfg, dict):
-        return "all", {}
+        return DemoGroup("all", {})
     lag = int(cfg.get("sampler_lag", 0) or 0)
     group = "stale" if lag else ("fp32" if cfg.get("sampler_recipe") == "fp32" else "nvfp4")
-    return group, {k: cfg.get(k) for k in ("sampler_recipe", "sampler_lag", "correction", "lr", "seed")}
+    return DemoGroup(group, {k: cfg.get(k) for k in ("sampler_recipe", "sampler_lag", "correction", "lr", "seed")})
 
 
 class Label(NamedTuple):
@@ -322,15 +329,23 @@ def auroc(labels: np.ndarray, scores: np.ndarray) -> float:
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def step_labels(run: EvalRun, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows kept, label)`` of one run for a step-level score: every step of a held run (label False); the steps
-    at or before the destabilisation of a failed run, labelled True when it is at most ``horizon`` steps away."""
+class StepLabels(NamedTuple):
+    """:func:`step_labels`: which rows of the run are kept (bool, one per row) and the kept rows' labels (bool)."""
+
+    keep: np.ndarray
+    labels: np.ndarray
+
+
+def step_labels(run: EvalRun, horizon: int) -> StepLabels:
+    """:class:`StepLabels` ``(rows kept, label)`` of one run for a step-level score: every step of a held run
+    (label False); the steps at or before the destabilisation of a failed run, labelled True when it is at most
+    ``horizon`` steps away."""
     steps = run.frame["step"].to_numpy()
     s = run.destabilised_at
     if s is None:
-        return np.ones(len(steps), bool), np.zeros(len(steps), bool)
+        return StepLabels(np.ones(len(steps), bool), np.zeros(len(steps), bool))
     keep = steps <= s
-    return keep, (s - steps <= horizon)[keep]
+    return StepLabels(keep, (s - steps <= horizon)[keep])
 
 
 class MetricAUROC(NamedTuple):

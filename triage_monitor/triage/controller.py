@@ -80,6 +80,14 @@ class RepairSegments(NamedTuple):
     positive: Optional[Tensor]
 
 
+class RepairTerms(NamedTuple):
+    """:func:`repair_terms`: the per-segment penalty φ, which segments are in scope, and the shortfall q."""
+
+    phi: Tensor
+    in_scope: Tensor
+    shortfall: Tensor
+
+
 # ------------------------------------------------------------------ config
 @dataclass
 class CalibrationConfig:
@@ -253,7 +261,7 @@ def pseudo_huber(q: Tensor, beta: float) -> Tensor:
 
 
 def repair_terms(learner_logp: Tensor, sampler_logp: Tensor, advantage: Tensor, seg: Segments, tau: float,
-                 beta: float, scope: str, in_scope: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                 beta: float, scope: str, in_scope: Optional[Tensor] = None) -> RepairTerms:
     """Per-segment Repair penalty (docs/metrics.md#repair).
 
     ``d_S`` = mean over the segment's valid tokens of δ = learner_logp − sampler_logp with the
@@ -268,8 +276,8 @@ def repair_terms(learner_logp: Tensor, sampler_logp: Tensor, advantage: Tensor, 
     and ``q2``; computed here otherwise).
 
     Returns:
-        ``(phi (K,) float32 differentiable, in_scope (K,) bool, q (K,) float32 detached)``;
-        ``in_scope`` marks the valid repair segments (see module docstring).
+        :class:`RepairTerms` ``(phi (K,) float32 differentiable, in_scope (K,) bool, shortfall q (K,) float32
+        detached)``; ``in_scope`` marks the valid repair segments (see module docstring).
     """
     live = learner_logp.float() - sampler_logp.detach().float()
     det = live.detach()
@@ -285,7 +293,7 @@ def repair_terms(learner_logp: Tensor, sampler_logp: Tensor, advantage: Tensor, 
     d_tok = det + tok.to(det.dtype) * (live - det)
     d_seg = seg.mean(d_tok)
     q = (tau - d_seg).clamp(min=0.0)
-    return pseudo_huber(q, beta), in_scope, q.detach()
+    return RepairTerms(pseudo_huber(q, beta), in_scope, q.detach())
 
 
 def _all_reduce_sum(t: Tensor, group) -> Tensor:
