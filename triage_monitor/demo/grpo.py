@@ -34,7 +34,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import pandas as pd
 import torch
@@ -260,9 +260,32 @@ class DemoConfig:
 
 
 # ------------------------------------------------------------------ paths
+class Rollout(NamedTuple):
+    """:func:`generate`: the sampled responses, their sampler log-probs and the response-token mask."""
+
+    responses: Tensor
+    sampler_logp: Tensor
+    mask: Tensor
+
+
+class WarmStart(NamedTuple):
+    """:func:`sft_warm_start`: the SFT steps run and the last loss (nats/token; NaN if no step ran)."""
+
+    steps_run: int
+    last_loss: float
+
+
+class StepLoss(NamedTuple):
+    """:func:`policy_loss`: the step's loss, the token weights and the controller stats."""
+
+    loss: Tensor
+    token_weights: Tensor
+    stats: dict[str, float]
+
+
 @torch.no_grad()
 def generate(model: TinyGPT, prompts: Tensor, group_size: int, max_new: int, temperature: float,
-             generator: Optional[torch.Generator], greedy: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+             generator: Optional[torch.Generator], greedy: bool = False) -> Rollout:
     """Sampler path: ``group_size`` responses per prompt with a KV cache.
 
     The prompts ``(P, L)`` are prefilled once and the cache repeated per
@@ -273,7 +296,7 @@ def generate(model: TinyGPT, prompts: Tensor, group_size: int, max_new: int, tem
     synchronisation of the loop), so a CUDA decode runs ahead of the host.
 
     Returns:
-        responses ``(P·G, max_new)`` int64 (rows ordered prompt-major),
+        :class:`Rollout`: responses ``(P·G, max_new)`` int64 (rows ordered prompt-major),
         sampler_logp ``(P·G, max_new)`` float32 nats of each sampled token
         under ``softmax(logits / temperature)``, and mask ``(P·G, max_new)``
         bool (tokens up to and including the first ``EOS``).
@@ -306,7 +329,7 @@ def generate(model: TinyGPT, prompts: Tensor, group_size: int, max_new: int, tem
         logp = F.pad(logp, (0, pad))
     is_eos = responses == EOS
     mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0  # up to and including the first EOS
-    return responses, logp, mask
+    return Rollout(responses, logp, mask)
 
 
 def _done_check_every(device: torch.device) -> int:
@@ -333,7 +356,7 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
 
 
 def sft_warm_start(model: TinyGPT, task, cfg: DemoConfig, gen: torch.Generator,
-                   on_step=None, accuracy=None) -> tuple[int, float]:
+                   on_step=None, accuracy=None) -> WarmStart:
     """Supervised warm start on reference answers (mean cross-entropy over answer tokens, Adam ``cfg.sft_lr``).
 
     Runs up to ``cfg.sft_steps`` steps of ``cfg.sft_batch`` fresh problems and
@@ -344,14 +367,14 @@ def sft_warm_start(model: TinyGPT, task, cfg: DemoConfig, gen: torch.Generator,
     reward.  Calls ``on_step()`` after each step.
 
     Returns:
-        (steps run, last loss in nats/token; NaN if no step ran).
+        :class:`WarmStart` (steps run, last loss in nats/token; NaN if no step ran).
     """
     opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
     loss = torch.tensor(float("nan"))
     for i in range(cfg.sft_steps):
         if accuracy is not None and cfg.sft_target > 0 and i % SFT_CHECK_EVERY == 0 and i > 0 \
                 and accuracy() >= cfg.sft_target:
-            return i, float(loss.detach())
+            return WarmStart(i, float(loss.detach()))
         ops, prompts = task.sample(cfg.sft_batch, gen)
         answers, length = task.answers(ops, gen)
         mask = torch.arange(answers.shape[1]) < length[:, None]
@@ -364,7 +387,7 @@ def sft_warm_start(model: TinyGPT, task, cfg: DemoConfig, gen: torch.Generator,
         opt.step()
         if on_step is not None:
             on_step()
-    return cfg.sft_steps, float(loss.detach())
+    return WarmStart(cfg.sft_steps, float(loss.detach()))
 
 
 @torch.no_grad()
@@ -377,7 +400,7 @@ def greedy_accuracy(model: TinyGPT, task, ops: Tensor, prompts: Tensor) -> float
 
 
 def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, step: int
-                ) -> tuple[Tensor, Tensor, dict]:
+                ) -> StepLoss:
     """The step's loss, as a user's training job would write it with this package.
 
     ``per-token PPO loss × token weights``, normalised by
@@ -388,7 +411,7 @@ def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, st
     learner's log-prob at rollout time, here ``batch.learner_logp.detach()``.
 
     Returns:
-        loss (0-dim, differentiable), token weights ``(N,)`` (detached), and the
+        :class:`StepLoss`: loss (0-dim, differentiable), token weights ``(N,)`` (detached), and the
         stats ``gate_weight_mean``, ``gate_downweighted_frac``, ``repair_loss``,
         ``repair_active_frac``, ``tis_clip_frac`` (the share of tokens whose
         TIS ratio leaves ``cfg.tis_clip``, reported for every correction).
@@ -398,7 +421,7 @@ def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, st
     if cfg.correction == "triage":
         out = triage(batch, step=step, old_logp=old_logp)
         loss = weighted_policy_loss(per_token, out.token_weights, batch, normalization=cfg.normalization)
-        return loss + out.repair_loss, out.token_weights, dict(out.stats)
+        return StepLoss(loss + out.repair_loss, out.token_weights, dict(out.stats))
     ratio = torch.exp(old_logp - batch.sampler_logp)
     stats = {"gate_weight_mean": 1.0, "gate_downweighted_frac": 0.0, "repair_loss": 0.0, "repair_active_frac": 0.0,
              "tis_clip_frac": float(((ratio < cfg.tis_clip[0]) | (ratio > cfg.tis_clip[1])).float().mean())}
@@ -406,7 +429,7 @@ def policy_loss(batch: TokenBatch, cfg: DemoConfig, triage: TriageController, st
         weights = tis_weights(old_logp, batch.sampler_logp, *cfg.tis_clip)
     else:
         weights = torch.ones_like(old_logp)
-    return weighted_policy_loss(per_token, weights, batch, normalization=cfg.normalization), weights, stats
+    return StepLoss(weighted_policy_loss(per_token, weights, batch, normalization=cfg.normalization), weights, stats)
 
 
 # ------------------------------------------------------------------ run

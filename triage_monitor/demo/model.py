@@ -12,7 +12,7 @@ the LM head stay in full precision, as in the published native-NVFP4 runs
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,20 @@ from .nvfp4 import quantize_linears_
 Tensor = torch.Tensor
 LayerKV = tuple[Tensor, Tensor]  # one layer's (k, v), each (B, heads, T_cached, head_dim)
 KVCache = list[LayerKV]  # per layer: (k, v)
+
+
+class LayerOutput(NamedTuple):
+    """An attention layer's or block's output ``(B, T, d_model)`` and its layer's updated ``(k, v)`` cache."""
+
+    out: Tensor
+    kv: LayerKV
+
+
+class GPTOutput(NamedTuple):
+    """:class:`TinyGPT`'s forward: logits ``(B, T, vocab)`` float32 and the updated per-layer KV cache."""
+
+    logits: Tensor
+    cache: KVCache
 
 
 @dataclass
@@ -45,7 +59,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: Tensor, cache: Optional[LayerKV]) -> tuple[Tensor, LayerKV]:
+    def forward(self, x: Tensor, cache: Optional[LayerKV]) -> LayerOutput:
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         if cache is not None:
@@ -56,7 +70,7 @@ class CausalSelfAttention(nn.Module):
         else:
             mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C)), (k, v)
+        return LayerOutput(self.proj(y.transpose(1, 2).reshape(B, T, C)), (k, v))
 
 
 class MLP(nn.Module):
@@ -75,16 +89,16 @@ class Block(nn.Module):
         self.ln1, self.attn = nn.LayerNorm(cfg.d_model), CausalSelfAttention(cfg)
         self.ln2, self.mlp = nn.LayerNorm(cfg.d_model), MLP(cfg)
 
-    def forward(self, x: Tensor, cache: Optional[LayerKV]) -> tuple[Tensor, LayerKV]:
-        a, cache = self.attn(self.ln1(x), cache)
+    def forward(self, x: Tensor, cache: Optional[LayerKV]) -> LayerOutput:
+        a, kv = self.attn(self.ln1(x), cache)
         x = x + a
-        return x + self.mlp(self.ln2(x)), cache
+        return LayerOutput(x + self.mlp(self.ln2(x)), kv)
 
 
 class TinyGPT(nn.Module):
     """Causal LM over ``cfg.vocab_size`` tokens; MLP projections are NVFP4-capable.
 
-    ``forward(idx (B, T) int64, cache=None)`` returns logits ``(B, T, vocab)``
+    ``forward(idx (B, T) int64, cache=None)`` returns a :class:`GPTOutput`: logits ``(B, T, vocab)``
     float32 and the updated KV cache (list of per-layer ``(k, v)``); with a
     cache, ``idx`` holds only the new tokens and positions continue after
     the cached ones.
@@ -110,7 +124,7 @@ class TinyGPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: Tensor, cache: Optional[KVCache] = None) -> tuple[Tensor, KVCache]:
+    def forward(self, idx: Tensor, cache: Optional[KVCache] = None) -> GPTOutput:
         past = 0 if cache is None else cache[0][0].shape[2]
         T = idx.shape[1]
         if past + T > self.cfg.block_size:
@@ -120,4 +134,4 @@ class TinyGPT(nn.Module):
         for i, blk in enumerate(self.blocks):
             x, c = blk(x, None if cache is None else cache[i])
             new_cache.append(c)
-        return self.head(self.ln_f(x)).float(), new_cache
+        return GPTOutput(self.head(self.ln_f(x)).float(), new_cache)

@@ -43,7 +43,7 @@ import fnmatch
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -93,16 +93,23 @@ def _round_e2m1(v: Tensor) -> Tensor:
     return torch.copysign(grid[torch.bucketize(v.abs(), bounds)], v)
 
 
-_E2M1_TABLES: dict = {}
+class E2M1Tables(NamedTuple):
+    """:func:`_e2m1_tables`: the bucket boundaries ``(7,)`` and the E2M1 grid ``(8,)`` float32 on one device."""
+
+    bounds: Tensor
+    grid: Tensor
 
 
-def _e2m1_tables(device) -> tuple[Tensor, Tensor]:
+_E2M1_TABLES: dict[str, E2M1Tables] = {}
+
+
+def _e2m1_tables(device) -> E2M1Tables:
     """Bucket boundaries ``(7,)`` and grid ``(8,)`` of :func:`_round_e2m1` on ``device`` (cached)."""
     key = str(device)
     if key not in _E2M1_TABLES:
         below = lambda m: float(torch.nextafter(torch.tensor(m), torch.tensor(0.0)))
         bounds = torch.tensor([0.25, below(0.75), 1.25, below(1.75), 2.5, below(3.5), 5.0], device=device)
-        _E2M1_TABLES[key] = (bounds, torch.tensor(E2M1_GRID, device=device))
+        _E2M1_TABLES[key] = E2M1Tables(bounds, torch.tensor(E2M1_GRID, device=device))
     return _E2M1_TABLES[key]
 
 
@@ -311,20 +318,29 @@ def _check_inputs(device, rows: int) -> list[Tensor]:
     return out
 
 
-def _compare_to_eager(got: Tensor, want: Tensor, x: Tensor, rows: int, two_level: bool) -> tuple[int, float, bool]:
+class EagerComparison(NamedTuple):
+    """:func:`_compare_to_eager`: how many values differ, the worst difference (of its block's amax), all within?"""
+
+    n_diff: int
+    worst: float
+    within: bool
+
+
+def _compare_to_eager(got: Tensor, want: Tensor, x: Tensor, rows: int, two_level: bool) -> EagerComparison:
     """How far ``got`` (the compiled quantizer's output) is from ``want`` (the eager ops'), both float32 of ``x``'s
     ``(R, K)`` elements.
 
     Returns:
-        ``(n_diff, worst, within)``: the number of values whose bits differ, the largest difference as a fraction of
-        its block's amax(|x|) (0 when none differs, NaN when a NaN differs), and whether every differing value lies
-        within :data:`COMPILED_MAX_DIFF_OF_BLOCK_AMAX` of its block's amax (+ two floor scales).
+        :class:`EagerComparison` ``(n_diff, worst, within)``: the number of values whose bits differ, the largest
+        difference as a fraction of its block's amax(|x|) (0 when none differs, NaN when a NaN differs), and whether
+        every differing value lies within :data:`COMPILED_MAX_DIFF_OF_BLOCK_AMAX` of its block's amax (+ two floor
+        scales).
     """
     got, want = got.reshape(x.shape), want.reshape(x.shape)       # _native_torch returns the tiled view
     differ = got.view(torch.int32) != want.view(torch.int32)
     n = int(differ.sum())
     if n == 0:
-        return 0, 0.0, True
+        return EagerComparison(0, 0.0, True)
     R, K = x.shape
     a = x.abs()
     blocks = a.reshape(R // rows, rows, K // 16, 16).amax(dim=(1, 3), keepdim=True)
@@ -333,7 +349,7 @@ def _compare_to_eager(got: Tensor, want: Tensor, x: Tensor, rows: int, two_level
     d = (got - want).abs()[differ]
     bound = COMPILED_MAX_DIFF_OF_BLOCK_AMAX * blocks[differ] + 2 * floor
     worst = float((d / blocks[differ].clamp_min(torch.finfo(torch.float32).tiny)).max())
-    return n, worst, bool((d <= bound).all())
+    return EagerComparison(n, worst, bool((d <= bound).all()))
 
 
 def _check_compiled(compiled, device, rows: int, two_level: bool) -> str:

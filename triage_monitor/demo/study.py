@@ -177,13 +177,21 @@ def blowup_step(steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.
     return int(step_arr[hit[0]]) if hit.size else None
 
 
-def _band(ref: np.ndarray, rel: float) -> tuple[float, float]:
+class Band(NamedTuple):
+    """:func:`_band`: the low and high edge of a reference band (NaN, NaN when there is no finite value)."""
+
+    low: float
+    high: float
+
+
+def _band(ref: np.ndarray, rel: float) -> Band:
+    """The band ``median ± max(3·MAD, rel·|median|)`` of the finite values of ``ref`` (1-D float)."""
     ref = ref[np.isfinite(ref)]
     if not ref.size:
-        return math.nan, math.nan
+        return Band(math.nan, math.nan)
     med = float(np.median(ref))
     half = max(3.0 * float(np.median(np.abs(ref - med))), rel * abs(med))
-    return med - half, med + half
+    return Band(med - half, med + half)
 
 
 class Onsets(TypedDict):

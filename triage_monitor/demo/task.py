@@ -17,7 +17,7 @@ itself).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -26,6 +26,20 @@ Tensor = torch.Tensor
 PLUS, EQUALS, EOS, BOS = 10, 11, 12, 13
 VOCAB_SIZE = 14
 _CHARS = "0123456789+=$^"  # for printing: EOS '$', BOS '^'
+
+
+class Problems(NamedTuple):
+    """A task's ``sample``: what defines each problem (addition: operands, walk: allowed digits) and the prompts."""
+
+    spec: Tensor
+    prompts: Tensor
+
+
+class ReferenceAnswers(NamedTuple):
+    """A task's ``answers``: the reference answer tokens ``(n, T)`` int64 and their lengths ``(n,)`` int64."""
+
+    tokens: Tensor
+    lengths: Tensor
 
 
 class AdditionTask:
@@ -48,15 +62,15 @@ class AdditionTask:
         self.max_answer_len = digits + 2
         self._pow = 10 ** torch.arange(digits - 1, -1, -1)
 
-    def sample(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    def sample(self, n: int, generator: torch.Generator) -> Problems:
         """``n`` random problems: operands ``(n, 2)`` int64 and prompts ``(n, prompt_len)`` int64."""
         ops = torch.randint(0, 10 ** self.digits, (n, 2), generator=generator)
         digs = (ops.unsqueeze(-1) // self._pow) % 10  # (n, 2, digits), most significant first
         col = lambda v: torch.full((n, 1), v, dtype=torch.long)
         prompts = torch.cat([col(BOS), digs[:, 0], col(PLUS), digs[:, 1], col(EQUALS)], dim=1)
-        return ops, prompts
+        return Problems(ops, prompts)
 
-    def answers(self, ops: Tensor, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    def answers(self, ops: Tensor, generator: Optional[torch.Generator] = None) -> ReferenceAnswers:
         """Reference answers for operands ``(n, 2)`` (``generator`` is unused: the answer is unique).
 
         Returns tokens ``(n, max_answer_len)`` int64 (sum digits least
@@ -68,7 +82,7 @@ class AdditionTask:
         k = torch.arange(self.max_answer_len, device=ops.device)
         digs = (total.unsqueeze(1) // 10 ** k.clamp_max(self.digits)) % 10  # least significant first
         tokens = torch.where(k < ndig.unsqueeze(1), digs, torch.full_like(digs, EOS))
-        return tokens, ndig + 1
+        return ReferenceAnswers(tokens, ndig + 1)
 
     def reward(self, responses: Tensor, ops: Tensor) -> Tensor:
         """Exact-match reward ``(n,)`` float32 in {0, 1} for ``responses`` ``(n, T)`` int64.
@@ -126,11 +140,11 @@ class WalkTask:
         self.prompt_len = alphabet + 2
         self.max_answer_len = length
 
-    def sample(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    def sample(self, n: int, generator: torch.Generator) -> Problems:
         """``n`` random problems: allowed digits ``(n, alphabet)`` int64 (sorted) and prompts ``(n, prompt_len)``."""
         allowed = torch.rand(n, 10, generator=generator).argsort(1)[:, :self.alphabet].sort(1).values
         col = lambda v: torch.full((n, 1), v, dtype=torch.long)
-        return allowed, torch.cat([col(BOS), allowed, col(EQUALS)], dim=1)
+        return Problems(allowed, torch.cat([col(BOS), allowed, col(EQUALS)], dim=1))
 
     def valid(self, responses: Tensor, allowed: Tensor) -> Tensor:
         """Per-token validity ``(n, T)`` bool of ``responses`` ``(n, T)`` int64 for ``allowed`` ``(n, alphabet)``."""
@@ -145,7 +159,7 @@ class WalkTask:
         r = responses[:, :self.length]
         return self.valid(r, allowed).float().sum(1) / self.length
 
-    def answers(self, allowed: Tensor, generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    def answers(self, allowed: Tensor, generator: Optional[torch.Generator] = None) -> ReferenceAnswers:
         """Reference walks for the warm start: uniform over the allowed digits, never repeating one.
 
         Returns tokens ``(n, length)`` int64 and lengths ``(n,)`` (all ``length``).
@@ -156,7 +170,8 @@ class WalkTask:
         for _ in range(self.length - 1):  # step to one of the other alphabet − 1 symbols
             idx = (idx + torch.randint(1, self.alphabet, (n,), generator=generator)) % self.alphabet
             cols.append(idx)
-        return allowed.gather(1, torch.stack(cols, 1)), torch.full((n,), self.length, dtype=torch.long)
+        return ReferenceAnswers(allowed.gather(1, torch.stack(cols, 1)),
+                                torch.full((n,), self.length, dtype=torch.long))
 
     @staticmethod
     def render(tokens: Tensor) -> str:
