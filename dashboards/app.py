@@ -83,7 +83,7 @@ def load_run(path: str, sig: tuple) -> LoadedRun:
     agree)."""
     run = run_of(path, sig)
     steps, alerts = run.steps(), run.alerts()
-    return LoadedRun(run.manifest, steps, alerts, list(getattr(run, "unreadable", []) or []))
+    return LoadedRun(run.manifest, steps, alerts, list(run.unreadable))
 
 
 def snapshot_steps(path: str) -> tuple[int, ...]:
@@ -114,7 +114,7 @@ def load_postmortem(path: str, window: int, sig: tuple, snap: tuple) -> Postmort
 
     run = run_of(path, sig)
     frame = postmortem_frame(run, window, live=load_run(path, sig)[1], steps=snap)[0]
-    return PostmortemView(frame, list(getattr(run, "unreadable", []) or []))
+    return PostmortemView(frame, list(run.unreadable))
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -573,7 +573,8 @@ if toks is not None:
 
 # ------------------------------------------------------------------ stages
 st.header("Stages (docs/metrics.md#stages)")
-from triage_monitor.offline.stages import anchor_steps, degenerate_notice, format_stage_table  # noqa: E402
+from triage_monitor.offline.stages import (anchor_steps, anchor_windows, degenerate_notice,  # noqa: E402
+                                           format_stage_table)
 
 with st.sidebar:
     st.header("Stages")
@@ -582,7 +583,7 @@ with st.sidebar:
 try:
     anchors = tuple(int(a) for a in anchors_text.replace(",", " ").split()) if anchors_text.strip() else None
     ends = list(anchors) if anchors else anchor_steps(step_list)
-    in_windows = steps["step"].apply(lambda s_: any(a - window_steps < s_ <= a for a in ends))
+    in_windows = steps["step"].isin({s_ for win in anchor_windows(step_list, ends, window_steps) for s_ in win})
     n_read = float(steps.loc[in_windows, "n_tokens"].sum()) if "n_tokens" in steps else 0.0
     if n_read > STAGE_AUTO_TOKENS and not st.toggle(
             f"Compute the stage table (reads ~{n_read / 1e6:.1f}M tokens of the anchor windows)", key="stage_go"):

@@ -120,20 +120,22 @@ class DumpReader(NamedTuple):
         paths_help: the help of its ``FILES`` argument.
         target: the reader as ``"module:function"``, a :class:`triage_monitor.offline.importers.StepReader`
             (``(paths, on_invalid, info=None) -> (step, TokenBatch)`` pairs), imported when the command runs.
+        dump: what the files are, recorded as run.json's ``import_source`` (the framework's dump option).
     """
     help: str
     paths_help: str
     target: str
+    dump: str
 
 
 #: ``{source: DumpReader}`` of ``triage-monitor import`` (docs/hooks.md, "Importing existing logs").
 DUMP_READERS: Dict[str, DumpReader] = {
     "slime": DumpReader("slime --save-debug-train-data files (.pt, globs allowed)",
                         "train-data files or globs, e.g. 'dump/train_*_*.pt'",
-                        "triage_monitor.hooks.slime_dumps:slime_steps"),
+                        "triage_monitor.hooks.slime_dumps:slime_steps", "save_debug_train_data"),
     "miles": DumpReader("Miles --save-debug-train-data per-rank files (.pt, globs allowed)",
                         "train-data files or globs, e.g. 'dump/train_data/*_*.pt'",
-                        "triage_monitor.hooks.slime_dumps:miles_steps"),
+                        "triage_monitor.hooks.slime_dumps:miles_steps", "save_debug_train_data"),
 }
 
 __all__ = ["FRAMEWORKS", "DUMP_READERS", "DumpReader"]

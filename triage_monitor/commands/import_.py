@@ -101,10 +101,10 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"no such file: {missing[0]}")
             exits.note("import", f"reading {len(files)} {args.source} dump file(s) …")
             info: dict = {}
-            reader = step_reader(readers[args.source].target)
+            source = readers[args.source]
+            reader = step_reader(source.target)
             steps = list(reader(files, args.on_invalid, info=info))   # read first: run.json records how
-            manifest = {"framework": args.source, "imported_from": files[:50],
-                        "import_source": "save_debug_train_data", **info}
+            manifest = {"framework": args.source, "imported_from": files[:50], "import_source": source.dump, **info}
         else:
             mapping = parse_mapping(args.map)
             exits.note("import", f"reading {args.path} …")

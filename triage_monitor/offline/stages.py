@@ -145,6 +145,12 @@ def anchor_steps(steps: Sequence[int], fractions: Sequence[float] = DEFAULT_FRAC
     return [s[max(math.ceil(f * len(s)), 1) - 1] for f in fractions]
 
 
+def anchor_windows(steps: Sequence[int], anchors: Sequence[int], window: int) -> list[list[int]]:
+    """The recorded steps of each anchor's trailing window ``(anchor − window, anchor]`` (docs/metrics.md#stages),
+    in the order of ``steps``: the steps a stage row merges (and whose token rows its null reads)."""
+    return [[s for s in steps if a - window < s <= a] for a in anchors]
+
+
 def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Optional[int] = None,
                 draws: int = 499, seed: int = 0, metrics: Optional[pd.DataFrame] = None,
                 states=None, steps: Optional[Sequence[int]] = None) -> pd.DataFrame:
@@ -219,8 +225,7 @@ def stage_table(run: Run, anchors: Optional[Sequence[int]] = None, *, window: Op
     rows: list = []
     nulls: list = []
     costs: list = []                  # a window's null costs O(its tail tokens) per draw
-    for label, a in zip(labels, anchors):
-        win = [s for s in steps if a - window < s <= a]
+    for label, a, win in zip(labels, anchors, anchor_windows(steps, anchors, window)):
         row = {"stage": label, "step": a, "first_step": win[0], "steps": len(win), "max_segments": math.nan,
                "neg_tokens": math.nan, "tail_tokens": math.nan, "neg_pairs": math.nan}
         nulls.append(None)
