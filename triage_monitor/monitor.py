@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from . import __version__
-from .alerting.alerts import Alert, AlertObserver, AlertSink, Closable, build_engine
+from .alerting.alert_rules import Rule
+from .alerting.alerts import Alert, AlertObserver, AlertSink, Closable, RuleReporter, build_engine
 from .metrics.alignment import check_alignment, padding_diagnostics
 from .batch import TokenBatch
 from .config import MetricConfig, MonitorConfig  # noqa: F401  (MonitorConfig's public home stays importable here)
@@ -475,14 +476,15 @@ class MismatchMonitor:
         if self.steps_logged == 0 and self._own_rules:
             self._check_rule_metrics(metrics)
         fired = self._guard(self.alerts.observe, step, metrics) or []
-        active = getattr(self.alerts, "active", None)
+        active = self.alerts.active if isinstance(self.alerts, RuleReporter) else None
         metrics[ALERT_STATE] = float(len(active)) if active is not None else float("nan")
         return fired
 
     def _check_rule_metrics(self, metrics: dict) -> None:
         """At the first step, for rules the user gave: one WARNING naming each live rule whose metric (or guard
         metric) is none of the step's keys (a misspelt name, an ``extra`` never passed): it would never fire."""
-        missing = sorted({(r.name, m) for r in getattr(self.alerts, "rules", ())
+        rules: Sequence[Rule] = self.alerts.rules if isinstance(self.alerts, RuleReporter) else ()
+        missing = sorted({(r.name, m) for r in rules
                           for m in (r.metric, getattr(r, "guard_metric", None)) if m and m not in metrics})
         if missing:
             log.warning("triage-monitor: alert rule(s) on metrics the monitor does not log: %s; they will never fire "

@@ -153,6 +153,18 @@ class AlertObserver(Protocol):
 
 
 @runtime_checkable
+class RuleReporter(Protocol):
+    """An alert engine that also says which rules it runs and which are active (:class:`AlertEngine` does): the
+    monitor then logs the number of active rules (``alert_state``) and checks the rules' metrics at the first step.
+    Optional: an engine of your own without them gets ``alert_state`` NaN and no check."""
+
+    rules: Sequence[Rule]
+
+    @property
+    def active(self) -> list[str]: ...
+
+
+@runtime_checkable
 class Closable(Protocol):
     """Anything with a ``close()`` (a sink, a tracker) that the owner calls at the end."""
 
