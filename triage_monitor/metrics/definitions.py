@@ -5,6 +5,10 @@ Every pass that needs one calls these functions: the compiled state update and C
 ``njit(inline="always")`` of the same functions), the torch segment cutter of the Gate and Repair, the offline tail
 layout and the dashboard's drill-down.  Plain arithmetic, so one body serves Python integers and floats, numpy
 arrays and torch tensors alike.  The standard library only (the dashboard's first charts import it).
+
+Editing a definition: numba's on-disk cache (``cache=True``) of a compiled caller is keyed by the caller's own file,
+so after changing a function here delete the ``__pycache__/*.nbi``/``*.nbc`` files of ``metrics/`` and
+``offline/`` (or touch ``state_kernel.py``, ``segments.py`` and ``stages.py``) before measuring.
 """
 
 from __future__ import annotations

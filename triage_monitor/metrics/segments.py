@@ -15,7 +15,7 @@ and the same sequential float additions in token order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -187,8 +187,18 @@ def _cut_and_sum(sample, position, width, a, b, flag):               # pragma: n
         sum_b[:k].copy(), flagged[:k].copy()
 
 
+class SegmentSums(NamedTuple):
+    """What :func:`segment_sums` returns: the segments and, per segment, the sums of ``a``, of ``b`` and the count of
+    flagged tokens (``(K,)`` each, in ``a``'s dtype; None where not asked for)."""
+
+    segments: Segments
+    sum_a: Tensor
+    sum_b: Optional[Tensor]
+    flagged: Optional[Tensor]
+
+
 def segment_sums(sample_index: Tensor, position: Tensor, width: int, a: Tensor, b: Optional[Tensor] = None,
-                 flag: Optional[Tensor] = None) -> Tuple[Segments, Tensor, Optional[Tensor], Optional[Tensor]]:
+                 flag: Optional[Tensor] = None) -> SegmentSums:
     """:func:`segment_tokens` and, per segment, ``seg.sum(a)``, ``seg.sum(b)`` and ``seg.sum(flag.to(a.dtype))``,
     in one pass over the tokens: compiled on the CPU (equal to the torch operations bit for bit: the same
     integers, the same additions in token order), the torch operations elsewhere.
@@ -198,7 +208,8 @@ def segment_sums(sample_index: Tensor, position: Tensor, width: int, a: Tensor, 
         a, b: ``(N,)`` float32 or float64 values (the same dtype; ``b`` optional); flag: ``(N,)`` bool, optional.
 
     Returns:
-        ``(segments, sum of a (K,), sum of b (K,) or None, flagged tokens (K,) in a's dtype or None)``.
+        :class:`SegmentSums` ``(segments, sum of a (K,), sum of b (K,) or None, flagged tokens (K,) in a's dtype or
+        None)``.
 
     Raises:
         ValueError: ``width`` ≤ 0 or shapes differ.
@@ -208,8 +219,8 @@ def segment_sums(sample_index: Tensor, position: Tensor, width: int, a: Tensor, 
     if (not cpu or (b is not None and a.dtype != b.dtype) or a.dtype not in (torch.float32, torch.float64)
             or not sample_index.numel()):
         seg = segment_tokens(sample_index, position, width)
-        return (seg, seg.sum(a), None if b is None else seg.sum(b),
-                None if flag is None else seg.sum(flag.to(a.dtype)))
+        return SegmentSums(seg, seg.sum(a), None if b is None else seg.sum(b),
+                           None if flag is None else seg.sum(flag.to(a.dtype)))
     if int(width) <= 0:
         raise ValueError(f"segment width must be a positive number of tokens, got {width}")
     if any(t.shape != sample_index.shape for t in given):
@@ -219,8 +230,8 @@ def segment_sums(sample_index: Tensor, position: Tensor, width: int, a: Tensor, 
     index, sample, number, count, sum_a, sum_b, flagged = (torch.from_numpy(x) for x in _cut_and_sum(
         sample_index.long().contiguous().numpy(), position.long().contiguous().numpy(), int(width), a_np,
         host(b, a_np), host(None if flag is None else flag.bool(), np.zeros(1, np.bool_))))
-    return (Segments(index, sample, number, count, int(width)), sum_a, None if b is None else sum_b,
-            None if flag is None else flagged)
+    return SegmentSums(Segments(index, sample, number, count, int(width)), sum_a, None if b is None else sum_b,
+                       None if flag is None else flagged)
 
 
 @njit(nogil=True, cache=True)
