@@ -388,7 +388,9 @@ def test_app_ships_in_the_wheel(tmp_path):
     assert "triage_monitor/dashboards/app.py" in names
     assert "triage_monitor/dashboards/launch.py" in names
     for mod in ("report", "stages", "views"):
-        assert f"triage_monitor/{mod}.py" in names
+        assert f"triage_monitor/offline/{mod}.py" in names
+    for pkg in ("metrics", "triage", "rundir", "alerting", "offline", "commands", "demo", "hooks"):
+        assert f"triage_monitor/{pkg}/__init__.py" in names, pkg
 
 
 def test_alerts_drawn_as_markers(monkeypatch, tmp_path):
