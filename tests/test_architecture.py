@@ -24,7 +24,7 @@ LEVEL = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 #: inside a package, a module imports only the modules before it
 WITHIN = {
     "rundir": ("storage", "layout", "manifest", "locks", "blocks", "sink", "records", "timings_writer"),
-    "metrics": ("names", "definitions", "segments", "sketch", "timings", "state_kernel", "calibration", "alignment",
+    "metrics": ("names", "definitions", "sketch", "timings", "state_kernel", "segments", "calibration", "alignment",
                 "stats"),
     "triage": ("corrections", "controller", "loss"),
     "alerting": ("alert_rules", "outcome", "references", "alerts", "trackers", "wandb_logger",

@@ -41,7 +41,7 @@ import logging
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import (Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence, TypedDict, cast,
+from typing import (Any, Callable, Mapping, NamedTuple, Optional, Protocol, Sequence, TypedDict,
                     runtime_checkable)
 
 import numpy as np
@@ -54,21 +54,6 @@ log = logging.getLogger("triage_monitor.alerts")
 
 
 # ---------------------------------------------------------------------------------------- alerts
-class AlertRow(TypedDict):
-    """One row of a run's ``alerts/`` table (:meth:`Alert.to_row`): the alert's fields but ``wait_s``, in order."""
-
-    step: int
-    rule: str
-    metric: str
-    value: float
-    threshold: float
-    window: int
-    level: str
-    title: str
-    text: str
-    tier: str
-
-
 class EngineState(TypedDict):
     """:meth:`AlertEngine.state_dict`: the observed steps and, per metric the rules use, its value at each."""
 
@@ -95,11 +80,12 @@ class Alert:
     wait_s: float = 600.0
     tier: str = "collapse"
 
-    def to_row(self) -> AlertRow:
-        """The row the monitor writes to the run's ``alerts/`` table (wait_s is not part of it)."""
+    def to_row(self) -> dict[str, Any]:
+        """The row the monitor writes to the run's ``alerts/`` table: the fields but ``wait_s``, in order (the
+        table's declared schema: :data:`triage_monitor.rundir.records.ALERT_SCHEMA`)."""
         d = asdict(self)
         d.pop("wait_s")
-        return cast(AlertRow, d)     # asdict's keys are the fields: AlertRow's, once wait_s is gone
+        return d
 
 
 @dataclass(frozen=True)
@@ -683,5 +669,5 @@ def normalize_columns(frame):
     return frame.rename(columns=ren) if ren else frame
 
 
-__all__ = ["Rule", "Alert", "AlertRow", "EngineState", "Clear", "runbook_ref", "RuleStatus", "AlertSink", "AlertObserver", "Closable", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
+__all__ = ["Rule", "Alert", "EngineState", "Clear", "runbook_ref", "RuleStatus", "AlertSink", "AlertObserver", "Closable", "AlertEngine", "LoggingSink", "CallbackSink", "load_rules", "default_rules",
            "replay", "replay_engine", "normalize_columns", "build_engine", "check_alerts_setting", "pd_numeric", "NOISE_FLOOR_NATS", "CONDITIONS", "LEVELS", "TIERS"]

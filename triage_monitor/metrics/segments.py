@@ -22,10 +22,9 @@ import torch
 from numba import njit
 
 from .definitions import segment_number, segment_shift
+from .state_kernel import segment_number_nb, segment_shift_nb
 
 Tensor = torch.Tensor
-_segment_number = njit(inline="always")(segment_number)       # docs/metrics.md#localisation, compiled inline
-_segment_shift = njit(inline="always")(segment_shift)
 
 #: Whether CPU tensors take the compiled passes (:func:`segment_sums`, :func:`broadcast_where_negative`,
 #: :meth:`Segments.broadcast`); False: the torch operations everywhere (the tests compare both, bit for bit).
@@ -163,9 +162,9 @@ def _cut_and_sum(sample, position, width, a, b, flag):               # pragma: n
     cur_s, cur_n, c = -1, -1, 0
     za, zb = a[:0].sum(), b[:0].sum()                   # 0 in each dtype
     ta, tb, tf = za, zb, 0
-    shift = _segment_shift(width)
+    shift = segment_shift_nb(width)
     for i in range(n):
-        num = _segment_number(position[i], width, shift)
+        num = segment_number_nb(position[i], width, shift)
         if k < 0 or sample[i] != cur_s or num != cur_n:
             if k >= 0:                                  # close the previous segment
                 count[k], sum_a[k], sum_b[k], flagged[k] = c, ta, tb, tf

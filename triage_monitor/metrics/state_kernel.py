@@ -141,11 +141,13 @@ def _put(sums, written, field, value):                       # pragma: no cover 
     written[field] = True
 
 
-# the definitions of docs/metrics.md (triage_monitor.metrics.definitions), compiled into the passes below
-_segment_shift = njit(inline="always")(segment_shift)
-_segment_number = njit(inline="always")(segment_number)
-_tail = njit(inline="always")(is_tail)
-_negative_response = njit(inline="always")(is_negative_response)
+#: The definitions of docs/metrics.md (:mod:`triage_monitor.metrics.definitions`) as numba functions inlined into
+#: the compiled passes that call them: this module's, the segment cutter's (``segments``) and the C_tok null
+#: sampler's (``offline.stages``).
+segment_shift_nb = njit(inline="always")(segment_shift)
+segment_number_nb = njit(inline="always")(segment_number)
+is_tail_nb = njit(inline="always")(is_tail)
+is_negative_response_nb = njit(inline="always")(is_negative_response)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -153,7 +155,7 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
             sums, written, sk, table, ext, rec_seg, rec_resp, rec_n):    # pragma: no cover - compiled
     N = delta.shape[0]
     bits = delta.view(np.int32)
-    shift = _segment_shift(width)
+    shift = segment_shift_nb(width)
     W1 = width + 1
     do_mag = mode & 1
     do_loc = mode & 2
@@ -276,7 +278,7 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
                 j += 1
             nv = j - i
         nonempty += 1
-        if do_loc and _negative_response(r_pos, r_neg):          # an A < 0 response: its segments
+        if do_loc and is_negative_response_nb(r_pos, r_neg):          # an A < 0 response: its segments
             cur = np.int64(-1)
             num = cur
             prev = np.int64(-2)
@@ -289,7 +291,7 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
             for t in range(i, j + 1):
                 if t < j:
                     p = pos[t]
-                    num = _segment_number(p, width, shift)
+                    num = segment_number_nb(p, width, shift)
                 if t == j or num != cur:
                     if valid > 0:                   # close segment `cur`
                         heavy = tail > heavy_frac * valid
@@ -321,7 +323,7 @@ def _kernel(delta, adv, sid, pos, n_samples, mode, tau, width, small_thr, heavy_
                     valid = 0
                     tail = 0
                 valid += 1
-                tail += _tail(adv[t], delta[t], tau)
+                tail += is_tail_nb(adv[t], delta[t], tau)
             if record:
                 if r_tail > 0:                      # a response the shuffle null can move tails in
                     rec_resp[n_rec_resp, 0] = n_rec_seg - seg0

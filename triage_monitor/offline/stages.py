@@ -30,9 +30,9 @@ from numba import njit
 from ..rundir.layout import RunLayout
 from .analysis import Run
 from ..metrics import names
-from ..metrics.definitions import is_negative_response, is_tail, segment_number, segment_shift
+from ..metrics.definitions import is_negative_response, is_tail
 from ..metrics.stats import c_tok_from_segments, top_tail_tokens
-from ..metrics.state_kernel import NullInput
+from ..metrics.state_kernel import NullInput, segment_number_nb, segment_shift_nb
 
 if TYPE_CHECKING:      # torch only for the token-level paths: the stage table from the states needs numpy alone
     from torch import Tensor
@@ -518,8 +518,6 @@ def shuffle_null_from_state(null_input: NullInput, c_tok_table, width: int, draw
                        int(draws), int(seed))
 
 
-_segment_number = njit(inline="always")(segment_number)       # docs/metrics.md#localisation, compiled inline
-_segment_shift = njit(inline="always")(segment_shift)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -563,7 +561,7 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
         longest_n = max(longest_n, n_of[r])
         most_seg = max(most_seg, s1 - s0)
         longest_t = max(longest_t, tails[r])
-    shift = _segment_shift(width)
+    shift = segment_shift_nb(width)
     taken = np.zeros(longest_n, np.bool_)       # one response's positions: stays in L1 across responses
     cnt = np.zeros(most_seg, np.int64)
     chosen = np.empty(longest_t, np.int64)
@@ -590,7 +588,7 @@ def _null_draws(seg_valid, cum, starts, tails, by_valid, order, order_tails, wid
                 for j in range(n - t, n):
                     x, p = _floyd_take(x, j, taken)
                     chosen[j - (n - t)] = p
-                    cnt[_segment_number(p, width, shift)] += 1
+                    cnt[segment_number_nb(p, width, shift)] += 1
             else:
                 for j in range(n - t, n):
                     x, p = _floyd_take(x, j, taken)
