@@ -155,8 +155,10 @@ def measure(steps: int, sizes: list) -> dict:
     import torch
 
     from triage_monitor.batch import TokenBatch
-    from triage_monitor.triage.controller import TriageConfig, TriageController
-    from triage_monitor.triage.loss import triage_policy_loss
+    # the 0.1 module paths (they still import: triage_monitor/_compat.py), so that --old runs a checkout from before
+    # the modules moved into sub-packages
+    from triage_monitor.controller import TriageConfig, TriageController
+    from triage_monitor.loss import triage_policy_loss
     from triage_monitor.monitor import MismatchMonitor, MonitorConfig
 
     warnings.simplefilter("ignore")            # verl's compute_policy_loss warns that it is deprecated, every call
